@@ -1,0 +1,1 @@
+"""Cost model and Optuna search over training strategies; Triton config sweeps (not yet built)."""

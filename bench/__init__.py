@@ -1,0 +1,1 @@
+"""Benchmarks and reports: `tridist bench ...`."""

@@ -1,0 +1,1 @@
+"""Paddle-style auto-parallel API on torch.distributed (not yet built)."""

@@ -1,0 +1,109 @@
+"""What every fused op shares: where it runs, which inputs it accepts, and how rows are addressed."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+# Triton decides at decoration time whether `@triton.jit` functions run in its CPU interpreter, so the
+# variable is read once, at import, like Triton does.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """CUDA tensors run the Triton kernels; CPU tensors run them only in Triton's interpreter.
+
+    Without TRITON_INTERPRET=1 a CPU tensor takes the plain PyTorch implementation of the same math,
+    which is much faster on a CPU than interpreting the kernels.
+    """
+    if tensor.device.type == "cuda":
+        return True
+    return tensor.device.type == "cpu" and TRITON_INTERPRET
+
+
+def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: {name} has dtype {tensor.dtype}; supported dtypes are float32, float16 and bfloat16 "
+            f"(cast it, e.g. {name}.to(torch.bfloat16))"
+        )
+
+
+def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+    present = {name: t for name, t in tensors.items() if t is not None}
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in present.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {where}; move them with .to(device)")
+
+
+def num_programs_for_persistent_grid(device: torch.device, programs_per_sm: int) -> int:
+    """How many programs a persistent kernel launches: a few per multiprocessor keeps every SM busy.
+
+    In the interpreter programs run one after another, so a small fixed number is best.
+    """
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
+    return 4
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Addresses of the rows of a [*leading, n_cols] tensor without copying it.
+
+    Row r sits at `(r // inner_rows) * stride_outer + (r % inner_rows) * stride_inner`, and column c of
+    it at `+ c * stride_col`. Two row strides cover every 2-D and 3-D view (slices, [S, B, H] transposes)
+    and any leading dims that merge; only a view whose leading dims cannot be merged into two is copied.
+    """
+
+    tensor: torch.Tensor
+    n_rows: int
+    inner_rows: int
+    stride_outer: int
+    stride_inner: int
+    stride_col: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor, *, allow_copy: bool = True) -> "RowLayout":
+        """The layout of `tensor`; an output buffer (allow_copy=False) must never be silently copied."""
+        sizes, strides = list(tensor.shape[:-1]), list(tensor.stride()[:-1])
+        groups: list[list[int]] = []  # [size, stride] of merged leading dims, innermost first
+        for size, stride in zip(reversed(sizes), reversed(strides)):
+            if size == 1:
+                continue  # a size-1 dim never moves the address
+            if groups and stride == groups[-1][0] * groups[-1][1]:
+                groups[-1][0] *= size  # contiguous with the dim inside it: merge
+            else:
+                groups.append([size, stride])
+        if len(groups) > 2:
+            if not allow_copy:
+                raise ValueError(f"tridist: output buffer with strides {tensor.stride()} needs more than two row strides")
+            # Rare (a 4-D view with three non-mergeable leading dims): one copy, then two strides suffice.
+            return RowLayout.of(tensor.contiguous())
+        groups += [[1, 0]] * (2 - len(groups))
+        (inner_rows, stride_inner), (outer_rows, stride_outer) = groups
+        return RowLayout(
+            tensor=tensor,
+            n_rows=inner_rows * outer_rows,
+            inner_rows=inner_rows,
+            stride_outer=stride_outer,
+            stride_inner=stride_inner,
+            stride_col=tensor.stride(-1) if tensor.dim() else 1,
+        )
+
+    def kernel_args(self, prefix: str) -> dict:
+        return {
+            f"{prefix}_inner_rows": self.inner_rows,
+            f"{prefix}_stride_outer": self.stride_outer,
+            f"{prefix}_stride_inner": self.stride_inner,
+            f"{prefix}_stride_col": self.stride_col,
+        }
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,512 @@
+"""RMSNorm, optionally fused with the residual add: Triton kernels, launchers, torch.library ops, layer.
+
+    y = cast(x_fp32 * rsqrt(mean(x_fp32^2) + eps)) * (offset + weight)
+
+Statistics are always fp32. `cast_to` picks which reference the rounding follows:
+- "weight" (the seed model, Paddle): the normalised row is rounded to the weight's dtype when the
+  weight is fp16/bf16, and the product has the weight's dtype (fp32 for an fp32 weight);
+- "input" (Hugging Face Llama): it is rounded to the input's dtype; the product has the promoted dtype.
+With `residual`, `h = x + residual` (rounded to their promoted dtype, as eager does) is normalised and
+returned too, so a decoder layer reads the residual stream once.
+
+Backward recomputes the normalised row from the saved input and the fp32 per-row 1/rms. The weight
+gradient is reduced without atomics: each program of a persistent grid sums its rows into its own
+fp32 row of a partial buffer, and those rows are summed in a fixed order, so results are deterministic.
+Rows longer than what fits in registers (MAX_SINGLE_PASS_COLS) are processed in column blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import (
+    HALF_DTYPES,
+    RowLayout,
+    check_dtype,
+    check_same_device,
+    next_power_of_2,
+    num_programs_for_persistent_grid,
+    use_triton,
+)
+
+# A row of up to 16384 elements stays in registers (<= 32 fp32 values per thread at 16 warps);
+# longer rows are streamed in blocks of MULTI_PASS_BLOCK_N columns (two reads of the row).
+MAX_SINGLE_PASS_COLS = 16384
+MULTI_PASS_BLOCK_N = 4096
+# Rows are packed into one program until a tile holds this many elements, so that short rows
+# (hidden 64-1024) still give each program enough bytes in flight.
+TARGET_TILE_ELEMENTS = 4096
+# Persistent backward grid: two programs per SM hide the latency of the reductions.
+BACKWARD_PROGRAMS_PER_SM = 2
+
+ROUND_NONE, ROUND_TO_WEIGHT, ROUND_TO_INPUT = 0, 1, 2
+_CONFIG_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _row_offsets(rows, inner_rows, stride_outer, stride_inner):
+    rows = rows.to(tl.int64)
+    return (rows // inner_rows) * stride_outer + (rows % inner_rows) * stride_inner
+
+
+@triton.jit
+def _load_h(
+    x_ptr, x_rows, x_stride_col, res_ptr, res_rows, res_stride_col, h_ptr, cols, mask,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """The row to normalise, in fp32: x, or x + residual rounded to the residual stream's dtype."""
+    h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + res_rows[:, None] + cols[None, :] * res_stride_col, mask=mask, other=0.0)
+        # Round like eager's `x + residual` so the statistics see the same values as the reference.
+        h = (h + r.to(tl.float32)).to(h_ptr.dtype.element_ty).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _round_normed(normed, x_ptr, w_ptr, h_ptr, ROUND: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    if ROUND == 1:
+        normed = normed.to(w_ptr.dtype.element_ty).to(tl.float32)
+    elif ROUND == 2:
+        if HAS_RESIDUAL:
+            normed = normed.to(h_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return normed
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
+    n_rows, n_cols, eps, offset,
+    x_inner_rows, x_stride_outer, x_stride_inner, x_stride_col,
+    res_inner_rows, res_stride_outer, res_stride_inner, res_stride_col,
+    w_stride,
+    HAS_RESIDUAL: tl.constexpr, ROUND: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    x_rows = _row_offsets(rows, x_inner_rows, x_stride_outer, x_stride_inner)
+    res_rows = _row_offsets(rows, res_inner_rows, res_stride_outer, res_stride_inner)
+    out_rows = rows.to(tl.int64) * n_cols  # y and h are fresh contiguous tensors
+    eps = tl.cast(eps, tl.float32)
+    offset = tl.cast(offset, tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        h = _load_h(x_ptr, x_rows, x_stride_col, res_ptr, res_rows, res_stride_col, h_ptr, cols, mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(h_ptr + out_rows[:, None] + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        w = tl.load(w_ptr + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        normed = _round_normed(h * rstd[:, None], x_ptr, w_ptr, h_ptr, ROUND, HAS_RESIDUAL)
+        tl.store(y_ptr + out_rows[:, None] + cols[None, :], (normed * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            block = start + cols
+            mask = row_mask[:, None] & (block < n_cols)[None, :]
+            h = _load_h(x_ptr, x_rows, x_stride_col, res_ptr, res_rows, res_stride_col, h_ptr, block, mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:
+                tl.store(h_ptr + out_rows[:, None] + block[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+            sum_sq += tl.sum(h * h, axis=1)
+        rstd = tl.rsqrt(sum_sq / n_cols + eps)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        for start in range(0, n_cols, BLOCK_N):
+            block = start + cols
+            mask = row_mask[:, None] & (block < n_cols)[None, :]
+            # Recompute h from the inputs rather than re-reading h_ptr: other threads wrote it.
+            h = _load_h(x_ptr, x_rows, x_stride_col, res_ptr, res_rows, res_stride_col, h_ptr, block, mask, HAS_RESIDUAL)
+            w = tl.load(w_ptr + block * w_stride, mask=block < n_cols, other=0.0).to(tl.float32) + offset
+            normed = _round_normed(h * rstd[:, None], x_ptr, w_ptr, h_ptr, ROUND, HAS_RESIDUAL)
+            tl.store(y_ptr + out_rows[:, None] + block[None, :], (normed * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    n_rows, n_cols, offset,
+    dy_inner_rows, dy_stride_outer, dy_stride_inner, dy_stride_col,
+    dh_inner_rows, dh_stride_outer, dh_stride_inner, dh_stride_col,
+    h_inner_rows, h_stride_outer, h_stride_inner, h_stride_col,
+    w_stride,
+    HAS_DH: tl.constexpr, ROUND: tl.constexpr, SINGLE_PASS: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = rstd * (dn - normed * mean(dn * normed)), dn = dy * (offset + w); dw = sum_rows dy * normed.
+
+    A persistent grid: program p takes row tiles p, p + P, p + 2P, ... and writes its weight-gradient
+    partial sum to row p of dw_partial (no two programs touch the same row, hence no atomics).
+    """
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    offset = tl.cast(offset, tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
+
+    if SINGLE_PASS:
+        col_mask = cols < n_cols
+        w = tl.load(w_ptr + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            h_rows = _row_offsets(rows, h_inner_rows, h_stride_outer, h_stride_inner)
+            dy_rows = _row_offsets(rows, dy_inner_rows, dy_stride_outer, dy_stride_inner)
+            h = tl.load(h_ptr + h_rows[:, None] + cols[None, :] * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + dy_rows[:, None] + cols[None, :] * dy_stride_col, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            normed = h * rstd[:, None]
+            if COMPUTE_DW:
+                dw_acc += tl.sum(dy * _round_normed(normed, h_ptr, w_ptr, h_ptr, ROUND, False), axis=0)
+            dn = dy * w[None, :]
+            correction = tl.sum(dn * normed, axis=1) / n_cols
+            dx = (dn - normed * correction[:, None]) * rstd[:, None]
+            if HAS_DH:
+                dh_rows = _row_offsets(rows, dh_inner_rows, dh_stride_outer, dh_stride_inner)
+                dx += tl.load(dh_ptr + dh_rows[:, None] + cols[None, :] * dh_stride_col, mask=mask, other=0.0).to(tl.float32)
+            out_rows = rows.to(tl.int64) * n_cols
+            tl.store(dx_ptr + out_rows[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
+    else:
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < n_rows
+            h_rows = _row_offsets(rows, h_inner_rows, h_stride_outer, h_stride_inner)
+            dy_rows = _row_offsets(rows, dy_inner_rows, dy_stride_outer, dy_stride_inner)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            correction = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                block = start + cols
+                mask = row_mask[:, None] & (block < n_cols)[None, :]
+                h = tl.load(h_ptr + h_rows[:, None] + block[None, :] * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + dy_rows[:, None] + block[None, :] * dy_stride_col, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + block * w_stride, mask=block < n_cols, other=0.0).to(tl.float32) + offset
+                correction += tl.sum(dy * w[None, :] * h, axis=1)
+            correction = correction * rstd / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                block = start + cols
+                col_mask = block < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                h = tl.load(h_ptr + h_rows[:, None] + block[None, :] * h_stride_col, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + dy_rows[:, None] + block[None, :] * dy_stride_col, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + block * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
+                normed = h * rstd[:, None]
+                if COMPUTE_DW:
+                    # This program's own row of the partial buffer: a plain read-modify-write, no race.
+                    partial = tl.load(dw_row + block, mask=col_mask, other=0.0)
+                    partial += tl.sum(dy * _round_normed(normed, h_ptr, w_ptr, h_ptr, ROUND, False), axis=0)
+                    tl.store(dw_row + block, partial, mask=col_mask)
+                dx = (dy * w[None, :] - normed * correction[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dh_rows = _row_offsets(rows, dh_inner_rows, dh_stride_outer, dh_stride_inner)
+                    dx += tl.load(dh_ptr + dh_rows[:, None] + block[None, :] * dh_stride_col, mask=mask, other=0.0).to(tl.float32)
+                out_rows = rows.to(tl.int64) * n_cols
+                tl.store(dx_ptr + out_rows[:, None] + block[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------- launch heuristics
+
+
+def launch_config(kind: str, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """BLOCK_N, BLOCK_M (rows per tile) and num_warps for `kind` in {"fwd", "bwd"}.
+
+    A tuned table entry wins (see kernels.configs). The heuristic: the whole row in one block up to
+    MAX_SINGLE_PASS_COLS (no padding beyond the next power of two), otherwise MULTI_PASS_BLOCK_N-wide
+    blocks; short rows are packed until a tile holds TARGET_TILE_ELEMENTS; one warp per 512 elements of
+    the tile (16 bytes per thread per load for bf16), between 1 and 16 warps.
+    """
+    tuned = configs.tuned_config(
+        f"rms_norm_{kind}", device, configs.config_key(n_cols=n_cols, dtype=dtype), _CONFIG_PARAMS
+    )
+    if tuned is not None:
+        return tuned
+    block_n = max(16, next_power_of_2(n_cols))
+    if block_n > MAX_SINGLE_PASS_COLS:
+        block_n = MULTI_PASS_BLOCK_N
+    block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
+    num_warps = max(1, min(16, block_m * block_n // 512))
+    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}
+
+
+# -------------------------------------------------------------------------------------------- launchers
+
+
+def _output_dtypes(h_dtype: torch.dtype, w_dtype: torch.dtype, cast_to_input: bool):
+    """(rounding mode of the normalised row, output dtype), following the chosen reference."""
+    if cast_to_input:
+        round_mode = ROUND_TO_INPUT if h_dtype in HALF_DTYPES else ROUND_NONE
+        return round_mode, torch.promote_types(h_dtype, w_dtype)
+    if w_dtype in HALF_DTYPES:
+        return ROUND_TO_WEIGHT, w_dtype
+    return ROUND_NONE, torch.promote_types(torch.float32, w_dtype)
+
+
+def _forward(x, residual, weight, eps, offset, cast_to_input):
+    n_cols = x.shape[-1]
+    h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    round_mode, y_dtype = _output_dtypes(h_dtype, weight.dtype, cast_to_input)
+    if not use_triton(x):
+        return _forward_torch(x, residual, weight, eps, offset, h_dtype, round_mode, y_dtype)
+
+    x_rows = RowLayout.of(x)
+    res_rows = RowLayout.of(residual) if residual is not None else x_rows
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=h_dtype, device=x.device) if residual is not None else y
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if x_rows.n_rows == 0 or n_cols == 0:
+        return y, h, rstd
+    cfg = launch_config("fwd", n_cols, x.dtype, x.device)
+    grid = (triton.cdiv(x_rows.n_rows, cfg["BLOCK_M"]),)
+    _rms_norm_fwd_kernel[grid](
+        x_rows.tensor, res_rows.tensor, weight, y, h, rstd,
+        x_rows.n_rows, n_cols, eps, offset,
+        **x_rows.kernel_args("x"), **res_rows.kernel_args("res"),
+        w_stride=weight.stride(0),
+        HAS_RESIDUAL=residual is not None, ROUND=round_mode,
+        SINGLE_PASS=cfg["BLOCK_N"] >= n_cols,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )
+    return y, h, rstd
+
+
+def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_dw):
+    n_cols = h.shape[-1]
+    round_mode, _ = _output_dtypes(h.dtype, weight.dtype, cast_to_input)
+    if not use_triton(h):
+        return _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compute_dw)
+
+    h_rows, dy_rows = RowLayout.of(h), RowLayout.of(dy)
+    dh_rows = RowLayout.of(dh) if dh is not None else dy_rows
+    dx = torch.empty(h.shape, dtype=dx_dtype, device=h.device)
+    cfg = launch_config("bwd", n_cols, h.dtype, h.device)
+    single_pass = cfg["BLOCK_N"] >= n_cols
+    n_tiles = triton.cdiv(h_rows.n_rows, cfg["BLOCK_M"])
+    n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(h.device, BACKWARD_PROGRAMS_PER_SM)))
+    # The multi-pass kernel accumulates into its partial row in memory, so that row must start at zero.
+    alloc = torch.zeros if not single_pass else torch.empty
+    dw_partial = alloc((n_programs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=h.device)
+    if h_rows.n_rows and n_cols:
+        _rms_norm_bwd_kernel[(n_programs,)](
+            dy_rows.tensor, dh_rows.tensor, h_rows.tensor, weight, rstd, dx, dw_partial,
+            h_rows.n_rows, n_cols, offset,
+            **dy_rows.kernel_args("dy"), **dh_rows.kernel_args("dh"), **h_rows.kernel_args("h"),
+            w_stride=weight.stride(0),
+            HAS_DH=dh is not None, ROUND=round_mode, SINGLE_PASS=single_pass, COMPUTE_DW=compute_dw,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        )
+    elif compute_dw:
+        dw_partial.zero_()
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else weight.new_empty(0)
+    return dx, dw
+
+
+def _round_torch(normed, round_mode, weight_dtype, h_dtype):
+    if round_mode == ROUND_TO_WEIGHT:
+        return normed.to(weight_dtype).float()
+    if round_mode == ROUND_TO_INPUT:
+        return normed.to(h_dtype).float()
+    return normed
+
+
+def _forward_torch(x, residual, weight, eps, offset, h_dtype, round_mode, y_dtype):
+    """The same math in plain PyTorch, for CPU tensors outside the interpreter."""
+    h = (x + residual).to(h_dtype) if residual is not None else x
+    hf = h.float()
+    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
+    normed = _round_torch(hf * rstd.unsqueeze(-1), round_mode, weight.dtype, h_dtype)
+    y = (normed * (weight.float() + offset)).to(y_dtype)
+    return y, (h if residual is not None else y), rstd
+
+
+def _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compute_dw):
+    hf, dyf, rstd = h.float(), dy.float(), rstd.unsqueeze(-1)
+    normed = hf * rstd
+    dn = dyf * (weight.float() + offset)
+    dx = (dn - normed * (dn * normed).mean(-1, keepdim=True)) * rstd
+    if dh is not None:
+        dx = dx + dh.float()
+    if compute_dw:
+        rounded = _round_torch(normed, round_mode, weight.dtype, h.dtype)
+        dw = (dyf * rounded).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
+    else:
+        dw = weight.new_empty(0)
+    return dx.to(dx_dtype), dw
+
+
+# ------------------------------------------------------------------------------ torch.library operators
+
+
+@torch.library.custom_op("tridist::rms_norm", mutates_args=())
+def _rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_to_input: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _forward(x, None, weight, eps, offset, cast_to_input)
+    return y, rstd
+
+
+@torch.library.custom_op("tridist::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_to_input: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _forward(x, residual, weight, eps, offset, cast_to_input)
+
+
+@torch.library.custom_op("tridist::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    grad_y: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    cast_to_input: bool,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(grad_y, grad_h, h, weight, rstd, offset, cast_to_input, h.dtype, compute_dw)
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset, cast_to_input):
+    _, y_dtype = _output_dtypes(x.dtype, weight.dtype, cast_to_input)
+    return x.new_empty(x.shape, dtype=y_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, cast_to_input):
+    h_dtype = torch.promote_types(x.dtype, residual.dtype)
+    _, y_dtype = _output_dtypes(h_dtype, weight.dtype, cast_to_input)
+    return (
+        x.new_empty(x.shape, dtype=y_dtype),
+        x.new_empty(x.shape, dtype=h_dtype),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
+
+
+@_rms_norm_backward_op.register_fake
+def _(grad_y, grad_h, h, weight, rstd, offset, cast_to_input, compute_dw):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape if compute_dw else (0,))
+
+
+def _setup_rms_norm(ctx, inputs, output):
+    x, weight, _, offset, cast_to_input = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.cast_to_input = offset, cast_to_input
+
+
+def _backward_rms_norm(ctx, grad_y, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_backward_op(
+        grad_y, None, x, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[1]
+    )
+    return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
+
+
+def _setup_add_rms_norm(ctx, inputs, output):
+    x, residual, weight, _, offset, cast_to_input = inputs
+    _, h, rstd = output
+    ctx.save_for_backward(h, weight, rstd)
+    ctx.offset, ctx.cast_to_input = offset, cast_to_input
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+
+
+def _backward_add_rms_norm(ctx, grad_y, grad_h, grad_rstd):
+    h, weight, rstd = ctx.saved_tensors
+    dh, dw = _rms_norm_backward_op(
+        grad_y, grad_h, h, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[2]
+    )
+    # h = x + residual: both receive the gradient of h (cast back to their own dtype if they differ).
+    return dh.to(ctx.x_dtype), dh.to(ctx.residual_dtype), (dw if ctx.needs_input_grad[2] else None), None, None, None
+
+
+torch.library.register_autograd("tridist::rms_norm", _backward_rms_norm, setup_context=_setup_rms_norm)
+torch.library.register_autograd("tridist::add_rms_norm", _backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    offset: float = 0.0,
+    residual: torch.Tensor | None = None,
+    cast_to: str = "weight",
+):
+    """Fused RMSNorm over the last dimension of `x` (any leading shape, any strides).
+
+    Returns `y`, or `(y, x + residual)` when `residual` is given. `offset` adds a constant to the
+    weight (1.0 for Gemma-style `(1 + w)` norms). `cast_to` is "weight" (seed/Paddle rounding) or
+    "input" (Hugging Face Llama rounding); see the module docstring.
+    """
+    op = "rms_norm"
+    if cast_to not in ("weight", "input"):
+        raise ValueError(f"{op}: cast_to must be 'weight' (seed/Paddle) or 'input' (Hugging Face), got {cast_to!r}")
+    check_dtype(op, "x", x)
+    check_dtype(op, "weight", weight)
+    check_same_device(op, x=x, weight=weight, residual=residual)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension (the hidden size), got a scalar")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{op}: weight has shape {tuple(weight.shape)} but x's hidden size (last dim) is {x.shape[-1]}; "
+            f"the weight must be 1-D of size {x.shape[-1]}"
+        )
+    if residual is None:
+        y, _ = _rms_norm_op(x, weight, float(eps), float(offset), cast_to == "input")
+        return y
+    check_dtype(op, "residual", residual)
+    if residual.shape != x.shape:
+        raise ValueError(
+            f"{op}: residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match"
+        )
+    y, h, _ = _add_rms_norm_op(x, residual, weight, float(eps), float(offset), cast_to == "input")
+    return y, h
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """RMSNorm layer on the fused kernel; `forward(x, residual=None)` mirrors `rms_norm`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        cast_to: str = "weight",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        init = 0.0 if offset else 1.0  # (offset + weight) starts at 1 either way
+        self.weight = torch.nn.Parameter(torch.full((hidden_size,), init, device=device, dtype=dtype))
+        self.eps, self.offset, self.cast_to = eps, offset, cast_to
+
+    @classmethod
+    def from_parameter(cls, weight: torch.nn.Parameter, eps: float, *, offset: float = 0.0, cast_to: str = "weight"):
+        """A layer around an existing weight (the same Parameter: optimizers holding it stay valid)."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.weight = weight
+        layer.eps, layer.offset, layer.cast_to = eps, offset, cast_to
+        return layer
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm(x, self.weight, self.eps, offset=self.offset, residual=residual, cast_to=self.cast_to)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, cast_to={self.cast_to!r}"

@@ -1,0 +1,444 @@
+"""Rotary position embedding of q and k in one launch: Triton kernel, launcher, torch.library op, layer.
+
+    out = x * cos + rotate(x) * sin        on the first `rotary_dim` features; the rest pass through
+
+Pairs (a, b) of features rotate together: (j, j + rotary_dim/2) for rotate-half (NeoX/Llama) pairing,
+(2j, 2j + 1) for interleaved (GPT-J) pairing. Written per pair, with c/s the table entries of a or b:
+
+    out_a = x_a * c_a - x_b * s_a          out_b = x_b * c_b + x_a * s_b
+
+which is exactly the reference formula for any table, duplicated or not. The backward is the
+transposed map (the inverse rotation when the table is duplicated, as rotary tables are):
+
+    dx_a = g_a * c_a + g_b * s_b           dx_b = g_b * c_b - g_a * s_a
+
+so one kernel serves both directions (CONJUGATE). Tables are read in fp32 or their own dtype, gathered
+by `position_ids` when given; q and k may have different head counts (grouped-query attention) and
+any strides (views into a fused qkv projection need no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import check_dtype, check_same_device, next_power_of_2, use_triton
+
+LAYOUTS = ("bshd", "bhsd")
+# Heads are processed in tiles of up to this many elements per half (a or b), e.g. 32 heads x 64 pairs.
+TARGET_TILE_ELEMENTS = 2048
+# Tokens per program: enough work per program for short heads, one token when a token is already
+# a large tile. The interpreter runs programs one by one, so it gets the packed setting too.
+MAX_TOKENS_PER_PROGRAM = 16
+_CONFIG_PARAMS = frozenset({"BLOCK_H", "TOKENS_PER_PROGRAM", "num_warps"})
+
+
+# ----------------------------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, y_ptr, b, s, n_heads,
+    x_stride_b, x_stride_s, x_stride_h, x_stride_d,
+    y_stride_b, y_stride_s, y_stride_h, y_stride_d,
+    c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+    CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Rotate all heads of one token of x into y (pass-through features copied)."""
+    x_base = x_ptr + b * x_stride_b + s * x_stride_s
+    y_base = y_ptr + b * y_stride_b + s * y_stride_s
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        head_mask = (heads < n_heads)[:, None] & token_valid
+        mask = head_mask & pair_mask[None, :]
+        x_rows = x_base + heads[:, None].to(tl.int64) * x_stride_h
+        y_rows = y_base + heads[:, None].to(tl.int64) * y_stride_h
+        x_a = tl.load(x_rows + cols_a[None, :] * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+        x_b = tl.load(x_rows + cols_b[None, :] * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+        if CONJUGATE:
+            out_a = x_a * c_a[None, :] + x_b * s_b[None, :]
+            out_b = x_b * c_b[None, :] - x_a * s_a[None, :]
+        else:
+            out_a = x_a * c_a[None, :] - x_b * s_a[None, :]
+            out_b = x_b * c_b[None, :] + x_a * s_b[None, :]
+        tl.store(y_rows + cols_a[None, :] * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + cols_b[None, :] * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
+        if HAS_PASS:
+            mask = head_mask & pass_mask[None, :]
+            passed = tl.load(x_rows + pass_cols[None, :] * x_stride_d, mask=mask, other=0.0)
+            tl.store(y_rows + pass_cols[None, :] * y_stride_d, passed, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr,
+    n_tokens, seq_len, n_q_heads, n_k_heads, half_rotary, n_pass,
+    q_stride_b, q_stride_s, q_stride_h, q_stride_d,
+    k_stride_b, k_stride_s, k_stride_h, k_stride_d,
+    qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
+    ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
+    table_stride_b, table_stride_t, table_stride_d,
+    pos_stride_b, pos_stride_s,
+    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    pairs = tl.arange(0, BLOCK_R)
+    pair_mask = pairs < half_rotary
+    if INTERLEAVED:
+        cols_a = 2 * pairs
+        cols_b = 2 * pairs + 1
+    else:
+        cols_a = pairs
+        cols_b = pairs + half_rotary
+    if HALF_TABLE:  # one table entry per pair
+        table_a = pairs
+        table_b = pairs
+    else:
+        table_a = cols_a
+        table_b = cols_b
+    pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P)
+    pass_mask = tl.arange(0, BLOCK_P) < n_pass
+
+    for i in range(TOKENS_PER_PROGRAM):
+        token = tl.program_id(0) * TOKENS_PER_PROGRAM + i
+        token_valid = token < n_tokens
+        token = tl.minimum(token, n_tokens - 1).to(tl.int64)  # keep addresses in bounds when masked
+        b = token // seq_len
+        s = token % seq_len
+        if HAS_POSITIONS:
+            row = tl.load(pos_ptr + b * pos_stride_b + s * pos_stride_s).to(tl.int64)
+        else:
+            row = s
+        table_row = b * table_stride_b + row * table_stride_t
+        c_a = tl.load(cos_ptr + table_row + table_a * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
+        c_b = tl.load(cos_ptr + table_row + table_b * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
+        s_a = tl.load(sin_ptr + table_row + table_a * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
+        s_b = tl.load(sin_ptr + table_row + table_b * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
+        _rotate_heads(
+            q_ptr, q_out_ptr, b, s, n_q_heads,
+            q_stride_b, q_stride_s, q_stride_h, q_stride_d,
+            qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
+            c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+            CONJUGATE, HAS_PASS, BLOCK_H,
+        )
+        _rotate_heads(
+            k_ptr, k_out_ptr, b, s, n_k_heads,
+            k_stride_b, k_stride_s, k_stride_h, k_stride_d,
+            ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
+            c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+            CONJUGATE, HAS_PASS, BLOCK_H,
+        )
+
+
+# ------------------------------------------------------------------------------------ input normalising
+
+
+def _as_bshd(t: torch.Tensor, layout_bhsd: bool) -> torch.Tensor:
+    return t.transpose(1, 2) if layout_bhsd else t
+
+
+def _table_view(table: torch.Tensor, layout_bhsd: bool) -> torch.Tensor:
+    """A [Bt, T, Dt] view of a cos/sin table given as [Bt, T, 1, Dt] / [Bt, 1, T, Dt], [Bt, T, Dt] or [T, Dt]."""
+    if table.dim() == 4:
+        return table.squeeze(1 if layout_bhsd else 2)
+    if table.dim() == 3:
+        return table
+    return table.unsqueeze(0)
+
+
+def _positions_view(position_ids: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    return position_ids.reshape(-1, position_ids.shape[-1]).expand(batch, seq_len)
+
+
+def _strides4(t: torch.Tensor, prefix: str) -> dict:
+    sb, ss, sh, sd = t.stride()
+    return {f"{prefix}_stride_b": sb, f"{prefix}_stride_s": ss, f"{prefix}_stride_h": sh, f"{prefix}_stride_d": sd}
+
+
+def launch_config(head_dim: int, half_rotary: int, max_heads: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """BLOCK_H (heads per tile), TOKENS_PER_PROGRAM and num_warps; a tuned table entry wins.
+
+    Heuristic: all heads of a token in one tile up to TARGET_TILE_ELEMENTS per half; tokens packed
+    until a program handles about that many pairs; 4 warps (the tile is small and latency-bound).
+    """
+    tuned = configs.tuned_config(
+        "rotary", device, configs.config_key(head_dim=head_dim, heads=max_heads, dtype=dtype), _CONFIG_PARAMS
+    )
+    if tuned is not None:
+        return tuned
+    block_r = next_power_of_2(half_rotary)
+    block_h = min(next_power_of_2(max_heads), max(1, TARGET_TILE_ELEMENTS // block_r))
+    per_token = max_heads * block_r
+    tokens = max(1, min(MAX_TOKENS_PER_PROGRAM, TARGET_TILE_ELEMENTS // per_token))
+    return {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 4}
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate):
+    q4, k4 = _as_bshd(q, layout_bhsd), _as_bshd(k, layout_bhsd)
+    cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
+    batch, seq_len, _, head_dim = q4.shape
+    half_table = cos3.shape[-1] * 2 == rotary_dim
+    positions = _positions_view(position_ids, batch, seq_len) if position_ids is not None else None
+    _check_positions_in_table(positions, table_len=cos3.shape[1], seq_len=seq_len)
+    if not use_triton(q):
+        return _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim, half_table, conjugate)
+
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    n_tokens = batch * seq_len
+    if n_tokens == 0:
+        return q_out, k_out
+    qo4, ko4 = _as_bshd(q_out, layout_bhsd), _as_bshd(k_out, layout_bhsd)
+    n_pass = head_dim - rotary_dim
+    cfg = launch_config(head_dim, rotary_dim // 2, max(q4.shape[2], k4.shape[2]), q.dtype, q.device)
+    if cos3.stride() != sin3.stride():  # one set of table strides serves both (rare: tables built apart)
+        cos3, sin3 = cos3.contiguous(), sin3.contiguous()
+    # A table without a batch dimension (or with batch 1) is shared by every sequence.
+    table_stride_b = cos3.stride(0) if cos3.shape[0] > 1 else 0
+    grid = (triton.cdiv(n_tokens, cfg["TOKENS_PER_PROGRAM"]),)
+    _rotary_kernel[grid](
+        q4, k4, qo4, ko4, cos3, sin3, positions if positions is not None else cos3,
+        n_tokens, seq_len, q4.shape[2], k4.shape[2], rotary_dim // 2, n_pass,
+        **_strides4(q4, "q"), **_strides4(k4, "k"), **_strides4(qo4, "qo"), **_strides4(ko4, "ko"),
+        table_stride_b=table_stride_b, table_stride_t=cos3.stride(1), table_stride_d=cos3.stride(2),
+        pos_stride_b=positions.stride(0) if positions is not None else 0,
+        pos_stride_s=positions.stride(1) if positions is not None else 0,
+        HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, HALF_TABLE=half_table,
+        CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
+        TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_R=next_power_of_2(rotary_dim // 2), BLOCK_P=max(1, next_power_of_2(n_pass)),
+        num_warps=cfg["num_warps"],
+    )
+    return q_out, k_out
+
+
+def _check_positions_in_table(positions, *, table_len: int, seq_len: int) -> None:
+    if positions is None:
+        if seq_len > table_len:
+            raise ValueError(
+                f"apply_rotary_pos_emb: cos/sin have {table_len} positions but the sequence has {seq_len}; "
+                f"build the tables for at least {seq_len} positions (max_position_embeddings)"
+            )
+        return
+    if positions.numel() == 0:
+        return
+    message = f"apply_rotary_pos_emb: position_ids must lie in [0, {table_len}) (the cos/sin table length)"
+    if positions.device.type == "cpu":
+        low, high = positions.min().item(), positions.max().item()
+        if low < 0 or high >= table_len:
+            raise ValueError(f"{message}; got positions from {low} to {high}: build longer tables")
+    else:
+        # No host sync on an accelerator: the check runs on the device, in stream order.
+        torch._assert_async((positions.min() >= 0) & (positions.max() < table_len), message)
+
+
+def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim, half_table, conjugate):
+    """The same math in plain PyTorch, for CPU tensors outside the interpreter."""
+    batch, seq_len = _as_bshd(q, layout_bhsd).shape[:2]
+    if positions is not None:
+        batch_index = torch.arange(batch, device=cos3.device)[:, None] if cos3.shape[0] > 1 else 0
+        cos_rows, sin_rows = cos3[batch_index, positions], sin3[batch_index, positions]
+    else:
+        cos_rows, sin_rows = cos3[:, :seq_len], sin3[:, :seq_len]
+    cos_rows, sin_rows = cos_rows.float().unsqueeze(2), sin_rows.float().unsqueeze(2)  # [B|1, S, 1, Dt]
+
+    def pair_halves(t):
+        if half_table:
+            return t, t
+        return (t[..., 0::2], t[..., 1::2]) if interleaved else t.chunk(2, dim=-1)
+
+    c_a, c_b = pair_halves(cos_rows)
+    s_a, s_b = pair_halves(sin_rows)
+
+    def apply(x):
+        x4 = _as_bshd(x, layout_bhsd)
+        rot, passed = x4[..., :rotary_dim].float(), x4[..., rotary_dim:]
+        x_a, x_b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else rot.chunk(2, dim=-1)
+        if conjugate:
+            out_a, out_b = x_a * c_a + x_b * s_b, x_b * c_b - x_a * s_a
+        else:
+            out_a, out_b = x_a * c_a - x_b * s_a, x_b * c_b + x_a * s_b
+        out = torch.stack([out_a, out_b], dim=-1).flatten(-2) if interleaved else torch.cat([out_a, out_b], -1)
+        out = torch.cat([out.to(x.dtype), passed], dim=-1)
+        return _as_bshd(out, layout_bhsd)
+
+    return apply(q), apply(k)
+
+
+# ------------------------------------------------------------------------------ torch.library operator
+
+
+@torch.library.custom_op("tridist::rotary", mutates_args=())
+def _rotary_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    layout_bhsd: bool,
+    interleaved: bool,
+    rotary_dim: int,
+    conjugate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate)
+
+
+@_rotary_op.register_fake
+def _(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _setup_rotary(ctx, inputs, output):
+    _, _, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, _ = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.options = (layout_bhsd, interleaved, rotary_dim)
+
+
+def _backward_rotary(ctx, grad_q, grad_k):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq, dk = _rotary_op(grad_q, grad_k, cos, sin, position_ids, *ctx.options, True)
+    return dq, dk, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("tridist::rotary", _backward_rotary, setup_context=_setup_rotary)
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    *,
+    layout: str = "bshd",
+    interleaved: bool = False,
+    rotary_dim: int | None = None,
+):
+    """Rotate q and k by position in one launch; returns `(q_embed, k_embed)`.
+
+    q: [batch, seq, heads, head_dim] ("bshd", the seed model) or [batch, heads, seq, head_dim] ("bhsd",
+    Hugging Face); k the same with possibly fewer heads (GQA). cos/sin: [1 or B, T, 1, D] (bshd) or
+    [1 or B, 1, T, D] (bhsd), [B, T, D] or [T, D]; without position_ids, row s of the table is position s
+    (T >= seq); with position_ids ([B, S], [1, S] or [S]) row position_ids[b, s] is gathered.
+    D is rotary_dim (duplicated tables, as Llama builds them; the default rotary_dim is D) or
+    rotary_dim / 2 (one entry per pair, flash-attention style). Features past rotary_dim pass through.
+    """
+    rotary_dim = _validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=rotary_dim)
+    return _rotary_op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, rotary_dim, False)
+
+
+def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | None) -> int:
+    """Raise a ValueError/TypeError naming the problem; return the effective rotary_dim."""
+    op = "apply_rotary_pos_emb"
+    if layout not in LAYOUTS:
+        raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    layout_bhsd = layout == "bhsd"
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_dtype(op, name, t)
+    check_same_device(op, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"{op}: q and k must be 4-D ({layout}), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype != k.dtype:
+        raise TypeError(f"{op}: q and k must have one dtype, got {q.dtype} and {k.dtype}")
+    q4, k4 = _as_bshd(q, layout_bhsd), _as_bshd(k, layout_bhsd)
+    if q4.shape[0] != k4.shape[0] or q4.shape[1] != k4.shape[1] or q4.shape[3] != k4.shape[3]:
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, sequence and head_dim "
+            f"in layout {layout!r} (only the head count may differ)"
+        )
+    batch, seq_len, _, head_dim = q4.shape
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(f"{op}: gradients through cos/sin are not computed; pass cos.detach(), sin.detach()")
+    _check_table_shape(op, cos, layout, batch)
+    table_dim = cos.shape[-1]
+    rotary_dim = table_dim if rotary_dim is None else rotary_dim
+    if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
+        what = "head_dim" if rotary_dim == head_dim else "rotary_dim"
+        raise ValueError(f"{op}: {what} = {rotary_dim} must be even, positive and <= head_dim ({head_dim})")
+    if table_dim not in (rotary_dim, rotary_dim // 2):
+        raise ValueError(
+            f"{op}: cos/sin last dim is {table_dim}; expected rotary_dim ({rotary_dim}) or rotary_dim / 2 "
+            f"({rotary_dim // 2}, one entry per pair)"
+        )
+    if position_ids is not None:
+        _check_position_ids(op, position_ids, batch, seq_len)
+    return rotary_dim
+
+
+def _check_table_shape(op: str, cos: torch.Tensor, layout: str, batch: int) -> None:
+    shape = tuple(cos.shape)
+    if cos.dim() == 4:
+        head_axis = 1 if layout == "bhsd" else 2
+        if shape[head_axis] != 1 or shape[0] not in (1, batch):
+            expected = "[1 or B, 1, T, D]" if layout == "bhsd" else "[1 or B, T, 1, D]"
+            raise ValueError(f"{op}: 4-D cos/sin must be {expected} for layout {layout!r}, got {shape}")
+    elif cos.dim() == 3:
+        if shape[0] not in (1, batch):
+            raise ValueError(f"{op}: 3-D cos/sin must be [B, T, D] with B = 1 or {batch}, got {shape}")
+    elif cos.dim() != 2:
+        raise ValueError(f"{op}: cos/sin must be [T, D], [B, T, D] or 4-D with a size-1 head dim, got {shape}")
+
+
+def _check_position_ids(op: str, position_ids: torch.Tensor, batch: int, seq_len: int) -> None:
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise TypeError(f"{op}: position_ids must be an integer tensor, got {position_ids.dtype}")
+    shape = tuple(position_ids.shape)
+    ok = shape in ((seq_len,), (1, seq_len), (batch, seq_len))
+    if not ok:
+        raise ValueError(f"{op}: position_ids must be [{batch}, {seq_len}], [1, {seq_len}] or [{seq_len}], got {shape}")
+
+
+class FusedRotaryEmbedding(torch.nn.Module):
+    """Llama rotary embedding that owns its cos/sin tables and applies them with the fused kernel.
+
+    `forward(q, k, position_ids=None)` returns the rotated `(q, k)`. Tables are fp32 buffers covering
+    `max_position_embeddings` positions; they are extended automatically for longer sequences.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        max_position_embeddings: int = 2048,
+        base: float = 10000.0,
+        *,
+        layout: str = "bshd",
+        interleaved: bool = False,
+        device=None,
+    ):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"FusedRotaryEmbedding: dim (the rotary part of head_dim) must be even, got {dim}")
+        self.dim, self.base, self.layout, self.interleaved = dim, base, layout, interleaved
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._build_tables(max_position_embeddings)
+
+    def _build_tables(self, length: int) -> None:
+        t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)  # one entry per pair: the kernel needs no duplicated table
+        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None = None):
+        seq_len = q.shape[2] if self.layout == "bhsd" else q.shape[1]
+        # Extended from the (static) sequence length only: reading position_ids would sync the device.
+        # Positions beyond the table are reported by apply_rotary_pos_emb's range check.
+        if seq_len > self.cos_cached.shape[0]:
+            self._build_tables(max(seq_len, 2 * self.cos_cached.shape[0]))
+        return apply_rotary_pos_emb(
+            q, k, self.cos_cached, self.sin_cached, position_ids,
+            layout=self.layout, interleaved=self.interleaved, rotary_dim=self.dim,
+        )
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}, layout={self.layout!r}, interleaved={self.interleaved}"

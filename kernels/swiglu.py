@@ -1,0 +1,290 @@
+"""SwiGLU, `silu(gate) * up`: Triton kernels, launchers, torch.library ops, activation and MLP layers.
+
+Two forms share one pair of kernels:
+- `swiglu(gate, up)`: two tensors (the seed's `swiglu(gate_proj(x), up_proj(x))`);
+- `swiglu(x)`: one tensor split in half on the last dim (Paddle's swiglu with y=None, a fused
+  gate_up projection). Its halves are strided views, and its gradient is written straight into one
+  buffer of x's shape: no concatenation, no copy.
+The row is tiled in fixed-width blocks (no padding of 11008 to 16384 lanes). The backward recomputes
+sigmoid(gate) from the saved inputs instead of storing silu, and computes both gradients in one pass:
+
+    d_gate = g * up * s * (1 + gate * (1 - s)),   d_up = g * gate * s,   s = sigmoid(gate)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._common import RowLayout, check_dtype, check_same_device, next_power_of_2, use_triton
+
+# Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
+# thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
+MAX_BLOCK_N = 1024
+TARGET_TILE_ELEMENTS = 4096
+_CONFIG_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows.to(tl.int64), cols, mask
+
+
+@triton.jit
+def _offsets(rows, cols, inner_rows, stride_outer, stride_inner, stride_col):
+    row_offsets = (rows // inner_rows) * stride_outer + (rows % inner_rows) * stride_inner
+    return row_offsets[:, None] + cols[None, :] * stride_col
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr, n_rows, n_cols,
+    gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col,
+    up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
+    up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
+    gate = tl.load(gate_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n_rows, n_cols,
+    grad_inner_rows, grad_stride_outer, grad_stride_inner, grad_stride_col,
+    gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col,
+    up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
+    dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col,
+    dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+    grad_offs = _offsets(rows, cols, grad_inner_rows, grad_stride_outer, grad_stride_inner, grad_stride_col)
+    gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
+    up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
+    grad = tl.load(grad_ptr + grad_offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    silu = gate * sig
+    dgate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = grad * silu
+    dgate_offs = _offsets(rows, cols, dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col)
+    dup_offs = _offsets(rows, cols, dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col)
+    tl.store(dgate_ptr + dgate_offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + dup_offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ launch heuristics
+
+
+def launch_config(kind: str, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """BLOCK_M, BLOCK_N and num_warps for `kind` in {"fwd", "bwd"}; a tuned table entry wins.
+
+    Heuristic: blocks of min(next_pow2(n_cols), MAX_BLOCK_N) columns, rows packed until a tile holds
+    TARGET_TILE_ELEMENTS, one warp per 512 elements (4 for a full tile).
+    """
+    tuned = configs.tuned_config(
+        f"swiglu_{kind}", device, configs.config_key(n_cols=n_cols, dtype=dtype), _CONFIG_PARAMS
+    )
+    if tuned is not None:
+        return tuned
+    block_n = min(max(16, next_power_of_2(n_cols)), MAX_BLOCK_N)
+    block_m = max(1, TARGET_TILE_ELEMENTS // block_n)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": max(1, block_m * block_n // 1024)}
+
+
+def _grid(n_rows: int, n_cols: int, cfg: dict):
+    return (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_cols, cfg["BLOCK_N"]))
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out_dtype = torch.promote_types(gate.dtype, up.dtype)
+    if not use_triton(gate):
+        return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype)
+    out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
+    gate_rows, up_rows = RowLayout.of(gate), RowLayout.of(up)
+    n_rows, n_cols = gate_rows.n_rows, gate.shape[-1]
+    if n_rows and n_cols:
+        cfg = launch_config("fwd", n_cols, gate.dtype, gate.device)
+        _swiglu_fwd_kernel[_grid(n_rows, n_cols, cfg)](
+            gate_rows.tensor, up_rows.tensor, out, n_rows, n_cols,
+            **gate_rows.kernel_args("gate"), **up_rows.kernel_args("up"),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        )
+    return out
+
+
+def _backward_into(grad, gate, up, dgate, dup) -> None:
+    """Write both input gradients into the (possibly strided) tensors dgate and dup."""
+    if not use_triton(gate):
+        g, x, y = grad.float(), gate.float(), up.float()
+        sig = torch.sigmoid(x)
+        dgate.copy_(g * y * sig * (1 + x * (1 - sig)))
+        dup.copy_(g * x * sig)
+        return
+    layouts = {name: RowLayout.of(t) for name, t in (("grad", grad), ("gate", gate), ("up", up))}
+    layouts.update(dgate=RowLayout.of(dgate, allow_copy=False), dup=RowLayout.of(dup, allow_copy=False))
+    n_rows, n_cols = layouts["gate"].n_rows, gate.shape[-1]
+    if n_rows and n_cols:
+        cfg = launch_config("bwd", n_cols, gate.dtype, gate.device)
+        _swiglu_bwd_kernel[_grid(n_rows, n_cols, cfg)](
+            *(layout.tensor for layout in layouts.values()), n_rows, n_cols,
+            **{k: v for name, layout in layouts.items() for k, v in layout.kernel_args(name).items()},
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        )
+
+
+def _halves(x: torch.Tensor):
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+# ------------------------------------------------------------------------------ torch.library operators
+
+
+@torch.library.custom_op("tridist::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _forward(gate, up)
+
+
+@torch.library.custom_op("tridist::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+    _backward_into(grad, gate, up, dgate, dup)
+    return dgate, dup
+
+
+@torch.library.custom_op("tridist::swiglu_packed", mutates_args=())
+def _swiglu_packed_op(x: torch.Tensor) -> torch.Tensor:
+    return _forward(*_halves(x))
+
+
+@torch.library.custom_op("tridist::swiglu_packed_backward", mutates_args=())
+def _swiglu_packed_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _backward_into(grad, *_halves(x), *_halves(dx))
+    return dx
+
+
+@_swiglu_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
+
+
+@_swiglu_backward_op.register_fake
+def _(grad, gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+
+
+@_swiglu_packed_op.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@_swiglu_packed_backward_op.register_fake
+def _(grad, x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup_swiglu(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_swiglu(ctx, grad):
+    gate, up = ctx.saved_tensors
+    return _swiglu_backward_op(grad, gate, up)
+
+
+def _backward_swiglu_packed(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _swiglu_packed_backward_op(grad, x)
+
+
+torch.library.register_autograd("tridist::swiglu", _backward_swiglu, setup_context=_setup_swiglu)
+torch.library.register_autograd("tridist::swiglu_packed", _backward_swiglu_packed, setup_context=_setup_swiglu)
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(x) * y`; with `y=None`, x's last dimension is split in half: `silu(x1) * x2`.
+
+    Computed in fp32 and rounded once to the promoted dtype of the inputs. Any shape and strides.
+    """
+    op = "swiglu"
+    check_dtype(op, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
+    if y is None:
+        if x.shape[-1] % 2:
+            raise ValueError(
+                f"{op}: with y=None the last dim of x is split in half (gate, up), so it must be even; got {x.shape[-1]}"
+            )
+        return _swiglu_packed_op(x)
+    check_dtype(op, "y", y)
+    check_same_device(op, x=x, y=y)
+    if x.shape != y.shape:
+        raise ValueError(f"{op}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
+    return _swiglu_op(x, y)
+
+
+class FusedSwiGLU(torch.nn.Module):
+    """The SwiGLU activation as a layer: `forward(x, y=None)` is `swiglu(x, y)`."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return swiglu(x, y)
+
+
+class FusedSwiGLUMLP(torch.nn.Module):
+    """`down_proj(swiglu(gate_proj(x), up_proj(x)))`, the Llama MLP, with the fused activation.
+
+    Keeps the attribute names of the seed and Hugging Face MLPs (gate_proj, up_proj, down_proj), so
+    parameter names, state dicts and tensor-parallel plans written for those models still apply. A
+    fused projection (`gate_up_proj`, gate then up, as in Phi-3) uses the split-in-half form.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **factory)
+        self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **factory)
+        self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **factory)
+
+    @classmethod
+    def from_linears(cls, *, down_proj: torch.nn.Module, gate_proj=None, up_proj=None, gate_up_proj=None):
+        """Wrap existing projections (the same modules and parameters, nothing copied).
+
+        Pass either gate_proj and up_proj, or one gate_up_proj whose output is [gate | up].
+        """
+        if (gate_up_proj is None) == (gate_proj is None or up_proj is None):
+            raise ValueError("FusedSwiGLUMLP.from_linears: pass gate_proj and up_proj, or gate_up_proj alone")
+        mlp = cls.__new__(cls)
+        torch.nn.Module.__init__(mlp)
+        if gate_up_proj is not None:
+            mlp.gate_up_proj = gate_up_proj
+        else:
+            mlp.gate_proj, mlp.up_proj = gate_proj, up_proj
+        mlp.down_proj = down_proj
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up_proj" in self._modules:
+            return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

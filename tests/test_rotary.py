@@ -1,0 +1,198 @@
+"""Rotary position embedding (q and k in one launch) against the plain PyTorch reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import rotary_reference
+from tests._tolerance import assert_matches_reference, upcast
+
+
+def llama_tables(length: int, rotary_dim: int, *, half: bool = False, interleaved: bool = False):
+    """cos/sin as Llama builds them (duplicated), or one entry per pair (`half`)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    if not half:
+        freqs = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
+    return freqs.cos(), freqs.sin()
+
+
+def shape_table(table: torch.Tensor, form: str, *, layout: str, batch: int, seq_len: int):
+    """Lay a [T, D] table out as the seed ([1, T, 1, D]), HF ([B, S, D]) or flat ([T, D]) form."""
+    if form == "seed":
+        return table[None, :, None, :] if layout == "bshd" else table[None, None]
+    if form == "hf":
+        return table[:seq_len].expand(batch, seq_len, -1).contiguous()
+    return table
+
+
+def qk(batch, seq_len, q_heads, k_heads, head_dim, *, layout, dtype):
+    def make(heads):
+        shape = (batch, seq_len, heads, head_dim) if layout == "bshd" else (batch, heads, seq_len, head_dim)
+        return torch.randn(shape, dtype=dtype, requires_grad=True)
+
+    return make(q_heads), make(k_heads)
+
+
+def check(q, k, cos, sin, position_ids=None, **options):
+    def fwd_bwd(fn, q, k, grads):
+        outs = fn(q, k, cos, sin, position_ids, **options)
+        return outs, torch.autograd.grad(outs, (q, k), grads)
+
+    reference_outs = rotary_reference(q, k, cos, sin, position_ids, **options)
+    grads = [torch.randn_like(o) for o in reference_outs]
+    outs, in_grads = fwd_bwd(kernels.apply_rotary_pos_emb, q, k, grads)
+    ref_outs, ref_grads = fwd_bwd(rotary_reference, q, k, grads)
+    gold_outs, gold_grads = fwd_bwd(rotary_reference, upcast(q), upcast(k), [g.double() for g in grads])
+    for name, o, r, g in zip(("q_embed", "k_embed", "dq", "dk"), outs + in_grads, ref_outs + ref_grads, gold_outs + gold_grads):
+        assert_matches_reference(o, r, g, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize(
+    "q_heads, k_heads, head_dim, rotary_dim",
+    [(4, 4, 16, None), (6, 2, 18, None), (3, 1, 24, 8)],  # MHA, GQA with head_dim 18, partial rotary
+    ids=["mha", "gqa", "partial"],
+)
+def test_matches_reference(backend, dtype, layout, q_heads, k_heads, head_dim, rotary_dim):
+    batch, seq_len = 2, 5
+    cos, sin = llama_tables(seq_len + 3, rotary_dim or head_dim)
+    cos, sin = (shape_table(t, "seed", layout=layout, batch=batch, seq_len=seq_len) for t in (cos, sin))
+    q, k = qk(batch, seq_len, q_heads, k_heads, head_dim, layout=layout, dtype=dtype)
+    check(q, k, cos, sin, layout=layout, rotary_dim=rotary_dim)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("form", ["seed", "hf", "flat"])
+@pytest.mark.parametrize("positions", [None, "batch", "shared"])
+def test_table_forms_pairing_and_positions(backend, interleaved, form, positions):
+    batch, seq_len, head_dim, layout = 3, 4, 12, "bhsd" if form == "hf" else "bshd"
+    table_len = seq_len if form == "hf" else 11
+    cos, sin = llama_tables(table_len, head_dim, interleaved=interleaved)
+    cos, sin = (shape_table(t, form, layout=layout, batch=batch, seq_len=seq_len) for t in (cos, sin))
+    position_ids = {
+        None: None,
+        "batch": torch.randint(0, table_len, (batch, seq_len)),
+        "shared": torch.randperm(table_len)[:seq_len],  # [S], shared by every sequence
+    }[positions]
+    q, k = qk(batch, seq_len, 4, 2, head_dim, layout=layout, dtype=torch.float32)
+    check(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_half_width_tables_equal_full_tables(backend, interleaved):
+    """A [T, rotary_dim/2] table (one entry per pair) gives exactly what the duplicated table gives."""
+    q, k = qk(2, 6, 4, 2, 16, layout="bshd", dtype=torch.float32)
+    full = llama_tables(6, 8, interleaved=interleaved)
+    half = llama_tables(6, 8, half=True)
+    out_full = kernels.apply_rotary_pos_emb(q, k, *full, interleaved=interleaved, rotary_dim=8)
+    out_half = kernels.apply_rotary_pos_emb(q, k, *half, interleaved=interleaved, rotary_dim=8)
+    for a, b in zip(out_full, out_half):
+        torch.testing.assert_close(a, b)
+    check(q, k, *half, interleaved=interleaved, rotary_dim=8)
+
+
+def test_views_of_a_fused_qkv_projection_need_no_copy(backend):
+    """q, k sliced out of one [B, S, H + 2*Hk, D] projection output: strided views, checked as is."""
+    batch, seq_len, heads, kv_heads, head_dim = 2, 5, 4, 2, 16
+    qkv = torch.randn(batch, seq_len, heads + 2 * kv_heads, head_dim, requires_grad=True)
+    q, k = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads]
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cos, sin = llama_tables(seq_len, head_dim)
+    out = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+    ref = rotary_reference(q, k, cos, sin)
+    grads = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) for o in out]  # strided grads
+    for a, b in zip(torch.autograd.grad(out, qkv, grads), torch.autograd.grad(ref, qkv, grads)):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b)
+
+
+def test_rotation_preserves_norms_and_backward_inverts(backend):
+    """Each pair is rotated: norms are kept, and the backward of a rotation is its inverse."""
+    q, k = qk(1, 7, 2, 2, 8, layout="bshd", dtype=torch.float32)
+    cos, sin = llama_tables(7, 8)
+    q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(q_out.norm(dim=-1), q.norm(dim=-1))
+    dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (q_out.detach(), k_out.detach()))
+    torch.testing.assert_close(dq, q.detach())
+    torch.testing.assert_close(dk, k.detach())
+
+
+def test_no_mutation_and_second_backward(backend):
+    q, k = qk(2, 3, 4, 2, 8, layout="bshd", dtype=torch.bfloat16)
+    cos, sin = llama_tables(3, 8)
+    inputs = [t.detach().clone() for t in (q, k, cos, sin)]
+    outs = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+    grads = [torch.randn_like(o) for o in outs]
+    saved_grads = [g.clone() for g in grads]
+    first = torch.autograd.grad(outs, (q, k), grads, retain_graph=True)
+    second = torch.autograd.grad(outs, (q, k), grads)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(inputs, (q, k, cos, sin)))
+    assert all(torch.equal(a, b) for a, b in zip(saved_grads, grads))
+
+
+def test_layer_matches_seed_rotary_embedding(backend):
+    """FusedRotaryEmbedding equals the seed model's RotaryEmbedding + apply_rotary_pos_emb."""
+    head_dim, seq_len = 16, 9
+    layer = kernels.FusedRotaryEmbedding(head_dim, max_position_embeddings=4)  # grows to 9 on demand
+    q, k = qk(2, seq_len, 4, 4, head_dim, layout="bshd", dtype=torch.float32)
+    cos, sin = llama_tables(seq_len, head_dim)
+    position_ids = torch.arange(seq_len).flip(0)[None]
+    for pos in (None, position_ids):
+        out = layer(q, k, pos)
+        ref = rotary_reference(q, k, cos[None, :, None], sin[None, :, None], pos)
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batch():
+    q, k = qk(0, 4, 2, 2, 8, layout="bshd", dtype=torch.float32)
+    cos, sin = llama_tables(4, 8)
+    q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+def _errors_cases():
+    q, k = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
+    cos, sin = llama_tables(5, 8)
+    odd_q = torch.randn(2, 5, 4, 7)
+    return [
+        (dict(q=odd_q, k=odd_q, cos=torch.ones(5, 7), sin=torch.ones(5, 7)), "head_dim = 7 must be even"),
+        (dict(q=q, k=k, cos=cos[:3], sin=sin[:3]), "cos/sin have 3 positions but the sequence has 5"),
+        (dict(q=q, k=k, cos=cos, sin=sin, position_ids=torch.full((2, 5), 5)), r"position_ids must lie in \[0, 5\)"),
+        (dict(q=q, k=k, cos=cos, sin=sin, position_ids=torch.zeros(3, 5, dtype=torch.long)), "position_ids must be"),
+        (dict(q=q, k=k, cos=cos, sin=sin, position_ids=torch.zeros(2, 5)), "integer tensor"),
+        (dict(q=q, k=k.double(), cos=cos, sin=sin), "float64"),
+        (dict(q=q, k=k.half(), cos=cos, sin=sin), "one dtype"),
+        (dict(q=q, k=torch.randn(2, 6, 2, 8), cos=cos, sin=sin), "must agree on batch, sequence and head_dim"),
+        (dict(q=q, k=k, cos=cos.to("meta"), sin=sin.to("meta")), "one device"),
+        (dict(q=q, k=k, cos=cos, sin=sin, layout="sbhd"), "layout must be one of"),
+        (dict(q=q, k=k, cos=cos[None, None], sin=sin[None, None]), r"4-D cos/sin must be \[1 or B, T, 1, D\]"),
+        (dict(q=q, k=k, cos=torch.ones(5, 6), sin=torch.ones(5, 6), rotary_dim=8), "cos/sin last dim is 6"),
+        (dict(q=q, k=k, cos=cos, sin=sin[:4]), "must have the same shape"),
+        (dict(q=q, k=k, cos=cos.clone().requires_grad_(), sin=sin), "detach"),
+        (dict(q=q, k=k, cos=cos, sin=sin, rotary_dim=10), "rotary_dim = 10 must be even, positive and <= head_dim"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs, message", _errors_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_input_errors(kwargs, message):
+    kwargs = dict(kwargs)
+    args = [kwargs.pop(name) for name in ("q", "k", "cos", "sin")]
+    with pytest.raises((ValueError, TypeError), match=message):
+        kernels.apply_rotary_pos_emb(*args, **kwargs)
+
+
+def test_table_values_are_the_seed_formula():
+    """Our test tables match the seed's RotaryEmbedding construction (guards the test itself)."""
+    cos, _ = llama_tables(3, 4)
+    expected = math.cos(2 * 1.0 / (10000 ** (2 / 4)))  # position 2, second frequency
+    assert cos[2, 1].item() == pytest.approx(expected, rel=1e-6)
+    assert cos[2, 3].item() == pytest.approx(expected, rel=1e-6)

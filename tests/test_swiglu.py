@@ -1,0 +1,126 @@
+"""SwiGLU (two-tensor and split-in-half forms) against the plain PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels.reference import swiglu_reference
+from kernels.swiglu import MAX_BLOCK_N
+from tests._tolerance import assert_matches_reference, upcast
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# One element, a prime width, a width just over one column block (no power-of-two padding), 3-D.
+SHAPES = [(1, 1), (3, 37), (2, MAX_BLOCK_N + 5), (2, 3, 176)]
+
+
+def _check(fn_inputs, grad_shape=None):
+    """Compare outputs and input gradients of swiglu(*inputs) with the reference and fp64 gold."""
+
+    def fwd_bwd(fn, inputs, grad):
+        out = fn(*inputs)
+        return out, torch.autograd.grad(out, inputs, grad)
+
+    ref_out = swiglu_reference(*fn_inputs)
+    grad = torch.randn_like(ref_out)
+    out, grads = fwd_bwd(kernels.swiglu, fn_inputs, grad)
+    ref_out, ref_grads = fwd_bwd(swiglu_reference, fn_inputs, grad)
+    gold_out, gold_grads = fwd_bwd(swiglu_reference, [upcast(t) for t in fn_inputs], grad.double())
+    assert_matches_reference(out, ref_out, gold_out, name="out")
+    for name, g, r, gg in zip(("dx", "dy"), grads, ref_grads, gold_grads):
+        assert_matches_reference(g, r, gg, name=name)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_two_tensor_form(backend, shape, dtype):
+    # Scale 3 so that silu's curved region and its tails are both exercised.
+    x = (3 * torch.randn(shape, dtype=dtype)).requires_grad_()
+    y = torch.randn(shape, dtype=dtype, requires_grad=True)
+    _check([x, y])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_in_half_form(backend, shape, dtype):
+    packed = (*shape[:-1], 2 * shape[-1])
+    x = (3 * torch.randn(packed, dtype=dtype)).requires_grad_()
+    _check([x])
+
+
+def test_mixed_dtypes_promote(backend):
+    x = torch.randn(4, 10, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(4, 10, dtype=torch.float32, requires_grad=True)
+    out = kernels.swiglu(x, y)
+    assert out.dtype == torch.float32
+    dx, dy = torch.autograd.grad(out.sum(), (x, y))
+    assert dx.dtype == torch.bfloat16 and dy.dtype == torch.float32
+
+
+def test_strided_inputs_and_gradients(backend):
+    """Transposed inputs, a packed input that is itself a slice, and a non-contiguous gradient."""
+    x = torch.randn(40, 3, 7).transpose(0, 1).requires_grad_()  # [3, 40, 7] view
+    y = torch.randn(7, 40, 3).permute(2, 1, 0).requires_grad_()
+    grad = torch.randn(7, 40, 3).permute(2, 1, 0)
+    out = kernels.swiglu(x, y)
+    ref = swiglu_reference(x, y)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (x, y), grad), torch.autograd.grad(ref, (x, y), grad)):
+        torch.testing.assert_close(a, b)
+
+    wide = torch.randn(5, 30, requires_grad=True)
+    packed = wide[:, 3:27]  # a strided slice of width 24 = 2 x 12
+    out = kernels.swiglu(packed)
+    ref = swiglu_reference(packed)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(12, 5).t()
+    torch.testing.assert_close(torch.autograd.grad(out, wide, g)[0], torch.autograd.grad(ref, wide, g)[0])
+
+
+def test_no_mutation_and_second_backward(backend):
+    x = torch.randn(3, 9, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(3, 9, dtype=torch.bfloat16, requires_grad=True)
+    saved = [t.detach().clone() for t in (x, y)]
+    out = kernels.swiglu(x, y)
+    grad = torch.randn_like(out)
+    grad_saved = grad.clone()
+    first = torch.autograd.grad(out, (x, y), grad, retain_graph=True)
+    second = torch.autograd.grad(out, (x, y), grad)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(saved, (x, y)))
+    assert torch.equal(grad, grad_saved)
+
+
+def test_layers(backend):
+    torch.manual_seed(1)
+    mlp = kernels.FusedSwiGLUMLP(16, 44)
+    x = torch.randn(2, 3, 16)
+    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    torch.testing.assert_close(mlp(x), expected)
+    wrapped = kernels.FusedSwiGLUMLP.from_linears(gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
+    assert wrapped.gate_proj is mlp.gate_proj
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in mlp.named_parameters()]
+    torch.testing.assert_close(kernels.FusedSwiGLU()(x), swiglu_reference(x[..., :8], x[..., 8:]))
+
+
+def test_empty():
+    x = torch.randn(0, 8, requires_grad=True)
+    out = kernels.swiglu(x)
+    out.sum().backward()
+    assert out.shape == (0, 4) and x.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(2, 7),), "must be even; got 7"),
+        ((torch.randn(2, 8), torch.randn(2, 9)), "must have the same shape"),
+        ((torch.randn(2, 8).double(),), "float64"),
+        ((torch.randn(2, 8), torch.randn(2, 8, device="meta")), "one device"),
+        ((torch.tensor(1.0),), "scalar"),
+    ],
+)
+def test_bad_input_errors(args, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        kernels.swiglu(*args)
