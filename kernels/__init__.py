@@ -6,9 +6,9 @@ Every op is registered with torch.library (namespace `tridist`) so torch.compile
 """
 
 from .fuse import FuseReport, fuse
-from .rms_norm import FusedRMSNorm, rms_norm
-from .rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
-from .swiglu import FusedSwiGLU, FusedSwiGLUMLP, swiglu
+from .ops.rms_norm import FusedRMSNorm, rms_norm
+from .ops.rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
+from .ops.swiglu import FusedSwiGLU, FusedSwiGLUMLP, swiglu
 
 __all__ = [
     "FuseReport",

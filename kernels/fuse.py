@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import rotary as rotary_op
+from .ops import rotary as rotary_op
+from .ops.rms_norm import FusedRMSNorm
+from .ops.swiglu import FusedSwiGLUMLP
 from .reference import rms_norm_reference, rotary_reference
-from .rms_norm import FusedRMSNorm
-from .swiglu import FusedSwiGLUMLP
 
 _EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
 _ROTARY_NAME_HINTS = ("rotary", "rope")
@@ -128,14 +128,16 @@ def _fuse_rms_norm(model, name, module, report) -> None:
     eps = next(getattr(module, a) for a in _EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float))
     weight = module.weight
     cast_to = _rms_norm_cast_convention(module)
-    x = _probe_input((3, weight.shape[0]), weight)
-    with torch.no_grad():
-        out = module(x)
-        offset = next(
-            (o for o in (0.0, 1.0) if _close(out, rms_norm_reference(x, weight, eps, offset=o, cast_to=cast_to))),
-            None,
-        )
-    if cast_to is None or offset is None:
+    offset = None
+    if cast_to is not None:
+        x = _probe_input((3, weight.shape[0]), weight)
+        with torch.no_grad():
+            out = module(x)
+            offset = next(
+                (o for o in (0.0, 1.0) if _close(out, rms_norm_reference(x, weight, eps, offset=o, cast_to=cast_to))),
+                None,
+            )
+    if offset is None:
         report.skipped.append(
             (name, f"has a 1-D weight and eps={eps} but its output is not RMSNorm(x) * (w or 1 + w); left as is")
         )
@@ -152,8 +154,11 @@ def _rms_norm_cast_convention(module: torch.nn.Module) -> str | None:
     """
     probe_module = copy.deepcopy(module).to(torch.bfloat16)
     x = _probe_input((2, module.weight.shape[0]), module.weight, dtype=torch.float32)
-    with torch.no_grad():
-        out = probe_module(x)
+    try:
+        with torch.no_grad():
+            out = probe_module(x)
+    except Exception:  # a module that rejects mixed dtypes is not one of the two conventions
+        return None
     if not torch.is_tensor(out):
         return None
     return {torch.bfloat16: "weight", torch.float32: "input"}.get(out.dtype)

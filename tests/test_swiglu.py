@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels.reference import swiglu_reference
-from kernels.swiglu import MAX_BLOCK_N
+from kernels.ops.swiglu import MAX_BLOCK_N
 from tests._tolerance import assert_matches_reference, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from ._common import check_dtype, check_same_device, next_power_of_2, use_triton
+from .. import configs
+from .._common import check_dtype, check_same_device, next_power_of_2, use_triton
 
 LAYOUTS = ("bshd", "bhsd")
 # Heads are processed in tiles of up to this many elements per half (a or b), e.g. 32 heads x 64 pairs.

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from ._common import (
+from .. import configs
+from .._common import (
     HALF_DTYPES,
     RowLayout,
     check_dtype,

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import configs
-from ._common import RowLayout, check_dtype, check_same_device, next_power_of_2, use_triton
+from .. import configs
+from .._common import RowLayout, check_dtype, check_same_device, next_power_of_2, use_triton
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
