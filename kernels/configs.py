@@ -68,10 +68,16 @@ def _load_table(path: str) -> dict:
 def clear_cache() -> None:
     """Forget tables already read (after autotune wrote a new one in this process)."""
     _load_table.cache_clear()
+    tuned_config.cache_clear()
 
 
+@functools.lru_cache(maxsize=4096)
 def tuned_config(op: str, device: torch.device, key: str, allowed: frozenset[str]) -> dict | None:
-    """The tuned configuration of `op` for `key` on this device, or None."""
+    """The tuned configuration of `op` for `key` on this device, or None.
+
+    Cached: launches ask on every call, and finding the table queries the device's name.
+    Callers must not modify the returned dict.
+    """
     entry = _load_table(str(tuned_table_path(device))).get(op, {}).get(key)
     if entry is None:
         return None
@@ -83,4 +89,4 @@ def tuned_config(op: str, device: torch.device, key: str, allowed: frozenset[str
             stacklevel=3,
         )
         return None
-    return dict(entry)
+    return entry

@@ -27,6 +27,7 @@ from .._common import (
     RowLayout,
     check_dtype,
     check_same_device,
+    eager_autograd,
     next_power_of_2,
     num_programs_for_persistent_grid,
     use_triton,
@@ -349,23 +350,20 @@ def _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compu
 # ------------------------------------------------------------------------------ torch.library operators
 
 
-@torch.library.custom_op("tridist::rms_norm", mutates_args=())
-def _rms_norm_op(
+def _rms_norm_impl(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_to_input: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = _forward(x, None, weight, eps, offset, cast_to_input)
     return y, rstd
 
 
-@torch.library.custom_op("tridist::add_rms_norm", mutates_args=())
-def _add_rms_norm_op(
+def _add_rms_norm_impl(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, cast_to_input: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(x, residual, weight, eps, offset, cast_to_input)
 
 
-@torch.library.custom_op("tridist::rms_norm_backward", mutates_args=())
-def _rms_norm_backward_op(
+def _rms_norm_backward_impl(
     grad_y: torch.Tensor,
     grad_h: torch.Tensor | None,
     h: torch.Tensor,
@@ -376,6 +374,15 @@ def _rms_norm_backward_op(
     compute_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _backward(grad_y, grad_h, h, weight, rstd, offset, cast_to_input, h.dtype, compute_dw)
+
+
+_rms_norm_op = torch.library.custom_op("tridist::rms_norm", mutates_args=())(_rms_norm_impl)
+_add_rms_norm_op = torch.library.custom_op("tridist::add_rms_norm", mutates_args=())(_add_rms_norm_impl)
+_rms_norm_backward_op = torch.library.custom_op("tridist::rms_norm_backward", mutates_args=())(_rms_norm_backward_impl)
+
+
+def _backward_fn(ctx):
+    return _rms_norm_backward_impl if getattr(ctx, "eager", False) else _rms_norm_backward_op
 
 
 @_rms_norm_op.register_fake
@@ -408,7 +415,7 @@ def _setup_rms_norm(ctx, inputs, output):
 
 def _backward_rms_norm(ctx, grad_y, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_backward_op(
+    dx, dw = _backward_fn(ctx)(
         grad_y, None, x, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[1]
     )
     return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
@@ -424,7 +431,7 @@ def _setup_add_rms_norm(ctx, inputs, output):
 
 def _backward_add_rms_norm(ctx, grad_y, grad_h, grad_rstd):
     h, weight, rstd = ctx.saved_tensors
-    dh, dw = _rms_norm_backward_op(
+    dh, dw = _backward_fn(ctx)(
         grad_y, grad_h, h, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[2]
     )
     # h = x + residual: both receive the gradient of h (cast back to their own dtype if they differ).
@@ -433,6 +440,8 @@ def _backward_add_rms_norm(ctx, grad_y, grad_h, grad_rstd):
 
 torch.library.register_autograd("tridist::rms_norm", _backward_rms_norm, setup_context=_setup_rms_norm)
 torch.library.register_autograd("tridist::add_rms_norm", _backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+_rms_norm_eager = eager_autograd(_rms_norm_impl, _setup_rms_norm, _backward_rms_norm)
+_add_rms_norm_eager = eager_autograd(_add_rms_norm_impl, _setup_add_rms_norm, _backward_add_rms_norm)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -467,14 +476,16 @@ def rms_norm(
             f"the weight must be 1-D of size {x.shape[-1]}"
         )
     if residual is None:
-        y, _ = _rms_norm_op(x, weight, float(eps), float(offset), cast_to == "input")
+        op = _rms_norm_op if torch.compiler.is_compiling() else _rms_norm_eager
+        y, _ = op(x, weight, float(eps), float(offset), cast_to == "input")
         return y
     check_dtype(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(
             f"{op}: residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match"
         )
-    y, h, _ = _add_rms_norm_op(x, residual, weight, float(eps), float(offset), cast_to == "input")
+    op = _add_rms_norm_op if torch.compiler.is_compiling() else _add_rms_norm_eager
+    y, h, _ = op(x, residual, weight, float(eps), float(offset), cast_to == "input")
     return y, h
 
 

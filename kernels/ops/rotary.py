@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import check_dtype, check_same_device, next_power_of_2, use_triton
+from .._common import check_dtype, check_same_device, eager_autograd, next_power_of_2, use_triton
 
 LAYOUTS = ("bshd", "bhsd")
 # Heads are processed in tiles of up to this many elements per half (a or b), e.g. 32 heads x 64 pairs.
@@ -273,8 +273,7 @@ def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_
 # ------------------------------------------------------------------------------ torch.library operator
 
 
-@torch.library.custom_op("tridist::rotary", mutates_args=())
-def _rotary_op(
+def _rotary_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
@@ -286,6 +285,9 @@ def _rotary_op(
     conjugate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate)
+
+
+_rotary_op = torch.library.custom_op("tridist::rotary", mutates_args=())(_rotary_impl)
 
 
 @_rotary_op.register_fake
@@ -301,11 +303,13 @@ def _setup_rotary(ctx, inputs, output):
 
 def _backward_rotary(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.saved_tensors
-    dq, dk = _rotary_op(grad_q, grad_k, cos, sin, position_ids, *ctx.options, True)
+    rotate = _rotary_impl if getattr(ctx, "eager", False) else _rotary_op
+    dq, dk = rotate(grad_q, grad_k, cos, sin, position_ids, *ctx.options, True)
     return dq, dk, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("tridist::rotary", _backward_rotary, setup_context=_setup_rotary)
+_rotary_eager = eager_autograd(_rotary_impl, _setup_rotary, _backward_rotary)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -332,7 +336,8 @@ def apply_rotary_pos_emb(
     rotary_dim / 2 (one entry per pair, flash-attention style). Features past rotary_dim pass through.
     """
     rotary_dim = _validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=rotary_dim)
-    return _rotary_op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, rotary_dim, False)
+    op = _rotary_op if torch.compiler.is_compiling() else _rotary_eager
+    return op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, rotary_dim, False)
 
 
 def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | None) -> int:

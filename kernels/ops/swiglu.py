@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import RowLayout, check_dtype, check_same_device, next_power_of_2, use_triton
+from .._common import RowLayout, check_dtype, check_same_device, eager_autograd, next_power_of_2, use_triton
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
@@ -133,10 +133,9 @@ def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _backward_into(grad, gate, up, dgate, dup) -> None:
     """Write both input gradients into the (possibly strided) tensors dgate and dup."""
     if not use_triton(gate):
-        g, x, y = grad.float(), gate.float(), up.float()
-        sig = torch.sigmoid(x)
-        dgate.copy_(g * y * sig * (1 + x * (1 - sig)))
-        dup.copy_(g * x * sig)
+        torch_dgate, torch_dup = _backward_torch(grad, gate, up)
+        dgate.copy_(torch_dgate)
+        dup.copy_(torch_dup)
         return
     layouts = {name: RowLayout.of(t) for name, t in (("grad", grad), ("gate", gate), ("up", up))}
     layouts.update(dgate=RowLayout.of(dgate, allow_copy=False), dup=RowLayout.of(dup, allow_copy=False))
@@ -150,6 +149,15 @@ def _backward_into(grad, gate, up, dgate, dup) -> None:
         )
 
 
+def _backward_torch(grad, gate, up):
+    """The same math in plain PyTorch, for CPU tensors outside the interpreter."""
+    g, x, y = grad.float(), gate.float(), up.float()
+    # ATen's fused silu_backward is exactly g * s * (1 + x * (1 - s)): fewer temporaries on a CPU.
+    dgate = torch.ops.aten.silu_backward(g * y, x)
+    dup = g * torch.nn.functional.silu(x)
+    return dgate.to(gate.dtype), dup.to(up.dtype)
+
+
 def _halves(x: torch.Tensor):
     half = x.shape[-1] // 2
     return x[..., :half], x[..., half:]
@@ -158,28 +166,34 @@ def _halves(x: torch.Tensor):
 # ------------------------------------------------------------------------------ torch.library operators
 
 
-@torch.library.custom_op("tridist::swiglu", mutates_args=())
-def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _swiglu_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _forward(gate, up)
 
 
-@torch.library.custom_op("tridist::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_impl(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not use_triton(gate):
+        return _backward_torch(grad, gate, up)
     dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
     _backward_into(grad, gate, up, dgate, dup)
     return dgate, dup
 
 
-@torch.library.custom_op("tridist::swiglu_packed", mutates_args=())
-def _swiglu_packed_op(x: torch.Tensor) -> torch.Tensor:
+def _swiglu_packed_impl(x: torch.Tensor) -> torch.Tensor:
     return _forward(*_halves(x))
 
 
-@torch.library.custom_op("tridist::swiglu_packed_backward", mutates_args=())
-def _swiglu_packed_backward_op(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _swiglu_packed_backward_impl(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     _backward_into(grad, *_halves(x), *_halves(dx))
     return dx
+
+
+_swiglu_op = torch.library.custom_op("tridist::swiglu", mutates_args=())(_swiglu_impl)
+_swiglu_backward_op = torch.library.custom_op("tridist::swiglu_backward", mutates_args=())(_swiglu_backward_impl)
+_swiglu_packed_op = torch.library.custom_op("tridist::swiglu_packed", mutates_args=())(_swiglu_packed_impl)
+_swiglu_packed_backward_op = torch.library.custom_op("tridist::swiglu_packed_backward", mutates_args=())(
+    _swiglu_packed_backward_impl
+)
 
 
 @_swiglu_op.register_fake
@@ -208,16 +222,20 @@ def _setup_swiglu(ctx, inputs, output):
 
 def _backward_swiglu(ctx, grad):
     gate, up = ctx.saved_tensors
-    return _swiglu_backward_op(grad, gate, up)
+    backward = _swiglu_backward_impl if getattr(ctx, "eager", False) else _swiglu_backward_op
+    return backward(grad, gate, up)
 
 
 def _backward_swiglu_packed(ctx, grad):
     (x,) = ctx.saved_tensors
-    return _swiglu_packed_backward_op(grad, x)
+    backward = _swiglu_packed_backward_impl if getattr(ctx, "eager", False) else _swiglu_packed_backward_op
+    return backward(grad, x)
 
 
 torch.library.register_autograd("tridist::swiglu", _backward_swiglu, setup_context=_setup_swiglu)
 torch.library.register_autograd("tridist::swiglu_packed", _backward_swiglu_packed, setup_context=_setup_swiglu)
+_swiglu_eager = eager_autograd(_swiglu_impl, _setup_swiglu, _backward_swiglu)
+_swiglu_packed_eager = eager_autograd(_swiglu_packed_impl, _setup_swiglu, _backward_swiglu_packed)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -237,12 +255,12 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
             raise ValueError(
                 f"{op}: with y=None the last dim of x is split in half (gate, up), so it must be even; got {x.shape[-1]}"
             )
-        return _swiglu_packed_op(x)
+        return (_swiglu_packed_op if torch.compiler.is_compiling() else _swiglu_packed_eager)(x)
     check_dtype(op, "y", y)
     check_same_device(op, x=x, y=y)
     if x.shape != y.shape:
         raise ValueError(f"{op}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
-    return _swiglu_op(x, y)
+    return (_swiglu_op if torch.compiler.is_compiling() else _swiglu_eager)(x, y)
 
 
 class FusedSwiGLU(torch.nn.Module):

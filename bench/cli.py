@@ -1,0 +1,119 @@
+"""The `tridist` command line.
+
+    tridist bench kernels [--ops rms_norm,swiglu] [--dtype bf16] [--device auto] [--quick] [--no-compile] [--out DIR]
+
+Commands are data: COMMANDS maps a name to a `Command` (its arguments and its handler), and
+`bench` has its own table of targets. Handlers import their package when they run, so that
+`tridist --help` and argument errors stay instant (no torch, pandas or matplotlib at import time).
+A new command (`tridist tune`, `tridist calibrate`, `tridist demo`) is one more entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Callable
+
+# Known here as well as in bench.kernels (which imports torch): argument checking stays import-free.
+# tests/test_bench.py checks that the two lists agree.
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu")
+KERNEL_DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int] | None = None
+    subcommands: dict[str, "Command"] = dataclasses.field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------------- tridist bench kernels
+
+
+def parse_ops(text: str) -> list[str]:
+    """'rms_norm,swiglu' -> ['rms_norm', 'swiglu']; an unknown name is an error that lists the valid ones."""
+    ops = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in ops if name not in KERNEL_OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(
+            f"unknown op(s): {', '.join(unknown) or '(none given)'}; valid ops: {', '.join(KERNEL_OPS)}")
+    return ops
+
+
+def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", type=parse_ops, default=None,
+                        help=f"comma-separated ops (default: all of {','.join(KERNEL_OPS)})")
+    parser.add_argument("--dtype", choices=KERNEL_DTYPES, default=None,
+                        help="element type (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="one shape per op")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="skip the torch.compile baseline (its compilation dominates short runs)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="report directory (default: reports/kernels-<device>-<timestamp>/)")
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    from bench.kernels import resolve_device, run_kernel_benchmark
+
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as exc:  # --device cuda without a GPU
+        print(f"tridist bench kernels: error: {exc}", file=sys.stderr)
+        return 2
+    df = run_kernel_benchmark(ops=args.ops, dtype=args.dtype, device=device, quick=args.quick,
+                              compile=args.compile, out_dir=args.out, progress=True)
+    report_dir = df.attrs["report_dir"]
+    with open(f"{report_dir}/report.md") as f:
+        print(f.read())
+    print(f"report: {report_dir}")
+    errors = (df["error"].fillna("") != "").sum()
+    return 1 if errors and errors == len(df) else 0  # fail only when nothing ran cleanly
+
+
+# ------------------------------------------------------------------------------------------- the table
+
+
+COMMANDS: dict[str, Command] = {
+    "bench": Command(
+        help="benchmarks and reports",
+        add_arguments=lambda parser: None,
+        subcommands={
+            "kernels": Command(
+                help="fused ops vs eager, torch.compile and Liger-Kernel: time, GB/s, share of copy bandwidth",
+                add_arguments=_kernels_arguments,
+                handler=_bench_kernels,
+            ),
+        },
+    ),
+}
+
+
+def _add_commands(subparsers, commands: dict[str, Command], dest: str) -> None:
+    for name, command in commands.items():
+        parser = subparsers.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(parser)
+        if command.subcommands:
+            nested = parser.add_subparsers(dest=f"{dest}_{name}", metavar="TARGET", required=True)
+            _add_commands(nested, command.subcommands, f"{dest}_{name}")
+        else:
+            parser.set_defaults(handler=command.handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tridist", description="tridist: fused kernels and distributed training")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_commands(subparsers, COMMANDS, "command")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tridist` console script and of `python -m bench`; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

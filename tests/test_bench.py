@@ -1,0 +1,209 @@
+"""The kernel benchmark's pipeline on tiny CPU shapes: rows, report files, bytes formulas, CLI.
+
+Timing numbers are not checked (CPU, shared machine); what is checked is that every row is filled,
+that a wrong or broken variant is flagged rather than timed silently, and that the formulas match
+hand-computed values.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import cli
+from bench import kernels as kb
+from kernels.reference import swiglu_reference
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FAST_TIMING = {"warmup_ms": 1, "rep_ms": 5}  # a handful of runs per row: pipeline, not numbers
+
+TINY_CASES = [
+    kb.Case("rms_norm", tokens=32, width=64, dtype="fp32"),
+    kb.Case("add_rms_norm", tokens=32, width=64, dtype="fp32"),
+    kb.Case("rotary", tokens=32, width=64, dtype="fp32", head_dim=16, seq_len=16),  # B=2, Hq=4, Hk=1
+    kb.Case("swiglu", tokens=32, width=48, dtype="fp32"),
+]
+
+
+def _tridist_exports_all() -> bool:
+    import kernels
+
+    return all(hasattr(kernels, name) for name in ("rms_norm", "apply_rotary_pos_emb", "swiglu"))
+
+
+# ------------------------------------------------------------------------------------------- full runs
+
+
+def test_eager_run_writes_results_report_and_plot(tmp_path):
+    df = kb.run_kernel_benchmark(cases=TINY_CASES, variants=["eager"], out_dir=tmp_path, progress=False,
+                                 **FAST_TIMING)  # measures the copy bandwidth too
+
+    results = tmp_path / "results.csv"
+    assert results.exists()
+    import pandas as pd
+
+    saved = pd.read_csv(results)
+    assert list(saved.columns) == list(kb.RESULT_COLUMNS)
+    assert len(saved) == len(TINY_CASES) * len(kb.MODES)
+    assert set(saved["op"]) == set(kb.OPS) and set(saved["mode"]) == set(kb.MODES)
+    assert saved["time_ms"].notna().all() and (saved["time_ms"] > 0).all()
+    assert (saved["gbps"] > 0).all() and (saved["pct_copy_bw"] > 0).all()
+    assert saved["error"].isna().all()  # "" is read back as NaN
+    assert df.attrs["meta"]["copy_bw_gbps"] > 0
+
+    report = (tmp_path / "report.md").read_text()
+    assert "- Device: CPU" in report and "Measured copy bandwidth" in report
+    assert f"torch {torch.__version__}" in report
+    for op in kb.OPS:
+        assert f"## {op}" in report
+    assert "| shape" in report and "eager ms" in report and "eager GB/s" in report
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(not _tridist_exports_all(), reason="kernels does not export every fused op yet")
+def test_tridist_variant_runs_and_matches_eager():
+    # fwd+bwd only: the check before timing already runs forward and backward once; the Triton
+    # interpreter (TRITON_INTERPRET=1 in conftest) is slow.
+    df = kb.run_kernel_benchmark(cases=TINY_CASES, variants=["eager", "tridist"], modes=["fwd+bwd"],
+                                 copy_bw_gbps=10.0, progress=False, write_report=False, **FAST_TIMING)
+    ours = df[df["variant"] == "tridist"]
+    assert len(ours) == len(TINY_CASES)
+    assert (ours["error"] == "").all(), ours.loc[ours["error"] != "", ["op", "mode", "error"]].to_string()
+    assert ours["time_ms"].notna().all()
+    eager = df[df["variant"] == "eager"]
+    assert eager["tridist_speedup"].notna().all() and (ours["tridist_speedup"] == 1.0).all()
+
+
+def test_wrong_or_broken_variant_is_flagged(monkeypatch):
+    """A variant that computes the wrong thing is timed but flagged; one that raises is not timed."""
+    def wrong(x, y=None):
+        return swiglu_reference(x, y) * 1.5
+
+    def raises(x, y=None):
+        raise RuntimeError("no kernel")
+
+    broken = {"wrong": wrong, "raises": raises}
+    monkeypatch.setattr(kb, "_tridist", lambda op: broken[which])
+    case = [kb.Case("swiglu", tokens=8, width=16, dtype="fp32")]
+
+    which = "wrong"
+    df = kb.run_kernel_benchmark(cases=case, variants=["tridist"], modes=["fwd"], copy_bw_gbps=10.0,
+                                 progress=False, write_report=False, **FAST_TIMING)
+    assert df["error"].iloc[0].startswith("mismatch: output[0]")
+    assert df["time_ms"].notna().all()
+
+    which = "raises"
+    df = kb.run_kernel_benchmark(cases=case, variants=["tridist"], modes=["fwd"], copy_bw_gbps=10.0,
+                                 progress=False, write_report=False, **FAST_TIMING)
+    assert "RuntimeError: no kernel" in df["error"].iloc[0]
+    assert math.isnan(df["time_ms"].iloc[0])
+
+
+def test_report_marks_errors_and_skips(tmp_path):
+    from bench.report import render_kernel_markdown
+
+    df = kb.run_kernel_benchmark(cases=TINY_CASES[-1:], variants=["eager", "liger"], modes=["fwd"],
+                                 copy_bw_gbps=10.0, progress=False, write_report=False, **FAST_TIMING)
+    df.loc[0, "error"] = "mismatch: output[0] relative error 0.5 > 0.001"
+    text = render_kernel_markdown(df, df.attrs["meta"])
+    assert "(!)" in text and "## Errors" in text
+    assert "## Skipped variants" in text and "liger / swiglu" in text  # Liger needs a GPU
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+
+
+def test_bytes_formulas_match_hand_counts():
+    # rms_norm, T=4, H=8, bf16 (2 bytes): fwd reads x (32 elements), w (8), writes y (32)
+    assert kb.rms_norm_bytes(tokens=4, hidden=8, elem_size=2, mode="fwd") == (32 + 8 + 32) * 2
+    # bwd: read x, dy (32 each), w (8), rstd (4 rows x 4 bytes); write dx (32), dw (8)
+    assert kb.rms_norm_bytes(tokens=4, hidden=8, elem_size=2, mode="bwd") == (32 + 32 + 8 + 32 + 8) * 2 + 16
+    assert kb.rms_norm_bytes(tokens=4, hidden=8, elem_size=2, mode="fwd+bwd") == 144 + 240
+    # add_rms_norm: fwd reads x, r, w, writes y, h; bwd reads dy, dh, h, w, rstd, writes dx, dw
+    assert kb.add_rms_norm_bytes(tokens=4, hidden=8, elem_size=2, mode="fwd") == (32 * 4 + 8) * 2
+    assert kb.add_rms_norm_bytes(tokens=4, hidden=8, elem_size=2, mode="bwd") == (32 * 3 + 8 + 32 + 8) * 2 + 16
+    # rotary: B=2, S=3, Hq=4, Hk=1, D=8, bf16: q (192) + k (48) read and written, cos + sin (24 each) read
+    one_pass = (2 * (192 + 48) + 2 * 24) * 2
+    assert kb.rotary_bytes(batch=2, seq_len=3, q_heads=4, kv_heads=1, head_dim=8, elem_size=2, mode="fwd") == one_pass
+    assert kb.rotary_bytes(batch=2, seq_len=3, q_heads=4, kv_heads=1, head_dim=8, elem_size=2, mode="bwd") == one_pass
+    assert kb.bytes_moved(kb.Case("rotary", tokens=6, width=32, dtype="bf16", head_dim=8, seq_len=3),
+                          "fwd+bwd") == 2 * one_pass
+    # swiglu: T=4, I=6, fp32: fwd gate+up+out = 3*24*4; bwd dout+gate+up+dgate+dup = 5*24*4
+    assert kb.swiglu_bytes(tokens=4, intermediate=6, elem_size=4, mode="fwd") == 288
+    assert kb.swiglu_bytes(tokens=4, intermediate=6, elem_size=4, mode="bwd") == 480
+    assert kb.bytes_moved(kb.Case("swiglu", tokens=4, width=6, dtype="fp32"), "fwd+bwd") == 768
+
+
+def test_default_grids():
+    cuda = kb.default_cases(device_type="cuda")
+    assert len(cuda) == len(kb.OPS) * 9 and {c.dtype for c in cuda} == {"bf16"}
+    rotary = [c for c in cuda if c.op == "rotary" and c.tokens == 65536 and c.width == 8192][0]
+    assert rotary.shape == "B=16 S=4096 Hq=64 Hk=16 D=128"
+    assert {c.width for c in cuda if c.op == "swiglu"} == {5632, 11008, 22016}
+    cpu_quick = kb.default_cases(device_type="cpu", quick=True, ops=["swiglu"])
+    assert len(cpu_quick) == 1 and cpu_quick[0].dtype == "fp32"
+    with pytest.raises(ValueError, match="valid ops: rms_norm, add_rms_norm, rotary, swiglu"):
+        kb.default_cases(device_type="cpu", ops=["layer_norm"])
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_parses_bench_kernels_arguments():
+    args = cli.build_parser().parse_args(
+        ["bench", "kernels", "--ops", "rms_norm,swiglu", "--dtype", "fp32", "--device", "cpu", "--quick",
+         "--no-compile", "--out", "somewhere"])
+    assert args.ops == ["rms_norm", "swiglu"] and args.dtype == "fp32" and args.device == "cpu"
+    assert args.quick and not args.compile and args.out == "somewhere"
+    defaults = cli.build_parser().parse_args(["bench", "kernels"])
+    assert defaults.ops is None and defaults.compile and defaults.device == "auto"
+    assert cli.KERNEL_OPS == kb.OPS and set(cli.KERNEL_DTYPES) == set(kb.DTYPES)
+
+
+def test_cli_rejects_unknown_op_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "kernels", "--ops", "rms_norm,layer_norm"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown op(s): layer_norm" in err
+    assert "valid ops: rms_norm, add_rms_norm, rotary, swiglu" in err
+
+
+def test_cli_runs_and_prints_the_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(kb, "default_cases", lambda **kwargs: TINY_CASES[:1])
+    monkeypatch.setattr(kb, "measure_copy_bandwidth", lambda device: 10.0)
+    status = cli.main(["bench", "kernels", "--device", "cpu", "--quick", "--no-compile", "--out", str(tmp_path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "# Kernel benchmark" in out and "## rms_norm" in out
+    assert f"report: {tmp_path}" in out
+    assert (tmp_path / "results.csv").exists()
+
+
+def test_cli_import_is_light():
+    code = ("import sys, bench.cli; "
+            "print(sorted(m for m in ('pandas', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]"
+
+
+# -------------------------------------------------------------------------------------------- compile
+
+
+@pytest.mark.slow
+def test_compile_variant_on_the_smallest_case():
+    """torch.compile on one tiny case (~5-15 s of CPU compilation): "bwd" (retain_graph=True) works on
+    the compiled backward; "fwd" (one more compilation, of the inference graph) is left to the main job."""
+    df = kb.run_kernel_benchmark(cases=[kb.Case("swiglu", tokens=8, width=16, dtype="fp32")],
+                                 variants=["compile"], modes=["bwd", "fwd+bwd"], copy_bw_gbps=10.0,
+                                 progress=False, write_report=False, **FAST_TIMING)
+    assert (df["error"] == "").all(), df["error"].tolist()
+    assert df["time_ms"].notna().all()
