@@ -146,6 +146,12 @@ def test_layer_matches_functional(backend):
     torch.testing.assert_close(h, 2 * x)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_hidden_size_65536(backend, residual):
+    """The largest hidden size the issue names: 16 column blocks, bf16, forward and backward."""
+    _check((2, 65536), torch.bfloat16, residual=residual)
+
+
 def test_zero_rows():
     x = torch.randn(0, 16, requires_grad=True)
     w = torch.ones(16, requires_grad=True)
