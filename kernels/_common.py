@@ -130,6 +130,37 @@ def eager_autograd(forward, setup_context, backward):
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, *grads)
+            with torch.no_grad():
+                input_grads = backward(ctx, *grads)
+            if not torch.is_grad_enabled():
+                return input_grads
+            # create_graph=True: the backward kernels are not differentiable. Like the registered op,
+            # raise if anyone differentiates these gradients, rather than silently dropping their
+            # second-order terms (torch's once_differentiable only does so when `grads` require grad).
+            anchors = [t for t in (*ctx.saved_tensors, *grads) if torch.is_tensor(t) and t.requires_grad]
+            single = torch.is_tensor(input_grads)
+            wrapped = _raise_on_differentiation(
+                (input_grads,) if single else input_grads, anchors, op=getattr(forward, "__name__", "op")
+            )
+            return wrapped[0] if single else wrapped
 
     return EagerFunction.apply
+
+
+def _raise_on_differentiation(tensors, anchors, *, op: str):
+    """`tensors` with a grad_fn that raises when differentiated.
+
+    The error node also takes the op's saved inputs and incoming gradients that require grad
+    (`anchors`): the autograd engine only runs nodes on a path to the requested inputs, so a node
+    hanging off detached leaves would be pruned and second-order terms dropped silently after all.
+    An op whose backward depends on neither (rotary: linear in q and k) has no second-order terms
+    through its inputs, so nothing is lost there.
+    """
+    present = [t for t in tensors if t is not None]
+    error = torch._C._functions.DelayedError(
+        f"tridist: double backward through {op} is not supported (its backward kernels are not "
+        "differentiable); compute higher-order gradients with the unfused reference ops".encode(),
+        len(present) + len(anchors),
+    )
+    wrapped = iter(error(*[t.detach().requires_grad_() for t in present], *anchors))
+    return tuple(next(wrapped) if t is not None else None for t in tensors)

@@ -7,8 +7,9 @@ device; this module only reads it (kernels/ imports nothing else of ours). The t
     {"device": "NVIDIA H100 80GB HBM3", "triton": "3.4.0",
      "configs": {"rms_norm_fwd": {"dtype=bfloat16,n_cols=4096": {"BLOCK_N": 4096, "BLOCK_M": 1, "num_warps": 8}}}}
 
-Keys are built by `config_key`. An entry naming a parameter the op does not have is ignored with a
-warning, so a stale table never breaks a launch.
+Keys are built by `config_key`. An entry that does not name exactly the op's parameters, or whose
+values are not positive powers of two, is ignored with a warning, so a stale table never breaks a
+launch.
 """
 
 from __future__ import annotations
@@ -81,11 +82,16 @@ def tuned_config(op: str, device: torch.device, key: str, allowed: frozenset[str
     entry = _load_table(str(tuned_table_path(device))).get(op, {}).get(key)
     if entry is None:
         return None
-    unknown = set(entry) - allowed
-    if unknown:
+    problem = None
+    if set(entry) != allowed:
+        unknown, missing = sorted(set(entry) - allowed), sorted(allowed - set(entry))
+        problem = f"names unknown parameters {unknown} / lacks {missing} (expected exactly {sorted(allowed)})"
+    elif not all(isinstance(v, int) and v > 0 and v & (v - 1) == 0 for v in entry.values()):
+        problem = f"has values that are not positive powers of two: {entry}"
+    if problem:
         warnings.warn(
-            f"tridist: tuned config for {op} [{key}] names unknown parameters {sorted(unknown)} "
-            f"(allowed: {sorted(allowed)}); using the heuristic instead. Re-run the kernel sweep.",
+            f"tridist: tuned config for {op} [{key}] {problem}; using the heuristic instead. "
+            "Re-run the kernel sweep.",
             stacklevel=3,
         )
         return None

@@ -95,15 +95,44 @@ def _replace(model: torch.nn.Module, name: str, old: torch.nn.Module, new: torch
 
 
 def _probe_input(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """Random rows with a clear non-zero mean and different scales: a LayerNorm (which subtracts
+    the mean) or a scale-dependent op cannot pass for an RMSNorm or a SwiGLU on such input."""
     generator = torch.Generator(device="cpu").manual_seed(1234)
-    return torch.randn(shape, generator=generator).to(device=like.device, dtype=dtype or like.dtype)
+    rows = torch.randn(shape, generator=generator)
+    scale = torch.rand((*shape[:-1], 1), generator=generator) * 3 + 0.5
+    return (rows * scale + 2.0).to(device=like.device, dtype=dtype or like.dtype)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
+def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """An fp32 copy of `module` with fresh random parameters.
+
+    Probing the live module could be fooled by its current values (a zero-initialised down
+    projection makes every activation look alike) and by half-precision rounding.
+    """
+    probe = copy.deepcopy(module).float()
+    generator = torch.Generator(device="cpu").manual_seed(4321)
+    with torch.no_grad():
+        for param in probe.parameters():
+            fan_in = param.shape[-1] if param.dim() > 1 else 1
+            fresh = torch.randn(param.shape, generator=generator) / fan_in**0.5 + (0.0 if param.dim() > 1 else 0.5)
+            param.copy_(fresh)
+    return probe
+
+
+def _run(module: torch.nn.Module, x: torch.Tensor):
+    """module(x) without autograd, or the exception it raised (a probe must never crash fuse)."""
+    try:
+        with torch.no_grad():
+            return module(x), None
+    except Exception as error:  # noqa: BLE001 - reported in the FuseReport
+        return None, f"{type(error).__name__}: {error}"
+
+
+def _close(a, b: torch.Tensor) -> bool:
+    """fp32 probes of the same math agree to rounding; anything else is a different op."""
+    if not torch.is_tensor(a) or a.shape != b.shape or a.dtype != b.dtype:
         return False
-    tol = 1e-4 if a.dtype == torch.float32 else 2e-2  # fp32 probes match to rounding; half ones to ~1 ulp
-    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+    return torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ RMSNorm
@@ -128,15 +157,18 @@ def _fuse_rms_norm(model, name, module, report) -> None:
     eps = next(getattr(module, a) for a in _EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float))
     weight = module.weight
     cast_to = _rms_norm_cast_convention(module)
+    probe = _probe_copy(module)
+    x = _probe_input((4, weight.shape[0]), weight, dtype=torch.float32)
+    out, error = _run(probe, x)
+    if error:
+        report.skipped.append((name, f"RMSNorm candidate: its forward failed on a probe ({error}); left as is"))
+        return
     offset = None
     if cast_to is not None:
-        x = _probe_input((3, weight.shape[0]), weight)
-        with torch.no_grad():
-            out = module(x)
-            offset = next(
-                (o for o in (0.0, 1.0) if _close(out, rms_norm_reference(x, weight, eps, offset=o, cast_to=cast_to))),
-                None,
-            )
+        offset = next(
+            (o for o in (0.0, 1.0) if _close(out, rms_norm_reference(x, probe.weight, eps, offset=o, cast_to=cast_to))),
+            None,
+        )
     if offset is None:
         report.skipped.append(
             (name, f"has a 1-D weight and eps={eps} but its output is not RMSNorm(x) * (w or 1 + w); left as is")
@@ -154,12 +186,8 @@ def _rms_norm_cast_convention(module: torch.nn.Module) -> str | None:
     """
     probe_module = copy.deepcopy(module).to(torch.bfloat16)
     x = _probe_input((2, module.weight.shape[0]), module.weight, dtype=torch.float32)
-    try:
-        with torch.no_grad():
-            out = probe_module(x)
-    except Exception:  # a module that rejects mixed dtypes is not one of the two conventions
-        return None
-    if not torch.is_tensor(out):
+    out, error = _run(probe_module, x)
+    if error or not torch.is_tensor(out):  # a module that rejects mixed dtypes follows neither
         return None
     return {torch.bfloat16: "weight", torch.float32: "input"}.get(out.dtype)
 
@@ -183,23 +211,29 @@ def _fuse_swiglu_mlp(model, name, module, report) -> None:
     if in_features is None:
         report.skipped.append((name, "SwiGLU MLP candidate: projections without in_features; left as is"))
         return
-    x = _probe_input((2, 3, in_features), weight)
+    probe = _probe_copy(module)
+    x = _probe_input((2, 3, in_features), weight, dtype=torch.float32)
+    out, error = _run(probe, x)
+    if error:
+        report.skipped.append((name, f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"))
+        return
     with torch.no_grad():
         if "gate_up_proj" in children:
-            gate, up = children["gate_up_proj"](x).chunk(2, dim=-1)
-            fused = FusedSwiGLUMLP.from_linears(gate_up_proj=children["gate_up_proj"], down_proj=children["down_proj"])
+            gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
         else:
-            gate, up = children["gate_proj"](x), children["up_proj"](x)
-            fused = FusedSwiGLUMLP.from_linears(
-                gate_proj=children["gate_proj"], up_proj=children["up_proj"], down_proj=children["down_proj"]
-            )
-        expected = children["down_proj"](F.silu(gate) * up)
-        matches = _close(module(x), expected)
-    if not matches:
+            gate, up = probe.gate_proj(x), probe.up_proj(x)
+        expected = probe.down_proj(F.silu(gate) * up)
+    if not _close(out, expected):
         report.skipped.append(
             (name, "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is")
         )
         return
+    if "gate_up_proj" in children:
+        fused = FusedSwiGLUMLP.from_linears(gate_up_proj=children["gate_up_proj"], down_proj=children["down_proj"])
+    else:
+        fused = FusedSwiGLUMLP.from_linears(
+            gate_proj=children["gate_proj"], up_proj=children["up_proj"], down_proj=children["down_proj"]
+        )
     _replace(model, name, module, fused)
     report.replaced.append((name, "swiglu: FusedSwiGLUMLP"))
 
@@ -303,6 +337,8 @@ def _rotary_adapter(original, convention: str):
 
 
 def _kernel_accepts(q, k, cos, sin, position_ids, layout) -> bool:
+    if torch.promote_types(q.dtype, cos.dtype) != q.dtype:
+        return False  # eager `q * cos` would promote (bf16 q, fp32 tables): keep that output dtype
     try:
         rotary_op._validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=None)
     except (ValueError, TypeError):

@@ -25,7 +25,7 @@ def rms_norm_reference(
     """RMSNorm as the seed model (cast_to="weight") or Hugging Face Llama (cast_to="input") writes it."""
     if residual is not None:
         x = x + residual
-    hidden = x.float()
+    hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 statistics (fp64 stays fp64)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
     if cast_to == "weight":

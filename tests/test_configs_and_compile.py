@@ -57,12 +57,22 @@ def test_tuned_entry_wins_and_is_used_by_the_launch(tuned_table, backend):
     torch.testing.assert_close(kernels.swiglu(x, x), swiglu_reference(x, x))
 
 
-def test_stale_entry_is_ignored_with_a_warning(tuned_table):
+@pytest.mark.parametrize(
+    "entry, problem",
+    [
+        ({"BLOCK_N": 64, "BLOCK_SIZE": 4}, "unknown parameters"),
+        ({"BLOCK_N": 64, "num_warps": 4}, "lacks"),  # BLOCK_M missing
+        ({"BLOCK_N": 48, "BLOCK_M": 1, "num_warps": 4}, "powers of two"),  # tl.arange needs 2**k
+    ],
+)
+def test_stale_or_invalid_entry_is_ignored_with_a_warning(tuned_table, entry, problem):
     key = configs.config_key(n_cols=64, dtype=torch.float32)
-    tuned_table({"rms_norm_fwd": {key: {"BLOCK_N": 64, "BLOCK_SIZE": 3}}})
-    with pytest.warns(UserWarning, match="unknown parameters"):
+    tuned_table({"rms_norm_fwd": {key: entry}})
+    with pytest.warns(UserWarning, match=problem):
         cfg = rms_norm_module.launch_config("fwd", 64, torch.float32, torch.device("cpu"))
-    assert "BLOCK_SIZE" not in cfg
+    assert cfg == {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 8}  # the heuristic
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(64)), rms_norm_reference(x, torch.ones(64)))
 
 
 def test_unreadable_table_is_ignored_with_a_warning(tmp_path, monkeypatch):
@@ -127,6 +137,56 @@ def test_ops_are_registered_with_torch_library():
     )
     out = rotary_reference(q, q, cos, sin)[0]
     torch.testing.assert_close(out, q)  # identity rotation (cos 1, sin 0) guards the op arguments above
+
+
+def _non_contiguous(*shape):
+    return torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))
+
+
+def test_ops_pass_opcheck_with_strided_inputs(backend):
+    """The real outputs have the strides the fake implementations promise (torch.compile relies on it)."""
+    x = _non_contiguous(6, 8).requires_grad_()
+    w = torch.rand(8, requires_grad=True)
+    torch.library.opcheck(torch.ops.tridist.rms_norm.default, (x, w, 1e-6, 0.0, True))
+    torch.library.opcheck(torch.ops.tridist.add_rms_norm.default, (x, _non_contiguous(6, 8), w, 1e-6, 1.0, False))
+    torch.library.opcheck(torch.ops.tridist.swiglu.default, (x, _non_contiguous(6, 8)))
+    torch.library.opcheck(torch.ops.tridist.swiglu_packed.default, (_non_contiguous(6, 16).requires_grad_(),))
+    q = torch.randn(2, 3, 4, 8).transpose(1, 2).requires_grad_()  # bhsd view of bshd storage
+    cos, sin = torch.rand(4, 8), torch.rand(4, 8)
+    torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, True, False, 8, False))
+
+
+def test_double_backward_through_rotary_is_exact(backend):
+    """Rotary is linear in q and k: its second derivative is zero, so double backward is exact."""
+    x = torch.randn(2, 3, 4, 8, requires_grad=True)
+    cos, sin = torch.rand(3, 8), torch.rand(3, 8)
+    grads = []
+    for fn in (kernels.apply_rotary_pos_emb, rotary_reference):
+        (g,) = torch.autograd.grad(fn(x, x, cos, sin)[0].pow(2).sum() + (x**3).sum(), x, create_graph=True)
+        grads.append(g)
+    torch.testing.assert_close(grads[0], grads[1])
+    # d/dx of the rotary part of g is not zero here (pow(2) makes the outer function non-linear), and
+    # it flows through the incoming gradient: differentiating it must raise, not drop it.
+    with pytest.raises(RuntimeError, match="double backward through .* is not supported"):
+        torch.autograd.grad(grads[0].sum(), x)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "swiglu_packed"])
+def test_double_backward_raises_instead_of_dropping_terms(backend, op):
+    x = torch.randn(2, 3, 4, 8, requires_grad=True)
+    w = torch.rand(8, requires_grad=True)
+    cos, sin = torch.rand(3, 8), torch.rand(3, 8)
+    out = {
+        "rms_norm": lambda: kernels.rms_norm(x, w),
+        "add_rms_norm": lambda: kernels.rms_norm(x, w, residual=x)[0],
+        "swiglu": lambda: kernels.swiglu(x, x),
+        "swiglu_packed": lambda: kernels.swiglu(x),
+    }[op]()
+    # With another differentiable term, grad has a grad_fn: a non-differentiable backward would
+    # silently drop the op's second-order terms here instead of failing.
+    (grad,) = torch.autograd.grad(out.sum() + (x**3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward through .* is not supported"):
+        torch.autograd.grad(grad.sum(), x)
 
 
 def test_import_kernels_stays_light():

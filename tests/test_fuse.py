@@ -174,6 +174,64 @@ def test_look_alikes_are_left_alone_with_a_reason_and_offsets_are_detected():
     torch.testing.assert_close(container["gemma_norm"](x), _Gemma1pNorm.forward(container["gemma_norm"], x))
 
 
+class _BiasFreeLayerNorm(torch.nn.Module):
+    """A hand-written LayerNorm without bias: at large hidden sizes in bf16 its row means are tiny."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16))
+        self.eps = 1e-5
+
+    def forward(self, x):
+        h = x.float()
+        h = (h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, keepdim=True, unbiased=False) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+class _GeGLUWithZeroDown(_GeluMLP):
+    """GeGLU whose down projection starts at zero (a common init): its output is 0, like SwiGLU's."""
+
+    def __init__(self):
+        super().__init__()
+        torch.nn.init.zeros_(self.down_proj.weight)
+        torch.nn.init.zeros_(self.down_proj.bias)
+
+
+class _MLPWithExtraArgument(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(8, 12), torch.nn.Linear(8, 12), torch.nn.Linear(12, 8))
+
+    def forward(self, x, scale):
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)) * scale
+
+
+def test_probes_are_not_fooled_by_values_or_precision():
+    container = torch.nn.ModuleDict(
+        {"layer_norm": _BiasFreeLayerNorm(8192), "geglu": _GeGLUWithZeroDown(), "extra_arg": _MLPWithExtraArgument()}
+    )
+    report = kernels.fuse(container)
+    skipped = dict(report.skipped)
+    assert report.replaced == []
+    assert "not RMSNorm" in skipped["layer_norm"]
+    assert "not down(silu(gate(x)) * up(x))" in skipped["geglu"]
+    assert "forward failed on a probe" in skipped["extra_arg"] and "TypeError" in skipped["extra_arg"]
+
+
+def test_fused_rotary_keeps_eager_dtype_promotion():
+    """bf16 q with fp32 tables: eager `q * cos` gives fp32, so the fused call must fall back."""
+    model = build_model("seed-llama")
+    kernels.fuse(model)
+    attention_globals = model.layers[0].self_attn.forward.__func__.__globals__
+    fused_apply = attention_globals["apply_rotary_pos_emb"]
+    q = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
+    cos, sin = torch.rand(1, 4, 1, 16), torch.rand(1, 4, 1, 16)
+    out = fused_apply(q, q, cos, sin, None)
+    expected = seed_llama.apply_rotary_pos_emb(q, q, cos, sin, None)
+    assert out[0].dtype == expected[0].dtype == torch.float32
+    torch.testing.assert_close(out[0], expected[0])
+
+
 def test_meta_device_model_is_reported_not_crashed():
     with torch.device("meta"):
         model = build_model("seed-llama")

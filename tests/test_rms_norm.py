@@ -15,6 +15,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Odd sizes on purpose: one element, one row, rows that do not fill a tile, a prime hidden size, a
 # row that needs several column blocks (> MAX_SINGLE_PASS_COLS).
 SHAPES = [(1, 1), (3, 5, 37), (2, 130), (1, 1, 4096), (2, MAX_SINGLE_PASS_COLS + 37)]
+# More row tiles than the persistent backward grid has programs (4 off-GPU): every program loops,
+# accumulating its weight-gradient partial across tiles (in registers, or in memory when multi-pass).
+PERSISTENT_SHAPES = [(300, 100), (11, MAX_SINGLE_PASS_COLS + 37)]
 
 
 def _inputs(shape, dtype, *, residual: bool, weight_dtype=None):
@@ -59,6 +62,12 @@ def _check(shape, dtype, *, residual, cast_to="weight", offset=0.0, weight_dtype
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_matches_reference(backend, shape, dtype, residual):
     _check(shape, dtype, residual=residual)
+
+
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_persistent_backward_loops_over_tiles(backend, shape, dtype):
+    _check(shape, dtype, residual=True)
 
 
 @pytest.mark.parametrize("cast_to", ["weight", "input"])

@@ -152,6 +152,24 @@ def test_layer_matches_seed_rotary_embedding(backend):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_layer_beyond_its_table_and_after_a_bf16_cast(backend):
+    """Positions past max_position_embeddings (decoding) and a model cast to bf16 stay exact."""
+    head_dim = 16
+    layer = kernels.FusedRotaryEmbedding(head_dim, max_position_embeddings=8).to(torch.bfloat16)
+    q, k = qk(1, 3, 2, 2, head_dim, layout="bshd", dtype=torch.float32)
+    position_ids = torch.tensor([[4000, 4001, 4002]])
+    cos, sin = llama_tables(4003, head_dim)
+    out = layer(q, k, position_ids)
+    ref = rotary_reference(q, k, cos, sin, position_ids)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)  # fp32 sin/cos of angles ~4000 rad
+    long_q, long_k = qk(1, 20, 2, 2, head_dim, layout="bshd", dtype=torch.float32)  # grows the table
+    out = layer(long_q, long_k)
+    cos, sin = llama_tables(20, head_dim)
+    for a, b in zip(out, rotary_reference(long_q, long_k, cos, sin)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_empty_batch():
     q, k = qk(0, 4, 2, 2, 8, layout="bshd", dtype=torch.float32)
     cos, sin = llama_tables(4, 8)

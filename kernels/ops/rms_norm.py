@@ -34,8 +34,11 @@ from .._common import (
 )
 
 # A row of up to 16384 elements stays in registers (<= 32 fp32 values per thread at 16 warps);
-# longer rows are streamed in blocks of MULTI_PASS_BLOCK_N columns (two reads of the row).
+# longer rows are streamed in blocks of MULTI_PASS_BLOCK_N columns (two reads of the row). The
+# backward keeps three rows live (x, dy, dx) and spills above 8192 columns on sm_90 (ptxas: 128
+# registers + 188 B of spills at 16384), so it streams earlier.
 MAX_SINGLE_PASS_COLS = 16384
+MAX_SINGLE_PASS_COLS_BACKWARD = 8192
 MULTI_PASS_BLOCK_N = 4096
 # Rows are packed into one program until a tile holds this many elements, so that short rows
 # (hidden 64-1024) still give each program enough bytes in flight.
@@ -62,6 +65,7 @@ def _load_h(
     HAS_RESIDUAL: tl.constexpr,
 ):
     """The row to normalise, in fp32: x, or x + residual rounded to the residual stream's dtype."""
+    cols = cols.to(tl.int64)  # a transposed input can have column strides whose products pass 2**31
     h = tl.load(x_ptr + x_rows[:, None] + cols[None, :] * x_stride_col, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + res_rows[:, None] + cols[None, :] * res_stride_col, mask=mask, other=0.0)
@@ -151,7 +155,7 @@ def _rms_norm_bwd_kernel(
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     offset = tl.cast(offset, tl.float32)
-    cols = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_N).to(tl.int64)  # column strides of transposed gradients can be large
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     dw_row = dw_partial_ptr + pid.to(tl.int64) * n_cols
 
@@ -210,6 +214,9 @@ def _rms_norm_bwd_kernel(
                     partial = tl.load(dw_row + block, mask=col_mask, other=0.0)
                     partial += tl.sum(dy * _round_normed(normed, h_ptr, w_ptr, h_ptr, ROUND, False), axis=0)
                     tl.store(dw_row + block, partial, mask=col_mask)
+                    # The load and store layouts differ, so the next tile may read this element from
+                    # another thread: order the two within the program.
+                    tl.debug_barrier()
                 dx = (dy * w[None, :] - normed * correction[:, None]) * rstd[:, None]
                 if HAS_DH:
                     dh_rows = _row_offsets(rows, dh_inner_rows, dh_stride_outer, dh_stride_inner)
@@ -235,7 +242,7 @@ def launch_config(kind: str, n_cols: int, dtype: torch.dtype, device: torch.devi
     if tuned is not None:
         return tuned
     block_n = max(16, next_power_of_2(n_cols))
-    if block_n > MAX_SINGLE_PASS_COLS:
+    if block_n > (MAX_SINGLE_PASS_COLS if kind == "fwd" else MAX_SINGLE_PASS_COLS_BACKWARD):
         block_n = MULTI_PASS_BLOCK_N
     block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
     num_warps = max(1, min(16, block_m * block_n // 512))
@@ -328,8 +335,9 @@ def _forward_torch(x, residual, weight, eps, offset, h_dtype, round_mode, y_dtyp
     hf = h.float()
     rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
     normed = _round_torch(hf * rstd.unsqueeze(-1), round_mode, weight.dtype, h_dtype)
-    y = (normed * (weight.float() + offset)).to(y_dtype)
-    return y, (h if residual is not None else y), rstd
+    # Contiguous outputs, as the Triton path and the fake implementations produce.
+    y = (normed * (weight.float() + offset)).to(y_dtype).contiguous()
+    return y, (h.contiguous() if residual is not None else y), rstd.contiguous()
 
 
 def _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compute_dw):
@@ -344,7 +352,7 @@ def _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compu
         dw = (dyf * rounded).reshape(-1, h.shape[-1]).sum(0).to(weight.dtype)
     else:
         dw = weight.new_empty(0)
-    return dx.to(dx_dtype), dw
+    return dx.to(dx_dtype).contiguous(), dw
 
 
 # ------------------------------------------------------------------------------ torch.library operators

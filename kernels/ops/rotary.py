@@ -85,7 +85,7 @@ def _rotary_kernel(
     CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    pairs = tl.arange(0, BLOCK_R)
+    pairs = tl.arange(0, BLOCK_R).to(tl.int64)  # large feature strides must not overflow int32
     pair_mask = pairs < half_rotary
     if INTERLEAVED:
         cols_a = 2 * pairs
@@ -99,7 +99,7 @@ def _rotary_kernel(
     else:
         table_a = cols_a
         table_b = cols_b
-    pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P)
+    pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P).to(tl.int64)
     pass_mask = tl.arange(0, BLOCK_P) < n_pass
 
     for i in range(TOKENS_PER_PROGRAM):
@@ -265,7 +265,8 @@ def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_
             out_a, out_b = x_a * c_a - x_b * s_a, x_b * c_b + x_a * s_b
         out = torch.stack([out_a, out_b], dim=-1).flatten(-2) if interleaved else torch.cat([out_a, out_b], -1)
         out = torch.cat([out.to(x.dtype), passed], dim=-1)
-        return _as_bshd(out, layout_bhsd)
+        # Same strides as the Triton path and the fake implementation (empty_like of the input).
+        return torch.empty_like(x).copy_(_as_bshd(out, layout_bhsd))
 
     return apply(q), apply(k)
 
@@ -404,10 +405,13 @@ def _check_position_ids(op: str, position_ids: torch.Tensor, batch: int, seq_len
 
 
 class FusedRotaryEmbedding(torch.nn.Module):
-    """Llama rotary embedding that owns its cos/sin tables and applies them with the fused kernel.
+    """Llama rotary embedding that owns its frequencies and applies them with the fused kernel.
 
-    `forward(q, k, position_ids=None)` returns the rotated `(q, k)`. Tables are fp32 buffers covering
-    `max_position_embeddings` positions; they are extended automatically for longer sequences.
+    `forward(q, k, position_ids=None)` returns the rotated `(q, k)`. Without position_ids, rows of a
+    cached fp32 table (one entry per pair) are used and the table grows with the sequence. With
+    position_ids, cos/sin are computed for exactly those positions, as Hugging Face does: any position
+    works (decoding past the cache included) and nothing syncs with the device. Frequencies and
+    tables stay fp32 whatever dtype the model is cast to.
     """
 
     def __init__(
@@ -423,27 +427,31 @@ class FusedRotaryEmbedding(torch.nn.Module):
         super().__init__()
         if dim % 2:
             raise ValueError(f"FusedRotaryEmbedding: dim (the rotary part of head_dim) must be even, got {dim}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"FusedRotaryEmbedding: layout must be one of {LAYOUTS}, got {layout!r}")
         self.dim, self.base, self.layout, self.interleaved = dim, base, layout, interleaved
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._build_tables(max_position_embeddings)
+        self._build_tables(max_position_embeddings, device=device)
 
-    def _build_tables(self, length: int) -> None:
-        t = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = torch.outer(t, self.inv_freq)  # one entry per pair: the kernel needs no duplicated table
+    def _inv_freq(self, device) -> torch.Tensor:
+        # Recomputed in fp32 rather than kept as a buffer: module.to(bfloat16) would round a buffer.
+        return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float32, device=device) / self.dim))
+
+    def _build_tables(self, length: int, *, device=None) -> None:
+        t = torch.arange(length, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self._inv_freq(device))  # one entry per pair: no duplicated table needed
         self.register_buffer("cos_cached", freqs.cos(), persistent=False)
         self.register_buffer("sin_cached", freqs.sin(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None = None):
+        options = {"layout": self.layout, "interleaved": self.interleaved, "rotary_dim": self.dim}
+        if position_ids is not None:
+            freqs = position_ids.to(torch.float32)[..., None] * self._inv_freq(q.device)
+            freqs = freqs.reshape(-1, *freqs.shape[-2:])  # [B or 1, S, dim / 2]
+            return apply_rotary_pos_emb(q, k, freqs.cos(), freqs.sin(), **options)
         seq_len = q.shape[2] if self.layout == "bhsd" else q.shape[1]
-        # Extended from the (static) sequence length only: reading position_ids would sync the device.
-        # Positions beyond the table are reported by apply_rotary_pos_emb's range check.
-        if seq_len > self.cos_cached.shape[0]:
-            self._build_tables(max(seq_len, 2 * self.cos_cached.shape[0]))
-        return apply_rotary_pos_emb(
-            q, k, self.cos_cached, self.sin_cached, position_ids,
-            layout=self.layout, interleaved=self.interleaved, rotary_dim=self.dim,
-        )
+        if seq_len > self.cos_cached.shape[0] or self.cos_cached.dtype != torch.float32:
+            self._build_tables(max(seq_len, self.cos_cached.shape[0]), device=self.cos_cached.device)
+        return apply_rotary_pos_emb(q, k, self.cos_cached, self.sin_cached, **options)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}, layout={self.layout!r}, interleaved={self.interleaved}"

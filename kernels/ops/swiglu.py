@@ -41,7 +41,8 @@ def _tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _offsets(rows, cols, inner_rows, stride_outer, stride_inner, stride_col):
     row_offsets = (rows // inner_rows) * stride_outer + (rows % inner_rows) * stride_inner
-    return row_offsets[:, None] + cols[None, :] * stride_col
+    # int64 columns: a transposed input's column stride times the width can pass 2**31.
+    return row_offsets[:, None] + cols[None, :].to(tl.int64) * stride_col
 
 
 @triton.jit
@@ -115,8 +116,8 @@ def _grid(n_rows: int, n_cols: int, cfg: dict):
 
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
-    if not use_triton(gate):
-        return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype)
+    if not use_triton(gate):  # contiguous, as the Triton path and the fake implementation produce
+        return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype).contiguous()
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
     gate_rows, up_rows = RowLayout.of(gate), RowLayout.of(up)
     n_rows, n_cols = gate_rows.n_rows, gate.shape[-1]
@@ -155,7 +156,7 @@ def _backward_torch(grad, gate, up):
     # ATen's fused silu_backward is exactly g * s * (1 + x * (1 - s)): fewer temporaries on a CPU.
     dgate = torch.ops.aten.silu_backward(g * y, x)
     dup = g * torch.nn.functional.silu(x)
-    return dgate.to(gate.dtype), dup.to(up.dtype)
+    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
 
 
 def _halves(x: torch.Tensor):
