@@ -1,1 +1,30 @@
-"""Paddle-style auto-parallel API on torch.distributed (not yet built)."""
+"""tridist.distcore: PaddlePaddle's auto-parallel API for PyTorch models, on torch's own engine.
+
+ProcessMesh / placements / shard_tensor / reshard map onto DeviceMesh and DTensor; reshard between
+two meshes (pipeline stages) uses point-to-point transfers; processes are launched by torchrun.
+"""
+
+from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
+from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
+from .mesh import ProcessMesh, get_mesh, set_mesh
+from .placements import Partial, ReduceType, Replicate, Shard, is_partial
+
+__all__ = [
+    "Partial",
+    "ParallelEnv",
+    "ProcessMesh",
+    "ReduceType",
+    "Replicate",
+    "Shard",
+    "dtensor_from_local",
+    "get_mesh",
+    "get_rank",
+    "get_world_size",
+    "init_parallel_env",
+    "is_partial",
+    "local_value",
+    "reshard",
+    "set_mesh",
+    "shard_tensor",
+    "unshard_dtensor",
+]

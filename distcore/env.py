@@ -1,0 +1,122 @@
+"""The parallel environment, read from torchrun's variables: init_parallel_env, ParallelEnv, ranks.
+
+Launch with torchrun (`torchrun --nproc-per-node 8 train.py`, or with `--nnodes` and a c10d
+rendezvous across machines). A script run without torchrun is a world of one process: it still gets a
+process group, so the same code runs on one device.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _launched_by_torchrun() -> bool:
+    present = [name for name in _TORCHRUN_VARIABLES if name in os.environ]
+    if present and len(present) != len(_TORCHRUN_VARIABLES):
+        missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+        raise RuntimeError(
+            f"init_parallel_env: the environment sets {present} but not {missing}; launch the script with "
+            "`torchrun --nproc-per-node N script.py` (it sets all of them), or set none of them to run "
+            "as a single process"
+        )
+    return bool(present)
+
+
+def default_backend() -> str:
+    """NCCL when this process has a GPU of its own, gloo otherwise (CPU runs, tests)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        return "nccl"
+    return "gloo"
+
+
+def init_parallel_env(backend: str | None = None, *, timeout_s: float = 600.0) -> None:
+    """Initialise torch.distributed from torchrun's environment (idempotent).
+
+    Under torchrun: one process group over all ranks, NCCL on GPUs (each process bound to the GPU of
+    its LOCAL_RANK) or gloo on CPUs. Without torchrun: a group of one process.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if _launched_by_torchrun():
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def get_rank(group=None) -> int:
+    """This process's rank (in `group` if given); 0 before initialisation outside torchrun."""
+    if dist.is_initialized():
+        return dist.get_rank(group)
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size(group=None) -> int:
+    """The number of processes (in `group` if given); 1 before initialisation outside torchrun."""
+    if dist.is_initialized():
+        return dist.get_world_size(group)
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+class ParallelEnv:
+    """Paddle's ParallelEnv: where this process sits in the job, read from torchrun's environment."""
+
+    @property
+    def rank(self) -> int:
+        return get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return get_world_size()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def local_world_size(self) -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+    @property
+    def node_rank(self) -> int:
+        return int(os.environ.get("GROUP_RANK", 0))
+
+    @property
+    def device_type(self) -> str:
+        return "gpu" if default_backend() == "nccl" else "cpu"
+
+    @property
+    def device_id(self) -> int:
+        """The GPU this process uses (its LOCAL_RANK); 0 on a CPU."""
+        return self.local_rank if self.device_type == "gpu" else 0
+
+    @property
+    def master_endpoint(self) -> str:
+        return f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '')}"
+
+    # Paddle's aliases.
+    nranks = world_size
+    dev_id = device_id
+    trainer_id = rank
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelEnv(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+            f"device_type={self.device_type!r}, device_id={self.device_id})"
+        )
+
+
+def device() -> torch.device:
+    """The device this process computes on: its GPU under NCCL, the CPU under gloo."""
+    env = ParallelEnv()
+    return torch.device("cuda", env.device_id) if env.device_type == "gpu" else torch.device("cpu")

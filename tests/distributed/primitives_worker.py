@@ -1,0 +1,156 @@
+"""Checks of distcore's primitives on 4 gloo processes (run by tests/distributed/test_primitives.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import distcore
+from distcore import Partial, ProcessMesh, Replicate, Shard
+from tests.distributed.harness import run_checks
+
+DENSE = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]  # the notes seed's example tensor
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def check_environment():
+    distcore.init_parallel_env()
+    env = distcore.ParallelEnv()
+    assert env.rank == int(os.environ["RANK"]) == distcore.get_rank()
+    assert env.world_size == env.nranks == 4 == distcore.get_world_size()
+    assert env.local_rank == int(os.environ["LOCAL_RANK"])
+    assert env.device_type == "cpu" and env.device_id == 0
+
+
+def check_mesh_geometry():
+    mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    assert mesh.shape == [2, 2] and mesh.process_ids == [0, 1, 2, 3]
+    assert mesh.coordinate() == [rank() // 2, rank() % 2]
+    assert mesh.get_mesh_with_dim("mp") == ProcessMesh([[0, 2], [1, 3]], ["mp", "dp"])
+    assert mesh.get_mesh_with_dim("mp", 1) == ProcessMesh([1, 3], ["dp"])
+    assert mesh.get_submesh_with_dim("dp").process_ids == [rank() % 2, rank() % 2 + 2]
+    assert mesh.device_mesh.get_coordinate() == (rank() // 2, rank() % 2)
+
+
+def check_mesh_larger_than_world_is_an_error():
+    try:
+        ProcessMesh(list(range(8)), ["dp"]).device_mesh
+    except ValueError as error:
+        assert "has 4 process(es)" in str(error) and "torchrun --nproc-per-node 8" in str(error)
+    else:
+        raise AssertionError("expected a ValueError")
+
+
+def check_shard_tensor_local_values():
+    mesh = ProcessMesh([0, 1], dim_names=["x"])
+    dense = torch.tensor(DENSE)
+    rows = distcore.shard_tensor(dense, mesh, [Shard(0)])
+    cols = distcore.shard_tensor(dense, mesh, [Shard(1)])
+    if rank() in (0, 1):
+        assert distcore.local_value(rows).tolist() == [DENSE[rank()]]
+        expected_cols = [[1.0, 2.0], [4.0, 5.0]] if rank() == 0 else [[3.0], [6.0]]  # torch.chunk sizes
+        assert distcore.local_value(cols).tolist() == expected_cols
+        assert distcore.unshard_dtensor(cols).tolist() == DENSE
+    else:  # not in the mesh: empty shards, global metadata still known
+        assert distcore.local_value(rows).numel() == 0 and tuple(rows.shape) == (2, 3)
+
+
+def check_shard_tensor_on_a_2d_mesh_and_partial():
+    mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    dense = torch.arange(16.0).reshape(4, 4)
+    both = distcore.shard_tensor(dense, mesh, [Shard(0), Shard(1)])
+    r, c = rank() // 2, rank() % 2
+    assert torch.equal(distcore.local_value(both), dense[2 * r : 2 * r + 2, 2 * c : 2 * c + 2])
+    partial = distcore.shard_tensor(dense, mesh, [Partial(), Replicate()])
+    assert torch.allclose(distcore.unshard_dtensor(distcore.reshard(partial, mesh, [Replicate(), Replicate()])), dense)
+    rows = distcore.reshard(both, mesh, [Shard(0), Replicate()])
+    assert torch.equal(distcore.local_value(rows), dense[2 * r : 2 * r + 2])
+
+
+def check_shard_tensor_errors():
+    mesh = ProcessMesh([0, 1], dim_names=["x"])
+    for placements, message in (([Shard(2)], "shard dim must be in [0, 2)"), ([Shard(0), Shard(1)], "2 placement(s)")):
+        try:
+            distcore.shard_tensor(torch.tensor(DENSE), mesh, placements)
+        except ValueError as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"expected an error for {placements}")
+
+
+def check_parameter_stays_a_parameter():
+    mesh = ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    sharded = distcore.shard_tensor(weight, mesh, [Shard(0)])
+    assert isinstance(sharded, torch.nn.Parameter) and sharded.requires_grad
+    frozen = distcore.shard_tensor(torch.randn(8, 4), mesh, [Shard(0)], stop_gradient=False)
+    assert frozen.requires_grad
+
+
+def check_dtensor_from_local():
+    mesh = ProcessMesh([0, 1, 2, 3], dim_names=["x"])
+    local = torch.full((2, 3), float(rank()))
+    tensor = distcore.dtensor_from_local(local, mesh, [Shard(0)])
+    assert tuple(tensor.shape) == (8, 3)
+    assert distcore.unshard_dtensor(tensor)[:, 0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    uneven = distcore.dtensor_from_local(torch.ones(2 if rank() < 3 else 1, 3), mesh, [Shard(0)], shape=(7, 3))
+    assert tuple(uneven.shape) == (7, 3) and distcore.unshard_dtensor(uneven).sum().item() == 21
+
+
+def check_reshard_across_meshes_same_layout():
+    """Pipeline case: stage 0 on ranks [0, 1], stage 1 on [2, 3], same placements: direct sends."""
+    stage0, stage1 = ProcessMesh([0, 1], ["x"]), ProcessMesh([2, 3], ["x"])
+    dense = torch.arange(12.0).reshape(4, 3)
+    moved = distcore.reshard(distcore.shard_tensor(dense, stage0, [Shard(0)]), stage1, [Shard(0)])
+    assert moved.device_mesh is stage1.device_mesh
+    if rank() in (2, 3):
+        assert torch.equal(distcore.local_value(moved), dense[2 * (rank() - 2) : 2 * (rank() - 2) + 2])
+    else:
+        assert distcore.local_value(moved).numel() == 0
+
+
+def check_reshard_across_meshes_of_other_shapes_and_overlap():
+    source = ProcessMesh([[0, 1]], ["x", "y"])
+    dense = torch.arange(20.0).reshape(4, 5)
+    tensor = distcore.shard_tensor(dense, source, [Replicate(), Shard(1)])  # uneven columns: 3 + 2
+    for target, placements in (
+        (ProcessMesh([1, 2, 3], ["z"]), [Shard(0)]),  # overlaps the source at rank 1; uneven rows 2+1+1
+        (ProcessMesh([3, 2], ["z"]), [Replicate()]),  # reversed rank order
+        (ProcessMesh([[2], [3]], ["a", "b"]), [Shard(1), Replicate()]),
+    ):
+        moved = distcore.reshard(tensor, target, placements)
+        if rank() in target:
+            assert torch.equal(distcore.unshard_dtensor(moved), dense), (target, placements)
+
+
+def check_reshard_across_meshes_is_differentiable():
+    """y = x @ w0 on stage 0, reshard to stage 1, z = y @ w1: gradients match one process."""
+    torch.manual_seed(0)
+    x, w0, w1 = torch.randn(4, 6), torch.randn(6, 5), torch.randn(5, 3)
+    stage0, stage1 = ProcessMesh([0, 1], ["dp"]), ProcessMesh([2, 3], ["dp"])
+    d_w0 = distcore.shard_tensor(torch.nn.Parameter(w0.clone()), stage0, [Replicate()])
+    d_w1 = distcore.shard_tensor(torch.nn.Parameter(w1.clone()), stage1, [Replicate()])
+    d_x = distcore.shard_tensor(x, stage0, [Shard(0)])  # data parallel over the stage's two ranks
+    y = distcore.reshard(d_x @ d_w0, stage1, [Shard(0)])
+    loss = (y @ d_w1).sum()
+    loss.backward()
+    ref_w0, ref_w1 = w0.clone().requires_grad_(), w1.clone().requires_grad_()
+    ((x @ ref_w0) @ ref_w1).sum().backward()
+    if rank() in (0, 1):
+        assert torch.allclose(distcore.unshard_dtensor(d_w0.grad), ref_w0.grad, atol=1e-5)
+    else:
+        assert torch.allclose(distcore.unshard_dtensor(d_w1.grad), ref_w1.grad, atol=1e-5)
+        assert abs(distcore.unshard_dtensor(loss).item() - ((x @ w0) @ w1).sum().item()) < 1e-4
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    distcore.init_parallel_env()
+    run_checks(CHECKS)
+    dist.destroy_process_group()
