@@ -7,6 +7,7 @@ two meshes (pipeline stages) uses point-to-point transfers; processes are launch
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .mesh import ProcessMesh, get_mesh, set_mesh
+from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, ShardOptimizer, shard_optimizer
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 __all__ = [
@@ -16,6 +17,10 @@ __all__ = [
     "ReduceType",
     "Replicate",
     "Shard",
+    "ShardOptimizer",
+    "ShardingStage1",
+    "ShardingStage2",
+    "ShardingStage3",
     "dtensor_from_local",
     "get_mesh",
     "get_rank",
@@ -25,6 +30,7 @@ __all__ = [
     "local_value",
     "reshard",
     "set_mesh",
+    "shard_optimizer",
     "shard_tensor",
     "unshard_dtensor",
 ]
