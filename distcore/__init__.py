@@ -5,18 +5,23 @@ two meshes (pipeline stages) uses point-to-point transfers; processes are launch
 """
 
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
+from .data_parallel import DataParallel
+from .dataloader import ShardDataloader, shard_dataloader
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .mesh import ProcessMesh, get_mesh, set_mesh
+from .parallelize import parallelize
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, ShardOptimizer, shard_optimizer
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 __all__ = [
+    "DataParallel",
     "Partial",
     "ParallelEnv",
     "ProcessMesh",
     "ReduceType",
     "Replicate",
     "Shard",
+    "ShardDataloader",
     "ShardOptimizer",
     "ShardingStage1",
     "ShardingStage2",
@@ -28,8 +33,10 @@ __all__ = [
     "init_parallel_env",
     "is_partial",
     "local_value",
+    "parallelize",
     "reshard",
     "set_mesh",
+    "shard_dataloader",
     "shard_optimizer",
     "shard_tensor",
     "unshard_dtensor",

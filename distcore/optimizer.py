@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +121,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage |
 def _zero_redundancy(optimizer: torch.optim.Optimizer, group) -> ZeroRedundancyOptimizer:
     """The same optimizer class, hyper-parameters and param groups, each rank owning a share of the states."""
     groups = optimizer.param_groups
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
+    # Groups carry keys their constructor does not take (AdamW's decoupled_weight_decay): keep its own.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    hyper = {k: v for k, v in groups[0].items() if k != "params" and k in accepted}
     zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=type(optimizer), process_group=group, **hyper)
     for extra in groups[1:]:
         zero.add_param_group(dict(extra))

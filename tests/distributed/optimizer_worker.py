@@ -54,9 +54,9 @@ def check_stage1_matches_one_process():
     """DDP + ShardingStage1 (ZeRO-1: each rank keeps a quarter of Adam's states) == one process."""
     mesh = ProcessMesh([0, 1, 2, 3], ["dp"])
     reference = _mlp()
-    _train(reference, torch.optim.Adam(reference.parameters(), lr=1e-2), _batches())
+    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), _batches())
     model = DistributedDataParallel(_mlp())
-    optimizer = distcore.shard_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), ShardingStage1("dp", mesh))
+    optimizer = distcore.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), ShardingStage1("dp", mesh))
     rank = dist.get_rank()
     per_rank = GLOBAL_BATCH // 4
     _train(model, optimizer, _batches(), rank_slice=slice(rank * per_rank, (rank + 1) * per_rank))

@@ -1,0 +1,419 @@
+"""Paddle's `shard_dataloader`: every rank gets its data-parallel slice of each global batch, as DTensors.
+
+`shard_dataloader(loader, meshes, input_keys=None, shard_dims=None)` wraps a torch DataLoader. Each
+yielded tensor is a DTensor with the GLOBAL shape (dim 0 = global batch size) on its mesh: Shard(0)
+along the data-parallel mesh dim, Replicate() along the others. So a run over N ranks sees exactly the
+global batches a single device sees, split contiguously with torch.chunk sizes (dp rank 0 gets the first
+rows). torch's DistributedSampler strides over samples instead, which does not reproduce them.
+
+How the samples are loaded:
+- Per-rank loading (the usual case: a map-style dataset with a batch sampler and torch's default
+  collate): the loader is rebuilt over the same dataset, collate_fn, workers, ... with a batch sampler
+  that wraps the original one and keeps only this rank's slice of each global batch's indices, so each
+  rank reads only its own samples. Not used by default with a custom collate_fn, which may pad each
+  batch to its longest sample (then per-slice collation would change the shapes); pass
+  `per_rank_loading=True` to force it when the collate_fn is per-sample.
+- Otherwise (an iterable-style dataset, a loader without a batch sampler, a custom collate_fn, a
+  DataLoader subclass or any other iterable): every rank iterates the full batches and slices the
+  collated tensors on dim 0. Correct in all cases; each rank reads every sample.
+
+Shuffling: a sampler with a `generator` attribute (RandomSampler, SubsetRandomSampler, ...) would shuffle
+with each process's own RNG. At each epoch rank 0's choice is broadcast: its generator's state, or, for
+a sampler without a generator, a seed that rank 0 draws from its global RNG exactly as RandomSampler
+does (the generator built from it stays on the sampler). An iterable-style dataset must itself yield
+the same order on every rank.
+
+Non-tensor items (strings, ...) are not DTensors: they pass through as the collate_fn made them, which
+with per-rank loading covers only this rank's samples.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data._utils.collate import default_collate
+
+from . import env
+from .api import dtensor_from_local
+from .mesh import ProcessMesh
+
+_BATCH_DIM = 0  # the dim that holds the samples of a collated batch
+_FULL_BATCH = (1, 0)  # (number of slices, index): the whole global batch
+
+
+# ------------------------------------------------------------------------------ meshes and slices
+
+
+@dataclass(frozen=True)
+class _MeshLayout:
+    """Where one group of tensors lives: a mesh and the mesh dim that splits the batch (None: replicated)."""
+
+    mesh: ProcessMesh
+    shard_dim: str | None
+
+    @property
+    def num_slices(self) -> int:
+        return 1 if self.shard_dim is None else self.mesh.get_dim_size(self.shard_dim)
+
+    def slice_index(self, rank: int) -> int | None:
+        """Which slice of the global batch `rank` holds; None when the rank is not in the mesh."""
+        coordinate = self.mesh.coordinate(rank)
+        if coordinate is None:
+            return None
+        return 0 if self.shard_dim is None else coordinate[self.mesh.dim_index(self.shard_dim)]
+
+    @property
+    def placements(self) -> list:
+        return [Shard(_BATCH_DIM) if name == self.shard_dim else Replicate() for name in self.mesh.dim_names]
+
+
+def _as_mesh_list(meshes) -> list[ProcessMesh]:
+    mesh_list = list(meshes) if isinstance(meshes, (list, tuple)) else [meshes]
+    if not mesh_list or not all(isinstance(mesh, ProcessMesh) for mesh in mesh_list):
+        raise TypeError(
+            "shard_dataloader: meshes must be a ProcessMesh or a non-empty list of them (one per pipeline "
+            f"stage: the first holds the inputs, the last the labels), got {meshes!r}"
+        )
+    return mesh_list
+
+
+def _shard_dim_name(shard_dim, mesh: ProcessMesh) -> str | None:
+    if shard_dim is None:
+        return None
+    if isinstance(shard_dim, int) and not isinstance(shard_dim, bool):
+        if not -mesh.ndim <= shard_dim < mesh.ndim:
+            raise ValueError(
+                f"shard_dataloader: shard_dims index {shard_dim} is out of range for {mesh} "
+                f"({mesh.ndim} dim(s): {mesh.dim_names}); give a dim name or an index in [0, {mesh.ndim})"
+            )
+        return mesh.dim_names[shard_dim]
+    if isinstance(shard_dim, str):
+        if shard_dim not in mesh.dim_names:
+            raise ValueError(
+                f"shard_dataloader: shard_dims {shard_dim!r} is not a dim of {mesh}; its dims are "
+                f"{mesh.dim_names}: name the data-parallel one (or pass None to replicate the batch)"
+            )
+        return shard_dim
+    raise TypeError(f"shard_dataloader: shard_dims entries must be a mesh dim name, an index or None, got {shard_dim!r}")
+
+
+def _mesh_layouts(meshes: list[ProcessMesh], shard_dims) -> list[_MeshLayout]:
+    """One layout per mesh; `shard_dims` is one dim for all meshes or a list with one per mesh."""
+    if isinstance(shard_dims, (list, tuple)):
+        if len(shard_dims) != len(meshes):
+            raise ValueError(
+                f"shard_dataloader: {len(shard_dims)} shard_dims {list(shard_dims)} for {len(meshes)} mesh(es); "
+                "give one per mesh, or a single dim name for all of them"
+            )
+        per_mesh = list(shard_dims)
+    else:
+        per_mesh = [shard_dims] * len(meshes)
+    return [_MeshLayout(mesh, _shard_dim_name(dim, mesh)) for mesh, dim in zip(meshes, per_mesh)]
+
+
+def _slice_bounds(global_size: int, num_slices: int, index: int) -> tuple[int, int]:
+    """(start, length) of slice `index` of `global_size` samples: torch.chunk sizes, as DTensor's Shard."""
+    length, start = Shard.local_shard_size_and_offset(global_size, num_slices, index)
+    return int(start), int(length)
+
+
+def _check_batch_splits(global_size: int, layouts: list[_MeshLayout]) -> None:
+    """Every data-parallel rank must get at least one sample (an empty local batch breaks mean losses)."""
+    for layout in layouts:
+        _, last_length = _slice_bounds(global_size, layout.num_slices, layout.num_slices - 1)
+        if last_length == 0:
+            raise ValueError(
+                f"shard_dataloader: a global batch of {global_size} sample(s) cannot be split over "
+                f"{layout.num_slices} data-parallel ranks (dim {layout.shard_dim!r} of {layout.mesh}): "
+                "with torch.chunk sizes some rank would get no sample. Use a batch size of at least the dp "
+                "degree (a multiple of it for even slices), or drop_last=True to drop a short last batch"
+            )
+
+
+def _loaded_slice(layouts: list[_MeshLayout], rank: int) -> tuple[int, int]:
+    """The slice of each global batch this rank loads: (number of slices, index).
+
+    Its own slice when every mesh holding it agrees on it; the full batch when they differ (it then
+    cuts each mesh's slice itself). A rank in no mesh only needs the shapes: the smallest slice.
+    """
+    held = {(layout.num_slices, layout.slice_index(rank)) for layout in layouts if rank in layout.mesh}
+    if len(held) == 1:
+        return held.pop()
+    if not held:
+        return (max(layout.num_slices for layout in layouts), 0)
+    return _FULL_BATCH
+
+
+# ------------------------------------------------------------------------------------ shuffling
+
+
+def _shuffling_sampler(dataloader):
+    """The sampler that orders the samples, if it shuffles with a torch.Generator (or could)."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else getattr(dataloader, "sampler", None)
+    if sampler is not None and hasattr(sampler, "generator"):
+        if sampler.generator is None or isinstance(sampler.generator, torch.Generator):
+            return sampler
+    return None
+
+
+class _ShuffleSync:
+    """Gives every rank rank 0's shuffling for the coming epoch (collective over all ranks)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.seedless = sampler is not None and sampler.generator is None  # it draws from the global RNG
+
+    def __call__(self) -> None:
+        if self.sampler is None or env.get_world_size() == 1:
+            return
+        if self.seedless:
+            # RandomSampler's own draw, made on rank 0 only: rank 0 shuffles as a single process would.
+            seed = int(torch.empty((), dtype=torch.int64).random_().item()) if env.get_rank() == 0 else None
+            seed = _broadcast_from_rank0(seed)
+            self.sampler.generator = torch.Generator().manual_seed(seed)
+        else:
+            state = _broadcast_from_rank0(self.sampler.generator.get_state())
+            self.sampler.generator.set_state(state)
+
+
+def _broadcast_from_rank0(value):
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+# ----------------------------------------------------------------------------- per-rank loading
+
+
+class _SliceBatchSampler:
+    """Wraps a batch sampler: yields only this rank's slice of each global batch's indices.
+
+    The global batch sizes are queued in order (the DataLoader keeps batches in order) so that the
+    yielded DTensors get their global shape.
+    """
+
+    def __init__(self, batch_sampler, *, loaded_slice: tuple[int, int], layouts: list[_MeshLayout], on_epoch_start):
+        self.batch_sampler = batch_sampler
+        self.loaded_slice = loaded_slice
+        self.layouts = layouts
+        self.on_epoch_start = on_epoch_start
+        self.global_sizes: collections.deque[int] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        self.global_sizes.clear()  # a new epoch (or a restarted one): nothing queued is still wanted
+        return self._slices()
+
+    def _slices(self):
+        # Runs at the first request for indices, after the DataLoader drew its worker seed, as the
+        # sampler's own first draw would: rank 0 then shuffles exactly like a single process.
+        self.on_epoch_start()
+        num_slices, index = self.loaded_slice
+        for indices in self.batch_sampler:
+            indices = list(indices)
+            _check_batch_splits(len(indices), self.layouts)
+            start, length = _slice_bounds(len(indices), num_slices, index)
+            self.global_sizes.append(len(indices))
+            yield indices[start : start + length]
+
+
+def _can_load_per_rank(dataloader) -> bool:
+    return (
+        isinstance(dataloader, DataLoader)
+        and not isinstance(dataloader.dataset, IterableDataset)
+        and dataloader.batch_sampler is not None
+    )
+
+
+def _rebuilt_loader(dataloader: DataLoader, batch_sampler: _SliceBatchSampler) -> DataLoader:
+    """The same loader (dataset, collate, workers, memory pinning, ...) over `batch_sampler`.
+
+    in_order stays True: the queued global sizes and the other ranks rely on the batch order.
+    """
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        prefetch_factor=dataloader.prefetch_factor,
+        persistent_workers=dataloader.persistent_workers,
+        pin_memory_device=dataloader.pin_memory_device,
+        in_order=True,
+    )
+
+
+# ----------------------------------------------------------------------------- batch -> DTensors
+
+
+def _to_dtensor(tensor: torch.Tensor, layout: _MeshLayout, *, global_size: int | None, loaded_slice) -> DTensor:
+    """`tensor` (this rank's loaded samples) as a DTensor of the global batch on `layout`'s mesh."""
+    if tensor.dim() == 0:  # not per sample (a custom collate's scalar): the same value everywhere
+        return dtensor_from_local(tensor.to(env.device()), layout.mesh, [Replicate()] * layout.mesh.ndim, shape=())
+    if global_size is None:  # the full batch was loaded
+        global_size = tensor.shape[_BATCH_DIM]
+    _check_batch_splits(global_size, [layout])
+    rank = env.get_rank()
+    index = layout.slice_index(rank)
+    if index is None:  # not on this mesh: an empty shard, as torch gives ranks outside a DTensor's mesh
+        local = tensor.new_empty(0)
+    elif loaded_slice == (layout.num_slices, index):
+        local = tensor
+        expected = _slice_bounds(global_size, layout.num_slices, index)[1]
+        if local.shape[_BATCH_DIM] != expected:
+            raise ValueError(
+                f"shard_dataloader: this rank loaded {expected} sample(s) but the collate_fn returned a tensor "
+                f"with {local.shape[_BATCH_DIM]} rows on dim 0; with per-rank loading every tensor must hold "
+                "one row per sample: pass per_rank_loading=False"
+            )
+    else:  # the full batch was loaded: cut this mesh's slice
+        start, length = _slice_bounds(global_size, layout.num_slices, index)
+        local = tensor.narrow(_BATCH_DIM, start, length)
+    global_shape = (global_size, *tensor.shape[_BATCH_DIM + 1 :])
+    return dtensor_from_local(local.to(env.device()), layout.mesh, layout.placements, shape=global_shape)
+
+
+def _distribute(value, layout: _MeshLayout, **slicing):
+    """Every tensor (and numeric numpy array) in `value` as a DTensor on `layout`; the rest as is."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":  # bool, ints, floats, complex
+        value = torch.from_numpy(value)
+    if torch.is_tensor(value):
+        return _to_dtensor(value, layout, **slicing)
+    if isinstance(value, Mapping):
+        return _same_mapping(value, {key: _distribute(item, layout, **slicing) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return _same_sequence(value, [_distribute(item, layout, **slicing) for item in value])
+    return value
+
+
+def _same_mapping(original: Mapping, items: dict):
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
+
+
+def _same_sequence(original, items: list):
+    if isinstance(original, tuple) and hasattr(original, "_fields"):  # a namedtuple
+        return type(original)(*items)
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
+
+
+# ------------------------------------------------------------------------------------ the loader
+
+
+class ShardDataloader:
+    """A data loader yielding each global batch as DTensors sliced over the data-parallel ranks.
+
+    Iterable and callable (`for batch in loader()`, as Paddle's loops do); `len()` is the original's.
+    `dataloader`, `meshes` (a list) and `shard_dims` (one dim name or None per mesh) are what it was
+    built from. Build it with `shard_dataloader`.
+    """
+
+    def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None):
+        env.init_parallel_env()
+        self.dataloader = dataloader
+        self.meshes = _as_mesh_list(meshes)
+        self._layouts = _mesh_layouts(self.meshes, shard_dims)
+        self.shard_dims = [layout.shard_dim for layout in self._layouts]
+        self.input_keys = list(input_keys) if input_keys is not None else None
+        for mesh in self.meshes:  # collective on creation: every rank creates them now, in the same order
+            mesh.device_mesh
+        self._sync_shuffling = _ShuffleSync(_shuffling_sampler(dataloader))
+        self._loaded_slice, self._slice_sampler, self._loader = self._loading_plan(per_rank_loading)
+
+    def _loading_plan(self, per_rank_loading: bool | None):
+        possible = _can_load_per_rank(self.dataloader)
+        if per_rank_loading and not possible:
+            raise ValueError(
+                "shard_dataloader: per_rank_loading=True needs a torch DataLoader over a map-style dataset with "
+                "a batch sampler (batch_size=... or batch_sampler=...); leave per_rank_loading unset for this loader"
+            )
+        if per_rank_loading is None:
+            # A custom collate_fn may pad to the longest sample of the batch: collate whole batches.
+            possible = possible and type(self.dataloader) is DataLoader and self.dataloader.collate_fn is default_collate
+        if not (possible if per_rank_loading is None else per_rank_loading):
+            return _FULL_BATCH, None, self.dataloader
+        loaded_slice = _loaded_slice(self._layouts, env.get_rank())
+        sampler = _SliceBatchSampler(
+            self.dataloader.batch_sampler, loaded_slice=loaded_slice, layouts=self._layouts,
+            on_epoch_start=self._sync_shuffling,
+        )
+        return loaded_slice, sampler, _rebuilt_loader(self.dataloader, sampler)
+
+    @property
+    def loads_per_rank(self) -> bool:
+        """Whether each rank reads only its own samples (else every rank reads whole batches)."""
+        return self._slice_sampler is not None
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __call__(self):
+        return iter(self)
+
+    def __iter__(self):
+        if self._slice_sampler is None:
+            self._sync_shuffling()
+            for batch in self._loader:
+                yield self._distribute_batch(batch, global_size=None)
+        else:
+            for batch in self._loader:
+                yield self._distribute_batch(batch, global_size=self._slice_sampler.global_sizes.popleft())
+
+    def _distribute_batch(self, batch, *, global_size: int | None):
+        slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice}
+        layouts = self._layouts
+        if isinstance(batch, Mapping):
+            return _same_mapping(batch, {key: _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()})
+        if isinstance(batch, (list, tuple)):
+            # Pipeline: element i on stage i, the rest (labels, ...) on the last stage.
+            items = [_distribute(item, layouts[min(i, len(layouts) - 1)], **slicing) for i, item in enumerate(batch)]
+            return _same_sequence(batch, items)
+        return _distribute(batch, layouts[0], **slicing)
+
+    def _dict_layout(self, batch: Mapping, key) -> _MeshLayout:
+        """Keys in input_keys go to the first mesh, the others to the last one."""
+        if len(self._layouts) == 1:
+            return self._layouts[0]
+        if self.input_keys is None:
+            raise ValueError(
+                f"shard_dataloader: the batches are dicts (keys {list(batch)}) and there are {len(self.meshes)} "
+                "meshes; pass input_keys=[...] naming the keys that go to the first mesh (the others go to the last)"
+            )
+        missing = [name for name in self.input_keys if name not in batch]
+        if missing:
+            raise ValueError(f"shard_dataloader: input_keys {missing} are not in the batch, whose keys are {list(batch)}")
+        return self._layouts[0] if key in self.input_keys else self._layouts[-1]
+
+
+def shard_dataloader(
+    dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None
+) -> ShardDataloader:
+    """Paddle's `dist.shard_dataloader`: `dataloader`'s global batches, sliced over the data-parallel ranks.
+
+    meshes: a ProcessMesh (every tensor lives on it) or a list (pipeline stages): element i of a
+      list/tuple batch goes to meshes[min(i, len - 1)]; in a dict batch the `input_keys` go to the first
+      mesh and the other keys to the last.
+    shard_dims: the data-parallel mesh dim (name or index) that splits dim 0 of the batch, one for all
+      meshes or a list with one per mesh; None replicates the batch.
+    per_rank_loading: None (auto, see the module docstring), True or False.
+    """
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, per_rank_loading=per_rank_loading)

@@ -1,0 +1,199 @@
+"""parallelize(model, optimizer, mesh, config): Paddle's one-call parallelisation, on torch's engine.
+
+Data parallel (`dp_config={"sharding_level": 0..3}`) over the mesh dimension named "dp":
+- 0: replicated parameters, gradients all-reduced (FSDP2's `replicate`, which, unlike DDP, also
+  accepts tensor-parallel DTensor parameters);
+- 1 and 2: FSDP2 `fully_shard(reshard_after_forward=False)`: optimizer states and gradients sharded
+  (ZeRO-2). Stage 1 gets stage 2's memory saving for free: reduce-scatter + all-gather move the same
+  bytes as the all-reduce that ZeRO-1 would need;
+- 3: `fully_shard(reshard_after_forward=True)`: parameters sharded too (ZeRO-3).
+Sharding is applied per decoder block (each child of the model's layer lists), then to the root, so
+that communication of one block overlaps computation of the next (torchtitan's recipe).
+
+The user's loop stays the plain one: inputs from shard_dataloader (global-view DTensors) are
+unwrapped to this rank's shard, and a returned loss carries the global mean value on every rank
+(its gradient stays the local one, which data parallelism averages).
+
+Tensor and pipeline parallelism (`mp_config`, `pp_config`) are the next part of this module and are
+refused explicitly until then.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.tensor import DTensor
+
+from .mesh import ProcessMesh, get_mesh
+from .optimizer import ShardOptimizer
+
+_CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
+_DP_KEYS = ("sharding_level", "param_dtype", "reduce_dtype")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None = None, config: dict | None = None):
+    """Parallelise `model` (in place) and rebuild `optimizer` over its new parameters.
+
+    Returns `(model, optimizer)`; with no mesh, or a config naming none of dp_config / mp_config /
+    pp_config, both come back unchanged (Paddle's behaviour).
+    """
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"parallelize: unknown config key(s) {unknown}; valid keys are {list(_CONFIG_KEYS)}")
+    mesh = mesh if mesh is not None else get_mesh()
+    if mesh is None or not any(key in config for key in _CONFIG_KEYS):
+        return model, optimizer
+    for key in ("mp_config", "pp_config"):
+        if key in config:
+            raise NotImplementedError(
+                f"parallelize: {key} (tensor/pipeline parallel) is not implemented yet in distcore; "
+                "dp_config (sharding levels 0-3) is"
+            )
+    _check_optimizer_fresh(optimizer)
+    names_before = {id(p): name for name, p in model.named_parameters()}
+    dp_config = dict(config.get("dp_config") or {})
+    bad = sorted(set(dp_config) - set(_DP_KEYS))
+    if bad:
+        raise ValueError(f"parallelize: unknown dp_config key(s) {bad}; valid keys are {list(_DP_KEYS)}")
+    dp_mesh = _dp_device_mesh(mesh)
+    apply_data_parallel(
+        model, dp_mesh=dp_mesh, sharding_level=dp_config.get("sharding_level", 0), mp_policy=_mixed_precision(dp_config)
+    )
+    _unwrap_dtensor_inputs(model)
+    _report_global_mean_loss(model, group=dp_mesh.get_group())
+    if optimizer is None:
+        return model, None
+    return model, _rebuild_optimizer(optimizer, model, names_before)
+
+
+# --------------------------------------------------------------------------------------- data parallel
+
+
+def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int, mp_policy: MixedPrecisionPolicy) -> None:
+    """Replicate (level 0) or shard (levels 1-3) `model` over `dp_mesh`, block by block, then the root.
+
+    Why per block: each block's all-gather / reduce-scatter then overlaps the neighbouring blocks'
+    compute, and at level 3 only one block's parameters are unsharded at a time.
+    """
+    if sharding_level not in (0, 1, 2, 3):
+        raise ValueError(f"parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {sharding_level!r}")
+    blocks = _decoder_blocks(model)
+    if sharding_level == 0:
+        for block in blocks:
+            replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+        return
+    reshard = sharding_level == 3
+    for index, block in enumerate(blocks):
+        # The last block's backward starts right after forward: resharding it would only re-gather.
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+
+
+def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks: children of every ModuleList (a Llama's `layers`), outermost lists only."""
+    blocks, seen = [], set()
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
+            for child in module:
+                blocks.append(child)
+                seen.update(id(m) for m in child.modules())
+    return blocks
+
+
+def _dp_device_mesh(mesh: ProcessMesh):
+    if "dp" in mesh.dim_names:
+        return mesh.device_mesh["dp"]
+    if mesh.ndim == 1:
+        return mesh.device_mesh
+    raise ValueError(
+        f"parallelize: dp_config needs a mesh dimension named 'dp'; this mesh has {mesh.dim_names} "
+        "(name the data-parallel dimension 'dp', e.g. ProcessMesh(..., dim_names=['dp', 'mp']))"
+    )
+
+
+def _mixed_precision(dp_config: dict) -> MixedPrecisionPolicy:
+    """FSDP2's policy: compute in param_dtype, reduce gradients in reduce_dtype (fp32 recommended)."""
+
+    def dtype(key):
+        value = dp_config.get(key)
+        if value is None or isinstance(value, torch.dtype):
+            return value
+        if value not in _DTYPES:
+            raise ValueError(f"parallelize: dp_config[{key!r}] must be one of {list(_DTYPES)}, got {value!r}")
+        return _DTYPES[value]
+
+    return MixedPrecisionPolicy(param_dtype=dtype("param_dtype"), reduce_dtype=dtype("reduce_dtype"))
+
+
+# ------------------------------------------------------------------------------- the user's plain loop
+
+
+def _unwrap_dtensor_inputs(model: torch.nn.Module) -> None:
+    """shard_dataloader yields global-view DTensors; the data-parallel model computes on local shards."""
+
+    def to_local(value):
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    def hook(module, args, kwargs):
+        return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
+    """A scalar loss the model returns (alone or first in a tuple) shows the mean over data-parallel
+    ranks, so every rank prints the loss a single device would; gradients stay local."""
+
+    def globalise(loss):
+        if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point()):
+            return loss
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)  # a sum: gloo has no AVG
+        mean /= dist.get_world_size(group)
+        return loss + (mean - loss.detach())
+
+    def hook(module, args, output):
+        if isinstance(output, tuple) and output:
+            return (globalise(output[0]), *output[1:])
+        return globalise(output)
+
+    model.register_forward_hook(hook)
+
+
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+def _check_optimizer_fresh(optimizer) -> None:
+    inner = optimizer._inner_opt if isinstance(optimizer, ShardOptimizer) else optimizer
+    if inner is not None and len(inner.state):
+        raise ValueError(
+            "parallelize: the optimizer already has state (it has taken steps); call parallelize before "
+            "training, or load the state afterwards with distcore's checkpointing"
+        )
+
+
+def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str]) -> ShardOptimizer:
+    """The same optimizer, its groups now holding the model's new (sharded) parameters.
+
+    FSDP2 replaces each parameter by a DTensor parameter of the same name, so groups are mapped by
+    name and updated in place (the optimizer has no state yet: checked by _check_optimizer_fresh).
+    """
+    inner = optimizer._inner_opt if isinstance(optimizer, ShardOptimizer) else optimizer
+    params_after = dict(model.named_parameters())
+    for group in inner.param_groups:
+        new_params = []
+        for param in group["params"]:
+            name = names_before.get(id(param))
+            if name is None or name not in params_after:
+                raise ValueError(
+                    "parallelize: the optimizer holds a parameter that is not in the model; build the "
+                    "optimizer from model.parameters()"
+                )
+            new_params.append(params_after[name])
+        group["params"] = new_params
+    return optimizer if isinstance(optimizer, ShardOptimizer) else ShardOptimizer(inner)
