@@ -83,6 +83,25 @@ def check_level_3_parameters_sharded():
     _check_level(3)
 
 
+def check_mixed_precision_policy():
+    """bf16 compute with fp32 gradient reduction (FSDP2's policy): fp32 master weights, close losses."""
+    ref_losses, _ = REFERENCE or _reference()
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    model, optimizer = _model_and_optimizer()
+    config = {"dp_config": {"sharding_level": 2, "param_dtype": "bfloat16", "reduce_dtype": "float32"}}
+    model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
+    losses = []
+    for inputs, labels in _batches():
+        loss, logits = model(distcore.shard_tensor(inputs, mesh, [Shard(0)]), labels=distcore.shard_tensor(labels, mesh, [Shard(0)]))
+        assert logits.dtype == torch.bfloat16
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+        losses.append(loss.item())
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded master weights stay fp32
+    assert all(abs(a - b) < 0.05 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
 def check_parameters_are_sharded_at_level_3():
     mesh = ProcessMesh(list(range(WORLD)), ["dp"])
     model, optimizer = _model_and_optimizer()
