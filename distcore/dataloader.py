@@ -30,7 +30,7 @@ with per-rank loading covers only this rank's samples.
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -196,8 +196,8 @@ def _broadcast_from_rank0(value):
 class _SliceBatchSampler:
     """Wraps a batch sampler: yields only this rank's slice of each global batch's indices.
 
-    The global batch sizes are queued in order (the DataLoader keeps batches in order) so that the
-    yielded DTensors get their global shape.
+    Each pass queues the global batch sizes in order (the DataLoader keeps batches in order) so that
+    the yielded DTensors get their global shape; `latest_sizes` is the queue of the pass started last.
     """
 
     def __init__(self, batch_sampler, *, loaded_slice: tuple[int, int], layouts: list[_MeshLayout], on_epoch_start):
@@ -205,16 +205,17 @@ class _SliceBatchSampler:
         self.loaded_slice = loaded_slice
         self.layouts = layouts
         self.on_epoch_start = on_epoch_start
-        self.global_sizes: collections.deque[int] = collections.deque()
+        self.latest_sizes: collections.deque[int] = collections.deque()
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
     def __iter__(self):
-        self.global_sizes.clear()  # a new epoch (or a restarted one): nothing queued is still wanted
-        return self._slices()
+        # Called synchronously when a DataLoader pass starts: the caller picks up this pass's queue.
+        self.latest_sizes = collections.deque()
+        return self._slices(self.latest_sizes)
 
-    def _slices(self):
+    def _slices(self, global_sizes: collections.deque):
         # Runs at the first request for indices, after the DataLoader drew its worker seed, as the
         # sampler's own first draw would: rank 0 then shuffles exactly like a single process.
         self.on_epoch_start()
@@ -223,7 +224,7 @@ class _SliceBatchSampler:
             indices = list(indices)
             _check_batch_splits(len(indices), self.layouts)
             start, length = _slice_bounds(len(indices), num_slices, index)
-            self.global_sizes.append(len(indices))
+            global_sizes.append(len(indices))
             yield indices[start : start + length]
 
 
@@ -340,16 +341,21 @@ class ShardDataloader:
         self._loaded_slice, self._slice_sampler, self._loader = self._loading_plan(per_rank_loading)
 
     def _loading_plan(self, per_rank_loading: bool | None):
-        possible = _can_load_per_rank(self.dataloader)
-        if per_rank_loading and not possible:
+        """(slice each rank loads, slice sampler or None, the loader to iterate)."""
+        if per_rank_loading is None:
+            # Not with a custom collate_fn, which may pad to the batch's longest sample, nor with a
+            # DataLoader subclass, whose behaviour a rebuilt DataLoader would lose.
+            per_rank_loading = (
+                _can_load_per_rank(self.dataloader)
+                and type(self.dataloader) is DataLoader
+                and self.dataloader.collate_fn is default_collate
+            )
+        elif per_rank_loading and not _can_load_per_rank(self.dataloader):
             raise ValueError(
                 "shard_dataloader: per_rank_loading=True needs a torch DataLoader over a map-style dataset with "
                 "a batch sampler (batch_size=... or batch_sampler=...); leave per_rank_loading unset for this loader"
             )
-        if per_rank_loading is None:
-            # A custom collate_fn may pad to the longest sample of the batch: collate whole batches.
-            possible = possible and type(self.dataloader) is DataLoader and self.dataloader.collate_fn is default_collate
-        if not (possible if per_rank_loading is None else per_rank_loading):
+        if not per_rank_loading:
             return _FULL_BATCH, None, self.dataloader
         loaded_slice = _loaded_slice(self._layouts, env.get_rank())
         sampler = _SliceBatchSampler(
@@ -375,14 +381,17 @@ class ShardDataloader:
             for batch in self._loader:
                 yield self._distribute_batch(batch, global_size=None)
         else:
-            for batch in self._loader:
-                yield self._distribute_batch(batch, global_size=self._slice_sampler.global_sizes.popleft())
+            batches = iter(self._loader)  # starts the slice sampler's pass, with its own queue of sizes
+            global_sizes = self._slice_sampler.latest_sizes
+            for batch in batches:
+                yield self._distribute_batch(batch, global_size=global_sizes.popleft())
 
     def _distribute_batch(self, batch, *, global_size: int | None):
         slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice}
         layouts = self._layouts
         if isinstance(batch, Mapping):
-            return _same_mapping(batch, {key: _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()})
+            items = {key: _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()}
+            return _same_mapping(batch, items)
         if isinstance(batch, (list, tuple)):
             # Pipeline: element i on stage i, the rest (labels, ...) on the last stage.
             items = [_distribute(item, layouts[min(i, len(layouts) - 1)], **slicing) for i, item in enumerate(batch)]
