@@ -7,6 +7,7 @@ two meshes (pipeline stages) uses point-to-point transfers; processes are launch
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
 from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
+from .checkpoint import load_state, save_state
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
@@ -32,9 +33,11 @@ __all__ = [
     "get_world_size",
     "init_parallel_env",
     "is_partial",
+    "load_state",
     "local_value",
     "parallelize",
     "reshard",
+    "save_state",
     "set_mesh",
     "shard_dataloader",
     "shard_optimizer",

@@ -1,0 +1,98 @@
+"""Checkpoints across strategies and world sizes (run by tests/distributed/test_checkpoint.py).
+
+Phase "save" (4 processes, ZeRO-3): train 2 steps, save, then train a third step and record its loss.
+Phase "load" (2 processes, sharding level 1; or 1 process, no parallelism): load, train the third
+step: the loss and the final parameters must equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distcore
+from distcore import ProcessMesh, Shard
+from tests.distributed.harness import run_checks
+from tests.distributed.parallelize_worker import _batches, _model_and_optimizer
+
+PHASE = os.environ.get("CHECKPOINT_PHASE", "save")
+CHECKPOINT = Path(os.environ.get("CHECKPOINT_DIR", "/tmp/tridist-checkpoint"))
+LEVEL = {"save": 3, "load": 1}[PHASE]
+
+
+def _parallel_model():
+    world = dist.get_world_size()
+    mesh = ProcessMesh(list(range(world)), ["dp"])
+    model, optimizer = _model_and_optimizer()
+    if world > 1:
+        model, optimizer = distcore.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": LEVEL}})
+    else:
+        optimizer = distcore.shard_optimizer(optimizer)
+    return model, optimizer, mesh
+
+
+def _step(model, optimizer, mesh, inputs, labels) -> float:
+    if dist.get_world_size() > 1:
+        inputs, labels = (distcore.shard_tensor(t, mesh, [Shard(0)]) for t in (inputs, labels))
+    loss, _ = model(inputs, labels=labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.clear_grad()
+    return loss.item()
+
+
+def _full_parameters(model) -> dict:
+    return {name: distcore.unshard_dtensor(p.detach()).tolist() for name, p in model.named_parameters()}
+
+
+def check_save_then_continue():
+    model, optimizer, mesh = _parallel_model()
+    batches = _batches()
+    for inputs, labels in batches[:2]:
+        _step(model, optimizer, mesh, inputs, labels)
+    distcore.save_state(model, optimizer, CHECKPOINT / "state", extra={"step": 2})
+    third_loss = _step(model, optimizer, mesh, *batches[2])
+    params = _full_parameters(model)  # a collective: every rank gathers, rank 0 writes
+    if dist.get_rank() == 0:
+        (CHECKPOINT / "expected.json").write_text(json.dumps({"loss": third_loss, "params": params}))
+
+
+def check_load_under_another_layout_and_continue():
+    model, optimizer, mesh = _parallel_model()
+    extra = distcore.load_state(model, optimizer, CHECKPOINT / "state")
+    assert extra == {"step": 2}, extra
+    third_loss = _step(model, optimizer, mesh, *_batches()[2])
+    expected = json.loads((CHECKPOINT / "expected.json").read_text())
+    assert abs(third_loss - expected["loss"]) < 1e-5, (third_loss, expected["loss"])
+    for name, values in _full_parameters(model).items():
+        assert torch.allclose(torch.tensor(values), torch.tensor(expected["params"][name]), atol=2e-5), name
+
+
+def check_missing_checkpoint_is_a_clear_error():
+    model, optimizer, _ = _parallel_model()
+    try:
+        distcore.load_state(model, optimizer, CHECKPOINT / "nothing-here")
+    except FileNotFoundError as error:
+        assert "no checkpoint directory" in str(error)
+    else:
+        raise AssertionError("expected FileNotFoundError")
+
+
+CHECKS = (
+    {"check_save_then_continue": check_save_then_continue}
+    if PHASE == "save"
+    else {
+        "check_load_under_another_layout_and_continue": check_load_under_another_layout_and_continue,
+        "check_missing_checkpoint_is_a_clear_error": check_missing_checkpoint_is_a_clear_error,
+    }
+)
+
+if __name__ == "__main__":
+    distcore.init_parallel_env()
+    run_checks(CHECKS)
+    dist.destroy_process_group()
