@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import traceback
@@ -18,19 +19,45 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(worker_module: str, *, nproc: int, out_dir: Path, timeout_s: float = 300, extra_env=None) -> dict:
-    """torchrun `worker_module` on `nproc` local processes; returns {check: {rank: result}}."""
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, timeout_s: float = 300, extra_env=None) -> dict:
+    """torchrun `worker_module` on `nnodes` simulated nodes of `nproc` local processes each.
+
+    Several nodes are several torchrun agents meeting at a c10d rendezvous on this machine, as
+    separate machines would. Returns {check: {rank: result}}.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", worker_module, str(out_dir),
+    if nnodes == 1:
+        topology = [["--standalone"]]
+    else:
+        endpoint, run_id = f"127.0.0.1:{_free_port()}", out_dir.name
+        topology = [
+            [f"--nnodes={nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+            for node in range(nnodes)
+        ]
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *node_args, f"--nproc-per-node={nproc}", "-m", worker_module, str(out_dir)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node_args in topology
     ]
-    try:
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        failure = None if run.returncode == 0 else f"torchrun exited {run.returncode}:\n{run.stderr[-4000:]}"
-    except subprocess.TimeoutExpired as expired:
-        failure = f"timed out after {timeout_s}s:\n{(expired.stderr or b'')[-4000:]!r}"
+    failures = []
+    for agent in agents:
+        try:
+            _, stderr = agent.communicate(timeout=timeout_s)
+            if agent.returncode != 0:
+                failures.append(f"torchrun exited {agent.returncode}:\n{stderr[-4000:]}")
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            failures.append(f"timed out after {timeout_s}s:\n{agent.communicate()[1][-4000:]}")
+    failure = "\n".join(failures) or None
     results: dict = {}
     for path in sorted(out_dir.glob("rank*.jsonl")):
         rank = int(path.stem.removeprefix("rank"))
