@@ -14,12 +14,13 @@ Plain torch only: nothing from this repository may be imported here.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._autocast import autocast_disabled
 
 __all__ = [
     "LlamaConfig",
@@ -40,14 +41,6 @@ __all__ = [
 ]
 
 
-def _autocast_disabled(device: torch.device):
-    """Context forcing fp32 math under an active autocast; a no-op otherwise (also on meta/fake devices,
-    where ``torch.autocast`` itself would raise)."""
-    try:
-        active = torch.is_autocast_enabled(device.type)
-    except RuntimeError:  # device type without autocast support, e.g. "meta"
-        active = False
-    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
 
 
 @dataclass
@@ -130,7 +123,7 @@ class LlamaRotaryEmbedding(nn.Module):
     def forward(self, x, position_ids):
         inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
         position_ids_expanded = position_ids[:, None, :].float()
-        with _autocast_disabled(x.device):  # force fp32
+        with autocast_disabled(x.device):  # force fp32
             freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos = emb.cos() * self.attention_scaling

@@ -17,7 +17,6 @@ distributed tests use this model as the unmodified reference.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -26,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
+
+from ._autocast import autocast_disabled
 
 __all__ = [
     "SeedLlamaConfig",
@@ -46,14 +47,6 @@ __all__ = [
 ]
 
 
-def _autocast_disabled(device: torch.device):
-    """Context forcing fp32 math under an active autocast; a no-op otherwise (also on meta/fake devices,
-    where ``torch.autocast`` itself would raise)."""
-    try:
-        active = torch.is_autocast_enabled(device.type)
-    except RuntimeError:  # device type without autocast support, e.g. "meta"
-        active = False
-    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -232,7 +225,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps  # the seed hard-codes 1.0
 
     def forward(self, hidden_states):
-        with _autocast_disabled(hidden_states.device):
+        with autocast_disabled(hidden_states.device):
             hidden_states = hidden_states.to(torch.float32)
             variance = hidden_states.pow(2).mean(-1, keepdim=True)
             hidden_states = torch.rsqrt(variance + self.variance_epsilon) * hidden_states
