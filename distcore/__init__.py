@@ -11,7 +11,7 @@ from .checkpoint import load_state, save_state
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
-from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, ShardOptimizer, shard_optimizer
+from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardDataloader",
-    "ShardOptimizer",
     "ShardingStage1",
     "ShardingStage2",
     "ShardingStage3",

@@ -41,31 +41,57 @@ def shard_tensor(
     dtype: torch.dtype | None = None,
     stop_gradient: bool | None = None,
 ) -> DTensor:
-    """A DTensor on `mesh` holding `data` (a tensor, array or list; rank 0's value is the global one).
+    """A DTensor on `mesh` holding `data` (a tensor, array or list) as its global value.
 
-    A Parameter stays a Parameter. A DTensor is resharded instead. `stop_gradient=False` (Paddle)
-    means requires_grad=True. With Partial placements the global value is still `data`: for a sum,
-    the first rank along each partial dimension holds it and the others zeros.
+    A Parameter stays a Parameter; a DTensor is resharded. Data (leaves, arrays) is taken from rank 0
+    (broadcast/scattered). An activation that requires grad (Paddle's notes shard inputs inside
+    forward) is sliced locally instead, so gradients flow back through it; it must hold the same value
+    on every rank. `stop_gradient=False` (Paddle) means requires_grad=True. With Partial placements
+    the global value is still `data`: for a sum, the first rank along each partial dimension holds it
+    and the others zeros.
     """
-    if isinstance(data, DTensor):
-        return reshard(data, mesh, placements)
     is_parameter = isinstance(data, torch.nn.Parameter)
     requires_grad = data.requires_grad if torch.is_tensor(data) else False
     if stop_gradient is not None:
         requires_grad = not stop_gradient
-    tensor = data.detach() if torch.is_tensor(data) else torch.as_tensor(np.asarray(data))
+    if isinstance(data, DTensor):
+        result = reshard(data.detach() if is_parameter else data, mesh, placements)
+    elif torch.is_tensor(data) and data.requires_grad and data.grad_fn is not None:
+        placements = _check_placements("shard_tensor", mesh, placements, data.dim())
+        result = _slice_locally(data.to(env.device()), mesh, placements)
+    else:
+        tensor = data.detach() if torch.is_tensor(data) else torch.as_tensor(np.asarray(data))
+        placements = _check_placements("shard_tensor", mesh, placements, tensor.dim())
+        replicated = [Replicate() if p.is_partial() else p for p in placements]
+        result = distribute_tensor(tensor.to(env.device()), mesh.device_mesh, replicated)
+        if replicated != placements:
+            result = _as_partial(result, placements)
     if dtype is not None:
-        tensor = tensor.to(dtype)
-    placements = _check_placements("shard_tensor", mesh, placements, tensor.dim())
-    device_mesh = mesh.device_mesh
-    tensor = tensor.to(env.device())
-    replicated = [Replicate() if p.is_partial() else p for p in placements]
-    result = distribute_tensor(tensor, device_mesh, replicated)
-    if replicated != placements:
-        result = _as_partial(result, placements)
+        result = result.to(dtype)
     if is_parameter:
-        return torch.nn.Parameter(result, requires_grad=requires_grad)
-    return result.requires_grad_(requires_grad)
+        return torch.nn.Parameter(result.detach(), requires_grad=requires_grad)
+    if result.grad_fn is None:  # a new leaf; a sliced activation keeps its graph instead
+        result.requires_grad_(requires_grad)
+    return result
+
+
+def _slice_locally(tensor: torch.Tensor, mesh: ProcessMesh, placements: list[Placement]) -> DTensor:
+    """This rank's shard of a (replicated) tensor, cut with differentiable slicing: no communication."""
+    device_mesh = mesh.device_mesh
+    coordinate = device_mesh.get_coordinate()
+    local = tensor
+    if coordinate is None:  # not in the mesh: an empty shard, as DTensor ops give such ranks
+        local = tensor.new_empty(0)
+    else:
+        for mesh_dim, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                size, offset = Shard.local_shard_size_and_offset(local.shape[placement.dim], mesh.shape[mesh_dim], coordinate[mesh_dim])
+                local = local.narrow(placement.dim, offset, size)
+            elif placement.is_partial() and placement.reduce_op == "sum" and coordinate[mesh_dim] != 0:
+                local = local * 0  # stays in the graph
+    return DTensor.from_local(
+        local, device_mesh, placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
 
 
 def _as_partial(replicated: DTensor, placements: list[Placement]) -> DTensor:
@@ -112,8 +138,28 @@ def reshard(tensor: DTensor, mesh: ProcessMesh, placements: Sequence[Placement])
     placements = _check_placements("reshard", mesh, placements, tensor.dim())
     source = as_process_mesh(tensor.device_mesh)
     if source.process_ids == mesh.process_ids and source.shape == mesh.shape:
+        if source.dim_names != mesh.dim_names:
+            # The same ranks under other dimension names: torch sees two meshes; re-label, no transfer.
+            tensor = _Relabel.apply(tensor, mesh)
         return tensor.redistribute(mesh.device_mesh, placements)
     return _CrossMeshReshard.apply(tensor, source, mesh, tuple(placements))
+
+
+class _Relabel(torch.autograd.Function):
+    """The same shards seen on an equal mesh whose dimensions are named differently."""
+
+    @staticmethod
+    def forward(ctx, tensor: DTensor, mesh: ProcessMesh):
+        ctx.source_mesh = tensor.device_mesh
+        return DTensor.from_local(
+            tensor.to_local(), mesh.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return DTensor.from_local(
+            grad.to_local(), ctx.source_mesh, grad.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+        ), None
 
 
 # ------------------------------------------------------------------------------------ across meshes

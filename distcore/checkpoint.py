@@ -18,23 +18,24 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from . import env
-from .optimizer import ShardOptimizer
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
-    inner = optimizer._inner_opt if isinstance(optimizer, ShardOptimizer) else optimizer
-    if isinstance(inner, ZeroRedundancyOptimizer):
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
         raise NotImplementedError(
             "save_state/load_state: a ShardingStage1 (ZeroRedundancyOptimizer) optimizer is not supported by "
             "torch.distributed.checkpoint; use parallelize(..., {'dp_config': {'sharding_level': 1}}) instead"
         )
-    return [inner]
+    return [optimizer]
 
 
 def save_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike = "checkpoint", *, extra: dict | None = None) -> None:
-    """Save the model's (and optimizer's) state to the directory `path`; collective over all ranks."""
+    """Save the model's (and optimizer's) state to the directory `path`; collective over all ranks.
+
+    `extra` (picklable: a step count, a data position) is written once, from rank 0's copy.
+    """
     env.init_parallel_env()
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
     # `extra` travels as one pickled blob: DCP loads only keys the loader already knows, and the
@@ -51,8 +52,15 @@ def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     """
     env.init_parallel_env()
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"load_state: no checkpoint directory at {path!r} (save_state writes one)")
+    # Decided together: ranks that raised while others entered dcp.load would leave those hanging
+    # (node-local disks may differ).
+    missing = torch.tensor([0 if os.path.isdir(path) else 1])
+    torch.distributed.all_reduce(missing)
+    if missing.item():
+        raise FileNotFoundError(
+            f"load_state: no checkpoint directory at {path!r} on {missing.item()} rank(s) (save_state writes one; "
+            "on node-local disks, copy it to every node)"
+        )
     optimizers = _optimizers(optimizer)
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optimizer": optim_state, "extra": io.BytesIO()}

@@ -29,11 +29,14 @@ def _launched_by_torchrun() -> bool:
 
 
 def default_backend() -> str:
-    """NCCL when this process has a GPU of its own, gloo otherwise (CPU runs, tests)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
-        return "nccl"
-    return "gloo"
+    """NCCL wherever CUDA is available (every rank decides alike on a uniform cluster), gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_device_index() -> int:
+    """The GPU of this process: LOCAL_RANK, modulo the visible devices (schedulers that expose one GPU
+    per process through CUDA_VISIBLE_DEVICES give every process device 0)."""
+    return int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
 
 
 def init_parallel_env(backend: str | None = None, *, timeout_s: float = 600.0) -> None:
@@ -45,13 +48,16 @@ def init_parallel_env(backend: str | None = None, *, timeout_s: float = 600.0) -
     if dist.is_initialized():
         return
     backend = backend or default_backend()
-    timeout = datetime.timedelta(seconds=timeout_s)
+    options = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device_index())
+        # Eager NCCL initialisation: later point-to-point transfers among a subset of ranks (reshard
+        # between pipeline stages) must not be the group's first, lazily-initialising operation.
+        options["device_id"] = torch.device("cuda", local_device_index())
     if _launched_by_torchrun():
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(**options)
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
 
 
 def get_rank(group=None) -> int:
@@ -93,12 +99,14 @@ class ParallelEnv:
 
     @property
     def device_type(self) -> str:
-        return "gpu" if default_backend() == "nccl" else "cpu"
+        """"gpu" under NCCL, "cpu" under gloo: the backend in use once initialised, else the default."""
+        backend = dist.get_backend() if dist.is_initialized() else default_backend()
+        return "gpu" if backend == "nccl" else "cpu"
 
     @property
     def device_id(self) -> int:
-        """The GPU this process uses (its LOCAL_RANK); 0 on a CPU."""
-        return self.local_rank if self.device_type == "gpu" else 0
+        """The GPU this process uses; 0 on a CPU."""
+        return local_device_index() if self.device_type == "gpu" else 0
 
     @property
     def master_endpoint(self) -> str:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import env
@@ -100,7 +101,11 @@ class ProcessMesh:
         return ProcessMesh(sub if sub.ndim else sub.reshape(1), names[1:] or [dim_name])
 
     def get_submesh_with_dim(self, dim_name: str) -> "ProcessMesh":
-        """The 1-D mesh along `dim_name` through this process (its group on that dimension)."""
+        """The 1-D mesh along `dim_name` through this process (its group on that dimension).
+
+        A per-rank view, for reading ranks: it differs between ranks, so never build tensors or
+        process groups on it (`device_mesh` refuses); use `mesh.device_mesh.get_group(dim_name)`.
+        """
         coordinate = self.coordinate()
         if coordinate is None:
             raise ValueError(f"ProcessMesh: rank {env.get_rank()} is not in {self}")
@@ -123,6 +128,7 @@ class ProcessMesh:
             )
         key = (tuple(self.shape), tuple(self.process_ids), tuple(self._dim_names))
         if key not in _DEVICE_MESHES:
+            _check_same_mesh_on_every_rank(key)
             device_type = env.device().type
             _DEVICE_MESHES[key] = DeviceMesh(device_type, torch.from_numpy(self._mesh), mesh_dim_names=tuple(self._dim_names))
         return _DEVICE_MESHES[key]
@@ -142,6 +148,24 @@ class ProcessMesh:
 
     def __repr__(self) -> str:
         return f"ProcessMesh({self._mesh.tolist()}, dim_names={self._dim_names})"
+
+
+def _check_same_mesh_on_every_rank(key: tuple) -> None:
+    """DeviceMesh creation builds process groups collectively: every rank must ask for the same mesh
+    at the same moment, or groups get wired to the wrong ranks (silently). One all-gather checks it."""
+    world = env.get_world_size()
+    if world == 1:
+        return
+    keys: list = [None] * world
+    dist.all_gather_object(keys, key)
+    if any(other != key for other in keys):
+        differing = sorted({str(k) for k in keys})
+        raise RuntimeError(
+            "ProcessMesh: ranks are creating different meshes at the same point "
+            f"({'; '.join(differing)}): every rank must build the same meshes in the same order. "
+            "A per-rank view such as get_submesh_with_dim() cannot back tensors or groups; use "
+            "mesh.device_mesh.get_group(dim_name) for a dimension's group"
+        )
 
 
 def set_mesh(mesh: ProcessMesh) -> None:

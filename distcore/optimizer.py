@@ -1,8 +1,8 @@
 """shard_optimizer and the sharding stages, on torch's optimizers.
 
 - No shard_fn: torch optimizers already keep their states like the parameters (a DTensor parameter
-  sharded over a mesh gets sharded states), which is Paddle's behaviour; the optimizer is wrapped
-  only to speak Paddle's dialect (`clear_grad`, `get_lr`, `set_lr`).
+  sharded over a mesh gets sharded states), which is Paddle's behaviour; the optimizer only gains
+  Paddle's `clear_grad`, `get_lr` and `set_lr` (it stays a torch Optimizer: schedulers work).
 - ShardingStage1 (optimizer states sharded over the data-parallel ranks): torch's
   ZeroRedundancyOptimizer over the mesh dimension's process group, for plain (replicated)
   parameters whose gradients are already averaged (DataParallel / DDP).
@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import inspect
+import types
 from dataclasses import dataclass
 
 import torch
@@ -55,51 +56,44 @@ class ShardingStage3(_ShardingStage):
     level = 3
 
 
-class ShardOptimizer:
-    """A torch optimizer speaking Paddle's dialect too; every other attribute is the optimizer's."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, sharding: _ShardingStage | None = None):
-        self._inner_opt = optimizer
-        self.sharding = sharding
-
-    def step(self, *args, **kwargs):
-        return self._inner_opt.step(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self._inner_opt.zero_grad(set_to_none=set_to_none)
-
-    def clear_grad(self, set_to_zero: bool = True):
-        """Paddle's clear_grad: zero the gradients (set_to_zero=False frees them instead)."""
-        self._inner_opt.zero_grad(set_to_none=not set_to_zero)
-
-    def get_lr(self) -> float:
-        return self._inner_opt.param_groups[0]["lr"]
-
-    def set_lr(self, value: float) -> None:
-        for group in self._inner_opt.param_groups:
-            group["lr"] = value
-
-    def state_dict(self):
-        return self._inner_opt.state_dict()
-
-    def load_state_dict(self, state_dict):
-        return self._inner_opt.load_state_dict(state_dict)
-
-    def __getattr__(self, name):
-        return getattr(self._inner_opt, name)
-
-    def __repr__(self) -> str:
-        return f"ShardOptimizer({self._inner_opt!r}, sharding={self.sharding})"
+def _clear_grad(self, set_to_zero: bool = True) -> None:
+    """Paddle's clear_grad: zero the gradients (set_to_zero=False frees them instead)."""
+    self.zero_grad(set_to_none=not set_to_zero)
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage | None = None) -> ShardOptimizer:
-    """Shard `optimizer`'s states as `shard_fn` says (see the module docstring)."""
-    if isinstance(optimizer, ShardOptimizer):
-        optimizer = optimizer._inner_opt
+def _get_lr(self) -> float:
+    return self.param_groups[0]["lr"]
+
+
+def _set_lr(self, value: float) -> None:
+    for group in self.param_groups:
+        group["lr"] = value
+
+
+_PADDLE_METHODS = {"clear_grad": _clear_grad, "get_lr": _get_lr, "set_lr": _set_lr}
+
+
+def with_paddle_methods(optimizer: torch.optim.Optimizer, sharding: "_ShardingStage | None" = None) -> torch.optim.Optimizer:
+    """The optimizer itself, given Paddle's `clear_grad`, `get_lr` and `set_lr` (bound to it).
+
+    It stays a torch Optimizer, so LR schedulers, GradScaler and checkpoint helpers keep working.
+    """
+    for name, method in _PADDLE_METHODS.items():
+        setattr(optimizer, name, types.MethodType(method, optimizer))
+    optimizer.sharding = sharding
+    return optimizer
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage | None = None) -> torch.optim.Optimizer:
+    """Shard `optimizer`'s states as `shard_fn` says (see the module docstring).
+
+    Without shard_fn the same optimizer comes back (with Paddle's methods added). ShardingStage1
+    returns a new ZeroRedundancyOptimizer: build LR schedulers on the returned optimizer.
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"shard_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if shard_fn is None:
-        return ShardOptimizer(optimizer)
+        return with_paddle_methods(optimizer)
     if not isinstance(shard_fn, _ShardingStage):
         raise TypeError(f"shard_optimizer: shard_fn must be ShardingStage1/2/3(...), got {shard_fn!r}")
     if shard_fn.level > 1:
@@ -115,7 +109,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage |
             "parallelize(model, optimizer, config={'dp_config': {'sharding_level': 1}, ...}); torch's "
             "ZeroRedundancyOptimizer handles replicated parameters only"
         )
-    return ShardOptimizer(_zero_redundancy(optimizer, shard_fn.dp_group()), sharding=shard_fn)
+    if len(optimizer.state):
+        raise ValueError("shard_optimizer: the optimizer already has state; shard it before the first step")
+    return with_paddle_methods(_zero_redundancy(optimizer, shard_fn.dp_group()), sharding=shard_fn)
 
 
 def _zero_redundancy(optimizer: torch.optim.Optimizer, group) -> ZeroRedundancyOptimizer:

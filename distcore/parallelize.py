@@ -27,7 +27,10 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import DTensor
 
 from .mesh import ProcessMesh, get_mesh
-from .optimizer import ShardOptimizer
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils._pytree import tree_map
+
+from .optimizer import with_paddle_methods
 
 _CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
 _DP_KEYS = ("sharding_level", "param_dtype", "reduce_dtype")
@@ -140,7 +143,7 @@ def _unwrap_dtensor_inputs(model: torch.nn.Module) -> None:
         return value.to_local() if isinstance(value, DTensor) else value
 
     def hook(module, args, kwargs):
-        return tuple(to_local(a) for a in args), {k: to_local(v) for k, v in kwargs.items()}
+        return tree_map(to_local, args), tree_map(to_local, kwargs)  # nested dicts/lists too
 
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
@@ -158,6 +161,10 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
         return loss + (mean - loss.detach())
 
     def hook(module, args, output):
+        # Training steps only: every rank runs those; an evaluation on one rank must not wait for a
+        # collective the others never join.
+        if not (module.training and torch.is_grad_enabled()):
+            return output
         if isinstance(output, tuple) and output:
             return (globalise(output[0]), *output[1:])
         return globalise(output)
@@ -169,23 +176,28 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
 
 
 def _check_optimizer_fresh(optimizer) -> None:
-    inner = optimizer._inner_opt if isinstance(optimizer, ShardOptimizer) else optimizer
-    if inner is not None and len(inner.state):
+    if optimizer is None:
+        return
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ValueError(
+            "parallelize: pass the plain optimizer, not one sharded by shard_optimizer(ShardingStage1): "
+            "dp_config's sharding_level shards its states (FSDP2)"
+        )
+    if len(optimizer.state):
         raise ValueError(
             "parallelize: the optimizer already has state (it has taken steps); call parallelize before "
-            "training, or load the state afterwards with distcore's checkpointing"
+            "training, or load the state afterwards with distcore.load_state"
         )
 
 
-def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str]) -> ShardOptimizer:
+def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str]) -> torch.optim.Optimizer:
     """The same optimizer, its groups now holding the model's new (sharded) parameters.
 
     FSDP2 replaces each parameter by a DTensor parameter of the same name, so groups are mapped by
     name and updated in place (the optimizer has no state yet: checked by _check_optimizer_fresh).
     """
-    inner = optimizer._inner_opt if isinstance(optimizer, ShardOptimizer) else optimizer
     params_after = dict(model.named_parameters())
-    for group in inner.param_groups:
+    for group in optimizer.param_groups:
         new_params = []
         for param in group["params"]:
             name = names_before.get(id(param))
@@ -196,4 +208,4 @@ def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int
                 )
             new_params.append(params_after[name])
         group["params"] = new_params
-    return optimizer if isinstance(optimizer, ShardOptimizer) else ShardOptimizer(inner)
+    return with_paddle_methods(optimizer)

@@ -62,9 +62,26 @@ def check_stage1_matches_one_process():
     _train(model, optimizer, _batches(), rank_slice=slice(rank * per_rank, (rank + 1) * per_rank))
     for ours, theirs in zip(model.module.parameters(), reference.parameters()):
         assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
-    owned = sum(len(v) for v in optimizer._inner_opt.optim.state.values())
+    assert isinstance(optimizer, torch.optim.Optimizer)  # LR schedulers accept it
+    owned = torch.tensor([len(optimizer.optim.state)])  # parameters whose Adam states this rank keeps
     total = sum(1 for _ in model.parameters())
-    assert 0 < owned < 2 * total, "each rank should hold only its share of the states"
+    assert 0 < owned.item() < total, "each rank should hold only its share of the states"
+    dist.all_reduce(owned)
+    assert owned.item() == total, "together the ranks hold every parameter's states exactly once"
+
+
+def check_schedulers_work_on_sharded_optimizers():
+    param = torch.nn.Parameter(torch.ones(4))
+    for optimizer in (
+        distcore.shard_optimizer(torch.optim.SGD([param], lr=1.0)),
+        distcore.shard_optimizer(torch.optim.SGD([param], lr=1.0), ShardingStage1("dp", ProcessMesh([0, 1, 2, 3], ["dp"]))),
+    ):
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        param.sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.clear_grad()
+        assert optimizer.get_lr() == 0.5
 
 
 def check_states_follow_tensor_parallel_parameters():

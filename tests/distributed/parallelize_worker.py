@@ -130,6 +130,37 @@ def check_config_errors():
             raise AssertionError(f"expected {error_type.__name__} for {config}")
     model, optimizer = _model_and_optimizer()
     assert distcore.parallelize(model, optimizer, None, {"dp_config": {}}) == (model, optimizer)  # no mesh: unchanged
+    from distcore import ShardingStage1
+
+    model, optimizer = _model_and_optimizer()
+    zero = distcore.shard_optimizer(optimizer, ShardingStage1("dp", mesh))
+    try:
+        distcore.parallelize(model, zero, mesh, {"dp_config": {"sharding_level": 1}})
+    except ValueError as error:
+        assert "pass the plain optimizer" in str(error)
+    else:
+        raise AssertionError("expected a ValueError for a ZeRO-1 optimizer")
+
+
+def check_evaluation_on_one_rank_and_schedulers():
+    """model.eval() forward on rank 0 alone must not wait for a collective; schedulers accept the optimizer."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    model, optimizer = _model_and_optimizer()
+    model, optimizer = distcore.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    inputs, labels = _batches()[0]
+    loss, _ = model(distcore.shard_tensor(inputs, mesh, [Shard(0)]), labels=distcore.shard_tensor(labels, mesh, [Shard(0)]))
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.clear_grad()
+    assert optimizer.get_lr() == 0.5e-2
+    if dist.get_rank() == 0:
+        model.eval()
+        with torch.no_grad():
+            eval_loss, _ = model(inputs[:2], labels=labels[:2])
+        assert torch.isfinite(eval_loss)
+    dist.barrier()
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

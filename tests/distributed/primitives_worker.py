@@ -67,6 +67,8 @@ def check_shard_tensor_on_a_2d_mesh_and_partial():
     r, c = rank() // 2, rank() % 2
     assert torch.equal(distcore.local_value(both), dense[2 * r : 2 * r + 2, 2 * c : 2 * c + 2])
     partial = distcore.shard_tensor(dense, mesh, [Partial(), Replicate()])
+    expected_local = dense if rank() // 2 == 0 else torch.zeros_like(dense)  # first along the partial dim holds it
+    assert torch.equal(distcore.local_value(partial), expected_local)
     assert torch.allclose(distcore.unshard_dtensor(distcore.reshard(partial, mesh, [Replicate(), Replicate()])), dense)
     rows = distcore.reshard(both, mesh, [Shard(0), Replicate()])
     assert torch.equal(distcore.local_value(rows), dense[2 * r : 2 * r + 2])
@@ -146,6 +148,53 @@ def check_reshard_across_meshes_is_differentiable():
     else:
         assert torch.allclose(distcore.unshard_dtensor(d_w1.grad), ref_w1.grad, atol=1e-5)
         assert abs(distcore.unshard_dtensor(loss).item() - ((x @ w0) @ w1).sum().item()) < 1e-4
+
+
+def check_per_rank_meshes_cannot_back_groups():
+    """get_submesh_with_dim differs per rank: building groups on it would wire them wrongly."""
+    mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    try:
+        mesh.get_submesh_with_dim("dp").device_mesh
+    except RuntimeError as error:
+        assert "different meshes" in str(error) and "get_group" in str(error), str(error)
+    else:
+        raise AssertionError("expected a RuntimeError")
+    group = mesh.device_mesh.get_group("dp")  # the right way: ranks {r % 2, r % 2 + 2}
+    value = torch.tensor([float(rank())])
+    dist.all_reduce(value, group=group)
+    assert value.item() == 2 * (rank() % 2) + 2
+
+
+def check_shard_tensor_of_an_activation_keeps_its_gradient():
+    """Paddle's notes shard inputs inside forward: gradients must reach what produced them."""
+    mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["x", "y"])
+    weight = torch.nn.Parameter(torch.arange(12.0).reshape(4, 3))
+    activation = weight * 2  # the same value on every rank, requires grad, not a leaf
+    sharded = distcore.shard_tensor(activation, mesh, [Shard(0), Replicate()])
+    assert torch.equal(distcore.local_value(sharded), (weight * 2)[2 * (rank() // 2) : 2 * (rank() // 2) + 2].detach())
+    sharded.sum().backward()
+    assert weight.grad is not None
+    # Each rank's gradient covers its own rows (y peers share them); summed over x they cover all.
+    local_rows = slice(2 * (rank() // 2), 2 * (rank() // 2) + 2)
+    assert torch.equal(weight.grad[local_rows], torch.full((2, 3), 2.0))
+
+
+def check_shard_tensor_of_a_dtensor_parameter():
+    mesh = ProcessMesh([0, 1, 2, 3], ["x"])
+    param = distcore.shard_tensor(torch.nn.Parameter(torch.randn(8, 4)), mesh, [Shard(0)])
+    moved = distcore.shard_tensor(param, mesh, [Replicate()], dtype=torch.float64)
+    assert isinstance(moved, torch.nn.Parameter) and moved.requires_grad and moved.dtype == torch.float64
+    assert moved.is_leaf and distcore.local_value(moved).shape == (8, 4)
+
+
+def check_reshard_between_equal_meshes_named_differently():
+    source, target = ProcessMesh([0, 1, 2, 3], ["dp"]), ProcessMesh([0, 1, 2, 3], ["x"])
+    weight = torch.nn.Parameter(torch.arange(8.0))
+    tensor = distcore.shard_tensor(weight * 1, source, [Shard(0)])
+    moved = distcore.reshard(tensor, target, [Replicate()])
+    assert moved.device_mesh is target.device_mesh and torch.equal(distcore.local_value(moved), torch.arange(8.0))
+    moved.sum().backward()
+    assert weight.grad is not None
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
