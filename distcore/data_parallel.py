@@ -3,7 +3,16 @@
 Every rank holds the whole model; after backward the gradients are averaged over the ranks (bucketed
 all-reduces overlapping the backward). Fed with each rank's contiguous slice of a global batch (see
 `shard_dataloader`) and a loss that is a mean over the local batch, an update equals the
-single-process update on the global batch (exactly when the slices have equal sizes).
+single-process update on the global batch (exactly when the slices have equal sizes: see the caveats in
+`distcore.dataloader`). shard_dataloader's batches go in as they are, `model(batch)` as in Paddle's
+loops: DTensor inputs (nested in lists, tuples, dicts) are replaced by this rank's local shard.
+
+The averaging group (`group=`): None (every rank), a torch ProcessGroup, a 1-D ProcessMesh that every
+rank builds alike (e.g. `ProcessMesh([0, 1, 2, 3], ["dp"])`), or one dimension of a bigger mesh:
+`group=(mesh, "dp")` or `group=mesh, dim_name="dp"`, whose group through this rank comes from the
+mesh's DeviceMesh (`mesh.device_mesh.get_group(mesh_dim="dp")`). Always pass the whole mesh, the same
+on every rank: process groups are created collectively, and a mesh that differs per rank (a per-rank
+view of one dimension) would wire them to the wrong ranks.
 """
 
 from __future__ import annotations
@@ -11,11 +20,13 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 
 from . import env
-from .mesh import ProcessMesh
+from .mesh import ProcessMesh, as_process_mesh
 
 # torch >= 2.9 takes one capacity per bucket; older ones only a uniform bucket_cap_mb.
 _HAS_PER_BUCKET_CAPS = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
@@ -27,6 +38,11 @@ class _DataParallelModel(DistributedDataParallel):
     `state_dict` / `load_state_dict` are the wrapped model's too (Paddle's DataParallel does the same),
     so checkpoints have the same keys with or without the wrapper; `.module` is the model itself.
     """
+
+    def forward(self, *inputs, **kwargs):
+        """DTensor inputs (shard_dataloader's batches) become this rank's local shards, then DDP's forward."""
+        inputs, kwargs = tree_map(_local_shard, (inputs, kwargs))
+        return super().forward(*inputs, **kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -44,16 +60,46 @@ class _DataParallelModel(DistributedDataParallel):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _process_group(group):
-    """Paddle's `group`: None (all ranks), a torch ProcessGroup, or a 1-D ProcessMesh (its ranks)."""
-    if isinstance(group, ProcessMesh):
+def _local_shard(value):
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _process_group(group, dim_name: str | None = None):
+    """Paddle's `group` as a torch ProcessGroup (None: every rank).
+
+    group: None, a torch ProcessGroup, a 1-D ProcessMesh (or DeviceMesh), or a mesh with `dim_name`
+    (also given as `group=(mesh, dim_name)`): the group through this rank along that dimension, taken
+    from the mesh's DeviceMesh, which every rank creates alike.
+    """
+    if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], (ProcessMesh, DeviceMesh)):
+        if dim_name is not None and dim_name != group[1]:
+            raise ValueError(f"DataParallel: group={group!r} names dim {group[1]!r} but dim_name={dim_name!r}")
+        group, dim_name = group
+    if isinstance(group, DeviceMesh):
+        group = as_process_mesh(group)  # the same DeviceMesh backs it
+    if not isinstance(group, ProcessMesh):
+        if dim_name is not None:
+            raise TypeError(
+                f"DataParallel: dim_name={dim_name!r} needs group=<the mesh it names a dim of>, got group={group!r}"
+            )
+        return group
+    if dim_name is None:
         if group.ndim != 1:
             raise ValueError(
-                f"DataParallel: group={group} is {group.ndim}-D; pass the 1-D data-parallel group through "
-                "this rank, e.g. mesh.get_submesh_with_dim('dp')"
+                f"DataParallel: group={group} is {group.ndim}-D; name its data-parallel dimension: "
+                f"group=(mesh, {group.dim_names[0]!r}) or dim_name={group.dim_names[0]!r}, passing the whole mesh "
+                "(the same on every rank)"
             )
-        return group.device_mesh.get_group()
-    return group
+        mesh_dim = 0
+    elif isinstance(dim_name, str) and dim_name in group.dim_names:
+        mesh_dim = dim_name
+    else:
+        raise ValueError(f"DataParallel: dim_name={dim_name!r} is not a dim of {group}; its dims are {group.dim_names}")
+    device_mesh = group.device_mesh  # collective on creation: every rank builds the same mesh now
+    rank = env.get_rank()
+    if rank not in group:
+        raise ValueError(f"DataParallel: this rank ({rank}) is not in group={group}, the mesh whose ranks average gradients")
+    return device_mesh.get_group(mesh_dim=mesh_dim)
 
 
 def _check_plain_parameters(model: torch.nn.Module) -> None:
@@ -74,6 +120,8 @@ def DataParallel(  # noqa: N802 - Paddle's name
     last_comm_buffer_size: float = 1,
     find_unused_parameters: bool = False,
     group=None,
+    *,
+    dim_name: str | None = None,
 ) -> DistributedDataParallel:
     """`layers` wrapped in DistributedDataParallel, initialising the parallel environment if needed.
 
@@ -81,10 +129,13 @@ def DataParallel(  # noqa: N802 - Paddle's name
     reduced first (Paddle calls it the last buffer: it holds the last layers' gradients, ready first;
     torch's "first bucket"), small so that communication starts early. strategy: accepted for Paddle
     compatibility and unused (the process group holds the settings). On a GPU the model is moved to
-    this process's GPU first.
+    this process's GPU first. group / dim_name: the ranks that average gradients (see the module
+    docstring): None (all), a ProcessGroup, a 1-D ProcessMesh, or `(mesh, "dp")` / `mesh, dim_name="dp"`.
+    Calling the model replaces DTensor inputs (shard_dataloader's batches) by their local shards.
     """
     del strategy  # Paddle's ParallelStrategy: torch reads ranks and devices from the process group
     env.init_parallel_env()
+    process_group = _process_group(group, dim_name)
     _check_plain_parameters(layers)
     device = env.device()
     layers = layers.to(device)
@@ -97,6 +148,6 @@ def DataParallel(  # noqa: N802 - Paddle's name
         layers,
         device_ids=[device.index] if device.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters,
-        process_group=_process_group(group),
+        process_group=process_group,
         **buckets,
     )

@@ -4,7 +4,28 @@
 yielded tensor is a DTensor with the GLOBAL shape (dim 0 = global batch size) on its mesh: Shard(0)
 along the data-parallel mesh dim, Replicate() along the others. So a run over N ranks sees exactly the
 global batches a single device sees, split contiguously with torch.chunk sizes (dp rank 0 gets the first
-rows). torch's DistributedSampler strides over samples instead, which does not reproduce them.
+rows). torch's DistributedSampler strides over samples instead, which does not reproduce them: give
+the loader a plain sampler (a DataLoader over a DistributedSampler is refused, as each rank would
+slice its already strided batches again and see only a fraction of its data).
+
+Batch sizes: every data-parallel rank must get at least one sample of every global batch. torch.chunk
+sizes are ceil(n / dp) per slice, so e.g. a batch of 6 over 4 ranks gives 2, 2, 2, 0: refused although
+6 >= 4. When the loader's sizes are known (a map-style dataset with torch's BatchSampler: len of the
+sampler, batch_size, drop_last), every global batch, the short last one included unless drop_last,
+is checked when the ShardDataloader is built; otherwise each batch is checked as it comes. Use a batch
+size that is a multiple of the data-parallel degree, and drop_last=True if the dataset does not
+divide into whole batches.
+
+Uneven slices and gradient averaging: DataParallel (DDP) and the sharded optimizers average the
+gradients over the data-parallel ranks, i.e. they take the mean of the per-rank mean losses. That is
+one device's mean over the global batch only when every rank holds the same number of samples; when a
+global batch does not divide evenly by the dp degree (e.g. 7 samples as 2, 2, 2, 1), the samples of
+the smaller slices weigh more. The ShardDataloader warns once when it meets (or, with known sizes,
+foresees) such a batch. The same caveat holds, even with equal slices, for a loss normalised by a
+per-rank count, e.g. a token-level cross-entropy averaged over the tokens that are not ignored
+(ignore_index / padding): the mean of per-rank token means differs from the mean over all the global
+batch's tokens when the ranks' token counts differ. To match one device, sum the loss and divide by
+the global count (all-reduce the count over the data-parallel group first), or use equal counts.
 
 How the samples are loaded:
 - Per-rank loading (the usual case: a map-style dataset with a batch sampler and torch's default
@@ -30,6 +51,7 @@ with per-rank loading covers only this rank's samples.
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,7 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from . import env
@@ -124,17 +146,76 @@ def _slice_bounds(global_size: int, num_slices: int, index: int) -> tuple[int, i
     return int(start), int(length)
 
 
-def _check_batch_splits(global_size: int, layouts: list[_MeshLayout]) -> None:
+def _chunk_sizes(global_size: int, num_slices: int) -> list[int]:
+    return [_slice_bounds(global_size, num_slices, index)[1] for index in range(num_slices)]
+
+
+def _check_batch_splits(global_size: int, layouts: list[_MeshLayout], *, where: str = "") -> None:
     """Every data-parallel rank must get at least one sample (an empty local batch breaks mean losses)."""
     for layout in layouts:
-        _, last_length = _slice_bounds(global_size, layout.num_slices, layout.num_slices - 1)
-        if last_length == 0:
+        sizes = _chunk_sizes(global_size, layout.num_slices)
+        if sizes[-1] == 0:
             raise ValueError(
-                f"shard_dataloader: a global batch of {global_size} sample(s) cannot be split over "
-                f"{layout.num_slices} data-parallel ranks (dim {layout.shard_dim!r} of {layout.mesh}): "
-                "with torch.chunk sizes some rank would get no sample. Use a batch size of at least the dp "
-                "degree (a multiple of it for even slices), or drop_last=True to drop a short last batch"
+                f"shard_dataloader: a global batch of {global_size} sample(s){where} cannot be split over "
+                f"{layout.num_slices} data-parallel ranks (dp degree {layout.num_slices}: dim "
+                f"{layout.shard_dim!r} of {layout.mesh}): torch.chunk gives slices of {sizes}, so "
+                f"{sizes.count(0)} rank(s) would get no sample. Use a batch size that is a multiple of the "
+                f"data-parallel degree ({layout.num_slices}), and drop_last=True if the dataset does not divide "
+                "into whole batches (to drop a short last batch)"
             )
+
+
+def _uneven_split(global_size: int, layouts: list[_MeshLayout]) -> tuple[_MeshLayout, list[int]] | None:
+    """The first layout that splits `global_size` samples into unequal slices, with the slice sizes."""
+    for layout in layouts:
+        if layout.num_slices > 1 and global_size % layout.num_slices:
+            return layout, _chunk_sizes(global_size, layout.num_slices)
+    return None
+
+
+def _uneven_warning(global_size: int, layout: _MeshLayout, sizes: list[int], where: str = "") -> str:
+    return (
+        f"shard_dataloader: a global batch of {global_size} sample(s){where} is split unevenly over "
+        f"{layout.num_slices} data-parallel ranks (dim {layout.shard_dim!r} of {layout.mesh}): torch.chunk "
+        f"gives slices of {sizes}. Data-parallel gradient averaging (the mean of the per-rank mean losses) "
+        "then differs from one device's mean over the global batch: the samples of smaller slices weigh "
+        f"more. To avoid it, use a batch size that is a multiple of the data-parallel degree ({layout.num_slices}) "
+        "and drop_last=True (or a dataset size that divides into whole batches). A loss normalised by a "
+        "per-rank count (e.g. tokens not ignored) has the same caveat: see distcore.dataloader's docstring"
+    )
+
+
+def _known_batch_sizes(dataloader) -> tuple[list[int], str] | None:
+    """Every global batch size of an epoch and how they arise, when the loader tells them up front.
+
+    Only for torch's own BatchSampler (a subclass may batch differently) over a sampler with a length.
+    """
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    batch_sampler = dataloader.batch_sampler
+    if type(batch_sampler) is not BatchSampler:
+        return None
+    try:
+        num_samples = len(batch_sampler.sampler)
+    except TypeError:
+        return None
+    batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
+    full, rest = divmod(num_samples, batch_size)
+    sizes = [batch_size] * full + ([rest] if rest and not drop_last else [])
+    return sizes, f"{num_samples} samples, batch_size={batch_size}, drop_last={drop_last}"
+
+
+def _check_not_distributed_sampler(dataloader) -> None:
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = [getattr(dataloader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None)]
+    if any(isinstance(sampler, DistributedSampler) for sampler in samplers):
+        raise ValueError(
+            "shard_dataloader: the DataLoader samples with torch's DistributedSampler, which already gives each "
+            "rank a strided 1/num_replicas of the samples; shard_dataloader would slice each of those batches "
+            "again, so every rank would see only a fraction of its data. Pass a plain sampler instead (e.g. "
+            "DataLoader(dataset, batch_size=<global batch size>, shuffle=True)): shard_dataloader does the "
+            "splitting, giving each data-parallel rank its contiguous slice of every global batch"
+        )
 
 
 def _loaded_slice(layouts: list[_MeshLayout], rank: int) -> tuple[int, int]:
@@ -261,13 +342,13 @@ def _rebuilt_loader(dataloader: DataLoader, batch_sampler: _SliceBatchSampler) -
 # ----------------------------------------------------------------------------- batch -> DTensors
 
 
-def _to_dtensor(tensor: torch.Tensor, layout: _MeshLayout, *, global_size: int | None, loaded_slice) -> DTensor:
+def _to_dtensor(tensor: torch.Tensor, layout: _MeshLayout, *, global_size: int | None, loaded_slice, check_split) -> DTensor:
     """`tensor` (this rank's loaded samples) as a DTensor of the global batch on `layout`'s mesh."""
     if tensor.dim() == 0:  # not per sample (a custom collate's scalar): the same value everywhere
         return dtensor_from_local(tensor.to(env.device()), layout.mesh, [Replicate()] * layout.mesh.ndim, shape=())
     if global_size is None:  # the full batch was loaded
         global_size = tensor.shape[_BATCH_DIM]
-    _check_batch_splits(global_size, [layout])
+    check_split(global_size, layout)
     rank = env.get_rank()
     index = layout.slice_index(rank)
     if index is None:  # not on this mesh: an empty shard, as torch gives ranks outside a DTensor's mesh
@@ -330,11 +411,14 @@ class ShardDataloader:
 
     def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None):
         env.init_parallel_env()
+        _check_not_distributed_sampler(dataloader)
         self.dataloader = dataloader
         self.meshes = _as_mesh_list(meshes)
         self._layouts = _mesh_layouts(self.meshes, shard_dims)
         self.shard_dims = [layout.shard_dim for layout in self._layouts]
         self.input_keys = list(input_keys) if input_keys is not None else None
+        self._warned_uneven = False
+        self._check_known_batch_sizes(per_rank_loading)
         for mesh in self.meshes:  # collective on creation: every rank creates them now, in the same order
             mesh.device_mesh
         self._sync_shuffling = _ShuffleSync(_shuffling_sampler(dataloader))
@@ -364,6 +448,35 @@ class ShardDataloader:
         )
         return loaded_slice, sampler, _rebuilt_loader(self.dataloader, sampler)
 
+    def _check_known_batch_sizes(self, per_rank_loading: bool | None) -> None:
+        """Refuse now (not at an epoch's last batch) a global batch that leaves a rank empty; warn of uneven ones.
+
+        Only when the batch sizes are known and the collated tensors have one row per sample: torch's
+        default collate, or per-rank loading (which slices the indices themselves).
+        """
+        known = _known_batch_sizes(self.dataloader)
+        if known is None or (self.dataloader.collate_fn is not default_collate and not per_rank_loading):
+            return
+        sizes, origin = known
+        for size in dict.fromkeys(sizes[:1] + sizes[-1:]):  # the full batches' size and the last one's
+            where = f" ({'the last batch of an epoch: ' if size != sizes[0] else ''}{origin})"
+            _check_batch_splits(size, self._layouts, where=where)
+            uneven = _uneven_split(size, self._layouts)
+            if uneven is not None and not self._warned_uneven:
+                self._warn_uneven(size, *uneven, where=where)
+
+    def _check_split(self, global_size: int, layout: _MeshLayout) -> None:
+        """Per batch: no rank left empty; a warning (once) when the slices differ in size."""
+        _check_batch_splits(global_size, [layout])
+        if not self._warned_uneven:
+            uneven = _uneven_split(global_size, [layout])
+            if uneven is not None:
+                self._warn_uneven(global_size, *uneven)
+
+    def _warn_uneven(self, global_size: int, layout: _MeshLayout, sizes: list[int], *, where: str = "") -> None:
+        self._warned_uneven = True
+        warnings.warn(_uneven_warning(global_size, layout, sizes, where), UserWarning, stacklevel=2)
+
     @property
     def loads_per_rank(self) -> bool:
         """Whether each rank reads only its own samples (else every rank reads whole batches)."""
@@ -387,7 +500,7 @@ class ShardDataloader:
                 yield self._distribute_batch(batch, global_size=global_sizes.popleft())
 
     def _distribute_batch(self, batch, *, global_size: int | None):
-        slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice}
+        slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice, "check_split": self._check_split}
         layouts = self._layouts
         if isinstance(batch, Mapping):
             items = {key: _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()}

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler, TensorDataset,
+)
 
 import distcore
+import distcore.dataloader as dataloader_module
 from distcore import ProcessMesh, Replicate, Shard
 from tests.distributed.harness import run_checks
 
@@ -208,11 +213,85 @@ def check_errors():
     expect_error(ValueError, ["'pp'", "['dp', 'mp']"], lambda: distcore.shard_dataloader(loader, mesh, shard_dims="pp"))
     expect_error(ValueError, ["2 shard_dims", "1 mesh"], lambda: distcore.shard_dataloader(loader, mesh, shard_dims=["dp", "mp"]))
     expect_error(TypeError, ["ProcessMesh"], lambda: distcore.shard_dataloader(loader, [[0, 1]], shard_dims="dp"))
-    too_small = distcore.shard_dataloader(loader, ProcessMesh([0, 1, 2, 3], ["dp"]), shard_dims="dp")
-    expect_error(ValueError, ["batch of 3", "4 data-parallel ranks", "drop_last"], lambda: list(too_small))
+    dp4 = ProcessMesh([0, 1, 2, 3], ["dp"])
+    expect_error(  # the sizes are known: refused when built
+        ValueError, ["batch of 3", "4 data-parallel ranks", "[1, 1, 1, 0]", "drop_last"],
+        lambda: distcore.shard_dataloader(loader, dp4, shard_dims="dp"),
+    )
     streamed_loader = DataLoader(StreamedSamples(3), batch_size=3)
-    streamed = distcore.shard_dataloader(streamed_loader, ProcessMesh([0, 1, 2, 3], ["dp"]), shard_dims="dp")
-    expect_error(ValueError, ["batch of 3", "4 data-parallel ranks"], lambda: list(streamed))
+    streamed = distcore.shard_dataloader(streamed_loader, dp4, shard_dims="dp")  # sizes unknown: checked per batch
+    expect_error(ValueError, ["batch of 3", "4 data-parallel ranks", "[1, 1, 1, 0]", "multiple of"], lambda: list(streamed))
+
+
+def check_batch_sizes_are_checked_when_built():
+    """A global batch that leaves a dp rank empty is refused by shard_dataloader, not at an epoch's end."""
+    dp4 = ProcessMesh([0, 1, 2, 3], ["dp"])
+    expect_error(  # 6 >= 4 samples, yet torch.chunk gives 2, 2, 2, 0
+        ValueError,
+        ["batch of 6", "4 data-parallel ranks", "[2, 2, 2, 0]", "multiple of the data-parallel degree (4)", "drop_last=True"],
+        lambda: distcore.shard_dataloader(sequential_loader(Samples(12), batch_size=6), dp4, shard_dims="dp"),
+    )
+    dataset = Samples(10)  # batches of 4, 4 and a last one of 2
+    expect_error(
+        ValueError, ["batch of 2", "last batch of an epoch", "10 samples", "[1, 1, 0, 0]", "drop_last=True"],
+        lambda: distcore.shard_dataloader(DataLoader(dataset, batch_size=4, shuffle=True), dp4, shard_dims="dp"),
+    )
+    expect_error(  # also when every rank reads whole batches
+        ValueError, ["batch of 2", "[1, 1, 0, 0]"],
+        lambda: distcore.shard_dataloader(DataLoader(dataset, batch_size=4), dp4, shard_dims="dp", per_rank_loading=False),
+    )
+    assert dataset.seen == []  # refused before reading anything
+    dropped = distcore.shard_dataloader(DataLoader(dataset, batch_size=4, drop_last=True), dp4, shard_dims="dp")
+    assert [tuple(b[0].shape) for b in dropped] == [(4, FEATURES)] * 2
+    # On a 2x2 mesh the dp degree is 2: a last batch of 2 is fine there, and replicated batches need no split.
+    assert len(list(distcore.shard_dataloader(DataLoader(dataset, batch_size=4), ProcessMesh(*DP_MP), shard_dims="dp"))) == 3
+    assert len(list(distcore.shard_dataloader(sequential_loader(Samples(3), batch_size=3), dp4))) == 1
+
+
+def _uneven_warnings(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "unevenly" in str(w.message)]
+
+
+def check_uneven_batches_warn_once():
+    """Slices of unequal sizes: DDP's mean of per-rank means is no longer the global batch's mean."""
+    mesh = ProcessMesh(*DP_MP)
+
+    def two_epochs(loader):
+        def run():
+            dist_loader = distcore.shard_dataloader(loader, mesh, shard_dims="dp")
+            for _ in range(2):
+                list(dist_loader)
+        return run
+
+    # Known sizes (batches of 4 and 3 over dp 2): warned once, when built.
+    (message,) = _uneven_warnings(two_epochs(sequential_loader(Samples(7), batch_size=4)))
+    for fragment in ["batch of 3", "last batch of an epoch", "2 data-parallel ranks", "[2, 1]", "mean of the per-rank mean",
+                     "one device's mean", "multiple of the data-parallel degree (2)", "drop_last=True", "tokens not ignored"]:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    # Unknown sizes (an iterable dataset: batches of 3, 3, 2): warned once, at the first uneven batch.
+    (message,) = _uneven_warnings(two_epochs(DataLoader(StreamedSamples(8), batch_size=3)))
+    assert "batch of 3" in message and "[2, 1]" in message
+    assert _uneven_warnings(two_epochs(sequential_loader(Samples(8), batch_size=4))) == []  # even: no warning
+    doc = dataloader_module.__doc__
+    assert "mean of the per-rank mean losses" in doc and "tokens that are not ignored" in doc
+
+
+def check_distributed_sampler_is_refused():
+    """torch's DistributedSampler strides the samples per rank: slicing its batches again would lose data."""
+    dataset = Samples(16)
+    mesh = ProcessMesh([0, 1, 2, 3], ["dp"])
+    sampler = DistributedSampler(dataset, num_replicas=4, rank=rank(), shuffle=False)
+    for loader in (
+        DataLoader(dataset, batch_size=4, sampler=sampler),
+        DataLoader(dataset, batch_sampler=BatchSampler(sampler, batch_size=4, drop_last=False)),
+    ):
+        expect_error(
+            ValueError, ["DistributedSampler", "fraction", "plain sampler", "shard_dataloader does the splitting"],
+            lambda: distcore.shard_dataloader(loader, mesh, shard_dims="dp"),
+        )
 
 
 # ------------------------------------------------------------------------------------ DataParallel
@@ -261,6 +340,98 @@ def check_data_parallel_matches_one_process():
     assert set(model.state_dict()) == set(reference.state_dict())  # Paddle's keys: no "module." prefix
     dist_loader = distcore.shard_dataloader(loader, ProcessMesh([0, 1, 2, 3], ["dp"]), shard_dims="dp")
     _train(model, epochs(dist_loader), steps)
+    for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(got, want, atol=1e-5), name
+
+
+def check_data_parallel_over_the_dp_dim_of_a_2x2_mesh():
+    """group=(mesh, "dp") / dim_name="dp": the dp group through this rank, {r, r + 2}, from the mesh's DeviceMesh."""
+    mesh = ProcessMesh(*DP_MP)
+    dp_peers = [rank() % 2, rank() % 2 + 2]
+    for group in ({"group": (mesh, "dp")}, {"group": mesh, "dim_name": "dp"}):
+        model = distcore.DataParallel(MLP(), **group)
+        assert dist.get_process_group_ranks(model.process_group) == dp_peers
+        members = torch.tensor([2.0 ** rank()])  # the sum over the group spells out its members, in binary
+        dist.all_reduce(members, group=model.process_group)
+        assert members.item() == sum(2.0**peer for peer in dp_peers), (members.item(), dp_peers)
+
+    def refused(**group):
+        try:
+            distcore.DataParallel(MLP(), **group)
+        except ValueError as error:
+            assert "get_submesh_with_dim" not in str(error)  # a per-rank mesh would wire the groups wrongly
+            return str(error)
+        raise AssertionError(f"DataParallel accepted {group}")
+
+    message = refused(group=mesh)
+    assert "2-D" in message and "(mesh, 'dp')" in message and "dim_name='dp'" in message
+    assert "'pp'" in refused(group=(mesh, "pp")) and "'pp'" in refused(group=mesh, dim_name="pp")
+
+    # Training: each dp slice of a global batch of 8 on 2 dp ranks (mp peers alike) equals one process.
+    steps = 3
+    generator = torch.Generator().manual_seed(1)
+    dataset = TensorDataset(torch.randn(16, 4, generator=generator), torch.randn(16, 2, generator=generator))
+    loader = DataLoader(dataset, batch_size=8)
+    torch.manual_seed(0)
+    reference = MLP()
+    _train(reference, (batch for _ in range(2) for batch in loader), steps)
+    torch.manual_seed(0)
+    model = distcore.DataParallel(MLP(), group=(mesh, "dp"))
+    dist_loader = distcore.shard_dataloader(loader, mesh, shard_dims="dp")
+    _train(model, (batch for _ in range(2) for batch in dist_loader), steps)
+    for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
+        assert torch.allclose(got, want, atol=1e-5), name
+
+
+class NestedSamples(Dataset):
+    """Sample i is {"inputs": [x_i], "targets": y_i, "tag": "s"}: a nested batch once collated."""
+
+    def __init__(self, inputs, targets):
+        self.inputs, self.targets = inputs, targets
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int):
+        return {"inputs": [self.inputs[index]], "targets": self.targets[index], "tag": "s"}
+
+
+class LossMLP(MLP):
+    """Paddle's loop `loss = model(batch)`: the model takes the whole (nested) batch."""
+
+    def forward(self, batch, scale=None):
+        (inputs,) = batch["inputs"]
+        loss = torch.nn.functional.mse_loss(self.layers(inputs), batch["targets"])
+        return loss if scale is None else loss * scale[0]
+
+
+def check_data_parallel_takes_shard_dataloader_batches():
+    """shard_dataloader's DTensors (nested in dicts and lists, positional or keyword) go straight in."""
+    steps = 4
+    generator = torch.Generator().manual_seed(2)
+    dataset = NestedSamples(torch.randn(16, 4, generator=generator), torch.randn(16, 2, generator=generator))
+    loader = DataLoader(dataset, batch_size=8)
+    scale = [torch.tensor(1.0)]
+
+    def train(model, batches):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, batch in zip(range(steps), batches):
+            loss = model(batch, scale=scale) if step % 2 else model(batch=batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    reference = LossMLP()
+    train(reference, (batch for _ in range(2) for batch in loader))
+    torch.manual_seed(0)
+    mesh = ProcessMesh([0, 1, 2, 3], ["dp"])
+    model = distcore.DataParallel(LossMLP(), group=mesh)  # a 1-D mesh, the same on every rank
+    assert dist.get_process_group_ranks(model.process_group) == [0, 1, 2, 3]
+    dist_loader = distcore.shard_dataloader(loader, mesh, shard_dims="dp")
+    batch = next(iter(dist_loader))
+    assert isinstance(batch["inputs"][0], DTensor) and isinstance(batch["targets"], DTensor)
+    train(model, (batch for _ in range(2) for batch in dist_loader))
     for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
         assert torch.allclose(got, want, atol=1e-5), name
 
