@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Callable
 
 # Known here as well as in bench.kernels (which imports torch): argument checking stays import-free.
@@ -73,10 +74,53 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 1 if errors and errors == len(df) else 0  # fail only when nothing ran cleanly
 
 
+def _check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="bf16,fp16,fp32", help="comma-separated of bf16, fp16, fp32")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="small shapes only")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="report directory (default: reports/correctness-<device>-<timestamp>/)")
+
+
+def _check_kernels(args: argparse.Namespace) -> int:
+    from bench.correctness import DTYPES, run_correctness_check
+    from bench.kernels import resolve_device
+
+    names = [name.strip() for name in args.dtype.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names:
+        print(f"tridist check kernels: error: unknown dtype(s) {unknown}; valid: {', '.join(DTYPES)}", file=sys.stderr)
+        return 2
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as exc:
+        print(f"tridist check kernels: error: {exc}", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
+        print("tridist check kernels: on a CPU the fused ops run their PyTorch path unless TRITON_INTERPRET=1 is "
+              "set (then the Triton kernels run in the interpreter, on small shapes)", file=sys.stderr)
+    frame = run_correctness_check(device=device, dtypes=[DTYPES[n] for n in names], quick=args.quick, out_dir=args.out)
+    report_dir = frame.attrs["report_dir"]
+    print((Path(report_dir) / "report.md").read_text())
+    print(f"report: {report_dir}")
+    return 0 if frame["ok"].all() else 1
+
+
 # ------------------------------------------------------------------------------------------- the table
 
 
 COMMANDS: dict[str, Command] = {
+    "check": Command(
+        help="correctness checks",
+        add_arguments=lambda parser: None,
+        subcommands={
+            "kernels": Command(
+                help="fused ops' forward and backward vs the references at training sizes (compiled on a GPU)",
+                add_arguments=_check_arguments,
+                handler=_check_kernels,
+            ),
+        },
+    ),
     "bench": Command(
         help="benchmarks and reports",
         add_arguments=lambda parser: None,

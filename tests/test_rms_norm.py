@@ -8,7 +8,7 @@ import torch
 import kernels
 from kernels.reference import rms_norm_reference
 from kernels.ops.rms_norm import MAX_SINGLE_PASS_COLS
-from tests._tolerance import assert_matches_reference, upcast
+from kernels.testing import assert_matches_reference, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

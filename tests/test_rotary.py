@@ -9,7 +9,7 @@ import torch
 
 import kernels
 from kernels.reference import rotary_reference
-from tests._tolerance import assert_matches_reference, upcast
+from kernels.testing import assert_matches_reference, upcast
 
 
 def llama_tables(length: int, rotary_dim: int, *, half: bool = False, interleaved: bool = False):

@@ -8,7 +8,7 @@ import torch
 import kernels
 from kernels.reference import swiglu_reference
 from kernels.ops.swiglu import MAX_BLOCK_N
-from tests._tolerance import assert_matches_reference, upcast
+from kernels.testing import assert_matches_reference, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One element, a prime width, a width just over one column block (no power-of-two padding), 3-D.
