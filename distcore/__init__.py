@@ -12,9 +12,27 @@ from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
+from .tensor_parallel import (
+    ColWiseParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnable,
+    SequenceParallelEnd,
+)
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 __all__ = [
+    "ColWiseParallel",
+    "PrepareLayerInput",
+    "PrepareLayerOutput",
+    "RowWiseParallel",
+    "SequenceParallelBegin",
+    "SequenceParallelDisable",
+    "SequenceParallelEnable",
+    "SequenceParallelEnd",
     "DataParallel",
     "Partial",
     "ParallelEnv",

@@ -14,11 +14,15 @@ The user's loop stays the plain one: inputs from shard_dataloader (global-view D
 unwrapped to this rank's shard, and a returned loss carries the global mean value on every rank
 (its gradient stays the local one, which data parallelism averages).
 
-Tensor and pipeline parallelism (`mp_config`, `pp_config`) are the next part of this module and are
-refused explicitly until then.
+Tensor parallel (`mp_config`, see tensor_parallel.py) over the mesh dimension named "mp" is applied
+first, then data parallel over "dp" on the resulting DTensor parameters (2-D: FSDP2 composes with
+tensor parallel). Sequence parallel styles and pipeline parallel (`pp_config`) are the next part of
+this module and are refused explicitly until then.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.distributed as dist
@@ -27,13 +31,17 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.tensor import DTensor
 
 from .mesh import ProcessMesh, get_mesh
+from .tensor_parallel import apply_tensor_parallel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map
 
 from .optimizer import with_paddle_methods
 
+log = logging.getLogger(__name__)
+
 _CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
 _DP_KEYS = ("sharding_level", "param_dtype", "reduce_dtype")
+_MP_KEYS = ("parallelize_plan", "strict")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -50,24 +58,34 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mesh = mesh if mesh is not None else get_mesh()
     if mesh is None or not any(key in config for key in _CONFIG_KEYS):
         return model, optimizer
-    for key in ("mp_config", "pp_config"):
-        if key in config:
-            raise NotImplementedError(
-                f"parallelize: {key} (tensor/pipeline parallel) is not implemented yet in distcore; "
-                "dp_config (sharding levels 0-3) is"
-            )
+    if "pp_config" in config:
+        raise NotImplementedError(
+            "parallelize: pp_config (pipeline parallel) is not implemented yet in distcore; dp_config and "
+            "mp_config are"
+        )
     _check_optimizer_fresh(optimizer)
     names_before = {id(p): name for name, p in model.named_parameters()}
-    dp_config = dict(config.get("dp_config") or {})
-    bad = sorted(set(dp_config) - set(_DP_KEYS))
-    if bad:
-        raise ValueError(f"parallelize: unknown dp_config key(s) {bad}; valid keys are {list(_DP_KEYS)}")
-    dp_mesh = _dp_device_mesh(mesh)
-    apply_data_parallel(
-        model, dp_mesh=dp_mesh, sharding_level=dp_config.get("sharding_level", 0), mp_policy=_mixed_precision(dp_config)
-    )
+    if "mp_config" in config:
+        mp_config = dict(config["mp_config"] or {})
+        bad = sorted(set(mp_config) - set(_MP_KEYS))
+        if bad:
+            raise ValueError(f"parallelize: unknown mp_config key(s) {bad}; valid keys are {list(_MP_KEYS)}")
+        changes = apply_tensor_parallel(
+            model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=_named_device_mesh(mesh, "mp"),
+            process_mesh=mesh, strict=mp_config.get("strict", False),
+        )
+        log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
+    if "dp_config" in config:
+        dp_config = dict(config["dp_config"] or {})
+        bad = sorted(set(dp_config) - set(_DP_KEYS))
+        if bad:
+            raise ValueError(f"parallelize: unknown dp_config key(s) {bad}; valid keys are {list(_DP_KEYS)}")
+        dp_mesh = _named_device_mesh(mesh, "dp")
+        apply_data_parallel(
+            model, dp_mesh=dp_mesh, sharding_level=dp_config.get("sharding_level", 0), mp_policy=_mixed_precision(dp_config)
+        )
+        _report_global_mean_loss(model, group=dp_mesh.get_group())
     _unwrap_dtensor_inputs(model)
-    _report_global_mean_loss(model, group=dp_mesh.get_group())
     if optimizer is None:
         return model, None
     return model, _rebuild_optimizer(optimizer, model, names_before)
@@ -108,14 +126,16 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def _dp_device_mesh(mesh: ProcessMesh):
-    if "dp" in mesh.dim_names:
-        return mesh.device_mesh["dp"]
+def _named_device_mesh(mesh: ProcessMesh, dim: str):
+    """The 1-D DeviceMesh of dimension `dim` ("dp" or "mp"); a 1-D mesh serves whichever is asked."""
+    if dim in mesh.dim_names:
+        return mesh.device_mesh[dim]
     if mesh.ndim == 1:
         return mesh.device_mesh
+    config = {"dp": "dp_config", "mp": "mp_config"}[dim]
     raise ValueError(
-        f"parallelize: dp_config needs a mesh dimension named 'dp'; this mesh has {mesh.dim_names} "
-        "(name the data-parallel dimension 'dp', e.g. ProcessMesh(..., dim_names=['dp', 'mp']))"
+        f"parallelize: {config} needs a mesh dimension named {dim!r}; this mesh has {mesh.dim_names} "
+        "(name the dimensions, e.g. ProcessMesh(..., dim_names=['dp', 'mp']))"
     )
 
 

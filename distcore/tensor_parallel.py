@@ -1,0 +1,201 @@
+"""Tensor parallelism from Paddle's `mp_config={"parallelize_plan": {...}}`, on torch's parallelize_module.
+
+Plan keys are Paddle's: a regular expression fully matching module names
+(`llama.layers.*.mlp.up_proj`), or a parameter name ending in `.weight`/`.bias`, which means its owning
+Linear/Embedding. Values are a style or a list of styles. A key that matches nothing is reported with
+the nearest module names (a warning; an error with `mp_config["strict"] = True`): the seed's own
+example names modules its model lacks.
+
+Model code written for one device keeps working on local shards: Linear outputs stay local (torch's
+default), and attention modules whose q/k/v projections are split get their head counts divided
+(`num_heads`, `num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads.
+Embeddings and the LM head give full (replicated) outputs, so norms and losses are unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+log = logging.getLogger(__name__)
+
+# Attributes model code uses as head counts in reshapes (seed: num_heads; HF: num_key_value_heads, ...).
+_HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+_QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "wq", "wk", "wv")
+
+
+class _Style:
+    """Base of Paddle's parallel styles (configuration only; applied by parallelize)."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+@dataclass(repr=False)
+class ColWiseParallel(_Style):
+    """Split the output features (a Linear's columns; an Embedding's hidden dim)."""
+
+    gather_output: bool = False
+
+
+@dataclass(repr=False)
+class RowWiseParallel(_Style):
+    """Split the input features (a Linear's rows; an Embedding's vocabulary)."""
+
+    is_input_parallel: bool = True
+
+
+@dataclass(repr=False)
+class PrepareLayerInput(_Style):
+    """`fn(process_mesh)` returns a forward pre-hook for the layer (Paddle's semantics)."""
+
+    fn: Callable
+
+
+@dataclass(repr=False)
+class PrepareLayerOutput(_Style):
+    """`fn(process_mesh)` returns a forward hook for the layer."""
+
+    fn: Callable
+
+
+@dataclass(repr=False)
+class _SequenceParallelStyle(_Style):
+    need_transpose: bool = True
+
+
+class SequenceParallelBegin(_SequenceParallelStyle):
+    pass
+
+
+class SequenceParallelEnd(_SequenceParallelStyle):
+    pass
+
+
+class SequenceParallelEnable(_Style):
+    pass
+
+
+class SequenceParallelDisable(_SequenceParallelStyle):
+    pass
+
+
+STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput,
+          SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
+
+
+def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, process_mesh, strict: bool = False) -> list[str]:
+    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log)."""
+    if not isinstance(plan, dict):
+        raise TypeError(f"parallelize: mp_config['parallelize_plan'] must be a dict of pattern -> style(s), got {type(plan).__name__}")
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    changes: list[str] = []
+    tp = tp_mesh.size()
+    for key, value in plan.items():
+        styles = value if isinstance(value, (list, tuple)) else [value]
+        for style in styles:
+            if not isinstance(style, STYLES):
+                raise TypeError(
+                    f"parallelize: plan key {key!r} has {style!r}; styles are {', '.join(s.__name__ for s in STYLES)}"
+                )
+        targets = _match(key, modules, params, strict=strict)
+        for name in targets:
+            for style in styles:
+                changes.append(_apply(model, name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh))
+    changes += _localise_head_counts(model, tp=tp)
+    return changes
+
+
+def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
+    """Module names the key names: a full regex match, or the owner of a `.weight`/`.bias` parameter."""
+    try:
+        pattern = re.compile(key)
+    except re.error as error:
+        raise ValueError(f"parallelize: plan key {key!r} is not a valid regular expression: {error}") from None
+    if key.rpartition(".")[2] in ("weight", "bias"):  # a parameter: its owner (the root for a bare "weight")
+        owners = [name.rpartition(".")[0] for name in params if pattern.fullmatch(name)]
+        matched = sorted(set(owners), key=list(modules).index)
+    else:
+        matched = [name for name in modules if name and pattern.fullmatch(name)]
+    if not matched:
+        nearest = difflib.get_close_matches(key, [n for n in modules if n], n=3, cutoff=0.4)
+        message = f"parallelize: plan key {key!r} matches no module or parameter of the model" + (
+            f"; nearest names: {nearest}" if nearest else ""
+        )
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=4)
+    return matched
+
+
+def _apply(model, name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh) -> str:
+    if isinstance(style, PrepareLayerInput):
+        module.register_forward_pre_hook(style.fn(process_mesh))
+        return f"{name}: input hook"
+    if isinstance(style, PrepareLayerOutput):
+        module.register_forward_hook(style.fn(process_mesh))
+        return f"{name}: output hook"
+    if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
+        raise NotImplementedError(
+            f"parallelize: {type(style).__name__} (sequence parallel) on {name!r} is not implemented yet in distcore; "
+            "remove it to run tensor parallel without sequence parallel"
+        )
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        raise NotImplementedError(
+            f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
+            "nn.Linear and nn.Embedding modules; a bare weight parameter used inside forward (the seed's LM head) "
+            "is not supported yet"
+        )
+    _check_divisible(name, module, style, tp)
+    if isinstance(module, torch.nn.Embedding):
+        # Full (replicated) embeddings out: the hidden dim (column) or the vocabulary (row) is split.
+        torch_style = ColwiseParallel(output_layouts=Replicate()) if isinstance(style, ColWiseParallel) else RowwiseParallel(input_layouts=Replicate())
+    elif isinstance(style, ColWiseParallel):
+        torch_style = ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1))
+    else:
+        torch_style = RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate())
+    parallelize_module(module, tp_mesh, torch_style)
+    return f"{name}: {style!r}"
+
+
+def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None:
+    if isinstance(module, torch.nn.Linear):
+        dim, size = ("out_features", module.out_features) if isinstance(style, ColWiseParallel) else ("in_features", module.in_features)
+    else:
+        dim, size = ("embedding_dim", module.embedding_dim) if isinstance(style, ColWiseParallel) else ("num_embeddings", module.num_embeddings)
+    if size % tp:
+        raise ValueError(
+            f"parallelize: {type(style).__name__} on {name!r} splits {dim}={size} over {tp} ranks, which does not "
+            f"divide it; use a tensor-parallel degree that divides {size}"
+        )
+
+
+def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
+    """Divide the head counts of attention modules whose q/k/v projections were split."""
+    changes = []
+    for name, module in model.named_modules():
+        split = [c for c in _QKV_NAMES if isinstance(getattr(module, c, None), torch.nn.Linear)
+                 and isinstance(getattr(module, c).weight, torch.distributed.tensor.DTensor)]
+        if not split:
+            continue
+        for attribute in _HEAD_COUNT_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value % tp:
+                    raise ValueError(
+                        f"parallelize: {name}.{attribute} = {value} heads cannot be split over {tp} tensor-parallel "
+                        f"ranks; use a degree that divides the number of heads"
+                    )
+                setattr(module, attribute, value // tp)
+                changes.append(f"{name}.{attribute}: {value} -> {value // tp} (local heads)")
+    return changes
