@@ -18,27 +18,41 @@ import torch.distributed as dist
 import distcore
 from distcore import ProcessMesh, Shard
 from tests.distributed.harness import run_checks
+from tests.distributed import tensor_parallel_worker
 from tests.distributed.parallelize_worker import _batches, _model_and_optimizer
 
 PHASE = os.environ.get("CHECKPOINT_PHASE", "save")
 CHECKPOINT = Path(os.environ.get("CHECKPOINT_DIR", "/tmp/tridist-checkpoint"))
-LEVEL = {"save": 3, "load": 1}[PHASE]
+# "zero3": the seed model under ZeRO-3 when saving; "tensor-parallel": the HF-style model under
+# dp2 x mp2 (level 2) when saving. Loading uses data parallel level 1 (or one process) either way.
+LAYOUT = os.environ.get("CHECKPOINT_LAYOUT", "zero3")
+
+
+def _model_for_layout():
+    if LAYOUT == "tensor-parallel":
+        return tensor_parallel_worker._model("hf-llama")  # SGD: layouts then agree to rounding
+    return _model_and_optimizer()
 
 
 def _parallel_model():
     world = dist.get_world_size()
-    mesh = ProcessMesh(list(range(world)), ["dp"])
-    model, optimizer = _model_and_optimizer()
-    if world > 1:
-        model, optimizer = distcore.parallelize(model, optimizer, mesh, {"dp_config": {"sharding_level": LEVEL}})
+    model, optimizer = _model_for_layout()
+    if world == 1:
+        return model, distcore.shard_optimizer(optimizer), None
+    if PHASE == "save" and LAYOUT == "tensor-parallel":
+        mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+        config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": tensor_parallel_worker.HF_PLAN}}
     else:
-        optimizer = distcore.shard_optimizer(optimizer)
+        mesh = ProcessMesh(list(range(world)), ["dp"])
+        config = {"dp_config": {"sharding_level": 3 if PHASE == "save" else 1}}
+    model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
     return model, optimizer, mesh
 
 
 def _step(model, optimizer, mesh, inputs, labels) -> float:
-    if dist.get_world_size() > 1:
-        inputs, labels = (distcore.shard_tensor(t, mesh, [Shard(0)]) for t in (inputs, labels))
+    if mesh is not None:
+        placements = [Shard(0)] + [distcore.Replicate()] * (mesh.ndim - 1)  # split over dp, same on mp
+        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
     loss, _ = model(inputs, labels=labels)
     loss.backward()
     optimizer.step()
