@@ -10,6 +10,12 @@ Model code written for one device keeps working on local shards: Linear outputs 
 default), and attention modules whose q/k/v projections are split get their head counts divided
 (`num_heads`, `num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads.
 Embeddings and the LM head give full (replicated) outputs, so norms and losses are unchanged.
+
+Sequence parallel (SequenceParallelBegin/End/Disable/Enable) splits activations on the sequence dim
+between its boundaries (see the section below). The split happens at the Begin module's output, as in
+Paddle, so model code must take sequence lengths (masks, default positions) from input_ids, as the
+seed and Paddle's Llama do. Hugging Face-style code that derives them from the embedding output sees
+the local length there and is not supported with a split after the embedding yet.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +119,8 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
             for style in styles:
                 changes.append(_apply(model, name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh))
     changes += _localise_head_counts(model, tp=tp)
+    if any(isinstance(style, _SP_STYLES) for value in plan.values() for style in (value if isinstance(value, (list, tuple)) else [value])):
+        changes += _sequence_parallel_norms(model, tp_mesh=tp_mesh)
     return changes
 
 
@@ -146,10 +154,7 @@ def _apply(model, name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int
         module.register_forward_hook(style.fn(process_mesh))
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
-        raise NotImplementedError(
-            f"parallelize: {type(style).__name__} (sequence parallel) on {name!r} is not implemented yet in distcore; "
-            "remove it to run tensor parallel without sequence parallel"
-        )
+        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh)
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
@@ -185,7 +190,7 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
     changes = []
     for name, module in model.named_modules():
         split = [c for c in _QKV_NAMES if isinstance(getattr(module, c, None), torch.nn.Linear)
-                 and isinstance(getattr(module, c).weight, torch.distributed.tensor.DTensor)]
+                 and isinstance(getattr(module, c).weight, DTensor)]
         if not split:
             continue
         for attribute in _HEAD_COUNT_ATTRIBUTES:
@@ -198,4 +203,93 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
                     )
                 setattr(module, attribute, value // tp)
                 changes.append(f"{name}.{attribute}: {value} -> {value // tp} (local heads)")
+    return changes
+
+
+# ------------------------------------------------------------------------------------ sequence parallel
+#
+# Between SequenceParallelBegin and SequenceParallelEnd, activations [batch, seq, hidden] are split on
+# the sequence dim across the tensor-parallel ranks: norms and residual adds work on S / tp tokens.
+# Regions marked SequenceParallelDisable (attention, MLP: their tensor-parallel linears need the whole
+# sequence) gather their input and split their output again. The two moves are differentiable DTensor
+# redistributions: gather = all-gather forward / own slice backward (the column-parallel linears
+# already all-reduce their input gradients); split = own slice forward / all-gather backward.
+# Parameters of modules that see only S / tp tokens (norm weights) get partial gradients: torch's
+# SequenceParallel style makes them Replicate DTensors whose gradients are reduced over the ranks.
+
+_SP_STYLES = (_SequenceParallelStyle, SequenceParallelEnable)
+_SEQUENCE_DIM = 1  # [batch, seq, hidden], the layout of the seed and Hugging Face models
+
+
+def _gather_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    return DTensor.from_local(x, tp_mesh, [Shard(_SEQUENCE_DIM)], run_check=False).redistribute(
+        tp_mesh, [Replicate()]
+    ).to_local(grad_placements=[Replicate()])
+
+
+def _split_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    if x.shape[_SEQUENCE_DIM] % tp_mesh.size():
+        raise ValueError(
+            f"parallelize: sequence parallel splits the sequence ({x.shape[_SEQUENCE_DIM]} tokens) over "
+            f"{tp_mesh.size()} ranks, which does not divide it; use a sequence length divisible by the mp degree"
+        )
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(_SEQUENCE_DIM)]).to_local()
+
+
+def _map_first_activation(args, kwargs, fn):
+    """Apply fn to the module's hidden states: the first positional argument, else `hidden_states`."""
+    if args and torch.is_tensor(args[0]):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in ("hidden_states", "x", "input"):
+        if torch.is_tensor(kwargs.get(key)):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise ValueError("parallelize: a sequence-parallel boundary found no hidden-states tensor in the module's inputs")
+
+
+def _map_output(output, fn):
+    if isinstance(output, tuple) and output:
+        return (fn(output[0]), *output[1:])
+    return fn(output)
+
+
+def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh) -> str:
+    def gather_input(_, args, kwargs):
+        return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
+
+    def split_output(_, args, output):
+        return _map_output(output, lambda x: _split_sequence(x, tp_mesh))
+
+    if isinstance(style, SequenceParallelBegin):
+        module.register_forward_hook(split_output)
+    elif isinstance(style, SequenceParallelEnd):
+        module.register_forward_pre_hook(gather_input, with_kwargs=True)
+    elif isinstance(style, SequenceParallelDisable):
+        module.register_forward_pre_hook(gather_input, with_kwargs=True)
+        module.register_forward_hook(split_output)
+    else:  # SequenceParallelEnable: the module runs on its sequence slice; its parameters are shared
+        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
+    module._tridist_sequence_parallel = type(style).__name__
+    return f"{name}: {type(style).__name__}"
+
+
+def _sequence_parallel_norms(model: torch.nn.Module, *, tp_mesh) -> list[str]:
+    """Norm-like modules (only 1-D parameters, none split) between Begin and End that the plan did not
+    mark: they run on sequence slices, so their parameters need SequenceParallel too (Paddle applies
+    this implicitly; its example marks only the boundaries)."""
+    changes, skip = [], set()
+    for name, module in model.named_modules():
+        if getattr(module, "_tridist_sequence_parallel", None) in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd"):
+            skip.update(id(m) for m in module.modules())
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if (
+            id(module) in skip
+            or getattr(module, "_tridist_sequence_parallel", None)
+            or not params
+            or any(p.dim() != 1 or isinstance(p, DTensor) for p in params)
+        ):
+            continue
+        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
+        module._tridist_sequence_parallel = "SequenceParallelEnable"
+        changes.append(f"{name}: SequenceParallelEnable (implicit: runs on sequence slices)")
     return changes

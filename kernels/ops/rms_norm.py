@@ -470,6 +470,8 @@ def rms_norm(
     weight (1.0 for Gemma-style `(1 + w)` norms). `cast_to` is "weight" (seed/Paddle rounding) or
     "input" (Hugging Face Llama rounding); see the module docstring.
     """
+    if _is_dtensor(x):
+        return _rms_norm_on_shards(x, weight, eps, offset=offset, residual=residual, cast_to=cast_to)
     op = "rms_norm"
     if cast_to not in ("weight", "input"):
         raise ValueError(f"{op}: cast_to must be 'weight' (seed/Paddle) or 'input' (Hugging Face), got {cast_to!r}")
@@ -495,6 +497,32 @@ def rms_norm(
     op = _add_rms_norm_op if torch.compiler.is_compiling() else _add_rms_norm_eager
     y, h, _ = op(x, residual, weight, float(eps), float(offset), cast_to == "input")
     return y, h
+
+
+def _is_dtensor(tensor) -> bool:
+    # By name: importing torch.distributed.tensor for every call (or at import) is not needed here.
+    return type(tensor).__name__ == "DTensor"
+
+
+def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
+    """RMSNorm of a DTensor split on non-hidden dims (sequence parallel): the kernel runs on local
+    shards. The weight's gradient from a shard covers only its rows: Partial over those mesh dims."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if any(p.is_partial() or p.is_shard(x.dim() - 1) or p.is_shard(-1) for p in x.placements):
+        raise ValueError(
+            f"rms_norm: a DTensor with placements {x.placements} has its hidden dim split or pending a "
+            "reduction; normalise a tensor split on other dims (e.g. Shard(1), sequence parallel) or redistribute it"
+        )
+    weight_grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+    local_weight = weight.to_local(grad_placements=weight_grad_placements) if _is_dtensor(weight) else weight
+    local_residual = residual.to_local() if residual is not None and _is_dtensor(residual) else residual
+    out = rms_norm(x.to_local(), local_weight, eps, offset=offset, residual=local_residual, cast_to=cast_to)
+
+    def wrap(local):
+        return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+
+    return (wrap(out[0]), wrap(out[1])) if residual is not None else wrap(out)
 
 
 class FusedRMSNorm(torch.nn.Module):

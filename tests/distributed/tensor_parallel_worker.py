@@ -103,6 +103,27 @@ def check_data_and_tensor_parallel_2d():
         _equal_to_one_process("hf-llama", config, sharded_inputs=True)
 
 
+SP_BOUNDARIES_SEED = {  # the parallelize seed's boundaries, for the to_distributed seed model's names
+    "embed_tokens": [RowWiseParallel(), distcore.SequenceParallelBegin()],
+    "layers.*.self_attn": distcore.SequenceParallelDisable(),
+    "layers.*.mlp": distcore.SequenceParallelDisable(need_transpose=False),
+    "norm": distcore.SequenceParallelEnd(),  # its LM head is the root's matmul: gather before the last norm
+}
+
+
+def check_sequence_parallel():
+    model = _equal_to_one_process("seed-llama", {"mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED}}})
+    norm = model.layers[0].input_layernorm  # not in the plan: made sequence parallel implicitly
+    assert isinstance(norm.weight, torch.distributed.tensor.DTensor)
+
+
+def check_sequence_parallel_with_fused_kernels_and_data_parallel():
+    """FusedRMSNorm on sequence slices (DTensor inputs) + fused SwiGLU/rotary on local shards, dp2 x mp2."""
+    config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED}}}
+    model = _equal_to_one_process("seed-llama", config, fused=True, sharded_inputs=True)
+    assert isinstance(model.layers[0].input_layernorm, kernels.FusedRMSNorm)
+
+
 def check_plan_errors():
     model, optimizer = _model("hf-llama")
     with warnings.catch_warnings(record=True) as caught:
@@ -113,7 +134,6 @@ def check_plan_errors():
         ({"parallelize_plan": {"llama.layers.*.mlp": ColWiseParallel()}, "strict": True}, ValueError, "matches no module"),
         ({"parallelize_plan": {"lm_head": "colwise"}}, TypeError, "styles are"),
         ({"parallelize_plan": {"model.norm": ColWiseParallel()}}, NotImplementedError, "nn.Linear and nn.Embedding"),
-        ({"parallelize_plan": {"model.layers.0.mlp.down_proj": distcore.SequenceParallelBegin()}}, NotImplementedError, "sequence parallel"),
         ({"plan": {}}, ValueError, "unknown mp_config key"),
     ]
     for mp_config, error_type, message in cases:
