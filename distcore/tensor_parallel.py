@@ -100,26 +100,36 @@ STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutpu
 
 
 def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, process_mesh, strict: bool = False) -> list[str]:
-    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log)."""
+    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
+
+    Two passes: every key is matched first, then styles are applied knowing each module's
+    SequenceParallelDisable ancestor (a row-parallel linear there reduce-scatters straight onto
+    sequence shards instead of all-reducing then slicing: half the bytes, as Megatron does).
+    """
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: mp_config['parallelize_plan'] must be a dict of pattern -> style(s), got {type(plan).__name__}")
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    changes: list[str] = []
-    tp = tp_mesh.size()
+    styles_of: dict[str, list] = {}
     for key, value in plan.items():
-        styles = value if isinstance(value, (list, tuple)) else [value]
+        styles = list(value) if isinstance(value, (list, tuple)) else [value]
         for style in styles:
             if not isinstance(style, STYLES):
                 raise TypeError(
                     f"parallelize: plan key {key!r} has {style!r}; styles are {', '.join(s.__name__ for s in STYLES)}"
                 )
-        targets = _match(key, modules, params, strict=strict)
-        for name in targets:
-            for style in styles:
-                changes.append(_apply(model, name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh))
+        for name in _match(key, modules, params, strict=strict):
+            styles_of.setdefault(name, []).extend(styles)
+    disabled = [name for name, styles in styles_of.items() if any(isinstance(s, SequenceParallelDisable) for s in styles)]
+    tp = tp_mesh.size()
+    changes: list[str] = []
+    for name in reversed(list(modules)):  # children first: a Disable region then knows its row-parallel exit
+        for style in styles_of.get(name, []):
+            inside_disabled = any(name.startswith(region + ".") for region in disabled)
+            changes.append(_apply(name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
+                                  scatter_sequence=inside_disabled))
     changes += _localise_head_counts(model, tp=tp)
-    if any(isinstance(style, _SP_STYLES) for value in plan.values() for style in (value if isinstance(value, (list, tuple)) else [value])):
+    if any(isinstance(style, _SP_STYLES) for styles in styles_of.values() for style in styles):
         changes += _sequence_parallel_norms(model, tp_mesh=tp_mesh)
     return changes
 
@@ -146,7 +156,7 @@ def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
     return matched
 
 
-def _apply(model, name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh) -> str:
+def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool) -> str:
     if isinstance(style, PrepareLayerInput):
         module.register_forward_pre_hook(style.fn(process_mesh))
         return f"{name}: input hook"
@@ -168,8 +178,13 @@ def _apply(model, name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int
     elif isinstance(style, ColWiseParallel):
         torch_style = ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1))
     else:
-        torch_style = RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate())
+        # Inside a sequence-parallel Disable region the output goes straight to sequence shards.
+        output = Shard(_SEQUENCE_DIM) if scatter_sequence else Replicate()
+        torch_style = RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(), output_layouts=output)
     parallelize_module(module, tp_mesh, torch_style)
+    if scatter_sequence and isinstance(style, RowWiseParallel):
+        module._tridist_scatters_sequence = True
+        return f"{name}: {style!r} (reduce-scatter onto sequence shards)"
     return f"{name}: {style!r}"
 
 
@@ -265,7 +280,8 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
     elif isinstance(style, SequenceParallelDisable):
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
-        module.register_forward_hook(split_output)
+        if not any(getattr(m, "_tridist_scatters_sequence", False) for m in module.modules()):
+            module.register_forward_hook(split_output)  # no row-parallel exit: split the full output
     else:  # SequenceParallelEnable: the module runs on its sequence slice; its parameters are shared
         parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
     module._tridist_sequence_parallel = type(style).__name__

@@ -115,6 +115,8 @@ def check_sequence_parallel():
     model = _equal_to_one_process("seed-llama", {"mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED}}})
     norm = model.layers[0].input_layernorm  # not in the plan: made sequence parallel implicitly
     assert isinstance(norm.weight, torch.distributed.tensor.DTensor)
+    attention = model.layers[0].self_attn  # its exit reduce-scatters onto sequence shards: no extra split
+    assert attention.o_proj._tridist_scatters_sequence and not attention._forward_hooks
 
 
 def check_sequence_parallel_with_fused_kernels_and_data_parallel():
