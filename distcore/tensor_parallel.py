@@ -289,18 +289,30 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
 
 
 def _sequence_parallel_norms(model: torch.nn.Module, *, tp_mesh) -> list[str]:
-    """Norm-like modules (only 1-D parameters, none split) between Begin and End that the plan did not
-    mark: they run on sequence slices, so their parameters need SequenceParallel too (Paddle applies
-    this implicitly; its example marks only the boundaries)."""
-    changes, skip = [], set()
-    for name, module in model.named_modules():
-        if getattr(module, "_tridist_sequence_parallel", None) in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd"):
-            skip.update(id(m) for m in module.modules())
-    for name, module in model.named_modules():
+    """Norm-like modules (only 1-D parameters, none split) inside the sequence-parallel region that the
+    plan did not mark: they run on sequence slices, so their parameters need SequenceParallel too
+    (Paddle applies this implicitly; its example marks only the boundaries).
+
+    The region is what is registered after the first Begin module and before the last End module
+    (registration order is execution order in Llama-style models), outside Disable/Begin/End
+    subtrees. A norm before Begin or after End runs on the whole sequence and is left alone: making
+    it sequence parallel would reduce its full-sequence gradients over the ranks (tp times too large).
+    """
+    names = [name for name, _ in model.named_modules()]
+    marks = {name: getattr(module, "_tridist_sequence_parallel", None) for name, module in model.named_modules()}
+    begins = [i for i, name in enumerate(names) if marks[name] == "SequenceParallelBegin"]
+    ends = [i for i, name in enumerate(names) if marks[name] == "SequenceParallelEnd"]
+    if not begins:
+        return []
+    first, last = min(begins), (max(ends) if ends else len(names))
+    boundary_subtrees = [name for name in names if marks[name] in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")]
+    changes = []
+    for index, (name, module) in enumerate(model.named_modules()):
         params = list(module.parameters(recurse=False))
         if (
-            id(module) in skip
-            or getattr(module, "_tridist_sequence_parallel", None)
+            not first < index < last
+            or marks[name]
+            or any(name == b or name.startswith(b + ".") for b in boundary_subtrees)
             or not params
             or any(p.dim() != 1 or isinstance(p, DTensor) for p in params)
         ):

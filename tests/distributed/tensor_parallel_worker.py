@@ -126,6 +126,26 @@ def check_sequence_parallel_with_fused_kernels_and_data_parallel():
     assert isinstance(model.layers[0].input_layernorm, kernels.FusedRMSNorm)
 
 
+def check_implicit_sequence_parallel_stays_inside_the_region():
+    """Only norms between Begin and End run on sequence slices; one before or after sees the whole
+    sequence and must keep plain parameters (reducing its gradients would multiply them by tp)."""
+    from distcore.tensor_parallel import _sequence_parallel_norms
+
+    toy = torch.nn.Sequential()
+    toy.add_module("pre_norm", torch.nn.LayerNorm(8))
+    toy.add_module("embed", torch.nn.Linear(8, 8))
+    toy.add_module("mid_norm", torch.nn.LayerNorm(8))
+    toy.add_module("head", torch.nn.Linear(8, 8))
+    toy.add_module("post_norm", torch.nn.LayerNorm(8))
+    toy.embed._tridist_sequence_parallel = "SequenceParallelBegin"
+    toy.head._tridist_sequence_parallel = "SequenceParallelEnd"
+    changes = _sequence_parallel_norms(toy, tp_mesh=MESH.device_mesh["mp"])
+    assert [c.split(":")[0] for c in changes] == ["mid_norm"], changes
+    assert isinstance(toy.mid_norm.weight, torch.distributed.tensor.DTensor)
+    assert not isinstance(toy.pre_norm.weight, torch.distributed.tensor.DTensor)
+    assert not isinstance(toy.post_norm.weight, torch.distributed.tensor.DTensor)
+
+
 def check_plan_errors():
     model, optimizer = _model("hf-llama")
     with warnings.catch_warnings(record=True) as caught:
