@@ -33,9 +33,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 log = logging.getLogger(__name__)
 
-# Attributes model code uses as head counts in reshapes (seed: num_heads; HF: num_key_value_heads, ...).
-_HEAD_COUNT_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
-_QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "wq", "wk", "wv")
 
 
 class _Style:
@@ -120,18 +117,73 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
                 )
         for name in _match(key, modules, params, strict=strict):
             styles_of.setdefault(name, []).extend(styles)
-    disabled = [name for name, styles in styles_of.items() if any(isinstance(s, SequenceParallelDisable) for s in styles)]
+    _check_sequence_parallel_boundaries(styles_of)
+    _refuse_tied_parameters(model, styles_of)
+    order = list(modules)
+    begins = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelBegin) for x in st)]
+    ends = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelEnd) for x in st)]
+    region = (min(begins), max(ends) if ends else len(order)) if begins else None
+    disabled = {name for name, styles in styles_of.items() if any(isinstance(x, SequenceParallelDisable) for x in styles)}
     tp = tp_mesh.size()
     changes: list[str] = []
-    for name in reversed(list(modules)):  # children first: a Disable region then knows its row-parallel exit
+    for name in reversed(order):  # children first: a Disable region then knows its row-parallel exit
+        parent = name.rpartition(".")[0]
         for style in styles_of.get(name, []):
-            inside_disabled = any(name.startswith(region + ".") for region in disabled)
-            changes.append(_apply(name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
-                                  scatter_sequence=inside_disabled))
+            changes.append(_apply(
+                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
+                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
+                scatter_sequence=parent in disabled and isinstance(modules[name], torch.nn.Linear),
+                in_region=region is not None and region[0] < order.index(name) < region[1],
+            ))
     changes += _localise_head_counts(model, tp=tp)
-    if any(isinstance(style, _SP_STYLES) for styles in styles_of.values() for style in styles):
+    if region is not None:
         changes += _sequence_parallel_norms(model, tp_mesh=tp_mesh)
+        _check_region_parameters(model, region=region)
     return changes
+
+
+def _check_sequence_parallel_boundaries(styles_of: dict) -> None:
+    kinds = {type(x) for styles in styles_of.values() for x in styles}
+    if kinds & {SequenceParallelDisable, SequenceParallelEnd} and SequenceParallelBegin not in kinds:
+        raise ValueError(
+            "parallelize: SequenceParallelDisable/End assume activations already split by a SequenceParallelBegin "
+            "(on the embedding, say); add one, or use SequenceParallelEnable alone for a self-contained module"
+        )
+
+
+def _refuse_tied_parameters(model: torch.nn.Module, styles_of: dict) -> None:
+    """A parameter shared by two modules (tied embedding and LM head) would be replaced in one only."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for names in owners.values():
+        if len(names) > 1 and any(n.rpartition(".")[0] in styles_of for n in names):
+            raise NotImplementedError(
+                f"parallelize: {names} are one tied parameter; tensor parallel of tied weights is not supported "
+                "yet: untie them, or leave both modules out of the plan"
+            )
+
+
+def _check_region_parameters(model: torch.nn.Module, *, region: tuple[int, int]) -> None:
+    """Parameters that run on sequence slices must be split, sequence parallel, or inside a Disable
+    region (which sees the whole sequence); anything else would get partial, unreduced gradients."""
+    names = [n for n, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+    covered = [n for n in names if getattr(modules[n], "_tridist_sequence_parallel", None)
+               in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")]
+    uncovered = []
+    for index, name in enumerate(names):
+        if not region[0] < index < region[1] or any(name == c or name.startswith(c + ".") for c in covered):
+            continue
+        for pname, param in modules[name].named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                uncovered.append(f"{name}.{pname}" if name else pname)
+    if uncovered:
+        raise ValueError(
+            f"parallelize: {uncovered} run on sequence slices between SequenceParallelBegin and End but are neither "
+            "split (ColWise/RowWise), sequence parallel (SequenceParallelEnable) nor inside a SequenceParallelDisable "
+            "region; their gradients would only cover part of the sequence. Add them to the plan."
+        )
 
 
 def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
@@ -156,7 +208,11 @@ def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
     return matched
 
 
-def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool) -> str:
+_PACKED_PROJECTIONS = ("qkv_proj", "query_key_value", "gate_up_proj", "w13")
+
+
+def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool,
+           in_region: bool) -> str:
     if isinstance(style, PrepareLayerInput):
         module.register_forward_pre_hook(style.fn(process_mesh))
         return f"{name}: input hook"
@@ -164,7 +220,13 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         module.register_forward_hook(style.fn(process_mesh))
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
-        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh)
+        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region)
+    if isinstance(style, ColWiseParallel) and name.rpartition(".")[2] in _PACKED_PROJECTIONS:
+        raise NotImplementedError(
+            f"parallelize: ColWiseParallel on the packed projection {name!r}: a contiguous split would give a rank "
+            "all of q (or gate) and part of k (or up); interleaved splitting of packed projections is not supported "
+            "yet: use separate q/k/v (gate/up) projections"
+        )
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
@@ -177,15 +239,22 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         torch_style = ColwiseParallel(output_layouts=Replicate()) if isinstance(style, ColWiseParallel) else RowwiseParallel(input_layouts=Replicate())
     elif isinstance(style, ColWiseParallel):
         torch_style = ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1))
+        module._tridist_local_heads = not style.gather_output  # its output holds this rank's heads only
     else:
         # Inside a sequence-parallel Disable region the output goes straight to sequence shards.
         output = Shard(_SEQUENCE_DIM) if scatter_sequence else Replicate()
         torch_style = RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(), output_layouts=output)
+        scatter_sequence = scatter_sequence and output == Shard(_SEQUENCE_DIM)
     parallelize_module(module, tp_mesh, torch_style)
     if scatter_sequence and isinstance(style, RowWiseParallel):
         module._tridist_scatters_sequence = True
+        module.register_forward_hook(_remember_exit_output)
         return f"{name}: {style!r} (reduce-scatter onto sequence shards)"
     return f"{name}: {style!r}"
+
+
+def _remember_exit_output(module, args, output):
+    module._tridist_last_output = output  # the Disable region checks its own output is this tensor
 
 
 def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None:
@@ -200,24 +269,40 @@ def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None
         )
 
 
+_HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
+    "num_heads": ("q_proj", "wq"), "num_attention_heads": ("q_proj", "wq"), "n_heads": ("q_proj", "wq"),
+    "num_key_value_heads": ("k_proj", "v_proj", "wk", "wv"), "num_kv_heads": ("k_proj", "v_proj", "wk", "wv"),
+    "n_kv_heads": ("k_proj", "v_proj", "wk", "wv"),
+}
+
+
 def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
-    """Divide the head counts of attention modules whose q/k/v projections were split."""
+    """Divide a head count when the projections producing those heads output local (split) heads.
+
+    Each count follows its own projections (q for query heads, k/v for key-value heads), so a GQA model
+    with replicated k/v keeps its kv-head count; a gathered output (gather_output=True) keeps all heads.
+    """
     changes = []
     for name, module in model.named_modules():
-        split = [c for c in _QKV_NAMES if isinstance(getattr(module, c, None), torch.nn.Linear)
-                 and isinstance(getattr(module, c).weight, DTensor)]
-        if not split:
-            continue
-        for attribute in _HEAD_COUNT_ATTRIBUTES:
+        for attribute, projections in _HEADS_OF.items():
             value = getattr(module, attribute, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                if value % tp:
-                    raise ValueError(
-                        f"parallelize: {name}.{attribute} = {value} heads cannot be split over {tp} tensor-parallel "
-                        f"ranks; use a degree that divides the number of heads"
-                    )
-                setattr(module, attribute, value // tp)
-                changes.append(f"{name}.{attribute}: {value} -> {value // tp} (local heads)")
+            present = [getattr(module, p) for p in projections if isinstance(getattr(module, p, None), torch.nn.Module)]
+            if not isinstance(value, int) or isinstance(value, bool) or not present:
+                continue
+            local = [getattr(p, "_tridist_local_heads", False) for p in present]
+            if not any(local):
+                continue
+            if not all(local):
+                raise ValueError(
+                    f"parallelize: {name}: {projections} must be split alike (all column-parallel with local outputs, or none)"
+                )
+            if value % tp:
+                raise ValueError(
+                    f"parallelize: {name}.{attribute} = {value} heads cannot be split over {tp} tensor-parallel "
+                    f"ranks; use a degree that divides the number of heads"
+                )
+            setattr(module, attribute, value // tp)
+            changes.append(f"{name}.{attribute}: {value} -> {value // tp} (local heads)")
     return changes
 
 
@@ -267,12 +352,18 @@ def _map_output(output, fn):
     return fn(output)
 
 
-def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh) -> str:
+def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool) -> str:
     def gather_input(_, args, kwargs):
         return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
 
+    def split_input(_, args, kwargs):
+        return _map_first_activation(args, kwargs, lambda x: _split_sequence(x, tp_mesh))
+
     def split_output(_, args, output):
         return _map_output(output, lambda x: _split_sequence(x, tp_mesh))
+
+    def gather_output(_, args, output):
+        return _map_output(output, lambda x: _gather_sequence(x, tp_mesh))
 
     if isinstance(style, SequenceParallelBegin):
         module.register_forward_hook(split_output)
@@ -280,12 +371,36 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
     elif isinstance(style, SequenceParallelDisable):
         module.register_forward_pre_hook(gather_input, with_kwargs=True)
-        if not any(getattr(m, "_tridist_scatters_sequence", False) for m in module.modules()):
+        exits = [child for child in module.children() if getattr(child, "_tridist_scatters_sequence", False)]
+        if exits:
+            module.register_forward_hook(_check_exit(name, exits))
+        else:
             module.register_forward_hook(split_output)  # no row-parallel exit: split the full output
-    else:  # SequenceParallelEnable: the module runs on its sequence slice; its parameters are shared
+    else:  # SequenceParallelEnable: the module runs on sequence slices; its parameters are shared
         parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
+        if not in_region:  # Paddle's self-contained form: split on entry, gather on exit
+            module.register_forward_pre_hook(split_input, with_kwargs=True, prepend=True)
+            module.register_forward_hook(gather_output)
     module._tridist_sequence_parallel = type(style).__name__
     return f"{name}: {type(style).__name__}"
+
+
+def _check_exit(name: str, exits: list[torch.nn.Module]):
+    """The region's output must be its row-parallel exit's (already reduce-scattered) output."""
+
+    def hook(module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        if not any(first is getattr(e, "_tridist_last_output", None) for e in exits):
+            raise RuntimeError(
+                f"parallelize: the output of SequenceParallelDisable region {name!r} is not the output of its "
+                "row-parallel linear (something runs after it inside the region, e.g. a residual add); put the "
+                "Disable style on the module whose output is that linear's"
+            )
+        for e in exits:
+            e._tridist_last_output = None
+        return output
+
+    return hook
 
 
 def _sequence_parallel_norms(model: torch.nn.Module, *, tp_mesh) -> list[str]:

@@ -514,9 +514,18 @@ def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
             f"rms_norm: a DTensor with placements {x.placements} has its hidden dim split or pending a "
             "reduction; normalise a tensor split on other dims (e.g. Shard(1), sequence parallel) or redistribute it"
         )
+    if not _is_dtensor(weight) or weight.device_mesh != x.device_mesh:
+        raise ValueError(
+            "rms_norm: a DTensor input needs its weight as a DTensor on the same mesh (Replicate), so that the "
+            "weight gradient of each shard is reduced; distribute the weight (parallelize does)"
+        )
     weight_grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
-    local_weight = weight.to_local(grad_placements=weight_grad_placements) if _is_dtensor(weight) else weight
-    local_residual = residual.to_local() if residual is not None and _is_dtensor(residual) else residual
+    local_weight = weight.to_local(grad_placements=weight_grad_placements)
+    if residual is not None:
+        if not _is_dtensor(residual):
+            raise ValueError("rms_norm: with a DTensor input, the residual must be a DTensor too")
+        residual = residual.redistribute(x.device_mesh, x.placements)
+    local_residual = residual.to_local() if residual is not None else None
     out = rms_norm(x.to_local(), local_weight, eps, offset=offset, residual=local_residual, cast_to=cast_to)
 
     def wrap(local):

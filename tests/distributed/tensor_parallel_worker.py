@@ -116,7 +116,8 @@ def check_sequence_parallel():
     norm = model.layers[0].input_layernorm  # not in the plan: made sequence parallel implicitly
     assert isinstance(norm.weight, torch.distributed.tensor.DTensor)
     attention = model.layers[0].self_attn  # its exit reduce-scatters onto sequence shards: no extra split
-    assert attention.o_proj._tridist_scatters_sequence and not attention._forward_hooks
+    hooks = [hook.__qualname__ for hook in attention._forward_hooks.values()]
+    assert attention.o_proj._tridist_scatters_sequence and hooks == ["_check_exit.<locals>.hook"], hooks
 
 
 def check_sequence_parallel_with_fused_kernels_and_data_parallel():
@@ -144,6 +145,52 @@ def check_implicit_sequence_parallel_stays_inside_the_region():
     assert isinstance(toy.mid_norm.weight, torch.distributed.tensor.DTensor)
     assert not isinstance(toy.pre_norm.weight, torch.distributed.tensor.DTensor)
     assert not isinstance(toy.post_norm.weight, torch.distributed.tensor.DTensor)
+
+
+def check_sequence_parallel_enable_alone():
+    """Paddle's example form: SequenceParallelEnable on a norm with no Begin/End: split on entry, gather
+    on exit, weight gradients reduced (a plain SequenceParallel here would scale them by tp)."""
+    _equal_to_one_process("hf-llama", {"mp_config": {"parallelize_plan": {**HF_PLAN, "model.norm": distcore.SequenceParallelEnable()}}})
+
+
+class _ToyBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.o_proj = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.o_proj(self.up(x)) + x  # a residual add after the row-parallel exit, inside the region
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = torch.nn.Linear(8, 8), _ToyBlock(), torch.nn.Linear(8, 8)
+        self.qkv_proj = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+def check_sequence_parallel_refusals():
+    def expect(error_type, message, plan, model=None):
+        model = model or _Toy()
+        try:
+            model, _ = distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": plan}})
+            model(torch.randn(2, 2, 8))  # a sequence of 2 = tp: a wrong exit would broadcast silently
+        except error_type as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"expected {error_type.__name__}: {message}")
+
+    Begin, End, Disable = distcore.SequenceParallelBegin, distcore.SequenceParallelEnd, distcore.SequenceParallelDisable
+    expect(RuntimeError, "is not the output of its row-parallel linear",
+           {"inp": Begin(), "block": Disable(), "block.up": ColWiseParallel(), "block.o_proj": RowWiseParallel(), "out": End()})
+    expect(ValueError, "run on sequence slices", {"inp": Begin(), "out": End()})  # block's weights uncovered
+    expect(ValueError, "assume activations already split", {"block": Disable()})
+    expect(NotImplementedError, "packed projection", {"qkv_proj": ColWiseParallel()})
+    tied = build_model("hf-llama", tie_word_embeddings=True)
+    expect(NotImplementedError, "tied parameter", HF_PLAN, model=tied)
 
 
 def check_plan_errors():
