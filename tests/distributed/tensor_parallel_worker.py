@@ -75,9 +75,14 @@ def _equal_to_one_process(name: str, config: dict, *, fused: bool = False, shard
     losses = _train(model, optimizer, sharded_inputs=sharded_inputs)
     assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     ref_params = dict(reference.named_parameters())
+    initial, _ = _model(name, fused=fused)
+    initial_params = dict(initial.named_parameters())
+    assert set(ref_params) == {n for n, _ in model.named_parameters()}  # nothing lost or renamed
     for pname, param in model.named_parameters():
         full = distcore.unshard_dtensor(param.detach())
         assert torch.allclose(full, ref_params[pname].detach(), atol=5e-5), (pname, (full - ref_params[pname]).abs().max())
+        # Trained, not merely equal to the initial value in both runs (a parameter the optimizer lost).
+        assert not torch.equal(full, initial_params[pname].detach()), f"{pname} was never updated"
     return model
 
 
