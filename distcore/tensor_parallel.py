@@ -12,10 +12,9 @@ default), and attention modules whose q/k/v projections are split get their head
 Embeddings and the LM head give full (replicated) outputs, so norms and losses are unchanged.
 
 Sequence parallel (SequenceParallelBegin/End/Disable/Enable) splits activations on the sequence dim
-between its boundaries (see the section below). The split happens at the Begin module's output, as in
-Paddle, so model code must take sequence lengths (masks, default positions) from input_ids, as the
-seed and Paddle's Llama do. Hugging Face-style code that derives them from the embedding output sees
-the local length there and is not supported with a split after the embedding yet.
+between its boundaries (see the section below). The split is taken at the first parameterised module
+of the region to run after the Begin module (the first decoder block), so model code in between
+that builds masks or positions from the embedding output (Hugging Face does) sees the whole sequence.
 """
 
 from __future__ import annotations
@@ -139,6 +138,7 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
     if region is not None:
         changes += _sequence_parallel_norms(model, tp_mesh=tp_mesh)
         _check_region_parameters(model, region=region)
+        _install_lazy_split(model, region=(region[0], min(region[1], len(order) - 1)), tp_mesh=tp_mesh)
     return changes
 
 
@@ -366,11 +366,12 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         return _map_output(output, lambda x: _gather_sequence(x, tp_mesh))
 
     if isinstance(style, SequenceParallelBegin):
-        module.register_forward_hook(split_output)
+        module.register_forward_hook(_mark_split_pending)
+    # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
     elif isinstance(style, SequenceParallelEnd):
-        module.register_forward_pre_hook(gather_input, with_kwargs=True)
+        module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
-        module.register_forward_pre_hook(gather_input, with_kwargs=True)
+        module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
         exits = [child for child in module.children() if getattr(child, "_tridist_scatters_sequence", False)]
         if exits:
             module.register_forward_hook(_check_exit(name, exits))
@@ -383,6 +384,46 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
             module.register_forward_hook(gather_output)
     module._tridist_sequence_parallel = type(style).__name__
     return f"{name}: {type(style).__name__}"
+
+
+class _PendingSplit:
+    """Set by a Begin module's output; the first parameterised module of the region to run splits its
+    input. Splitting there rather than at the Begin output lets model code between the two (masks and
+    positions built from the embedding output, as Hugging Face does) see the whole sequence."""
+
+    pending = False
+
+
+def _mark_split_pending(module, args, output):
+    _PendingSplit.pending = True
+
+
+def _split_if_pending(tp_mesh):
+    def hook(module, args, kwargs):
+        if not _PendingSplit.pending:
+            return None
+        _PendingSplit.pending = False
+        return _map_first_activation(args, kwargs, lambda x: _split_sequence(x, tp_mesh))
+
+    return hook
+
+
+def _install_lazy_split(model: torch.nn.Module, *, region: tuple[int, int], tp_mesh) -> None:
+    """Pre-hooks on the region's top-most parameterised modules (decoder blocks, a final norm, Disable
+    and End modules): whichever runs first after Begin takes the pending split."""
+    names = [n for n, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+    chosen: list[str] = []
+    for index, name in enumerate(names):
+        module = modules[name]
+        if not region[0] < index <= region[1] or index >= len(names):
+            continue
+        if any(name.startswith(c + ".") for c in chosen) or isinstance(module, torch.nn.ModuleList):
+            continue
+        if next(module.parameters(), None) is None:
+            continue  # parameter-free helpers (a rotary table builder) only read the activation's dtype
+        module.register_forward_pre_hook(_split_if_pending(tp_mesh), with_kwargs=True, prepend=True)
+        chosen.append(name)
 
 
 def _check_exit(name: str, exits: list[torch.nn.Module]):

@@ -125,6 +125,20 @@ def check_sequence_parallel():
     assert attention.o_proj._tridist_scatters_sequence and hooks == ["_check_exit.<locals>.hook"], hooks
 
 
+def check_sequence_parallel_hf_style_model():
+    """HF-style code builds its causal mask and positions from the embedding output: the split waits
+    for the first decoder block, so they see the whole sequence."""
+    plan = {
+        **HF_PLAN,
+        "model.embed_tokens": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+        "model.layers.*.self_attn": distcore.SequenceParallelDisable(),
+        "model.layers.*.mlp": distcore.SequenceParallelDisable(),
+        "lm_head": distcore.SequenceParallelEnd(),
+    }
+    model = _equal_to_one_process("hf-llama", {"mp_config": {"parallelize_plan": plan}})
+    assert isinstance(model.model.norm.weight, torch.distributed.tensor.DTensor)  # final norm on slices
+
+
 def check_sequence_parallel_with_fused_kernels_and_data_parallel():
     """FusedRMSNorm on sequence slices (DTensor inputs) + fused SwiGLU/rotary on local shards, dp2 x mp2."""
     config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED}}}
