@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from . import env
+from .api import local_value
 from .mesh import ProcessMesh, as_process_mesh
 
 # torch >= 2.9 takes one capacity per bucket; older ones only a uniform bucket_cap_mb.
@@ -41,7 +42,7 @@ class _DataParallelModel(DistributedDataParallel):
 
     def forward(self, *inputs, **kwargs):
         """DTensor inputs (shard_dataloader's batches) become this rank's local shards, then DDP's forward."""
-        inputs, kwargs = tree_map(_local_shard, (inputs, kwargs))
+        inputs, kwargs = tree_map(local_value, (inputs, kwargs))
         return super().forward(*inputs, **kwargs)
 
     def __getattr__(self, name: str):
@@ -58,10 +59,6 @@ class _DataParallelModel(DistributedDataParallel):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def _local_shard(value):
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _process_group(group, dim_name: str | None = None):

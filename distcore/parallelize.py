@@ -26,16 +26,15 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.tensor import DTensor
-
-from .mesh import ProcessMesh, get_mesh
-from .tensor_parallel import apply_tensor_parallel
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map
 
+from .api import local_value
+from .mesh import ProcessMesh, get_mesh
 from .optimizer import with_paddle_methods
+from .tensor_parallel import apply_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +158,8 @@ def _mixed_precision(dp_config: dict) -> MixedPrecisionPolicy:
 def _unwrap_dtensor_inputs(model: torch.nn.Module) -> None:
     """shard_dataloader yields global-view DTensors; the data-parallel model computes on local shards."""
 
-    def to_local(value):
-        return value.to_local() if isinstance(value, DTensor) else value
-
     def hook(module, args, kwargs):
-        return tree_map(to_local, args), tree_map(to_local, kwargs)  # nested dicts/lists too
+        return tree_map(local_value, args), tree_map(local_value, kwargs)  # nested dicts/lists too
 
     model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 

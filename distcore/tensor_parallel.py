@@ -125,20 +125,21 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
     disabled = {name for name, styles in styles_of.items() if any(isinstance(x, SequenceParallelDisable) for x in styles)}
     tp = tp_mesh.size()
     changes: list[str] = []
-    for name in reversed(order):  # children first: a Disable region then knows its row-parallel exit
+    for index in reversed(range(len(order))):  # children first: a Disable region then knows its row-parallel exit
+        name = order[index]
         parent = name.rpartition(".")[0]
         for style in styles_of.get(name, []):
             changes.append(_apply(
                 name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in disabled and isinstance(modules[name], torch.nn.Linear),
-                in_region=region is not None and region[0] < order.index(name) < region[1],
+                in_region=region is not None and region[0] < index < region[1],
             ))
     changes += _localise_head_counts(model, tp=tp)
     if region is not None:
-        changes += _sequence_parallel_norms(model, tp_mesh=tp_mesh)
+        changes += _sequence_parallel_norms(model, region=region, tp_mesh=tp_mesh)
         _check_region_parameters(model, region=region)
-        _install_lazy_split(model, region=(region[0], min(region[1], len(order) - 1)), tp_mesh=tp_mesh)
+        _install_lazy_split(model, region=region, tp_mesh=tp_mesh)
     return changes
 
 
@@ -164,20 +165,29 @@ def _refuse_tied_parameters(model: torch.nn.Module, styles_of: dict) -> None:
             )
 
 
+_BOUNDARY_MARKS = ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")
+
+
+def _inside_region(model: torch.nn.Module, region: tuple[int, int]):
+    """(name, module) registered strictly between the first Begin and the last End (registration order
+    is execution order in Llama-style models), outside Begin/End/Disable subtrees: the modules that
+    run on sequence slices."""
+    named = list(model.named_modules())
+    boundaries = [name for name, module in named if getattr(module, "_tridist_sequence_parallel", None) in _BOUNDARY_MARKS]
+    for index, (name, module) in enumerate(named):
+        if region[0] < index < region[1] and not any(name == b or name.startswith(b + ".") for b in boundaries):
+            yield name, module
+
+
 def _check_region_parameters(model: torch.nn.Module, *, region: tuple[int, int]) -> None:
     """Parameters that run on sequence slices must be split, sequence parallel, or inside a Disable
     region (which sees the whole sequence); anything else would get partial, unreduced gradients."""
-    names = [n for n, _ in model.named_modules()]
-    modules = dict(model.named_modules())
-    covered = [n for n in names if getattr(modules[n], "_tridist_sequence_parallel", None)
-               in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")]
-    uncovered = []
-    for index, name in enumerate(names):
-        if not region[0] < index < region[1] or any(name == c or name.startswith(c + ".") for c in covered):
-            continue
-        for pname, param in modules[name].named_parameters(recurse=False):
-            if not isinstance(param, DTensor):
-                uncovered.append(f"{name}.{pname}" if name else pname)
+    uncovered = [
+        f"{name}.{pname}" if name else pname
+        for name, module in _inside_region(model, region)
+        for pname, param in module.named_parameters(recurse=False)
+        if not isinstance(param, DTensor)
+    ]
     if uncovered:
         raise ValueError(
             f"parallelize: {uncovered} run on sequence slices between SequenceParallelBegin and End but are neither "
@@ -317,7 +327,6 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
 # Parameters of modules that see only S / tp tokens (norm weights) get partial gradients: torch's
 # SequenceParallel style makes them Replicate DTensors whose gradients are reduced over the ranks.
 
-_SP_STYLES = (_SequenceParallelStyle, SequenceParallelEnable)
 _SEQUENCE_DIM = 1  # [batch, seq, hidden], the layout of the seed and Hugging Face models
 
 
@@ -411,12 +420,9 @@ def _split_if_pending(tp_mesh):
 def _install_lazy_split(model: torch.nn.Module, *, region: tuple[int, int], tp_mesh) -> None:
     """Pre-hooks on the region's top-most parameterised modules (decoder blocks, a final norm, Disable
     and End modules): whichever runs first after Begin takes the pending split."""
-    names = [n for n, _ in model.named_modules()]
-    modules = dict(model.named_modules())
     chosen: list[str] = []
-    for index, name in enumerate(names):
-        module = modules[name]
-        if not region[0] < index <= region[1] or index >= len(names):
+    for index, (name, module) in enumerate(model.named_modules()):
+        if not region[0] < index <= region[1]:  # the End module itself too: it may be the first to run
             continue
         if any(name.startswith(c + ".") for c in chosen) or isinstance(module, torch.nn.ModuleList):
             continue
@@ -444,31 +450,18 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
     return hook
 
 
-def _sequence_parallel_norms(model: torch.nn.Module, *, tp_mesh) -> list[str]:
+def _sequence_parallel_norms(model: torch.nn.Module, *, region: tuple[int, int], tp_mesh) -> list[str]:
     """Norm-like modules (only 1-D parameters, none split) inside the sequence-parallel region that the
     plan did not mark: they run on sequence slices, so their parameters need SequenceParallel too
-    (Paddle applies this implicitly; its example marks only the boundaries).
-
-    The region is what is registered after the first Begin module and before the last End module
-    (registration order is execution order in Llama-style models), outside Disable/Begin/End
-    subtrees. A norm before Begin or after End runs on the whole sequence and is left alone: making
-    it sequence parallel would reduce its full-sequence gradients over the ranks (tp times too large).
+    (Paddle applies this implicitly; its example marks only the boundaries). A norm before Begin or
+    after End runs on the whole sequence and is left alone: making it sequence parallel would reduce its
+    full-sequence gradients over the ranks (tp times too large).
     """
-    names = [name for name, _ in model.named_modules()]
-    marks = {name: getattr(module, "_tridist_sequence_parallel", None) for name, module in model.named_modules()}
-    begins = [i for i, name in enumerate(names) if marks[name] == "SequenceParallelBegin"]
-    ends = [i for i, name in enumerate(names) if marks[name] == "SequenceParallelEnd"]
-    if not begins:
-        return []
-    first, last = min(begins), (max(ends) if ends else len(names))
-    boundary_subtrees = [name for name in names if marks[name] in ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")]
     changes = []
-    for index, (name, module) in enumerate(model.named_modules()):
+    for name, module in list(_inside_region(model, region)):
         params = list(module.parameters(recurse=False))
         if (
-            not first < index < last
-            or marks[name]
-            or any(name == b or name.startswith(b + ".") for b in boundary_subtrees)
+            getattr(module, "_tridist_sequence_parallel", None)
             or not params
             or any(p.dim() != 1 or isinstance(p, DTensor) for p in params)
         ):

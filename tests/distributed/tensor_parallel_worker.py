@@ -159,7 +159,9 @@ def check_implicit_sequence_parallel_stays_inside_the_region():
     toy.add_module("post_norm", torch.nn.LayerNorm(8))
     toy.embed._tridist_sequence_parallel = "SequenceParallelBegin"
     toy.head._tridist_sequence_parallel = "SequenceParallelEnd"
-    changes = _sequence_parallel_norms(toy, tp_mesh=MESH.device_mesh["mp"])
+    names = [name for name, _ in toy.named_modules()]
+    region = (names.index("embed"), names.index("head"))
+    changes = _sequence_parallel_norms(toy, region=region, tp_mesh=MESH.device_mesh["mp"])
     assert [c.split(":")[0] for c in changes] == ["mid_norm"], changes
     assert isinstance(toy.mid_norm.weight, torch.distributed.tensor.DTensor)
     assert not isinstance(toy.pre_norm.weight, torch.distributed.tensor.DTensor)
