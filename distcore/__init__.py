@@ -9,8 +9,10 @@ from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
 from .checkpoint import load_state, save_state
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
+from .lazy import LazyGuard
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
+from .pipeline import SplitPoint
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .tensor_parallel import (
     ColWiseParallel,
@@ -36,6 +38,7 @@ __all__ = [
     "DataParallel",
     "Partial",
     "ParallelEnv",
+    "LazyGuard",
     "ProcessMesh",
     "ReduceType",
     "Replicate",
@@ -44,6 +47,7 @@ __all__ = [
     "ShardingStage1",
     "ShardingStage2",
     "ShardingStage3",
+    "SplitPoint",
     "dtensor_from_local",
     "get_mesh",
     "get_rank",

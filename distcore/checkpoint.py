@@ -4,6 +4,12 @@
 in parallel; `load_state` reads what the current layout needs, whatever layout wrote it: sharding
 level, tensor-parallel degree or world size may change between save and load (DCP reshards), and a
 plain single-process model can load a distributed checkpoint, or the reverse.
+
+DCP records each rank's shard as one box (offset + size per dim). A packed projection split part by
+part (`_StridedShard`, see tensor_parallel.py) holds several boxes per rank ([q_r; k_r; v_r]); DCP
+would file it under the first offset and scramble the checkpoint. Such tensors are written and read
+through a box layout (each `_StridedShard` made a plain `Shard`): one redistribution per packed tensor
+at checkpoint time, and the checkpoint holds the single-device layout, loadable under any degree.
 """
 
 from __future__ import annotations
@@ -14,10 +20,17 @@ import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import env
+
+# Optimizer state keyed by parameter name throughout ("param_groups.<name>.lr"), as torchtitan does:
+# DCP's nested form stores each param group's list of names once, from one rank, which is wrong for a
+# rank holding other parameters (another pipeline stage), so hyperparameters would not load there.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -37,11 +50,13 @@ def save_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     `extra` (picklable: a step count, a data position) is written once, from rank 0's copy.
     """
     env.init_parallel_env()
-    model_state, optim_state = get_state_dict(model, _optimizers(optimizer))
+    model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
     # `extra` travels as one pickled blob: DCP loads only keys the loader already knows, and the
     # loader does not know the user's keys in advance.
     blob = io.BytesIO(pickle.dumps(extra or {}))
-    dcp.save({"model": model_state, "optimizer": optim_state, "extra": blob}, checkpoint_id=os.fspath(path))
+    state = {"model": model_state, "optimizer": optim_state, "extra": blob}
+    _to_boxes(state)
+    dcp.save(state, checkpoint_id=os.fspath(path))
 
 
 def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike = "checkpoint") -> dict:
@@ -62,9 +77,56 @@ def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
             "on node-local disks, copy it to every node)"
         )
     optimizers = _optimizers(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizers)
+    model_state, optim_state = get_state_dict(model, optimizers, options=_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state, "extra": io.BytesIO()}
+    moved = _to_boxes(state)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    with torch.no_grad():
+        for container, key, original in moved:  # back into the layouts set_state_dict expects
+            boxed = container[key]
+            original.to_local().copy_(boxed.redistribute(original.device_mesh, original.placements).to_local())
+            container[key] = original
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=_OPTIONS)
     state["extra"].seek(0)
     return pickle.loads(state["extra"].read())
+
+
+def _to_boxes(state) -> list[tuple]:
+    """Replace (in place, in nested dicts/lists) every DTensor whose shard is not one box by the same
+    value in a box layout; returns (container, key, original) for each, to put the originals back."""
+    moved = []
+
+    def visit(container, keys):
+        for key in keys:
+            value = container[key]
+            if isinstance(value, dict):
+                visit(value, list(value))
+            elif isinstance(value, list):
+                visit(value, range(len(value)))
+            elif isinstance(value, DTensor) and not _is_one_box(value):
+                placements = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+                container[key] = value.detach().redistribute(value.device_mesh, placements)
+                moved.append((container, key, value))
+
+    visit(state, list(state))
+    return moved
+
+
+def _is_one_box(tensor: DTensor) -> bool:
+    """Whether this rank's shard is one contiguous block of the global tensor: along every dim, the
+    global indices it holds are consecutive (sharding an index tensor as DTensor shards the data)."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None or not any(isinstance(p, _StridedShard) for p in tensor.placements):
+        return True  # plain Shard/Replicate/Partial layouts are always one box
+    for dim in range(tensor.dim()):
+        shape = [1] * tensor.dim()
+        shape[dim] = tensor.shape[dim]
+        index = torch.arange(tensor.shape[dim]).reshape(shape)
+        for mesh_dim, placement in enumerate(tensor.placements):
+            if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
+                shards, _ = placement._split_tensor(index, tensor.device_mesh.size(mesh_dim), with_padding=False)
+                index = shards[coordinate[mesh_dim]]
+        held = index.flatten()
+        if held.numel() > 1 and not bool((held.diff() == 1).all()):
+            return False
+    return True

@@ -16,13 +16,15 @@ unwrapped to this rank's shard, and a returned loss carries the global mean valu
 
 Tensor parallel (`mp_config`, see tensor_parallel.py) over the mesh dimension named "mp" is applied
 first, then data parallel over "dp" on the resulting DTensor parameters (2-D: FSDP2 composes with
-tensor parallel). Sequence parallel styles and pipeline parallel (`pp_config`) are the next part of
-this module and are refused explicitly until then.
+tensor parallel). Pipeline parallel (`pp_config`, see pipeline.py) over "pp" splits the model into
+stages first; each stage is then parallelised over "mp" and "dp" the same way, and `model(...)` runs
+the pipeline schedule, so any dp x mp x pp mesh trains with the plain loop.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -31,10 +33,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map
 
+from . import env, pipeline
 from .api import local_value
+from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .optimizer import with_paddle_methods
-from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel import apply_tensor_parallel, check_plan_keys, fsdp_shard_placement
 
 log = logging.getLogger(__name__)
 
@@ -57,37 +61,66 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mesh = mesh if mesh is not None else get_mesh()
     if mesh is None or not any(key in config for key in _CONFIG_KEYS):
         return model, optimizer
-    if "pp_config" in config:
-        raise NotImplementedError(
-            "parallelize: pp_config (pipeline parallel) is not implemented yet in distcore; dp_config and "
-            "mp_config are"
+    kinds = [key for key in _CONFIG_KEYS if key in config]
+    if len(kinds) > 1 and mesh.ndim == 1 and mesh.dim_names[0] not in ("dp", "mp", "pp"):
+        raise ValueError(
+            f"parallelize: {kinds} on a 1-D mesh with dimension {mesh.dim_names[0]!r}: each kind of parallelism needs "
+            "its own named dimension, e.g. ProcessMesh([[0, 1], [2, 3]], dim_names=['dp', 'pp'])"
         )
     _check_optimizer_fresh(optimizer)
     names_before = {id(p): name for name, p in model.named_parameters()}
-    if "mp_config" in config:
-        mp_config = dict(config["mp_config"] or {})
-        bad = sorted(set(mp_config) - set(_MP_KEYS))
-        if bad:
-            raise ValueError(f"parallelize: unknown mp_config key(s) {bad}; valid keys are {list(_MP_KEYS)}")
-        changes = apply_tensor_parallel(
-            model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=_named_device_mesh(mesh, "mp"),
-            process_mesh=mesh, strict=mp_config.get("strict", False),
+    mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
+    if "pp_config" in config:
+        if mp_config is not None:  # warn (or fail, with strict) about keys against the whole model, once
+            check_plan_keys(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
+        pipeline.apply_pipeline_parallel(
+            model, pp_mesh=_named_device_mesh(mesh, "pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
+            dp_group=_named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None,
+            parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
+                stage, mesh=mesh, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False
+            ),
         )
-        log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
-    if "dp_config" in config:
-        dp_config = dict(config["dp_config"] or {})
-        bad = sorted(set(dp_config) - set(_DP_KEYS))
-        if bad:
-            raise ValueError(f"parallelize: unknown dp_config key(s) {bad}; valid keys are {list(_DP_KEYS)}")
-        dp_mesh = _named_device_mesh(mesh, "dp")
-        apply_data_parallel(
-            model, dp_mesh=dp_mesh, sharding_level=dp_config.get("sharding_level", 0), mp_policy=_mixed_precision(dp_config)
-        )
-        _report_global_mean_loss(model, group=dp_mesh.get_group())
+    else:
+        _apply_tensor_and_data_parallel(model, mesh=mesh, mp_config=mp_config, dp_config=dp_config)
+        if dp_config is not None:
+            _report_global_mean_loss(model, group=_named_device_mesh(mesh, "dp").get_group())
     _unwrap_dtensor_inputs(model)
+    # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
+    # stage), one parameter at a time; the optimizer below then holds the real parameters.
+    materialize(model, device=env.device(), strict=False)
     if optimizer is None:
         return model, None
-    return model, _rebuild_optimizer(optimizer, model, names_before)
+    # Pipeline parallel leaves other stages' parameters out of this rank's model.
+    return model, _rebuild_optimizer(optimizer, model, names_before, drop_missing="pp_config" in config)
+
+
+def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
+    if key not in config:
+        return None
+    sub = dict(config[key] or {})
+    bad = sorted(set(sub) - set(valid))
+    if bad:
+        raise ValueError(f"parallelize: unknown {key} key(s) {bad}; valid keys are {list(valid)}")
+    return sub
+
+
+def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, mesh: ProcessMesh, mp_config: dict | None,
+                                    dp_config: dict | None, warn_unmatched: bool = True) -> None:
+    """Tensor parallel over "mp" first, then data parallel over "dp" on the resulting DTensor parameters."""
+    if mp_config is not None:
+        with warnings.catch_warnings():
+            if not warn_unmatched:  # pipeline stages: keys were checked against the whole model already
+                warnings.simplefilter("ignore")
+            changes = apply_tensor_parallel(
+                model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=_named_device_mesh(mesh, "mp"),
+                process_mesh=mesh, strict=mp_config.get("strict", False) and warn_unmatched,
+            )
+        log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
+    if dp_config is not None:
+        apply_data_parallel(
+            model, dp_mesh=_named_device_mesh(mesh, "dp"), sharding_level=dp_config.get("sharding_level", 0),
+            mp_policy=_mixed_precision(dp_config),
+        )
 
 
 # --------------------------------------------------------------------------------------- data parallel
@@ -110,8 +143,9 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
     reshard = sharding_level == 3
     for index, block in enumerate(blocks):
         # The last block's backward starts right after forward: resharding it would only re-gather.
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
+                    shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
 
 
 def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -120,18 +154,20 @@ def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     for _, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
             for child in module:
-                blocks.append(child)
                 seen.update(id(m) for m in child.modules())
+                if next(child.parameters(), None) is not None:  # not a pipeline stand-in of another stage
+                    blocks.append(child)
     return blocks
 
 
 def _named_device_mesh(mesh: ProcessMesh, dim: str):
-    """The 1-D DeviceMesh of dimension `dim` ("dp" or "mp"); a 1-D mesh serves whichever is asked."""
+    """The 1-D DeviceMesh of dimension `dim` ("dp", "mp" or "pp"); a 1-D mesh whose dimension has
+    another name serves whichever is asked (parallelize allows that for one kind of parallelism only)."""
     if dim in mesh.dim_names:
         return mesh.device_mesh[dim]
-    if mesh.ndim == 1:
+    if mesh.ndim == 1 and mesh.dim_names[0] not in ("dp", "mp", "pp"):
         return mesh.device_mesh
-    config = {"dp": "dp_config", "mp": "mp_config"}[dim]
+    config = {"dp": "dp_config", "mp": "mp_config", "pp": "pp_config"}[dim]
     raise ValueError(
         f"parallelize: {config} needs a mesh dimension named {dim!r}; this mesh has {mesh.dim_names} "
         "(name the dimensions, e.g. ProcessMesh(..., dim_names=['dp', 'mp']))"
@@ -206,17 +242,20 @@ def _check_optimizer_fresh(optimizer) -> None:
         )
 
 
-def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str]) -> torch.optim.Optimizer:
+def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str], *, drop_missing: bool = False) -> torch.optim.Optimizer:
     """The same optimizer, its groups now holding the model's new (sharded) parameters.
 
     FSDP2 replaces each parameter by a DTensor parameter of the same name, so groups are mapped by
     name and updated in place (the optimizer has no state yet: checked by _check_optimizer_fresh).
+    With `drop_missing` (pipeline parallel), parameters of other stages leave the groups.
     """
     params_after = dict(model.named_parameters())
     for group in optimizer.param_groups:
         new_params = []
         for param in group["params"]:
             name = names_before.get(id(param))
+            if drop_missing and name is not None and name not in params_after:
+                continue
             if name is None or name not in params_after:
                 raise ValueError(
                     "parallelize: the optimizer holds a parameter that is not in the model; build the "

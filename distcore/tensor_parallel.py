@@ -9,7 +9,16 @@ example names modules its model lacks.
 Model code written for one device keeps working on local shards: Linear outputs stay local (torch's
 default), and attention modules whose q/k/v projections are split get their head counts divided
 (`num_heads`, `num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads.
-Embeddings and the LM head give full (replicated) outputs, so norms and losses are unchanged.
+Embeddings give full (replicated) outputs, so norms are unchanged.
+
+Packed projections (`qkv_proj` = [q | k | v], `gate_up_proj` = [gate | up], see _PACKED_PARTS) are split
+part by part: a rank holds its share of q, of k and of v, so `q, k, v = qkv.chunk(3, -1)` in model code
+gives its local heads. The weight is a DTensor `_StridedShard(0, split_factor=parts)`: its global value
+(state_dict, unshard_dtensor, checkpoints) stays the single-device layout.
+
+A bare weight parameter (Paddle's LlamaLMHead `x @ weight`, the to_distributed seed's root `weight`)
+under ColWiseParallel is split on its vocabulary dim; the forward runs in a global view that gives
+vocabulary-parallel logits and a vocabulary-parallel cross entropy (see vocab_parallel.py).
 
 Sequence parallel (SequenceParallelBegin/End/Disable/Enable) splits activations on the sequence dim
 between its boundaries (see the section below). The split is taken at the first parameterised module
@@ -24,11 +33,15 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .vocab_parallel import split_bare_weight
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +57,17 @@ class _Style:
 
 @dataclass(repr=False)
 class ColWiseParallel(_Style):
-    """Split the output features (a Linear's columns; an Embedding's hidden dim)."""
+    """Split the output features (a Linear's columns; an Embedding's hidden dim; a bare [in, out]
+    weight's columns, e.g. an LM head's vocabulary).
+
+    `packed_parts` (a tridist extension): how many equal projections a Linear packs along its output,
+    each split separately. None infers it from the name (3 for `qkv_proj`/`query_key_value`, 2 for
+    `gate_up_proj`/`w13`, else 1); give 1 for a head-interleaved layout (GPT-NeoX's `query_key_value`
+    holds [q k v] per head, which a contiguous split keeps together).
+    """
 
     gather_output: bool = False
+    packed_parts: int | None = None
 
 
 @dataclass(repr=False)
@@ -105,8 +126,9 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: mp_config['parallelize_plan'] must be a dict of pattern -> style(s), got {type(plan).__name__}")
     modules = dict(model.named_modules())
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))  # every name of a tied parameter
     styles_of: dict[str, list] = {}
+    bare_styles: dict[str, list] = {}  # bare parameters (not a Linear's/Embedding's) -> their styles
     for key, value in plan.items():
         styles = list(value) if isinstance(value, (list, tuple)) else [value]
         for style in styles:
@@ -115,9 +137,9 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
                     f"parallelize: plan key {key!r} has {style!r}; styles are {', '.join(s.__name__ for s in STYLES)}"
                 )
         for name in _match(key, modules, params, strict=strict):
-            styles_of.setdefault(name, []).extend(styles)
+            (bare_styles if name in params else styles_of).setdefault(name, []).extend(styles)
     _check_sequence_parallel_boundaries(styles_of)
-    _refuse_tied_parameters(model, styles_of)
+    _refuse_tied_parameters(model, [*styles_of, *(name.rpartition(".")[0] for name in bare_styles)])
     order = list(modules)
     begins = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelBegin) for x in st)]
     ends = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelEnd) for x in st)]
@@ -131,16 +153,27 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
         for style in styles_of.get(name, []):
             changes.append(_apply(
                 name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
+                parent=modules.get(parent),
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in disabled and isinstance(modules[name], torch.nn.Linear),
                 in_region=region is not None and region[0] < index < region[1],
             ))
+    for name, styles in bare_styles.items():
+        changes += [_apply_bare(model, name, style, tp_mesh=tp_mesh) for style in styles]
     changes += _localise_head_counts(model, tp=tp)
     if region is not None:
         changes += _sequence_parallel_norms(model, region=region, tp_mesh=tp_mesh)
         _check_region_parameters(model, region=region)
         _install_lazy_split(model, region=region, tp_mesh=tp_mesh)
     return changes
+
+
+def check_plan_keys(model: torch.nn.Module, plan: dict, *, strict: bool) -> None:
+    """Warn (error with strict) about plan keys matching nothing in `model`; pipeline parallel calls
+    this on the whole model, then applies the plan to each stage with these warnings silenced."""
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
+    for key in plan:
+        _match(key, modules, params, strict=strict)
 
 
 def _check_sequence_parallel_boundaries(styles_of: dict) -> None:
@@ -152,13 +185,15 @@ def _check_sequence_parallel_boundaries(styles_of: dict) -> None:
         )
 
 
-def _refuse_tied_parameters(model: torch.nn.Module, styles_of: dict) -> None:
-    """A parameter shared by two modules (tied embedding and LM head) would be replaced in one only."""
+def _refuse_tied_parameters(model: torch.nn.Module, planned) -> None:
+    """A parameter shared by two modules (tied embedding and LM head) would be replaced in one only.
+    `planned`: the names of the modules the plan changes (owners of planned bare parameters included)."""
+    planned = set(planned)
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
     for names in owners.values():
-        if len(names) > 1 and any(n.rpartition(".")[0] in styles_of for n in names):
+        if len(names) > 1 and any(n.rpartition(".")[0] in planned for n in names):
             raise NotImplementedError(
                 f"parallelize: {names} are one tied parameter; tensor parallel of tied weights is not supported "
                 "yet: untie them, or leave both modules out of the plan"
@@ -197,14 +232,20 @@ def _check_region_parameters(model: torch.nn.Module, *, region: tuple[int, int])
 
 
 def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
-    """Module names the key names: a full regex match, or the owner of a `.weight`/`.bias` parameter."""
+    """Names the key names: modules by full regex match; a `.weight`/`.bias` key names its owning
+    Linear/Embedding, or, owned by anything else (an LM head's bare weight), the parameter itself."""
     try:
         pattern = re.compile(key)
     except re.error as error:
         raise ValueError(f"parallelize: plan key {key!r} is not a valid regular expression: {error}") from None
-    if key.rpartition(".")[2] in ("weight", "bias"):  # a parameter: its owner (the root for a bare "weight")
-        owners = [name.rpartition(".")[0] for name in params if pattern.fullmatch(name)]
-        matched = sorted(set(owners), key=list(modules).index)
+    if key.rpartition(".")[2] in ("weight", "bias"):
+        order = {name: index for index, name in enumerate(modules)}
+        named = set()
+        for name in params:
+            if pattern.fullmatch(name):
+                owner = name.rpartition(".")[0]  # not in `modules` for a module registered twice (tied)
+                named.add(owner if isinstance(modules.get(owner), (torch.nn.Linear, torch.nn.Embedding)) else name)
+        matched = sorted(named, key=lambda n: order.get(n, order.get(n.rpartition(".")[0], len(order))))
     else:
         matched = [name for name in modules if name and pattern.fullmatch(name)]
     if not matched:
@@ -218,11 +259,25 @@ def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
     return matched
 
 
-_PACKED_PROJECTIONS = ("qkv_proj", "query_key_value", "gate_up_proj", "w13")
+_PACKED_PARTS = {"qkv_proj": 3, "query_key_value": 3, "gate_up_proj": 2, "w13": 2}  # name -> packed projections
+
+
+def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
+    owner = model.get_submodule(name.rpartition(".")[0])
+    if getattr(owner, "_tridist_stand_in", False):
+        return f"{name}: on pipeline stage {owner.owner}"
+    if not isinstance(style, (ColWiseParallel, RowWiseParallel)):
+        raise NotImplementedError(
+            f"parallelize: {type(style).__name__} names the parameter {name!r}; sequence-parallel and prepare "
+            "styles apply to modules: use the module's name as the key"
+        )
+    return split_bare_weight(model, name, style, tp_mesh=tp_mesh)
 
 
 def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool,
-           in_region: bool) -> str:
+           in_region: bool, parent: torch.nn.Module | None = None) -> str:
+    if getattr(module, "_tridist_stand_in", False):
+        return f"{name}: on pipeline stage {module.owner}"
     if isinstance(style, PrepareLayerInput):
         module.register_forward_pre_hook(style.fn(process_mesh))
         return f"{name}: input hook"
@@ -231,18 +286,16 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
         return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region)
-    if isinstance(style, ColWiseParallel) and name.rpartition(".")[2] in _PACKED_PROJECTIONS:
-        raise NotImplementedError(
-            f"parallelize: ColWiseParallel on the packed projection {name!r}: a contiguous split would give a rank "
-            "all of q (or gate) and part of k (or up); interleaved splitting of packed projections is not supported "
-            "yet: use separate q/k/v (gate/up) projections"
-        )
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
-            "nn.Linear and nn.Embedding modules; a bare weight parameter used inside forward (the seed's LM head) "
-            "is not supported yet"
+            "nn.Linear and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. 'lm_head.weight')"
         )
+    parts = _packed_parts(name, module, style, tp, parent=parent)
+    if parts > 1:
+        parallelize_module(module, tp_mesh, _PackedColwiseParallel(parts, gather_output=style.gather_output))
+        module._tridist_local_heads = not style.gather_output
+        return f"{name}: {style!r} ({parts} packed projections, each split)"
     _check_divisible(name, module, style, tp)
     if isinstance(module, torch.nn.Embedding):
         # Full (replicated) embeddings out: the hidden dim (column) or the vocabulary (row) is split.
@@ -263,6 +316,74 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
     return f"{name}: {style!r}"
 
 
+def _packed_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> int:
+    """How many packed projections a column-parallel Linear holds (1: an ordinary contiguous split)."""
+    if not isinstance(style, ColWiseParallel):
+        return 1
+    parts = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(name.rpartition(".")[2], 1)
+    if parts == 1:
+        return 1
+    if not isinstance(module, torch.nn.Linear):
+        raise NotImplementedError(f"parallelize: packed projections ({name!r}) must be nn.Linear modules")
+    query_heads, kv_heads = _head_count(parent, _Q_HEADS), _head_count(parent, _KV_HEADS)
+    if parts == 3 and query_heads and kv_heads and query_heads != kv_heads:
+        raise NotImplementedError(
+            f"parallelize: {name!r} packs q/k/v of unequal sizes (grouped-query attention: {query_heads} query "
+            f"heads, {kv_heads} key/value heads); splitting unequal packed parts is not supported: use separate "
+            "q_proj/k_proj/v_proj projections, or leave it replicated"
+        )
+    if module.out_features % (parts * tp):
+        raise ValueError(
+            f"parallelize: ColWiseParallel on {name!r} splits each of its {parts} packed projections "
+            f"({module.out_features} outputs in all) over {tp} ranks, which does not divide them; use a "
+            "tensor-parallel degree that divides each projection's size (or packed_parts=1 for a layout "
+            "packed per head)"
+        )
+    return parts
+
+
+class _PackedColwiseParallel(ColwiseParallel):
+    """ColwiseParallel for a Linear packing `parts` equal projections along its output ([q | k | v]).
+
+    The weight is `_StridedShard(0, split_factor=parts)`: each part split over the ranks, a rank's
+    shard the concatenation of its share of every part, the global value the single-device layout.
+    DTensor propagates it through the matmul (output `_StridedShard(-1)`), so the local output is
+    [q_r | k_r | v_r]. The bias stays replicated (a slice of it is taken in the forward): FSDP2 can
+    only shard a 1-D parameter on dim 0, which cannot express a per-part split.
+    """
+
+    def __init__(self, parts: int, *, gather_output: bool):
+        super().__init__(output_layouts=Replicate() if gather_output else None)
+        self.parts, self.gather_output = parts, gather_output
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        layouts = {"weight": [_StridedShard(0, split_factor=self.parts)], "bias": [Replicate()]}
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist_param = distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, torch.nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), self._prepare_packed_output,
+        )
+
+    def _prepare_packed_output(self, module, output: DTensor, device_mesh) -> torch.Tensor:
+        target = Replicate() if self.gather_output else _StridedShard(output.dim() - 1, split_factor=self.parts)
+        if output.placements != (target,):
+            output = output.redistribute(device_mesh, [target])
+        return output.to_local()
+
+
+def fsdp_shard_placement(param: torch.nn.Parameter):
+    """FSDP2's shard placement for `param` (its `shard_placement_fn`): dim 1 for a packed projection's
+    weight, None (FSDP's dim 0) otherwise. FSDP sharding dim 0 of a per-part split weight would describe
+    it wrongly (its global value, state dict and checkpoints would be scrambled); dim 1 is independent."""
+    if isinstance(param, DTensor) and param.dim() == 2 and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
+
+
 def _remember_exit_output(module, args, output):
     module._tridist_last_output = output  # the Disable region checks its own output is this tensor
 
@@ -279,10 +400,23 @@ def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None
         )
 
 
+_Q_HEADS = ("num_heads", "num_attention_heads", "n_heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
+def _head_count(module: torch.nn.Module | None, attributes: tuple[str, ...]) -> int | None:
+    for attribute in attributes:
+        value = getattr(module, attribute, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+_Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value")
+_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value")
 _HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
-    "num_heads": ("q_proj", "wq"), "num_attention_heads": ("q_proj", "wq"), "n_heads": ("q_proj", "wq"),
-    "num_key_value_heads": ("k_proj", "v_proj", "wk", "wv"), "num_kv_heads": ("k_proj", "v_proj", "wk", "wv"),
-    "n_kv_heads": ("k_proj", "v_proj", "wk", "wv"),
+    "num_heads": _Q_PROJECTIONS, "num_attention_heads": _Q_PROJECTIONS, "n_heads": _Q_PROJECTIONS,
+    "num_key_value_heads": _KV_PROJECTIONS, "num_kv_heads": _KV_PROJECTIONS, "n_kv_heads": _KV_PROJECTIONS,
 }
 
 

@@ -2,8 +2,10 @@
 
 * ``seed_llama``: faithful port of the Paddle ``to_distributed`` docs example (bshd layout).
 * ``hf_llama``: replica of Hugging Face ``modeling_llama`` (bhsd layout, GQA).
+* ``paddle_llama``: the model of Paddle's ``parallelize`` docs example, made runnable (packed
+  ``qkv_proj``/``gate_up_proj``, a bare-weight ``lm_head``), under the example's exact module names.
 
-Both return ``(loss, logits)`` from ``forward`` and import nothing from this repository, so they stay
+All return ``(loss, logits)`` from ``forward`` and import nothing from this repository, so they stay
 an unmodified baseline for kernel fusion and distributed training.
 """
 
@@ -24,6 +26,12 @@ from .hf_llama import (
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
     tiny_hf_config,
+)
+from .paddle_llama import (
+    LlamaForCausalLM as PaddleLlamaForCausalLM,
+    PaddleLlamaConfig,
+    seed_paddle_config,
+    tiny_paddle_config,
 )
 from .seed_llama import (
     Model as SeedLlamaModel,
@@ -46,6 +54,9 @@ __all__ = [
     "LlamaModel",
     "LlamaForCausalLM",
     "tiny_hf_config",
+    "PaddleLlamaConfig",
+    "PaddleLlamaForCausalLM",
+    "tiny_paddle_config",
     "ModelSpec",
     "MODELS",
     "build_model",
@@ -85,6 +96,10 @@ MODELS: dict[str, ModelSpec] = {
     "hf-llama": ModelSpec(
         model_cls=LlamaForCausalLM,
         configs={"tiny": tiny_hf_config, "seed": _hf_config_at_seed_sizes},
+    ),
+    "paddle-llama": ModelSpec(
+        model_cls=PaddleLlamaForCausalLM,
+        configs={"tiny": tiny_paddle_config, "seed": seed_paddle_config},
     ),
 }
 

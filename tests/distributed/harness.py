@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", *node_args, f"--nproc-per-node={nproc}", "-m", worker_module, str(out_dir)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # its own process group: a timeout kills the workers too
         )
         for node_args in topology
     ]
@@ -55,7 +57,9 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
             if agent.returncode != 0:
                 failures.append(f"torchrun exited {agent.returncode}:\n{stderr[-4000:]}")
         except subprocess.TimeoutExpired:
-            agent.kill()
+            # Workers hung in a collective (one rank failed, the others wait) hold the pipes open:
+            # kill the whole group, or communicate() would wait for them forever.
+            os.killpg(agent.pid, signal.SIGKILL)
             failures.append(f"timed out after {timeout_s}s:\n{agent.communicate()[1][-4000:]}")
     failure = "\n".join(failures) or None
     results: dict = {}

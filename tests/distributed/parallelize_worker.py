@@ -118,7 +118,7 @@ def check_config_errors():
         ({"dp_config": {"sharding_level": 4}}, ValueError, "must be 0, 1, 2 or 3"),
         ({"dp_cfg": {}}, ValueError, "unknown config key"),
         ({"dp_config": {"stage": 1}}, ValueError, "unknown dp_config key"),
-        ({"pp_config": {"split_spec": "layers"}}, NotImplementedError, "not implemented yet"),
+        ({"pp_config": {"split_spec": "layers"}}, ValueError, "needs a mesh dimension named 'pp'"),
     ]
     for config, error_type, message in cases:
         model, optimizer = _model_and_optimizer()

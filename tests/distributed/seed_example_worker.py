@@ -1,8 +1,14 @@
-"""The Paddle notes' hybrid-parallel example (seeds/003, section 4.4) on 8 gloo processes, as written:
-tensor-parallel weights on two 2x2 meshes, data parallel over 'x', the activation resharded from one
-mesh to the other (pipeline), shard_dataloader over both meshes, shard_optimizer, the plain loop."""
+"""The seeds' 8-device examples on 8 gloo processes.
+
+- The Paddle notes' hybrid-parallel example (seeds/003, section 4.4), as written: tensor-parallel
+  weights on two 2x2 meshes, data parallel over 'x', the activation resharded from one mesh to the
+  other (pipeline), shard_dataloader over both meshes, shard_optimizer, the plain loop.
+- paddle.distributed.parallelize's dp x mp x pp example (seeds/001), on its runnable model.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -10,6 +16,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
 import distcore as dist_api
+from bench.models import build_model
 from tests.distributed.harness import run_checks
 
 SEQ_LEN, HIDDEN, BATCH, SAMPLES, STEPS = 4, 8, 4, 12, 3
@@ -89,6 +96,76 @@ def check_the_notes_hybrid_example():
         assert torch.allclose(dist_api.unshard_dtensor(model.w1.detach()), ref_w1, atol=1e-6)
     else:
         assert torch.allclose(dist_api.unshard_dtensor(model.w0.detach()), ref_w0, atol=1e-6)
+
+
+def _paddle_llama():
+    torch.manual_seed(0)
+    model = build_model("paddle-llama")
+    # SGD rather than the example's AdamW: its update is linear in the gradient, so the sums that tensor
+    # and pipeline parallelism reorder stay at rounding level in the comparison.
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def _llama_batches():
+    generator = torch.Generator().manual_seed(11)
+    vocab = build_model("paddle-llama").lm_head.weight.shape[1]
+    return [tuple(torch.randint(0, vocab, (8, 8), generator=generator) for _ in range(2)) for _ in range(STEPS)]
+
+
+def check_the_parallelize_example_dp_mp_pp():
+    """paddle.distributed.parallelize's own example, config as written: mesh [[[0,1],[2,3]],[[4,5],[6,7]]]
+    with dims dp, mp, pp; sharding level 1; the Llama plan with sequence parallel (its
+    `llama.position_embedding` key names a module the model lacks: a warning); split_spec 'llama.layers'.
+    Losses and final parameters equal one process."""
+    mesh = dist_api.ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "mp", "pp"])
+    dist_api.set_mesh(mesh)
+    parallel_config = {
+        "dp_config": {"sharding_level": 1},
+        "mp_config": {
+            "parallelize_plan": {
+                "llama.embed_tokens": [dist_api.ColWiseParallel(), dist_api.SequenceParallelBegin()],
+                "llama.position_embedding": [dist_api.ColWiseParallel(), dist_api.SequenceParallelBegin()],
+                "llama.layers.*.self_attn.qkv_proj": dist_api.ColWiseParallel(),
+                "llama.layers.*.self_attn.o_proj": dist_api.RowWiseParallel(),
+                "llama.layers.*.self_attn": dist_api.SequenceParallelDisable(),
+                "llama.layers.*.mlp.gate_up_proj": dist_api.ColWiseParallel(),
+                "llama.layers.*.mlp.down_proj": dist_api.RowWiseParallel(),
+                "llama.layers.*.mlp": dist_api.SequenceParallelDisable(need_transpose=False),
+                "lm_head.weight": dist_api.ColWiseParallel(),
+                "lm_head": dist_api.SequenceParallelEnd(),
+            }
+        },
+        "pp_config": {"split_spec": "llama.layers"},
+    }
+    reference, ref_optimizer = _paddle_llama()
+    ref_losses = []
+    for inputs, labels in _llama_batches():
+        loss, _ = reference(inputs, labels=labels)
+        loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_losses.append(loss.item())
+    model, optimizer = _paddle_llama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_model, dist_optimizer = dist_api.parallelize(model, optimizer, config=parallel_config)
+    assert any("llama.position_embedding" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    losses = []
+    for inputs, labels in _llama_batches():
+        inputs, labels = (dist_api.shard_tensor(t, mesh, [dist_api.Shard(0), dist_api.Replicate(), dist_api.Replicate()])
+                          for t in (inputs, labels))
+        loss, _ = dist_model(inputs, labels=labels)
+        loss.backward()
+        dist_optimizer.step()
+        dist_optimizer.clear_grad()
+        losses.append(loss.item())
+    assert np.allclose(losses, ref_losses, atol=2e-5), (losses, ref_losses)
+    ref_params = dict(reference.named_parameters())
+    names = [n for n, _ in dist_model.named_parameters()]
+    assert names and set(names) < set(ref_params), names  # this pipeline stage's parameters, same names
+    for name, param in dist_model.named_parameters():
+        full = dist_api.unshard_dtensor(param.detach())
+        assert torch.allclose(full, ref_params[name].detach(), atol=5e-5), (name, (full - ref_params[name]).abs().max())
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -7,6 +7,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import distcore
 import kernels
@@ -25,7 +26,7 @@ HF_PLAN = {
     "model.layers.*.mlp.down_proj": RowWiseParallel(),
     "lm_head.weight": ColWiseParallel(gather_output=True),
 }
-SEED_PLAN = {  # the seed model's LM head is a bare parameter: left replicated here
+SEED_PLAN = {  # the seed model's LM head (a bare parameter) is left replicated here; see SEED_LM_HEAD
     "embed_tokens": RowWiseParallel(),  # vocabulary-parallel embedding
     "layers.*.self_attn.[qkv]_proj": ColWiseParallel(),
     "layers.*.self_attn.o_proj": RowWiseParallel(),
@@ -209,7 +210,6 @@ def check_sequence_parallel_refusals():
            {"inp": Begin(), "block": Disable(), "block.up": ColWiseParallel(), "block.o_proj": RowWiseParallel(), "out": End()})
     expect(ValueError, "run on sequence slices", {"inp": Begin(), "out": End()})  # block's weights uncovered
     expect(ValueError, "assume activations already split", {"block": Disable()})
-    expect(NotImplementedError, "packed projection", {"qkv_proj": ColWiseParallel()})
     tied = build_model("hf-llama", tie_word_embeddings=True)
     expect(NotImplementedError, "tied parameter", HF_PLAN, model=tied)
 
@@ -236,11 +236,11 @@ def check_plan_errors():
             raise AssertionError(f"expected {error_type.__name__} for {mp_config}")
     seed, optimizer = _model("seed-llama")
     try:
-        distcore.parallelize(seed, optimizer, MESH, {"mp_config": {"parallelize_plan": {"weight": ColWiseParallel()}}})
+        distcore.parallelize(seed, optimizer, MESH, {"mp_config": {"parallelize_plan": {"weight": RowWiseParallel()}}})
     except NotImplementedError as error:
-        assert "bare weight parameter" in str(error)
+        assert "column-wise only" in str(error), str(error)
     else:
-        raise AssertionError("expected NotImplementedError for the seed's bare LM head weight")
+        raise AssertionError("expected NotImplementedError for a row-wise bare weight")
 
 
 def check_degree_must_divide_the_model():
@@ -252,6 +252,239 @@ def check_degree_must_divide_the_model():
         assert "num_key_value_heads = 2 heads cannot be split over 4" in str(error), str(error)
     else:
         raise AssertionError("expected a ValueError")
+
+
+# ------------------------------------------------------- bare-weight LM heads and packed projections
+
+SEED_LM_HEAD = {"weight": ColWiseParallel()}  # the root's `logits = hidden @ self.weight`, loss in the same forward
+
+PADDLE_SEED_PLAN = {  # the parallelize seed's mp plan, verbatim (its "llama.position_embedding" matches nothing)
+    "llama.embed_tokens": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+    "llama.position_embedding": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+    "llama.layers.*.self_attn.qkv_proj": ColWiseParallel(),
+    "llama.layers.*.self_attn.o_proj": RowWiseParallel(),
+    "llama.layers.*.self_attn": distcore.SequenceParallelDisable(),
+    "llama.layers.*.mlp.gate_up_proj": ColWiseParallel(),
+    "llama.layers.*.mlp.down_proj": RowWiseParallel(),
+    "llama.layers.*.mlp": distcore.SequenceParallelDisable(need_transpose=False),
+    "lm_head.weight": ColWiseParallel(),
+    "lm_head": distcore.SequenceParallelEnd(),
+}
+
+PACKED_PLAN = {  # paddle-llama without sequence parallel
+    "llama.embed_tokens": ColWiseParallel(),
+    "llama.layers.*.self_attn.qkv_proj": ColWiseParallel(),
+    "llama.layers.*.self_attn.o_proj": RowWiseParallel(),
+    "llama.layers.*.mlp.gate_up_proj": ColWiseParallel(),
+    "llama.layers.*.mlp.down_proj": RowWiseParallel(),
+    "lm_head.weight": ColWiseParallel(),
+}
+
+
+class _CountVocabParallelLosses:
+    """Counts the cross entropies computed vocabulary-parallel (the full logits never gathered)."""
+
+    def __enter__(self):
+        from distcore import vocab_parallel
+
+        self.function, self.calls = vocab_parallel._VocabParallelCrossEntropy, 0
+        original = self.function.apply
+
+        def counted(*args):
+            self.calls += 1
+            return original(*args)
+
+        self.function.apply = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.function.apply  # back to the class's own
+
+
+def _placements(param) -> tuple:
+    return tuple(param.placements)
+
+
+def check_seed_model_vocab_parallel_lm_head():
+    """The seed's bare LM head split over the vocabulary under dp2 x mp2 (sharding level 1): the loss is
+    a vocabulary-parallel cross entropy, the logits stay split, training equals one process."""
+    config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": {**SEED_PLAN, **SEED_LM_HEAD}}}
+    with _CountVocabParallelLosses() as counter:
+        model = _equal_to_one_process("seed-llama", config, sharded_inputs=True)
+    assert counter.calls == STEPS, counter.calls
+    assert _placements(model.weight) == (Shard(0), Shard(1)), model.weight.placements  # dp (FSDP) x mp (vocabulary)
+    inputs = torch.randint(0, VOCAB, (GLOBAL_BATCH // 2, SEQ_LEN))
+    loss, logits = model(inputs, labels=inputs)
+    assert not isinstance(loss, torch.distributed.tensor.DTensor) and loss.dim() == 0
+    assert isinstance(logits, torch.distributed.tensor.DTensor) and logits.shape[-1] == VOCAB
+    assert logits.to_local().shape[-1] == VOCAB // 2  # never gathered
+
+
+def check_seed_model_lm_head_gather_output():
+    """gather_output=True: full logits (plain tensors) come out of the matmul; the loss is ordinary."""
+    config = {"mp_config": {"parallelize_plan": {**SEED_PLAN, "weight": ColWiseParallel(gather_output=True)}}}
+    with _CountVocabParallelLosses() as counter:
+        model = _equal_to_one_process("seed-llama", config)
+    assert counter.calls == 0
+    _, logits = model(torch.randint(0, VOCAB, (2, SEQ_LEN)))
+    assert not isinstance(logits, torch.distributed.tensor.DTensor) and logits.shape == (2, SEQ_LEN, VOCAB)
+
+
+def check_seed_model_lm_head_with_sequence_parallel():
+    config = {"mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED, **SEED_LM_HEAD}}}
+    _equal_to_one_process("seed-llama", config)
+
+
+def check_parallelize_seed_example_plan():
+    """The parallelize seed's exact mp plan on its model (paddle-llama) with dp sharding level 1: the
+    unmatched "llama.position_embedding" only warns; training equals one process."""
+    config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": PADDLE_SEED_PLAN}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _CountVocabParallelLosses() as counter:
+            model = _equal_to_one_process("paddle-llama", config, sharded_inputs=True)
+    unmatched = [str(w.message) for w in caught if "matches no module" in str(w.message)]
+    assert len(unmatched) == 1 and "llama.position_embedding" in unmatched[0], unmatched
+    assert counter.calls == STEPS
+    layer = model.llama.layers[0]
+    assert layer.self_attn.num_heads == 2  # 4 heads, 2 per mp rank (localised through the packed qkv_proj)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # FSDP shards packed weights on dim 1, so its dp shard composes with the per-part mp split.
+    assert _placements(layer.self_attn.qkv_proj.weight) == (Shard(1), _StridedShard(0, split_factor=3))
+    assert _placements(layer.mlp.gate_up_proj.weight) == (Shard(1), _StridedShard(0, split_factor=2))
+    assert _placements(model.lm_head.weight) == (Shard(0), Shard(1))
+    assert isinstance(model.llama.norm.weight, torch.distributed.tensor.DTensor)  # implicit sequence parallel
+
+
+def check_packed_projections_split_per_part_with_canonical_global_value():
+    """Each mp rank holds its share of q, of k and of v (of gate and of up); the global value, the state
+    dict and unshard_dtensor keep the single-device layout; training equals one process."""
+    reference, _ = _model("paddle-llama")
+    model, optimizer = _model("paddle-llama")
+    model, optimizer = distcore.parallelize(model, optimizer, MESH, {"mp_config": {"parallelize_plan": PACKED_PLAN}})
+    rank = MESH.device_mesh["mp"].get_local_rank()
+    state = model.state_dict()
+    for name, parts in (("llama.layers.0.self_attn.qkv_proj.weight", 3), ("llama.layers.1.mlp.gate_up_proj.weight", 2)):
+        param, full = model.get_parameter(name), reference.get_parameter(name).detach()
+        expected_local = torch.cat([part.chunk(2, dim=0)[rank] for part in full.chunk(parts, dim=0)])
+        assert torch.equal(param.to_local(), expected_local), name
+        assert torch.equal(distcore.unshard_dtensor(param.detach()), full), name
+        assert torch.equal(state[name].full_tensor(), full), name
+    _equal_to_one_process("paddle-llama", {"mp_config": {"parallelize_plan": PACKED_PLAN}})
+
+
+def check_packed_projection_gather_output():
+    """gather_output=True on a packed projection gives its full, single-device-layout output."""
+    plan = {
+        **PACKED_PLAN,
+        "llama.layers.*.self_attn.qkv_proj": ColWiseParallel(gather_output=True),
+        "llama.layers.*.self_attn.o_proj": RowWiseParallel(is_input_parallel=False),  # takes the full heads
+    }
+    model = _equal_to_one_process("paddle-llama", {"mp_config": {"parallelize_plan": plan}})
+    assert model.llama.layers[0].self_attn.num_heads == 4  # full q/k/v: all heads
+
+
+def check_vocab_parallel_cross_entropy_matches_torch():
+    """Losses and gradients of F.cross_entropy on vocabulary-split logits equal torch's on full logits:
+    reductions, ignore_index, class dim 1 of a 3-D input, an unbatched input; label smoothing (not
+    vocabulary-parallel) gathers with a warning and stays correct."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from distcore.vocab_parallel import _GlobalView
+
+    tp_mesh = MESH.device_mesh["mp"]
+    generator = torch.Generator().manual_seed(5)
+    cases = [
+        ((6, VOCAB), (6,), 1, {"reduction": "mean"}),
+        ((6, VOCAB), (6,), 1, {"reduction": "sum", "ignore_index": 7}),
+        ((2, VOCAB, 3), (2, 3), 1, {"reduction": "none"}),
+        ((VOCAB,), (), 0, {}),
+        ((6, VOCAB), (6,), 1, {"label_smoothing": 0.1}),
+    ]
+    for logits_shape, target_shape, class_dim, options in cases:
+        full = torch.randn(logits_shape, generator=generator)
+        target = torch.randint(0, VOCAB, target_shape, generator=generator)
+        if target.dim():
+            target[0] = 7  # an ignored target where ignore_index=7
+        reference = full.clone().requires_grad_()
+        expected = F.cross_entropy(reference, target, **options)
+        expected.sum().backward()
+        split = distribute_tensor(full, tp_mesh, [Shard(class_dim)]).requires_grad_()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with _GlobalView([]):
+                loss = F.cross_entropy(split, target, **options)
+        gathered = any("gathering the full logits" in str(w.message) for w in caught)
+        assert gathered == ("label_smoothing" in options), (options, [str(w.message) for w in caught])
+        assert not isinstance(loss, torch.distributed.tensor.DTensor)
+        assert torch.allclose(loss, expected, atol=1e-6), (options, loss, expected)
+        loss.sum().backward()
+        assert torch.allclose(split.grad.full_tensor(), reference.grad, atol=1e-6), options
+
+
+class _StageExit(BaseException):
+    """Like a pipeline stage's exit: a BaseException, which skips forward hooks (even always_call ones)."""
+
+
+def check_global_view_never_outlives_the_forward():
+    """The global view of a vocabulary-parallel head ends with the model's forward, also when the forward
+    raises (an Exception, or a BaseException that skips forward hooks: cleaned up at the next forward)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model, _ = _model("paddle-llama")
+    model, _ = distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": PACKED_PLAN}})
+    inputs = torch.randint(0, VOCAB, (2, SEQ_LEN))
+
+    def fail_with(error_type):
+        def hook(module, args, output):
+            raise error_type("stop")
+
+        handle = model.llama.norm.register_forward_hook(hook)
+        try:
+            model(inputs, labels=inputs)
+        except error_type:
+            pass
+        finally:
+            handle.remove()
+
+    fail_with(RuntimeError)
+    assert _get_current_function_mode_stack() == []
+    fail_with(_StageExit)
+    assert len(_get_current_function_mode_stack()) == 1  # left behind until the next forward
+    loss, _ = model(inputs, labels=inputs)
+    assert _get_current_function_mode_stack() == [] and torch.isfinite(loss)
+
+
+class _GroupedQueryAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = 4, 2
+        self.qkv_proj = torch.nn.Linear(16, 16 + 2 * 8)  # q: 4 heads of 4; k, v: 2 heads of 4
+
+
+def check_unsupported_layouts_are_refused_clearly():
+    """Unequal packed parts (grouped-query attention), a bare weight that does not split evenly, a
+    1-D bare parameter, and tied LM head/embedding weights are refused with how to fix the plan."""
+
+    def expect(error_type, message, model, plan):
+        try:
+            distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": plan}})
+        except error_type as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"expected {error_type.__name__}: {message}")
+
+    wrapper = torch.nn.Module()
+    wrapper.self_attn = _GroupedQueryAttention()
+    expect(NotImplementedError, "unequal sizes", wrapper, {"self_attn.qkv_proj": ColWiseParallel()})
+    odd_vocab = build_model("paddle-llama", vocab_size=127)
+    expect(ValueError, "does not divide them", odd_vocab, {"lm_head.weight": ColWiseParallel()})
+    norm_weight = {"llama.norm.weight": ColWiseParallel()}  # a bare 1-D parameter
+    expect(NotImplementedError, "2-D [in, out] weight", build_model("paddle-llama"), norm_weight)
+    tied = build_model("paddle-llama")
+    tied.llama.embed_tokens.weight = tied.lm_head.weight  # one parameter owned by two modules, as tied weights are
+    expect(NotImplementedError, "tied parameter", tied, {"lm_head.weight": ColWiseParallel()})
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

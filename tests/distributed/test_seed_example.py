@@ -1,4 +1,4 @@
-"""The Paddle notes' hybrid-parallel example, as written, on 8 gloo processes vs one process."""
+"""The seeds' 8-device examples (the notes' hybrid example; parallelize's dp x mp x pp) on 8 gloo processes vs one process."""
 
 import pytest
 

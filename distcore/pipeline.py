@@ -1,0 +1,579 @@
+"""Pipeline parallelism (`pp_config`) behind the user's plain training loop, on torch.distributed.pipelining.
+
+How a model written for one device becomes pipeline stages, without tracing it:
+
+- `split_spec` names the decoder-layer list (a prefix: layers split evenly) or exact split points
+  (`{"llama.layers.1": SplitPoint.END}`). Stage `s` owns its layers; modules registered before the
+  layer list (the embedding) belong to the first stage, those after it (final norm, LM head) and bare
+  parameters of the containers (the seed's LM-head `weight`) to the last. Parameter-free modules
+  (rotary tables, masks, `global_spec` layers) run on every stage.
+- Each stage is a *view* of the model: a shallow copy of the containers on the path to the layer
+  list, sharing every owned module, with modules of other stages replaced by parameter-free
+  stand-ins. Parameter names stay the model's own, so checkpoints move between strategies.
+- A stage runs the model's own `forward` on its micro-batch. A stand-in of an earlier stage returns
+  zeros of the right shape (computed on the meta device), so the code before the layers (masks,
+  positions from the embedding output) runs as written; the stage's first layer then takes the
+  activation received from the previous stage instead. A stand-in of a later stage ends the stage:
+  its output is the last owned layer's.
+- torch's schedules (1F1B, GPipe, interleaved 1F1B) drive the stages. `model(inputs, labels=...)`
+  runs the whole schedule (forward and backward of every micro-batch) and returns the mean loss on
+  every rank; the `loss.backward()` that follows in the user's loop has nothing left to do.
+
+Tensor and data parallelism are applied to each stage view (FSDP2 with the view as root, as torch's
+pipelining expects), so dp x mp x pp composes.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import enum
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+log = logging.getLogger(__name__)
+
+
+class SplitPoint(enum.Enum):
+    """Paddle's split points: a stage boundary before (BEGINNING) or after (END) the named layer."""
+
+    BEGINNING = "beginning"
+    END = "end"
+
+
+_SCHEDULES = {  # Paddle's schedule_mode names, and torch's
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "FThenB": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "VPP": ScheduleInterleaved1F1B,
+}
+_INTERLEAVED = {"Interleaved1F1B", "VPP"}
+PP_KEYS = ("split_spec", "global_spec", "schedule", "micro_batches", "accumulate_steps", "virtual_pp_degree", "vpp_degree")
+
+
+# ------------------------------------------------------------------------------------------ the config
+
+
+@dataclass
+class PipelineConfig:
+    layer_list: str  # qualified name of the nn.ModuleList holding the decoder layers
+    stage_starts: list[int]  # first layer index of each stage, in stage order
+    num_layers: int
+    schedule: str
+    micro_batches: int
+    chunks_per_rank: int  # > 1: interleaved (virtual) stages, rank r holds stages r, r + pp, ...
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_starts)
+
+    def stage_of_layer(self, index: int) -> int:
+        return max(s for s, start in enumerate(self.stage_starts) if start <= index)
+
+
+def parse_pp_config(model: torch.nn.Module, pp_config: dict, *, pp: int) -> PipelineConfig:
+    """Validate `pp_config` against the model and the mesh's pp degree; errors say how to fix it."""
+    unknown = sorted(set(pp_config) - set(PP_KEYS))
+    if unknown:
+        raise ValueError(f"parallelize: unknown pp_config key(s) {unknown}; valid keys are {list(PP_KEYS)}")
+    if "split_spec" not in pp_config:
+        raise ValueError("parallelize: pp_config needs 'split_spec' (the decoder-layer list's name, e.g. 'llama.layers')")
+    schedule = pp_config.get("schedule", "1F1B")
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"parallelize: pp_config['schedule'] = {schedule!r}; choose one of {list(_SCHEDULES)}")
+    chunks = pp_config.get("virtual_pp_degree", pp_config.get("vpp_degree", 2 if schedule in _INTERLEAVED else 1))
+    if schedule not in _INTERLEAVED and chunks != 1:
+        raise ValueError(f"parallelize: virtual_pp_degree={chunks} needs an interleaved schedule ('Interleaved1F1B')")
+    if schedule in _INTERLEAVED and chunks < 2:
+        raise ValueError("parallelize: the interleaved schedule needs virtual_pp_degree >= 2 stages per rank")
+    # 1F1B needs at least one micro-batch per stage; a larger number shrinks the bubble (p-1)/(m+p-1).
+    micro_batches = pp_config.get("micro_batches", pp_config.get("accumulate_steps", pp))
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"parallelize: pp_config['micro_batches'] must be a positive integer, got {micro_batches!r}")
+    num_stages = pp * chunks
+    if schedule == "1F1B" and micro_batches < num_stages:
+        raise ValueError(
+            f"parallelize: the 1F1B schedule needs at least one micro-batch per stage ({num_stages}), got "
+            f"micro_batches={micro_batches}; raise pp_config['micro_batches'] or use schedule='GPipe'"
+        )
+    layer_list, starts, num_layers = _split_layers(model, pp_config["split_spec"], num_stages=num_stages)
+    _check_global_spec(model, pp_config.get("global_spec"))
+    return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks)
+
+
+def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int) -> tuple[str, list[int], int]:
+    modules = dict(model.named_modules())
+    if isinstance(split_spec, str):
+        lists = [n for n, m in modules.items() if n and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
+        matched = [n for n in lists if n == split_spec or re.fullmatch(split_spec, n)]
+        if len(matched) != 1:
+            nearest = difflib.get_close_matches(split_spec, lists, n=3, cutoff=0.3)
+            raise ValueError(
+                f"parallelize: pp_config split_spec {split_spec!r} must name one layer list of the model; "
+                f"it matches {matched or 'none'}" + (f"; layer lists: {nearest}" if nearest else "")
+            )
+        layers = len(modules[matched[0]])
+        if layers % num_stages:
+            raise ValueError(
+                f"parallelize: split_spec {split_spec!r} has {layers} layers, which do not split evenly into "
+                f"{num_stages} pipeline stages; use a pp degree (x virtual stages) that divides {layers}, or a dict "
+                "split_spec with explicit SplitPoints"
+            )
+        per = layers // num_stages
+        return matched[0], [s * per for s in range(num_stages)], layers
+    if not isinstance(split_spec, dict) or not split_spec:
+        raise TypeError("parallelize: pp_config split_spec must be a layer-list name or a dict {layer name: SplitPoint}")
+    boundaries, parents = set(), set()
+    for key, point in split_spec.items():
+        point = _as_split_point(point, key)
+        names = [n for n in modules if n and re.fullmatch(key, n)]
+        if not names:
+            nearest = difflib.get_close_matches(key, [n for n in modules if n], n=3, cutoff=0.4)
+            raise ValueError(f"parallelize: split_spec key {key!r} matches no module" + (f"; nearest names: {nearest}" if nearest else ""))
+        for name in names:
+            parent, _, index = name.rpartition(".")
+            if not index.isdigit() or not isinstance(modules.get(parent), (torch.nn.ModuleList, torch.nn.Sequential)):
+                raise ValueError(
+                    f"parallelize: split point {name!r} is not a layer of a layer list; pipeline stages split between "
+                    "the decoder layers of one nn.ModuleList (e.g. 'llama.layers.1': SplitPoint.END)"
+                )
+            parents.add(parent)
+            boundaries.add(int(index) + (1 if point is SplitPoint.END else 0))
+    if len(parents) != 1:
+        raise ValueError(f"parallelize: split points must all be in one layer list, got layers of {sorted(parents)}")
+    layer_list = parents.pop()
+    num_layers = len(modules[layer_list])
+    boundaries.discard(0)
+    boundaries.discard(num_layers)
+    starts = [0, *sorted(boundaries)]
+    if len(starts) != num_stages:
+        raise ValueError(
+            f"parallelize: split_spec cuts {layer_list!r} into {len(starts)} stages, but the mesh's pp dimension "
+            f"(x virtual stages) needs {num_stages}; give {num_stages - 1} split point(s)"
+        )
+    return layer_list, starts, num_layers
+
+
+def _as_split_point(point, key: str) -> SplitPoint:
+    if isinstance(point, SplitPoint):
+        return point
+    if isinstance(point, _TorchSplitPoint):  # torch's enum: same meaning, different values
+        return SplitPoint[point.name]
+    if isinstance(point, str) and point.upper() in SplitPoint.__members__:
+        return SplitPoint[point.upper()]
+    raise TypeError(f"parallelize: split_spec[{key!r}] = {point!r}; use distcore.SplitPoint.END or .BEGINNING")
+
+
+def _check_global_spec(model: torch.nn.Module, global_spec) -> None:
+    """Global layers run on every stage; with parameters, each stage would train its own copy."""
+    if global_spec is None:
+        return
+    for key in [global_spec] if isinstance(global_spec, str) else list(global_spec):
+        matched = [(n, m) for n, m in model.named_modules() if n and re.fullmatch(key, n)]
+        if not matched:
+            raise ValueError(f"parallelize: pp_config global_spec {key!r} matches no module of the model")
+        for name, module in matched:
+            if next(module.parameters(), None) is not None:
+                raise NotImplementedError(
+                    f"parallelize: global layer {name!r} has parameters; a global layer is duplicated on every stage, "
+                    "which is meant for parameter-free layers (positions, masks, rotary tables): move its parameters "
+                    "into the first stage's modules"
+                )
+
+
+# ------------------------------------------------------------------------------------------ stage views
+
+
+class _StageExit(BaseException):
+    """Raised by a later stage's stand-in: this stage's part of the forward is done. A BaseException so
+    that model code catching Exception cannot swallow it."""
+
+
+@dataclass
+class _StageState:
+    """What one stage's forward needs while the model's own forward runs."""
+
+    stage: int
+    is_first: bool
+    is_last: bool
+    micro_batch: int = 0
+    received: torch.Tensor | None = None  # the previous stage's activation
+    last_placeholder: torch.Tensor | None = None  # the output of the stand-in just before our first layer
+    last_output: object = None  # our last layer's output
+    output_arity: int | None = None  # the model's output tuple length (None: a bare loss tensor)
+
+
+class _StandIn(torch.nn.Module):
+    """Takes the place of a module owned by another stage; holds no parameters.
+
+    Before this stage ("earlier"): returns zeros shaped like the real output (computed by running a
+    meta-device copy), so model code between modules runs unchanged. After it ("later"): ends the
+    stage. In the user-facing model (no stage running) it only reports where the module lives.
+    """
+
+    _tridist_stand_in = True
+
+    def __init__(self, name: str, owner: int, meta_module: torch.nn.Module | None, state: _StageState | None, role: str):
+        super().__init__()
+        self.name, self.owner, self.role = name, owner, role
+        self.__dict__["_meta_module"] = meta_module  # not a submodule: no parameters, no state_dict entries
+        self.__dict__["_state"] = state
+
+    def forward(self, *args, **kwargs):
+        state = self._state
+        if state is None or self.role == "elsewhere":
+            raise RuntimeError(f"pipeline parallel: {self.name!r} runs on pipeline stage {self.owner}, not on this rank")
+        if self.role == "later":
+            raise _StageExit()
+        device = _device_of(args, kwargs)
+        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
+        with torch.no_grad():
+            meta_out = self._meta_module(*meta_args, **meta_kwargs)
+        output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
+        first = output[0] if isinstance(output, (tuple, list)) and output else output
+        state.last_placeholder = first if isinstance(first, torch.Tensor) else None
+        return output
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r} on stage {self.owner}"
+
+
+def _device_of(args, kwargs) -> torch.device:
+    leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.device.type != "meta"]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _to_meta(x):
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers live on the meta device (no memory)."""
+    memo = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        meta = torch.empty_like(tensor.to_local() if isinstance(tensor, DTensor) else tensor, device="meta")
+        memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object sharing `module`'s children and tensors but with its own containers
+    (children, parameters, hooks), so a stage can change its copy without touching the model."""
+    view = copy.copy(module)
+    for key, value in vars(module).items():
+        if key.startswith("_") and isinstance(value, (dict, set)):
+            view.__dict__[key] = copy.copy(value)
+    return view
+
+
+@dataclass
+class _Placement:
+    """Which stage owns each module of the model (by qualified name)."""
+
+    path: set[str]  # containers from the root to the layer list (copied per stage)
+    owner: dict[str, int] = field(default_factory=dict)  # module name -> stage (absent: every stage)
+
+
+def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
+    parts = config.layer_list.split(".")
+    path = {""} | {".".join(parts[: i + 1]) for i in range(len(parts))}
+    placement = _Placement(path=path)
+    last = config.num_stages - 1
+    modules = dict(model.named_modules())
+    for container in sorted(path - {config.layer_list}, key=len):
+        children = list(modules[container]._modules.items())
+        path_index = next(i for i, (n, _) in enumerate(children) if _join(container, n) in path)
+        for i, (child_name, child) in enumerate(children):
+            name = _join(container, child_name)
+            if name in path or child is None or next(child.parameters(), None) is None:
+                continue  # parameter-free modules (and global layers) run on every stage
+            placement.owner[name] = 0 if i < path_index else last
+    for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
+        placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)
+    return placement
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _bare_parameter_names(model: torch.nn.Module, placement: _Placement) -> list[str]:
+    modules = dict(model.named_modules())
+    return [_join(c, p) for c in sorted(placement.path) for p, v in modules[c]._parameters.items() if v is not None]
+
+
+def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: _Placement, state: _StageState) -> torch.nn.Module:
+    """The model as stage `state.stage` sees it (see the module docstring)."""
+    last = config.num_stages - 1
+
+    def build(module: torch.nn.Module, name: str) -> torch.nn.Module:
+        view = _shallow_copy(module)
+        for child_name, child in module._modules.items():
+            qualified = _join(name, child_name)
+            if child is None:
+                continue
+            if qualified in placement.path:
+                view._modules[child_name] = build(child, qualified)
+            elif placement.owner.get(qualified, state.stage) != state.stage:
+                owner = placement.owner[qualified]
+                role = "earlier" if owner < state.stage else "later"
+                meta = _meta_copy(child) if role == "earlier" else None
+                view._modules[child_name] = _StandIn(qualified, owner, meta, state, role)
+        if state.stage != last:  # bare parameters of the containers (an LM-head weight) live on the last stage
+            view._parameters = {k: v for k, v in view._parameters.items() if v is None}
+        return view
+
+    return build(model, "")
+
+
+def strip_to_rank(model: torch.nn.Module, placement: _Placement, stages: list[int], last_stage: int) -> None:
+    """Replace, in the user's model itself, every module no stage of this rank owns by a stand-in, so
+    their memory is freed and the model lists (and checkpoints) only this rank's parameters."""
+    modules = dict(model.named_modules())
+    for name, owner in placement.owner.items():
+        if owner in stages:
+            continue
+        parent, _, child = name.rpartition(".")
+        modules[parent]._modules[child] = _StandIn(name, owner, None, None, "elsewhere")
+    if last_stage not in stages:
+        for container in placement.path:
+            module = modules[container]
+            for pname in [p for p, v in module._parameters.items() if v is not None]:
+                del module._parameters[pname]
+
+
+def adopt_container_parameters(model: torch.nn.Module, views: list[torch.nn.Module], placement: _Placement) -> None:
+    """Tensor and data parallelism replaced the bare parameters of the stage's copied containers (the
+    LM-head weight) by sharded ones; the user's model (and its optimizer) must hold those."""
+    modules = dict(model.named_modules())
+    for view in views:
+        view_modules = dict(view.named_modules())
+        for container in placement.path:
+            for pname, param in view_modules[container]._parameters.items():
+                if param is not None:
+                    modules[container]._parameters[pname] = param
+
+
+# ------------------------------------------------------------------------------------------ applying
+
+
+def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict, device: torch.device, dp_group,
+                            parallelize_stage: Callable[[torch.nn.Module], None]) -> "PipelineRunner":
+    """Split `model` into pipeline stages over `pp_mesh` (this rank keeps its own), parallelise each
+    stage with `parallelize_stage` (tensor and data parallel), and make `model(...)` run the schedule.
+
+    Why views and not a traced graph: the model's own forward keeps running (masks, rotary tables, the
+    loss), so tensor parallel's hooks and the fused kernels work inside stages as they do without pp.
+    """
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    config = parse_pp_config(model, pp_config, pp=pp)
+    placement = _placement(model, config)
+    bare_parameters = _bare_parameter_names(model, placement)
+    stage_ids = [pp_rank + chunk * pp for chunk in range(config.chunks_per_rank)]  # torch's looped placement
+    last = config.num_stages - 1
+    micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
+    states = [_StageState(stage=s, is_first=s == 0, is_last=s == last) for s in stage_ids]
+    views = [build_stage_view(model, config, placement, state) for state in states]
+    strip_to_rank(model, placement, stage_ids, last)
+    for view, state in zip(views, states):
+        parallelize_stage(view)
+        install_stage_forward(view, model, state, micro_batches, bare_parameters)
+        # After FSDP's and tensor parallel's hooks, so the received activation goes in first.
+        install_layer_hooks(view.get_submodule(config.layer_list), config, state)
+    adopt_container_parameters(model, views, placement)
+    stages = [_Stage(view, state, num_stages=config.num_stages, device=device, group=pp_mesh.get_group())
+              for view, state in zip(views, states)]
+    runner = PipelineRunner(stages=stages, states=states, views=views, config=config, pp_group=pp_mesh.get_group(),
+                            dp_group=dp_group, micro_batches=micro_batches)
+    model.forward = lambda *args, **kwargs: runner(model, args, kwargs)
+    model._tridist_pipeline = runner
+    log.info(
+        "parallelize: pipeline stage(s) %s of %d (%s, %d micro-batches), layers %s", stage_ids, config.num_stages,
+        config.schedule, config.micro_batches,
+        [[i for i in range(config.num_layers) if config.stage_of_layer(i) == s] for s in stage_ids],
+    )
+    return runner
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+class _Stage(PipelineStage):
+    """torch's stage, telling the view which micro-batch it is computing (every rank keeps its own
+    copy of the batch, so only the activations travel between stages)."""
+
+    def __init__(self, view, state: _StageState, **kwargs):
+        super().__init__(view, state.stage, **kwargs)
+        self._tridist_state = state
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._tridist_state.micro_batch = fwd_chunk_id
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
+def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: _StageState, micro_batches: list,
+                          bare_parameters: list[str]) -> None:
+    """The view's forward: the model's own forward on micro-batch `state.micro_batch`, cut to this stage."""
+    model_forward = vars(model).get("forward")
+    model_forward = model_forward.__func__ if model_forward is not None else type(model).forward
+
+    def forward(*received):
+        args, kwargs = micro_batches[state.micro_batch]
+        state.received = None if state.is_first else received[0]
+        state.last_output = state.last_placeholder = None
+        try:
+            output = model_forward(view, *args, **kwargs)
+        except _StageExit:
+            output = state.last_output
+        except AttributeError as error:
+            missing = [name for name in bare_parameters if f"'{name.rpartition('.')[2]}'" in str(error)]
+            if not missing:
+                raise
+            raise RuntimeError(
+                f"pipeline parallel: stage {state.stage} uses {missing}, a bare parameter of a container module; "
+                "those live on the last stage (as an LM-head weight does): wrap it in a module registered before the "
+                "layer list to place it on the first stage"
+            ) from error
+        finally:
+            state.received = None
+        if state.is_last:
+            return _loss_of(output, state)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if not isinstance(hidden, torch.Tensor) or isinstance(hidden, DTensor):
+            raise TypeError(
+                f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "
+                "tensor a decoder layer returns"
+            )
+        return hidden
+
+    view.forward = forward
+
+
+def _loss_of(output, state: _StageState) -> torch.Tensor:
+    state.output_arity = len(output) if isinstance(output, tuple) else None
+    loss = output[0] if isinstance(output, tuple) and output else output
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ValueError(
+            "pipeline parallel: the model must compute its loss (return a scalar loss, alone or first in a tuple); "
+            "call it as model(inputs, labels=labels)"
+        )
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
+    """On the stage's first layer, take the received activation; on its last, remember the output."""
+    owned = [layer for i, layer in enumerate(model_layers) if config.stage_of_layer(i) == state.stage]
+    first, last = owned[0], owned[-1]
+    if not state.is_first:
+
+        def take_received(module, args, kwargs):
+            placeholder = state.last_placeholder
+            if state.received is None:
+                return None
+            for i, arg in enumerate(args):
+                if arg is placeholder:
+                    return (*args[:i], state.received, *args[i + 1 :]), kwargs
+            for key, value in kwargs.items():
+                if value is placeholder:
+                    return args, {**kwargs, key: state.received}
+            raise RuntimeError(
+                f"pipeline parallel: stage {state.stage}'s first layer does not receive the previous layer's output "
+                "unchanged (model code between decoder layers transforms the hidden states); pipeline stages split at "
+                "layer outputs, so move that code into the layers"
+            )
+
+        first.register_forward_pre_hook(take_received, with_kwargs=True, prepend=True)
+    if not state.is_last:
+
+        def remember(module, args, output):
+            state.last_output = output
+
+        last.register_forward_hook(remember)
+
+
+class PipelineRunner:
+    """Runs one step of the schedule for the model's forward and reports the global mean loss."""
+
+    def __init__(self, *, stages: list[_Stage], states: list[_StageState], views: list[torch.nn.Module],
+                 config: PipelineConfig, pp_group, dp_group, micro_batches: list):
+        self.stages, self.states, self.views, self.config = stages, states, views, config
+        self.pp_group, self.dp_group, self.micro_batches = pp_group, dp_group, micro_batches
+        count = config.micro_batches
+        loss_fn = lambda output, target: output / count  # noqa: E731 - micro-batch means averaged
+        schedule_cls = _SCHEDULES[config.schedule]
+        target = stages if config.chunks_per_rank > 1 else stages[0]
+        self.schedule = schedule_cls(target, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+        self.device = stages[0].device
+        self.last_rank = dist.get_global_rank(pp_group, (config.num_stages - 1) % dist.get_world_size(pp_group))
+        # The loss returned to the loop hangs off this leaf: its backward has nothing left to do.
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+
+    def __call__(self, model: torch.nn.Module, args, kwargs):
+        self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
+        for view in self.views:
+            view.train(model.training)
+        for state in self.states:
+            state.micro_batch = 0  # metadata inference on the first call runs micro-batch 0
+        index = torch.arange(self.config.micro_batches, device=self.device)
+        losses: list[torch.Tensor] = []
+        training = model.training and torch.is_grad_enabled()
+        if training:
+            self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
+        return self._global_loss(losses, training)
+
+    def _global_loss(self, losses: list[torch.Tensor], training: bool):
+        arity = next((s.output_arity for s in self.states if s.is_last), None)
+        packed = torch.zeros(2, device=self.device)
+        if losses:  # the last stage: micro-batch losses, each already divided by their count
+            packed[0] = torch.stack([loss.detach().float() for loss in losses]).sum()
+            packed[1] = -1 if arity is None else arity
+        dist.broadcast(packed, src=self.last_rank, group=self.pp_group)
+        if self.dp_group is not None:
+            dist.all_reduce(packed[:1], group=self.dp_group)  # a sum: gloo has no AVG
+            packed[0] /= dist.get_world_size(self.dp_group)
+        loss = packed[0].clone()
+        if training:
+            loss = loss + self._anchor * 0  # requires grad: the loop's loss.backward() runs and does nothing more
+        arity = int(packed[1].item())
+        return loss if arity < 0 else (loss, *[None] * (arity - 1))
+
+
+def split_micro_batches(args, kwargs, count: int) -> list:
+    """Split every batch-major tensor of (args, kwargs) into `count` equal micro-batches along dim 0;
+    other values (and tensors with another leading size) go to every micro-batch unchanged."""
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors:
+        raise ValueError("pipeline parallel: the model's inputs hold no batch tensor to split into micro-batches")
+    batch = tensors[0].shape[0]
+    if batch % count:
+        raise ValueError(
+            f"pipeline parallel splits each batch into {count} micro-batches, but this rank's batch has {batch} "
+            f"samples; use a batch size (per data-parallel rank) divisible by {count}, or set pp_config['micro_batches']"
+        )
+    size = batch // count
+    micro = []
+    for i in range(count):
+        part = [x[i * size : (i + 1) * size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x for x in leaves]
+        micro.append(tree_unflatten(part, spec))
+    return micro

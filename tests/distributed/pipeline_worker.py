@@ -1,0 +1,268 @@
+"""Checks of parallelize's pipeline parallelism (pp_config) on 4 gloo processes: every schedule, and
+pp combined with dp and mp, trains like one process on the same global batches (losses and final
+parameters), with the user's plain loop."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+import distcore
+import kernels
+from bench.models import build_model
+from distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
+from tests.distributed.harness import run_checks
+
+GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB, LAYERS = 8, 8, 3, 128, 4
+SPLIT = {"seed-llama": "layers", "hf-llama": "model.layers"}
+
+
+def _batches():
+    generator = torch.Generator().manual_seed(5)
+    return [
+        (torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator),
+         torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def _model(name: str, fused: bool = False):
+    torch.manual_seed(0)
+    model = build_model(name, num_hidden_layers=LAYERS)
+    if fused:
+        kernels.fuse(model)
+    # SGD: its update is linear in the gradient, so summation order (micro-batches, shards) stays at
+    # rounding level.
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def _train(model, optimizer, mesh=None):
+    losses = []
+    for inputs, labels in _batches():
+        if mesh is not None and "dp" in mesh.dim_names:  # global-view batches, as shard_dataloader yields them
+            placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
+            inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
+        loss, _ = model(inputs, labels=labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()  # parallelize's optimizer also has Paddle's clear_grad
+        losses.append(loss.item())
+    return losses
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(name: str):
+    if name not in _REFERENCES:
+        model, optimizer = _model(name)  # unfused: the fused kernels must match eager
+        _REFERENCES[name] = (_train(model, optimizer), {n: p.detach().clone() for n, p in model.named_parameters()})
+    return _REFERENCES[name]
+
+
+def _equal_to_one_process(name: str, mesh: ProcessMesh, config: dict, *, fused: bool = False):
+    ref_losses, ref_params = _reference(name)
+    model, optimizer = _model(name, fused=fused)
+    model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
+    losses = _train(model, optimizer, mesh)
+    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    names = [n for n, _ in model.named_parameters()]
+    assert names and set(names) < set(ref_params), names  # this stage's parameters only, same names
+    assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
+    initial = dict(_model(name)[0].named_parameters())
+    for pname, param in model.named_parameters():
+        full = distcore.unshard_dtensor(param.detach())
+        assert torch.allclose(full, ref_params[pname], atol=5e-5), (pname, (full - ref_params[pname]).abs().max())
+        assert not torch.equal(full, initial[pname].detach()), f"{pname} was never updated"
+    return model
+
+
+def check_lazy_model_materialises_only_its_stage():
+    """A LazyGuard model (meta device) under dp2 x pp2: each rank materialises its stage's shards only,
+    with the values the single-device model gets from initialize(), and trains like it."""
+
+    def lazy():
+        torch.manual_seed(0)
+        with distcore.LazyGuard():
+            return build_model("hf-llama", num_hidden_layers=LAYERS)
+
+    reference = lazy()
+    for tensor in [*reference.parameters(), *reference.buffers()]:
+        tensor.initialize()
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.5))
+    model = lazy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # built from meta parameters, as users do
+    model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 2}, **_pp("hf-llama")})
+    assert not [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    losses = _train(model, optimizer, DP2_PP2)
+    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+
+
+def _pp(name: str, **pp_extra) -> dict:
+    return {"pp_config": {"split_spec": SPLIT[name], **pp_extra}}
+
+
+PP4 = ProcessMesh([0, 1, 2, 3], ["pp"])
+DP2_PP2 = ProcessMesh([[0, 1], [2, 3]], ["dp", "pp"])
+MP2_PP2 = ProcessMesh([[0, 1], [2, 3]], ["pp", "mp"])
+
+
+def check_1f1b_four_stages():
+    model = _equal_to_one_process("seed-llama", PP4, _pp("seed-llama"))
+    stage = torch.distributed.get_rank()
+    assert [n for n, _ in model.named_children()] == ["embed_tokens", "layers", "norm", "loss_func"]
+    kept = [i for i, layer in enumerate(model.layers) if not getattr(layer, "_tridist_stand_in", False)]
+    assert kept == [stage], kept  # one decoder layer per stage
+    assert ("weight" in dict(model.named_parameters())) == (stage == 3)  # the bare LM head: last stage
+
+
+def check_gpipe_hf_style_model_with_fused_kernels():
+    model = _equal_to_one_process("hf-llama", PP4, _pp("hf-llama", schedule="GPipe", micro_batches=8), fused=True)
+    owned = [layer for layer in model.model.layers if not getattr(layer, "_tridist_stand_in", False)]
+    assert isinstance(owned[0].mlp, kernels.FusedSwiGLUMLP) and isinstance(owned[0].input_layernorm, kernels.FusedRMSNorm)
+
+
+def check_interleaved_with_data_parallel():
+    """Two stages per rank (layers 0 and 2 on pp rank 0), dp2 level 1 sharding each stage."""
+    model = _equal_to_one_process(
+        "hf-llama", DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama", schedule="Interleaved1F1B")}
+    )
+    pp_rank = DP2_PP2.coordinate()[1]
+    kept = [i for i, layer in enumerate(model.model.layers) if not getattr(layer, "_tridist_stand_in", False)]
+    assert kept == [pp_rank, pp_rank + 2], kept
+
+
+def check_data_parallel_levels():
+    for level in (0, 3):
+        _equal_to_one_process("seed-llama", DP2_PP2, {"dp_config": {"sharding_level": level}, **_pp("seed-llama")})
+
+
+def check_split_points():
+    """A dict split_spec cuts exactly there (Paddle's form): stage 0 = layer 0, stage 1 = layers 1-3."""
+    config = {"dp_config": {"sharding_level": 2}, "pp_config": {"split_spec": {"model.layers.0": SplitPoint.END}}}
+    model = _equal_to_one_process("hf-llama", DP2_PP2, config)
+    kept = [i for i, layer in enumerate(model.model.layers) if not getattr(layer, "_tridist_stand_in", False)]
+    assert kept == ([0] if DP2_PP2.coordinate()[1] == 0 else [1, 2, 3]), kept
+
+
+HF_TP_PLAN = {
+    "model.embed_tokens": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+    "model.layers.*.self_attn.(q|k|v)_proj": ColWiseParallel(),
+    "model.layers.*.self_attn.o_proj": RowWiseParallel(),
+    "model.layers.*.self_attn": distcore.SequenceParallelDisable(),
+    "model.layers.*.mlp.(gate|up)_proj": ColWiseParallel(),
+    "model.layers.*.mlp.down_proj": RowWiseParallel(),
+    "model.layers.*.mlp": distcore.SequenceParallelDisable(),
+    "lm_head": [ColWiseParallel(gather_output=True), distcore.SequenceParallelEnd()],
+}
+
+
+def check_tensor_and_sequence_parallel_in_stages():
+    """mp2 x pp2: sequence-split activations travel between stages; head counts localised per stage."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _equal_to_one_process("hf-llama", MP2_PP2, {"mp_config": {"parallelize_plan": HF_TP_PLAN}, **_pp("hf-llama")})
+    assert not [w for w in caught if "matches no module" in str(w.message)], [str(w.message) for w in caught]
+    owned = [layer for layer in model.model.layers if not getattr(layer, "_tridist_stand_in", False)]
+    assert owned[0].self_attn.num_heads == 2 and owned[0].self_attn.q_proj.weight.to_local().shape[0] == 32
+
+
+def check_evaluation_runs_forward_only():
+    """model.eval() under no_grad: the schedule's forward only, the same loss as one process."""
+    reference, _ = _model("hf-llama")
+    model, _ = _model("hf-llama")
+    model, _ = distcore.parallelize(model, None, PP4, _pp("hf-llama"))
+    inputs, labels = _batches()[0]
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        loss, _ = model(inputs, labels=labels)
+        expected, _ = reference(inputs, labels=labels)
+    assert abs(loss.item() - expected.item()) < 2e-5 and not loss.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _expect(error_type, fragment: str, config: dict, name: str = "seed-llama", mesh=PP4):
+    model, optimizer = _model(name)
+    try:
+        distcore.parallelize(model, optimizer, mesh, config)
+    except error_type as error:
+        assert fragment in str(error), str(error)
+    else:
+        raise AssertionError(f"no {error_type.__name__} for {config}")
+
+
+def check_errors():
+    _expect(ValueError, "do not split evenly into 8 pipeline stages", _pp("seed-llama", schedule="Interleaved1F1B"))
+    _expect(ValueError, "must name one layer list", {"pp_config": {"split_spec": "decoder.layers"}})
+    _expect(ValueError, "unknown pp_config key", _pp("seed-llama", accumulate=2))
+    _expect(ValueError, "choose one of", _pp("seed-llama", schedule="zigzag"))
+    _expect(ValueError, "needs 4", {"pp_config": {"split_spec": {"layers.1": SplitPoint.END}}})
+    _expect(ValueError, "not a layer of a layer list", {"pp_config": {"split_spec": {"norm": SplitPoint.END}}})
+    _expect(NotImplementedError, "global layer 'norm' has parameters", _pp("seed-llama", global_spec="norm"))
+    _expect(ValueError, "its own named dimension", {"dp_config": {}, **_pp("seed-llama")}, mesh=ProcessMesh([0, 1, 2, 3]))
+    _expect(ValueError, "at least one micro-batch per stage (4)", _pp("seed-llama", micro_batches=2))
+    model, optimizer = _model("seed-llama")
+    model, optimizer = distcore.parallelize(model, optimizer, PP4, _pp("seed-llama", schedule="GPipe", micro_batches=3))
+    inputs, labels = _batches()[0]
+    try:
+        model(inputs, labels=labels)
+    except ValueError as error:
+        assert "divisible by 3" in str(error), str(error)
+    else:
+        raise AssertionError("a batch of 8 split into 3 micro-batches was accepted")
+
+
+def check_checkpoint_moves_between_pipeline_and_other_layouts():
+    """Saved under dp2 x pp2 after two steps, resumed under dp4 (no pipeline) and under pp4: the third
+    step equals the uninterrupted single-process run. SGD with momentum: optimizer state to carry."""
+    path = Path(sys.argv[1]) / "pipeline-checkpoint"
+
+    def model_and_optimizer():
+        model, _ = _model("hf-llama")
+        return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+    reference, ref_optimizer = model_and_optimizer()
+    ref_losses = _train(reference, ref_optimizer)
+    batches = _batches()
+    model, optimizer = model_and_optimizer()
+    model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")})
+    for inputs, labels in batches[:2]:
+        _step(model, optimizer, DP2_PP2, inputs, labels)
+    distcore.save_state(model, optimizer, path)
+    for mesh, config in [
+        (ProcessMesh([0, 1, 2, 3], ["dp"]), {"dp_config": {"sharding_level": 1}}),
+        (PP4, _pp("hf-llama", schedule="GPipe")),
+    ]:
+        model, optimizer = model_and_optimizer()
+        model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
+        distcore.load_state(model, optimizer, path)
+        loss = _step(model, optimizer, mesh, *batches[2])
+        assert abs(loss - ref_losses[2]) < 2e-5, (config, loss, ref_losses[2])
+        ref_params = dict(reference.named_parameters())
+        for pname, param in model.named_parameters():
+            full = distcore.unshard_dtensor(param.detach())
+            assert torch.allclose(full, ref_params[pname].detach(), atol=5e-5), (config, pname)
+
+
+def _step(model, optimizer, mesh, inputs, labels) -> float:
+    if "dp" in mesh.dim_names:
+        placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
+        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
+    loss, _ = model(inputs, labels=labels)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    run_checks(CHECKS)

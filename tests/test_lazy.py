@@ -1,0 +1,243 @@
+"""distcore.LazyGuard on one process: meta construction, per-tensor seeded replay, Paddle's initialize()."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import distcore
+from bench.models import build_model
+from distcore.lazy import LazyInitError, materialize
+
+
+def _lazy(build, seed: int = 0):
+    torch.manual_seed(seed)
+    with distcore.LazyGuard():
+        return build()
+
+
+def _tensors(model):
+    return [*model.parameters(), *model.buffers()]
+
+
+def _values(model) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def test_lazy_model_holds_no_storage():
+    model = _lazy(lambda: build_model("hf-llama"))
+    assert all(t.is_meta for t in _tensors(model)) and len(_tensors(model)) > 10
+    assert all(hasattr(p, "initialize") for p in model.parameters())
+
+
+def test_values_are_per_tensor_whatever_the_order():
+    forward = _lazy(lambda: build_model("seed-llama"))
+    for tensor in _tensors(forward):
+        tensor.initialize()
+    backward = _lazy(lambda: build_model("seed-llama"))
+    torch.manual_seed(123)  # the global stream must not matter either
+    for tensor in reversed(_tensors(backward)):
+        tensor.initialize()
+    partial = _lazy(lambda: build_model("seed-llama"))
+    only = partial.layers[1].mlp.up_proj.weight
+    only.initialize()  # alone: the others stay on meta
+    assert sum(not t.is_meta for t in _tensors(partial)) == 1
+    a, b = _values(forward), _values(backward)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(only, a["layers.1.mlp.up_proj.weight"])
+    # Re-seeding reproduces the model; another seed (or a second guard without re-seeding) does not.
+    other = materialize(_lazy(lambda: build_model("seed-llama"), seed=1))
+    assert not torch.equal(other.layers[0].mlp.up_proj.weight, a["layers.0.mlp.up_proj.weight"])
+
+
+def test_initialize_leaves_the_global_random_stream_alone():
+    model = _lazy(lambda: build_model("hf-llama"))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    materialize(model)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_deterministic_buffers_equal_the_eager_ones():
+    for name in ("seed-llama", "hf-llama"):
+        eager = build_model(name)
+        lazy = materialize(_lazy(lambda: build_model(name)))
+        eager_buffers = dict(eager.named_buffers())
+        assert eager_buffers and all(torch.equal(b, eager_buffers[n]) for n, b in lazy.named_buffers()), name
+
+
+def test_random_parameters_follow_their_initialisers():
+    seed = materialize(_lazy(lambda: build_model("seed-llama")))
+    hidden, vocab, inter = 64, 128, 176
+    xavier = math.sqrt(6 / (hidden + vocab))  # the seed's LM head: xavier_uniform_
+    assert seed.weight.abs().max() <= xavier and seed.weight.abs().max() > 0.9 * xavier
+    kaiming = 1 / math.sqrt(hidden)  # nn.Linear: kaiming_uniform_(a=sqrt(5)) gives U(-1/sqrt(fan_in), ...)
+    up = seed.layers[0].mlp.up_proj.weight
+    assert up.abs().max() <= kaiming and up.abs().max() > 0.9 * kaiming
+    down = seed.layers[0].mlp.down_proj.weight
+    assert down.abs().max() <= 1 / math.sqrt(inter)
+    assert abs(seed.embed_tokens.weight.std().item() - 1.0) < 0.05  # nn.Embedding: N(0, 1)
+    assert torch.equal(seed.layers[0].input_layernorm.weight, torch.ones(hidden))  # norms: ones
+
+    hf = materialize(_lazy(lambda: build_model("hf-llama")))  # HF's _init_weights: weight.data.normal_(0, 0.02)
+    q = hf.model.layers[0].self_attn.q_proj.weight
+    assert abs(q.std().item() - 0.02) < 0.002 and abs(q.mean().item()) < 0.002
+    values = [p for p in hf.parameters() if p.dim() == 2]
+    for i, a in enumerate(values):  # random parameters differ from one another
+        for b in values[i + 1:]:
+            if a.shape == b.shape:
+                assert not torch.equal(a, b)
+
+
+def test_paddle_notes_example():
+    """The notes' LazyGuard example: two create_parameter weights (Paddle's default XavierUniform),
+    p.initialize() on each, then a plain AdamW loop."""
+
+    class MlpModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w0 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(64, 256)))
+            self.w1 = nn.Parameter(nn.init.xavier_uniform_(torch.empty(256, 64)))
+
+        def forward(self, x):
+            return torch.matmul(torch.matmul(x, self.w0), self.w1)
+
+    with distcore.LazyGuard():
+        model = MlpModel()
+    assert model.w0.is_meta
+    for p in model.parameters():
+        p.initialize()
+    bound = math.sqrt(6 / (64 + 256))
+    assert 0.9 * bound < model.w0.abs().max() <= bound
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs, labels = torch.randn(4, 16, 64), torch.randn(4, 16, 64)
+    losses = []
+    for _ in range(3):
+        loss = nn.functional.mse_loss(model(inputs), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["seed-llama", "hf-llama"])
+def test_lazy_model_trains_like_an_eager_copy(name):
+    """Materialised, the lazy model is an ordinary model: it trains exactly like an eager model loaded
+    with the same values. The optimizer was built from the meta parameters (the user's order)."""
+    lazy = _lazy(lambda: build_model(name))
+    optimizer = torch.optim.AdamW(lazy.parameters(), lr=1e-2)
+    for tensor in _tensors(lazy):
+        tensor.initialize()
+    eager = build_model(name)
+    eager.load_state_dict(lazy.state_dict())
+    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        inputs, labels = (torch.randint(0, 128, (2, 8), generator=generator) for _ in range(2))
+        for model, opt in ((lazy, optimizer), (eager, eager_optimizer)):
+            loss, _ = model(inputs, labels=labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert torch.equal(*(m(inputs, labels=labels)[0] for m in (lazy, eager)))
+    for (n, a), (_, b) in zip(lazy.named_parameters(), eager.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_aliases_views_and_tied_weights():
+    """Aliases share one record: a write into a slice (an embedding's padding row, a parameter's
+    columns), ops reading the tensor they write, out=, a buffer that is a view of a computed tensor,
+    a tied weight, a dtype cast on meta after the guard."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4, padding_idx=0)  # reset_parameters zeroes row 0 in place
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+            self.scale = nn.Parameter(torch.empty(3, 4))
+            with torch.no_grad():
+                self.scale.fill_(2.0)
+                self.scale[:, 1:].mul_(3.0)  # in place into a view of a parameter
+                self.scale.add_(self.scale)  # reads the tensor it writes
+            counts = torch.zeros(3)
+            torch.add(counts, 1.0, out=counts)
+            counts[0] = counts[1] * 5
+            self.register_buffer("counts", counts)
+            table = torch.arange(12.0).reshape(3, 4)
+            self.register_buffer("table_t", table.t())  # a view, as torch's transposes are
+
+    model = _lazy(Model)
+    model.scale.data = model.scale.data.to(torch.float64)  # converted on meta after the guard
+    materialize(model)
+    assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight[0], torch.zeros(4))
+    assert model.scale.dtype == torch.float64
+    assert torch.equal(model.scale, torch.tensor([[4.0, 12.0, 12.0, 12.0]] * 3, dtype=torch.float64))
+    assert torch.equal(model.counts, torch.tensor([5.0, 1.0, 1.0]))
+    assert torch.equal(model.table_t, torch.arange(12.0).reshape(3, 4).t())
+
+
+def test_errors_name_the_tensor_and_the_fix():
+    class ValueDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+            if self.w.sum() > 0:  # Python control flow on values that do not exist yet
+                self.w.data.neg_()
+
+    with pytest.raises(LazyInitError, match="data-dependent"):
+        _lazy(ValueDependent)
+
+    class WithGenerator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4).normal_(generator=torch.Generator().manual_seed(0)))
+
+    with pytest.raises(LazyInitError, match="generator"):
+        _lazy(WithGenerator)
+
+    outside = nn.Linear(4, 4, device="meta")  # meta, but not built under LazyGuard
+    with pytest.raises(LazyInitError, match=r"\['weight', 'bias'\].*LazyGuard"):
+        materialize(outside)
+
+    model = _lazy(lambda: nn.Linear(4, 4))
+    with torch.no_grad():
+        model.weight.zero_()  # after the guard: not recorded
+    with pytest.raises(LazyInitError, match="weight was modified in place after its LazyGuard exited"):
+        materialize(model)
+
+    model = _lazy(lambda: nn.Linear(4, 4))
+    with distcore.LazyGuard(), pytest.raises(LazyInitError, match="after the `with LazyGuard"):
+        model.weight.initialize()
+
+    class BitView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("bits", torch.zeros(4).view(torch.int32))  # reinterpreted, not converted
+
+    with pytest.raises(LazyInitError, match=r"view\(dtype\).*\.to\(dtype\)"):
+        _lazy(BitView)
+
+
+def test_deep_copy_replays_the_same_values():
+    """A deep copy of a lazy model (a reference copy, say) materialises to the original's values."""
+    model = _lazy(lambda: build_model("hf-llama"))
+    twin = copy.deepcopy(model)
+    a, b = _values(materialize(model)), _values(materialize(twin))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_strict_false_leaves_unrecorded_meta_tensors():
+    """parallelize's mode: meta tensors without a record (built outside LazyGuard) stay on meta."""
+    model = _lazy(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model.append(nn.Linear(4, 4, device="meta"))
+    model[1].weight = nn.Parameter(torch.empty(4, 4, device="meta"))  # replaced: its record does not apply
+    materialize(model, strict=False)
+    assert not model[0].weight.is_meta and not model[1].bias.is_meta
+    assert model[1].weight.is_meta and model[2].weight.is_meta
