@@ -1,1 +1,56 @@
-"""Cost model and Optuna search over training strategies; Triton config sweeps (not yet built)."""
+"""Cost model and Optuna search over training strategies.
+
+    spec = ModelSpec.from_module(model, seq_len=4096)       # or preset("llama2-70b")
+    cluster = Cluster(nodes=16, devices_per_node=8, device="h100-sxm")
+    result = search(spec, cluster, global_batch_size=1024)
+    result.best.strategy                                     # Strategy(dp=..., tp=..., pp=..., ...)
+
+Importing this package imports neither torch, optuna, pandas nor matplotlib: each is imported inside
+the function that needs it (`ModelSpec.from_module`, `search`, `SearchResult.to_frame`, calibration).
+"""
+
+from .cost import (
+    COST_MODEL_VERSION,
+    Estimate,
+    MemoryBreakdown,
+    TimeBreakdown,
+    activation_bytes_per_layer,
+    all_gather_time,
+    all_reduce_time,
+    estimate,
+    hardware_flops_per_step,
+    megatron_flops_per_step,
+    model_flops_per_step,
+    model_state_bytes,
+    p2p_time,
+    pipeline_bubble_fraction,
+    reduce_scatter_time,
+    stage_parameters,
+)
+from .hardware import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
+from .model import PRESETS, ModelSpec, ModelStructure, UnrecognisedModel, preset, recognise
+from .search import (
+    Candidate,
+    LayoutResult,
+    SearchResult,
+    SearchSpace,
+    default_storage,
+    enumerate_layouts,
+    exhaustive_search,
+    heuristic_layout,
+    pareto_front,
+    search,
+)
+from .strategy import RECOMPUTE_MODES, InvalidStrategy, Strategy, check, validate
+
+__all__ = [
+    "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise",
+    "DeviceProfile", "Cluster", "DEVICE_PROFILES", "get_profile", "load_profile", "save_profile",
+    "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check",
+    "estimate", "Estimate", "TimeBreakdown", "MemoryBreakdown", "COST_MODEL_VERSION",
+    "model_flops_per_step", "hardware_flops_per_step", "megatron_flops_per_step",
+    "all_reduce_time", "all_gather_time", "reduce_scatter_time", "p2p_time", "pipeline_bubble_fraction",
+    "activation_bytes_per_layer", "model_state_bytes", "stage_parameters",
+    "search", "SearchResult", "SearchSpace", "Candidate", "LayoutResult", "exhaustive_search",
+    "enumerate_layouts", "heuristic_layout", "pareto_front", "default_storage",
+]

@@ -1,6 +1,9 @@
 """The `tridist` command line.
 
     tridist bench kernels [--ops rms_norm,swiglu] [--dtype bf16] [--device auto] [--quick] [--no-compile] [--out DIR]
+    tridist bench tune [--quick] [--no-sqlite]
+    tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
+    tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
 
 Commands are data: COMMANDS maps a name to a `Command` (its arguments and its handler), and
 `bench` has its own table of targets. Handlers import their package when they run, so that
@@ -106,10 +109,96 @@ def _check_kernels(args: argparse.Namespace) -> int:
     return 0 if frame["ok"].all() else 1
 
 
+# ------------------------------------------------------------------------------------- tridist tune
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="a preset (llama2-7b, llama2-70b, llama3-8b, gpt3-175b, megatron-76.1b, ...), a bench "
+                             "model (seed-llama, hf-llama, paddle-llama) or module:function returning an nn.Module "
+                             "or a ModelSpec")
+    parser.add_argument("--size", default="seed", help="config size of a bench model (tiny, seed; default seed)")
+    parser.add_argument("--nodes", type=_positive_int, required=True)
+    parser.add_argument("--devices-per-node", type=_positive_int, required=True)
+    parser.add_argument("--device", default="h100-sxm",
+                        help="device profile: h100-sxm, h200, a100-80gb, a100-40gb, cpu, a calibrated profile's "
+                             "name or a JSON path (default h100-sxm)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
+    parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage: an RDB URL, an SQLite file path, a journal file (*.log) or 'memory' "
+                             "(default: sqlite under ~/.cache/tridist/tune.db, resumable)")
+    parser.add_argument("--top-k", type=_positive_int, default=10)
+    parser.add_argument("--method", choices=("auto", "exhaustive", "tpe"), default="auto")
+    parser.add_argument("--report", default=None, metavar="DIR", help="write report.md, ranked.csv, pareto.png there")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from bench.tune import run_tune
+
+    return run_tune(args)
+
+
+def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--name", default=None, help="profile name (default: measured-<device>)")
+    parser.add_argument("--out", default=None, metavar="PATH",
+                        help="JSON file to write (default: ~/.cache/tridist/device-profiles/<name>.json)")
+    parser.add_argument("--sizes", default=None, help="comma-separated square matmul sizes")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (a smoke run)")
+    parser.add_argument("--no-comm", action="store_true", help="skip collectives even under torchrun")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from bench.tune import run_calibrate
+
+    return run_calibrate(args)
+
+
+def _bench_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="one 1x8 and one 128x8 case")
+    parser.add_argument("--no-sqlite", action="store_true", help="time the in-memory storage only")
+
+
+def _bench_tune(args: argparse.Namespace) -> int:
+    from bench.tune import run_tune_benchmark
+
+    frame = run_tune_benchmark(quick=args.quick, storages=("memory",) if args.no_sqlite else ("memory", "journal", "sqlite"))
+    print(frame.to_string(index=False))
+    return 0 if frame["equals_exhaustive"].all() else 1
+
+
 # ------------------------------------------------------------------------------------------- the table
 
 
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes to launch (default: one per GPU, else 4 CPU processes)")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from bench.demo import launch
+
+    return launch(args.nproc)
+
+
 COMMANDS: dict[str, Command] = {
+    "demo": Command(
+        help="to_distributed end to end: the seed's model on this machine's devices, strategy chosen, losses vs one device",
+        add_arguments=_demo_arguments,
+        handler=_demo,
+    ),
     "check": Command(
         help="correctness checks",
         add_arguments=lambda parser: None,
@@ -130,7 +219,22 @@ COMMANDS: dict[str, Command] = {
                 add_arguments=_kernels_arguments,
                 handler=_bench_kernels,
             ),
+            "tune": Command(
+                help="strategy-search speed on 1x8 and 128x8 clusters and agreement with exhaustive enumeration",
+                add_arguments=_bench_tune_arguments,
+                handler=_bench_tune,
+            ),
         },
+    ),
+    "tune": Command(
+        help="search the fastest training strategy (dp/tp/pp, sharding, micro-batches, recompute) with the cost model",
+        add_arguments=_tune_arguments,
+        handler=_tune,
+    ),
+    "calibrate": Command(
+        help="measure this machine (matmul, copy, collectives under torchrun) and save a device profile",
+        add_arguments=_calibrate_arguments,
+        handler=_calibrate,
     ),
 }
 

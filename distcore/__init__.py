@@ -13,6 +13,7 @@ from .lazy import LazyGuard
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
 from .pipeline import SplitPoint
+from .to_distributed import ToDistributedConfig, apply_strategy, to_distributed
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .tensor_parallel import (
     ColWiseParallel,
@@ -48,6 +49,9 @@ __all__ = [
     "ShardingStage2",
     "ShardingStage3",
     "SplitPoint",
+    "ToDistributedConfig",
+    "apply_strategy",
+    "to_distributed",
     "dtensor_from_local",
     "get_mesh",
     "get_rank",

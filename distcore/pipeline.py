@@ -31,6 +31,7 @@ import enum
 import logging
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -474,7 +475,9 @@ def _loss_of(output, state: _StageState) -> torch.Tensor:
             "pipeline parallel: the model must compute its loss (return a scalar loss, alone or first in a tuple); "
             "call it as model(inputs, labels=labels)"
         )
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    # A DTensor loss (computed from vocabulary-parallel logits without F.cross_entropy) may be a partial
+    # sum on each mp rank: its full value, differentiably, as the model's own global view returns it.
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
@@ -487,6 +490,13 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
             placeholder = state.last_placeholder
             if state.received is None:
                 return None
+            if placeholder is None:  # `is None` would match any None argument (a mask, a cache)
+                raise RuntimeError(
+                    f"pipeline parallel: stage {state.stage}'s first layer ran, but no module of an earlier stage "
+                    "produced its input tensor in this forward (hidden states passed in by the caller, e.g. "
+                    "inputs_embeds, or an earlier module returning no tensor first); pipeline stages take over the "
+                    "output of the modules before them, so compute the input with those modules"
+                )
             for i, arg in enumerate(args):
                 if arg is placeholder:
                     return (*args[:i], state.received, *args[i + 1 :]), kwargs
@@ -522,11 +532,14 @@ class PipelineRunner:
         self.schedule = schedule_cls(target, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
         self.device = stages[0].device
         self.last_rank = dist.get_global_rank(pp_group, (config.num_stages - 1) % dist.get_world_size(pp_group))
-        # The loss returned to the loop hangs off this leaf: its backward has nothing left to do.
+        # The loss returned to the loop hangs off this leaf; its backward only applies the loop's scale.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self._shapes = None  # the micro-batch shapes the stages' buffers were sized for
+        self._pending = None  # (token, this call's own gradients or None: all of them, parameters)
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
         self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
+        self._follow_shapes()
         for view in self.views:
             view.train(model.training)
         for state in self.states:
@@ -534,28 +547,109 @@ class PipelineRunner:
         index = torch.arange(self.config.micro_batches, device=self.device)
         losses: list[torch.Tensor] = []
         training = model.training and torch.is_grad_enabled()
+        token = None
         if training:
-            self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+            token = self._step_keeping_gradients(model, index, losses)
         else:
             with torch.no_grad():
                 self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
-        return self._global_loss(losses, training)
+        return self._global_loss(losses, token)
 
-    def _global_loss(self, losses: list[torch.Tensor], training: bool):
+    def _follow_shapes(self) -> None:
+        """torch infers the activations' shapes from the first call's micro-batches and sizes its receive
+        buffers once (again only on an eval/train switch): micro-batches of another shape (another batch
+        size, sequence length) would travel into buffers of the old size (gloo aborts the process). A
+        shape change re-runs that inference on every stage; all ranks of the pipeline see the same batch."""
+        leaves = tree_flatten(self.micro_batches[0])[0]
+        shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+        if self._shapes is not None and shapes != self._shapes:
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized",  # single-stage schedules
+                         "_stages_forward_initialized", "_stages_backward_initialized"):  # interleaved
+                if hasattr(self.schedule, flag):
+                    setattr(self.schedule, flag, False)
+        self._shapes = shapes
+
+    def _step_keeping_gradients(self, model: torch.nn.Module, index: torch.Tensor, losses: list) -> object:
+        """One training step of the schedule. Gradients accumulated by earlier calls are set aside during
+        it (torch's stage re-initialisation, on the first call, after an evaluation or a shape change,
+        clears FSDP2's gradients) and added back after; this call's own gradients are remembered until
+        the returned loss's backward, which scales them by the factor the loop applied to the loss."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        held = {p: p.grad for p in params if p.grad is not None}
+        for p in held:
+            p.grad = None
+        try:
+            self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+        finally:
+            own = {}  # this call's gradients, needed apart only when earlier ones were added back
+            for p in params:
+                if p.grad is not None and held:
+                    own[p] = p.grad
+                if p in held:
+                    if p.grad is not None:
+                        held[p].add_(p.grad)
+                    p.grad = held[p]
+        token = object()
+        self._pending = (token, own if held else None, params)
+        return token
+
+    def _scale_gradients(self, token: object, scale: torch.Tensor) -> None:
+        """Backward of a returned loss: apply the loop's factor (`(loss / steps).backward()`, a loss scaler)
+        to the gradients of the call that returned it."""
+        pending, scale = self._pending, float(scale)
+        current = pending is not None and pending[0] is token
+        if current:
+            self._pending = None
+        if scale == 1.0:
+            return
+        if not current:
+            raise RuntimeError(
+                "pipeline parallel: a loss was scaled after its gradients were merged with a later call's; "
+                "the pipeline computes gradients inside model(...), so call backward() on each returned loss "
+                "before the next call of the model"
+            )
+        _, own, params = pending
+        with torch.no_grad():
+            if own is None:  # no earlier gradients: every gradient is this call's
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            else:
+                for p, grad in own.items():
+                    p.grad.add_(grad, alpha=scale - 1.0)
+
+    def _global_loss(self, losses: list[torch.Tensor], token: object | None):
         arity = next((s.output_arity for s in self.states if s.is_last), None)
         packed = torch.zeros(2, device=self.device)
         if losses:  # the last stage: micro-batch losses, each already divided by their count
             packed[0] = torch.stack([loss.detach().float() for loss in losses]).sum()
             packed[1] = -1 if arity is None else arity
         dist.broadcast(packed, src=self.last_rank, group=self.pp_group)
-        if self.dp_group is not None:
+        # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
+        # replicas with different numbers of batches) must not wait for a collective the others never join.
+        if self.dp_group is not None and token is not None:
             dist.all_reduce(packed[:1], group=self.dp_group)  # a sum: gloo has no AVG
             packed[0] /= dist.get_world_size(self.dp_group)
         loss = packed[0].clone()
-        if training:
-            loss = loss + self._anchor * 0  # requires grad: the loop's loss.backward() runs and does nothing more
+        if token is not None:  # requires grad: the loop's loss.backward() applies its scale, nothing more
+            loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
         arity = int(packed[1].item())
         return loss if arity < 0 else (loss, *[None] * (arity - 1))
+
+
+class _ReturnedLoss(torch.autograd.Function):
+    """The loss model(...) returns: its value; its backward hands the incoming gradient (the factor the
+    loop scaled the loss by) to `on_backward`."""
+
+    @staticmethod
+    def forward(ctx, anchor, value, on_backward):
+        ctx.on_backward = on_backward
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward(grad)
+        return None, None, None
 
 
 def split_micro_batches(args, kwargs, count: int) -> list:

@@ -111,6 +111,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def wait_for_collective(value):
+    """Tensor parallel's functional collectives return an AsyncCollectiveTensor: a wrapper with no
+    storage of its own whose collective may still be in flight. A kernel needs the finished plain
+    tensor (Triton reads data pointers); any other value passes through unchanged."""
+    if type(value).__name__ == "AsyncCollectiveTensor" and callable(getattr(value, "wait", None)):
+        return value.wait()
+    return value
+
+
 def eager_autograd(forward, setup_context, backward):
     """An autograd.Function running an op's own forward, setup_context and backward directly.
 
@@ -123,6 +132,7 @@ def eager_autograd(forward, setup_context, backward):
     class EagerFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
+            inputs = tuple(map(wait_for_collective, inputs))
             output = forward(*inputs)
             ctx.eager = True
             setup_context(ctx, inputs, output)
@@ -130,6 +140,7 @@ def eager_autograd(forward, setup_context, backward):
 
         @staticmethod
         def backward(ctx, *grads):
+            grads = tuple(map(wait_for_collective, grads))
             with torch.no_grad():
                 input_grads = backward(ctx, *grads)
             if not torch.is_grad_enabled():

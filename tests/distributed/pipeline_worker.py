@@ -12,7 +12,7 @@ import torch
 
 import distcore
 import kernels
-from bench.models import build_model
+from bench.models import SeedLlamaModel, build_model, tiny_seed_config
 from distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
 from tests.distributed.harness import run_checks
 
@@ -260,6 +260,131 @@ def _step(model, optimizer, mesh, inputs, labels) -> float:
     optimizer.step()
     optimizer.zero_grad()
     return loss.item()
+
+
+def _local_rows(mesh, *tensors):
+    """This data-parallel rank's contiguous share of global batches (as shard_tensor gives it)."""
+    if "dp" not in mesh.dim_names:
+        return tensors
+    dp_rank, dp = mesh.coordinate()[mesh.dim_names.index("dp")], mesh.shape[mesh.dim_names.index("dp")]
+    return tuple(t.chunk(dp)[dp_rank] for t in tensors)
+
+
+def check_batch_shapes_change_and_gradients_accumulate_across_calls():
+    """Calls with other batch sizes and sequence lengths than the first (torch sizes the stages' receive
+    buffers once), evaluations of two sizes between two calls that accumulate gradients, one optimizer
+    step: equal to one process. dp2 x pp2 with FSDP2, whose gradients torch's stage re-initialisation
+    clears."""
+    generator = torch.Generator().manual_seed(11)
+
+    def batch(size, length):
+        return tuple(torch.randint(0, VOCAB, (size, length), generator=generator) for _ in range(2))
+
+    first, evaluated, other_eval, accumulated, last = batch(8, 8), batch(4, 8), batch(8, 6), batch(4, 6), batch(8, 8)
+    results = []
+    for parallel in (False, True):
+        model, optimizer = _model("hf-llama")
+        if parallel:
+            model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 2}, **_pp("hf-llama")})
+        losses = []
+        for step in (first, accumulated):
+            # Training: this dp rank's rows; the loss shown is the global mean, as one process computes it.
+            loss, _ = model(*_local_rows(DP2_PP2, step[0]), labels=_local_rows(DP2_PP2, step[1])[0]) if parallel else model(step[0], labels=step[1])
+            loss.backward()
+            losses.append(loss.item())
+            model.eval()
+            with torch.no_grad():  # evaluation: the loss of this pipeline's rows, on both sides
+                for inputs, labels in (evaluated, other_eval):
+                    inputs, labels = _local_rows(DP2_PP2, inputs, labels)
+                    losses.append(model(inputs, labels=labels)[0].item())
+            model.train()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(_step(model, optimizer, DP2_PP2 if parallel else PP4, *last))
+        results.append((losses, model))
+    (ref_losses, reference), (losses, model) = results
+    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+
+
+def check_scaling_the_returned_loss_scales_the_gradients():
+    """Gradient accumulation as written for one device: `(loss / 2).backward()` per call, one step.
+    The schedule ran the backward inside model(...), so the factor reaches the gradients afterwards."""
+    generator = torch.Generator().manual_seed(12)
+    batches = [tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2)) for _ in range(2)]
+    models = []
+    for parallel in (False, True):
+        model, optimizer = _model("seed-llama")
+        if parallel:
+            model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
+        for inputs, labels in batches:
+            if parallel:
+                inputs, labels = _local_rows(DP2_PP2, inputs, labels)
+            loss, _ = model(inputs, labels=labels)
+            (loss / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        models.append(model)
+    reference, model = models
+    ref_params = dict(reference.named_parameters())
+    for pname, param in model.named_parameters():
+        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+    # A loss whose gradients were already merged with a later call's cannot be scaled any more: refused.
+    inputs, labels = _local_rows(DP2_PP2, *batches[0])
+    stale, _ = model(inputs, labels=labels)
+    model(inputs, labels=labels)[0].backward()
+    try:
+        (stale * 0.5).backward()
+    except RuntimeError as error:
+        assert "before the next call" in str(error), str(error)
+    else:
+        raise AssertionError("scaling a stale pipeline loss was accepted")
+    optimizer.zero_grad()
+
+
+class _LogitsLossModel(SeedLlamaModel):
+    """A loss computed from the logits without F.cross_entropy (a z-loss-like term): with a vocabulary-
+    parallel head it is a DTensor reduced over the split vocabulary, a partial sum on each mp rank."""
+
+    def forward(self, input_ids, labels=None):
+        _, logits = super().forward(input_ids)
+        return (logits.float() ** 2).mean(), logits
+
+
+def check_loss_computed_from_vocabulary_parallel_logits():
+    """mp2 x pp2, the bare LM head split over the vocabulary: the last stage's loss is the full value."""
+    models, losses = [], []
+    for parallel in (False, True):
+        torch.manual_seed(0)
+        model = _LogitsLossModel(tiny_seed_config(num_hidden_layers=LAYERS))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        if parallel:
+            config = {"mp_config": {"parallelize_plan": {"weight": ColWiseParallel()}}, **_pp("seed-llama")}
+            model, optimizer = distcore.parallelize(model, optimizer, MP2_PP2, config)
+        losses.append(_train(model, optimizer))
+        models.append(model)
+    assert all(abs(a - b) < 2e-5 for a, b in zip(*losses)), losses
+    ref_params = dict(models[0].named_parameters())
+    for pname, param in models[1].named_parameters():
+        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+
+
+def check_evaluation_on_one_pipeline_only():
+    """dp2 x pp2: one data-parallel replica evaluates (as DP's evaluation on one rank): no collective with
+    the other replica, whose ranks go on; the loss is that pipeline's own."""
+    model, _ = _model("hf-llama")
+    model, _ = distcore.parallelize(model, None, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")})
+    reference, _ = _model("hf-llama")
+    inputs, labels = _batches()[1]
+    model.eval()
+    if DP2_PP2.coordinate()[0] == 0:
+        with torch.no_grad():
+            loss, _ = model(inputs, labels=labels)
+            expected, _ = reference(inputs, labels=labels)
+        assert abs(loss.item() - expected.item()) < 2e-5, (loss.item(), expected.item())
+    torch.distributed.barrier()
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -1,0 +1,527 @@
+"""Analytical cost model of one training step: time (with its breakdown) and memory per device.
+
+Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs from Megatron's GPT:
+
+* FLOPs: Megatron's 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)) counts 2 FLOPs per parameter per token in
+  the forward pass (24h² per layer: 4h² attention + 8h² GELU MLP), 4·s·h for the attention core and
+  2·V·h for the logits, times 3 for forward + backward. `model_flops_per_step` computes the same sum
+  from the real matrices instead: q/o of heads·head_dim and k/v of kv_heads·head_dim (GQA), three
+  MLP matrices for SwiGLU (two for GELU). For Megatron's GPT shapes it *equals* the 72 formula.
+  Hardware FLOPs add recomputation: a full layer forward with full recompute (Narayanan et al.'s
+  96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)): the logits are not recomputed, so it is a bit less than
+  4/3 of the 72 formula), the attention core with selective recompute, and flash attention's own
+  recomputation of Q·Kᵀ in its backward pass (half the attention core's forward FLOPs).
+* Activations per layer per micro-batch (Korthikanti et al. 2022): s·b·h·(34 + 5·a·s/h) bytes for
+  GPT with dropout, rebuilt term by term so that GQA (smaller K/V), SwiGLU (three ffn-wide tensors
+  instead of two) and no dropout are priced; 5·a·s²·b (the stored attention matrix) disappears with
+  flash attention. Tensor parallel splits the terms inside the parallel regions (24 of the 34);
+  sequence parallel splits the rest (norm inputs, dropout masks) as well; full recompute keeps
+  only each layer's input (2·s·b·h, /t with sequence parallel) plus one layer's working set.
+* Collectives: ring alpha-beta (all-reduce 2(n−1)/n·bytes/bw + 2(n−1)·α; all-gather and
+  reduce-scatter half that). Tensor parallel: 4 all-reduces of b·s·h per layer per micro-batch (6
+  with full recompute); the same volume as all-gather + reduce-scatter under sequence parallel.
+  A group that spans nodes is priced at the inter-node bandwidth. Data-parallel gradient traffic
+  overlaps the backward pass (the last layer's share cannot); ZeRO-2 reduce-scatters and ZeRO-3
+  gathers every micro-batch (gradients cannot be accumulated unsharded), which is what keeps them
+  from being free.
+* Pipeline (1F1B): bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time with v
+  interleaved chunks; the first stage holds p micro-batches of activations (×(1 + (p−1)/(p·v))
+  interleaved); the slowest stage (the last, which also runs the LM head) sets the pace.
+* Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
+  master/momentum/variance), ZeRO-1/2/3 dividing the 12, then the grads, then the weights by dp.
+
+Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
+traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
+achievable matmul rate and bytes at the memory bandwidth), so tiny shapes are memory-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .hardware import Cluster
+from .model import ModelSpec
+from .strategy import Strategy, check
+
+__all__ = [
+    "Estimate",
+    "TimeBreakdown",
+    "MemoryBreakdown",
+    "estimate",
+    "model_flops_per_step",
+    "hardware_flops_per_step",
+    "megatron_flops_per_step",
+    "all_reduce_time",
+    "all_gather_time",
+    "reduce_scatter_time",
+    "p2p_time",
+    "pipeline_bubble_fraction",
+    "activation_bytes_per_layer",
+    "model_state_bytes",
+    "stage_parameters",
+    "COST_MODEL_VERSION",
+]
+
+# Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
+COST_MODEL_VERSION = 1
+
+FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
+BWD_TO_FWD = 2.0
+# Flash attention's backward recomputes S = Q·Kᵀ (1 of the forward's 2 attention-core matmuls):
+# 5 matmuls in backward vs 2 forward (Dao 2023, FlashAttention-2, section 3.1.2).
+FLASH_BWD_RECOMPUTE = 0.5
+# Flash attention runs below the GEMM rate: FlashAttention-2 reaches 50-73% of A100 peak forward and
+# less backward, FlashAttention-3 ~75% of H100 peak (Dao 2023; Shah et al. 2024), vs ~80% for a GEMM.
+FLASH_ATTENTION_RELATIVE_EFFICIENCY = 0.75
+# Communication overlapped with compute is not free: NCCL kernels hold 8-32 SMs and share HBM
+# bandwidth, slowing the GEMMs they hide behind. Each second of hidden traffic costs this much compute.
+OVERLAP_COMPUTE_COST = 0.15
+# Bytes moved by non-matmul ops in the forward pass per byte of stored activations: each stored
+# tensor is written by its producer and read by its consumer, a few read twice (counted for Megatron's
+# GPT layer: ~38·sbh + 9·as²b moved vs 34·sbh + 5·as²b stored).
+ELEMENTWISE_FWD_TRAFFIC = 1.5
+# Adam step traffic per parameter, mixed precision: read fp32 master, m, v and the bf16 gradient
+# (14 bytes), write master, m, v and the bf16 weight (14 bytes).
+ADAM_BYTES_PER_PARAM = 28
+# Memory the allocator can actually hand out: the CUDA context (~0.5-1 GB) and fragmentation take
+# the rest (PyTorch's caching allocator typically loses 5-10% to fragmentation at peak).
+USABLE_MEMORY_FRACTION = 0.9
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb=25
+DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
+ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
+LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
+DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
+FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
+# Optimizer bytes per parameter: fp32 master weights + Adam m and v (12) when training in 16 bits;
+# pure fp32 training needs no master copy (8). Weights and gradients take the dtype's bytes.
+OPTIMIZER_BYTES = {2: 12, 4: 8}
+
+
+# -------------------------------------------------------------------------------------------- FLOPs
+
+
+def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
+    """(layer matmuls, attention core, logits) forward FLOPs per token, summed over layers."""
+    matmul = 2.0 * spec.layer_matmul_parameters * spec.num_layers
+    core = 4.0 * spec.seq_len * spec.q_size * spec.num_layers  # Q·Kᵀ and P·V, no causal halving (Megatron)
+    logits = 2.0 * spec.vocab_size * spec.hidden_size
+    return matmul, core, logits
+
+
+def model_flops_per_step(spec: ModelSpec, global_batch_size: int) -> float:
+    """FLOPs of forward + backward without any recomputation (the 'model FLOPs' of MFU)."""
+    matmul, core, logits = _forward_flops_per_token(spec)
+    return FWD_BWD_PASSES * global_batch_size * spec.seq_len * (matmul + core + logits)
+
+
+def hardware_flops_per_step(spec: ModelSpec, global_batch_size: int, recompute: str = "none") -> float:
+    """FLOPs actually executed: model FLOPs + recomputation (full layer, attention core, flash's Q·Kᵀ)."""
+    matmul, core, _ = _forward_flops_per_token(spec)
+    tokens = global_batch_size * spec.seq_len
+    extra = 0.0
+    if recompute == "full":
+        extra += matmul + core
+    elif recompute == "selective":
+        extra += core
+    if spec.flash_attention:
+        extra += FLASH_BWD_RECOMPUTE * core
+    return model_flops_per_step(spec, global_batch_size) + tokens * extra
+
+
+def megatron_flops_per_step(batch: int, seq_len: int, layers: int, hidden: int, vocab: int,
+                            full_recompute: bool = False) -> float:
+    """Narayanan et al. 2021: 72·B·s·l·h²·(1 + s/6h + V/12lh), or 96·...·(1 + s/6h + V/16lh) with
+    full recomputation (kept verbatim as the reference the general formula is tested against)."""
+    if full_recompute:
+        return 96.0 * batch * seq_len * layers * hidden**2 * (1 + seq_len / (6 * hidden) + vocab / (16 * layers * hidden))
+    return 72.0 * batch * seq_len * layers * hidden**2 * (1 + seq_len / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+# ------------------------------------------------------------------------------------- collectives
+
+
+def all_reduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce of `nbytes` over `n` ranks: 2(n−1)/n·bytes/bw + 2(n−1)·α."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def all_gather_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-gather producing `nbytes` in total: (n−1)/n·bytes/bw + (n−1)·α."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def reduce_scatter_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring reduce-scatter of `nbytes` in total (each rank keeps 1/n): same cost as all-gather."""
+    return all_gather_time(nbytes, n, bandwidth, latency)
+
+
+def p2p_time(nbytes: float, bandwidth: float, latency: float) -> float:
+    """One point-to-point send: α + bytes/bw."""
+    return latency + nbytes / bandwidth
+
+
+def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 1) -> float:
+    """Share of a 1F1B step spent idle: (p−1)/(v·m + p−1), i.e. (p−1)/(m+p−1) without interleaving and
+    a bubble of (p−1)/(v·m) times the ideal (bubble-free) time."""
+    return (pp - 1) / (virtual_pp * num_micro_batches + pp - 1)
+
+
+# -------------------------------------------------------------------------------------------- memory
+
+
+def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int) -> tuple[float, float, float]:
+    """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
+    inside them, the attention core). For Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh and
+    5·a·s²·b (Korthikanti et al. 2022, eq. 1)."""
+    sb = spec.seq_len * micro_batch_size
+    e = dtype_bytes
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    mask = DROPOUT_MASK_BYTES if spec.dropout else 0
+    # Two norm inputs, the qkv input and the MLP input; the dropout masks after attention and MLP.
+    outside = sb * (2 * e * h + e * h + e * h + 2 * mask * h)
+    # Q, K, V for the attention core, the output projection's input; MLP: GELU input and output
+    # (2 x ffn) or SwiGLU's gate, up and product (3 x ffn).
+    mlp_tensors = 3 if spec.gated_mlp else 2
+    inside = sb * (e * q + e * kv + e * kv + e * q + mlp_tensors * e * f)
+    if spec.flash_attention:
+        core = FLASH_LSE_BYTES * spec.num_heads * sb
+    else:  # softmax output (+ dropout mask and dropout output)
+        core = spec.num_heads * spec.seq_len * sb * (e + (mask + e if spec.dropout else 0))
+    return outside, inside, core
+
+
+def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", dtype_bytes: int = 2) -> float:
+    """Activation bytes one layer keeps for one micro-batch on one device.
+
+    GPT (dropout, no flash): s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
+    recompute; selective recompute drops the attention-core term.
+    """
+    if recompute == "full":
+        layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
+        return layer_input / tp if sequence_parallel else layer_input
+    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes)
+    if recompute == "selective":
+        core = 0.0
+    return (outside / tp if sequence_parallel else outside) + (inside + core) / tp
+
+
+def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes on one device: 2 + 2 + 12 bytes per parameter
+    for mixed-precision Adam, ZeRO-1 sharding the 12 over dp, ZeRO-2 also the gradients, ZeRO-3 also
+    the weights."""
+    weights = dtype_bytes * parameters
+    grads = dtype_bytes * parameters
+    optimizer = OPTIMIZER_BYTES[dtype_bytes] * parameters
+    if sharding_level >= 1:
+        optimizer /= dp
+    if sharding_level >= 2:
+        grads /= dp
+    if sharding_level >= 3:
+        weights /= dp
+    return weights, grads, optimizer
+
+
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int) -> float:
+    """Parameters held by one device of pipeline `stage`: its layers' matrices split by tp (norm
+    weights replicated), the vocabulary-parallel embedding on the first stage, the LM head and final
+    norm on the last (a tied head is a second copy when the two ends are different stages)."""
+    layers = spec.num_layers // pp
+    params = layers * (spec.layer_matmul_parameters / tp + spec.layer_norm_parameters)
+    if stage == 0:
+        params += spec.embedding_parameters / tp
+    if stage == pp - 1:
+        params += spec.hidden_size
+        if not spec.tied_embeddings or pp > 1:
+            params += spec.embedding_parameters / tp
+    return params
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one step on the critical path; communication is what stays exposed after overlap."""
+
+    compute_s: float
+    tp_comm_s: float
+    dp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s + self.optimizer_s
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on the most loaded device (the first or the last pipeline stage)."""
+
+    weights: float
+    gradients: float
+    optimizer_states: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer_states + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step time and memory of one strategy; `fits` = memory within the usable capacity."""
+
+    strategy: Strategy
+    step_time_s: float
+    time: TimeBreakdown
+    memory: MemoryBreakdown
+    capacity_bytes: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    num_devices: int
+    peak_flops: float
+    tokens_per_step: int
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity_bytes
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Model TFLOP/s per device (recomputation not counted, as in MFU)."""
+        return self.model_flops_per_step / self.step_time_s / self.num_devices / 1e12
+
+    @property
+    def hardware_tflops_per_device(self) -> float:
+        """Executed TFLOP/s per device, recomputation included (what Megatron-LM reports)."""
+        return self.hardware_flops_per_step / self.step_time_s / self.num_devices / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOP/s over the devices' peak."""
+        return self.tflops_per_device * 1e12 / self.peak_flops
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    def breakdown(self) -> dict[str, float]:
+        """A flat dict (JSON- and pandas-friendly) of the time and memory breakdowns and rates."""
+        t, m = self.time, self.memory
+        return {
+            "compute_s": t.compute_s, "tp_comm_s": t.tp_comm_s, "dp_comm_s": t.dp_comm_s,
+            "pp_comm_s": t.pp_comm_s, "bubble_s": t.bubble_s, "optimizer_s": t.optimizer_s,
+            "weights_bytes": m.weights, "gradients_bytes": m.gradients,
+            "optimizer_states_bytes": m.optimizer_states, "activations_bytes": m.activations,
+            "buffers_bytes": m.buffers, "capacity_bytes": self.capacity_bytes,
+            "hardware_tflops_per_device": self.hardware_tflops_per_device, "mfu": self.mfu,
+            "tokens_per_s": self.tokens_per_second,
+        }
+
+
+# ----------------------------------------------------------------------------------------- estimate
+
+
+@dataclass(frozen=True)
+class _LayerCost:
+    """Per-layer, per-micro-batch costs on one device for a given (tp, micro-batch, sp)."""
+
+    gemm_fwd: float
+    core_fwd: float
+    elementwise_fwd: float
+    core_elementwise_fwd: float
+    tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
+    head_gemm_fwd: float
+    head_elementwise_fwd: float
+    activations: dict  # recompute mode -> bytes per layer
+    logits_bytes: float
+    embedding_output_bytes: float
+    p2p_bytes: float
+
+
+def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dtype_bytes: int) -> float:
+    """Roofline of one GEMM [m,k]x[k,n]: the slower of its FLOPs and its operand traffic."""
+    return max(2.0 * m * k * n / flops, dtype_bytes * (m * k + k * n + m * n) / bandwidth)
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool) -> _LayerCost:
+    p = cluster.profile
+    e = cluster.dtype_bytes
+    flops = p.matmul_flops(cluster.dtype)
+    bw = p.hbm_bandwidth * p.hbm_efficiency
+    tokens = micro_batch_size * spec.seq_len
+    h, f = spec.hidden_size, spec.ffn_hidden_size
+    mlp_in = (2 if spec.gated_mlp else 1) * f
+    gemm = (_gemm_time(tokens, h, (spec.q_size + 2 * spec.kv_size) / tp, flops, bw, e)
+            + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e)
+            + _gemm_time(tokens, h, mlp_in / tp, flops, bw, e)
+            + _gemm_time(tokens, f / tp, h, flops, bw, e))
+    core_flops = flops * (FLASH_ATTENTION_RELATIVE_EFFICIENCY if spec.flash_attention else 1.0)
+    core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
+    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e)
+    stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
+    elementwise = ELEMENTWISE_FWD_TRAFFIC * stored / bw
+    core_elementwise = 0.0 if spec.flash_attention else ELEMENTWISE_FWD_TRAFFIC * core_bytes / tp / bw
+    bw_tp, lat_tp = cluster.link(tp, 1)
+    message = e * tokens * h
+    tp_collective = all_reduce_time(message, tp, bw_tp, lat_tp)
+    head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
+    logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
+    head_elementwise = ELEMENTWISE_FWD_TRAFFIC * logits_bytes / bw
+    activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e)
+                   for mode in ("none", "selective", "full")}
+    split = tp if sequence_parallel else 1
+    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, head, head_elementwise,
+                      activations, logits_bytes, message / split, message / split)
+
+
+def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro_batches: int, stage: int) -> float:
+    """Layer-micro-batches of activations a stage holds at its peak under 1F1B (Megatron's warm-up:
+    p − r micro-batches on rank r; interleaved: 2(p − r − 1) + (v − 1)·p + 1 chunks of L/(p·v) layers)."""
+    if virtual_pp == 1:
+        return layers_per_stage * min(num_micro_batches, pp - stage)
+    chunks = min(2 * (pp - stage - 1) + (virtual_pp - 1) * pp + 1, num_micro_batches * virtual_pp)
+    return chunks * layers_per_stage / virtual_pp
+
+
+def _hidden_behind(comm: float, window: float, parts: int) -> float:
+    """Time `comm` adds when overlapped with `window` of compute: what does not fit (at least one of
+    its `parts`: the first gather / the last reduction has nothing to hide behind), plus the
+    slowdown the hidden part inflicts on the compute (OVERLAP_COMPUTE_COST)."""
+    exposed = max(comm - window, comm / max(parts, 1))
+    return exposed + OVERLAP_COMPUTE_COST * (comm - exposed)
+
+
+def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_batch_size: int,
+             validate: bool = True) -> Estimate:
+    """Predict the step time and per-device memory of `strategy` (see the module docstring).
+
+    Raises `InvalidStrategy` (listing every broken rule) unless `validate=False` (the search
+    enumerates valid strategies only and skips the check for speed).
+    """
+    if validate:
+        check(spec, cluster, strategy, global_batch_size=global_batch_size)
+    s = strategy
+    p = cluster.profile
+    e = cluster.dtype_bytes
+    t, pp, dp, m, v = s.tp, s.pp, s.dp, s.num_micro_batches, s.virtual_pp
+    c = _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel)
+    layers = spec.num_layers // pp
+
+    # One micro-batch through one layer: forward, backward, recomputation, tensor-parallel traffic.
+    backward_core = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * c.core_fwd
+    fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
+    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + backward_core
+    collectives = 4
+    gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
+    if s.recompute == "full":
+        recompute = fwd
+        collectives += 2
+        gemm_total += c.gemm_fwd
+    elif s.recompute == "selective":
+        recompute = c.core_fwd + c.core_elementwise_fwd
+    else:
+        recompute = 0.0
+    layer_compute = fwd + bwd + recompute
+    tp_layer = collectives * c.tp_collective
+    if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
+        tp_layer = _hidden_behind(tp_layer, gemm_total, t)
+
+    # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss
+    # (its GEMM forward and backward, the cross entropy over the logits, two collectives).
+    head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
+    first_compute, first_tp = layers * layer_compute, layers * tp_layer + c.tp_collective
+    last_compute, last_tp = layers * layer_compute + head_compute, layers * tp_layer + 2 * c.tp_collective
+    if pp == 1:
+        stage_compute, stage_tp = last_compute, last_tp + c.tp_collective
+    elif first_compute + first_tp >= last_compute + last_tp:
+        stage_compute, stage_tp = first_compute, first_tp
+    else:
+        stage_compute, stage_tp = last_compute, last_tp
+    stage_time = stage_compute + stage_tp
+
+    compute_s = m * stage_compute
+    tp_s = m * stage_tp
+    bubble_s = (pp - 1) / v * stage_time
+    pp_s = 0.0
+    if pp > 1:
+        bw_pp, lat_pp = cluster.link(2, t * dp)
+        pp_s = 2 * (v * m + pp - 1) * p2p_time(c.p2p_bytes, bw_pp, lat_pp)
+
+    # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters.
+    params = max(stage_parameters(spec, t, pp, 0), stage_parameters(spec, t, pp, pp - 1))
+    dp_s = 0.0
+    if dp > 1:
+        bw_dp, lat_dp = cluster.link(dp, t)
+        nbytes = e * params
+        window_bwd, window_fwd = layers * bwd, layers * fwd
+        all_reduce = all_reduce_time(nbytes, dp, bw_dp, lat_dp)
+        gather = all_gather_time(nbytes, dp, bw_dp, lat_dp)
+        scatter = reduce_scatter_time(nbytes, dp, bw_dp, lat_dp)
+        level = s.sharding_level
+        if level == 0:
+            dp_s = _hidden_behind(all_reduce, window_bwd, layers)
+        elif level == 1:
+            dp_s = _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers)
+        elif level == 2:
+            dp_s = m * _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers)
+        else:
+            dp_s = m * (_hidden_behind(gather, window_fwd, layers) + _hidden_behind(gather + scatter, window_bwd, layers))
+    optimizer_s = ADAM_BYTES_PER_PARAM * params / (dp if s.sharding_level >= 1 else 1) / (p.hbm_bandwidth * p.hbm_efficiency)
+
+    time = TimeBreakdown(compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s)
+    memory = _memory(spec, cluster, s, c, layers)
+    tokens = global_batch_size * spec.seq_len
+    return Estimate(
+        strategy=s, step_time_s=time.total_s, time=time, memory=memory,
+        capacity_bytes=p.memory_bytes * USABLE_MEMORY_FRACTION,
+        model_flops_per_step=model_flops_per_step(spec, global_batch_size),
+        hardware_flops_per_step=hardware_flops_per_step(spec, global_batch_size, s.recompute),
+        num_devices=cluster.num_devices, peak_flops=p.peak_fp32_flops if cluster.dtype == "fp32" else p.peak_bf16_flops,
+        tokens_per_step=tokens,
+    )
+
+
+def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, layers: int) -> MemoryBreakdown:
+    """Peak memory of the first and the last pipeline stage; the larger one is the device's need."""
+    e = cluster.dtype_bytes
+    t, pp = s.tp, s.pp
+    per_layer = c.activations[s.recompute]
+    layer_params = spec.layer_parameters / t  # upper bound: norms counted as split
+    buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
+    if s.sharding_level == 2:
+        buffers += e * layer_params  # a layer's full gradients before their reduce-scatter
+    elif s.sharding_level == 3:
+        buffers += (ZERO3_PREFETCH_LAYERS + 1) * e * layer_params  # gathered weights + full grads
+    if pp > 1:
+        buffers += 2 * c.p2p_bytes  # send and receive buffers
+    best = None
+    for stage in sorted({0, pp - 1}):
+        weights, grads, optimizer = model_state_bytes(stage_parameters(spec, t, pp, stage), s.dp, s.sharding_level, e)
+        in_flight = _in_flight_layers(layers, pp, s.virtual_pp, s.num_micro_batches, stage)
+        activations = in_flight * per_layer
+        if s.recompute == "full":
+            activations += c.activations["none"]  # the layer being recomputed holds its full set
+        if stage == 0:
+            activations += c.embedding_output_bytes * min(s.num_micro_batches, pp)
+        if stage == pp - 1:
+            activations += c.logits_bytes
+        candidate = MemoryBreakdown(weights, grads, optimizer, activations, buffers)
+        if best is None or candidate.total > best.total:
+            best = candidate
+    return best

@@ -1,0 +1,161 @@
+"""A training strategy (how a step is split over devices) and the rules that make one valid.
+
+`validate` returns every broken rule as a sentence that says how to fix it, so a caller (the search,
+`to_distributed`, a user building a Strategy by hand) can show all problems at once; `check` raises
+`InvalidStrategy` with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .hardware import Cluster
+    from .model import ModelSpec
+
+__all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
+
+
+class InvalidStrategy(ValueError):
+    """A strategy breaks one or more validity rules (listed in the message and in `.reasons`)."""
+
+    def __init__(self, strategy: "Strategy", reasons: list[str]):
+        self.strategy = strategy
+        self.reasons = list(reasons)
+        super().__init__(f"invalid strategy {strategy.describe()}: " + "; ".join(reasons))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """dp x tp x pp devices; ZeRO `sharding_level` over dp; `sequence_parallel` (Megatron SP) within tp;
+    a step of `num_micro_batches` micro-batches of `micro_batch_size` sequences per dp rank; activation
+    `recompute` ("none", "selective": the attention core, "full": the whole layer); `overlap_tp_comm`
+    (tp collectives fused with the neighbouring GEMMs: all-gather+matmul, matmul+reduce-scatter);
+    `virtual_pp` layer chunks per pipeline rank (interleaved 1F1B)."""
+
+    dp: int
+    tp: int
+    pp: int
+    sharding_level: int = 0
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    recompute: str = "none"
+    overlap_tp_comm: bool = False
+    virtual_pp: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    def sort_key(self) -> tuple:
+        """A total order used to break exact ties in predicted time and memory deterministically:
+        fewer moving parts first (smaller tp/pp, less sharding, no recompute)."""
+        return (self.tp, self.pp, self.virtual_pp, self.sharding_level, self.sequence_parallel,
+                self.overlap_tp_comm, RECOMPUTE_MODES.index(self.recompute) if self.recompute in RECOMPUTE_MODES else 9,
+                -self.micro_batch_size, self.dp)
+
+    def describe(self) -> str:
+        """Compact one-line form, e.g. 'dp16 tp8 pp2 zero1 sp mbs1x48 rc=full'."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.virtual_pp > 1:
+            parts[-1] += f"x{self.virtual_pp}"
+        if self.sharding_level:
+            parts.append(f"zero{self.sharding_level}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.overlap_tp_comm:
+            parts.append("overlap")
+        parts.append(f"mbs{self.micro_batch_size}x{self.num_micro_batches}")
+        parts.append(f"rc={self.recompute}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Strategy":
+        return cls(**data)
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _divides(name: str, degree: int, quantity_name: str, quantity: int) -> str | None:
+    if quantity % degree:
+        return f"{name}={degree} does not divide {quantity_name}={quantity}"
+    return None
+
+
+def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, global_batch_size: int) -> list[str]:
+    """Every rule `strategy` breaks for this model, cluster and batch, as fix-it sentences ([] = valid)."""
+    s = strategy
+    reasons: list[str] = []
+    for name in ("dp", "tp", "pp", "micro_batch_size", "num_micro_batches", "virtual_pp"):
+        if not _is_positive_int(getattr(s, name)):
+            reasons.append(f"{name} must be a positive integer, got {getattr(s, name)!r}")
+    if reasons:
+        return reasons  # the arithmetic below needs integers
+    if s.num_devices != cluster.num_devices:
+        reasons.append(f"dp*tp*pp = {s.dp}*{s.tp}*{s.pp} = {s.num_devices} must equal the cluster's "
+                       f"{cluster.num_devices} devices ({cluster.nodes} nodes x {cluster.devices_per_node})")
+    if s.global_batch_size != global_batch_size:
+        reasons.append(f"dp*micro_batch_size*num_micro_batches = {s.dp}*{s.micro_batch_size}*{s.num_micro_batches} "
+                       f"= {s.global_batch_size} must equal the global batch size {global_batch_size}")
+    # Tensor parallel splits heads (q and kv), the hidden and ffn widths and the vocabulary evenly.
+    for quantity_name, quantity in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                                    ("hidden_size", spec.hidden_size), ("ffn_hidden_size", spec.ffn_hidden_size),
+                                    ("vocab_size", spec.vocab_size)):
+        problem = _divides("tp", s.tp, quantity_name, quantity)
+        if problem:
+            reasons.append(problem + "; pick a tp that divides it")
+    problem = _divides("pp", s.pp, "num_layers", spec.num_layers)
+    if problem:
+        reasons.append(problem + "; pick a pp that divides the layer count")
+    elif s.virtual_pp > 1:
+        if s.pp == 1:
+            reasons.append("virtual_pp > 1 (interleaved schedule) needs pp > 1")
+        elif (spec.num_layers // s.pp) % s.virtual_pp:
+            reasons.append(f"virtual_pp={s.virtual_pp} does not divide the {spec.num_layers // s.pp} layers per "
+                           "pipeline stage")
+        elif s.num_micro_batches % s.pp:
+            reasons.append(f"the interleaved schedule needs num_micro_batches ({s.num_micro_batches}) to be a "
+                           f"multiple of pp ({s.pp})")
+    if s.pp > 1 and s.num_micro_batches < s.pp:
+        reasons.append(f"1F1B needs at least one micro-batch per stage: num_micro_batches={s.num_micro_batches} "
+                       f"< pp={s.pp}")
+    if s.sharding_level not in SHARDING_LEVELS:
+        reasons.append(f"sharding_level must be one of {SHARDING_LEVELS}, got {s.sharding_level!r}")
+    elif s.sharding_level > 0 and s.dp == 1:
+        reasons.append(f"sharding_level={s.sharding_level} needs dp > 1 (nothing to shard over); use 0")
+    if s.recompute not in RECOMPUTE_MODES:
+        reasons.append(f"recompute must be one of {RECOMPUTE_MODES}, got {s.recompute!r}")
+    elif s.recompute == "selective" and spec.flash_attention:
+        reasons.append("selective recompute (of the attention core) is what flash attention already does; "
+                       "use 'none' or 'full'")
+    if s.sequence_parallel:
+        if s.tp == 1:
+            reasons.append("sequence_parallel needs tp > 1")
+        elif spec.seq_len % s.tp:
+            reasons.append(f"sequence_parallel splits the sequence: tp={s.tp} must divide seq_len={spec.seq_len}")
+    if s.overlap_tp_comm and not s.sequence_parallel:
+        reasons.append("overlap_tp_comm needs sequence_parallel (the overlapped kernels are all-gather+matmul "
+                       "and matmul+reduce-scatter)")
+    return reasons
+
+
+def check(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, global_batch_size: int) -> None:
+    """Raise `InvalidStrategy` listing every broken rule."""
+    reasons = validate(spec, cluster, strategy, global_batch_size=global_batch_size)
+    if reasons:
+        raise InvalidStrategy(strategy, reasons)

@@ -1,0 +1,293 @@
+"""to_distributed(model, optimizer, dataloader, device_num, node_num, config): the strategy chosen for you.
+
+Paddle's to_distributed looks its strategy up in a fixed table (8 devices -> pp2 dp2 mp2), supports
+one node and never shards the optimizer or picks micro-batching. Ours asks autotune: the model's
+structure is profiled (`ModelSpec.from_module`, by structure, on any device including meta), a cost
+model of the hardware prices every valid strategy (dp x tp x pp, sharding level, sequence parallel,
+micro-batching, recompute) and the fastest that fits in memory is applied whole:
+
+    fused kernels -> recompute wrappers -> parallelize(dp_config, mp_config, pp_config) -> micro-batching
+    -> shard_dataloader over the data-parallel dimension
+
+The returned model, optimizer and dataloader work with the seed's loop unchanged
+(`loss, _ = model(inputs, labels=labels); loss.backward(); opt.step(); opt.clear_grad()`), and each
+carries the chosen strategy as `.distributed_strategy`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from . import env
+from .dataloader import shard_dataloader
+from .mesh import ProcessMesh
+from .parallelize import parallelize
+from .tensor_parallel import (
+    ColWiseParallel,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelDisable,
+    SequenceParallelEnd,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INPUT_SHAPE = (4, 1024)  # Paddle's default input_spec: [BATCH_SIZE, SEQ_LENGTH]
+_MIXED_PRECISION = {"bfloat16", "float16"}
+
+
+@dataclass
+class ToDistributedConfig:
+    """Paddle's fields (`input_spec`, `sequence_parallel`) and ours.
+
+    input_spec: shapes of the model inputs ([batch, seq] lists, or objects with `.shape` such as
+      Paddle's InputSpec); the first gives the global batch and sequence length the cost model prices.
+      Default: read from the dataloader (its batch size and the first sample's length), else [4, 1024].
+    sequence_parallel: force sequence parallel on (Paddle's flag) whenever tensor parallel is chosen.
+    device: a hardware profile name ("h100-sxm", "h200", "a100-80gb", "a100-40gb", "cpu") or an
+      autotune.DeviceProfile (e.g. one measured by `tridist calibrate`); default: from the device seen.
+    mixed_precision: "bfloat16"/"float16" computes in that dtype with fp32 gradient reduction (FSDP2's
+      policy) when data parallel is on.
+    fuse_kernels: swap in the fused RMSNorm / SwiGLU / rotary layers (kernels.fuse) first.
+    strategy: apply this autotune.Strategy instead of searching (it is still validated).
+    storage: an Optuna storage for the search (None: in memory); top_k: candidates logged.
+    """
+
+    input_spec: list | None = None
+    sequence_parallel: bool = False
+    device: object = None
+    mixed_precision: str | None = None
+    fuse_kernels: bool = True
+    strategy: object = None
+    storage: object = None
+    top_k: int = 5
+    search_options: dict = field(default_factory=dict)
+
+
+def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: int, node_num: int | None = 1,
+                   config: ToDistributedConfig | None = None):
+    """Choose the fastest strategy for `device_num` devices on each of `node_num` nodes and apply it.
+
+    Returns (model, optimizer, dataloader) for the user's unchanged training loop.
+    """
+    import autotune
+
+    config = config or ToDistributedConfig()
+    node_num = node_num or 1
+    env.init_parallel_env()
+    world = env.get_world_size()
+    if device_num * node_num != world:
+        raise ValueError(
+            f"to_distributed: device_num={device_num} x node_num={node_num} = {device_num * node_num} devices, but "
+            f"this job has {world} processes; launch with torchrun --nnodes {node_num} --nproc-per-node {device_num}"
+        )
+    global_batch, seq_len = _input_shape(config, dataloader)
+    cluster = autotune.Cluster(nodes=node_num, devices_per_node=device_num, device=_device_profile(config))
+    try:
+        spec = autotune.ModelSpec.from_module(model, seq_len=seq_len)
+    except autotune.UnrecognisedModel as error:
+        log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
+        spec = None
+    strategy = _choose(spec, cluster, global_batch, config, world)
+    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config)
+    mesh = _mesh(strategy)
+    loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
+    for obj in (model, optimizer, loader):
+        obj.distributed_strategy = strategy
+    return model, optimizer, loader
+
+
+# --------------------------------------------------------------------------------------- choosing
+
+
+def _input_shape(config: ToDistributedConfig, dataloader) -> tuple[int, int]:
+    """(global batch, sequence length): from input_spec, else the dataloader, else Paddle's default."""
+    if config.input_spec:
+        first = config.input_spec[0]
+        shape = list(getattr(first, "shape", first))
+        if len(shape) < 2 or not all(isinstance(d, int) and d > 0 for d in shape[:2]):
+            raise ValueError(f"to_distributed: input_spec[0] must have a [batch, seq] shape with known sizes, got {shape}")
+        return shape[0], shape[1]
+    batch = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    try:
+        sample = dataloader.dataset[0]
+        first = sample[0] if isinstance(sample, (tuple, list)) else next(iter(sample.values())) if isinstance(sample, dict) else sample
+        seq = int(np.shape(first)[-1])
+    except Exception:  # noqa: BLE001 - any dataset: the default shape is a fine fallback
+        seq = None
+    if batch and seq:
+        return int(batch), seq
+    log.warning("to_distributed: could not read the batch shape from the dataloader; using %s", list(DEFAULT_INPUT_SHAPE))
+    return DEFAULT_INPUT_SHAPE
+
+
+def _device_profile(config: ToDistributedConfig):
+    if config.device is not None:
+        return config.device
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    for key, profile in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb")):
+        if key in name:
+            if profile == "a100-80gb" and torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
+                return "a100-40gb"
+            return profile
+    log.warning("to_distributed: no built-in profile for %r; pricing it as an H100 (run `tridist calibrate`)", name)
+    return "h100-sxm"
+
+
+def _search_space(config: ToDistributedConfig):
+    """What this runtime can apply: no communication-overlapped matmuls in distcore (yet)."""
+    import autotune
+
+    options = dict(config.search_options)
+    space = options.pop("space", None) or autotune.SearchSpace(
+        overlap_tp_comm=(False,), sequence_parallel=(True,) if config.sequence_parallel else (False, True),
+    )
+    return space, options
+
+
+def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int):
+    import autotune
+
+    if config.strategy is not None:
+        strategy = config.strategy
+        if spec is not None:
+            autotune.check(spec, cluster, strategy, global_batch_size=global_batch)
+        _log_choice(strategy, "given in ToDistributedConfig.strategy", [])
+        return strategy
+    if spec is None:  # unrecognised structure: nothing but data parallel needs no knowledge of it
+        strategy = _fallback(world, global_batch)
+        _log_choice(strategy, "fallback for an unrecognised model", [])
+        return strategy
+    space, options = _search_space(config)
+    result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
+                             top_k=config.top_k, space=space, **options)
+    if result.best is None:
+        strategy = _fallback(world, global_batch)
+        log.warning("to_distributed: %s; trying %s", result.message or "no strategy fits in memory", strategy.describe())
+        return strategy
+    _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced", result.ranked[: config.top_k])
+    return result.best.strategy
+
+
+def _fallback(world: int, global_batch: int):
+    import autotune
+
+    if global_batch % world:
+        raise ValueError(
+            f"to_distributed: the global batch ({global_batch}) does not split over {world} data-parallel ranks; "
+            "use a batch size divisible by the number of devices"
+        )
+    return autotune.Strategy(dp=world, tp=1, pp=1, sharding_level=3 if world > 1 else 0,
+                             micro_batch_size=global_batch // world, num_micro_batches=1)
+
+
+def _log_choice(strategy, why: str, candidates) -> None:
+    lines = [f"to_distributed: {strategy.describe()} ({why})"]
+    for rank, candidate in enumerate(candidates, 1):
+        lines.append(
+            f"  #{rank} {candidate.strategy.describe():48s} step {candidate.step_time_s * 1e3:9.2f} ms  "
+            f"memory {candidate.memory_bytes_per_device / 2**30:8.2f} GiB/device"
+        )
+    log.info("\n".join(lines))
+    if env.get_rank() == 0:
+        print("\n".join(lines), flush=True)
+
+
+# --------------------------------------------------------------------------------------- applying
+
+
+def _mesh(strategy) -> ProcessMesh:
+    """tp innermost (consecutive ranks: inside a node), then dp, pp outermost (Megatron's order)."""
+    ranks = np.arange(strategy.num_devices).reshape(strategy.pp, strategy.dp, strategy.tp)
+    return ProcessMesh(ranks.tolist(), dim_names=["pp", "dp", "mp"])
+
+
+def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None):
+    """Apply an autotune.Strategy to `model` and `optimizer` (in place); returns both."""
+    config = config or ToDistributedConfig()
+    structure = getattr(spec, "structure", None)
+    if (strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1) and structure is None:
+        raise ValueError(
+            "to_distributed: tensor parallel, pipeline parallel and micro-batching need a recognised model structure "
+            "(autotune.ModelSpec.from_module); use a data-parallel-only strategy with one micro-batch for this model"
+        )
+    if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
+        raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
+    if config.fuse_kernels:
+        import kernels
+
+        report = kernels.fuse(model)
+        log.info("to_distributed: %s", report)
+    if strategy.recompute != "none":
+        apply_recompute(model, structure=structure, mode=strategy.recompute)
+    parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
+    if config.mixed_precision is not None:
+        parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
+    if strategy.tp > 1:
+        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(structure, sequence_parallel=strategy.sequence_parallel)}
+    if strategy.pp > 1 or strategy.num_micro_batches > 1:
+        # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
+        # (1F1B: forward and backward one micro-batch at a time, gradients reduced once per step).
+        parallel_config["pp_config"] = {
+            "split_spec": structure.layers,
+            "schedule": "Interleaved1F1B" if strategy.virtual_pp > 1 else "1F1B",
+            "micro_batches": strategy.num_micro_batches,
+            **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
+        }
+    return parallelize(model, optimizer, _mesh(strategy), parallel_config)
+
+
+def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
+    """Paddle-style plan for a recognised Llama-like structure (Megatron's split): column-parallel
+    q/k/v (or packed qkv) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head."""
+    plan: dict = {}
+
+    def add(name, *styles):
+        if name:
+            plan.setdefault(name, []).extend(styles)
+
+    for projection in (structure.q, structure.k, structure.v, structure.qkv, structure.gate, structure.up, structure.gate_up):
+        if projection:
+            add(structure.pattern(projection), ColWiseParallel())
+    add(structure.pattern(structure.o), RowWiseParallel())
+    add(structure.pattern(structure.down), RowWiseParallel())
+    if structure.embedding:
+        add(structure.embedding, RowWiseParallel())  # vocabulary-split embedding, full outputs
+    if structure.lm_head_param and not structure.tied_embeddings:
+        # An nn.Linear head gathers its logits (the model's loss sees full logits); a bare weight used as
+        # `x @ weight` keeps them split and its cross entropy runs vocabulary-parallel.
+        add(structure.lm_head_param, ColWiseParallel(gather_output=structure.lm_head_layout == "linear"))
+    if sequence_parallel:
+        add(structure.embedding, SequenceParallelBegin())
+        add(structure.pattern(structure.attention), SequenceParallelDisable())
+        add(structure.pattern(structure.mlp), SequenceParallelDisable())
+        end = structure.lm_head if structure.lm_head and structure.lm_head != "" else structure.final_norm
+        add(end, SequenceParallelEnd())
+    return {_regex(name): styles for name, styles in plan.items()}
+
+
+def _regex(name: str) -> str:
+    """'llama.layers.*.mlp.up_proj' -> a regular expression matching exactly that name in every layer
+    (plan keys are fully matched regular expressions; a bare '.' or '*' would match more)."""
+    return r"\d+".join(re.escape(part) for part in name.split("*"))
+
+
+def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
+    """Activation recompute: "full" re-runs each decoder layer in backward, "selective" its attention
+    (the part whose activations grow with the sequence). The forward is wrapped per instance, so
+    parameter names (and checkpoints) do not change."""
+    if structure is None:
+        raise ValueError("to_distributed: recompute needs a recognised model structure")
+    layers = model.get_submodule(structure.layers)
+    for layer in layers:
+        target = layer if mode == "full" else layer.get_submodule(structure.attention)
+        target.forward = functools.partial(checkpoint, target.forward, use_reentrant=False)

@@ -1,0 +1,124 @@
+"""Checks of to_distributed on gloo processes (world size from torchrun): the seed's example loop as
+written (`dist_loader()`, `clear_grad()`) trains like one device, with the searched strategy and with
+strategies forced through ToDistributedConfig.strategy that cover tp, sp, pp, interleaving,
+micro-batching (gradient accumulation) and recompute."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autotune
+import distcore
+from bench.models import build_model, make_seed_dataloader
+from tests.distributed.harness import run_checks
+
+BATCH, BATCHES, SEQ_LEN, VOCAB, LAYERS = 4, 3, 8, 128, 4
+
+
+def _model(name: str = "seed-llama"):
+    torch.manual_seed(0)
+    model = build_model(name, num_hidden_layers=LAYERS)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _loader():
+    return make_seed_dataloader(batch_size=BATCH, batch_num=BATCHES, seq_length=SEQ_LEN, vocab_high=VOCAB)
+
+
+def _reference(name: str):
+    model, optimizer = _model(name)
+    losses = []
+    for inputs, labels in _loader():
+        loss, _ = model(inputs, labels=labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _seed_loop(name: str = "seed-llama", **config_fields):
+    """The to_distributed seed's example, as written, after building model, opt and loader."""
+    model, opt = _model(name)
+    dist_config = distcore.ToDistributedConfig(**config_fields)
+    dist_model, dist_opt, dist_loader = distcore.to_distributed(
+        model, opt, _loader(), device_num=dist.get_world_size(), node_num=1, config=dist_config
+    )
+    losses = []
+    for epoch in range(1):
+        dist_model.train()
+        for i, data in enumerate(dist_loader()):
+            inputs, labels = data
+            loss, _ = dist_model(inputs, labels=labels)
+            loss.backward()
+            dist_opt.step()
+            dist_opt.clear_grad()
+            losses.append(loss.item())
+    reference = _reference(name)
+    assert len(losses) == BATCHES and all(abs(a - b) < 2e-5 for a, b in zip(losses, reference)), (losses, reference)
+    return dist_model, dist_opt, dist_loader
+
+
+def check_searched_strategy_matches_one_device():
+    model, optimizer, loader = _seed_loop(sequence_parallel=True)
+    strategy = model.distributed_strategy
+    assert strategy is optimizer.distributed_strategy is loader.distributed_strategy
+    assert strategy.num_devices == dist.get_world_size() and strategy.global_batch_size == BATCH, strategy
+
+
+def _forced(**fields):
+    world = dist.get_world_size()
+    return autotune.Strategy(**fields) if fields["dp"] * fields["tp"] * fields["pp"] == world else None
+
+
+def check_tensor_sequence_and_pipeline_parallel_with_recompute():
+    strategy = _forced(dp=1, tp=2, pp=2, sequence_parallel=True, micro_batch_size=2, num_micro_batches=2, recompute="full")
+    if strategy is None:
+        return
+    calls = []
+    model, _, _ = _seed_loop(strategy=strategy)
+    owned = [layer for layer in model.layers if not getattr(layer, "_tridist_stand_in", False)]
+    owned[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    inputs, labels = next(iter(_loader()))
+    loss, _ = model(inputs, labels=labels)
+    assert len(calls) == 2 * 2, calls  # full recompute: every micro-batch's layer runs again in backward
+
+
+def check_gradient_accumulation_with_tensor_and_data_parallel():
+    strategy = _forced(dp=2, tp=2, pp=1, sharding_level=1, micro_batch_size=1, num_micro_batches=2)
+    if strategy is not None:
+        _seed_loop(strategy=strategy)
+
+
+def check_interleaved_pipeline_on_hf_style_model():
+    world = dist.get_world_size()
+    if world < 2:
+        return
+    strategy = autotune.Strategy(dp=world // 2, tp=1, pp=2, virtual_pp=2, micro_batch_size=1,
+                                 num_micro_batches=BATCH // (world // 2), sharding_level=2 if world > 2 else 0)
+    _seed_loop("hf-llama", strategy=strategy)
+
+
+def check_invalid_forced_strategy_is_refused():
+    model, opt = _model()
+    bad = autotune.Strategy(dp=dist.get_world_size(), tp=1, pp=1, micro_batch_size=3, num_micro_batches=1)
+    try:
+        distcore.to_distributed(model, opt, _loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(strategy=bad))
+    except autotune.InvalidStrategy as error:
+        assert "batch" in str(error), str(error)
+    else:
+        raise AssertionError("a strategy whose batch does not match the dataloader's was accepted")
+    try:
+        distcore.to_distributed(model, opt, _loader(), device_num=dist.get_world_size() + 1)
+    except ValueError as error:
+        assert "torchrun" in str(error), str(error)
+    else:
+        raise AssertionError("a device count that is not the world size was accepted")
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    distcore.init_parallel_env()
+    run_checks(CHECKS)

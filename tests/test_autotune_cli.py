@@ -1,0 +1,129 @@
+"""`tridist tune`, `tridist calibrate`, `tridist bench tune` run in-process; device profiles save and
+load; `import autotune` stays light (no torch, optuna, pandas, matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
+from bench import cli
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """Keep the default SQLite study and saved profiles out of the real ~/.cache."""
+    monkeypatch.setenv("TRIDIST_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_import_autotune_is_light():
+    code = ("import sys, autotune; heavy = [m for m in ('torch', 'optuna', 'pandas', 'matplotlib') if m in sys.modules];"
+            "print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_public_names():
+    import autotune
+
+    for name in ("ModelSpec", "Cluster", "Strategy", "search", "SearchResult", "Candidate", "estimate",
+                 "DeviceProfile", "DEVICE_PROFILES", "UnrecognisedModel"):
+        assert hasattr(autotune, name), name
+    assert set(DEVICE_PROFILES) >= {"h100-sxm", "h200", "a100-80gb", "a100-40gb", "cpu"}
+
+
+def test_tune_writes_report_and_plot(tmp_path, capsys):
+    report = tmp_path / "report"
+    code = cli.main(["tune", "--model", "paddle-llama", "--size", "tiny", "--nodes", "1", "--devices-per-node", "4",
+                     "--device", "a100-40gb", "--global-batch", "16", "--seq-len", "256", "--top-k", "5",
+                     "--report", str(report)])
+    out = capsys.readouterr()
+    assert code == 0
+    assert "Best:" in out.out and "rank" in out.out and "[tridist tune]" in out.err
+    text = (report / "report.md").read_text()
+    assert "## Ranked strategies" in text and "Pareto" in text and "llama.layers.*.self_attn.qkv_proj" in text
+    assert (report / "pareto.png").read_bytes()[:8] == PNG_MAGIC
+    assert len((report / "ranked.csv").read_text().splitlines()) == 6  # header + top 5
+    assert (tmp_path / "cache" / "tune.db").exists()  # the default storage: resumable SQLite
+
+
+def test_tune_preset_in_memory_and_resume(tmp_path, capsys):
+    args = ["tune", "--model", "llama2-7b", "--nodes", "2", "--devices-per-node", "8", "--global-batch", "64",
+            "--storage", str(tmp_path / "t.db")]
+    assert cli.main(args) == 0
+    first = capsys.readouterr().out
+    assert cli.main(args) == 0
+    second = capsys.readouterr().out
+    assert "0 new trial(s)" in second and "0 new trial(s)" not in first
+    assert cli.main(args[:-2] + ["--storage", "memory"]) == 0
+
+
+def test_tune_errors(capsys):
+    assert cli.main(["tune", "--model", "nope", "--nodes", "1", "--devices-per-node", "8", "--global-batch", "8"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    code = cli.main(["tune", "--model", "llama2-70b", "--nodes", "1", "--devices-per-node", "1", "--device", "a100-40gb",
+                     "--global-batch", "8", "--storage", "memory"])
+    assert code == 1 and "No strategy fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--model", "llama2-7b", "--nodes", "0", "--devices-per-node", "8", "--global-batch", "8"])
+
+
+def test_tune_module_function_model(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        "from bench.models import build_model\n"
+        "def build():\n    return build_model('hf-llama', 'seed', num_key_value_heads=8)\n"
+        "def unknown():\n    import torch\n    return torch.nn.Linear(4, 4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli.main(["tune", "--model", "my_models:build", "--nodes", "1", "--devices-per-node", "8",
+                     "--global-batch", "8", "--storage", "memory"]) == 0
+    assert "kv heads 8" in capsys.readouterr().out
+    assert cli.main(["tune", "--model", "my_models:unknown", "--nodes", "1", "--devices-per-node", "8",
+                     "--global-batch", "8", "--storage", "memory"]) == 2
+    assert "not recognised" in capsys.readouterr().err
+
+
+def test_profiles_save_load_and_lookup(tmp_path):
+    profile = DeviceProfile(name="my-gpu", peak_bf16_flops=1e15, peak_fp32_flops=6e13, memory_bytes=8e10,
+                            hbm_bandwidth=3e12, intra_node_bandwidth=4e11, inter_node_bandwidth=5e10)
+    path = save_profile(profile)
+    assert path.parent.name == "device-profiles" and load_profile(path) == profile
+    assert get_profile("my-gpu") == profile  # a saved profile is found by name
+    assert Cluster(1, 8, "my-gpu").profile == profile
+    explicit = save_profile(profile, tmp_path / "p.json")
+    assert Cluster(1, 8, str(explicit)).profile == profile
+    with pytest.raises(ValueError, match="unknown device 'h900'"):
+        Cluster(1, 8, "h900")
+    with pytest.raises(ValueError, match="positive number"):
+        DeviceProfile("bad", 0, 1, 1, 1, 1, 1)
+
+
+def test_calibrate_cpu_quick(tmp_path, capsys):
+    out = tmp_path / "cpu.json"
+    code = cli.main(["calibrate", "--device", "cpu", "--quick", "--sizes", "64,128", "--name", "test-cpu",
+                     "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "matmul fp32 128x128" in text and "copy" in text
+    profile = load_profile(out)
+    assert profile.name == "test-cpu" and profile.peak_fp32_flops > 0 and profile.matmul_efficiency == 1.0
+    assert profile.memory_bytes > 1e8
+    assert json.loads(out.read_text())["source"].startswith("tridist calibrate")
+    # the measured profile drives a search
+    result = __import__("autotune").search(__import__("autotune").preset("llama2-7b", num_layers=2, seq_len=512),
+                                           Cluster(1, 2, str(out), dtype="fp32"), global_batch_size=4)
+    assert result.best is not None
+
+
+def test_bench_tune_target(monkeypatch, capsys):
+    from bench import tune
+
+    monkeypatch.setattr(tune, "BENCH_CASES", (("1x8 tiny", "llama2-7b", 1, 8, "h100-sxm", 16),))
+    frame = tune.run_tune_benchmark(quick=False, storages=("memory",))
+    assert list(frame["equals_exhaustive"]) == [True] and frame["seconds"].iloc[0] > 0
+    assert "exhaustive match: True" in capsys.readouterr().out

@@ -1,0 +1,174 @@
+"""ModelSpec.from_module: recognition by structure on the bench models (real and meta device), the
+names it reports for tensor-parallel plans, head counts from attributes / rotary tables, and clear
+`UnrecognisedModel` errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autotune import ModelSpec, UnrecognisedModel, preset, recognise
+from bench.models import build_model
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_seed_llama():
+    model = build_model("seed-llama", "tiny")
+    spec = ModelSpec.from_module(model, seq_len=32)
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (2, 64, 4, 4)
+    assert (spec.ffn_hidden_size, spec.vocab_size, spec.head_dim, spec.seq_len) == (176, 128, 16, 32)
+    assert spec.gated_mlp and not spec.tied_embeddings
+    assert spec.num_parameters == _count(model)
+    s = spec.structure
+    assert (s.layers, s.attention, s.q, s.k, s.v, s.o) == ("layers", "self_attn", "self_attn.q_proj",
+                                                          "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    assert (s.mlp, s.gate, s.up, s.down) == ("mlp", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert (s.embedding, s.final_norm) == ("embed_tokens", "norm")
+    assert (s.lm_head_param, s.lm_head_layout) == ("weight", "matmul")  # the seed's bare [hidden, vocab] weight
+    assert s.layer_norms == ("input_layernorm", "post_attn_layernorm")
+    assert s.pattern(s.q) == "layers.*.self_attn.q_proj"
+
+
+def test_hf_llama_grouped_query_attention():
+    model = build_model("hf-llama", "tiny")
+    spec = ModelSpec.from_module(model, seq_len=64)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.kv_size) == (4, 2, 16, 32)
+    assert spec.num_parameters == _count(model)
+    s = spec.structure
+    assert s.layers == "model.layers" and s.pattern(s.k) == "model.layers.*.self_attn.k_proj"
+    assert (s.embedding, s.final_norm, s.lm_head, s.lm_head_param, s.lm_head_layout) == (
+        "model.embed_tokens", "model.norm", "lm_head", "lm_head.weight", "linear")
+
+
+def test_paddle_llama_packed_projections_and_bare_weight_head():
+    model = build_model("paddle-llama", "tiny")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.ffn_hidden_size, spec.vocab_size) == (4, 32, 4, 64, 128)
+    assert spec.num_parameters == _count(model)
+    s = spec.structure
+    assert (s.qkv, s.q, s.gate_up, s.gate) == ("self_attn.qkv_proj", None, "mlp.gate_up_proj", None)
+    assert s.pattern(s.gate_up) == "llama.layers.*.mlp.gate_up_proj"
+    assert (s.lm_head, s.lm_head_param, s.lm_head_layout) == ("lm_head", "lm_head.weight", "matmul")
+    roles = s.tp_roles()
+    assert roles["llama.layers.*.self_attn.qkv_proj"] == "colwise" and roles["llama.layers.*.mlp.down_proj"] == "rowwise"
+    assert roles["llama.embed_tokens"] == "embedding" and roles["lm_head.weight"] == "lm_head"
+    assert roles["llama.norm"] == "norm" and roles["llama.layers.*.input_layernorm"] == "norm"
+    # the seed config: hidden 20 == ffn 20, the ambiguous shapes are told apart by the head attributes
+    seed = ModelSpec.from_module(build_model("paddle-llama", "seed"))
+    assert (seed.hidden_size, seed.ffn_hidden_size, seed.num_heads, seed.structure.qkv) == (20, 20, 2, "self_attn.qkv_proj")
+
+
+@pytest.mark.parametrize("name", ["seed-llama", "hf-llama", "paddle-llama"])
+def test_meta_device_large_model(name):
+    overrides = {"seed-llama": dict(num_hidden_layers=32), "hf-llama": dict(num_hidden_layers=32, num_key_value_heads=8),
+                 "paddle-llama": dict(num_layers=32, hidden_size=4096, intermediate_size=11008, vocab_size=32000,
+                                      num_attention_heads=32)}[name]
+    with torch.device("meta"):
+        model = build_model(name, "seed", **overrides)
+    assert next(model.parameters()).is_meta
+    spec = ModelSpec.from_module(model, seq_len=4096)
+    assert spec.num_layers == 32 and spec.num_parameters == _count(model)
+    if name == "hf-llama":
+        assert spec.num_kv_heads == 8
+
+
+def test_tied_embeddings_and_overrides():
+    model = build_model("hf-llama", "tiny")
+    model.lm_head.weight = model.model.embed_tokens.weight
+    spec = ModelSpec.from_module(model)
+    assert spec.tied_embeddings and spec.structure.lm_head is None
+    assert spec.structure.lm_head_param == "model.embed_tokens.weight"
+    assert spec.num_parameters == _count(model)
+    assert ModelSpec.from_module(model, seq_len=8, name="mine").name == "mine"
+
+
+class _Attn(nn.Module):
+    """No head-count attribute anywhere: heads come from the rotary table (inv_freq has d/2 entries)."""
+
+    def __init__(self, h, d):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h, bias=False) for _ in range(4))
+        self.register_buffer("inv_freq", torch.ones(d // 2))
+
+
+class _Ffn(nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False)
+
+
+class _Block(nn.Module):
+    def __init__(self, h, f, d):
+        super().__init__()
+        self.attention, self.feed_forward = _Attn(h, d), _Ffn(h, f)
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(h), nn.RMSNorm(h)
+
+
+class _MetaStyle(nn.Module):
+    """Meta's original Llama naming (wq/wk/wv/wo, w1/w2/w3, tok_embeddings, output)."""
+
+    def __init__(self, h=48, f=96, d=12, layers=3, vocab=50):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleList(_Block(h, f, d) for _ in range(layers))
+        self.norm = nn.RMSNorm(h)
+        self.output = nn.Linear(h, vocab, bias=False)
+
+
+def test_meta_llama_naming_and_rotary_head_dim():
+    spec = ModelSpec.from_module(_MetaStyle())
+    assert (spec.num_heads, spec.head_dim, spec.ffn_hidden_size) == (4, 12, 96)
+    s = spec.structure
+    assert (s.attention, s.o, s.gate, s.up, s.down) == ("attention", "attention.wo", "feed_forward.w1",
+                                                       "feed_forward.w3", "feed_forward.w2")
+    assert (s.embedding, s.lm_head_param) == ("tok_embeddings", "output.weight")
+
+
+def test_unrecognised_models_say_what_is_missing():
+    with pytest.raises(UnrecognisedModel, match="no decoder-layer list"):
+        ModelSpec.from_module(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    # Layers without an attention/MLP split
+    flat = nn.Module()
+    flat.embed = nn.Embedding(10, 8)
+    flat.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+    with pytest.raises(UnrecognisedModel, match="attention and MLP"):
+        ModelSpec.from_module(flat)
+    # No head count anywhere (no attribute, no rotary table): the message says how to fix it
+    model = _MetaStyle()
+    for block in model.layers:
+        del block.attention.inv_freq
+    with pytest.raises(UnrecognisedModel, match="num_heads="):
+        ModelSpec.from_module(model)
+    assert ModelSpec.from_module(model, num_heads=4).num_heads == 4
+    with pytest.raises(UnrecognisedModel, match="expected an nn.Module"):
+        recognise("not a model")
+    # No embedding
+    model = _MetaStyle()
+    del model.tok_embeddings
+    with pytest.raises(UnrecognisedModel, match="no token embedding"):
+        ModelSpec.from_module(model, hidden_size=48)
+    assert issubclass(UnrecognisedModel, ValueError)
+
+
+def test_spec_validation_and_presets():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelSpec(2, 64, 4, 128, 100, num_kv_heads=3)
+    with pytest.raises(ValueError, match="positive integer"):
+        ModelSpec(0, 64, 4, 128, 100)
+    llama70 = preset("llama2-70b")
+    assert 68e9 < llama70.num_parameters < 70e9 and llama70.kv_size == 1024
+    assert 6.6e9 < preset("llama2-7b").num_parameters < 6.8e9
+    # Megatron's published sizes (Narayanan et al. 2021, Table 1): 18.4B, 39.1B, 76.1B, 145.6B, 310.1B
+    for name, billions in (("megatron-18.4b", 18.4), ("megatron-39.1b", 39.1), ("megatron-76.1b", 76.1),
+                           ("megatron-145.6b", 145.6), ("megatron-310.1b", 310.1)):
+        assert preset(name).num_parameters / 1e9 == pytest.approx(billions, rel=0.01)
+    assert preset("gpt3-175b").num_parameters / 1e9 == pytest.approx(175, rel=0.02)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("nope")
+    assert dataclasses.replace(preset("llama2-7b"), seq_len=2048) == preset("llama2-7b", seq_len=2048)
