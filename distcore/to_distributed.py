@@ -96,8 +96,8 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
     strategy = _choose(spec, cluster, global_batch, config, world)
-    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config)
     mesh = _mesh(strategy)
+    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
     loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
     for obj in (model, optimizer, loader):
         obj.distributed_strategy = strategy
@@ -211,8 +211,10 @@ def _mesh(strategy) -> ProcessMesh:
     return ProcessMesh(ranks.tolist(), dim_names=["pp", "dp", "mp"])
 
 
-def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None):
-    """Apply an autotune.Strategy to `model` and `optimizer` (in place); returns both."""
+def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None,
+                   mesh: ProcessMesh | None = None):
+    """Apply an autotune.Strategy to `model` and `optimizer` (in place) on `mesh` (default: `_mesh`'s
+    layout of all ranks); returns both."""
     config = config or ToDistributedConfig()
     structure = getattr(spec, "structure", None)
     if (strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1) and structure is None:
@@ -243,7 +245,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "micro_batches": strategy.num_micro_batches,
             **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
         }
-    return parallelize(model, optimizer, _mesh(strategy), parallel_config)
+    return parallelize(model, optimizer, mesh or _mesh(strategy), parallel_config)
 
 
 def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:

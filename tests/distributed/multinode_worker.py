@@ -7,7 +7,7 @@ import os
 import torch.distributed as dist
 
 import distcore
-from tests.distributed import parallelize_worker
+from tests.distributed import parallelize_worker, to_distributed_worker
 from tests.distributed.harness import run_checks
 
 
@@ -20,6 +20,14 @@ def check_environment_of_each_node():
 
 def check_zero3_across_nodes_equals_one_process():
     parallelize_worker._check_level(3)
+
+
+def check_to_distributed_on_two_nodes():
+    """node_num=2: the cluster the search prices has two nodes (tensor parallel stays inside one, the
+    mesh puts tp on consecutive ranks); the seed loop trains like one device."""
+    model, _, _ = to_distributed_worker._seed_loop("hf-llama", node_num=2)
+    strategy = model.distributed_strategy
+    assert strategy.num_devices == 4 and strategy.tp <= 2, strategy
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -38,12 +38,12 @@ def _reference(name: str):
     return losses
 
 
-def _seed_loop(name: str = "seed-llama", **config_fields):
+def _seed_loop(name: str = "seed-llama", *, node_num: int = 1, **config_fields):
     """The to_distributed seed's example, as written, after building model, opt and loader."""
     model, opt = _model(name)
     dist_config = distcore.ToDistributedConfig(**config_fields)
     dist_model, dist_opt, dist_loader = distcore.to_distributed(
-        model, opt, _loader(), device_num=dist.get_world_size(), node_num=1, config=dist_config
+        model, opt, _loader(), device_num=dist.get_world_size() // node_num, node_num=node_num, config=dist_config
     )
     losses = []
     for epoch in range(1):
@@ -98,6 +98,28 @@ def check_interleaved_pipeline_on_hf_style_model():
     strategy = autotune.Strategy(dp=world // 2, tp=1, pp=2, virtual_pp=2, micro_batch_size=1,
                                  num_micro_batches=BATCH // (world // 2), sharding_level=2 if world > 2 else 0)
     _seed_loop("hf-llama", strategy=strategy)
+
+
+def check_mixed_precision_computes_in_bf16_with_fp32_master_weights():
+    world = dist.get_world_size()
+    strategy = autotune.Strategy(dp=world, tp=1, pp=1, sharding_level=2 if world > 1 else 0, micro_batch_size=BATCH // world)
+    model, opt = _model()
+    seen = []
+    model.layers[0].mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    model, opt, loader = distcore.to_distributed(
+        model, opt, _loader(), device_num=world, config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16")
+    )
+    losses = []
+    for inputs, labels in loader():
+        loss, _ = model(inputs, labels=labels)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(loss.item())
+    reference = _reference("seed-llama")
+    assert seen and set(seen) == {torch.bfloat16}, seen
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded fp32 master weights
+    assert all(abs(a - b) < 5e-2 for a, b in zip(losses, reference)), (losses, reference)  # bf16 rounding only
 
 
 def check_invalid_forced_strategy_is_refused():
