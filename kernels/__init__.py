@@ -3,8 +3,11 @@
 CUDA tensors run the Triton kernels; CPU tensors run a plain PyTorch implementation of the same math,
 or the Triton kernels in Triton's interpreter when TRITON_INTERPRET=1 is set before import.
 Every op is registered with torch.library (namespace `tridist`) so torch.compile captures it whole.
+`all_gather_matmul` / `matmul_reduce_scatter` (comm_matmul.py) are tensor-parallel matmuls whose
+collective is split into a ring of point-to-point transfers hidden behind the matmul (any backend).
 """
 
+from .comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from .fuse import FuseReport, fuse
 from .ops.rms_norm import FusedRMSNorm, rms_norm
 from .ops.rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
@@ -16,8 +19,10 @@ __all__ = [
     "FusedRotaryEmbedding",
     "FusedSwiGLU",
     "FusedSwiGLUMLP",
+    "all_gather_matmul",
     "apply_rotary_pos_emb",
     "fuse",
+    "matmul_reduce_scatter",
     "rms_norm",
     "swiglu",
 ]

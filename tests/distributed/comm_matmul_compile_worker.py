@@ -1,0 +1,91 @@
+"""torch.compile(fullgraph=True) captures all_gather_matmul / matmul_reduce_scatter as the registered
+tridist ops, forward and backward equal to eager; the benchmark script runs (2 gloo processes; run by
+test_comm_matmul.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kernels import all_gather_matmul, matmul_reduce_scatter
+from tests.distributed.harness import run_checks
+
+
+GROUP = {}
+
+
+def _block(x_shard, up, down, save_gathered=True):
+    h = F.gelu(all_gather_matmul(x_shard, up, gather_dim=1, save_gathered=save_gathered))  # the default group
+    return matmul_reduce_scatter(h, down, GROUP["explicit"], scatter_dim=1)  # a ProcessGroup object
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    return (torch.randn(2, 6, 24, generator=generator), torch.randn(20, 24, generator=generator),
+            torch.randn(24, 20, generator=generator))
+
+
+def _run(fn, inputs):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    (out * out).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def check_compiled_block_equals_eager():
+    torch._dynamo.reset()
+    counts = {}
+
+    def backend(gm, example_inputs):  # aot_eager, counting the tridist ops of the forward graph
+        counts["ops"] = [str(n.target) for n in gm.graph.nodes if "tridist" in str(n.target)]
+        return gm.forward
+
+    for save_gathered in (True, False):
+        inputs = _inputs()
+        eager = _run(lambda *t: _block(*t, save_gathered=save_gathered), inputs)
+        compiled_fn = torch.compile(lambda *t: _block(*t, save_gathered=save_gathered), backend="aot_eager", fullgraph=True)
+        compiled = _run(compiled_fn, inputs)
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+        for got, want in zip(compiled[1], eager[1]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    graph = torch.compile(_block, backend=backend, fullgraph=True)
+    graph(*_inputs())
+    assert counts["ops"] == ["tridist.all_gather_matmul.default", "tridist.matmul_reduce_scatter.default"], counts
+
+
+def check_opcheck():
+    """torch.library.opcheck: schemas, fake (meta) implementations, autograd registration, AOT dispatch."""
+    name = dist.group.WORLD.group_name
+    x, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    for save_gathered in (True, False):
+        torch.library.opcheck(torch.ops.tridist.all_gather_matmul.default, (x, w, name, 1, save_gathered))
+    torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter.default, (torch.randn(4, 2, 8, requires_grad=True), w, name, 0))
+    grad_y = torch.randn(2, 6, 5)
+    gathered = torch.randn(2, 2, 3, 8)
+    for need_x, need_w in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.tridist.all_gather_matmul_backward.default,
+                              (grad_y, x.detach(), gathered, w.detach(), name, 1, need_x, need_w))
+        torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter_backward.default,
+                              (torch.randn(2, 2, 5), torch.randn(4, 2, 8), w.detach(), name, 0, need_x, need_w))
+
+
+def check_benchmark_runs():
+    """bench/comm_matmul.py on tiny shapes: it runs and reports every variant (no speed is asserted)."""
+    from bench import comm_matmul
+
+    rows = comm_matmul.run(batch=1, seq=8, hidden=16, out=8, dtype="fp32", iters=1, warmup=0)
+    assert [(r["op"], r["variant"]) for r in rows] == [
+        (op, variant) for op in ("all_gather_matmul", "matmul_reduce_scatter") for variant in ("sequential", "overlapped")
+    ]
+    assert all(r["fwd_ms"] > 0 and r["fwd+bwd_ms"] > 0 for r in rows), rows
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    GROUP["explicit"] = dist.new_group([0, 1])
+    torch.set_num_threads(1)
+    run_checks(CHECKS)
+    dist.destroy_process_group()

@@ -1,0 +1,367 @@
+"""Checks of kernels.all_gather_matmul / matmul_reduce_scatter on 4 gloo processes (run by
+tests/distributed/test_comm_matmul.py): the world group of 4, sub-groups of 2 (ranks {0, 2} and
+{1, 3}: group ranks differ from global ranks) and groups of 1.
+
+The reference is one process doing the whole computation with autograd: every rank draws the same
+global tensors (all ranks' shards, weights and output gradients), so the plain all-gather + F.linear
+(F.linear + reduce-scatter) is computed without any collective, and each rank compares its own part.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kernels import all_gather_matmul, matmul_reduce_scatter
+from tests.distributed.harness import run_checks
+
+GROUPS: dict[str, dist.ProcessGroup] = {}
+
+
+def _groups():
+    if not GROUPS:
+        rank = dist.get_rank()
+        pairs = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 2), (1, 3))}  # every rank creates all
+        singles = {r: dist.new_group([r]) for r in range(dist.get_world_size())}
+        GROUPS.update(world=dist.group.WORLD, pair=pairs[(0, 2) if rank % 2 == 0 else (1, 3)], single=singles[rank])
+    return GROUPS
+
+
+def _full_shape(dims: tuple, dim: int, size: int) -> list[int]:
+    """dims = the shard's shape; the gathered/global shape has `size` times the rows of `dim`."""
+    shape = list(dims)
+    shape[dim] *= size
+    return shape
+
+
+def _error(result: torch.Tensor, expected: torch.Tensor) -> float:
+    return (result.float() - expected.float()).abs().max().item()
+
+
+def _assert_close(name, result, expected, plain=None, *, dtype):
+    """fp32: tight. Half, measured against the fp32 reference: within twice the error of the plain
+    computation in that dtype, or one machine epsilon of the result's scale (about one ulp at the
+    largest value: chunked products are each rounded once before their fp32 sum)."""
+    assert result.shape == expected.shape, f"{name}: shape {tuple(result.shape)} != {tuple(expected.shape)}"
+    assert result.dtype == dtype, f"{name}: dtype {result.dtype} != {dtype}"
+    scale = expected.abs().max().item() or 1.0
+    error = _error(result, expected)
+    if dtype == torch.float32:
+        allowed = 1e-5 * scale
+    else:
+        allowed = max(2 * _error(plain, expected), torch.finfo(dtype).eps * scale)
+    assert error <= allowed, f"{name}: max error {error:.3e} > {allowed:.3e} (scale {scale:.3e})"
+
+
+def _make_leaf(shape, dtype, *, transposed: bool, source: torch.Tensor):
+    """A leaf holding `source` in `dtype`, and the (possibly non-contiguous) view to pass in.
+
+    transposed: the leaf is stored with its last two dims swapped and the view transposes it back,
+    a non-contiguous input like the [S, B, H] <-> [B, S, H] transposes of model code.
+    """
+    if transposed:
+        leaf = source.transpose(-1, -2).to(dtype, copy=True).contiguous().requires_grad_()
+        assert leaf.is_leaf
+        view = leaf.transpose(-1, -2)
+        assert not view.is_contiguous()
+        return leaf, view, lambda grad: grad.transpose(-1, -2)
+    leaf = source.to(dtype, copy=True).requires_grad_()
+    assert leaf.is_leaf
+    return leaf, leaf, lambda grad: grad
+
+
+def _rank_in(group):
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------------- all_gather_matmul
+
+
+def _all_gather_matmul_case(group_key, shard_shape, dim, *, out=40, dtype=torch.float32, transposed=False,
+                            save_gathered=True, need_x=True, need_w=True, seed=0):
+    group = _groups()[group_key]
+    rank, size = _rank_in(group)
+    generator = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(_full_shape(shard_shape, dim, size), generator=generator)
+    weights = torch.randn(size, out, shard_shape[-1], generator=generator) / shard_shape[-1] ** 0.5
+    y_shape = [*x_full.shape[:-1], out]
+    grads = torch.randn(size, *y_shape, generator=generator)
+    rows = shard_shape[dim]
+
+    def reference(compute_dtype):  # every rank's y = F.linear(x_full, weight_q); loss = sum <y_q, g_q>
+        x = x_full.to(compute_dtype, copy=True).requires_grad_()
+        w = weights.to(compute_dtype, copy=True).requires_grad_()
+        ys = [F.linear(x, w[q]) for q in range(size)]
+        torch.autograd.backward(ys, [g.to(compute_dtype) for g in grads])
+        return ys[rank].detach(), x.grad.narrow(dim, rank * rows, rows), w.grad[rank]
+
+    expected = reference(torch.float32)
+    plain = reference(dtype) if dtype != torch.float32 else (None,) * 3
+
+    x_leaf, x_in, unview_x = _make_leaf(shard_shape, dtype, transposed=transposed,
+                                        source=x_full.narrow(dim, rank * rows, rows))
+    w_leaf, w_in, unview_w = _make_leaf(weights[rank].shape, dtype, transposed=transposed, source=weights[rank])
+    x_leaf.requires_grad_(need_x)
+    w_leaf.requires_grad_(need_w)
+    x_before, w_before = x_leaf.detach().clone(), w_leaf.detach().clone()
+    y = all_gather_matmul(x_in, w_in, group, gather_dim=dim, save_gathered=save_gathered)
+    _assert_close("y", y.detach(), expected[0], plain[0], dtype=dtype)
+    y.backward(grads[rank].to(dtype))
+    assert torch.equal(x_leaf.detach(), x_before) and torch.equal(w_leaf.detach(), w_before), "inputs mutated"
+    if need_x:
+        _assert_close("grad_x_shard", unview_x(x_leaf.grad), expected[1], plain[1], dtype=dtype)
+    else:
+        assert x_leaf.grad is None
+    if need_w:
+        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], plain[2], dtype=dtype)
+    else:
+        assert w_leaf.grad is None
+
+
+def check_all_gather_matmul_seq_dim_world():
+    _all_gather_matmul_case("world", (2, 6, 24), 1)
+
+
+def check_all_gather_matmul_dim0_world():
+    _all_gather_matmul_case("world", (6, 3, 24), 0)
+
+
+def check_all_gather_matmul_pair_subgroup():
+    _all_gather_matmul_case("pair", (3, 6, 24), 1, seed=1)
+    _all_gather_matmul_case("pair", (6, 2, 24), 0, seed=2)
+
+
+def check_all_gather_matmul_single_rank_group():
+    _all_gather_matmul_case("single", (2, 6, 24), 1, seed=3)
+
+
+def check_all_gather_matmul_non_contiguous():
+    _all_gather_matmul_case("world", (2, 6, 24), 1, transposed=True, seed=4)
+    _all_gather_matmul_case("pair", (6, 2, 24), 0, transposed=True, seed=5)
+
+
+def check_all_gather_matmul_bf16():
+    _all_gather_matmul_case("world", (2, 6, 24), 1, dtype=torch.bfloat16, seed=6)
+    _all_gather_matmul_case("pair", (6, 2, 24), 0, dtype=torch.bfloat16, seed=7)
+
+
+def check_all_gather_matmul_fp16():
+    _all_gather_matmul_case("world", (2, 6, 24), 1, dtype=torch.float16, seed=8)
+
+
+def check_all_gather_matmul_regather_in_backward():
+    _all_gather_matmul_case("world", (2, 6, 24), 1, save_gathered=False, seed=9)
+    _all_gather_matmul_case("pair", (6, 2, 24), 0, save_gathered=False, dtype=torch.bfloat16, seed=10)
+
+
+def check_all_gather_matmul_other_ranks():
+    _all_gather_matmul_case("world", (12, 24), 0, seed=11)  # 2-D
+    _all_gather_matmul_case("world", (2, 3, 2, 24), 1, seed=12)  # 4-D, gathered dim in the middle
+    _all_gather_matmul_case("pair", (2, 3, 2, 24), -3, seed=13)  # negative dim
+
+
+def check_all_gather_matmul_partial_requires_grad():
+    _all_gather_matmul_case("world", (2, 6, 24), 1, need_x=False, seed=14)
+    _all_gather_matmul_case("world", (2, 6, 24), 1, need_w=False, seed=15)
+    _all_gather_matmul_case("pair", (2, 6, 24), 1, need_x=False, save_gathered=False, seed=16)
+
+
+# ------------------------------------------------------------------------------ matmul_reduce_scatter
+
+
+def _matmul_reduce_scatter_case(group_key, x_shape, dim, *, out=40, dtype=torch.float32, transposed=False,
+                                need_x=True, need_w=True, seed=0):
+    group = _groups()[group_key]
+    rank, size = _rank_in(group)
+    generator = torch.Generator().manual_seed(100 + seed)
+    xs = torch.randn(size, *x_shape, generator=generator)  # each rank's x (its in_features shard)
+    weights = torch.randn(size, out, x_shape[-1], generator=generator) / x_shape[-1] ** 0.5
+    y_shape = [*x_shape[:-1], out]
+    grad_full = torch.randn(y_shape, generator=generator)
+    rows = x_shape[dim] // size
+
+    def reference(compute_dtype):  # y = sum_q F.linear(x_q, w_q); rank r keeps rows r of it
+        x = xs.to(compute_dtype, copy=True).requires_grad_()
+        w = weights.to(compute_dtype, copy=True).requires_grad_()
+        y = sum(F.linear(x[q], w[q]) for q in range(size))
+        y.backward(grad_full.to(compute_dtype))
+        return y.detach().narrow(dim, rank * rows, rows), x.grad[rank], w.grad[rank]
+
+    expected = reference(torch.float32)
+    plain = reference(dtype) if dtype != torch.float32 else (None,) * 3
+
+    x_leaf, x_in, unview_x = _make_leaf(x_shape, dtype, transposed=transposed, source=xs[rank])
+    w_leaf, w_in, unview_w = _make_leaf(weights[rank].shape, dtype, transposed=transposed, source=weights[rank])
+    x_leaf.requires_grad_(need_x)
+    w_leaf.requires_grad_(need_w)
+    x_before, w_before = x_leaf.detach().clone(), w_leaf.detach().clone()
+    y_shard = matmul_reduce_scatter(x_in, w_in, group, scatter_dim=dim)
+    _assert_close("y_shard", y_shard.detach(), expected[0], plain[0], dtype=dtype)
+    y_shard.backward(grad_full.narrow(dim, rank * rows, rows).to(dtype))
+    assert torch.equal(x_leaf.detach(), x_before) and torch.equal(w_leaf.detach(), w_before), "inputs mutated"
+    if need_x:
+        _assert_close("grad_x", unview_x(x_leaf.grad), expected[1], plain[1], dtype=dtype)
+    else:
+        assert x_leaf.grad is None
+    if need_w:
+        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], plain[2], dtype=dtype)
+    else:
+        assert w_leaf.grad is None
+
+
+def check_matmul_reduce_scatter_seq_dim_world():
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1)  # seq 6 per rank
+
+
+def check_matmul_reduce_scatter_dim0_world():
+    _matmul_reduce_scatter_case("world", (24, 3, 24), 0, seed=1)
+
+
+def check_matmul_reduce_scatter_pair_subgroup():
+    _matmul_reduce_scatter_case("pair", (3, 12, 24), 1, seed=2)
+    _matmul_reduce_scatter_case("pair", (12, 2, 24), 0, seed=3)
+
+
+def check_matmul_reduce_scatter_single_rank_group():
+    _matmul_reduce_scatter_case("single", (2, 6, 24), 1, seed=4)
+
+
+def check_matmul_reduce_scatter_non_contiguous():
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1, transposed=True, seed=5)
+    _matmul_reduce_scatter_case("pair", (12, 2, 24), 0, transposed=True, seed=6)
+
+
+def check_matmul_reduce_scatter_bf16():
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1, dtype=torch.bfloat16, seed=7)
+    _matmul_reduce_scatter_case("pair", (12, 2, 24), 0, dtype=torch.bfloat16, seed=8)
+
+
+def check_matmul_reduce_scatter_fp16():
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1, dtype=torch.float16, seed=9)
+
+
+def check_matmul_reduce_scatter_other_ranks():
+    _matmul_reduce_scatter_case("world", (24, 24), 0, seed=10)
+    _matmul_reduce_scatter_case("world", (2, 12, 2, 24), 1, seed=11)
+    _matmul_reduce_scatter_case("pair", (2, 12, 2, 24), -3, seed=12)
+
+
+def check_matmul_reduce_scatter_partial_requires_grad():
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1, need_x=False, seed=13)
+    _matmul_reduce_scatter_case("world", (2, 24, 24), 1, need_w=False, seed=14)
+
+
+# ------------------------------------------------------------------------------- together, collectives
+
+
+def check_sequence_parallel_mlp_block_equals_one_process():
+    """SP entry (ColWise up) -> gelu -> SP exit (RowWise down), default group, against torch's own
+    all_gather_into_tensor / F.linear / all_reduce on the real collectives, forward and backward."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(42)
+    batch, seq, hidden, ffn = 2, 6 * size, 24, 40
+    x_full = torch.randn(batch, seq, hidden, generator=generator)
+    up = torch.randn(ffn, hidden, generator=generator) / hidden**0.5  # full weights; ColWise/RowWise shards below
+    down = torch.randn(hidden, ffn, generator=generator) / ffn**0.5
+    cols = ffn // size
+    up_shard = up[rank * cols : (rank + 1) * cols].clone().requires_grad_()
+    down_shard = down[:, rank * cols : (rank + 1) * cols].clone().requires_grad_()
+    x_shard = x_full[:, rank * 6 : (rank + 1) * 6].clone().requires_grad_()
+
+    h = F.gelu(all_gather_matmul(x_shard, up_shard, gather_dim=1))  # group=None: the default group
+    out = matmul_reduce_scatter(h, down_shard, scatter_dim=1)
+    (out * out).sum().backward()
+
+    # Plain collectives: gather the full input, full MLP on every rank, compare the own rows.
+    gathered = [torch.empty_like(x_shard) for _ in range(size)]
+    dist.all_gather(gathered, x_shard.detach())
+    assert torch.equal(torch.cat(gathered, dim=1), x_full)
+    x_ref, up_ref, down_ref = x_full.clone().requires_grad_(), up.clone().requires_grad_(), down.clone().requires_grad_()
+    out_ref = F.linear(F.gelu(F.linear(x_ref, up_ref)), down_ref)
+    (out_ref * out_ref).sum().backward()
+    rows = slice(rank * 6, (rank + 1) * 6)
+    # the loss is a sum over ranks of their rows: grads of the shards are the full loss's grads
+    torch.testing.assert_close(out.detach(), out_ref.detach()[:, rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_shard.grad, x_ref.grad[:, rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(up_shard.grad, up_ref.grad[rank * cols : (rank + 1) * cols], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(down_shard.grad, down_ref.grad[:, rank * cols : (rank + 1) * cols], rtol=1e-5, atol=1e-5)
+    # and the partial output summed with a real all_reduce equals ours row for row
+    partial = F.linear(h.detach(), down_shard.detach())
+    dist.all_reduce(partial)
+    torch.testing.assert_close(out.detach(), partial[:, rows], rtol=1e-5, atol=1e-5)
+
+
+def check_autocast_bf16():
+    """Under torch.autocast both inputs are cast like F.linear's; grads reach the fp32 leaves."""
+    group = _groups()["pair"]
+    rank, size = _rank_in(group)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 6, 24, generator=generator).requires_grad_()
+    w = torch.randn(40, 24, generator=generator).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = all_gather_matmul(x, w, group, gather_dim=1)
+        z = matmul_reduce_scatter(y, torch.randn(24, 40, generator=generator), group, scatter_dim=1)
+    assert y.dtype == z.dtype == torch.bfloat16 and tuple(y.shape) == (2, 6 * size, 40) and tuple(z.shape) == (2, 6, 24)
+    z.float().sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32 and x.grad.shape == x.shape and w.grad.abs().sum() > 0
+
+
+def check_no_grad_and_detached_inputs():
+    x, w = torch.randn(2, 6, 24), torch.randn(40, 24)
+    with torch.no_grad():
+        y = all_gather_matmul(x.requires_grad_(), w, gather_dim=1)
+    assert not y.requires_grad and tuple(y.shape) == (2, 6 * dist.get_world_size(), 40)
+    y = matmul_reduce_scatter(torch.randn(8, 24), w, scatter_dim=0)
+    assert not y.requires_grad and tuple(y.shape) == (8 // dist.get_world_size(), 40)
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+def _raises(kind, fragments, fn):
+    try:
+        fn()
+    except kind as error:
+        message = str(error)
+        missing = [f for f in fragments if f not in message]
+        assert not missing, f"message lacks {missing}: {message}"
+        return message
+    raise AssertionError(f"expected {kind.__name__} containing {fragments}")
+
+
+def check_error_messages():
+    size = dist.get_world_size()
+    x, w = torch.randn(2, 7, 24), torch.randn(40, 24)
+    _raises(ValueError, ["x.shape[1] = 7", "scatter_dim=1", f"group size {size}", "pad", "multiple of 4", "(e.g. 8)"],
+            lambda: matmul_reduce_scatter(x, w, scatter_dim=1))
+    _raises(ValueError, ["[out_features, in_features]", "(24, 40)", "in_features = x_shard.shape[-1] = 24", "not weight.T"],
+            lambda: all_gather_matmul(x, w.t(), gather_dim=1))
+    _raises(ValueError, ["(40, 25)", "= 24"], lambda: matmul_reduce_scatter(torch.randn(4, 24), torch.randn(40, 25)))
+    _raises(TypeError, ["torch.bfloat16", "torch.float32", "must match"],
+            lambda: all_gather_matmul(x, w.bfloat16(), gather_dim=1))
+    _raises(TypeError, ["torch.int64", "float32, float16 and bfloat16"],
+            lambda: all_gather_matmul(torch.ones(2, 3, 24, dtype=torch.long), w, gather_dim=1))
+    _raises(ValueError, ["x_shard is on cpu", "weight on meta"],
+            lambda: all_gather_matmul(x, torch.empty(40, 24, device="meta"), gather_dim=1))
+    _raises(ValueError, ["gather_dim=-1", "last dim", "leading dim (0..1)"], lambda: all_gather_matmul(x, w, gather_dim=-1))
+    _raises(ValueError, ["scatter_dim=3", "out of range"], lambda: matmul_reduce_scatter(x, w, scatter_dim=3))
+    _raises(ValueError, ["at least 2 dims"], lambda: all_gather_matmul(torch.randn(24), w))
+    _raises(ValueError, ["gloo", "CPU tensors only", "meta", "NCCL"],
+            lambda: all_gather_matmul(torch.empty(2, 6, 24, device="meta"), torch.empty(40, 24, device="meta"), gather_dim=1))
+    other = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not members
+    if dist.get_rank() >= 2:
+        _raises(ValueError, ["not a member", f"global rank {dist.get_rank()}"],
+                lambda: all_gather_matmul(x, w, other, gather_dim=1))
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    assert int(os.environ["WORLD_SIZE"]) == 4, "the checks assume 4 processes"
+    run_checks(CHECKS)
+    dist.destroy_process_group()

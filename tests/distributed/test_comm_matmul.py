@@ -1,0 +1,47 @@
+"""kernels.all_gather_matmul / matmul_reduce_scatter on 4 gloo processes (world, sub-groups of 2, groups
+of 1): forward and both gradients equal to the plain all-gather + F.linear / F.linear + reduce-scatter,
+fp32/bf16/fp16, dims 0 and 1, non-contiguous inputs, error messages. Plus torch.compile capture on 2."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kernels import all_gather_matmul, matmul_reduce_scatter
+from tests.distributed import comm_matmul_compile_worker, comm_matmul_worker
+from tests.distributed.harness import assert_check, launch
+
+NPROC = 4
+COMPILE_NPROC = 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return launch("tests.distributed.comm_matmul_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("comm_matmul"))
+
+
+@pytest.mark.parametrize("check", list(comm_matmul_worker.CHECKS))
+def test_comm_matmul(results, check):
+    assert_check(results, check, nproc=NPROC)
+
+
+@pytest.fixture(scope="module")
+def compile_results(tmp_path_factory):
+    return launch(
+        "tests.distributed.comm_matmul_compile_worker", nproc=COMPILE_NPROC,
+        out_dir=tmp_path_factory.mktemp("comm_matmul_compile"),
+    )
+
+
+@pytest.mark.parametrize("check", list(comm_matmul_compile_worker.CHECKS))
+def test_comm_matmul_compiled(compile_results, check):
+    assert_check(compile_results, check, nproc=COMPILE_NPROC)
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="a process group exists in this process")
+def test_uninitialized_process_group_is_a_clear_error():
+    for call in (
+        lambda: all_gather_matmul(torch.randn(2, 3, 8), torch.randn(4, 8), gather_dim=1),
+        lambda: matmul_reduce_scatter(torch.randn(2, 4, 8), torch.randn(4, 8), scatter_dim=1),
+    ):
+        with pytest.raises(RuntimeError, match="not initialized.*init_process_group"):
+            call()
