@@ -17,7 +17,30 @@ How a model written for one device becomes pipeline stages, without tracing it:
   its output is the last owned layer's.
 - torch's schedules (1F1B, GPipe, interleaved 1F1B) drive the stages. `model(inputs, labels=...)`
   runs the whole schedule (forward and backward of every micro-batch) and returns the mean loss on
-  every rank; the `loss.backward()` that follows in the user's loop has nothing left to do.
+  every rank; the `loss.backward()` that follows in the user's loop only applies the factor the loop
+  scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
+  so call it on each loss before the next call. Gradients accumulate over calls, also across
+  evaluations and batches of other shapes (which re-run torch's shape inference).
+
+Semantics and limits worth knowing:
+- The loss (and gradient) is the mean of the micro-batch losses, as in Megatron-LM and Paddle: with
+  ignored labels (padding, ignore_index) it weighs micro-batches with fewer valid tokens more than one
+  device's token mean does, and a micro-batch whose labels are all ignored has torch's 0/0 = nan mean
+  loss, so the reported loss is nan (its gradient is zero). Balance the padding over the batch.
+- An exception in one stage's forward (a shape error, a call without labels) stops that rank only; the
+  other ranks of the pipeline wait for it in their communication until the process group's timeout,
+  as with torch's pipelining. Debug a model on one device (or with pp=1) first.
+- A call in eval mode (`model.eval()`), or under no_grad, runs the schedule's forward only: its loss
+  has no backward (one raises an error saying so). It returns its pipeline's loss (not averaged over
+  data-parallel replicas, as data parallel does), so one replica may evaluate alone where its forward
+  needs no other (sharding_level 0).
+- Each rank's model holds its own stages' parameters only: `torch.nn.utils.clip_grad_norm_(
+  model.parameters(), ...)` computes and clips by this rank's norm, not the whole model's. For the
+  single-device result, all-reduce the squared norm (`torch.nn.utils.get_total_norm(grads) ** 2`, its
+  `.full_tensor()` under dp/mp) over the pp group (`model._tridist_pipeline.pp_group`) and clip with
+  the square root (`torch.nn.utils.clip_grads_with_norm_`).
+- Outputs of an earlier stage's module other than the hidden states (a second tuple element: a mask it
+  builds, an auxiliary loss) are zeros on later stages (a warning says so).
 
 Tensor and data parallelism are applied to each stage view (FSDP2 with the view as root, as torch's
 pipelining expects), so dp x mp x pp composes.
@@ -30,6 +53,7 @@ import difflib
 import enum
 import logging
 import re
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -45,6 +69,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .tensor_parallel import take_pending_split
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +274,15 @@ class _StandIn(torch.nn.Module):
         output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         state.last_placeholder = first if isinstance(first, torch.Tensor) else None
+        if sum(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]) > 1 and not self.__dict__.get("_warned"):
+            self.__dict__["_warned"] = True
+            warnings.warn(
+                f"pipeline parallel: {self.name!r} (stage {self.owner}) returns several tensors; stage {state.stage} "
+                "sees zeros for all but the first (which the received activation replaces): a mask, a cache or an "
+                "auxiliary loss it computes does not reach later stages. Compute those outside the module, from "
+                "the inputs, or in a parameter-free module (those run on every stage)",
+                stacklevel=2,
+            )
         return output
 
     def extra_repr(self) -> str:
@@ -452,8 +487,8 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
                 "those live on the last stage (as an LM-head weight does): wrap it in a module registered before the "
                 "layer list to place it on the first stage"
             ) from error
-        finally:
-            state.received = None
+        finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
+            state.received = state.last_output = state.last_placeholder = None
         if state.is_last:
             return _loss_of(output, state)
         hidden = output[0] if isinstance(output, tuple) else output
@@ -462,7 +497,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
                 f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "
                 "tensor a decoder layer returns"
             )
-        return hidden
+        return take_pending_split(hidden)  # a SequenceParallelBegin as the stage's last layer
 
     view.forward = forward
 
@@ -540,46 +575,57 @@ class PipelineRunner:
     def __call__(self, model: torch.nn.Module, args, kwargs):
         self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
         self._follow_shapes()
-        for view in self.views:
-            view.train(model.training)
+        # The views' own copies of the containers take their modes from the model's; the modules they share
+        # already have theirs (view.train() would override a submodule the user put in another mode).
+        parts = self.config.layer_list.split(".")
+        for name in (".".join(parts[:i]) for i in range(len(parts) + 1)):  # "", "model", "model.layers"
+            for view in self.views:
+                view.get_submodule(name).training = model.get_submodule(name).training
         for state in self.states:
             state.micro_batch = 0  # metadata inference on the first call runs micro-batch 0
         index = torch.arange(self.config.micro_batches, device=self.device)
         losses: list[torch.Tensor] = []
         training = model.training and torch.is_grad_enabled()
-        token = None
-        if training:
-            token = self._step_keeping_gradients(model, index, losses)
-        else:
-            with torch.no_grad():
-                self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
+        token = self._run_keeping_gradients(model, index, losses, training)
+        self.micro_batches.clear()  # the batch is the loop's to free
         return self._global_loss(losses, token)
 
     def _follow_shapes(self) -> None:
         """torch infers the activations' shapes from the first call's micro-batches and sizes its receive
         buffers once (again only on an eval/train switch): micro-batches of another shape (another batch
         size, sequence length) would travel into buffers of the old size (gloo aborts the process). A
-        shape change re-runs that inference on every stage; all ranks of the pipeline see the same batch."""
+        shape change re-runs that inference on every stage (a forward of one micro-batch, stage after
+        stage: pad batches to a few fixed shapes); all ranks of the pipeline see the same batch. One stage
+        (micro-batching alone) sends nothing: nothing to re-run."""
         leaves = tree_flatten(self.micro_batches[0])[0]
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
-        if self._shapes is not None and shapes != self._shapes:
+        if self._shapes is not None and shapes != self._shapes and self.config.num_stages > 1:
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",  # single-stage schedules
                          "_stages_forward_initialized", "_stages_backward_initialized"):  # interleaved
                 if hasattr(self.schedule, flag):
                     setattr(self.schedule, flag, False)
         self._shapes = shapes
 
-    def _step_keeping_gradients(self, model: torch.nn.Module, index: torch.Tensor, losses: list) -> object:
-        """One training step of the schedule. Gradients accumulated by earlier calls are set aside during
-        it (torch's stage re-initialisation, on the first call, after an evaluation or a shape change,
-        clears FSDP2's gradients) and added back after; this call's own gradients are remembered until
-        the returned loss's backward, which scales them by the factor the loop applied to the loss."""
+    def _run_keeping_gradients(self, model: torch.nn.Module, index: torch.Tensor, losses: list, training: bool):
+        """One step of the schedule (training) or its forward only. Gradients accumulated by earlier calls
+        are set aside during it (torch's stage re-initialisation, on the first call, at a switch between
+        evaluation and training or a shape change, clears FSDP2's gradients) and added back after. A
+        training call's own gradients are remembered until the returned loss's backward, which scales them
+        by the factor the loop applied to the loss (while accumulating, this call's gradients are held
+        apart from the earlier ones until then: one more set of gradients in memory); returns its token
+        (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
+        if held and not bool(torch.stack([_local(g).any() for g in held.values()]).any()):
+            held = {}  # zeroed, not freed (Paddle's clear_grad()): nothing to keep apart, no second copy
         for p in held:
             p.grad = None
         try:
-            self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+            if training:
+                self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+            else:
+                with torch.no_grad():
+                    self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
         finally:
             own = {}  # this call's gradients, needed apart only when earlier ones were added back
             for p in params:
@@ -589,6 +635,8 @@ class PipelineRunner:
                     if p.grad is not None:
                         held[p].add_(p.grad)
                     p.grad = held[p]
+        if not training:
+            return None
         token = object()
         self._pending = (token, own if held else None, params)
         return token
@@ -633,8 +681,17 @@ class PipelineRunner:
         loss = packed[0].clone()
         if token is not None:  # requires grad: the loop's loss.backward() applies its scale, nothing more
             loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
+        elif torch.is_grad_enabled():  # eval mode with autograd on: no gradients were computed; say so on backward
+            loss = _ReturnedLoss.apply(self._anchor, loss, _no_backward_in_eval_mode)
         arity = int(packed[1].item())
         return loss if arity < 0 else (loss, *[None] * (arity - 1))
+
+
+def _no_backward_in_eval_mode(grad) -> None:
+    raise RuntimeError(
+        "pipeline parallel: this loss came from a call in eval mode, which runs the schedule's forward only (no "
+        "gradients); to train, call model.train() before the call (switch dropout off per module if needed)"
+    )
 
 
 class _ReturnedLoss(torch.autograd.Function):
@@ -650,6 +707,10 @@ class _ReturnedLoss(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.on_backward(grad)
         return None, None, None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def split_micro_batches(args, kwargs, count: int) -> list:

@@ -509,7 +509,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         return _map_output(output, lambda x: _gather_sequence(x, tp_mesh))
 
     if isinstance(style, SequenceParallelBegin):
-        module.register_forward_hook(_mark_split_pending)
+        module.register_forward_hook(partial(_mark_split_pending, tp_mesh))
     # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
     elif isinstance(style, SequenceParallelEnd):
         module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
@@ -535,10 +535,20 @@ class _PendingSplit:
     positions built from the embedding output, as Hugging Face does) see the whole sequence."""
 
     pending = False
+    tp_mesh = None  # the Begin's mesh, for a split taken as the activation leaves a pipeline stage
 
 
-def _mark_split_pending(module, args, output):
-    _PendingSplit.pending = True
+def _mark_split_pending(tp_mesh, module, args, output):
+    _PendingSplit.pending, _PendingSplit.tp_mesh = True, tp_mesh
+
+
+def take_pending_split(hidden: torch.Tensor) -> torch.Tensor:
+    """A pipeline stage ends with a split still pending (its last layer was the Begin): the next stage's
+    first module would have taken it, on other ranks, so the activation leaves this stage split."""
+    if not _PendingSplit.pending:
+        return hidden
+    _PendingSplit.pending = False
+    return _split_sequence(hidden, _PendingSplit.tp_mesh)
 
 
 def _split_if_pending(tp_mesh):

@@ -173,6 +173,27 @@ def check_tensor_and_sequence_parallel_in_stages():
     assert owned[0].self_attn.num_heads == 2 and owned[0].self_attn.q_proj.weight.to_local().shape[0] == 32
 
 
+def check_sequence_parallel_beginning_at_a_stage_boundary():
+    """SequenceParallelBegin on stage 0's last layer: the split it defers to the next parameterised module
+    (on stage 1) is taken as the activation leaves stage 0, not left pending on stage 0's ranks."""
+    plan = {
+        "model.layers.1": distcore.SequenceParallelBegin(),
+        "model.layers.*.self_attn.(q|k|v)_proj": ColWiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowWiseParallel(),
+        "model.layers.(2|3).self_attn": distcore.SequenceParallelDisable(),
+        "model.layers.*.mlp.(gate|up)_proj": ColWiseParallel(),
+        "model.layers.*.mlp.down_proj": RowWiseParallel(),
+        "model.layers.(2|3).mlp": distcore.SequenceParallelDisable(),
+        "lm_head": [ColWiseParallel(gather_output=True), distcore.SequenceParallelEnd()],
+    }
+    model = _equal_to_one_process("hf-llama", MP2_PP2, {"mp_config": {"parallelize_plan": plan}, **_pp("hf-llama")})
+    from distcore.tensor_parallel import _PendingSplit
+
+    assert not _PendingSplit.pending
+    if MP2_PP2.coordinate()[0] == 1:  # stage 1 ran on sequence shards: its norms are sequence parallel
+        assert isinstance(model.model.layers[2].input_layernorm.weight, torch.distributed.tensor.DTensor)
+
+
 def check_evaluation_runs_forward_only():
     """model.eval() under no_grad: the schedule's forward only, the same loss as one process."""
     reference, _ = _model("hf-llama")
@@ -186,6 +207,21 @@ def check_evaluation_runs_forward_only():
         expected, _ = reference(inputs, labels=labels)
     assert abs(loss.item() - expected.item()) < 2e-5 and not loss.requires_grad
     assert all(p.grad is None for p in model.parameters())
+    # The stages follow the model's own modes, module by module: a submodule the user put in eval mode
+    # (dropout off in one part) stays so while the model trains.
+    # In eval mode the schedule runs the forward only, also with autograd on: a backward says why it cannot.
+    loss, _ = model(inputs, labels=labels)
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        assert "model.train()" in str(error), str(error)
+    else:
+        raise AssertionError("backward of an eval-mode pipeline loss passed silently")
+    owned = next(layer for layer in model.model.layers if not getattr(layer, "_tridist_stand_in", False))
+    model.train()
+    owned.mlp.eval()
+    model(inputs, labels=labels)[0].backward()
+    assert model.training and owned.training and not owned.mlp.training
 
 
 def _expect(error_type, fragment: str, config: dict, name: str = "seed-llama", mesh=PP4):
@@ -310,7 +346,7 @@ def check_batch_shapes_change_and_gradients_accumulate_across_calls():
 
 
 def check_scaling_the_returned_loss_scales_the_gradients():
-    """Gradient accumulation as written for one device: `(loss / 2).backward()` per call, one step.
+    """Gradient accumulation as written for one device: `(loss / 2).backward()` per call, one step, twice.
     The schedule ran the backward inside model(...), so the factor reaches the gradients afterwards."""
     generator = torch.Generator().manual_seed(12)
     batches = [tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2)) for _ in range(2)]
@@ -319,13 +355,14 @@ def check_scaling_the_returned_loss_scales_the_gradients():
         model, optimizer = _model("seed-llama")
         if parallel:
             model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
-        for inputs, labels in batches:
-            if parallel:
-                inputs, labels = _local_rows(DP2_PP2, inputs, labels)
-            loss, _ = model(inputs, labels=labels)
-            (loss / 2).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for _ in range(2):  # gradients freed before the first round, zeroed (Paddle's clear_grad) before the second
+            for inputs, labels in batches:
+                if parallel:
+                    inputs, labels = _local_rows(DP2_PP2, inputs, labels)
+                loss, _ = model(inputs, labels=labels)
+                (loss / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
         models.append(model)
     reference, model = models
     ref_params = dict(reference.named_parameters())
@@ -372,10 +409,11 @@ def check_loss_computed_from_vocabulary_parallel_logits():
 
 
 def check_evaluation_on_one_pipeline_only():
-    """dp2 x pp2: one data-parallel replica evaluates (as DP's evaluation on one rank): no collective with
-    the other replica, whose ranks go on; the loss is that pipeline's own."""
+    """dp2 x pp2, replicated (sharding level 0: the forward needs no other replica): one data-parallel
+    replica evaluates, as data parallel allows on one rank; no collective with the other replica, whose
+    ranks go on; the loss is that pipeline's own."""
     model, _ = _model("hf-llama")
-    model, _ = distcore.parallelize(model, None, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")})
+    model, _ = distcore.parallelize(model, None, DP2_PP2, {"dp_config": {"sharding_level": 0}, **_pp("hf-llama")})
     reference, _ = _model("hf-llama")
     inputs, labels = _batches()[1]
     model.eval()
