@@ -3,6 +3,8 @@ losses and parameters equal to one process on the same global batches."""
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 
 import torch
@@ -68,9 +70,14 @@ def _train(model, optimizer, *, sharded_inputs: bool):
     return losses
 
 
-def _equal_to_one_process(name: str, config: dict, *, fused: bool = False, sharded_inputs: bool = False):
+@functools.cache  # one single-device run per model, shared by the checks (callers only read it)
+def _reference_run(name: str, fused: bool):
     reference, ref_optimizer = _model(name, fused=fused)
-    ref_losses = _train(reference, ref_optimizer, sharded_inputs=False)
+    return reference, _train(reference, ref_optimizer, sharded_inputs=False)
+
+
+def _equal_to_one_process(name: str, config: dict, *, fused: bool = False, sharded_inputs: bool = False):
+    reference, ref_losses = _reference_run(name, fused)
     model, optimizer = _model(name, fused=fused)
     model, optimizer = distcore.parallelize(model, optimizer, MESH, config)
     losses = _train(model, optimizer, sharded_inputs=sharded_inputs)
