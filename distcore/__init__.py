@@ -13,7 +13,7 @@ from .lazy import LazyGuard
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
 from .pipeline import SplitPoint
-from .to_distributed import ToDistributedConfig, apply_strategy, to_distributed
+from .auto import ToDistributedConfig, apply_strategy, to_distributed
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .tensor_parallel import (
     ColWiseParallel,

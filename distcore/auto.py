@@ -117,15 +117,22 @@ def _input_shape(config: ToDistributedConfig, dataloader) -> tuple[int, int]:
         return shape[0], shape[1]
     batch = getattr(dataloader, "batch_size", None) or getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
     try:
-        sample = dataloader.dataset[0]
-        first = sample[0] if isinstance(sample, (tuple, list)) else next(iter(sample.values())) if isinstance(sample, dict) else sample
-        seq = int(np.shape(first)[-1])
+        seq = int(np.shape(_first_input(dataloader.dataset[0]))[-1])
     except Exception:  # noqa: BLE001 - any dataset: the default shape is a fine fallback
         seq = None
     if batch and seq:
         return int(batch), seq
     log.warning("to_distributed: could not read the batch shape from the dataloader; using %s", list(DEFAULT_INPUT_SHAPE))
     return DEFAULT_INPUT_SHAPE
+
+
+def _first_input(sample):
+    """The model's first input in a dataset sample: (inputs, labels), {"input_ids": ...}, or a tensor."""
+    if isinstance(sample, (tuple, list)):
+        return sample[0]
+    if isinstance(sample, dict):
+        return next(iter(sample.values()))
+    return sample
 
 
 def _device_profile(config: ToDistributedConfig):
@@ -272,8 +279,9 @@ def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
         add(structure.embedding, SequenceParallelBegin())
         add(structure.pattern(structure.attention), SequenceParallelDisable())
         add(structure.pattern(structure.mlp), SequenceParallelDisable())
-        end = structure.lm_head if structure.lm_head and structure.lm_head != "" else structure.final_norm
-        add(end, SequenceParallelEnd())
+        # Gather the sequence at the LM head module; a bare head weight on the root (the seed's) has none,
+        # so gather before the final norm.
+        add(structure.lm_head or structure.final_norm, SequenceParallelEnd())
     return {_regex(name): styles for name, styles in plan.items()}
 
 
