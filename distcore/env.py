@@ -74,6 +74,12 @@ def get_world_size(group=None) -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def all_reduce_mean_(tensor, group) -> None:
+    """In place: the mean of `tensor` over the ranks of `group` (a sum then a division: gloo has no AVG)."""
+    dist.all_reduce(tensor, group=group)
+    tensor /= dist.get_world_size(group)
+
+
 class ParallelEnv:
     """Paddle's ParallelEnv: where this process sits in the job, read from torchrun's environment."""
 

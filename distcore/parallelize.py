@@ -27,7 +27,6 @@ import logging
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -208,8 +207,7 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
         if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point()):
             return loss
         mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)  # a sum: gloo has no AVG
-        mean /= dist.get_world_size(group)
+        env.all_reduce_mean_(mean, group)
         return loss + (mean - loss.detach())
 
     def hook(module, args, output):

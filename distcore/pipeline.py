@@ -70,6 +70,7 @@ from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .env import all_reduce_mean_
 from .tensor_parallel import take_pending_split
 
 log = logging.getLogger(__name__)
@@ -676,8 +677,7 @@ class PipelineRunner:
         # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
         # replicas with different numbers of batches) must not wait for a collective the others never join.
         if self.dp_group is not None and token is not None:
-            dist.all_reduce(packed[:1], group=self.dp_group)  # a sum: gloo has no AVG
-            packed[0] /= dist.get_world_size(self.dp_group)
+            all_reduce_mean_(packed[:1], self.dp_group)
         loss = packed[0].clone()
         if token is not None:  # requires grad: the loop's loss.backward() applies its scale, nothing more
             loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
