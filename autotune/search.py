@@ -177,7 +177,7 @@ class SearchResult:
 
     def to_frame(self, candidates: Iterable[Candidate] | None = None):
         """The ranked candidates as a pandas DataFrame (strategy fields, time, memory, breakdown)."""
-        import pandas as pd  # lazily: `import autotune` must not import pandas
+        import pandas as pd  # lazily: `import tridist.autotune` must not import pandas
 
         rows = []
         for rank, cand in enumerate(self.ranked if candidates is None else candidates, 1):
@@ -466,7 +466,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     if method == "auto":
         method = "exhaustive" if len(layouts) <= exhaustive_limit else "tpe"
 
-    import optuna  # lazily: `import autotune` must stay light
+    import optuna  # lazily: `import tridist.autotune` must stay light
 
     storage_arg, storage_desc = _resolve_storage(storage)
     name = study_name or _study_name(spec, cluster, global_batch_size, space)

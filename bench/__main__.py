@@ -1,7 +1,7 @@
-"""`python -m bench ...` is the `tridist` command."""
+"""`python -m tridist.bench ...` (or `python -m tridist ...`) is the `tridist` command."""
 
 import sys
 
-from bench.cli import main
+from tridist.bench.cli import main
 
 sys.exit(main())

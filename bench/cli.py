@@ -60,7 +60,7 @@ def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:
-    from bench.kernels import resolve_device, run_kernel_benchmark
+    from tridist.bench.kernels import resolve_device, run_kernel_benchmark
 
     try:
         device = resolve_device(args.device)
@@ -86,8 +86,8 @@ def _check_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_kernels(args: argparse.Namespace) -> int:
-    from bench.correctness import DTYPES, run_correctness_check
-    from bench.kernels import resolve_device
+    from tridist.bench.correctness import DTYPES, run_correctness_check
+    from tridist.bench.kernels import resolve_device
 
     names = [name.strip() for name in args.dtype.split(",") if name.strip()]
     unknown = [name for name in names if name not in DTYPES]
@@ -145,7 +145,7 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from bench.tune import run_tune
+    from tridist.bench.tune import run_tune
 
     return run_tune(args)
 
@@ -161,7 +161,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from bench.tune import run_calibrate
+    from tridist.bench.tune import run_calibrate
 
     return run_calibrate(args)
 
@@ -172,7 +172,7 @@ def _bench_tune_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_tune(args: argparse.Namespace) -> int:
-    from bench.tune import run_tune_benchmark
+    from tridist.bench.tune import run_tune_benchmark
 
     frame = run_tune_benchmark(quick=args.quick, storages=("memory",) if args.no_sqlite else ("memory", "journal", "sqlite"))
     print(frame.to_string(index=False))
@@ -188,7 +188,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from bench.demo import launch
+    from tridist.bench.demo import launch
 
     return launch(args.nproc)
 
@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `tridist` console script and of `python -m bench`; returns the exit status."""
+    """Entry point of the `tridist` console script and of `python -m tridist`; returns the exit status."""
     args = build_parser().parse_args(argv)
     return int(args.handler(args) or 0)
 

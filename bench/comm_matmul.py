@@ -1,6 +1,6 @@
 """Overlapped tensor-parallel matmuls against the sequential collective-then-matmul they replace.
 
-    torchrun --nproc-per-node 8 -m bench.comm_matmul --batch 2 --seq 8192 --hidden 8192 --out 28672 --dtype bf16
+    torchrun --nproc-per-node 8 -m tridist.bench.comm_matmul --batch 2 --seq 8192 --hidden 8192 --out 28672 --dtype bf16
 
 Times, per rank group of all processes, `kernels.all_gather_matmul` against torch's functional
 `all_gather` + F.linear, and `kernels.matmul_reduce_scatter` against F.linear + `reduce_scatter`
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from kernels import all_gather_matmul, matmul_reduce_scatter
+from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd

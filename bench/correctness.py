@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
-from kernels.testing import compare_with_reference, upcast
+from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+from tridist.kernels.testing import compare_with_reference, upcast
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -49,7 +49,7 @@ def _rope_tables(length: int, dim: int, device):
 
 def cases(*, quick: bool, device_type: str) -> list[Case]:
     """Realistic shapes on a GPU; small ones (Triton interpreter) elsewhere. Odd sizes on purpose."""
-    import kernels
+    from tridist import kernels
 
     big = device_type == "cuda" and not quick
     norm_shapes = [(4096, 4096), (2048, 8192), (7, 65536), (333, 5120)] if big else [(64, 256), (3, 4100)]
@@ -126,7 +126,7 @@ def run_correctness_check(*, device: torch.device, dtypes: list[torch.dtype], qu
     """Run every case in every dtype; returns a DataFrame and writes results.csv + report.md."""
     import pandas as pd
 
-    from bench.report import markdown_table
+    from tridist.bench.report import markdown_table
 
     all_cases = cases(quick=quick, device_type=device.type)
     rows = []

@@ -31,7 +31,7 @@ def launch(nproc: int | None) -> int:
     if nproc is None:
         nproc = torch.cuda.device_count() or 4
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "bench.demo", "--worker"]
+               "-m", "tridist.bench.demo", "--worker"]
     print(f"tridist demo: {' '.join(command[1:])}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(command, env=env)
@@ -40,7 +40,7 @@ def launch(nproc: int | None) -> int:
 def _model_and_optimizer():
     import torch
 
-    from bench.models import SeedLlamaModel, SeedLlamaConfig
+    from tridist.bench.models import SeedLlamaModel, SeedLlamaConfig
 
     torch.manual_seed(0)
     model = SeedLlamaModel(SeedLlamaConfig(**DEMO_CONFIG))
@@ -48,7 +48,7 @@ def _model_and_optimizer():
 
 
 def _loader():
-    from bench.models import make_seed_dataloader
+    from tridist.bench.models import make_seed_dataloader
 
     return make_seed_dataloader(batch_size=BATCH_SIZE, batch_num=BATCH_NUM, seq_length=SEQ_LENGTH,
                                 vocab_high=DEMO_CONFIG["vocab_size"])
@@ -71,7 +71,7 @@ def worker() -> int:
     import torch
     import torch.distributed as dist
 
-    import distcore
+    from tridist import distcore
 
     distcore.init_parallel_env()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,7 +112,7 @@ def worker() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tridist.bench.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, else 4 CPU processes)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

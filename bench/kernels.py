@@ -313,7 +313,7 @@ def _output_grads(outputs: Sequence[torch.Tensor], *, seed: int) -> list[torch.T
 
 
 def _reference(op: str) -> Callable:
-    from kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+    from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
 
     return {"rms_norm": rms_norm_reference, "add_rms_norm": rms_norm_reference,
             "rotary": rotary_reference, "swiglu": swiglu_reference}[op]
@@ -324,9 +324,9 @@ def _tridist(op: str) -> Callable:
     name = {"rms_norm": "rms_norm", "add_rms_norm": "rms_norm",
             "rotary": "apply_rotary_pos_emb", "swiglu": "swiglu"}[op]
     try:
-        import kernels
+        from tridist import kernels
     except Exception as exc:  # noqa: BLE001 - any import failure makes the variant unavailable
-        raise VariantUnavailable(f"import kernels failed: {exc!r}") from exc
+        raise VariantUnavailable(f"import tridist.kernels failed: {exc!r}") from exc
     fn = getattr(kernels, name, None)
     if fn is None:
         raise VariantUnavailable(f"kernels does not export {name} yet")
@@ -779,7 +779,7 @@ def run_kernel_benchmark(ops=None, dtype=None, device=None, quick=False, compile
     df = _add_speedups(df)
     df.attrs["meta"] = {**meta, "skipped": skipped}
     if write_report:
-        from bench.report import write_kernel_report
+        from tridist.bench.report import write_kernel_report
 
         df.attrs["report_dir"] = str(write_kernel_report(df, out_dir=out_dir, meta=df.attrs["meta"]))
     return df

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from autotune import (
+from tridist.autotune import (
     Cluster,
     ModelSpec,
     PRESETS,
@@ -35,7 +35,7 @@ from autotune import (
     search,
 )
 
-from autotune.cost import _layer_cost
+from tridist.autotune.cost import _layer_cost
 
 from .report import markdown_table
 
@@ -56,7 +56,7 @@ def resolve_model(name: str, *, seq_len: int | None = None, size: str = "seed") 
     if name in BENCH_MODELS:
         import torch
 
-        from bench.models import build_model
+        from tridist.bench.models import build_model
 
         with torch.device("meta"):  # shapes only: no memory for the weights, no initialisation work
             model = build_model(name, size)
@@ -244,8 +244,8 @@ def run_calibrate(args) -> int:
     """The `tridist calibrate` handler: measure, save, print how to use the profile."""
     import torch
 
-    from autotune import save_profile
-    from autotune.calibrate import calibrate
+    from tridist.autotune import save_profile
+    from tridist.autotune.calibrate import calibrate
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("tridist calibrate: error: --device cuda but no CUDA device is available", file=sys.stderr)

@@ -77,7 +77,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
 
     Returns (model, optimizer, dataloader) for the user's unchanged training loop.
     """
-    import autotune
+    from tridist import autotune
 
     config = config or ToDistributedConfig()
     node_num = node_num or 1
@@ -152,7 +152,7 @@ def _device_profile(config: ToDistributedConfig):
 
 def _search_space(config: ToDistributedConfig):
     """What this runtime can apply: no communication-overlapped matmuls in distcore (yet)."""
-    import autotune
+    from tridist import autotune
 
     options = dict(config.search_options)
     space = options.pop("space", None) or autotune.SearchSpace(
@@ -162,7 +162,7 @@ def _search_space(config: ToDistributedConfig):
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int):
-    import autotune
+    from tridist import autotune
 
     if config.strategy is not None:
         strategy = config.strategy
@@ -186,7 +186,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
 
 
 def _fallback(world: int, global_batch: int):
-    import autotune
+    from tridist import autotune
 
     if global_batch % world:
         raise ValueError(
@@ -232,7 +232,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
-        import kernels
+        from tridist import kernels
 
         report = kernels.fuse(model)
         log.info("to_distributed: %s", report)

@@ -22,7 +22,9 @@ if ! "$PYTHON" -c "import triton" 2>/dev/null; then
   pip_install "$TRITON_SPEC"
 fi
 echo "setup: installing tridist (editable) with its test extras" >&2
-pip_install --no-build-isolation -e ".[test]"
+# pip's isolated build (not --no-build-isolation): a fresh virtualenv's own setuptools (65 on Python
+# 3.11) cannot build an editable wheel without the `wheel` package; the isolated build brings a current one.
+pip_install -e ".[test]"
 # pyenv only sees new console scripts (`tridist`) after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 "$PYTHON" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}, cuda={torch.cuda.is_available()}')" >&2

@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.ops import rms_norm, rotary, swiglu
+from tridist.kernels.ops import rms_norm, rotary, swiglu
 
 BF16, FP32 = "*bf16", "*fp32"
 

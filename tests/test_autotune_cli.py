@@ -1,5 +1,5 @@
 """`tridist tune`, `tridist calibrate`, `tridist bench tune` run in-process; device profiles save and
-load; `import autotune` stays light (no torch, optuna, pandas, matplotlib)."""
+load; `import tridist.autotune` stays light (no torch, optuna, pandas, matplotlib)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
-from bench import cli
+from tridist import autotune
+from tridist.autotune import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
+from tridist.bench import cli
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -24,14 +25,14 @@ def _cache(tmp_path, monkeypatch):
 
 
 def test_import_autotune_is_light():
-    code = ("import sys, autotune; heavy = [m for m in ('torch', 'optuna', 'pandas', 'matplotlib') if m in sys.modules];"
+    code = ("import sys, tridist.autotune; heavy = [m for m in ('torch', 'optuna', 'pandas', 'matplotlib') if m in sys.modules];"
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
 
 
 def test_public_names():
-    import autotune
+    from tridist import autotune
 
     for name in ("ModelSpec", "Cluster", "Strategy", "search", "SearchResult", "Candidate", "estimate",
                  "DeviceProfile", "DEVICE_PROFILES", "UnrecognisedModel"):
@@ -77,7 +78,7 @@ def test_tune_errors(capsys):
 
 def test_tune_module_function_model(tmp_path, capsys, monkeypatch):
     (tmp_path / "my_models.py").write_text(
-        "from bench.models import build_model\n"
+        "from tridist.bench.models import build_model\n"
         "def build():\n    return build_model('hf-llama', 'seed', num_key_value_heads=8)\n"
         "def unknown():\n    import torch\n    return torch.nn.Linear(4, 4)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -115,13 +116,13 @@ def test_calibrate_cpu_quick(tmp_path, capsys):
     assert profile.memory_bytes > 1e8
     assert json.loads(out.read_text())["source"].startswith("tridist calibrate")
     # the measured profile drives a search
-    result = __import__("autotune").search(__import__("autotune").preset("llama2-7b", num_layers=2, seq_len=512),
+    result = autotune.search(autotune.preset("llama2-7b", num_layers=2, seq_len=512),
                                            Cluster(1, 2, str(out), dtype="fp32"), global_batch_size=4)
     assert result.best is not None
 
 
 def test_bench_tune_target(monkeypatch, capsys):
-    from bench import tune
+    from tridist.bench import tune
 
     monkeypatch.setattr(tune, "BENCH_CASES", (("1x8 tiny", "llama2-7b", 1, 8, "h100-sxm", 16),))
     frame = tune.run_tune_benchmark(quick=False, storages=("memory",))

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from autotune import (
+from tridist.autotune import (
     Cluster,
     InvalidStrategy,
     ModelSpec,
@@ -31,7 +31,7 @@ from autotune import (
     reduce_scatter_time,
     validate,
 )
-from autotune.cost import _in_flight_layers
+from tridist.autotune.cost import _in_flight_layers
 
 # A small Megatron-style GPT: GELU MLP of 4h, MHA, dropout, tied embeddings, attention matrix stored.
 GPT = ModelSpec(num_layers=8, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=128, seq_len=32,
@@ -203,7 +203,7 @@ def test_activation_formula_gqa_swiglu_flash():
 def test_model_state_bytes_match_real_tensors_after_adamw_step():
     """fp32 AdamW: 4 + 4 + 8 bytes per parameter; mixed precision (bf16 model, fp32 master copy with
     Adam): 2 + 2 + 12. Counted on real tensors of the HF-style model after one step."""
-    from bench.models import build_model
+    from tridist.bench.models import build_model
 
     model = build_model("hf-llama", "tiny")
     n = ModelSpec.from_module(model, seq_len=16).num_parameters
@@ -234,8 +234,8 @@ def test_activation_memory_against_saved_tensors_of_a_fused_layer():
     """Bytes a decoder layer saves for backward (saved-tensor hooks), Paddle-style model with the fused
     kernels and SDPA (flash-like on the CPU): within 25% above the formula; the excess at this tiny
     size is the rotary cos/sin tables and SDPA's own output copy, both O(head_dim) or O(q) terms."""
-    import kernels
-    from bench.models import build_model
+    from tridist import kernels
+    from tridist.bench.models import build_model
 
     model = build_model("paddle-llama", "tiny", hidden_size=64, intermediate_size=128).to(torch.bfloat16)
     kernels.fuse(model)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from autotune import ModelSpec, UnrecognisedModel, preset, recognise
-from bench.models import build_model
+from tridist.autotune import ModelSpec, UnrecognisedModel, preset, recognise
+from tridist.bench.models import build_model
 
 
 def _count(model: nn.Module) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotune import (
+from tridist.autotune import (
     Cluster,
     ModelSpec,
     SearchSpace,

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import cli
-from bench import kernels as kb
-from kernels.reference import swiglu_reference
+from tridist.bench import cli
+from tridist.bench import kernels as kb
+from tridist.kernels.reference import swiglu_reference
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -33,7 +33,7 @@ TINY_CASES = [
 
 
 def _tridist_exports_all() -> bool:
-    import kernels
+    from tridist import kernels
 
     return all(hasattr(kernels, name) for name in ("rms_norm", "apply_rotary_pos_emb", "swiglu"))
 
@@ -107,7 +107,7 @@ def test_wrong_or_broken_variant_is_flagged(monkeypatch):
 
 
 def test_report_marks_errors_and_skips(tmp_path):
-    from bench.report import render_kernel_markdown
+    from tridist.bench.report import render_kernel_markdown
 
     df = kb.run_kernel_benchmark(cases=TINY_CASES[-1:], variants=["eager", "liger"], modes=["fwd"],
                                  copy_bw_gbps=10.0, progress=False, write_report=False, **FAST_TIMING)
@@ -188,10 +188,9 @@ def test_cli_runs_and_prints_the_report(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_import_is_light():
-    code = ("import sys, bench.cli; "
+    code = ("import sys, tridist.bench.cli; "
             "print(sorted(m for m in ('pandas', 'matplotlib') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from bench import correctness
-from bench.cli import main
+from tridist.bench import correctness
+from tridist.bench.cli import main
 
 
 def test_sweep_passes_and_writes_its_report(tmp_path):

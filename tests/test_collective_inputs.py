@@ -4,8 +4,8 @@ storage-less wrapper) as inputs and incoming gradients, in the Triton interprete
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-import kernels
-from kernels import reference
+from tridist import kernels
+from tridist.kernels import reference
 
 
 def _async(tensor):

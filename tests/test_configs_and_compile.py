@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import configs
-from kernels.ops import rms_norm as rms_norm_module, swiglu as swiglu_module
-from kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+from tridist import kernels
+from tridist.kernels import configs
+from tridist.kernels.ops import rms_norm as rms_norm_module, swiglu as swiglu_module
+from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
 
 
 @pytest.fixture
@@ -189,8 +189,9 @@ def test_double_backward_raises_instead_of_dropping_terms(backend, op):
         torch.autograd.grad(grad.sum(), x)
 
 
-def test_import_kernels_stays_light():
-    """`import kernels` must not pull optuna, pandas or matplotlib (heavy; only reports need them)."""
-    code = "import sys, kernels; heavy = [m for m in ('optuna', 'pandas', 'matplotlib') if m in sys.modules]; print(heavy)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+def test_import_kernels_stays_light(tmp_path):
+    """`import tridist.kernels` must not pull optuna, pandas or matplotlib (heavy; only reports need them)."""
+    code = "import sys, tridist.kernels; heavy = [m for m in ('optuna', 'pandas', 'matplotlib') if m in sys.modules]; print(heavy)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
     assert out.stdout.strip() == "[]"

@@ -14,14 +14,15 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 def run_python(code: str, **env_overrides):
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(PYTHONPATH=str(ROOT), **env_overrides)
+    env.update(env_overrides)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_single_process_is_a_world_of_one():
     code = """
-import torch, distcore
-from distcore import ProcessMesh, Shard
+import torch
+from tridist import distcore
+from tridist.distcore import ProcessMesh, Shard
 assert distcore.get_rank() == 0 and distcore.get_world_size() == 1   # before init: from the environment
 distcore.init_parallel_env()
 distcore.init_parallel_env()                                          # idempotent
@@ -36,13 +37,13 @@ print("ok")
 
 
 def test_partial_torchrun_environment_is_an_error():
-    run = run_python("import distcore; distcore.init_parallel_env()", RANK="0", WORLD_SIZE="2")
+    run = run_python("from tridist import distcore; distcore.init_parallel_env()", RANK="0", WORLD_SIZE="2")
     assert run.returncode != 0
     assert "torchrun --nproc-per-node N" in run.stderr and "MASTER_ADDR" in run.stderr
 
 
 def test_mesh_larger_than_the_job_is_an_error():
-    run = run_python("import distcore; distcore.ProcessMesh([0, 1], ['dp']).device_mesh")
+    run = run_python("from tridist import distcore; distcore.ProcessMesh([0, 1], ['dp']).device_mesh")
     assert run.returncode != 0 and "launch with `torchrun --nproc-per-node 2`" in run.stderr
 
 
@@ -57,7 +58,7 @@ def test_mesh_larger_than_the_job_is_an_error():
     ],
 )
 def test_mesh_and_placement_errors(code, message):
-    import distcore  # noqa: F401 - the names below
+    from tridist import distcore  # noqa: F401 - the names below
 
     namespace = {name: getattr(distcore, name) for name in distcore.__all__}
     with pytest.raises((ValueError, TypeError), match=message):
@@ -65,7 +66,7 @@ def test_mesh_and_placement_errors(code, message):
 
 
 def test_mesh_geometry_without_a_process_group():
-    from distcore import ProcessMesh
+    from tridist.distcore import ProcessMesh
 
     mesh = ProcessMesh([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dim_names=["dp", "mp", "pp"])  # the parallelize seed's
     assert mesh.get_mesh_with_dim("pp", 0) == ProcessMesh([[0, 2], [4, 6]], ["dp", "mp"])

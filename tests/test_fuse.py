@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-import kernels
-from bench.models import build_model, hf_llama, seed_llama
+from tridist import kernels
+from tridist.bench.models import build_model, hf_llama, seed_llama
 
 MODELS = ["seed-llama", "hf-llama"]
 VOCAB = 128  # the tiny configs' vocabulary

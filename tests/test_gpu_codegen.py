@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     run = subprocess.run(
         [sys.executable, "-m", "tests._gpu_codegen"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )

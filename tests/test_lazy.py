@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-import distcore
-from bench.models import build_model
-from distcore.lazy import LazyInitError, materialize
+from tridist import distcore
+from tridist.bench.models import build_model
+from tridist.distcore.lazy import LazyInitError, materialize
 
 
 def _lazy(build, seed: int = 0):

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.models import MODELS, build_model, make_seed_dataloader, tiny_hf_config, tiny_seed_config
-from bench.models import hf_llama, seed_llama
+from tridist.bench.models import MODELS, build_model, make_seed_dataloader, tiny_hf_config, tiny_seed_config
+from tridist.bench.models import hf_llama, seed_llama
 
 BATCH, SEQ = 2, 16
 

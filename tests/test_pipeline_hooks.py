@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from distcore.pipeline import PipelineConfig, _StageState, install_layer_hooks
+from tridist.distcore.pipeline import PipelineConfig, _StageState, install_layer_hooks
 
 
 class _Layer(torch.nn.Module):
@@ -55,7 +55,7 @@ class _EmbeddingWithMask(torch.nn.Module):
 def test_earlier_module_with_several_outputs_warns_that_later_stages_see_zeros():
     """A later stage sees zeros for what an earlier stage's module computes: the first output is replaced by
     the received activation, the others (a mask, a router loss) stay zeros, which must not pass silently."""
-    from distcore.pipeline import _meta_copy, _StandIn
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
 
     state = _StageState(stage=1, is_first=False, is_last=True)
     stand_in = _StandIn("embed", 0, _meta_copy(_EmbeddingWithMask()), state, "earlier")

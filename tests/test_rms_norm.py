@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import rms_norm_reference
-from kernels.ops.rms_norm import MAX_SINGLE_PASS_COLS
-from kernels.testing import assert_matches_reference, upcast
+from tridist import kernels
+from tridist.kernels.reference import rms_norm_reference
+from tridist.kernels.ops.rms_norm import MAX_SINGLE_PASS_COLS
+from tridist.kernels.testing import assert_matches_reference, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels.reference import rotary_reference
-from kernels.testing import assert_matches_reference, upcast
+from tridist import kernels
+from tridist.kernels.reference import rotary_reference
+from tridist.kernels.testing import assert_matches_reference, upcast
 
 
 def llama_tables(length: int, rotary_dim: int, *, half: bool = False, interleaved: bool = False):

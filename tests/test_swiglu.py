@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.reference import swiglu_reference
-from kernels.ops.swiglu import MAX_BLOCK_N
-from kernels.testing import assert_matches_reference, upcast
+from tridist import kernels
+from tridist.kernels.reference import swiglu_reference
+from tridist.kernels.ops.swiglu import MAX_BLOCK_N
+from tridist.kernels.testing import assert_matches_reference, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One element, a prime width, a width just over one column block (no power-of-two padding), 3-D.

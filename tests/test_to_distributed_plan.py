@@ -6,10 +6,10 @@ import re
 import pytest
 import torch
 
-import autotune
-from bench.models import build_model, make_seed_dataloader
-from distcore import auto as td
-from distcore.tensor_parallel import ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SequenceParallelEnd
+from tridist import autotune
+from tridist.bench.models import build_model, make_seed_dataloader
+from tridist.distcore import auto as td
+from tridist.distcore.tensor_parallel import ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SequenceParallelEnd
 
 
 def _matches(model, plan):

@@ -17,7 +17,7 @@ import itertools
 import pytest
 import torch
 
-from bench import kernels as kb
+from tridist.bench import kernels as kb
 
 DEVICE = kb.resolve_device()
 ON_CUDA = DEVICE.type == "cuda"

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import distcore
-from distcore import ProcessMesh, Shard
-from bench.models import build_model
+from tridist import distcore
+from tridist.distcore import ProcessMesh, Shard
+from tridist.bench.models import build_model
 from tests.distributed.harness import run_checks
 from tests.distributed import tensor_parallel_worker
 from tests.distributed.parallelize_worker import _batches, _model_and_optimizer

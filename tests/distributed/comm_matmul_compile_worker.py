@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels import all_gather_matmul, matmul_reduce_scatter
+from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed.harness import run_checks
 
 
@@ -72,7 +72,7 @@ def check_opcheck():
 
 def check_benchmark_runs():
     """bench/comm_matmul.py on tiny shapes: it runs and reports every variant (no speed is asserted)."""
-    from bench import comm_matmul
+    from tridist.bench import comm_matmul
 
     rows = comm_matmul.run(batch=1, seq=8, hidden=16, out=8, dtype="fp32", iters=1, warmup=0)
     assert [(r["op"], r["variant"]) for r in rows] == [

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels import all_gather_matmul, matmul_reduce_scatter
+from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed.harness import run_checks
 
 GROUPS: dict[str, dist.ProcessGroup] = {}

@@ -12,9 +12,9 @@ from torch.utils.data import (
     BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, SequentialSampler, TensorDataset,
 )
 
-import distcore
-import distcore.dataloader as dataloader_module
-from distcore import ProcessMesh, Replicate, Shard
+from tridist import distcore
+import tridist.distcore.dataloader as dataloader_module
+from tridist.distcore import ProcessMesh, Replicate, Shard
 from tests.distributed.harness import run_checks
 
 FEATURES = 3  # width of each sample's input row

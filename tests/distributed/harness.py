@@ -33,7 +33,9 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     separate machines would. Returns {check: {rank: result}}.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    # cwd=ROOT puts the repository root on the workers' sys.path (`-m tests.distributed...`); tridist
+    # itself comes from the installation, and tests/__init__.py refuses the root's top-level copies.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     if nnodes == 1:
         topology = [["--standalone"]]
     else:

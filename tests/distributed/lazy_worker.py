@@ -8,10 +8,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-import distcore
-from bench.models import build_model
-from distcore import LazyGuard, ProcessMesh, Replicate, Shard
-from distcore.lazy import LazyInitError, materialize
+from tridist import distcore
+from tridist.bench.models import build_model
+from tridist.distcore import LazyGuard, ProcessMesh, Replicate, Shard
+from tridist.distcore.lazy import LazyInitError, materialize
 from tests.distributed.harness import run_checks
 from tests.distributed.tensor_parallel_worker import HF_PLAN, SEED_PLAN
 

@@ -6,7 +6,7 @@ import os
 
 import torch.distributed as dist
 
-import distcore
+from tridist import distcore
 from tests.distributed import parallelize_worker, to_distributed_worker
 from tests.distributed.harness import run_checks
 

@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-import distcore
-from distcore import ProcessMesh, Replicate, Shard
-from distcore.optimizer import ShardingStage1, ShardingStage2, ShardingStage3
+from tridist import distcore
+from tridist.distcore import ProcessMesh, Replicate, Shard
+from tridist.distcore.optimizer import ShardingStage1, ShardingStage2, ShardingStage3
 from tests.distributed.harness import run_checks
 
 GLOBAL_BATCH, STEPS = 8, 3

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import distcore
-from bench.models import build_model
-from distcore import ProcessMesh, Shard
+from tridist import distcore
+from tridist.bench.models import build_model
+from tridist.distcore import ProcessMesh, Shard
 from tests.distributed.harness import run_checks
 
 WORLD, GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB = 4, 8, 12, 3, 128
@@ -130,7 +130,7 @@ def check_config_errors():
             raise AssertionError(f"expected {error_type.__name__} for {config}")
     model, optimizer = _model_and_optimizer()
     assert distcore.parallelize(model, optimizer, None, {"dp_config": {}}) == (model, optimizer)  # no mesh: unchanged
-    from distcore import ShardingStage1
+    from tridist.distcore import ShardingStage1
 
     model, optimizer = _model_and_optimizer()
     zero = distcore.shard_optimizer(optimizer, ShardingStage1("dp", mesh))

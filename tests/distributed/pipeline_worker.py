@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-import distcore
-import kernels
-from bench.models import SeedLlamaModel, build_model, tiny_seed_config
-from distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
+from tridist import distcore
+from tridist import kernels
+from tridist.bench.models import SeedLlamaModel, build_model, tiny_seed_config
+from tridist.distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
 from tests.distributed.harness import run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB, LAYERS = 8, 8, 3, 128, 4
@@ -187,7 +187,7 @@ def check_sequence_parallel_beginning_at_a_stage_boundary():
         "lm_head": [ColWiseParallel(gather_output=True), distcore.SequenceParallelEnd()],
     }
     model = _equal_to_one_process("hf-llama", MP2_PP2, {"mp_config": {"parallelize_plan": plan}, **_pp("hf-llama")})
-    from distcore.tensor_parallel import _PendingSplit
+    from tridist.distcore.tensor_parallel import _PendingSplit
 
     assert not _PendingSplit.pending
     if MP2_PP2.coordinate()[0] == 1:  # stage 1 ran on sequence shards: its norms are sequence parallel

@@ -7,8 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-import distcore
-from distcore import Partial, ProcessMesh, Replicate, Shard
+from tridist import distcore
+from tridist.distcore import Partial, ProcessMesh, Replicate, Shard
 from tests.distributed.harness import run_checks
 
 DENSE = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]  # the notes seed's example tensor

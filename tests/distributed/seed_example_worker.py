@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, Dataset, SequentialSampler
 
-import distcore as dist_api
-from bench.models import build_model
+from tridist import distcore as dist_api
+from tridist.bench.models import build_model
 from tests.distributed.harness import run_checks
 
 SEQ_LEN, HIDDEN, BATCH, SAMPLES, STEPS = 4, 8, 4, 12, 3

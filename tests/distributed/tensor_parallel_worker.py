@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import distcore
-import kernels
-from bench.models import build_model
-from distcore import ColWiseParallel, ProcessMesh, RowWiseParallel, Shard
+from tridist import distcore
+from tridist import kernels
+from tridist.bench.models import build_model
+from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel, Shard
 from tests.distributed.harness import run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB = 4, 8, 3, 128
@@ -157,7 +157,7 @@ def check_sequence_parallel_with_fused_kernels_and_data_parallel():
 def check_implicit_sequence_parallel_stays_inside_the_region():
     """Only norms between Begin and End run on sequence slices; one before or after sees the whole
     sequence and must keep plain parameters (reducing its gradients would multiply them by tp)."""
-    from distcore.tensor_parallel import _sequence_parallel_norms
+    from tridist.distcore.tensor_parallel import _sequence_parallel_norms
 
     toy = torch.nn.Sequential()
     toy.add_module("pre_norm", torch.nn.LayerNorm(8))
@@ -292,7 +292,7 @@ class _CountVocabParallelLosses:
     """Counts the cross entropies computed vocabulary-parallel (the full logits never gathered)."""
 
     def __enter__(self):
-        from distcore import vocab_parallel
+        from tridist.distcore import vocab_parallel
 
         self.function, self.calls = vocab_parallel._VocabParallelCrossEntropy, 0
         original = self.function.apply
@@ -398,7 +398,7 @@ def check_vocab_parallel_cross_entropy_matches_torch():
     vocabulary-parallel) gathers with a warning and stays correct."""
     from torch.distributed.tensor import distribute_tensor
 
-    from distcore.vocab_parallel import _GlobalView
+    from tridist.distcore.vocab_parallel import _GlobalView
 
     tp_mesh = MESH.device_mesh["mp"]
     generator = torch.Generator().manual_seed(5)

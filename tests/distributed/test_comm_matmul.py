@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels import all_gather_matmul, matmul_reduce_scatter
+from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed import comm_matmul_compile_worker, comm_matmul_worker
 from tests.distributed.harness import assert_check, launch
 

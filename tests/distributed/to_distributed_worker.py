@@ -10,9 +10,9 @@ import functools
 import torch
 import torch.distributed as dist
 
-import autotune
-import distcore
-from bench.models import build_model, make_seed_dataloader
+from tridist import autotune
+from tridist import distcore
+from tridist.bench.models import build_model, make_seed_dataloader
 from tests.distributed.harness import run_checks
 
 BATCH, BATCHES, SEQ_LEN, VOCAB, LAYERS = 4, 3, 8, 128, 4
