@@ -14,7 +14,6 @@ of the ColWise projection (each rank holds out / world_size of them).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from tridist.distcore.env import destroy_parallel_env, init_parallel_env
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -96,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args(argv)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_parallel_env()  # NCCL on GPUs (each rank on its LOCAL_RANK's device), gloo otherwise
     try:
         rows = run(batch=args.batch, seq=args.seq, hidden=args.hidden, out=args.out, dtype=args.dtype,
                    iters=args.iters, warmup=args.warmup)
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in rows:
                 print(f"{row['op']:<24}{row['variant']:<12}{row['fwd_ms']:>10.3f}{row['fwd+bwd_ms']:>12.3f}")
     finally:
-        dist.destroy_process_group()
+        destroy_parallel_env()
     return 0
 
 

@@ -20,8 +20,13 @@ import sys
 DEMO_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_attention_heads=4,
                    num_hidden_layers=4, max_position_embeddings=64)
 BATCH_SIZE, BATCH_NUM, SEQ_LENGTH, LEARNING_RATE = 8, 4, 64, 0.1
-# fp32 on both sides; tensor/pipeline/data parallelism only reorder sums (rounding level).
-TOLERANCE = 1e-4
+# fp32 on both sides; tensor/pipeline/data parallelism only reorder sums. A loss is a chain of fp32 sums
+# of a few thousand terms (n): reordered, it moves by at most ~2·n·u ~ 1e-4 of itself (u = 2^-24, the
+# worst case; measured ~1e-7). After an SGD step the parameters may also differ by that relative rounding
+# of their update, which moves the loss by at most 1e-3 of how far training moved it. The same criterion
+# as the test suite's (tests/distributed/equivalence.py); a real bug (a dropped average, a skipped
+# micro-batch) moves the loss by a fraction of its change, orders of magnitude above.
+LOSS_RTOL, DRIFT_RTOL = 1e-4, 1e-3
 
 
 def launch(nproc: int | None) -> int:
@@ -102,13 +107,16 @@ def worker() -> int:
         for step, (a, b) in enumerate(zip(losses, reference)):
             print(f"{step:>4}  {a:12.6f}  {b:12.6f}  {abs(a - b):9.2e}")
         worst = max(abs(a - b) for a, b in zip(losses, reference))
-        same = len(losses) == len(reference) and worst <= TOLERANCE
-        print(f"losses {'match' if same else 'DIFFER from'} one device (max |diff| {worst:.2e}, tolerance {TOLERANCE:g})")
+        allowed = [LOSS_RTOL * abs(b) + DRIFT_RTOL * abs(b - reference[0]) for b in reference]
+        same = len(losses) == len(reference) and all(abs(a - b) <= tol for a, b, tol in zip(losses, reference, allowed))
+        print(f"losses {'match' if same else 'DIFFER from'} one device (max |diff| {worst:.2e}, "
+              f"tolerance {min(allowed):.1e}..{max(allowed):.1e})")
         status = 0 if same else 1
     flag = torch.tensor([status], device=device)
     dist.all_reduce(flag)  # every rank exits with rank 0's verdict
-    dist.destroy_process_group()
-    return int(flag.item())
+    verdict = int(flag.item())
+    distcore.env.destroy_parallel_env()
+    return verdict
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,12 +225,16 @@ class _CrossMeshReshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, source: ProcessMesh, target: ProcessMesh, placements):
         ctx.source, ctx.target = source, target
-        # Gradients flow back as plain (non-Partial) placements of the source.
+        # Gradients flow back as plain (non-Partial) placements of the source, leaving the target in the
+        # plain placements of this output. Not in the incoming gradient's own placements: on ranks outside
+        # the target mesh those are not propagated (they read Replicate() where the target's ranks hold
+        # Shard(0)), and sender and receiver must agree on the layout moved (a direct shard, or the full
+        # value), or a receiver reads a shard as the full tensor and slices uninitialised memory.
         ctx.source_placements = [Replicate() if p.is_partial() else p for p in tensor.placements]
+        ctx.target_placements = [Replicate() if p.is_partial() else p for p in placements]
         return _move_between_meshes(tensor, source, target, placements)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        grad_placements = [Replicate() if p.is_partial() else p for p in grad.placements]
-        grad = grad.redistribute(ctx.target.device_mesh, grad_placements)
+        grad = grad.redistribute(ctx.target.device_mesh, ctx.target_placements)
         return _move_between_meshes(grad, ctx.target, ctx.source, ctx.source_placements), None, None, None

@@ -234,6 +234,19 @@ def _transfer(ring: _Ring, send: torch.Tensor, recv: torch.Tensor):
     )
 
 
+@contextlib.contextmanager
+def _in_flight(works):
+    """Wait for `works` when the block ends, also when it raises: otherwise the work objects and the
+    buffers being received into die with this frame while gloo still writes into them, and a caller
+    that catches the error (a test harness, a retry loop) goes on, or exits, with transfers in flight.
+    Every peer posted its matching operations of this step before its own compute, so the wait ends."""
+    try:
+        yield
+    finally:
+        for work in works:
+            work.wait()
+
+
 def _ring_all_gather(shard: torch.Tensor, ring: _Ring, visit, slots: torch.Tensor | None = None) -> None:
     """Call `visit(src, chunk)` on every rank's shard (own first), each while the next one travels.
 
@@ -255,9 +268,8 @@ def _ring_all_gather(shard: torch.Tensor, ring: _Ring, visit, slots: torch.Tenso
             # stream waits for the compute stream when an op is posted, so the visit is done too).
             incoming = slots[(src - 1) % size] if slots is not None else spares[step % 2]
             works = _transfer(ring, current, incoming)
-        visit(src, current)  # computes while `incoming` travels
-        for work in works:
-            work.wait()
+        with _in_flight(works):
+            visit(src, current)  # computes while `incoming` travels
         if incoming is not None:
             current = incoming
 
@@ -275,10 +287,8 @@ def _ring_reduce_scatter(partial, ring: _Ring, out_dtype: torch.dtype) -> torch.
     spares = [torch.empty_like(total) for _ in range(min(2, size - 1))]
     for step in range(1, size):
         incoming = spares[(step - 1) % 2]  # last sent two steps ago, that send waited: free
-        works = _transfer(ring, total, incoming)
-        contribution = partial((rank - 1 - step) % size)  # the chunk whose running sum arrives
-        for work in works:
-            work.wait()
+        with _in_flight(_transfer(ring, total, incoming)):
+            contribution = partial((rank - 1 - step) % size)  # the chunk whose running sum arrives
         total = incoming.add_(contribution)
     return total.to(out_dtype)  # the chunk of this rank, summed over all ranks: cast once
 

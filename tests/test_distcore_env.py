@@ -73,3 +73,20 @@ def test_mesh_geometry_without_a_process_group():
     assert mesh.get_mesh_with_dim("dp", 1).process_ids == [4, 5, 6, 7]
     assert mesh.coordinate(5) == [1, 0, 1] and mesh.coordinate(9) is None
     assert mesh.get_dim_size("mp") == 2 and 7 in mesh and 8 not in mesh
+
+
+def test_gloo_group_is_destroyed_at_exit():
+    """A script that never destroys its group (the Paddle loops don't) has it destroyed by an exit handler
+    while the interpreter is alive: a gloo group left to finalisation can abort the process."""
+    code = """
+import atexit
+import torch.distributed as dist
+from tridist import distcore
+distcore.init_parallel_env()
+assert dist.is_initialized()
+atexit._run_exitfuncs()
+assert not dist.is_initialized()
+print("ok")
+"""
+    run = run_python(code)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

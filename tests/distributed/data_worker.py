@@ -15,6 +15,7 @@ from torch.utils.data import (
 from tridist import distcore
 import tridist.distcore.dataloader as dataloader_module
 from tridist.distcore import ProcessMesh, Replicate, Shard
+from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
 FEATURES = 3  # width of each sample's input row
@@ -310,13 +311,24 @@ class MLP(torch.nn.Module):
         return "mlp"
 
 
-def _train(model, batches, steps: int) -> None:
+def _train(model, batches, steps: int, *, forward=None) -> equivalence.Trace:
+    """SGD steps; the trace holds the plain module's parameters (DDP's .module: Paddle's names). The
+    loss of a data-parallel rank is its own rows' mean, so losses are not compared."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _, (inputs, targets) in zip(range(steps), batches):
-        loss = torch.nn.functional.mse_loss(model(distcore.local_value(inputs)), distcore.local_value(targets))
+    plain = getattr(model, "module", model)
+    trace = equivalence.Trace()
+    for step, batch in zip(range(steps), batches):
+        loss = (forward or _mse)(model, step, batch)
         loss.backward()
+        trace.step(plain, loss)
         optimizer.step()
         optimizer.zero_grad()
+    return trace.end(plain)
+
+
+def _mse(model, step, batch):
+    inputs, targets = batch
+    return torch.nn.functional.mse_loss(model(distcore.local_value(inputs)), distcore.local_value(targets))
 
 
 def check_data_parallel_matches_one_process():
@@ -331,7 +343,7 @@ def check_data_parallel_matches_one_process():
 
     torch.manual_seed(0)
     reference = MLP()
-    _train(reference, epochs(lambda: iter(loader)), steps)
+    ref_trace = _train(reference, epochs(lambda: iter(loader)), steps)
 
     torch.manual_seed(0)
     model = distcore.DataParallel(MLP())
@@ -339,9 +351,7 @@ def check_data_parallel_matches_one_process():
     assert model.config == {"hidden_size": 8} and model.describe() == "mlp" and isinstance(model.module, MLP)
     assert set(model.state_dict()) == set(reference.state_dict())  # Paddle's keys: no "module." prefix
     dist_loader = distcore.shard_dataloader(loader, ProcessMesh([0, 1, 2, 3], ["dp"]), shard_dims="dp")
-    _train(model, epochs(dist_loader), steps)
-    for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
-        assert torch.allclose(got, want, atol=1e-5), name
+    equivalence.assert_same_training(_train(model, epochs(dist_loader), steps), ref_trace, losses=False)
 
 
 def check_data_parallel_over_the_dp_dim_of_a_2x2_mesh():
@@ -374,13 +384,12 @@ def check_data_parallel_over_the_dp_dim_of_a_2x2_mesh():
     loader = DataLoader(dataset, batch_size=8)
     torch.manual_seed(0)
     reference = MLP()
-    _train(reference, (batch for _ in range(2) for batch in loader), steps)
+    ref_trace = _train(reference, (batch for _ in range(2) for batch in loader), steps)
     torch.manual_seed(0)
     model = distcore.DataParallel(MLP(), group=(mesh, "dp"))
     dist_loader = distcore.shard_dataloader(loader, mesh, shard_dims="dp")
-    _train(model, (batch for _ in range(2) for batch in dist_loader), steps)
-    for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
-        assert torch.allclose(got, want, atol=1e-5), name
+    trace = _train(model, (batch for _ in range(2) for batch in dist_loader), steps)
+    equivalence.assert_same_training(trace, ref_trace, losses=False)
 
 
 class NestedSamples(Dataset):
@@ -413,17 +422,12 @@ def check_data_parallel_takes_shard_dataloader_batches():
     loader = DataLoader(dataset, batch_size=8)
     scale = [torch.tensor(1.0)]
 
-    def train(model, batches):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step, batch in zip(range(steps), batches):
-            loss = model(batch, scale=scale) if step % 2 else model(batch=batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    def forward(model, step, batch):
+        return model(batch, scale=scale) if step % 2 else model(batch=batch)
 
     torch.manual_seed(0)
     reference = LossMLP()
-    train(reference, (batch for _ in range(2) for batch in loader))
+    ref_trace = _train(reference, (batch for _ in range(2) for batch in loader), steps, forward=forward)
     torch.manual_seed(0)
     mesh = ProcessMesh([0, 1, 2, 3], ["dp"])
     model = distcore.DataParallel(LossMLP(), group=mesh)  # a 1-D mesh, the same on every rank
@@ -431,14 +435,12 @@ def check_data_parallel_takes_shard_dataloader_batches():
     dist_loader = distcore.shard_dataloader(loader, mesh, shard_dims="dp")
     batch = next(iter(dist_loader))
     assert isinstance(batch["inputs"][0], DTensor) and isinstance(batch["targets"], DTensor)
-    train(model, (batch for _ in range(2) for batch in dist_loader))
-    for (name, got), want in zip(model.module.named_parameters(), reference.parameters()):
-        assert torch.allclose(got, want, atol=1e-5), name
+    trace = _train(model, (batch for _ in range(2) for batch in dist_loader), steps, forward=forward)
+    equivalence.assert_same_training(trace, ref_trace, losses=False)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
     distcore.init_parallel_env()
-    run_checks(CHECKS)
-    dist.destroy_process_group()
+    run_checks(CHECKS)  # ends the process group

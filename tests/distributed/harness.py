@@ -3,6 +3,8 @@
 Launching processes costs seconds (each imports torch), so a worker module holds many checks: every
 rank runs all of them in the same order (collectives require it) and appends each result to its own
 JSON-lines file as it goes. A check that hangs is reported by name: the last one without a result.
+A launch that ends badly (a worker crashed or aborted, even after writing all its results, or a
+timeout) fails every test of the suite, with torchrun's exit status and the tail of its stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Callable
+
+import torch.distributed as dist
+
+from tridist.distcore.env import destroy_parallel_env
+from tests.distributed import equivalence
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,18 +88,34 @@ def assert_check(results: dict, name: str, *, nproc: int) -> None:
     assert not missing, f"check {name!r} has no result on ranks {missing} (hung or crashed). {launch_failure or ''}"
     failures = {r: rec["error"] for r, rec in by_rank.items() if rec["status"] != "ok"}
     assert not failures, "\n".join(f"rank {r}:\n{e}" for r, e in sorted(failures.items()))
+    # A process that aborts at exit (a C++ terminate in teardown) has written every result: its crash
+    # is a failure of the suite all the same, and of each of its tests.
+    assert launch_failure is None, f"check {name!r} passed, but the launch ended badly: {launch_failure}"
 
 
 def run_checks(checks: dict[str, Callable[[], None]]) -> None:
-    """Worker side: run every check on this rank, appending one JSON line per result."""
+    """Worker side: run every check on this rank, appending one JSON line per result (with the
+    equivalence margins the check measured), then end the process group."""
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     path = out_dir / f"rank{rank}.jsonl"
     for name, check in checks.items():
+        equivalence.MEASURED.clear()
         try:
             check()
             record = {"check": name, "status": "ok"}
         except Exception:  # noqa: BLE001 - reported to the test
             record = {"check": name, "status": "fail", "error": traceback.format_exc()[-4000:]}
+        record["measured"] = dict(equivalence.MEASURED)  # largest error / allowed, per kind
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Leave together: a barrier (no rank tears down gloo while a peer still talks to it), then end every
+    process group while the interpreter is fully alive, letting gloo's threads finish their last work
+    (distcore.env.destroy_parallel_env says why: otherwise a process can abort at exit)."""
+    if dist.is_initialized():
+        dist.barrier()
+        destroy_parallel_env()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch.distributed as dist
-
 from tridist import distcore
 from tests.distributed import parallelize_worker, to_distributed_worker
 from tests.distributed.harness import run_checks
@@ -34,5 +32,4 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 if __name__ == "__main__":
     distcore.init_parallel_env()
-    run_checks(CHECKS)
-    dist.destroy_process_group()
+    run_checks(CHECKS)  # ends the process group

@@ -4,6 +4,7 @@ parameters), with the user's plain loop."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -14,6 +15,7 @@ from tridist import distcore
 from tridist import kernels
 from tridist.bench.models import SeedLlamaModel, build_model, tiny_seed_config
 from tridist.distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
+from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB, LAYERS = 8, 8, 3, 128, 4
@@ -39,44 +41,36 @@ def _model(name: str, fused: bool = False):
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def _train(model, optimizer, mesh=None):
-    losses = []
-    for inputs, labels in _batches():
-        if mesh is not None and "dp" in mesh.dim_names:  # global-view batches, as shard_dataloader yields them
-            placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
-            inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
+def _train(model, optimizer, mesh=None, batches=None) -> equivalence.Trace:
+    trace = equivalence.Trace()
+    for inputs, labels in batches or _batches():
+        trace.step(model, _forward_backward(model, mesh, inputs, labels))
         optimizer.step()
         optimizer.zero_grad()  # parallelize's optimizer also has Paddle's clear_grad
-        losses.append(loss.item())
-    return losses
+    return trace.end(model)
 
 
-_REFERENCES: dict = {}
+def _forward_backward(model, mesh, inputs, labels):
+    if mesh is not None and "dp" in mesh.dim_names:  # global-view batches, as shard_dataloader yields them
+        placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
+        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
+    loss, _ = model(inputs, labels=labels)
+    loss.backward()
+    return loss
 
 
-def _reference(name: str):
-    if name not in _REFERENCES:
-        model, optimizer = _model(name)  # unfused: the fused kernels must match eager
-        _REFERENCES[name] = (_train(model, optimizer), {n: p.detach().clone() for n, p in model.named_parameters()})
-    return _REFERENCES[name]
+@functools.cache  # one single-process run per model, shared by the checks (they only read it)
+def _reference(name: str) -> equivalence.Trace:
+    return _train(*_model(name))  # unfused: the fused kernels must match eager
 
 
 def _equal_to_one_process(name: str, mesh: ProcessMesh, config: dict, *, fused: bool = False):
-    ref_losses, ref_params = _reference(name)
-    model, optimizer = _model(name, fused=fused)
-    model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
-    losses = _train(model, optimizer, mesh)
-    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    names = [n for n, _ in model.named_parameters()]
-    assert names and set(names) < set(ref_params), names  # this stage's parameters only, same names
+    model, optimizer = distcore.parallelize(*_model(name, fused=fused), mesh, config)
+    trace = _train(model, optimizer, mesh)
+    equivalence.assert_same_training(trace, _reference(name))
+    names = set(trace.parameters)
+    assert names and names < set(_reference(name).parameters), names  # this stage's parameters only, same names
     assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
-    initial = dict(_model(name)[0].named_parameters())
-    for pname, param in model.named_parameters():
-        full = distcore.unshard_dtensor(param.detach())
-        assert torch.allclose(full, ref_params[pname], atol=5e-5), (pname, (full - ref_params[pname]).abs().max())
-        assert not torch.equal(full, initial[pname].detach()), f"{pname} was never updated"
     return model
 
 
@@ -92,16 +86,12 @@ def check_lazy_model_materialises_only_its_stage():
     reference = lazy()
     for tensor in [*reference.parameters(), *reference.buffers()]:
         tensor.initialize()
-    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.5))
+    ref_trace = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.5))
     model = lazy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # built from meta parameters, as users do
     model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 2}, **_pp("hf-llama")})
     assert not [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
-    losses = _train(model, optimizer, DP2_PP2)
-    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    ref_params = dict(reference.named_parameters())
-    for pname, param in model.named_parameters():
-        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+    equivalence.assert_same_training(_train(model, optimizer, DP2_PP2), ref_trace)  # initial values: exact
 
 
 def _pp(name: str, **pp_extra) -> dict:
@@ -205,7 +195,8 @@ def check_evaluation_runs_forward_only():
     with torch.no_grad():
         loss, _ = model(inputs, labels=labels)
         expected, _ = reference(inputs, labels=labels)
-    assert abs(loss.item() - expected.item()) < 2e-5 and not loss.requires_grad
+    equivalence.assert_losses_close([loss.item()], [expected.item()])
+    assert not loss.requires_grad
     assert all(p.grad is None for p in model.parameters())
     # The stages follow the model's own modes, module by module: a submodule the user put in eval mode
     # (dropout off in one part) stays so while the model trains.
@@ -264,35 +255,26 @@ def check_checkpoint_moves_between_pipeline_and_other_layouts():
         model, _ = _model("hf-llama")
         return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
 
-    reference, ref_optimizer = model_and_optimizer()
-    ref_losses = _train(reference, ref_optimizer)
+    reference = _train(*model_and_optimizer())
     batches = _batches()
-    model, optimizer = model_and_optimizer()
-    model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")})
-    for inputs, labels in batches[:2]:
-        _step(model, optimizer, DP2_PP2, inputs, labels)
+    model, optimizer = distcore.parallelize(*model_and_optimizer(), DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")})
+    saved = _train(model, optimizer, DP2_PP2, batches[:2])
     distcore.save_state(model, optimizer, path)
     for mesh, config in [
         (ProcessMesh([0, 1, 2, 3], ["dp"]), {"dp_config": {"sharding_level": 1}}),
         (PP4, _pp("hf-llama", schedule="GPipe")),
     ]:
-        model, optimizer = model_and_optimizer()
-        model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
+        model, optimizer = distcore.parallelize(*model_and_optimizer(), mesh, config)
         distcore.load_state(model, optimizer, path)
-        loss = _step(model, optimizer, mesh, *batches[2])
-        assert abs(loss - ref_losses[2]) < 2e-5, (config, loss, ref_losses[2])
-        ref_params = dict(reference.named_parameters())
-        for pname, param in model.named_parameters():
-            full = distcore.unshard_dtensor(param.detach())
-            assert torch.allclose(full, ref_params[pname].detach(), atol=5e-5), (config, pname)
+        resumed = _train(model, optimizer, mesh, batches[2:])
+        # The whole run: the saved run's first two steps, the resumed third, against three uninterrupted steps.
+        equivalence.assert_losses_close(saved.losses + resumed.losses, reference.losses)
+        moved = {n: reference.parameters[n] - reference.initial[n] for n in resumed.parameters}
+        equivalence.assert_tensors_close(f"parameters resumed under {mesh.dim_names}", resumed.parameters, reference.parameters, scale=moved)
 
 
 def _step(model, optimizer, mesh, inputs, labels) -> float:
-    if "dp" in mesh.dim_names:
-        placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
-        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
-    loss, _ = model(inputs, labels=labels)
-    loss.backward()
+    loss = _forward_backward(model, mesh, inputs, labels)
     optimizer.step()
     optimizer.zero_grad()
     return loss.item()
@@ -317,32 +299,30 @@ def check_batch_shapes_change_and_gradients_accumulate_across_calls():
         return tuple(torch.randint(0, VOCAB, (size, length), generator=generator) for _ in range(2))
 
     first, evaluated, other_eval, accumulated, last = batch(8, 8), batch(4, 8), batch(8, 6), batch(4, 6), batch(8, 8)
-    results = []
+    traces = []
     for parallel in (False, True):
         model, optimizer = _model("hf-llama")
         if parallel:
             model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 2}, **_pp("hf-llama")})
-        losses = []
+        trace = equivalence.Trace()
         for step in (first, accumulated):
             # Training: this dp rank's rows; the loss shown is the global mean, as one process computes it.
             loss, _ = model(*_local_rows(DP2_PP2, step[0]), labels=_local_rows(DP2_PP2, step[1])[0]) if parallel else model(step[0], labels=step[1])
             loss.backward()
-            losses.append(loss.item())
+            trace.add_loss(loss)
             model.eval()
             with torch.no_grad():  # evaluation: the loss of this pipeline's rows, on both sides
                 for inputs, labels in (evaluated, other_eval):
                     inputs, labels = _local_rows(DP2_PP2, inputs, labels)
-                    losses.append(model(inputs, labels=labels)[0].item())
+                    trace.add_loss(model(inputs, labels=labels)[0])
             model.train()
+        trace.before_first_update(model)  # the gradients of both calls, accumulated
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(_step(model, optimizer, DP2_PP2 if parallel else PP4, *last))
-        results.append((losses, model))
-    (ref_losses, reference), (losses, model) = results
-    assert all(abs(a - b) < 2e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
-    ref_params = dict(reference.named_parameters())
-    for pname, param in model.named_parameters():
-        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+        trace.add_loss(_step(model, optimizer, DP2_PP2 if parallel else PP4, *last))
+        traces.append(trace.end(model))
+    reference, trace = traces
+    equivalence.assert_same_training(trace, reference)
 
 
 def check_scaling_the_returned_loss_scales_the_gradients():
@@ -350,24 +330,25 @@ def check_scaling_the_returned_loss_scales_the_gradients():
     The schedule ran the backward inside model(...), so the factor reaches the gradients afterwards."""
     generator = torch.Generator().manual_seed(12)
     batches = [tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2)) for _ in range(2)]
-    models = []
+    traces = []
     for parallel in (False, True):
         model, optimizer = _model("seed-llama")
         if parallel:
             model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
+        trace = equivalence.Trace()
         for _ in range(2):  # gradients freed before the first round, zeroed (Paddle's clear_grad) before the second
             for inputs, labels in batches:
                 if parallel:
                     inputs, labels = _local_rows(DP2_PP2, inputs, labels)
                 loss, _ = model(inputs, labels=labels)
                 (loss / 2).backward()
+                trace.add_loss(loss)
+            trace.before_first_update(model)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-        models.append(model)
-    reference, model = models
-    ref_params = dict(reference.named_parameters())
-    for pname, param in model.named_parameters():
-        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+        traces.append(trace.end(model))
+    reference, trace = traces
+    equivalence.assert_same_training(trace, reference)
     # A loss whose gradients were already merged with a later call's cannot be scaled any more: refused.
     inputs, labels = _local_rows(DP2_PP2, *batches[0])
     stale, _ = model(inputs, labels=labels)
@@ -392,7 +373,7 @@ class _LogitsLossModel(SeedLlamaModel):
 
 def check_loss_computed_from_vocabulary_parallel_logits():
     """mp2 x pp2, the bare LM head split over the vocabulary: the last stage's loss is the full value."""
-    models, losses = [], []
+    traces = []
     for parallel in (False, True):
         torch.manual_seed(0)
         model = _LogitsLossModel(tiny_seed_config(num_hidden_layers=LAYERS))
@@ -400,12 +381,8 @@ def check_loss_computed_from_vocabulary_parallel_logits():
         if parallel:
             config = {"mp_config": {"parallelize_plan": {"weight": ColWiseParallel()}}, **_pp("seed-llama")}
             model, optimizer = distcore.parallelize(model, optimizer, MP2_PP2, config)
-        losses.append(_train(model, optimizer))
-        models.append(model)
-    assert all(abs(a - b) < 2e-5 for a, b in zip(*losses)), losses
-    ref_params = dict(models[0].named_parameters())
-    for pname, param in models[1].named_parameters():
-        assert torch.allclose(distcore.unshard_dtensor(param.detach()), ref_params[pname].detach(), atol=5e-5), pname
+        traces.append(_train(model, optimizer))
+    equivalence.assert_same_training(traces[1], traces[0])
 
 
 def check_evaluation_on_one_pipeline_only():
@@ -421,11 +398,11 @@ def check_evaluation_on_one_pipeline_only():
         with torch.no_grad():
             loss, _ = model(inputs, labels=labels)
             expected, _ = reference(inputs, labels=labels)
-        assert abs(loss.item() - expected.item()) < 2e-5, (loss.item(), expected.item())
+        equivalence.assert_losses_close([loss.item()], [expected.item()])
     torch.distributed.barrier()
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
-    run_checks(CHECKS)
+    run_checks(CHECKS)  # ends the process group

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from tridist import distcore
 from tridist.distcore import Partial, ProcessMesh, Replicate, Shard
+from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
 DENSE = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]  # the notes seed's example tensor
@@ -69,7 +70,8 @@ def check_shard_tensor_on_a_2d_mesh_and_partial():
     partial = distcore.shard_tensor(dense, mesh, [Partial(), Replicate()])
     expected_local = dense if rank() // 2 == 0 else torch.zeros_like(dense)  # first along the partial dim holds it
     assert torch.equal(distcore.local_value(partial), expected_local)
-    assert torch.allclose(distcore.unshard_dtensor(distcore.reshard(partial, mesh, [Replicate(), Replicate()])), dense)
+    # Exact: the sum over the partial dim adds zeros to the one rank's value.
+    assert torch.equal(distcore.unshard_dtensor(distcore.reshard(partial, mesh, [Replicate(), Replicate()])), dense)
     rows = distcore.reshard(both, mesh, [Shard(0), Replicate()])
     assert torch.equal(distcore.local_value(rows), dense[2 * r : 2 * r + 2])
 
@@ -131,23 +133,25 @@ def check_reshard_across_meshes_of_other_shapes_and_overlap():
 
 
 def check_reshard_across_meshes_is_differentiable():
-    """y = x @ w0 on stage 0, reshard to stage 1, z = y @ w1: gradients match one process."""
+    """y = x @ w0 on stage 0, reshard to stage 1, z = y @ w1, a squared error against each row's own
+    target (a sum over rows alone could not tell rows apart): loss and gradients match one process."""
     torch.manual_seed(0)
-    x, w0, w1 = torch.randn(4, 6), torch.randn(6, 5), torch.randn(5, 3)
+    x, w0, w1, target = torch.randn(4, 6), torch.randn(6, 5), torch.randn(5, 3), torch.randn(4, 3)
     stage0, stage1 = ProcessMesh([0, 1], ["dp"]), ProcessMesh([2, 3], ["dp"])
     d_w0 = distcore.shard_tensor(torch.nn.Parameter(w0.clone()), stage0, [Replicate()])
     d_w1 = distcore.shard_tensor(torch.nn.Parameter(w1.clone()), stage1, [Replicate()])
     d_x = distcore.shard_tensor(x, stage0, [Shard(0)])  # data parallel over the stage's two ranks
     y = distcore.reshard(d_x @ d_w0, stage1, [Shard(0)])
-    loss = (y @ d_w1).sum()
+    loss = ((y @ d_w1 - distcore.shard_tensor(target, stage1, [Shard(0)])) ** 2).sum()
     loss.backward()
     ref_w0, ref_w1 = w0.clone().requires_grad_(), w1.clone().requires_grad_()
-    ((x @ ref_w0) @ ref_w1).sum().backward()
+    ref_loss = (((x @ ref_w0) @ ref_w1 - target) ** 2).sum()
+    ref_loss.backward()
     if rank() in (0, 1):
-        assert torch.allclose(distcore.unshard_dtensor(d_w0.grad), ref_w0.grad, atol=1e-5)
+        equivalence.assert_tensors_close("gradients", {"w0": distcore.unshard_dtensor(d_w0.grad)}, {"w0": ref_w0.grad})
     else:
-        assert torch.allclose(distcore.unshard_dtensor(d_w1.grad), ref_w1.grad, atol=1e-5)
-        assert abs(distcore.unshard_dtensor(loss).item() - ((x @ w0) @ w1).sum().item()) < 1e-4
+        equivalence.assert_tensors_close("gradients", {"w1": distcore.unshard_dtensor(d_w1.grad)}, {"w1": ref_w1.grad})
+        equivalence.assert_losses_close([distcore.unshard_dtensor(loss).item()], [ref_loss.item()])
 
 
 def check_per_rank_meshes_cannot_back_groups():
@@ -201,5 +205,4 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 if __name__ == "__main__":
     distcore.init_parallel_env()
-    run_checks(CHECKS)
-    dist.destroy_process_group()
+    run_checks(CHECKS)  # ends the process group

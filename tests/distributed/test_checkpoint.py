@@ -1,8 +1,9 @@
 """save_state under one layout, load_state under another: ZeRO-3 on 4 processes, or dp2 x mp2 tensor
-parallel on 4 processes; resumed under sharding level 1 on 2 processes and on a single process:
-training continues exactly (same next loss, same parameters). Packed projections (split per part)
-and a vocabulary-parallel LM head saved under dp2 x mp2 resume under mp4 and on a single process
-exactly as an uninterrupted single-process run."""
+parallel on 4 processes; resumed under sharding level 1 on 2 processes and on a single process: every
+parameter and optimizer state resumes bit for bit, and the next step equals the saving run's within
+rounding (tests/distributed/equivalence.py). Packed projections (split per part) and a
+vocabulary-parallel LM head saved under dp2 x mp2 resume under mp4 and on a single process as an
+uninterrupted single-process run."""
 
 import pytest
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tridist import autotune
 from tridist import distcore
 from tridist.bench.models import build_model, make_seed_dataloader
+from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
 BATCH, BATCHES, SEQ_LEN, VOCAB, LAYERS = 4, 3, 8, 128, 4
@@ -29,16 +30,16 @@ def _loader():
 
 
 @functools.cache  # one single-device run per model, shared by the checks
-def _reference(name: str):
+def _reference(name: str) -> equivalence.Trace:
     model, optimizer = _model(name)
-    losses = []
+    trace = equivalence.Trace()
     for inputs, labels in _loader():
         loss, _ = model(inputs, labels=labels)
         loss.backward()
+        trace.step(model, loss)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return trace.end(model)
 
 
 def _seed_loop(name: str = "seed-llama", *, node_num: int = 1, **config_fields):
@@ -48,18 +49,18 @@ def _seed_loop(name: str = "seed-llama", *, node_num: int = 1, **config_fields):
     dist_model, dist_opt, dist_loader = distcore.to_distributed(
         model, opt, _loader(), device_num=dist.get_world_size() // node_num, node_num=node_num, config=dist_config
     )
-    losses = []
+    trace = equivalence.Trace()
     for epoch in range(1):
         dist_model.train()
         for i, data in enumerate(dist_loader()):
             inputs, labels = data
             loss, _ = dist_model(inputs, labels=labels)
             loss.backward()
+            trace.step(dist_model, loss)
             dist_opt.step()
             dist_opt.clear_grad()
-            losses.append(loss.item())
-    reference = _reference(name)
-    assert len(losses) == BATCHES and all(abs(a - b) < 2e-5 for a, b in zip(losses, reference)), (losses, reference)
+    assert len(trace.losses) == BATCHES, trace.losses
+    equivalence.assert_same_training(trace.end(dist_model), _reference(name))
     return dist_model, dist_opt, dist_loader
 
 
@@ -114,17 +115,17 @@ def check_mixed_precision_computes_in_bf16_with_fp32_master_weights():
     model, opt, loader = distcore.to_distributed(
         model, opt, _loader(), device_num=world, config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16", fuse_kernels=False)
     )
-    losses = []
+    trace = equivalence.Trace()
     for inputs, labels in loader():
         loss, _ = model(inputs, labels=labels)
         loss.backward()
+        trace.step(model, loss)
         opt.step()
         opt.clear_grad()
-        losses.append(loss.item())
-    reference = _reference("seed-llama")
     assert seen and set(seen) == {torch.bfloat16}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded fp32 master weights
-    assert all(abs(a - b) < 5e-2 for a, b in zip(losses, reference)), (losses, reference)  # bf16 rounding only
+    equivalence.assert_same_training(trace.end(model), _reference("seed-llama"), rtol=equivalence.BF16_RTOL,
+                                     loss_rtol=equivalence.BF16_LOSS_RTOL)  # bf16 rounding only
 
 
 def check_invalid_forced_strategy_is_refused():
@@ -148,4 +149,4 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 if __name__ == "__main__":
     distcore.init_parallel_env()
-    run_checks(CHECKS)
+    run_checks(CHECKS)  # ends the process group

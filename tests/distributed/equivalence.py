@@ -1,0 +1,170 @@
+"""When does a distributed run compute what one process computes? The criteria every *_worker.py uses,
+and why their tolerances are what they are. Nothing here is fitted to one machine's BLAS.
+
+Rounding. fp32's unit roundoff is u = 2^-24 ~ 6.0e-8. A sum of n terms, in any order, blocking or split
+over ranks, errs from the exact sum by at most (n - 1)·u·Σ|terms| (Higham, Accuracy and Stability of
+Numerical Algorithms, §4.2); two evaluations in different orders (one process vs. shards or micro-batches,
+one CPU's BLAS blocking vs. another's) differ by at most twice that. A gradient of the tiny models here
+is a chain of such sums: over the tokens of a batch (<= 96), the hidden size (64), the MLP width (176),
+the vocabulary (128), the sequence (<= 12), forward and backward through <= 4 layers. Counting every
+contraction of the chain one after the other, n <= 96 + 4·2·(64 + 176 + 128 + 12) ~ 3100, so
+2·n·u ~ 4e-4 relative to Σ|terms| in the worst case (every rounding of the same sign; in practice they
+are random and add up like sqrt(n)·u ~ 3e-6). Measured over every suite: first-step gradients differ by
+<= 7e-7 relative (each check's result holds its `measured` error/allowed ratios; see run_checks).
+
+Bugs move a gradient by a fixed fraction: a data-parallel average dropped or applied twice (a factor of
+dp, an error >= 1/2), one of m micro-batches skipped or counted twice (1/m >= 1/8 here), a wrong shard
+offset or a missing reduction (O(1)). RTOL = 1e-3 sits between the two: above the worst-case rounding
+bound, two orders of magnitude below the smallest bug.
+
+What is compared, and when:
+- gradients of the first step, before any optimizer step can amplify rounding: per tensor, norm-wise,
+  ||g - g_ref|| <= RTOL·(||g_ref|| + FLOOR·rms(all of g_ref)·sqrt(numel)). The floor is for a tensor
+  whose gradient nearly cancels: its rounding error is set by the size of its terms, not of their sum,
+  and the model's typical gradient element stands for that size. FLOOR = 1e-2: the smallest real
+  tensor here (hf-llama's deepest q_proj) has 1.2e-2 of the model's rms, so the floor at most doubles
+  its tolerance, while a tensor that cancels to 0 is still held to 1e-5 of the typical element;
+- parameters after several steps, only with optimizers that cannot amplify rounding: SGD (with or
+  without momentum: linear in the gradients), or AdamW with eps raised to 1e-3 (its first update
+  lr·g/(|g| + eps) moves by at most the gradient's relative error; with eps = 1e-8 an element whose
+  gradient is rounding noise gets ±lr by the sign of that noise, which is what broke on another
+  machine). The error is measured against how far training moved each tensor, ||θ_ref - θ_0||, with
+  the same RTOL and FLOOR: relative to that displacement, a step adds the gradients' relative rounding
+  and the curvature carries earlier differences on by (1 + lr·||H||) per step (measured: <= 5e-5
+  after 3 SGD steps at lr 0.5, 20x under RTOL), while a bug in the update (a shard not stepped,
+  stepped twice, a wrong state or hyper-parameter) is O(1e-2..1) of it;
+- losses: |l - l_ref| <= LOSS_RTOL·|l_ref| + RTOL·|l_ref - l_ref[0]|. The first term is the forward's
+  own rounding (a loss is one chain of the sums above, 2·n·u < 1e-4 relative to it: LOSS_RTOL); the
+  second is the parameters' allowed drift (they may differ by RTOL of the displacement that moved the
+  loss by |l_ref - l_ref[0]|). Measured: <= 2e-3 of that allowance.
+
+Exact by construction (compared with torch.equal elsewhere): initial values (the same seed, sharding
+only moves values), materialised shards, data loading, checkpointed state after a load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tridist.distcore import unshard_dtensor
+
+U = 2.0**-24  # fp32 unit roundoff
+RTOL = 1e-3
+FLOOR = 1e-2
+LOSS_RTOL = 1e-4
+# bf16 compute (FSDP2's param_dtype) against the fp32 reference: bf16's unit roundoff is 2^-8 ~ 3.9e-3,
+# and every op's output is rounded to it, about d ~ 64 roundings along a gradient's path forward and
+# backward through these models. They are independent (and the same on any machine: fp32 differences
+# of ~1e-7 rarely flip a bf16 rounding), so they add up like sqrt(d)·2^-8 ~ 3e-2 (measured: 1e-2). 0.1
+# leaves 3x over that and stays 5x under the smallest bug it must see (a dp average dropped, >= 1/2).
+BF16_RTOL = 0.1
+# A loss near ln(vocabulary) is a mean over tokens of log-softmax terms of O(1) logits, each rounded
+# to 2^-8 relative: 4·2^-8 covers it (measured: 1e-4 relative, the mean averages the roundings away).
+BF16_LOSS_RTOL = 4 * 2.0**-8
+
+# The largest error / allowed ratio seen per kind of comparison in the current check: run_checks writes it
+# into the check's result (the margin of that check is its inverse).
+MEASURED: dict[str, float] = {}
+
+
+def record(kind: str, ratio: float) -> None:
+    MEASURED[kind] = max(MEASURED.get(kind, 0.0), ratio)
+
+
+def full_values(tensors: dict) -> dict:
+    """{name: the full (unsharded) tensor, detached}; a collective where tensors are DTensors (every rank
+    of their meshes must call it, in the same order). None stays None (a parameter without gradient)."""
+    return {name: None if t is None else unshard_dtensor(t.detach()).clone() for name, t in tensors.items()}
+
+
+def _named_parameters(model) -> dict:
+    return model if isinstance(model, dict) else dict(model.named_parameters())
+
+
+def gradients(model) -> dict:
+    return full_values({name: p.grad for name, p in _named_parameters(model).items()})
+
+
+def parameters(model) -> dict:
+    return full_values(_named_parameters(model))
+
+
+def assert_tensors_close(kind: str, got: dict, want: dict, *, scale: dict | None = None, rtol: float = RTOL) -> None:
+    """Per tensor: ||got - want|| <= rtol·(||scale|| + FLOOR·rms(all of scale)·sqrt(numel)); scale
+    defaults to `want` (see the module docstring for what it is for parameters). `got` may hold a subset
+    of `want`'s names (a pipeline stage's own parameters)."""
+    scale = want if scale is None else scale
+    unknown = sorted(set(got) - set(want))
+    assert not unknown, f"{kind}: not in the reference: {unknown}"
+    present = [s.double() for s in scale.values() if s is not None]
+    rms = math.sqrt(sum(float(s.square().sum()) for s in present) / max(1, sum(s.numel() for s in present)))
+    problems = []
+    for name, value in got.items():
+        if (value is None) != (want[name] is None):
+            problems.append(f"{name}: {'none' if value is None else 'a'} gradient, the reference has {'none' if want[name] is None else 'one'}")
+            continue
+        if value is None:
+            continue
+        if value.shape != want[name].shape:
+            problems.append(f"{name}: shape {tuple(value.shape)} != {tuple(want[name].shape)}")
+            continue
+        error = float((value.double() - want[name].double()).norm())
+        size = float(scale[name].double().norm())
+        allowed = rtol * (size + FLOOR * rms * math.sqrt(value.numel()))
+        record(kind, error / allowed if allowed else (0.0 if error == 0 else math.inf))
+        if not error <= allowed:  # NaN fails too
+            problems.append(f"{name}: |error| = {error:.3e} = {error / (size or math.nan):.2e} of |reference| {size:.3e} (allowed {allowed:.3e})")
+    assert not problems, f"{kind} differ beyond rounding (rtol {rtol:g}):\n  " + "\n  ".join(problems)
+
+
+def assert_losses_close(losses: list, ref_losses: list, *, loss_rtol: float = LOSS_RTOL, rtol: float = RTOL) -> None:
+    assert len(losses) == len(ref_losses), (losses, ref_losses)
+    for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
+        allowed = loss_rtol * abs(ref) + rtol * abs(ref - ref_losses[0])
+        record("losses", abs(loss - ref) / allowed)
+        assert abs(loss - ref) <= allowed, f"step {step}: loss {loss!r} != {ref!r} (allowed ±{allowed:.2e}): {losses} vs {ref_losses}"
+
+
+class Trace:
+    """What a training run is compared by: every step's loss, the first step's gradients (before the
+    optimizer touched anything) and parameters, the final parameters. Call `step(model, loss)` between
+    backward and optimizer.step(), `end(model)` after the last step (or, for other loops, `add_loss` per
+    loss and `before_first_update` before the first optimizer step); the snapshots are collectives where
+    the parameters are DTensors."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.initial = self.gradients = self.parameters = None
+
+    def add_loss(self, loss) -> None:
+        self.losses.append(loss.item() if torch.is_tensor(loss) else float(loss))
+
+    def before_first_update(self, model) -> None:
+        if self.gradients is None:
+            self.initial, self.gradients = parameters(model), gradients(model)
+
+    def step(self, model, loss) -> None:
+        self.add_loss(loss)
+        self.before_first_update(model)
+
+    def end(self, model) -> "Trace":
+        self.parameters = parameters(model)
+        return self
+
+
+def assert_same_training(trace: Trace, reference: Trace, *, rtol: float = RTOL, loss_rtol: float = LOSS_RTOL,
+                         losses: bool = True) -> None:
+    """`trace` (distributed, maybe one pipeline stage's parameters) trained like `reference` (one process):
+    equal initial values, first-step gradients and losses within rounding, parameters within rounding of
+    how far training moved them, and every parameter moved. losses=False where this rank sees no loss."""
+    unequal = [n for n, p in trace.initial.items() if not torch.equal(p, reference.initial[n])]
+    assert not unequal, f"initial values differ (the same seed; sharding only moves values): {unequal}"
+    assert_tensors_close("first-step gradients", trace.gradients, reference.gradients, rtol=rtol)
+    if losses:
+        assert_losses_close(trace.losses, reference.losses, loss_rtol=loss_rtol, rtol=rtol)
+    moved = {n: reference.parameters[n] - reference.initial[n] for n in reference.parameters}
+    assert_tensors_close("parameters", trace.parameters, reference.parameters, scale=moved, rtol=rtol)
+    frozen = [n for n, p in trace.parameters.items() if torch.equal(p, trace.initial[n])]
+    assert not frozen, f"never updated: {frozen}"
