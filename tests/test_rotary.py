@@ -9,7 +9,9 @@ import torch
 
 from tridist import kernels
 from tridist.kernels.reference import rotary_reference
-from tridist.kernels.testing import assert_matches_reference, upcast
+from tridist.kernels.testing import assert_matches_reference, assert_rounded_once, converts_toward_zero, upcast
+
+U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff: one fp32 operation's relative error
 
 
 def llama_tables(length: int, rotary_dim: int, *, half: bool = False, interleaved: bool = False):
@@ -38,18 +40,31 @@ def qk(batch, seq_len, q_heads, k_heads, head_dim, *, layout, dtype):
     return make(q_heads), make(k_heads)
 
 
-def check(q, k, cos, sin, position_ids=None, **options):
-    def fwd_bwd(fn, q, k, grads):
+def check(q, k, cos, sin, position_ids=None, *, grads=None, **options):
+    """Outputs and gradients against the eager reference and fp64 gold (kernels.testing's criterion), and
+    as the documented fp32 computation rounded once to the input dtype."""
+
+    def fwd_bwd(fn, q, k, cos, sin, grads):
         outs = fn(q, k, cos, sin, position_ids, **options)
         return outs, torch.autograd.grad(outs, (q, k), grads)
 
     reference_outs = rotary_reference(q, k, cos, sin, position_ids, **options)
-    grads = [torch.randn_like(o) for o in reference_outs]
-    outs, in_grads = fwd_bwd(kernels.apply_rotary_pos_emb, q, k, grads)
-    ref_outs, ref_grads = fwd_bwd(rotary_reference, q, k, grads)
-    gold_outs, gold_grads = fwd_bwd(rotary_reference, upcast(q), upcast(k), [g.double() for g in grads])
-    for name, o, r, g in zip(("q_embed", "k_embed", "dq", "dk"), outs + in_grads, ref_outs + ref_grads, gold_outs + gold_grads):
+    grads = grads or [torch.randn_like(o) for o in reference_outs]
+    outs, in_grads = fwd_bwd(kernels.apply_rotary_pos_emb, q, k, cos, sin, grads)
+    ref_outs, ref_grads = fwd_bwd(rotary_reference, q, k, cos, sin, grads)
+    gold_outs, gold_grads = fwd_bwd(
+        rotary_reference, upcast(q), upcast(k), upcast(cos), upcast(sin), [g.double() for g in grads]
+    )
+    names = ("q_embed", "k_embed", "dq", "dk")
+    for name, o, r, g in zip(names, outs + in_grads, ref_outs + ref_grads, gold_outs + gold_grads):
         assert_matches_reference(o, r, g, name=name)
+    # Each output is x_a c - x_b s (or the transposed map for gradients): two fp32 products and a sum,
+    # within 2 u (|x_a c| + |x_b s|) <= 2 u * 2 max|x| max|table| of exact; twice that for margin.
+    table_max = max(cos.abs().max().item(), sin.abs().max().item()) if cos.numel() else 0.0
+    truncates = converts_toward_zero(q.device, q.dtype)
+    for name, o, g, x in zip(names, outs + in_grads, gold_outs + gold_grads, (q, k, *grads)):
+        bound = 8 * U32 * x.detach().double().abs().amax(-1, keepdim=True) * table_max if x.numel() else 0.0
+        assert_rounded_once(o, g, bound=bound, toward_zero=truncates, name=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -95,6 +110,52 @@ def test_half_width_tables_equal_full_tables(backend, interleaved):
     for a, b in zip(out_full, out_half):
         torch.testing.assert_close(a, b)
     check(q, k, *half, interleaved=interleaved, rotary_dim=8)
+
+
+def unlike_q(shape, dtype):
+    """A random tensor of `shape` whose dims are stored in the order (D, B, H, S) / (D, B, S, H): none of
+    its strides equals a contiguous tensor's, so a stride taken from q (or from 1) reads wrong values."""
+    storage = torch.randn(shape[3], shape[0], shape[2], shape[1], dtype=dtype)
+    return storage.permute(1, 3, 2, 0).requires_grad_()
+
+
+def per_sequence_tables(batch: int, length: int, dim: int, *, layout: str):
+    """cos/sin of arbitrary values, different for every sequence, position and feature: the two halves
+    (a and b entries) differ, so a table entry read for the wrong feature, pair or sequence shows. The
+    formula is exact for any table; the backward is its transpose. Stored feature-major (feature stride
+    T) and handed over as [B, T, D] (bhsd) or [B, T, 1, D] (bshd)."""
+
+    def table():
+        t = (2 * torch.rand(batch, dim, length) - 1).transpose(1, 2)
+        return t.unsqueeze(2) if layout == "bshd" else t
+
+    return table(), table()
+
+
+@pytest.mark.parametrize("positions", [None, "batch"])
+@pytest.mark.parametrize("table_width", ["full", "half"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_k_layout_partial_rotary_and_per_sequence_tables(backend, layout, interleaved, table_width, positions):
+    """Where table and stride bugs hide: k (fewer heads) strided unlike q, partial rotary with a
+    pass-through width that is not a power of two (head_dim 18, rotary_dim 8: 10 features pass),
+    per-sequence tables whose entries all differ, per-sequence position_ids."""
+    batch, seq_len, q_heads, k_heads, head_dim, rotary_dim, table_len = 2, 5, 3, 2, 18, 8, 7
+    q, _ = qk(batch, seq_len, q_heads, k_heads, head_dim, layout=layout, dtype=torch.float32)
+    k_shape = (batch, seq_len, k_heads, head_dim) if layout == "bshd" else (batch, k_heads, seq_len, head_dim)
+    k = unlike_q(k_shape, torch.float32)
+    cos, sin = per_sequence_tables(batch, table_len, rotary_dim // (2 if table_width == "half" else 1), layout=layout)
+    position_ids = torch.randint(0, table_len, (batch, seq_len)) if positions else None
+    grads = [unlike_q(t.shape, t.dtype).detach() for t in (q, k)]  # gradients strided unlike q too
+    check(q, k, cos, sin, position_ids, grads=grads, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+
+
+def test_expanded_gradient_and_partial_rotary(backend):
+    """`loss = q_out.sum() + k_out.sum()` hands the backward stride-0 gradients, whose outputs are laid
+    out unlike them: the pass-through features too."""
+    q, k = qk(2, 3, 2, 1, 18, layout="bshd", dtype=torch.float32)
+    cos, sin = per_sequence_tables(2, 3, 8, layout="bshd")
+    check(q, k, cos, sin, grads=[torch.randn(()).expand(t.shape) for t in (q, k)], rotary_dim=8)
 
 
 def test_views_of_a_fused_qkv_projection_need_no_copy(backend):
@@ -148,7 +209,7 @@ def test_layer_matches_seed_rotary_embedding(backend):
     for pos in (None, position_ids):
         out = layer(q, k, pos)
         ref = rotary_reference(q, k, cos[None, :, None], sin[None, :, None], pos)
-        for a, b in zip(out, ref):
+        for a, b in zip(out, ref):  # the same fp32 tables: a few fp32 roundings apart (u = 6e-8)
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -166,15 +227,13 @@ def test_layer_beyond_its_table_and_after_a_bf16_cast(backend):
     long_q, long_k = qk(1, 20, 2, 2, head_dim, layout="bshd", dtype=torch.float32)  # grows the table
     out = layer(long_q, long_k)
     cos, sin = llama_tables(20, head_dim)
-    for a, b in zip(out, rotary_reference(long_q, long_k, cos, sin)):
+    for a, b in zip(out, rotary_reference(long_q, long_k, cos, sin)):  # a few fp32 roundings apart
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_empty_batch():
+def test_empty_batch(backend):
     q, k = qk(0, 4, 2, 2, 8, layout="bshd", dtype=torch.float32)
-    cos, sin = llama_tables(4, 8)
-    q_out, k_out = kernels.apply_rotary_pos_emb(q, k, cos, sin)
-    assert q_out.shape == q.shape and k_out.shape == k.shape
+    check(q, k, *llama_tables(4, 8))
 
 
 def _errors_cases():
@@ -211,6 +270,6 @@ def test_bad_input_errors(kwargs, message):
 def test_table_values_are_the_seed_formula():
     """Our test tables match the seed's RotaryEmbedding construction (guards the test itself)."""
     cos, _ = llama_tables(3, 4)
-    expected = math.cos(2 * 1.0 / (10000 ** (2 / 4)))  # position 2, second frequency
+    expected = math.cos(2 * 1.0 / (10000 ** (2 / 4)))  # position 2, second frequency; fp32 within a few u
     assert cos[2, 1].item() == pytest.approx(expected, rel=1e-6)
     assert cos[2, 3].item() == pytest.approx(expected, rel=1e-6)

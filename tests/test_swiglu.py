@@ -8,15 +8,36 @@ import torch
 from tridist import kernels
 from tridist.kernels.reference import swiglu_reference
 from tridist.kernels.ops.swiglu import MAX_BLOCK_N
-from tridist.kernels.testing import assert_matches_reference, upcast
+from tridist.kernels.testing import assert_matches_reference, assert_rounded_once, converts_toward_zero, upcast
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# One element, a prime width, a width just over one column block (no power-of-two padding), 3-D.
-SHAPES = [(1, 1), (3, 37), (2, MAX_BLOCK_N + 5), (2, 3, 176)]
+# One element, a prime width, a width just over one column block (no power-of-two padding), 4-D (three
+# leading dims that merge into one row index, in the inputs and in the gradient buffers).
+SHAPES = [(1, 1), (3, 37), (2, MAX_BLOCK_N + 5), (2, 3, 2, 176)]
+U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff: one fp32 operation's relative error
 
 
-def _check(fn_inputs, grad_shape=None):
-    """Compare outputs and input gradients of swiglu(*inputs) with the reference and fp64 gold."""
+def _fp32_error_bounds(gate, up, grad):
+    """Elementwise bounds (fp64) on the error of computing out, d_gate and d_up in fp32.
+
+    s = sigmoid(x): exp(-x) is within (|x| + 4) u of exact (|x| u from scaling the argument where exp is
+    computed as exp2, as on GPUs), 1 + e and the division add u each: s within (|x| + 6) u. out = x s y
+    and d_up = g x s: two more products, (|x| + 8) u. d_gate = g y s (1 + x (1 - s)): 1 - s is off by up
+    to (|x| + 7) u absolute, times x, so within (|x| + 10)(2 |x| + 1) u of |g y s|. All doubled or more
+    for margin; for the |x| <= 12 of these tests still below half a bf16 or fp16 spacing (2**-9, 2**-12
+    relative), so a second rounding shows.
+    """
+    x, y, g = (t.detach().double() for t in (gate, up, grad))
+    s = torch.sigmoid(x)
+    relative = 2 * (x.abs() + 8) * U32
+    d_gate = 8 * (x.abs() + 9) * (x.abs() + 1) * U32 * (g * y * s).abs()
+    return relative * (x * s * y).abs(), d_gate, relative * (g * x * s).abs()
+
+
+def _check(fn_inputs):
+    """Outputs and input gradients of swiglu(*inputs) against the eager reference and fp64 gold
+    (kernels.testing's criterion), and as the fp32 computation rounded once to their dtypes: the eager
+    reference computes in the input dtype, so only the second check sees a kernel that does too."""
 
     def fwd_bwd(fn, inputs, grad):
         out = fn(*inputs)
@@ -30,6 +51,17 @@ def _check(fn_inputs, grad_shape=None):
     assert_matches_reference(out, ref_out, gold_out, name="out")
     for name, g, r, gg in zip(("dx", "dy"), grads, ref_grads, gold_grads):
         assert_matches_reference(g, r, gg, name=name)
+
+    gate, up = fn_inputs if len(fn_inputs) == 2 else fn_inputs[0].chunk(2, dim=-1)
+    out_bound, d_gate_bound, d_up_bound = _fp32_error_bounds(gate, up, grad)
+    if len(fn_inputs) == 2:
+        grad_bounds = (d_gate_bound, d_up_bound)
+    else:  # one gradient buffer: [d_gate | d_up]
+        grad_bounds = (torch.cat([d_gate_bound, d_up_bound], -1),)
+    results = zip(("out", "dx", "dy"), (out, *grads), (gold_out, *gold_grads), (out_bound, *grad_bounds))
+    for name, ours, exact, bound in results:
+        truncates = converts_toward_zero(ours.device, ours.dtype)
+        assert_rounded_once(ours, exact, bound=bound, toward_zero=truncates, name=name)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -49,13 +81,17 @@ def test_split_in_half_form(backend, shape, dtype):
     _check([x])
 
 
-def test_mixed_dtypes_promote(backend):
-    x = torch.randn(4, 10, dtype=torch.bfloat16, requires_grad=True)
-    y = torch.randn(4, 10, dtype=torch.float32, requires_grad=True)
-    out = kernels.swiglu(x, y)
-    assert out.dtype == torch.float32
-    dx, dy = torch.autograd.grad(out.sum(), (x, y))
-    assert dx.dtype == torch.bfloat16 and dy.dtype == torch.float32
+@pytest.mark.parametrize(
+    "x_dtype, y_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.float16), (torch.float16, torch.bfloat16)],
+    ids=str,
+)
+def test_mixed_dtypes(backend, x_dtype, y_dtype):
+    """The output takes the promoted dtype, each gradient its input's: values, not only dtypes (a
+    gradient rounded through the other input's dtype and cast back keeps the right dtype)."""
+    x = (3 * torch.randn(4, 40)).to(x_dtype).requires_grad_()
+    y = torch.randn(4, 40, dtype=y_dtype, requires_grad=True)
+    _check([x, y])
 
 
 def test_strided_inputs_and_gradients(backend):
@@ -104,11 +140,10 @@ def test_layers(backend):
     torch.testing.assert_close(kernels.FusedSwiGLU()(x), swiglu_reference(x[..., :8], x[..., 8:]))
 
 
-def test_empty():
-    x = torch.randn(0, 8, requires_grad=True)
-    out = kernels.swiglu(x)
-    out.sum().backward()
-    assert out.shape == (0, 4) and x.grad.shape == (0, 8)
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0)], ids=str)
+def test_empty(backend, shape):
+    _check([torch.randn(shape, requires_grad=True)])
+    _check([torch.randn(shape, requires_grad=True), torch.randn(shape, requires_grad=True)])
 
 
 @pytest.mark.parametrize(
