@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 1
+COST_MODEL_VERSION = 2
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
@@ -502,7 +502,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, layer
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
     per_layer = c.activations[s.recompute]
-    layer_params = spec.layer_parameters / t  # upper bound: norms counted as split
+    layer_params = spec.layer_matmul_parameters / t + spec.layer_norm_parameters  # as stage_parameters counts
     buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
     if s.sharding_level == 2:
         buffers += e * layer_params  # a layer's full gradients before their reduce-scatter

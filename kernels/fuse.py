@@ -88,7 +88,9 @@ def _replace(model: torch.nn.Module, name: str, old: torch.nn.Module, new: torch
     for attr, value in vars(old).items():
         if not attr.startswith("_") and attr not in vars(new) and isinstance(value, (int, float, str, bool)):
             setattr(new, attr, value)
-    new.train(old.training)
+    # Not new.train(...): that recurses into the children, and a SwiGLU replacement's children are the
+    # original projections, which keep their own modes (e.g. a frozen adapter in eval mode).
+    new.training = old.training
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent._modules[child] = new

@@ -1,0 +1,316 @@
+"""Each term of `estimate`'s time and memory breakdowns against arithmetic written out in the test.
+
+The model is small enough to count by hand and the devices have round rates with efficiencies of 1,
+so every expected value below is a sum a reader can redo. Three device regimes isolate the terms:
+SLOW_COMPUTE (matmuls at 1 MFLOP/s, free memory traffic) makes every overlap window far longer than
+the communication it hides, so what stays exposed is the documented first chunk exactly;
+COMPUTE_ONLY (free memory traffic) makes step time a pure FLOP count; MEMORY_BOUND (free FLOPs) a
+pure byte count. None of the expected values calls `estimate` (the search tests compare the search
+with a brute force over the same `estimate`, where a formula error cancels out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tridist.autotune import (
+    Cluster,
+    DeviceProfile,
+    ModelSpec,
+    Strategy,
+    activation_bytes_per_layer,
+    estimate,
+    hardware_flops_per_step,
+    model_flops_per_step,
+    stage_parameters,
+)
+from tridist.autotune.cost import (
+    ELEMENTWISE_FWD_TRAFFIC,
+    FLASH_ATTENTION_RELATIVE_EFFICIENCY,
+    OVERLAP_COMPUTE_COST,
+)
+
+# Llama-like (SwiGLU, GQA, flash attention, no dropout, untied head), counted by hand:
+#   head_dim 8/4 = 2, q = 4·2 = 8, kv = 2·2 = 4
+#   per layer: attention h·(2q + 2kv) = 8·24 = 192 and SwiGLU 3·h·f = 3·8·16 = 384: 576 in matrices
+#   (split by tp), 2h = 16 in the two norms (replicated): 592; embedding (and untied head) V·h = 256;
+#   final norm h = 8.
+TINY = ModelSpec(num_layers=4, hidden_size=8, num_heads=4, num_kv_heads=2, ffn_hidden_size=16, vocab_size=32,
+                 seq_len=4, name="tiny")
+# GPT-like: the same sizes with a GELU MLP, dropout, the attention matrix stored, a tied head.
+TINY_GPT = replace(TINY, num_kv_heads=4, gated_mlp=False, flash_attention=False, dropout=True, tied_embeddings=True,
+                   name="tiny-gpt")
+E = 2  # bf16 bytes
+RC = OVERLAP_COMPUTE_COST  # compute lost per second of hidden communication
+
+
+def _cluster(nodes, per_node, *, flops=1e12, hbm=1e12, hbm_efficiency=1.0, matmul_efficiency=1.0):
+    """Round rates: intra-node links 100 GB/s with 1 µs per ring step, inter-node 10 GB/s with 3 µs."""
+    device = DeviceProfile(name="round", peak_bf16_flops=flops, peak_fp32_flops=flops, memory_bytes=1e15,
+                           hbm_bandwidth=hbm, intra_node_bandwidth=100e9, inter_node_bandwidth=10e9,
+                           intra_node_latency=1e-6, inter_node_latency=3e-6, matmul_efficiency=matmul_efficiency,
+                           hbm_efficiency=hbm_efficiency, comm_efficiency=1.0)
+    return Cluster(nodes, per_node, device)
+
+
+INTRA, INTER = (100e9, 1e-6), (10e9, 3e-6)
+SLOW_COMPUTE = {"flops": 1e6, "hbm": 1e30}
+COMPUTE_ONLY = {"flops": 1e12, "hbm": 1e30}
+MEMORY_BOUND = {"flops": 1e30, "hbm": 1e12}
+
+
+def _run(spec, cluster, **strategy):
+    s = Strategy(**strategy)
+    return estimate(spec, cluster, s, global_batch_size=s.global_batch_size)
+
+
+def _exposed_share(parts):
+    """Overlapped communication adds its first of `parts` chunks (nothing to hide behind) plus RC per
+    second of the rest (the compute it slows down), when the compute window is long enough."""
+    return 1 / parts + RC * (1 - 1 / parts)
+
+
+def _ring(kind, nbytes, n, link):
+    """Ring all-reduce 2(n−1)/n·bytes/bw + 2(n−1)·α; all-gather / reduce-scatter half of it."""
+    bandwidth, latency = link
+    steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+    return steps / n * nbytes / bandwidth + steps * latency
+
+
+# ------------------------------------------------------------------------------------ parameters
+
+
+def test_stage_parameters_by_hand_norms_replicated_and_tied_head_on_both_ends():
+    assert TINY.num_parameters == 4 * 592 + 256 + 256 + 8 == 2888
+    assert stage_parameters(TINY, 1, 1, 0) == 2888
+    tied = replace(TINY, tied_embeddings=True)
+    assert stage_parameters(tied, 1, 1, 0) == 4 * 592 + 256 + 8  # one matrix serves both ends
+    # pp = 2, tp = 2: two layers per stage, 2·(576/2 + 16) = 608; the vocabulary split by tp: 128.
+    # A tied head whose two ends are on different stages is a second copy on the last stage.
+    for spec in (TINY, tied):
+        assert stage_parameters(spec, 2, 2, 0) == 608 + 128
+        assert stage_parameters(spec, 2, 2, 1) == 608 + 8 + 128
+
+
+# ------------------------------------------------------------------------------ data parallel
+
+
+# Two layouts: A keeps the dp group inside a node (stride 1, 8 devices per node), with two pipeline
+# stages whose larger one (the last: 2·592 + 8 + 256 = 1448 parameters, vs 1440 on the first) sets
+# the traffic; B puts tp innermost so the two dp ranks are 2 apart and, with 2 devices per node, on
+# different nodes: 4·(576/2 + 16) + 256/2 + 8 + 256/2 = 1480 parameters.
+DP_LAYOUTS = {
+    "A-intra-pp2": (_cluster(1, 8, **SLOW_COMPUTE), dict(dp=4, tp=1, pp=2, num_micro_batches=3), 1448, INTRA, 2),
+    "B-inter-tp2": (_cluster(2, 2, **SLOW_COMPUTE), dict(dp=2, tp=2, pp=1, num_micro_batches=2), 1480, INTER, 4),
+}
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("layout", DP_LAYOUTS)
+def test_dp_communication_per_sharding_level_and_micro_batch(layout, level):
+    cluster, strategy, params, link, layers = DP_LAYOUTS[layout]
+    est = _run(TINY, cluster, sharding_level=level, **strategy)
+    dp, m = strategy["dp"], strategy["num_micro_batches"]
+    nbytes = E * params  # bf16 gradients / weights of the device
+    all_reduce = _ring("all-reduce", nbytes, dp, link)
+    gather = scatter = _ring("all-gather", nbytes, dp, link)
+    # Each collective overlaps a stage's backward (or forward) pass of `layers` layers; the last
+    # layer's share (the first gather's) cannot be hidden.
+    expected = {
+        0: all_reduce,  # once per step, after the last micro-batch
+        1: scatter + gather,  # reduce-scatter the gradients, all-gather the updated weights
+        2: m * scatter + gather,  # gradients cannot accumulate unsharded: reduce-scatter per micro-batch
+        3: m * (gather + gather + scatter),  # weights gathered for forward and backward, per micro-batch
+    }[level]
+    assert est.time.dp_comm_s == pytest.approx(expected * _exposed_share(layers), rel=1e-12)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_optimizer_step_is_divided_by_dp_under_zero(level):
+    # Layout A (1448 parameters on the busiest device), HBM at 1 TB/s of which half is reached:
+    # Adam reads and writes 28 bytes per parameter; ZeRO 1-3 update 1/dp of them on each device.
+    cluster = _cluster(1, 8, hbm=1e12, hbm_efficiency=0.5)
+    est = _run(TINY, cluster, dp=4, tp=1, pp=2, num_micro_batches=3, sharding_level=level)
+    shard = 4 if level else 1
+    assert est.time.optimizer_s == pytest.approx(28 * 1448 / shard / 0.5e12, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+
+
+def test_tensor_parallel_volume_sequence_parallel_and_the_overlaps_exposed_chunk():
+    """tp = 2 (4 collectives of b·s·h per layer per micro-batch, 6 with full recompute, 3 at the ends):
+    b·s·h = 1·4·8 elements = 64 bytes, all-reduced over 2 intra-node ranks. Sequence parallel moves
+    the same volume (all-gather + reduce-scatter); overlapping it with the GEMMs (split into tp = 2
+    chunks) leaves the first chunk exposed, not nothing."""
+    cluster = _cluster(1, 8, **SLOW_COMPUTE)
+    one = _ring("all-reduce", 64, 2, INTRA)
+    m, layers, ends = 2, 4, 3
+    base = dict(dp=4, tp=2, pp=1, num_micro_batches=m)
+    for recompute, per_layer in (("none", 4), ("full", 6)):
+        plain = _run(TINY, cluster, recompute=recompute, **base).time.tp_comm_s
+        sp = _run(TINY, cluster, recompute=recompute, sequence_parallel=True, **base).time.tp_comm_s
+        overlapped = _run(TINY, cluster, recompute=recompute, sequence_parallel=True, overlap_tp_comm=True,
+                          **base).time.tp_comm_s
+        assert plain == sp == pytest.approx(m * (layers * per_layer + ends) * one, rel=1e-12)
+        assert overlapped == pytest.approx(m * (layers * per_layer * one * _exposed_share(2) + ends * one), rel=1e-12)
+    # With no compute to hide behind (free FLOPs and memory), overlapping saves nothing.
+    free = _cluster(1, 8, flops=1e30, hbm=1e30)
+    plain = _run(TINY, free, sequence_parallel=True, **base).time.tp_comm_s
+    overlapped = _run(TINY, free, sequence_parallel=True, overlap_tp_comm=True, **base).time.tp_comm_s
+    assert overlapped == pytest.approx(plain, rel=1e-9)
+
+
+# -------------------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("nodes, link", [(1, INTRA), (2, INTER)])
+@pytest.mark.parametrize("v", [1, 2])
+def test_pipeline_p2p_per_schedule_slot_and_link(v, nodes, link):
+    """1F1B over pp = 2 stages with m = 4 micro-batches (v chunks per stage when interleaved): v·m + p − 1
+    slots on the critical path, each sending an activation forward and a gradient backward. A message is
+    b·s·h = 64 bytes, split by tp = 2 under sequence parallel: 32. Ranks are tp-fastest, then dp, then
+    pp, so neighbouring stages are tp·dp = 2 ranks apart: within a 4-device node, across 2-device nodes."""
+    cluster = _cluster(nodes, 4 // nodes, **SLOW_COMPUTE)
+    est = _run(TINY, cluster, dp=1, tp=2, pp=2, num_micro_batches=4, virtual_pp=v, sequence_parallel=True)
+    bandwidth, latency = link
+    assert est.time.pp_comm_s == pytest.approx(2 * (v * 4 + 2 - 1) * (latency + 32 / bandwidth), rel=1e-12)
+    # The bubble: (p − 1)/v of one stage's (micro-batch) time, i.e. (p − 1)/(v·m) of the ideal step.
+    ideal = est.time.compute_s + est.time.tp_comm_s
+    assert est.time.bubble_s == pytest.approx(ideal * (2 - 1) / (v * 4), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+# Activations per layer of one micro-batch of one sequence (T = b·s = 4 tokens), TINY, 2-byte values:
+#   outside the tp regions: two norm inputs, the qkv input, the MLP input: 4·E·h = 64 bytes per token
+#   inside: Q and the output projection's input (2·E·q = 32), K and V (2·E·kv = 16), SwiGLU's gate, up
+#           and product (3·E·f = 96): 144 bytes per token
+#   attention core (flash): an fp32 log-sum-exp per head: 4·4 = 16 bytes per token
+ACTIVATION_PER_TOKEN = 64 + 144 + 16  # 224
+LAYER_ACTIVATIONS = 4 * ACTIVATION_PER_TOKEN  # 896 bytes
+EMBEDDING_OUTPUT = 4 * 8 * E  # T·h·E = 64 bytes: the first stage's input per micro-batch in flight
+P2P = 64  # the activation (and its gradient) crossing a stage boundary
+
+
+def _logits(vocab):
+    return 4 * vocab * (E + 4)  # T·V values, bf16 plus the fp32 copy for the cross entropy
+
+
+def test_activation_bytes_per_layer_by_hand():
+    assert activation_bytes_per_layer(TINY, 1) == LAYER_ACTIVATIONS
+    # tp = 2 splits the inside and the core; sequence parallel also the outside
+    assert activation_bytes_per_layer(TINY, 1, tp=2) == 4 * (64 + (144 + 16) / 2)
+    assert activation_bytes_per_layer(TINY, 1, tp=2, sequence_parallel=True) == LAYER_ACTIVATIONS / 2
+    # full recompute keeps the layer input only: T·h·E = 64 (/tp under sequence parallel)
+    assert activation_bytes_per_layer(TINY, 1, recompute="full") == 64
+    assert activation_bytes_per_layer(TINY, 1, tp=2, sequence_parallel=True, recompute="full") == 32
+
+
+def _states(params):
+    return (E * params, E * params, 12 * params)  # bf16 weights and gradients, fp32 master + Adam m, v
+
+
+def test_memory_first_stage_holds_p_micro_batches_and_the_embedding_outputs():
+    """pp = 2, m = 4, no dp: stage 0 holds min(m, p − 0) = 2 micro-batches of its 2 layers and 2
+    embedding outputs; stage 1 holds 1 micro-batch and one micro-batch of logits (4·32·6 = 768)."""
+    est = _run(TINY, _cluster(1, 2), dp=1, tp=1, pp=2, num_micro_batches=4)
+    first = 2 * 2 * LAYER_ACTIVATIONS + 2 * EMBEDDING_OUTPUT  # 3712
+    last = 2 * 1 * LAYER_ACTIVATIONS + _logits(32)  # 2560
+    buffers = 2 * P2P  # a send and a receive buffer (no dp: no gradient buckets)
+    # stage 0: 2·592 + 256 = 1440 parameters; stage 1: 2·592 + 8 + 256 = 1448
+    assert 16 * 1440 + first + buffers > 16 * 1448 + last + buffers  # the first stage is the peak
+    m = est.memory
+    assert (m.weights, m.gradients, m.optimizer_states) == _states(1440)
+    assert (m.activations, m.buffers) == (first, buffers)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_memory_last_stage_logits_and_tied_head_copy(tied):
+    """A large vocabulary (512): the last stage's logits (4·512·6 = 12288 bytes) make it the peak; its
+    head (512·8 = 4096) is there whether or not it is tied to the first stage's embedding."""
+    spec = replace(TINY, vocab_size=512, tied_embeddings=tied)
+    est = _run(spec, _cluster(1, 2), dp=1, tp=1, pp=2, num_micro_batches=2)
+    last_params = 2 * 592 + 8 + 4096  # 5288
+    m = est.memory
+    assert (m.weights, m.gradients, m.optimizer_states) == _states(last_params)
+    assert (m.activations, m.buffers) == (2 * LAYER_ACTIVATIONS + _logits(512), 2 * P2P)
+
+
+def test_memory_full_recompute_single_stage():
+    """pp = 1: one stage is both ends. Full recompute keeps each layer's input (64 bytes) plus the full
+    set of the one layer being recomputed, the embedding output and the logits."""
+    est = _run(TINY, _cluster(1, 1), dp=1, tp=1, pp=1, num_micro_batches=2, recompute="full")
+    m = est.memory
+    assert (m.weights, m.gradients, m.optimizer_states) == _states(2888)
+    assert m.activations == 4 * 64 + LAYER_ACTIVATIONS + EMBEDDING_OUTPUT + _logits(32)
+    assert m.buffers == 0
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_memory_zero_states_and_buffers(level):
+    """dp = 2, tp = 2 (no pp): 4·(576/2 + 16) + 128 + 8 + 128 = 1480 parameters on a device, of which a
+    layer has 576/2 + 16 = 304. Gradients are bucketed (2 buckets of 25 MiB in flight); ZeRO-2 holds a
+    layer's full gradients before their reduce-scatter, ZeRO-3 also the current and the prefetched
+    layer's gathered weights."""
+    est = _run(TINY, _cluster(1, 4), dp=2, tp=2, pp=1, num_micro_batches=2, sharding_level=level)
+    weights, grads, optimizer = E * 1480, E * 1480, 12 * 1480
+    optimizer /= 2 if level >= 1 else 1
+    grads /= 2 if level >= 2 else 1
+    weights /= 2 if level >= 3 else 1
+    layer = E * 304
+    buffers = 2 * 25 * 2**20 + {0: 0, 1: 0, 2: layer, 3: 3 * layer}[level]
+    m = est.memory
+    assert (m.weights, m.gradients, m.optimizer_states, m.buffers) == (weights, grads, optimizer, buffers)
+    # one micro-batch of layers split by tp, the embedding output, the logits split by tp
+    assert m.activations == 4 * activation_bytes_per_layer(TINY, 1, tp=2) + EMBEDDING_OUTPUT + _logits(32) / 2
+
+
+# ---------------------------------------------------------------------------- compute, recompute
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_compute_time_is_the_hardware_flops_at_the_matmul_rate(recompute, tp):
+    """With memory traffic free, a device's compute time is its share of the executed FLOPs (model FLOPs
+    + recomputation: ×4/3 of the layers with full recompute, the attention core with selective) at the
+    matmul rate; MFU is then the matmul efficiency times model/hardware FLOPs."""
+    cluster = _cluster(1, tp, matmul_efficiency=0.8, **COMPUTE_ONLY)
+    est = _run(TINY_GPT, cluster, dp=1, tp=tp, pp=1, micro_batch_size=2, num_micro_batches=3, recompute=recompute)
+    hardware = hardware_flops_per_step(TINY_GPT, 6, recompute)
+    assert est.time.compute_s == pytest.approx(hardware / tp / 0.8e12, rel=1e-12)
+    if tp == 1:  # nothing else on the critical path (the optimizer step's traffic is free)
+        assert est.mfu == pytest.approx(0.8 * model_flops_per_step(TINY_GPT, 6) / hardware, rel=1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compute_time_with_flash_attention(recompute):
+    """Flash attention: the attention core (4·s·q FLOPs per token per layer forward) runs at 0.75 of the
+    matmul rate, and its backward recomputes Q·Kᵀ (half of it): 1 + 2 + 0.5 passes, +1 with full
+    recompute. The rest (layer matrices ×3 or ×4, the LM head ×3) runs at the matmul rate."""
+    cluster = _cluster(1, 1, **COMPUTE_ONLY)
+    est = _run(TINY, cluster, dp=1, tp=1, pp=1, micro_batch_size=2, num_micro_batches=3, recompute=recompute)
+    tokens = 6 * 4
+    core = tokens * 4 * 4 * 8 * 4 * (3.5 + (recompute == "full"))  # B·s × 4·s·q × L × passes
+    layers = tokens * 2 * 576 * 4 * (3 + (recompute == "full"))  # B·s × 2·params × L × passes
+    head = tokens * 2 * 32 * 8 * 3
+    assert core + layers + head == pytest.approx(hardware_flops_per_step(TINY, 6, recompute), rel=1e-12)
+    expected = (layers + head) / 1e12 + core / (FLASH_ATTENTION_RELATIVE_EFFICIENCY * 1e12)
+    assert est.time.compute_s == pytest.approx(expected, rel=1e-12)
+
+
+def test_compute_time_memory_bound_roofline():
+    """With free FLOPs, each GEMM [T,k]x[k,n] moves its operands and output (E·(T·k + k·n + T·n) bytes)
+    and the element-wise work moves ELEMENTWISE_FWD_TRAFFIC × the stored activations; backward twice
+    the forward. T = 4 tokens per micro-batch, 2 micro-batches, one device."""
+    cluster = _cluster(1, 1, **MEMORY_BOUND)
+    est = _run(TINY, cluster, dp=1, tp=1, pp=1, num_micro_batches=2)
+    qkv = 4 * 8 + 8 * 16 + 4 * 16  # T·h + h·(q + 2kv) + T·(q + 2kv) = 224 elements
+    out = 4 * 8 + 8 * 8 + 4 * 8  # 128
+    gate_up = 4 * 8 + 8 * 32 + 4 * 32  # 416
+    down = 4 * 16 + 16 * 8 + 4 * 8  # 224
+    layer = 3 * (E * (qkv + out + gate_up + down) + ELEMENTWISE_FWD_TRAFFIC * LAYER_ACTIVATIONS)
+    head = 3 * (E * (4 * 8 + 8 * 32 + 4 * 32) + ELEMENTWISE_FWD_TRAFFIC * _logits(32))
+    assert est.time.compute_s == pytest.approx(2 * (4 * layer + head) / 1e12, rel=1e-12)
