@@ -8,12 +8,13 @@ collective is split into a ring of point-to-point transfers hidden behind the ma
 """
 
 from .comm_matmul import all_gather_matmul, matmul_reduce_scatter
-from .fuse import FuseReport, fuse
+from .fuse import FuseError, FuseReport, fuse
 from .ops.rms_norm import FusedRMSNorm, rms_norm
 from .ops.rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
 from .ops.swiglu import FusedSwiGLU, FusedSwiGLUMLP, swiglu
 
 __all__ = [
+    "FuseError",
     "FuseReport",
     "FusedRMSNorm",
     "FusedRotaryEmbedding",

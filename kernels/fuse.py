@@ -14,13 +14,17 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   rebound to a copy of itself whose global name points to the fused kernel (other instances and the
   defining module are untouched); calls the kernel cannot take fall back to the original function.
 Parameters stay the same objects, so an optimizer built before `fuse` keeps working, and parameter
-names are unchanged. Modules with hooks, on the meta device, or failing a probe are left alone, and
-the report says why.
+names are unchanged. Probes run on CPU copies with fresh random values, so a model still on the meta
+device (built under `distcore.LazyGuard` or `torch.device("meta")`) is fused like a materialised one.
+Modules with hooks, or failing a probe, are left alone and the report says why; `strict=True` turns
+any candidate left alone into a `FuseError`.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import sys
 import types
 from dataclasses import dataclass, field
 
@@ -53,8 +57,26 @@ class FuseReport:
         return "\n".join(lines)
 
 
-def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, swiglu: bool = True) -> FuseReport:
-    """Replace RMSNorm modules, SwiGLU MLPs and rotary applications of `model` in place."""
+class FuseError(RuntimeError):
+    """`fuse(..., strict=True)` found candidates it could not replace (the message lists each, with why)."""
+
+
+def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, swiglu: bool = True,
+         strict: bool = False) -> FuseReport:
+    """Replace RMSNorm modules, SwiGLU MLPs and rotary applications of `model` in place.
+
+    strict: raise FuseError, before changing anything, when a requested kind has a candidate that
+    cannot be replaced (a look-alike computing something else, such as Gemma's GeGLU MLP, a module
+    with hooks, a rotary function of another convention); pass that kind's flag False to leave it.
+    """
+    if strict:
+        dry_run = fuse(copy.deepcopy(model), rms_norm=rms_norm, rotary=rotary, swiglu=swiglu)
+        if dry_run.skipped:
+            lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in dry_run.skipped)
+            raise FuseError(
+                f"fuse(strict=True): {len(dry_run.skipped)} candidate(s) cannot be fused:\n{lines}\n"
+                "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=False for that kind"
+            )
     report = FuseReport()
     # Collect first: the module tree changes as we replace.
     for name, module in list(model.named_modules()):
@@ -75,9 +97,6 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
 
 
 def _why_not_probeable(module: torch.nn.Module) -> str | None:
-    tensors = list(module.parameters())
-    if any(t.device.type == "meta" for t in tensors):
-        return "parameters are on the meta device; call fuse after materialising the model"
     if module._forward_hooks or module._forward_pre_hooks:
         return "module has forward hooks, which a replacement would drop"
     return None
@@ -96,13 +115,13 @@ def _replace(model: torch.nn.Module, name: str, old: torch.nn.Module, new: torch
     parent._modules[child] = new
 
 
-def _probe_input(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    """Random rows with a clear non-zero mean and different scales: a LayerNorm (which subtracts
+def _probe_input(shape) -> torch.Tensor:
+    """fp32 CPU rows with a clear non-zero mean and different scales: a LayerNorm (which subtracts
     the mean) or a scale-dependent op cannot pass for an RMSNorm or a SwiGLU on such input."""
     generator = torch.Generator(device="cpu").manual_seed(1234)
     rows = torch.randn(shape, generator=generator)
     scale = torch.rand((*shape[:-1], 1), generator=generator) * 3 + 0.5
-    return (rows * scale + 2.0).to(device=like.device, dtype=dtype or like.dtype)
+    return rows * scale + 2.0
 
 
 def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -111,7 +130,7 @@ def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
     Probing the live module could be fooled by its current values (a zero-initialised down
     projection makes every activation look alike) and by half-precision rounding.
     """
-    probe = copy.deepcopy(module).float()
+    probe = _cpu_copy(module).float()
     generator = torch.Generator(device="cpu").manual_seed(4321)
     with torch.no_grad():
         for param in probe.parameters():
@@ -119,6 +138,13 @@ def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
             fresh = torch.randn(param.shape, generator=generator) / fan_in**0.5 + (0.0 if param.dim() > 1 else 0.5)
             param.copy_(fresh)
     return probe
+
+
+def _cpu_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` on the CPU; a meta module's copy gets uninitialised storage (probes fill it)."""
+    if any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers())):
+        return copy.deepcopy(module).to_empty(device="cpu")
+    return copy.deepcopy(module).cpu()
 
 
 def _run(module: torch.nn.Module, x: torch.Tensor):
@@ -160,7 +186,7 @@ def _fuse_rms_norm(model, name, module, report) -> None:
     weight = module.weight
     cast_to = _rms_norm_cast_convention(module)
     probe = _probe_copy(module)
-    x = _probe_input((4, weight.shape[0]), weight, dtype=torch.float32)
+    x = _probe_input((4, weight.shape[0]))
     out, error = _run(probe, x)
     if error:
         report.skipped.append((name, f"RMSNorm candidate: its forward failed on a probe ({error}); left as is"))
@@ -186,8 +212,10 @@ def _rms_norm_cast_convention(module: torch.nn.Module) -> str | None:
     The seed rounds to a half-precision weight's dtype (bf16 out); Hugging Face rounds to the input's
     dtype and then multiplies by the weight (fp32 out).
     """
-    probe_module = copy.deepcopy(module).to(torch.bfloat16)
-    x = _probe_input((2, module.weight.shape[0]), module.weight, dtype=torch.float32)
+    probe_module = _cpu_copy(module).to(torch.bfloat16)
+    with torch.no_grad():
+        probe_module.weight.fill_(1.0)  # only the output's dtype is read; a meta copy's storage is garbage
+    x = _probe_input((2, module.weight.shape[0]))
     out, error = _run(probe_module, x)
     if error or not torch.is_tensor(out):  # a module that rejects mixed dtypes follows neither
         return None
@@ -208,13 +236,12 @@ def _fuse_swiglu_mlp(model, name, module, report) -> None:
         report.skipped.append((name, f"SwiGLU MLP candidate: {why}"))
         return
     children = module._modules
-    weight = next(module.parameters())
     in_features = getattr(children.get("gate_up_proj") or children["gate_proj"], "in_features", None)
     if in_features is None:
         report.skipped.append((name, "SwiGLU MLP candidate: projections without in_features; left as is"))
         return
     probe = _probe_copy(module)
-    x = _probe_input((2, 3, in_features), weight, dtype=torch.float32)
+    x = _probe_input((2, 3, in_features))
     out, error = _run(probe, x)
     if error:
         report.skipped.append((name, f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"))
@@ -242,11 +269,24 @@ def _fuse_swiglu_mlp(model, name, module, report) -> None:
 
 # --------------------------------------------------------------------------------------------- Rotary
 
-# How each known calling convention maps its arguments to the fused op.
+# How each known calling convention maps its arguments to the fused op:
 #   seed: apply_rotary_pos_emb(q, k, cos, sin, position_ids): bshd, cos [1, T, 1, D], positions gathered.
-#   hf:   apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1): cos [B, S, D] already
-#         per position (position_ids unused); unsqueeze_dim=1 means bhsd, 2 means bshd.
-_CONVENTIONS = ("seed", "hf")
+#   hf:   apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) (transformers >= 4.48), or the older
+#         (q, k, cos, sin, position_ids=None, unsqueeze_dim=1): cos [B, S, D] already per position
+#         (position_ids unused); unsqueeze_dim=1 means bhsd, 2 means bshd. GPT-NeoX's and Phi's version
+#         rotates the first cos.shape[-1] features and passes the rest (partial rotary): told apart by a
+#         probe with a half-width table, and only then are narrower tables given to the kernel.
+
+
+@dataclass(frozen=True)
+class _RotaryConvention:
+    name: str  # "seed" or "hf"
+    signature: inspect.Signature
+    layouts: tuple[int, ...] = ()  # hf: the unsqueeze_dim values the function was seen to handle
+    partial: bool = False  # hf: features past the table's width pass through
+
+    def __str__(self) -> str:
+        return f"{self.name} convention" + (", partial rotary" if self.partial else "")
 
 
 def _rotary_function_names(module: torch.nn.Module) -> list[str]:
@@ -267,7 +307,7 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport) -> None
     if not function_names:
         return
     forward = type(module).forward
-    new_globals = dict(forward.__globals__)
+    adapters = {}
     fused_names = []
     for function_name in function_names:
         original = forward.__globals__[function_name]
@@ -277,65 +317,125 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport) -> None
                 (name, f"calls {function_name}, which does not behave like the seed's or Hugging Face's rotary")
             )
             continue
-        new_globals[function_name] = _rotary_adapter(original, convention)
-        fused_names.append(f"{function_name} ({convention} convention)")
+        adapters[function_name] = _rotary_adapter(original, convention)
+        fused_names.append(f"{function_name} ({convention})")
     if not fused_names:
         return
-    rebound = types.FunctionType(forward.__code__, new_globals, forward.__name__, forward.__defaults__, forward.__closure__)
+    rebound = types.FunctionType(forward.__code__, _fused_globals(type(module), adapters), forward.__name__,
+                                 forward.__defaults__, forward.__closure__)
     rebound.__kwdefaults__ = forward.__kwdefaults__
     module.forward = types.MethodType(rebound, module)
     report.replaced.append((name, "rotary: " + ", ".join(fused_names)))
 
 
-def _rotary_convention(function) -> str | None:
-    """The calling convention `function` follows, found by running it on a probe and comparing."""
+def _fused_globals(cls: type, adapters: dict) -> dict:
+    """The globals a fused forward of `cls` runs with: its module's, with the rotary functions replaced.
+
+    They are a module of their own, registered in sys.modules (one per class and set of adapters):
+    torch.compile finds a function's globals by its module name, and would otherwise guard on the
+    original module's functions."""
+    forward = cls.forward
+    base = forward.__globals__.get("__name__", cls.__module__)
+    name = f"{base}.__tridist_fused_{cls.__qualname__.replace('.', '_')}_{'_'.join(sorted(adapters))}__"
+    if name not in sys.modules:
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in forward.__globals__.items() if k not in ("__name__", "__spec__", "__loader__")})
+        module.__dict__.update(adapters)
+        sys.modules[name] = module
+    return sys.modules[name].__dict__
+
+
+def _rotary_convention(function) -> _RotaryConvention | None:
+    """The calling convention `function` follows, found by running it on probes and comparing."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+    params = list(signature.parameters.values())
+    if len(params) < 4 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[:4]):
+        return None
     batch, seq_len, heads, kv_heads, head_dim = 2, 5, 4, 2, 8
     generator = torch.Generator().manual_seed(99)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(seq_len).float(), inv_freq)
-    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
     positions = torch.stack([torch.arange(seq_len).flip(0), torch.arange(seq_len)])
     q = torch.randn(batch, seq_len, heads, head_dim, generator=generator)
     k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator)
+
+    def tables(width):
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
+        freqs = torch.outer(torch.arange(seq_len).float(), inv_freq)
+        return torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+
+    def agrees(call, want, bhsd=False) -> bool:
+        try:  # each probe on its own: a function of another convention raises on the other's arguments
+            with torch.no_grad():
+                out = call()
+        except Exception:  # noqa: BLE001 - not this convention
+            return False
+        if not (isinstance(out, tuple) and len(out) == 2 and all(torch.is_tensor(t) for t in out)):
+            return False
+        out = tuple(t.transpose(1, 2) for t in out) if bhsd else out
+        return all(_close(a, b) for a, b in zip(out, want))
+
+    cos, sin = tables(head_dim)
     expected = rotary_reference(q, k, cos, sin, positions)
-
-    def agrees(out, want):
-        return isinstance(out, tuple) and len(out) == 2 and all(_close(a, b) for a, b in zip(out, want))
-
-    try:
-        with torch.no_grad():
-            if agrees(function(q, k, cos[None, :, None], sin[None, :, None], positions), expected):
-                return "seed"
-            per_position = cos[positions], sin[positions]  # [B, S, D], as HF's rotary embedding returns
-            out = function(q.transpose(1, 2), k.transpose(1, 2), *per_position)
-            if isinstance(out, tuple) and agrees(tuple(t.transpose(1, 2) for t in out), expected):
-                return "hf"
-    except Exception:  # a function of another signature or semantics: not one we can replace
+    seed_call = lambda: function(q, k, cos[None, :, None], sin[None, :, None], positions)  # noqa: E731
+    if len(params) >= 5 and params[4].name != "unsqueeze_dim" and agrees(seed_call, expected):
+        return _RotaryConvention("seed", signature)
+    if "unsqueeze_dim" not in signature.parameters:  # HF's, old or new, names it; anything else is unknown
         return None
-    return None
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    layouts = tuple(
+        dim for dim, call in (
+            (1, lambda: function(qt, kt, cos[positions], sin[positions], unsqueeze_dim=1)),  # [B, S, D] per position
+            (2, lambda: function(q, k, cos[positions], sin[positions], unsqueeze_dim=2)),
+        ) if agrees(call, expected, bhsd=dim == 1)
+    )
+    if 1 not in layouts:  # the default layout must work: calls rarely pass unsqueeze_dim
+        return None
+    half_cos, half_sin = tables(head_dim // 2)
+    partial_expected = rotary_reference(q, k, half_cos, half_sin, positions, rotary_dim=head_dim // 2)
+    partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
+                     partial_expected, bhsd=True)
+    return _RotaryConvention("hf", signature, layouts=layouts, partial=partial)
 
 
-def _rotary_adapter(original, convention: str):
-    """A drop-in for `original` that runs the fused kernel and falls back to `original` when it can't."""
+def _rotary_adapter(original, convention: _RotaryConvention):
+    """A drop-in for `original` that runs the fused kernel and falls back to `original` when it can't.
 
-    if convention == "seed":
+    Written out per signature (no `inspect` at call time: torch.compile traces this function)."""
+    partial, layouts = convention.partial, convention.layouts
+
+    if convention.name == "seed":
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, *args, **kwargs):
             if not args and not kwargs and _kernel_accepts(q, k, cos, sin, position_ids, "bshd"):
                 return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, position_ids, layout="bshd")
             return original(q, k, cos, sin, position_ids, *args, **kwargs)
 
-    else:
+    elif "position_ids" in convention.signature.parameters:  # transformers < 4.48: position_ids is unused
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *args, **kwargs):
-            layout = {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
-            # HF's tables are already per position; its position_ids argument is unused.
+            layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
             if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
                 return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout)
             return original(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
 
+    else:
+
+        def fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+            layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
+            if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
+                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout)
+            return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+
     fused_apply_rotary_pos_emb.__wrapped__ = original
     return fused_apply_rotary_pos_emb
+
+
+def _hf_layout(cos, q, unsqueeze_dim, layouts, partial):
+    if unsqueeze_dim not in layouts or not (partial or cos.shape[-1] == q.shape[-1]):
+        return None
+    return "bhsd" if unsqueeze_dim == 1 else "bshd"
 
 
 def _kernel_accepts(q, k, cos, sin, position_ids, layout) -> bool:

@@ -10,7 +10,6 @@ first, so the guard below is in place before anything else is imported.
 
 from __future__ import annotations
 
-import importlib.abc
 import importlib.machinery
 import sys
 from pathlib import Path
@@ -19,33 +18,32 @@ ROOT = Path(__file__).resolve().parents[1]
 SHADOWED = ("kernels", "autotune", "distcore", "bench")
 
 
-class _RefusedLoader(importlib.abc.Loader):
-    def create_module(self, spec):
-        raise ImportError(
-            f"{spec.name!r} is tridist's repository folder {spec.name}/, not a top-level package: import "
-            f"'tridist.{spec.name}' (tests must use the installed names; see tests/__init__.py)",
-            name=spec.name,
-        )
+class _RootFinder(importlib.machinery.FileFinder):
+    """The repository root's finder, minus kernels/autotune/distcore/bench: for the import system those
+    folders do not exist (`import kernels` is the ordinary ModuleNotFoundError, and
+    `importlib.util.find_spec("kernels")` is None, which is how transformers asks whether Hugging Face's
+    `kernels` package is installed). Another project's package of that name, elsewhere on sys.path,
+    still imports."""
 
-    def exec_module(self, module):  # pragma: no cover - create_module always raises
-        raise AssertionError("unreachable")
-
-
-class RepositoryRootGuard(importlib.abc.MetaPathFinder):
-    """Resolves kernels/autotune/distcore/bench as if the repository root were not on sys.path: another
-    project's package of that name still imports; the repository's folder is refused with the fix."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in SHADOWED:
+    def find_spec(self, fullname, target=None):
+        if fullname in SHADOWED:
             return None
-        elsewhere = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
-        spec = importlib.machinery.PathFinder.find_spec(fullname, elsewhere)
-        if spec is not None:
-            return spec
-        if importlib.machinery.PathFinder.find_spec(fullname, [str(ROOT)]) is None:
-            return None  # not ours either: the ordinary "No module named ..."
-        return importlib.machinery.ModuleSpec(fullname, _RefusedLoader())
+        return super().find_spec(fullname, target)
 
 
-if not any(isinstance(finder, RepositoryRootGuard) for finder in sys.meta_path):
-    sys.meta_path.insert(0, RepositoryRootGuard())
+def _root_hook(path: str):
+    if Path(path or ".").resolve() != ROOT:
+        raise ImportError("not the repository root")  # the next path hook handles it
+    loaders = [
+        (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES),
+        (importlib.machinery.SourceFileLoader, importlib.machinery.SOURCE_SUFFIXES),
+        (importlib.machinery.SourcelessFileLoader, importlib.machinery.BYTECODE_SUFFIXES),
+    ]  # FileFinder's standard loaders, in its own order
+    return _RootFinder(path, *loaders)
+
+
+if not any(getattr(h, "__name__", "") == "_root_hook" for h in sys.path_hooks):
+    sys.path_hooks.insert(0, _root_hook)
+    for entry in list(sys.path_importer_cache):  # finders cached before the hook
+        if Path(entry or ".").resolve() == ROOT:
+            del sys.path_importer_cache[entry]

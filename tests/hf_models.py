@@ -1,0 +1,45 @@
+"""Tiny real Hugging Face transformers models, built in code (nothing is downloaded): the families
+users bring. Each config is the smallest that keeps the family's distinguishing structure: grouped-
+query attention (4 query heads, 2 key/value heads), Qwen2's q/k/v biases, Phi-3's packed qkv and
+gate_up, Gemma's `1 + w` norms and GeGLU MLP, Gemma2's extra norms and soft-capping, tied embeddings,
+GPT-NeoX's per-head interleaved query_key_value and partial rotary, GPT-2's Conv1D projections."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
+
+LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "phi3", "gemma", "gemma2"]
+FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2"]
+
+
+def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Module:
+    import transformers as hf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if family == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**common))
+    if family == "llama-tied":  # Llama 3.2-style: the LM head is the embedding's weight
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**common, tie_word_embeddings=True))
+    if family == "mistral":
+        return hf.MistralForCausalLM(hf.MistralConfig(**common))
+    if family == "qwen2":
+        return hf.Qwen2ForCausalLM(hf.Qwen2Config(**common))
+    if family == "phi3":
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**common))
+    if family == "gemma":
+        return hf.GemmaForCausalLM(hf.GemmaConfig(**common, head_dim=16))
+    if family == "gemma2":
+        return hf.Gemma2ForCausalLM(hf.Gemma2Config(**common, head_dim=16))
+    if family == "gpt-neox":
+        return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
+            num_attention_heads=HEADS, max_position_embeddings=64, rotary_pct=0.5, bos_token_id=0, eos_token_id=1))
+    if family == "gpt2":
+        return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
+                                                n_positions=64, bos_token_id=0, eos_token_id=1))
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
