@@ -16,6 +16,7 @@ carries the chosen strategy as `.distributed_strategy`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -150,31 +151,62 @@ def _device_profile(config: ToDistributedConfig):
     return "h100-sxm"
 
 
-def _search_space(config: ToDistributedConfig):
-    """What this runtime can apply: no communication-overlapped matmuls in distcore (yet)."""
+def unsupported(spec) -> dict[str, str]:
+    """What distcore cannot apply to this model yet: {"tp" or "pp": the reason}. The search leaves those
+    degrees at 1 (and says why), and a given strategy that needs them is refused, so that no strategy
+    to_distributed chooses fails when applied."""
+    structure = getattr(spec, "structure", None)
+    limits: dict[str, str] = {}
+    if structure is None:
+        return limits
+    if structure.tied_embeddings:
+        limits["tp"] = limits["pp"] = (
+            "the embedding is tied to the LM head (tied weights are not split by tensor parallel nor shared "
+            "across pipeline stages yet)")
+    if structure.qkv and spec.num_kv_heads != spec.num_heads:
+        limits.setdefault("tp", f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query attention: "
+                                f"{spec.num_heads} query heads, {spec.num_kv_heads} key/value heads); "
+                                "splitting unequal packed parts is not supported yet")
+    elif structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
+        limits.setdefault("tp", f"{structure.qkv} may pack q/k/v per head (GPT-NeoX, Bloom) or contiguously; "
+                                "its layout cannot be told from the structure")
+    return limits
+
+
+def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
+    """What this runtime can apply: no communication-overlapped matmuls in distcore (yet), and
+    degree 1 for what `unsupported` lists."""
     from tridist import autotune
 
     options = dict(config.search_options)
     space = options.pop("space", None) or autotune.SearchSpace(
         overlap_tp_comm=(False,), sequence_parallel=(True,) if config.sequence_parallel else (False, True),
     )
-    return space, options
+    restrict = {dim: (1,) for dim in limits}
+    return dataclasses.replace(space, **restrict), options
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int):
     from tridist import autotune
 
+    limits = unsupported(spec)
     if config.strategy is not None:
         strategy = config.strategy
         if spec is not None:
             autotune.check(spec, cluster, strategy, global_batch_size=global_batch)
+        reasons = [f"{dim}={getattr(strategy, dim)} cannot be applied to this model: {why}"
+                   for dim, why in limits.items() if getattr(strategy, dim) > 1]
+        if reasons:
+            raise autotune.InvalidStrategy(strategy, reasons)
         _log_choice(strategy, "given in ToDistributedConfig.strategy", [])
         return strategy
     if spec is None:  # unrecognised structure: nothing but data parallel needs no knowledge of it
         strategy = _fallback(world, global_batch)
         _log_choice(strategy, "fallback for an unrecognised model", [])
         return strategy
-    space, options = _search_space(config)
+    for dim, why in limits.items():
+        log.warning("to_distributed: %s kept at 1 for this model: %s", dim, why)
+    space, options = _search_space(config, limits)
     result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
                              top_k=config.top_k, space=space, **options)
     if result.best is None:

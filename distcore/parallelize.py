@@ -36,6 +36,7 @@ from . import env, pipeline
 from .api import local_value
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
+from .outputs import find_loss, replace_loss
 from .optimizer import with_paddle_methods
 from .tensor_parallel import apply_tensor_parallel, check_plan_keys, fsdp_shard_placement
 
@@ -200,24 +201,20 @@ def _unwrap_dtensor_inputs(model: torch.nn.Module) -> None:
 
 
 def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
-    """A scalar loss the model returns (alone or first in a tuple) shows the mean over data-parallel
-    ranks, so every rank prints the loss a single device would; gradients stay local."""
-
-    def globalise(loss):
-        if not (torch.is_tensor(loss) and loss.dim() == 0 and loss.is_floating_point()):
-            return loss
-        mean = loss.detach().clone()
-        env.all_reduce_mean_(mean, group)
-        return loss + (mean - loss.detach())
+    """The loss the model returns (alone, first in a tuple, or a dict's / Hugging Face ModelOutput's
+    "loss": see outputs.py) shows the mean over data-parallel ranks, so every rank prints the loss a
+    single device would; its gradient stays the local one (which data parallel averages). Other
+    outputs (logits) stay this rank's, for its own part of the batch."""
 
     def hook(module, args, output):
         # Training steps only: every rank runs those; an evaluation on one rank must not wait for a
         # collective the others never join.
-        if not (module.training and torch.is_grad_enabled()):
+        loss = find_loss(output)
+        if loss is None or not (module.training and torch.is_grad_enabled()):
             return output
-        if isinstance(output, tuple) and output:
-            return (globalise(output[0]), *output[1:])
-        return globalise(output)
+        mean = loss.detach().clone()
+        env.all_reduce_mean_(mean, group)
+        return replace_loss(output, loss + (mean - loss.detach()))
 
     model.register_forward_hook(hook)
 

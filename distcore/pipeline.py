@@ -39,6 +39,10 @@ Semantics and limits worth knowing:
   single-device result, all-reduce the squared norm (`torch.nn.utils.get_total_norm(grads) ** 2`, its
   `.full_tensor()` under dp/mp) over the pp group (`model._tridist_pipeline.pp_group`) and clip with
   the square root (`torch.nn.utils.clip_grads_with_norm_`).
+- `model(...)` returns what the model returns, rebuilt on every rank: a bare loss, a tuple, a dict or a
+  Hugging Face `ModelOutput`, with the global loss in its place and the other outputs None (logits
+  exist only on the last stage, per micro-batch). Inputs may be positional or keywords
+  (`model(input_ids=..., attention_mask=..., labels=...)`); every batch-major tensor is split.
 - Outputs of an earlier stage's module other than the hidden states (a second tuple element: a mask it
   builds, an auxiliary loss) are zeros on later stages (a warning says so).
 
@@ -71,6 +75,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .env import all_reduce_mean_
+from .outputs import OutputForm, find_loss
 from .tensor_parallel import take_pending_split
 
 log = logging.getLogger(__name__)
@@ -243,7 +248,7 @@ class _StageState:
     received: torch.Tensor | None = None  # the previous stage's activation
     last_placeholder: torch.Tensor | None = None  # the output of the stand-in just before our first layer
     last_output: object = None  # our last layer's output
-    output_arity: int | None = None  # the model's output tuple length (None: a bare loss tensor)
+    output_form: OutputForm | None = None  # the kind of output the model returned (last stage)
 
 
 class _StandIn(torch.nn.Module):
@@ -408,6 +413,30 @@ def adopt_container_parameters(model: torch.nn.Module, views: list[torch.nn.Modu
                     modules[container]._parameters[pname] = param
 
 
+def _refuse_tied_across_stages(model: torch.nn.Module, placement: _Placement, *, last: int) -> None:
+    """A parameter registered under two names whose modules land on different stages (an embedding tied
+    to the LM head) would become two copies trained apart: each stage would update its copy with only
+    its own part of the gradient. Refused until the tied gradient is summed across stages."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+
+    def stage_of(param_name: str) -> int:
+        module = param_name.rpartition(".")[0]
+        while module not in placement.owner and module not in placement.path:
+            module = module.rpartition(".")[0]
+        return placement.owner.get(module, last)  # a container's bare parameter lives on the last stage
+
+    for names in names_of.values():
+        stages = sorted({stage_of(n) for n in names})
+        if len(stages) > 1:
+            raise NotImplementedError(
+                f"pipeline parallel: {names} are one tied parameter used on stages {stages}; a tied embedding and "
+                "LM head across pipeline stages is not supported yet (each stage would train its own copy). Untie "
+                "them (e.g. config.tie_word_embeddings=False before building the model), or train without pp_config"
+            )
+
+
 # ------------------------------------------------------------------------------------------ applying
 
 
@@ -423,6 +452,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict,
     config = parse_pp_config(model, pp_config, pp=pp)
     placement = _placement(model, config)
     bare_parameters = _bare_parameter_names(model, placement)
+    _refuse_tied_across_stages(model, placement, last=config.num_stages - 1)
     stage_ids = [pp_rank + chunk * pp for chunk in range(config.chunks_per_rank)]  # torch's looped placement
     last = config.num_stages - 1
     micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
@@ -504,13 +534,13 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
 
 
 def _loss_of(output, state: _StageState) -> torch.Tensor:
-    state.output_arity = len(output) if isinstance(output, tuple) else None
-    loss = output[0] if isinstance(output, tuple) and output else output
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+    loss = find_loss(output)
+    if loss is None:
         raise ValueError(
-            "pipeline parallel: the model must compute its loss (return a scalar loss, alone or first in a tuple); "
-            "call it as model(inputs, labels=labels)"
+            "pipeline parallel: the model must compute its loss (return a scalar loss alone, first in a tuple, or "
+            "as a dict's or ModelOutput's 'loss'); call it with labels, e.g. model(input_ids=ids, labels=labels)"
         )
+    state.output_form = OutputForm.of(output)
     # A DTensor loss (computed from vocabulary-parallel logits without F.cross_entropy) may be a partial
     # sum on each mp rank: its full value, differentiably, as the model's own global view returns it.
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -668,12 +698,13 @@ class PipelineRunner:
                     p.grad.add_(grad, alpha=scale - 1.0)
 
     def _global_loss(self, losses: list[torch.Tensor], token: object | None):
-        arity = next((s.output_arity for s in self.states if s.is_last), None)
-        packed = torch.zeros(2, device=self.device)
+        form = [next((s.output_form for s in self.states if s.is_last), None)]
+        packed = torch.zeros(1, device=self.device)
         if losses:  # the last stage: micro-batch losses, each already divided by their count
             packed[0] = torch.stack([loss.detach().float() for loss in losses]).sum()
-            packed[1] = -1 if arity is None else arity
         dist.broadcast(packed, src=self.last_rank, group=self.pp_group)
+        if dist.get_world_size(self.pp_group) > 1:  # the kind of output (tuple, dict, ModelOutput) only the last stage saw
+            dist.broadcast_object_list(form, src=self.last_rank, group=self.pp_group)
         # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
         # replicas with different numbers of batches) must not wait for a collective the others never join.
         if self.dp_group is not None and token is not None:
@@ -683,8 +714,7 @@ class PipelineRunner:
             loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
         elif torch.is_grad_enabled():  # eval mode with autograd on: no gradients were computed; say so on backward
             loss = _ReturnedLoss.apply(self._anchor, loss, _no_backward_in_eval_mode)
-        arity = int(packed[1].item())
-        return loss if arity < 0 else (loss, *[None] * (arity - 1))
+        return form[0].build(loss)
 
 
 def _no_backward_in_eval_mode(grad) -> None:

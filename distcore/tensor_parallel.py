@@ -61,9 +61,9 @@ class ColWiseParallel(_Style):
     weight's columns, e.g. an LM head's vocabulary).
 
     `packed_parts` (a tridist extension): how many equal projections a Linear packs along its output,
-    each split separately. None infers it from the name (3 for `qkv_proj`/`query_key_value`, 2 for
-    `gate_up_proj`/`w13`, else 1); give 1 for a head-interleaved layout (GPT-NeoX's `query_key_value`
-    holds [q k v] per head, which a contiguous split keeps together).
+    each split separately. None infers it from the name (3 for `qkv_proj`, 2 for `gate_up_proj`/`w13`,
+    else 1); `query_key_value` must say: 1 for a head-interleaved layout (GPT-NeoX's holds [q k v] per
+    head, which a contiguous split keeps together), 3 for [q | k | v].
     """
 
     gather_output: bool = False
@@ -259,7 +259,11 @@ def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
     return matched
 
 
-_PACKED_PARTS = {"qkv_proj": 3, "query_key_value": 3, "gate_up_proj": 2, "w13": 2}  # name -> packed projections
+_PACKED_PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "w13": 2}  # name -> packed projections
+# Names packed in different layouts by different models: GPT-NeoX and Bloom hold [q k v] per head (a
+# contiguous split keeps heads whole: packed_parts=1), ChatGLM holds [q | k | v] (packed_parts=3).
+# Guessing wrong trains silently wrong numbers, so the plan must say which.
+_AMBIGUOUS_PACKED = ("query_key_value",)
 
 
 def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
@@ -320,7 +324,14 @@ def _packed_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent:
     """How many packed projections a column-parallel Linear holds (1: an ordinary contiguous split)."""
     if not isinstance(style, ColWiseParallel):
         return 1
-    parts = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(name.rpartition(".")[2], 1)
+    leaf = name.rpartition(".")[2]
+    if style.packed_parts is None and leaf in _AMBIGUOUS_PACKED:
+        raise ValueError(
+            f"parallelize: ColWiseParallel on {name!r}: a packed '{leaf}' projection comes in two layouts; say which "
+            "with ColWiseParallel(packed_parts=1) for q/k/v packed per head (GPT-NeoX, Bloom) or packed_parts=3 "
+            "for [q | k | v] (ChatGLM)"
+        )
+    parts = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
     if parts == 1:
         return 1
     if not isinstance(module, torch.nn.Linear):

@@ -41,5 +41,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
             num_attention_heads=HEADS, max_position_embeddings=64, rotary_pct=0.5, bos_token_id=0, eos_token_id=1))
     if family == "gpt2":
         return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
-                                                n_positions=64, bos_token_id=0, eos_token_id=1))
+                                                n_positions=64, bos_token_id=0, eos_token_id=1,
+                                                # GPT-2 defaults to dropout 0.1: random masks differ between
+                                                # layouts; the other families default to 0
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")

@@ -1,0 +1,156 @@
+"""Real Hugging Face transformers models through to_distributed on 4 gloo processes, called as users
+call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)`, left padding in the
+mask) and a `ModelOutput` back. The loss returned at every step is the single-device loss of the same
+global batch (on every rank), first-step gradients and parameters after SGD steps equal one process
+(tests/distributed/equivalence.py), for the searched strategy and forced dp (levels 0 and 3), dp x tp
+with and without sequence parallel, pp with micro-batches and tp x pp. Strategies distcore cannot apply
+to a model (tied embeddings or packed grouped-query qkv under tp or pp) are never chosen, and refused
+with the reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from transformers.utils import ModelOutput
+
+from tridist import autotune, distcore
+from tests.distributed import equivalence
+from tests.distributed.harness import run_checks
+from tests.hf_models import VOCAB, build
+
+BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 3, 8, 4
+
+
+def _batches() -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(BATCHES):
+        ids = torch.randint(3, VOCAB, (BATCH, SEQ_LEN), generator=generator)
+        mask = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
+        mask[1, :3] = 0  # left padding in one sequence per batch; its labels still count (every rank
+        mask[3, :1] = 0  # then has as many labelled tokens, so the mean of rank means is the batch mean)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
+    return batches
+
+
+class _Loader(torch.utils.data.DataLoader):
+    def __init__(self):
+        samples = [{k: v[i] for k, v in b.items()} for b in _batches() for i in range(BATCH)]
+        super().__init__(samples, batch_size=BATCH)
+
+
+def _model(family):
+    model = build(family, layers=LAYERS)
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+@functools.cache  # one single-device run per family, shared by the checks
+def _reference(family: str) -> equivalence.Trace:
+    model, optimizer = _model(family)
+    trace = equivalence.Trace()
+    for batch in _batches():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return trace.end(model)
+
+
+def _train(family, strategy=None, **config):
+    model, optimizer = _model(family)
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False, **config))
+    trace = equivalence.Trace()
+    for batch in loader():
+        out = model(**batch)
+        assert isinstance(out, ModelOutput) and "loss" in out, type(out)  # the model's kind of output, on every rank
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.clear_grad()
+    assert len(trace.losses) == BATCHES, trace.losses
+    equivalence.assert_same_training(trace.end(model), _reference(family))
+    model.eval()  # evaluation runs under the same strategy (no collective over dp: its loss is local)
+    with torch.no_grad():
+        assert torch.isfinite(model(**_batches()[0]).loss)
+    return model.distributed_strategy
+
+
+def _strategy(dp, tp, pp, **fields):
+    micro = fields.pop("num_micro_batches", 1)
+    return autotune.Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=BATCH // dp // micro, num_micro_batches=micro, **fields)
+
+
+def check_llama_searched_strategy():
+    _train("llama")
+
+
+def check_llama_data_parallel_levels_0_and_3():
+    for level in (0, 3):
+        _train("llama", _strategy(4, 1, 1, sharding_level=level))
+
+
+def check_llama_and_qwen2_tensor_parallel_with_and_without_sequence_parallel():
+    _train("llama", _strategy(2, 2, 1, sharding_level=2))
+    _train("qwen2", _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True))  # q/k/v biases
+
+
+def check_llama_pipeline_with_micro_batches_and_tp_x_pp():
+    _train("llama", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2))
+    _train("mistral", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True))
+
+
+def check_phi3_packed_gqa_never_gets_tensor_parallel():
+    strategy = _train("phi3")
+    assert strategy.tp == 1, strategy
+    _train("phi3", _strategy(2, 1, 2, num_micro_batches=2))  # packed qkv / gate_up under pp
+    _expect_refused("phi3", _strategy(2, 2, 1), "unequal sizes")
+
+
+def check_tied_embeddings_stay_data_parallel():
+    for family in ("llama-tied", "gemma"):
+        strategy = _train(family)
+        assert strategy.tp == strategy.pp == 1, strategy
+    _expect_refused("llama-tied", _strategy(2, 1, 2, num_micro_batches=2), "tied")
+    _expect_refused("gemma", _strategy(2, 2, 1), "tied")
+
+
+def check_unrecognised_and_ambiguous_models():
+    assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
+    assert _train("gpt-neox").tp == 1  # per-head packed query_key_value: its layout is not guessed
+
+
+def check_pipeline_refuses_tied_weights_across_stages():
+    """parallelize itself (a user's pp_config), not only to_distributed's search, refuses."""
+    model, _ = _model("llama-tied")
+    mesh = distcore.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "pp"])
+    try:
+        distcore.parallelize(model, None, mesh, {"pp_config": {"split_spec": "model.layers"}})
+    except NotImplementedError as error:
+        assert "tied" in str(error) and "tie_word_embeddings" in str(error), error
+    else:
+        raise AssertionError("a tied embedding split across pipeline stages was accepted")
+
+
+def _expect_refused(family, strategy, why):
+    model, optimizer = _model(family)
+    try:
+        distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                config=distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False))
+    except autotune.InvalidStrategy as error:
+        assert why in str(error), error
+    else:
+        raise AssertionError(f"{strategy.describe()} on {family} was accepted")
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    logging.getLogger("tridist").setLevel(logging.ERROR)
+    distcore.init_parallel_env()
+    run_checks(CHECKS)  # ends the process group

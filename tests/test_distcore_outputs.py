@@ -1,0 +1,47 @@
+"""distcore.outputs: the loss is found in every kind of output users' models return, replaced without
+touching the caller's object, and an output's form rebuilds the same kind elsewhere; packed
+`query_key_value` projections must state their layout."""
+
+import pytest
+import torch
+
+from tridist.distcore.outputs import OutputForm, find_loss, replace_loss
+from tridist.distcore.tensor_parallel import ColWiseParallel, _packed_parts
+
+transformers = pytest.importorskip("transformers")
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+
+LOSS, NEW = torch.tensor(2.5), torch.tensor(1.0)
+LOGITS = torch.ones(2, 3)
+
+
+@pytest.mark.parametrize("output", [
+    LOSS, (LOSS, LOGITS), [LOSS, LOGITS], {"loss": LOSS, "logits": LOGITS},
+    CausalLMOutputWithPast(loss=LOSS, logits=LOGITS),
+])
+def test_loss_found_replaced_and_rebuilt(output):
+    assert find_loss(output) is LOSS
+    new = replace_loss(output, NEW)
+    assert find_loss(new) is NEW and type(new) is type(output)
+    assert find_loss(output) is LOSS  # the caller's object is unchanged
+    if not torch.is_tensor(output):
+        assert new[1] is LOGITS if not isinstance(output, dict) else new["logits"] is LOGITS
+    rebuilt = OutputForm.of(output).build(NEW)
+    assert type(rebuilt) is (tuple if isinstance(output, (tuple, list)) else type(output))
+    assert find_loss(rebuilt) is NEW
+    if isinstance(output, CausalLMOutputWithPast):
+        assert rebuilt.logits is None and rebuilt.loss is NEW
+
+
+@pytest.mark.parametrize("output", [LOGITS, (LOGITS, LOSS), {"logits": LOGITS}, torch.tensor(3),
+                                    CausalLMOutputWithPast(logits=LOGITS)])
+def test_no_loss_is_none(output):
+    assert find_loss(output) is None  # not 0-dim floating, not first, or no "loss" key
+
+
+def test_ambiguous_packed_layout_must_be_stated():
+    linear = torch.nn.Linear(8, 24)
+    with pytest.raises(ValueError, match=r"packed_parts=1\) for q/k/v packed per head"):
+        _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(), 2, parent=None)
+    assert _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(packed_parts=1), 2, parent=None) == 1
+    assert _packed_parts("layers.0.self_attn.qkv_proj", linear, ColWiseParallel(), 2, parent=None) == 3
