@@ -27,6 +27,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,27 +70,27 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
     cannot be replaced (a look-alike computing something else, such as Gemma's GeGLU MLP, a module
     with hooks, a rotary function of another convention); pass that kind's flag False to leave it.
     """
-    if strict:
-        dry_run = fuse(copy.deepcopy(model), rms_norm=rms_norm, rotary=rotary, swiglu=swiglu)
-        if dry_run.skipped:
-            lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in dry_run.skipped)
-            raise FuseError(
-                f"fuse(strict=True): {len(dry_run.skipped)} candidate(s) cannot be fused:\n{lines}\n"
-                "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=False for that kind"
-            )
     report = FuseReport()
-    # Collect first: the module tree changes as we replace.
-    for name, module in list(model.named_modules()):
+    changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
+    for name, module in model.named_modules():
         if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP)):
             continue
         if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)):
             report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
         elif rms_norm and _looks_like_rms_norm(module):
-            _fuse_rms_norm(model, name, module, report)
+            _fuse_rms_norm(model, name, module, report, changes)
         elif swiglu and _looks_like_swiglu_mlp(module):
-            _fuse_swiglu_mlp(model, name, module, report)
+            _fuse_swiglu_mlp(model, name, module, report, changes)
         if rotary:
-            _fuse_rotary(name, module, report)
+            _fuse_rotary(name, module, report, changes)
+    if strict and report.skipped:
+        lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
+        raise FuseError(
+            f"fuse(strict=True): {len(report.skipped)} candidate(s) cannot be fused:\n{lines}\n"
+            "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=False for that kind"
+        )
+    for change in changes:
+        change()
     return report
 
 
@@ -177,7 +178,7 @@ def _looks_like_rms_norm(module: torch.nn.Module) -> bool:
     )
 
 
-def _fuse_rms_norm(model, name, module, report) -> None:
+def _fuse_rms_norm(model, name, module, report, changes) -> None:
     why = _why_not_probeable(module)
     if why:
         report.skipped.append((name, f"RMSNorm candidate: {why}"))
@@ -202,7 +203,7 @@ def _fuse_rms_norm(model, name, module, report) -> None:
             (name, f"has a 1-D weight and eps={eps} but its output is not RMSNorm(x) * (w or 1 + w); left as is")
         )
         return
-    _replace(model, name, module, FusedRMSNorm.from_parameter(weight, eps, offset=offset, cast_to=cast_to))
+    changes.append(partial(_replace, model, name, module, FusedRMSNorm.from_parameter(weight, eps, offset=offset, cast_to=cast_to)))
     report.replaced.append((name, f"rms_norm: FusedRMSNorm(eps={eps}, offset={offset}, cast_to={cast_to!r})"))
 
 
@@ -230,7 +231,7 @@ def _looks_like_swiglu_mlp(module: torch.nn.Module) -> bool:
     return "down_proj" in children and ("gate_up_proj" in children or {"gate_proj", "up_proj"} <= set(children))
 
 
-def _fuse_swiglu_mlp(model, name, module, report) -> None:
+def _fuse_swiglu_mlp(model, name, module, report, changes) -> None:
     why = _why_not_probeable(module)
     if why:
         report.skipped.append((name, f"SwiGLU MLP candidate: {why}"))
@@ -263,7 +264,7 @@ def _fuse_swiglu_mlp(model, name, module, report) -> None:
         fused = FusedSwiGLUMLP.from_linears(
             gate_proj=children["gate_proj"], up_proj=children["up_proj"], down_proj=children["down_proj"]
         )
-    _replace(model, name, module, fused)
+    changes.append(partial(_replace, model, name, module, fused))
     report.replaced.append((name, "swiglu: FusedSwiGLUMLP"))
 
 
@@ -302,7 +303,7 @@ def _rotary_function_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport) -> None:
+def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes: list) -> None:
     function_names = _rotary_function_names(module)
     if not function_names:
         return
@@ -324,7 +325,7 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport) -> None
     rebound = types.FunctionType(forward.__code__, _fused_globals(type(module), adapters), forward.__name__,
                                  forward.__defaults__, forward.__closure__)
     rebound.__kwdefaults__ = forward.__kwdefaults__
-    module.forward = types.MethodType(rebound, module)
+    changes.append(partial(setattr, module, "forward", types.MethodType(rebound, module)))
     report.replaced.append((name, "rotary: " + ", ".join(fused_names)))
 
 
