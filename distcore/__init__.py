@@ -4,6 +4,7 @@ ProcessMesh / placements / shard_tensor / reshard map onto DeviceMesh and DTenso
 two meshes (pipeline stages) uses point-to-point transfers; processes are launched by torchrun.
 """
 
+from .block_check import TensorParallelCheckError
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
 from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
@@ -49,6 +50,7 @@ __all__ = [
     "ShardingStage2",
     "ShardingStage3",
     "SplitPoint",
+    "TensorParallelCheckError",
     "ToDistributedConfig",
     "apply_strategy",
     "to_distributed",

@@ -30,12 +30,14 @@ from . import env
 from .dataloader import shard_dataloader
 from .mesh import ProcessMesh
 from .parallelize import parallelize
+from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
+    resolve_plan,
 )
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,11 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
     strategy = _choose(spec, cluster, global_batch, config, world)
+    if strategy.tp > 1 and config.strategy is None:
+        refusal = _tensor_parallel_refusal(model, strategy, spec.structure)
+        if refusal:  # every rank ran the same check: all choose again alike
+            log.warning("to_distributed: tensor parallel excluded: %s", refusal)
+            strategy = _choose(spec, cluster, global_batch, config, world, limits={"tp": refusal})
     mesh = _mesh(strategy)
     model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
     loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
@@ -186,10 +193,22 @@ def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
     return dataclasses.replace(space, **restrict), options
 
 
-def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int):
+def _tensor_parallel_refusal(model: torch.nn.Module, strategy, structure) -> str | None:
+    """Why the model's blocks cannot take the strategy's tensor parallel (block_check.py: wrong in
+    local and in global view), or None; the model is not changed."""
+    plan = resolve_plan(model, tensor_parallel_plan(structure, sequence_parallel=strategy.sequence_parallel))
+    mesh = _mesh(strategy)
+    try:
+        choose_block_views(model, plan, tp_mesh=mesh.device_mesh["mp"], process_mesh=mesh)
+    except TensorParallelCheckError as error:
+        return str(error)
+    return None
+
+
+def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
     from tridist import autotune
 
-    limits = unsupported(spec)
+    limits = {**unsupported(spec), **(limits or {})}
     if config.strategy is not None:
         strategy = config.strategy
         if spec is not None:

@@ -34,11 +34,12 @@ from torch.utils._pytree import tree_map
 
 from . import env, pipeline
 from .api import local_value
+from .block_check import choose_block_views, decoder_blocks
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .optimizer import with_paddle_methods
-from .tensor_parallel import apply_tensor_parallel, check_plan_keys, fsdp_shard_placement
+from .tensor_parallel import apply_tensor_parallel, fsdp_shard_placement, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,17 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     names_before = {id(p): name for name, p in model.named_parameters()}
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     if "pp_config" in config:
-        if mp_config is not None:  # warn (or fail, with strict) about keys against the whole model, once
-            check_plan_keys(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
+        global_view = None
+        if mp_config is not None:
+            # Keys are matched (warnings, or errors with strict) and blocks checked on the whole model,
+            # once, before the stages are cut: a block that fails leaves the model unchanged.
+            plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
+            global_view = choose_block_views(model, plan, tp_mesh=_named_device_mesh(mesh, "mp"), process_mesh=mesh)
         pipeline.apply_pipeline_parallel(
             model, pp_mesh=_named_device_mesh(mesh, "pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=_named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None,
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
-                stage, mesh=mesh, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False
+                stage, mesh=mesh, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, global_view=global_view,
             ),
         )
     else:
@@ -105,7 +110,7 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, mesh: ProcessMesh, mp_config: dict | None,
-                                    dp_config: dict | None, warn_unmatched: bool = True) -> None:
+                                    dp_config: dict | None, warn_unmatched: bool = True, global_view=None) -> None:
     """Tensor parallel over "mp" first, then data parallel over "dp" on the resulting DTensor parameters."""
     if mp_config is not None:
         with warnings.catch_warnings():
@@ -113,7 +118,7 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, mesh: ProcessMesh
                 warnings.simplefilter("ignore")
             changes = apply_tensor_parallel(
                 model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=_named_device_mesh(mesh, "mp"),
-                process_mesh=mesh, strict=mp_config.get("strict", False) and warn_unmatched,
+                process_mesh=mesh, strict=mp_config.get("strict", False) and warn_unmatched, global_view=global_view,
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
     if dp_config is not None:
@@ -134,7 +139,7 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
     """
     if sharding_level not in (0, 1, 2, 3):
         raise ValueError(f"parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {sharding_level!r}")
-    blocks = _decoder_blocks(model)
+    blocks = [block for _, block in decoder_blocks(model)]
     if sharding_level == 0:
         for block in blocks:
             replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
@@ -146,18 +151,6 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
-
-
-def _decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks: children of every ModuleList (a Llama's `layers`), outermost lists only."""
-    blocks, seen = [], set()
-    for _, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and id(module) not in seen:
-            for child in module:
-                seen.update(id(m) for m in child.modules())
-                if next(child.parameters(), None) is not None:  # not a pipeline stand-in of another stage
-                    blocks.append(child)
-    return blocks
 
 
 def _named_device_mesh(mesh: ProcessMesh, dim: str):

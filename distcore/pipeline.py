@@ -528,7 +528,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
                 f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "
                 "tensor a decoder layer returns"
             )
-        return take_pending_split(hidden)  # a SequenceParallelBegin as the stage's last layer
+        return take_pending_split(view, hidden)  # a SequenceParallelBegin as the stage's last layer
 
     view.forward = forward
 

@@ -6,10 +6,16 @@ Linear/Embedding. Values are a style or a list of styles. A key that matches not
 the nearest module names (a warning; an error with `mp_config["strict"] = True`): the seed's own
 example names modules its model lacks.
 
-Model code written for one device keeps working on local shards: Linear outputs stay local (torch's
-default), and attention modules whose q/k/v projections are split get their head counts divided
-(`num_heads`, `num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads.
-Embeddings give full (replicated) outputs, so norms are unchanged.
+The plan is resolved against the model once (`resolve_plan` -> TensorParallelPlan: every key matched
+to real module names, each module's sequence-parallel context worked out), then applied.
+
+Local view (Megatron's, the fast one): Linear outputs stay local (torch's default), and attention
+modules whose q/k/v projections are split get their head counts divided (`num_heads`,
+`num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads. Embeddings
+give full (replicated) outputs, so norms are unchanged. Code not written for that (a module-level
+head count in a reshape) would compute wrong numbers: each decoder-block type is checked first
+(block_check.py), and a block whose local view differs from one device runs in global view
+(global_view.py: DTensors with global shapes, as Paddle does).
 
 Packed projections (`qkv_proj` = [q | k | v], `gate_up_proj` = [gate | up], see _PACKED_PARTS) are split
 part by part: a rank holds its share of q, of k and of v, so `q, k, v = qkv.chunk(3, -1)` in model code
@@ -116,13 +122,67 @@ STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutpu
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 
-def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, process_mesh, strict: bool = False) -> list[str]:
-    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """A Paddle `parallelize_plan` resolved against one model: each name is one of its modules (or a
+    bare parameter), with the sequence-parallel context each needs; `within(block)` gives the plan of one
+    block with names relative to it (what the block check applies to its copies).
 
-    Two passes: every key is matched first, then styles are applied knowing each module's
-    SequenceParallelDisable ancestor (a row-parallel linear there reduce-scatters straight onto
-    sequence shards instead of all-reducing then slicing: half the bytes, as Megatron does).
+    styles: module name -> styles, in plan order. bare: bare parameter name -> styles.
+    sequence_span: modules registered strictly between the first SequenceParallelBegin and the last End
+      (registration order is execution order in Llama-style models); a SequenceParallelEnable there
+      already receives sequence slices.
+    sequence_region: the span minus Begin/End/Disable subtrees: modules that run on sequence slices.
+    disabled: modules marked SequenceParallelDisable (a row-parallel child is its possible exit).
+    lazy_split: the region's top-most parameterised modules; whichever runs first after Begin splits the
+      sequence (empty for a block's plan: its check feeds it split inputs).
     """
+
+    styles: dict
+    bare: dict
+    sequence_span: frozenset = frozenset()
+    sequence_region: frozenset = frozenset()
+    disabled: frozenset = frozenset()
+    lazy_split: tuple = ()
+
+    def within(self, prefix: str) -> "TensorParallelPlan":
+        def relative(names):
+            return {_strip(n, prefix) for n in names if _under(n, prefix)}
+
+        return TensorParallelPlan(
+            styles={_strip(n, prefix): st for n, st in self.styles.items() if _under(n, prefix)},
+            bare={_strip(n, prefix): st for n, st in self.bare.items() if _under(n, prefix)},
+            sequence_span=frozenset(relative(self.sequence_span)), sequence_region=frozenset(relative(self.sequence_region)),
+            disabled=frozenset(relative(self.disabled)),
+        )
+
+    def excluding(self, prefixes) -> "TensorParallelPlan":
+        """This plan without the subtrees at `prefixes` (blocks applied another way)."""
+        def keep(name):
+            return not any(_under(name, p) for p in prefixes)
+
+        return TensorParallelPlan(
+            styles={n: st for n, st in self.styles.items() if keep(n)}, bare={n: st for n, st in self.bare.items() if keep(n)},
+            sequence_span=frozenset(filter(keep, self.sequence_span)),
+            sequence_region=frozenset(filter(keep, self.sequence_region)),
+            disabled=frozenset(filter(keep, self.disabled)), lazy_split=self.lazy_split,
+        )
+
+    def styles_under(self, prefix: str) -> bool:
+        return any(_under(n, prefix) for n in [*self.styles, *self.bare])
+
+
+def _under(name: str, prefix: str) -> bool:
+    return not prefix or name == prefix or name.startswith(prefix + ".")
+
+
+def _strip(name: str, prefix: str) -> str:
+    return name if not prefix else name[len(prefix) + 1:]
+
+
+def resolve_plan(model: torch.nn.Module, plan: dict, *, strict: bool = False) -> TensorParallelPlan:
+    """Match every key of a Paddle plan against `model` (warning, or with strict an error, for a key
+    matching nothing) and work out each module's sequence-parallel context."""
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: mp_config['parallelize_plan'] must be a dict of pattern -> style(s), got {type(plan).__name__}")
     modules = dict(model.named_modules())
@@ -139,41 +199,83 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
         for name in _match(key, modules, params, strict=strict):
             (bare_styles if name in params else styles_of).setdefault(name, []).extend(styles)
     _check_sequence_parallel_boundaries(styles_of)
-    _refuse_tied_parameters(model, [*styles_of, *(name.rpartition(".")[0] for name in bare_styles)])
     order = list(modules)
-    begins = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelBegin) for x in st)]
-    ends = [order.index(n) for n, st in styles_of.items() if any(isinstance(x, SequenceParallelEnd) for x in st)]
-    region = (min(begins), max(ends) if ends else len(order)) if begins else None
-    disabled = {name for name, styles in styles_of.items() if any(isinstance(x, SequenceParallelDisable) for x in styles)}
-    tp = tp_mesh.size()
-    changes: list[str] = []
-    for index in reversed(range(len(order))):  # children first: a Disable region then knows its row-parallel exit
-        name = order[index]
-        parent = name.rpartition(".")[0]
-        for style in styles_of.get(name, []):
-            changes.append(_apply(
-                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
-                parent=modules.get(parent),
-                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
-                scatter_sequence=parent in disabled and isinstance(modules[name], torch.nn.Linear),
-                in_region=region is not None and region[0] < index < region[1],
-            ))
-    for name, styles in bare_styles.items():
-        changes += [_apply_bare(model, name, style, tp_mesh=tp_mesh) for style in styles]
-    changes += _localise_head_counts(model, tp=tp)
-    if region is not None:
-        changes += _sequence_parallel_norms(model, region=region, tp_mesh=tp_mesh)
-        _check_region_parameters(model, region=region)
-        _install_lazy_split(model, region=region, tp_mesh=tp_mesh)
+
+    def marked(kind):
+        return [name for name, st in styles_of.items() if any(isinstance(x, kind) for x in st)]
+
+    begins, ends = [order.index(n) for n in marked(SequenceParallelBegin)], [order.index(n) for n in marked(SequenceParallelEnd)]
+    if not begins:
+        return TensorParallelPlan(styles_of, bare_styles)
+    first, last = min(begins), (max(ends) if ends else len(order))
+    span = frozenset(order[first + 1:last])
+    boundaries = [*marked(SequenceParallelBegin), *marked(SequenceParallelEnd), *marked(SequenceParallelDisable)]
+    region = frozenset(n for n in span if not any(_under(n, b) for b in boundaries))
+    return TensorParallelPlan(
+        styles_of, bare_styles, sequence_span=span, sequence_region=region,
+        disabled=frozenset(marked(SequenceParallelDisable)), lazy_split=tuple(_split_points(model, order[first + 1:last + 1])),
+    )
+
+
+def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, process_mesh, strict: bool = False,
+                          global_view: dict[str, str] | None = None) -> list[str]:
+    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
+
+    Each decoder-block type is checked first (block_check.py): its tensor-parallel forward must equal
+    its single-device forward on a tiny input, else the block runs in global view (global_view.py).
+    `global_view`: {block name: reason} decided already (parallelize checks the whole model before
+    pipeline stages are cut); None checks `model` here.
+    """
+    from .block_check import choose_block_views
+
+    resolved = resolve_plan(model, plan, strict=strict)
+    _refuse_tied_parameters(model, [*resolved.styles, *(name.rpartition(".")[0] for name in resolved.bare)])
+    if global_view is None:
+        global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
+    modules = dict(model.named_modules())
+    global_view = {name: reason for name, reason in global_view.items() if name in modules and resolved.styles_under(name)}
+    changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
+    if global_view:
+        from .global_view import apply_global_view
+
+        for name, reason in global_view.items():
+            changes.append(f"{name}: global view ({reason})")
+            model.get_submodule(name)._tridist_global_view = reason  # for the log and tests
+            changes += apply_global_view(model.get_submodule(name), resolved.within(name), tp_mesh=tp_mesh,
+                                         process_mesh=process_mesh, sequence_split=name in resolved.sequence_span)
+    if resolved.lazy_split:
+        _install_lazy_split(model, resolved.lazy_split, tp_mesh=tp_mesh)
     return changes
 
 
-def check_plan_keys(model: torch.nn.Module, plan: dict, *, strict: bool) -> None:
-    """Warn (error with strict) about plan keys matching nothing in `model`; pipeline parallel calls
-    this on the whole model, then applies the plan to each stage with these warnings silenced."""
-    modules, params = dict(model.named_modules()), dict(model.named_parameters())
-    for key in plan:
-        _match(key, modules, params, strict=strict)
+def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh) -> list[str]:
+    """Tensor parallel on local shards (Megatron's way: model code sees this rank's heads); `root` is the
+    model, or a block's copy with its `plan.within(block)`.
+
+    Styles are applied children first: a Disable region then knows its row-parallel exit (which
+    reduce-scatters straight onto sequence shards instead of all-reducing then slicing: half the bytes,
+    as Megatron does).
+    """
+    modules = dict(root.named_modules())
+    tp = tp_mesh.size()
+    changes: list[str] = []
+    for name in reversed(list(modules)):
+        parent = name.rpartition(".")[0] if name else None
+        for style in plan.styles.get(name, []):
+            changes.append(_apply(
+                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
+                parent=modules.get(parent) if parent is not None else None,
+                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
+                scatter_sequence=parent in plan.disabled and isinstance(modules[name], torch.nn.Linear),
+                in_region=name in plan.sequence_span, sequence_split=sequence_split_of(root, tp_mesh),
+            ))
+    for name, styles in plan.bare.items():
+        changes += [_apply_bare(root, name, style, tp_mesh=tp_mesh) for style in styles]
+    changes += _localise_head_counts(root, tp=tp)
+    if plan.sequence_region:
+        changes += _sequence_parallel_norms(root, plan.sequence_region, tp_mesh=tp_mesh)
+        _check_region_parameters(root, plan.sequence_region)
+    return changes
 
 
 def _check_sequence_parallel_boundaries(styles_of: dict) -> None:
@@ -200,26 +302,12 @@ def _refuse_tied_parameters(model: torch.nn.Module, planned) -> None:
             )
 
 
-_BOUNDARY_MARKS = ("SequenceParallelDisable", "SequenceParallelBegin", "SequenceParallelEnd")
-
-
-def _inside_region(model: torch.nn.Module, region: tuple[int, int]):
-    """(name, module) registered strictly between the first Begin and the last End (registration order
-    is execution order in Llama-style models), outside Begin/End/Disable subtrees: the modules that
-    run on sequence slices."""
-    named = list(model.named_modules())
-    boundaries = [name for name, module in named if getattr(module, "_tridist_sequence_parallel", None) in _BOUNDARY_MARKS]
-    for index, (name, module) in enumerate(named):
-        if region[0] < index < region[1] and not any(name == b or name.startswith(b + ".") for b in boundaries):
-            yield name, module
-
-
-def _check_region_parameters(model: torch.nn.Module, *, region: tuple[int, int]) -> None:
+def _check_region_parameters(root: torch.nn.Module, region: frozenset) -> None:
     """Parameters that run on sequence slices must be split, sequence parallel, or inside a Disable
     region (which sees the whole sequence); anything else would get partial, unreduced gradients."""
     uncovered = [
         f"{name}.{pname}" if name else pname
-        for name, module in _inside_region(model, region)
+        for name, module in root.named_modules() if name in region
         for pname, param in module.named_parameters(recurse=False)
         if not isinstance(param, DTensor)
     ]
@@ -279,7 +367,7 @@ def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
 
 
 def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool,
-           in_region: bool, parent: torch.nn.Module | None = None) -> str:
+           in_region: bool, sequence_split: SequenceSplit, parent: torch.nn.Module | None = None) -> str:
     if getattr(module, "_tridist_stand_in", False):
         return f"{name}: on pipeline stage {module.owner}"
     if isinstance(style, PrepareLayerInput):
@@ -289,7 +377,7 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         module.register_forward_hook(style.fn(process_mesh))
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
-        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region)
+        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region, sequence_split=sequence_split)
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
@@ -363,9 +451,9 @@ class _PackedColwiseParallel(ColwiseParallel):
     only shard a 1-D parameter on dim 0, which cannot express a per-part split.
     """
 
-    def __init__(self, parts: int, *, gather_output: bool):
+    def __init__(self, parts: int, *, gather_output: bool, local_output: bool = True):
         super().__init__(output_layouts=Replicate() if gather_output else None)
-        self.parts, self.gather_output = parts, gather_output
+        self.parts, self.gather_output, self.local_output = parts, gather_output, local_output
 
     def _partition_linear_fn(self, name, module, device_mesh):
         layouts = {"weight": [_StridedShard(0, split_factor=self.parts)], "bias": [Replicate()]}
@@ -383,7 +471,7 @@ class _PackedColwiseParallel(ColwiseParallel):
         target = Replicate() if self.gather_output else _StridedShard(output.dim() - 1, split_factor=self.parts)
         if output.placements != (target,):
             output = output.redistribute(device_mesh, [target])
-        return output.to_local()
+        return output.to_local() if self.local_output else output
 
 
 def fsdp_shard_placement(param: torch.nn.Parameter):
@@ -506,7 +594,8 @@ def _map_output(output, fn):
     return fn(output)
 
 
-def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool) -> str:
+def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool,
+                             sequence_split: SequenceSplit) -> str:
     def gather_input(_, args, kwargs):
         return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
 
@@ -520,7 +609,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         return _map_output(output, lambda x: _gather_sequence(x, tp_mesh))
 
     if isinstance(style, SequenceParallelBegin):
-        module.register_forward_hook(partial(_mark_split_pending, tp_mesh))
+        module.register_forward_hook(sequence_split.mark)
     # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
     elif isinstance(style, SequenceParallelEnd):
         module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
@@ -540,51 +629,64 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
     return f"{name}: {type(style).__name__}"
 
 
-class _PendingSplit:
-    """Set by a Begin module's output; the first parameterised module of the region to run splits its
-    input. Splitting there rather than at the Begin output lets model code between the two (masks and
-    positions built from the embedding output, as Hugging Face does) see the whole sequence."""
+class SequenceSplit:
+    """The sequence split of one model (pipeline stage), pending from its Begin module's output until the
+    first parameterised module of the region runs and splits its input. Splitting there rather than at
+    the Begin output lets model code between the two (masks and positions built from the embedding
+    output, as Hugging Face does) see the whole sequence. One per model: two models (or stages) in one
+    process never take each other's split."""
 
-    pending = False
-    tp_mesh = None  # the Begin's mesh, for a split taken as the activation leaves a pipeline stage
+    def __init__(self, tp_mesh):
+        self.tp_mesh, self.pending = tp_mesh, False
+
+    def mark(self, module, args, output) -> None:
+        self.pending = True
+
+    def take(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.pending:
+            return hidden
+        self.pending = False
+        return _split_sequence(hidden, self.tp_mesh)
+
+    def take_at_entry(self, module, args, kwargs):
+        if not self.pending:
+            return None
+        return _map_first_activation(args, kwargs, self.take)
 
 
-def _mark_split_pending(tp_mesh, module, args, output):
-    _PendingSplit.pending, _PendingSplit.tp_mesh = True, tp_mesh
+def sequence_split_of(model: torch.nn.Module, tp_mesh) -> SequenceSplit:
+    split = vars(model).get("_tridist_sequence_split")
+    if split is None:
+        split = model._tridist_sequence_split = SequenceSplit(tp_mesh)
+    return split
 
 
-def take_pending_split(hidden: torch.Tensor) -> torch.Tensor:
+def take_pending_split(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A pipeline stage ends with a split still pending (its last layer was the Begin): the next stage's
     first module would have taken it, on other ranks, so the activation leaves this stage split."""
-    if not _PendingSplit.pending:
-        return hidden
-    _PendingSplit.pending = False
-    return _split_sequence(hidden, _PendingSplit.tp_mesh)
+    split = vars(model).get("_tridist_sequence_split")
+    return hidden if split is None else split.take(hidden)
 
 
-def _split_if_pending(tp_mesh):
-    def hook(module, args, kwargs):
-        if not _PendingSplit.pending:
-            return None
-        _PendingSplit.pending = False
-        return _map_first_activation(args, kwargs, lambda x: _split_sequence(x, tp_mesh))
-
-    return hook
-
-
-def _install_lazy_split(model: torch.nn.Module, *, region: tuple[int, int], tp_mesh) -> None:
-    """Pre-hooks on the region's top-most parameterised modules (decoder blocks, a final norm, Disable
-    and End modules): whichever runs first after Begin takes the pending split."""
+def _split_points(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The top-most parameterised modules among `names` (decoder blocks, a final norm, Disable and End
+    modules; not ModuleLists): whichever runs first after Begin takes the pending split."""
+    modules = dict(model.named_modules())
     chosen: list[str] = []
-    for index, (name, module) in enumerate(model.named_modules()):
-        if not region[0] < index <= region[1]:  # the End module itself too: it may be the first to run
-            continue
+    for name in names:
+        module = modules[name]
         if any(name.startswith(c + ".") for c in chosen) or isinstance(module, torch.nn.ModuleList):
             continue
         if next(module.parameters(), None) is None:
             continue  # parameter-free helpers (a rotary table builder) only read the activation's dtype
-        module.register_forward_pre_hook(_split_if_pending(tp_mesh), with_kwargs=True, prepend=True)
         chosen.append(name)
+    return chosen
+
+
+def _install_lazy_split(model: torch.nn.Module, names: tuple[str, ...], *, tp_mesh) -> None:
+    split = sequence_split_of(model, tp_mesh)
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(split.take_at_entry, with_kwargs=True, prepend=True)
 
 
 def _check_exit(name: str, exits: list[torch.nn.Module]):
@@ -605,7 +707,7 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
     return hook
 
 
-def _sequence_parallel_norms(model: torch.nn.Module, *, region: tuple[int, int], tp_mesh) -> list[str]:
+def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mesh) -> list[str]:
     """Norm-like modules (only 1-D parameters, none split) inside the sequence-parallel region that the
     plan did not mark: they run on sequence slices, so their parameters need SequenceParallel too
     (Paddle applies this implicitly; its example marks only the boundaries). A norm before Begin or
@@ -613,7 +715,7 @@ def _sequence_parallel_norms(model: torch.nn.Module, *, region: tuple[int, int],
     full-sequence gradients over the ranks (tp times too large).
     """
     changes = []
-    for name, module in list(_inside_region(model, region)):
+    for name, module in [(n, m) for n, m in root.named_modules() if n in region]:
         params = list(module.parameters(recurse=False))
         if (
             getattr(module, "_tridist_sequence_parallel", None)

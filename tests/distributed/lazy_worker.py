@@ -90,6 +90,9 @@ def _equal_to_single_device(name: str, config: dict, mesh, make_optimizer, vocab
     assert not problems, problems
     assert [id(p) for p in held] == [id(p) for p in model.parameters()] and not any(p.is_meta for p in held)
     equivalence.assert_same_training(trace, ref_trace)
+    # The tensor-parallel check ran on the meta model's shapes and kept the local view.
+    global_view = {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
+    assert not global_view, global_view
     return model
 
 

@@ -177,9 +177,9 @@ def check_sequence_parallel_beginning_at_a_stage_boundary():
         "lm_head": [ColWiseParallel(gather_output=True), distcore.SequenceParallelEnd()],
     }
     model = _equal_to_one_process("hf-llama", MP2_PP2, {"mp_config": {"parallelize_plan": plan}, **_pp("hf-llama")})
-    from tridist.distcore.tensor_parallel import _PendingSplit
-
-    assert not _PendingSplit.pending
+    # Each stage owns its split, and none is left pending after a step.
+    splits = [vars(view).get("_tridist_sequence_split") for view in model._tridist_pipeline.views]
+    assert all(split is not None and not split.pending for split in splits), splits
     if MP2_PP2.coordinate()[0] == 1:  # stage 1 ran on sequence shards: its norms are sequence parallel
         assert isinstance(model.model.layers[2].input_layernorm.weight, torch.distributed.tensor.DTensor)
 

@@ -49,7 +49,7 @@ def _batches():
 
 def _model(name: str, fused: bool = False):
     torch.manual_seed(0)
-    model = build_model(name)
+    model = _HAND_WRITTEN[name]() if name in _HAND_WRITTEN else build_model(name)
     if fused:
         kernels.fuse(model)
     # SGD: its update is linear in the gradient, so tensor-parallel summation order stays at rounding
@@ -147,7 +147,7 @@ def check_sequence_parallel_with_fused_kernels_and_data_parallel():
 def check_implicit_sequence_parallel_stays_inside_the_region():
     """Only norms between Begin and End run on sequence slices; one before or after sees the whole
     sequence and must keep plain parameters (reducing its gradients would multiply them by tp)."""
-    from tridist.distcore.tensor_parallel import _sequence_parallel_norms
+    from tridist.distcore.tensor_parallel import _sequence_parallel_norms, resolve_plan
 
     toy = torch.nn.Sequential()
     toy.add_module("pre_norm", torch.nn.LayerNorm(8))
@@ -155,11 +155,9 @@ def check_implicit_sequence_parallel_stays_inside_the_region():
     toy.add_module("mid_norm", torch.nn.LayerNorm(8))
     toy.add_module("head", torch.nn.Linear(8, 8))
     toy.add_module("post_norm", torch.nn.LayerNorm(8))
-    toy.embed._tridist_sequence_parallel = "SequenceParallelBegin"
-    toy.head._tridist_sequence_parallel = "SequenceParallelEnd"
-    names = [name for name, _ in toy.named_modules()]
-    region = (names.index("embed"), names.index("head"))
-    changes = _sequence_parallel_norms(toy, region=region, tp_mesh=MESH.device_mesh["mp"])
+    plan = resolve_plan(toy, {"embed": distcore.SequenceParallelBegin(), "head": distcore.SequenceParallelEnd()})
+    assert plan.sequence_region == {"mid_norm"}, plan.sequence_region
+    changes = _sequence_parallel_norms(toy, plan.sequence_region, tp_mesh=MESH.device_mesh["mp"])
     assert [c.split(":")[0] for c in changes] == ["mid_norm"], changes
     assert isinstance(toy.mid_norm.weight, torch.distributed.tensor.DTensor)
     assert not isinstance(toy.pre_norm.weight, torch.distributed.tensor.DTensor)
@@ -483,6 +481,143 @@ def check_unsupported_layouts_are_refused_clearly():
     tied = build_model("paddle-llama")
     tied.llama.embed_tokens.weight = tied.lm_head.weight  # one parameter owned by two modules, as tied weights are
     expect(NotImplementedError, "tied parameter", tied, {"lm_head.weight": ColWiseParallel()})
+
+
+# ------------------------------------------------------------------ a model written for one device
+# As a user writes it: module-level constants in the attention's reshapes. In local view (local shards,
+# head counts divided) `reshape(b, s, N_HEADS, -1)` cuts the local features into the global number of
+# heads (half-size heads): with `reshape(b, s, HIDDEN)` after attention it fails on a shape, with
+# `reshape(b, s, -1)` it computes scrambled heads and trains silently wrong. The block check sends
+# the blocks to global view, where they train as on one device.
+
+HIDDEN, N_HEADS, FFN = 32, 4, 64
+
+
+class _ConstantsAttention(torch.nn.Module):
+    def __init__(self, merge: str, distance: bool):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(4))
+        self.merge, self.distance = merge, distance
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).reshape(b, s, N_HEADS, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = q * torch.cos(torch.arange(s, dtype=q.dtype))[:, None]  # a tensor the block makes itself
+        if self.distance:  # an op with no DTensor sharding rule: global view cannot run it either
+            o = torch.softmax(-torch.cdist(q, k), dim=-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, HIDDEN if self.merge == "hidden" else -1))
+
+
+class _ConstantsMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(HIDDEN, FFN), torch.nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class _ConstantsBlock(torch.nn.Module):
+    def __init__(self, merge: str, distance: bool):
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(HIDDEN), torch.nn.LayerNorm(HIDDEN)
+        self.attn, self.mlp = _ConstantsAttention(merge, distance), _ConstantsMLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class ConstantsModel(torch.nn.Module):
+    def __init__(self, merge: str = "hidden", distance: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = torch.nn.ModuleList(_ConstantsBlock(merge, distance) for _ in range(2))
+        self.norm, self.head = torch.nn.LayerNorm(HIDDEN), torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids, labels=None):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits
+
+
+_HAND_WRITTEN = {"constants-hidden": functools.partial(ConstantsModel, "hidden"),
+                 "constants-minus": functools.partial(ConstantsModel, "minus")}
+CONSTANTS_PLAN = {
+    "blocks.*.attn.[qkv]_proj": ColWiseParallel(), "blocks.*.attn.o_proj": RowWiseParallel(),
+    "blocks.*.mlp.up": ColWiseParallel(), "blocks.*.mlp.down": RowWiseParallel(),
+}
+CONSTANTS_SEQUENCE_PARALLEL = {
+    "embed": distcore.SequenceParallelBegin(), "blocks.*.attn": distcore.SequenceParallelDisable(),
+    "blocks.*.mlp": distcore.SequenceParallelDisable(), "head": distcore.SequenceParallelEnd(),
+}
+
+
+def _global_view_reasons(model) -> dict:
+    return {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
+
+
+def check_module_constants_model_trains_in_global_view_with_sequence_parallel():
+    """mp x dp (ZeRO-2) with sequence parallel: equal to one process; both blocks in global view, for
+    the reason the check found (a shape error, or numbers that differ)."""
+    config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": {**CONSTANTS_PLAN, **CONSTANTS_SEQUENCE_PARALLEL}}}
+    for merge, symptom in (("hidden", "fails: RuntimeError: shape"), ("minus", "differs from one device")):
+        model = _equal_to_one_process(f"constants-{merge}", config)
+        reasons = _global_view_reasons(model)
+        assert set(reasons) == {"blocks.0", "blocks.1"} and all(symptom in r for r in reasons.values()), reasons
+        weight = model.blocks[0].attn.q_proj.weight  # still split over mp (and sharded over dp)
+        assert weight.placements[weight.device_mesh.mesh_dim_names.index("mp")] == Shard(0), weight.placements
+
+
+def check_module_constants_model_trains_in_global_view_without_sequence_parallel():
+    model = _equal_to_one_process("constants-minus", {"mp_config": {"parallelize_plan": CONSTANTS_PLAN}})
+    assert set(_global_view_reasons(model)) == {"blocks.0", "blocks.1"}
+    assert not _global_view_reasons(_equal_to_one_process("hf-llama", {"mp_config": {"parallelize_plan": HF_PLAN}}))
+
+
+def check_block_wrong_in_both_views_is_refused_by_name():
+    """Local view fails on the constants; global view on an op DTensor cannot shard (cdist): an error
+    naming the block and both causes, before anything is changed."""
+    torch.manual_seed(0)
+    model = ConstantsModel("hidden", distance=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": CONSTANTS_PLAN}})
+    except distcore.TensorParallelCheckError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a block wrong in both views was accepted")
+    assert "'blocks.0'" in message and "local view fails" in message and "cdist" in message, message
+    assert all(torch.equal(p, before[n]) and not isinstance(p, torch.distributed.tensor.DTensor)
+               for n, p in model.named_parameters())
+
+
+def check_to_distributed_excludes_tensor_parallel_a_block_cannot_take():
+    """A recognised (Llama-like) model whose blocks are wrong under tp in both views: the search's tp=2
+    is dropped with the reason, and the strategy chosen instead trains."""
+    from tridist import autotune
+
+    torch.manual_seed(0)
+    model = ConstantsModel("hidden", distance=True)
+    for block in model.blocks:
+        block.attn.num_heads = N_HEADS  # what the structure recogniser reads
+    samples = [(inputs[row], labels[row]) for inputs, labels in _batches() for row in range(GLOBAL_BATCH)]
+    space = autotune.SearchSpace(tp=(2,), pp=(1,), sequence_parallel=(False,), overlap_tp_comm=(False,))
+    config = distcore.ToDistributedConfig(fuse_kernels=False, search_options={"space": space})
+    model, optimizer, loader = distcore.to_distributed(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(samples, batch_size=GLOBAL_BATCH),
+        device_num=4, config=config)
+    assert model.distributed_strategy.tp == 1 and model.distributed_strategy.dp == 4, model.distributed_strategy
+    for inputs, labels in loader():
+        loss, _ = model(inputs, labels=labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+    assert torch.isfinite(loss)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

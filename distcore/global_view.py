@@ -1,0 +1,163 @@
+"""Global view: a decoder block whose code is not written for local shards runs on DTensors.
+
+Paddle's auto-parallel keeps every tensor's global view: model code written for one device runs
+unchanged, `q.reshape(b, s, N_HEADS, -1)` included. For a block that fails the local-view check
+(block_check.py), the block's tensors are DTensors with global shapes: its split Linears keep their
+outputs as DTensors (torch's `use_local_output=False`), every other parameter is a Replicate DTensor,
+and the block's inputs enter as DTensors (the hidden states Shard(1) on sequence slices, else
+Replicate) and leave as local tensors again, so the rest of the model keeps its local view. DTensor
+propagates the shardings through reshapes, transposes and attention; the matmuls stay split (a
+global-view block costs DTensor's dispatch and, under sequence parallel, one all-gather per
+projection instead of one per region).
+
+Tensors the block's code creates (a mask, positions, `torch.arange`) are plain: the forward runs
+under torch's `implicit_replication` (plain tensors count as replicated), and tensors saved for the
+backward are saved as Replicate DTensors (a saved-tensor hook), because the backward runs outside
+that context. CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no DTensor sharding
+rule in torch; one is registered here (batch- or head-sharded, or replicated).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from .tensor_parallel import (
+    _SEQUENCE_DIM,
+    ColWiseParallel,
+    PrepareLayerInput,
+    PrepareLayerOutput,
+    RowWiseParallel,
+    SequenceParallelBegin,
+    SequenceParallelEnd,
+    TensorParallelPlan,
+    _PackedColwiseParallel,
+    _check_divisible,
+    _packed_parts,
+)
+
+_aten = torch.ops.aten
+
+
+# Attention is independent per batch row and per head ([batch, heads, seq, dim]): q, k, v (backward:
+# grad, out and logsumexp too) all sharded on dim 0, all on dim 1, or all replicated.
+@register_sharding(_aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    # outputs: (out, logsumexp [batch, heads, seq]); inputs: q, k, v, dropout_p, is_causal
+    return [([p, p], [p, p, p, None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+
+
+@register_sharding(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    # outputs: grad q, k, v; inputs: grad_out, q, k, v, out, logsumexp, dropout_p, is_causal
+    return [([p, p, p], [p] * 6 + [None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+
+
+def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh,
+                      sequence_split: bool) -> list[str]:
+    """Apply the block's part of the plan (`plan.within(block_name)`) in global view. `sequence_split`:
+    the block receives (and must return) sequence slices."""
+    tp = tp_mesh.size()
+    modules = dict(block.named_modules())
+    changes = []
+    for name, styles in plan.styles.items():
+        module = modules[name]
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        for style in styles:
+            if isinstance(style, PrepareLayerInput):
+                module.register_forward_pre_hook(style.fn(process_mesh))
+            elif isinstance(style, PrepareLayerOutput):
+                module.register_forward_hook(style.fn(process_mesh))
+            elif isinstance(style, (SequenceParallelBegin, SequenceParallelEnd)):
+                raise NotImplementedError(
+                    f"parallelize: {type(style).__name__} on {name!r} inside a block that runs in global view; put "
+                    "the sequence-parallel boundaries outside the decoder blocks (on the embedding and the LM head)"
+                )
+            elif isinstance(style, (ColWiseParallel, RowWiseParallel)):
+                parallelize_module(module, tp_mesh, _torch_style(name, module, style, tp=tp, parent=parent,
+                                                                  scatter=sequence_split and name.rpartition(".")[0] in plan.disabled))
+            # SequenceParallelDisable / Enable: DTensor moves the activations between shardings itself.
+        changes += [f"{name}: {style!r} (global view)" for style in styles]
+    _replicate_other_parameters(block, tp_mesh)
+    _install_boundary(block, tp_mesh, sequence_split=sequence_split)
+    return changes
+
+
+def _torch_style(name: str, module: torch.nn.Module, style, *, tp: int, parent, scatter: bool):
+    """torch's style for one Paddle style, outputs kept as DTensors."""
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        raise NotImplementedError(
+            f"parallelize: {type(style).__name__} on {name!r} ({type(module).__name__}): distcore splits nn.Linear "
+            "and nn.Embedding modules"
+        )
+    parts = _packed_parts(name, module, style, tp, parent=parent)
+    if parts > 1:
+        return _PackedColwiseParallel(parts, gather_output=style.gather_output, local_output=False)
+    _check_divisible(name, module, style, tp)
+    if isinstance(style, ColWiseParallel):
+        return ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1), use_local_output=False)
+    # A Disable region's exit under sequence parallel: reduce-scatter onto sequence shards.
+    return RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(),
+                           output_layouts=Shard(_SEQUENCE_DIM) if scatter else Replicate(), use_local_output=False)
+
+
+def _replicate_other_parameters(block: torch.nn.Module, tp_mesh) -> None:
+    """Norm weights, biases of row-parallel layers' neighbours, ...: Replicate DTensors, whose
+    gradients DTensor reduces where they were computed on slices (Partial)."""
+    for module in block.modules():
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
+                module.register_parameter(pname, torch.nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+
+def _install_boundary(block: torch.nn.Module, tp_mesh, *, sequence_split: bool) -> None:
+    """Inputs in as DTensors, outputs out as local tensors; the contexts live for the block's forward."""
+    entry_placement = [Shard(_SEQUENCE_DIM)] if sequence_split else [Replicate()]
+    contexts: list = []
+
+    def save_as_dtensor(tensor: torch.Tensor):
+        if isinstance(tensor, DTensor):
+            return tensor
+        return DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False)
+
+    def enter(module, args, kwargs):
+        def wrap(x, placement):
+            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not x.is_floating_point():
+                return x  # integers and booleans (positions, masks) stay plain: implicitly replicated
+            return DTensor.from_local(x, tp_mesh, placement, run_check=False)
+
+        from .tensor_parallel import _map_first_activation
+
+        args, kwargs = _map_first_activation(args, kwargs, lambda x: wrap(x, entry_placement))
+        args = tuple(torch.utils._pytree.tree_map(lambda x: wrap(x, [Replicate()]), list(args)))
+        kwargs = torch.utils._pytree.tree_map(lambda x: wrap(x, [Replicate()]), kwargs)
+        for context in (implicit_replication(), torch.autograd.graph.saved_tensors_hooks(save_as_dtensor, _identity)):
+            context.__enter__()
+            contexts.append(context)
+        return args, kwargs
+
+    def leave(module, args, output):
+        while contexts:
+            contexts.pop().__exit__(None, None, None)
+        if output is None:  # the forward raised: the error goes on
+            return None
+        first = [True]
+
+        def local(x):
+            if not isinstance(x, DTensor):
+                return x
+            placement = entry_placement if first[0] else [Replicate()]
+            first[0] = False
+            return x.redistribute(tp_mesh, placement).to_local()
+
+        return torch.utils._pytree.tree_map(local, output)
+
+    block.register_forward_pre_hook(enter, with_kwargs=True)
+    block.register_forward_hook(leave, always_call=True)
+
+
+def _identity(tensor):
+    return tensor
