@@ -38,6 +38,7 @@ from .block_check import choose_block_views, decoder_blocks
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
+from .token_mean import install_global_token_mean
 from .optimizer import with_paddle_methods
 from .tensor_parallel import apply_tensor_parallel, fsdp_shard_placement, resolve_plan
 
@@ -78,17 +79,22 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             # once, before the stages are cut: a block that fails leaves the model unchanged.
             plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
             global_view = choose_block_views(model, plan, tp_mesh=_named_device_mesh(mesh, "mp"), process_mesh=mesh)
-        pipeline.apply_pipeline_parallel(
+        runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=_named_device_mesh(mesh, "pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=_named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None,
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
                 stage, mesh=mesh, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, global_view=global_view,
             ),
         )
+        micro_batches = runner.config.micro_batches
     else:
         _apply_tensor_and_data_parallel(model, mesh=mesh, mp_config=mp_config, dp_config=dp_config)
         if dp_config is not None:
             _report_global_mean_loss(model, group=_named_device_mesh(mesh, "dp").get_group())
+        micro_batches = 1
+    dp_group = _named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None
+    if dp_group is not None or micro_batches > 1:
+        install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
     # stage), one parameter at a time; the optimizer below then holds the real parameters.

@@ -45,3 +45,22 @@ def test_ambiguous_packed_layout_must_be_stated():
         _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(), 2, parent=None)
     assert _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(packed_parts=1), 2, parent=None) == 1
     assert _packed_parts("layers.0.self_attn.qkv_proj", linear, ColWiseParallel(), 2, parent=None) == 3
+
+
+def test_exact_token_mean_only_for_transformers_causal_lm_loss():
+    """num_items_in_batch is passed only where its count's convention is known (transformers'
+    ForCausalLMLoss shifts labels inside); a model that averages itself is left alone (and warned about)."""
+    from tests.hf_models import build
+    from tridist.bench.models import build_model
+    from tridist.distcore.token_mean import takes_num_items
+
+    assert takes_num_items(build("llama", layers=1)) and takes_num_items(build("gpt2", layers=1))
+    assert not takes_num_items(build_model("seed-llama"))
+
+    class OwnLoss(torch.nn.Module):  # takes the keyword, but its count's convention is unknown
+        loss_function = staticmethod(lambda *a, **k: None)
+
+        def forward(self, ids, labels=None, **kwargs):
+            return ids
+
+    assert not takes_num_items(OwnLoss())

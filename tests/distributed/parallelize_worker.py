@@ -150,6 +150,35 @@ def check_evaluation_on_one_rank_and_schedulers():
     dist.barrier()
 
 
+def check_uneven_ignored_labels_are_warned_about_once():
+    """A model that averages its own loss (the seed's cross entropy) with labels -100 spread unevenly
+    over the ranks: its loss is the mean of rank means, not one device's; a warning says so, once."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("tridist.distcore.token_mean")
+    logger.addHandler(handler)
+    try:
+        mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+        model, optimizer = distcore.parallelize(*_model_and_optimizer(), mesh, {"dp_config": {"sharding_level": 0}})
+        for even in (True, False, False):
+            inputs, labels = _batches()[0]
+            labels = labels.clone()
+            if not even:
+                labels[: GLOBAL_BATCH // WORLD, :5] = -100  # rank 0's rows lose 5 labelled tokens each
+            rows = slice(dist.get_rank() * (GLOBAL_BATCH // WORLD), (dist.get_rank() + 1) * (GLOBAL_BATCH // WORLD))
+            loss, _ = model(inputs[rows], labels=labels[rows])
+            loss.backward()
+            optimizer.zero_grad()
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    message = records[0].getMessage()
+    assert "hold 14 to 24 labelled tokens" in message and "mean of their means" in message, message
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

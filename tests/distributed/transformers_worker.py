@@ -1,7 +1,7 @@
 """Real Hugging Face transformers models through to_distributed on 4 gloo processes, called as users
 call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)`, left padding in the
-mask) and a `ModelOutput` back. The loss returned at every step is the single-device loss of the same
-global batch (on every rank), first-step gradients and parameters after SGD steps equal one process
+mask, its labels -100) and a `ModelOutput` back. The loss returned at every step is the single-device
+loss of the same global batch (its token mean, on every rank), first-step gradients and parameters after SGD steps equal one process
 (tests/distributed/equivalence.py), for the searched strategy and forced dp (levels 0 and 3), dp x tp
 with and without sequence parallel, pp with micro-batches and tp x pp. Strategies distcore cannot apply
 to a model (tied embeddings or packed grouped-query qkv under tp or pp) are never chosen, and refused
@@ -30,9 +30,10 @@ def _batches() -> list[dict]:
     for _ in range(BATCHES):
         ids = torch.randint(3, VOCAB, (BATCH, SEQ_LEN), generator=generator)
         mask = torch.ones(BATCH, SEQ_LEN, dtype=torch.long)
-        mask[1, :3] = 0  # left padding in one sequence per batch; its labels still count (every rank
-        mask[3, :1] = 0  # then has as many labelled tokens, so the mean of rank means is the batch mean)
-        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.clone()})
+        mask[1, :3] = 0  # left padding, labelled -100 as Hugging Face's collators do: the rows hold 7, 5, 7
+        mask[3, :4] = 0  # and 4 labelled tokens, so a mean of per-rank (per-micro-batch) means is not the batch's
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return batches
 
 
