@@ -34,8 +34,7 @@ from .tensor_parallel import (
     SequenceParallelEnd,
     TensorParallelPlan,
     _PackedColwiseParallel,
-    _check_divisible,
-    _packed_parts,
+    split_parts,
 )
 
 _aten = torch.ops.aten
@@ -87,17 +86,13 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
 
 def _torch_style(name: str, module: torch.nn.Module, style, *, tp: int, parent, scatter: bool):
     """torch's style for one Paddle style, outputs kept as DTensors."""
-    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-        raise NotImplementedError(
-            f"parallelize: {type(style).__name__} on {name!r} ({type(module).__name__}): distcore splits nn.Linear "
-            "and nn.Embedding modules"
-        )
-    parts = _packed_parts(name, module, style, tp, parent=parent)
+    parts = split_parts(name, module, style, tp, parent=parent)
     if parts > 1:
         return _PackedColwiseParallel(parts, gather_output=style.gather_output, local_output=False)
-    _check_divisible(name, module, style, tp)
     if isinstance(style, ColWiseParallel):
         return ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1), use_local_output=False)
+    if isinstance(module, torch.nn.Embedding):  # vocabulary split: token ids in, summed embeddings out
+        return RowwiseParallel(input_layouts=Replicate(), use_local_output=False)
     # A Disable region's exit under sequence parallel: reduce-scatter onto sequence shards.
     return RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(),
                            output_layouts=Shard(_SEQUENCE_DIM) if scatter else Replicate(), use_local_output=False)

@@ -378,17 +378,11 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
         return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region, sequence_split=sequence_split)
-    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-        raise NotImplementedError(
-            f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
-            "nn.Linear and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. 'lm_head.weight')"
-        )
-    parts = _packed_parts(name, module, style, tp, parent=parent)
+    parts = split_parts(name, module, style, tp, parent=parent)
     if parts > 1:
         parallelize_module(module, tp_mesh, _PackedColwiseParallel(parts, gather_output=style.gather_output))
         module._tridist_local_heads = not style.gather_output
         return f"{name}: {style!r} ({parts} packed projections, each split)"
-    _check_divisible(name, module, style, tp)
     if isinstance(module, torch.nn.Embedding):
         # Full (replicated) embeddings out: the hidden dim (column) or the vocabulary (row) is split.
         torch_style = ColwiseParallel(output_layouts=Replicate()) if isinstance(style, ColWiseParallel) else RowwiseParallel(input_layouts=Replicate())
@@ -406,6 +400,20 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         module.register_forward_hook(_remember_exit_output)
         return f"{name}: {style!r} (reduce-scatter onto sequence shards)"
     return f"{name}: {style!r}"
+
+
+def split_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> int:
+    """Check that ColWise/RowWise can split `module` over `tp` ranks; returns how many packed
+    projections it holds (1: one contiguous split). Shared by the local and the global view."""
+    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        raise NotImplementedError(
+            f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
+            "nn.Linear and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. 'lm_head.weight')"
+        )
+    parts = _packed_parts(name, module, style, tp, parent=parent)
+    if parts == 1:
+        _check_divisible(name, module, style, tp)
+    return parts
 
 
 def _packed_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> int:
