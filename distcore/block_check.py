@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,10 @@ class TensorParallelCheckError(RuntimeError):
 
 @dataclass
 class BlockSample:
-    """What one block type receives in the model: its first instance's name, a copy of it made before
-    any parallelism (the reference's structure), and its call's inputs (tensors as shape/dtype specs,
+    """What one block type receives in the model: a copy of its first instance made before any
+    parallelism (the reference's structure), and its call's inputs (tensors as shape/dtype specs,
     integer and boolean values kept: positions and masks)."""
 
-    name: str
     block: torch.nn.Module
     args: tuple
     kwargs: dict
@@ -127,15 +126,13 @@ def capture(model: torch.nn.Module, *, tp: int) -> dict[type, BlockSample] | str
     samples: dict[type, BlockSample] = {}
     copies = {kind: copy.deepcopy(block) for kind, (_, block) in firsts.items()}  # before the hooks go on
 
-    def record(name):
-        def hook(module, args, kwargs):
-            if type(module) not in samples:
-                samples[type(module)] = BlockSample(name, copies[type(module)], tree_map(_spec, args), tree_map(_spec, kwargs))
-            if len(samples) == len(firsts):
-                raise _Captured
-        return hook
+    def record(module, args, kwargs):
+        if type(module) not in samples:
+            samples[type(module)] = BlockSample(copies[type(module)], tree_map(_spec, args), tree_map(_spec, kwargs))
+        if len(samples) == len(firsts):
+            raise _Captured
 
-    handles = [block.register_forward_pre_hook(record(name), with_kwargs=True, prepend=True) for name, block in firsts.values()]
+    handles = [block.register_forward_pre_hook(record, with_kwargs=True, prepend=True) for _, block in firsts.values()]
     modes = {module: module.training for module in model.modules()}
     device = embedding.weight.device
     ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp, device=device) % embedding.num_embeddings).unsqueeze(0)
@@ -181,15 +178,16 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
         sample_plan = plan.within(name)
         in_span = name in plan.sequence_span
         try:
-            local = _difference(sample, sample_plan, view="local", tp_mesh=tp_mesh, process_mesh=process_mesh, sequence_split=in_span)
+            reference = _Reference.of(sample, torch.device(tp_mesh.device_type))
         except _Unchecked as reason:
             verdicts[kind] = f"not checked: {reason}"
             log.warning("parallelize: %s (%s) runs in global view, not checked: %s", kind.__name__, name, reason)
             continue
+        local = _difference(reference, sample_plan, view="local", tp_mesh=tp_mesh, process_mesh=process_mesh, sequence_split=in_span)
         if local is None:
             verdicts[kind] = None
             continue
-        global_ = _difference(sample, sample_plan, view="global", tp_mesh=tp_mesh, process_mesh=process_mesh, sequence_split=in_span)
+        global_ = _difference(reference, sample_plan, view="global", tp_mesh=tp_mesh, process_mesh=process_mesh, sequence_split=in_span)
         if global_ is not None:
             raise TensorParallelCheckError(
                 f"parallelize: tensor parallel changes what {kind.__name__} ({name!r}) computes: in local view "
@@ -201,20 +199,37 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
     return {name: verdicts[type(block)] for name, block in planned if verdicts[type(block)] is not None}
 
 
-def _difference(sample: BlockSample, plan, *, view: str, tp_mesh, process_mesh, sequence_split: bool) -> str | None:
+@dataclass
+class _Reference:
+    """A block type's single-device copy (seeded weights) and its output on the check's inputs: made once
+    per type, for the local and then (if that differs) the global view; each run gets fresh inputs
+    (`sample.inputs` is deterministic), so a block writing into its inputs cannot skew the next."""
+
+    sample: BlockSample
+    device: torch.device
+    block: torch.nn.Module
+    output: torch.Tensor
+
+    @staticmethod
+    def of(sample: BlockSample, device: torch.device) -> "_Reference":
+        block = _seeded_copy(sample.block, device)
+        args, kwargs = sample.inputs(device)
+        try:
+            with torch.no_grad():
+                output = _first_tensor(block(*args, **kwargs))
+        except Exception as error:  # noqa: BLE001 - any model code: the block then runs in global view unchecked
+            raise _Unchecked(f"it did not run on the probe's inputs ({type(error).__name__}: {error})") from error
+        return _Reference(sample, device, block, output)
+
+
+def _difference(reference: _Reference, plan, *, view: str, tp_mesh, process_mesh, sequence_split: bool) -> str | None:
     """None if the block's `view` tensor-parallel copy computes what its whole copy computes, else how not."""
     from .global_view import apply_global_view
     from .tensor_parallel import _gather_sequence, _map_first_activation, apply_local_view
 
-    device = torch.device(tp_mesh.device_type)
-    reference = _seeded_copy(sample.block, device)
-    parallel = copy.deepcopy(reference)
-    args, kwargs = sample.inputs(device)
-    try:
-        with torch.no_grad():
-            expected = _first_tensor(reference(*args, **kwargs))
-    except Exception as error:  # noqa: BLE001 - any model code: the block then runs in global view unchecked
-        raise _Unchecked(f"it did not run on the probe's inputs ({type(error).__name__}: {error})") from error
+    parallel = copy.deepcopy(reference.block)
+    args, kwargs = reference.sample.inputs(reference.device)
+    expected = reference.output
     try:
         if view == "local":
             apply_local_view(parallel, plan, tp_mesh=tp_mesh, process_mesh=process_mesh)

@@ -33,6 +33,7 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelEnd,
     TensorParallelPlan,
+    _map_first_activation,
     _PackedColwiseParallel,
     split_parts,
 )
@@ -123,8 +124,6 @@ def _install_boundary(block: torch.nn.Module, tp_mesh, *, sequence_split: bool) 
             if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not x.is_floating_point():
                 return x  # integers and booleans (positions, masks) stay plain: implicitly replicated
             return DTensor.from_local(x, tp_mesh, placement, run_check=False)
-
-        from .tensor_parallel import _map_first_activation
 
         args, kwargs = _map_first_activation(args, kwargs, lambda x: wrap(x, entry_placement))
         args = tuple(torch.utils._pytree.tree_map(lambda x: wrap(x, [Replicate()]), list(args)))

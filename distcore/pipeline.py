@@ -76,7 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_loss
-from .tensor_parallel import take_pending_split
+from .tensor_parallel import take_pending_split, tied_parameter_names
 
 log = logging.getLogger(__name__)
 
@@ -417,17 +417,13 @@ def _refuse_tied_across_stages(model: torch.nn.Module, placement: _Placement, *,
     """A parameter registered under two names whose modules land on different stages (an embedding tied
     to the LM head) would become two copies trained apart: each stage would update its copy with only
     its own part of the gradient. Refused until the tied gradient is summed across stages."""
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
-
     def stage_of(param_name: str) -> int:
         module = param_name.rpartition(".")[0]
         while module not in placement.owner and module not in placement.path:
             module = module.rpartition(".")[0]
         return placement.owner.get(module, last)  # a container's bare parameter lives on the last stage
 
-    for names in names_of.values():
+    for names in tied_parameter_names(model):
         stages = sorted({stage_of(n) for n in names})
         if len(stages) > 1:
             raise NotImplementedError(
@@ -602,6 +598,7 @@ class PipelineRunner:
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._shapes = None  # the micro-batch shapes the stages' buffers were sized for
         self._pending = None  # (token, this call's own gradients or None: all of them, parameters)
+        self._output_form = None  # the model's kind of output, as the last stage last sent it
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
         self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
@@ -698,13 +695,17 @@ class PipelineRunner:
                     p.grad.add_(grad, alpha=scale - 1.0)
 
     def _global_loss(self, losses: list[torch.Tensor], token: object | None):
-        form = [next((s.output_form for s in self.states if s.is_last), None)]
-        packed = torch.zeros(1, device=self.device)
+        own_form = next((s.output_form for s in self.states if s.is_last), None)
+        packed = torch.zeros(2, device=self.device)
         if losses:  # the last stage: micro-batch losses, each already divided by their count
             packed[0] = torch.stack([loss.detach().float() for loss in losses]).sum()
+            packed[1] = float(own_form != self._output_form)  # the kind of output changed (first call)
         dist.broadcast(packed, src=self.last_rank, group=self.pp_group)
-        if dist.get_world_size(self.pp_group) > 1:  # the kind of output (tuple, dict, ModelOutput) only the last stage saw
-            dist.broadcast_object_list(form, src=self.last_rank, group=self.pp_group)
+        if packed[1]:  # the kind of output (tuple, dict, ModelOutput) only the last stage saw, sent once
+            form = [own_form]
+            if dist.get_world_size(self.pp_group) > 1:
+                dist.broadcast_object_list(form, src=self.last_rank, group=self.pp_group)
+            self._output_form = form[0]
         # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
         # replicas with different numbers of batches) must not wait for a collective the others never join.
         if self.dp_group is not None and token is not None:
@@ -714,7 +715,7 @@ class PipelineRunner:
             loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
         elif torch.is_grad_enabled():  # eval mode with autograd on: no gradients were computed; say so on backward
             loss = _ReturnedLoss.apply(self._anchor, loss, _no_backward_in_eval_mode)
-        return form[0].build(loss)
+        return self._output_form.build(loss)
 
 
 def _no_backward_in_eval_mode(grad) -> None:

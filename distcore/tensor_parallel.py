@@ -146,26 +146,23 @@ class TensorParallelPlan:
     lazy_split: tuple = ()
 
     def within(self, prefix: str) -> "TensorParallelPlan":
-        def relative(names):
-            return {_strip(n, prefix) for n in names if _under(n, prefix)}
-
-        return TensorParallelPlan(
-            styles={_strip(n, prefix): st for n, st in self.styles.items() if _under(n, prefix)},
-            bare={_strip(n, prefix): st for n, st in self.bare.items() if _under(n, prefix)},
-            sequence_span=frozenset(relative(self.sequence_span)), sequence_region=frozenset(relative(self.sequence_region)),
-            disabled=frozenset(relative(self.disabled)),
-        )
+        """The plan of the module at `prefix`, its names relative to it (what a block's copy takes)."""
+        return self._select(lambda name: _under(name, prefix), lambda name: _strip(name, prefix), lazy_split=())
 
     def excluding(self, prefixes) -> "TensorParallelPlan":
         """This plan without the subtrees at `prefixes` (blocks applied another way)."""
-        def keep(name):
-            return not any(_under(name, p) for p in prefixes)
+        return self._select(lambda name: not any(_under(name, p) for p in prefixes), lambda name: name,
+                            lazy_split=self.lazy_split)
+
+    def _select(self, keep, rename, *, lazy_split: tuple) -> "TensorParallelPlan":
+        def names(values):
+            return frozenset(rename(n) for n in values if keep(n))
 
         return TensorParallelPlan(
-            styles={n: st for n, st in self.styles.items() if keep(n)}, bare={n: st for n, st in self.bare.items() if keep(n)},
-            sequence_span=frozenset(filter(keep, self.sequence_span)),
-            sequence_region=frozenset(filter(keep, self.sequence_region)),
-            disabled=frozenset(filter(keep, self.disabled)), lazy_split=self.lazy_split,
+            styles={rename(n): st for n, st in self.styles.items() if keep(n)},
+            bare={rename(n): st for n, st in self.bare.items() if keep(n)},
+            sequence_span=names(self.sequence_span), sequence_region=names(self.sequence_region),
+            disabled=names(self.disabled), lazy_split=lazy_split,
         )
 
     def styles_under(self, prefix: str) -> bool:
@@ -260,11 +257,10 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
     tp = tp_mesh.size()
     changes: list[str] = []
     for name in reversed(list(modules)):
-        parent = name.rpartition(".")[0] if name else None
+        parent = name.rpartition(".")[0] if name else None  # the root has none
         for style in plan.styles.get(name, []):
             changes.append(_apply(
-                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh,
-                parent=modules.get(parent) if parent is not None else None,
+                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh, parent=modules.get(parent),
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in plan.disabled and isinstance(modules[name], torch.nn.Linear),
                 in_region=name in plan.sequence_span, sequence_split=sequence_split_of(root, tp_mesh),
@@ -287,15 +283,20 @@ def _check_sequence_parallel_boundaries(styles_of: dict) -> None:
         )
 
 
+def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """Every name of each parameter registered under more than one (a tied embedding and LM head)."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return [names for names in names_of.values() if len(names) > 1]
+
+
 def _refuse_tied_parameters(model: torch.nn.Module, planned) -> None:
     """A parameter shared by two modules (tied embedding and LM head) would be replaced in one only.
     `planned`: the names of the modules the plan changes (owners of planned bare parameters included)."""
     planned = set(planned)
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    for names in owners.values():
-        if len(names) > 1 and any(n.rpartition(".")[0] in planned for n in names):
+    for names in tied_parameter_names(model):
+        if any(n.rpartition(".")[0] in planned for n in names):
             raise NotImplementedError(
                 f"parallelize: {names} are one tied parameter; tensor parallel of tied weights is not supported "
                 "yet: untie them, or leave both modules out of the plan"
