@@ -14,7 +14,8 @@ runs on the meta device (no forward, no memory for the weights):
   rotary table (`inv_freq` holds head_dim / 2 entries) and the projection shapes;
 * outside the layers: the embedding ([vocab, hidden]), the final norm (a 1-D `weight` of hidden
   entries) and the LM head: a Linear [vocab, hidden], or a bare [hidden, vocab] parameter (Paddle's
-  `x @ weight`), or none (tied to the embedding).
+  `x @ weight`); tied to the embedding, a Linear whose weight is the embedding's (Hugging Face's
+  `tie_word_embeddings`), or none (the forward multiplies by the embedding's weight itself).
 
 What is found is returned as a `ModelStructure` (qualified names that a tensor-parallel plan can
 use); what is missing raises `UnrecognisedModel`, whose message says what and how to fix it.
@@ -123,7 +124,9 @@ class ModelStructure:
         rows.append(("layer norms", ", ".join(self.pattern(n) for n in self.layer_norms) or "-"))
         rows.append(("embedding", self.embedding or "-"))
         rows.append(("final norm", self.final_norm or "-"))
-        head = "tied to the embedding" if self.tied_embeddings else f"{self.lm_head_param} ({self.lm_head_layout})"
+        head = f"{self.lm_head_param} ({self.lm_head_layout})"
+        if self.tied_embeddings:
+            head = f"{self.lm_head} (tied to the embedding)" if self.lm_head else "tied to the embedding"
         rows.append(("lm head", head))
         width = max(len(r[0]) for r in rows)
         lines = [f"{name.ljust(width)}  {value}" for name, value in rows]
@@ -556,6 +559,7 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
 
     final_norm = None
     lm_head = None
+    tied_head = None  # a Linear registered with the embedding's own weight
     for name, param in model.named_parameters(remove_duplicate=False):
         if name.startswith(inside) or name.startswith(emb_name + "."):
             continue
@@ -565,15 +569,19 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
         elif param.dim() == 2 and tuple(param.shape) in ((vocab, hidden), (hidden, vocab)):
             module = model.get_submodule(owner) if owner else model
             if param is emb.weight:
+                if isinstance(module, nn.Linear) and name.endswith(".weight"):
+                    tied_head = owner
                 continue
             layout = "linear" if (isinstance(module, nn.Linear) or tuple(param.shape) == (vocab, hidden)) else "matmul"
             if vocab == hidden:  # square: the module type decides
                 layout = "linear" if isinstance(module, nn.Linear) else "matmul"
             lm_head = (owner, name, layout)
-    tied = lm_head is None
-    return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm,
-                lm_head=None if tied else lm_head[0], lm_head_param=emb_name + ".weight" if tied else lm_head[1],
-                lm_head_layout="linear" if tied else lm_head[2], tied=tied)
+    if lm_head is None:  # tied: the head is the embedding's weight, in a Linear of its own or not
+        head = (tied_head, f"{tied_head}.weight") if tied_head else (None, emb_name + ".weight")
+        return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=head[0], lm_head_param=head[1],
+                    lm_head_layout="linear", tied=True)
+    return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=lm_head[0], lm_head_param=lm_head[1],
+                lm_head_layout=lm_head[2], tied=False)
 
 
 def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:

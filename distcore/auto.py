@@ -166,10 +166,11 @@ def unsupported(spec) -> dict[str, str]:
     limits: dict[str, str] = {}
     if structure is None:
         return limits
-    if structure.tied_embeddings:
+    if structure.tied_embeddings and not structure.lm_head:
         limits["tp"] = limits["pp"] = (
-            "the embedding is tied to the LM head (tied weights are not split by tensor parallel nor shared "
-            "across pipeline stages yet)")
+            "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
+            "a tied weight is split by tensor parallel, and shared across pipeline stages, only between an "
+            "embedding and a Linear head")
     if structure.qkv and spec.num_kv_heads != spec.num_heads:
         limits.setdefault("tp", f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query attention: "
                                 f"{spec.num_heads} query heads, {spec.num_kv_heads} key/value heads); "
@@ -322,9 +323,10 @@ def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
     add(structure.pattern(structure.down), RowWiseParallel())
     if structure.embedding:
         add(structure.embedding, RowWiseParallel())  # vocabulary-split embedding, full outputs
-    if structure.lm_head_param and not structure.tied_embeddings:
+    if structure.lm_head_param and (structure.lm_head or not structure.tied_embeddings):
         # An nn.Linear head gathers its logits (the model's loss sees full logits); a bare weight used as
-        # `x @ weight` keeps them split and its cross entropy runs vocabulary-parallel.
+        # `x @ weight` keeps them split and its cross entropy runs vocabulary-parallel. A head tied to the
+        # embedding is split on the vocabulary as the embedding is: one weight, one split.
         add(structure.lm_head_param, ColWiseParallel(gather_output=structure.lm_head_layout == "linear"))
     if sequence_parallel:
         add(structure.embedding, SequenceParallelBegin())

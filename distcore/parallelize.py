@@ -70,7 +70,9 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             "its own named dimension, e.g. ProcessMesh([[0, 1], [2, 3]], dim_names=['dp', 'pp'])"
         )
     _check_optimizer_fresh(optimizer)
-    names_before = {id(p): name for name, p in model.named_parameters()}
+    names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_before.setdefault(id(param), []).append(name)
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     if "pp_config" in config:
         global_view = None
@@ -236,21 +238,23 @@ def _check_optimizer_fresh(optimizer) -> None:
         )
 
 
-def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, str], *, drop_missing: bool = False) -> torch.optim.Optimizer:
+def _rebuild_optimizer(optimizer, model: torch.nn.Module, names_before: dict[int, list[str]], *,
+                       drop_missing: bool = False) -> torch.optim.Optimizer:
     """The same optimizer, its groups now holding the model's new (sharded) parameters.
 
     FSDP2 replaces each parameter by a DTensor parameter of the same name, so groups are mapped by
     name and updated in place (the optimizer has no state yet: checked by _check_optimizer_fresh).
     With `drop_missing` (pipeline parallel), parameters of other stages leave the groups.
     """
-    params_after = dict(model.named_parameters())
+    params_after = dict(model.named_parameters(remove_duplicate=False))
     for group in optimizer.param_groups:
         new_params = []
         for param in group["params"]:
-            name = names_before.get(id(param))
-            if drop_missing and name is not None and name not in params_after:
+            names = names_before.get(id(param))
+            name = next((n for n in names if n in params_after), None) if names else None
+            if drop_missing and names and name is None:
                 continue
-            if name is None or name not in params_after:
+            if name is None:
                 raise ValueError(
                     "parallelize: the optimizer holds a parameter that is not in the model; build the "
                     "optimizer from model.parameters()"

@@ -38,7 +38,8 @@ Semantics and limits worth knowing:
   model.parameters(), ...)` computes and clips by this rank's norm, not the whole model's. For the
   single-device result, all-reduce the squared norm (`torch.nn.utils.get_total_norm(grads) ** 2`, its
   `.full_tensor()` under dp/mp) over the pp group (`model._tridist_pipeline.pp_group`) and clip with
-  the square root (`torch.nn.utils.clip_grads_with_norm_`).
+  the square root (`torch.nn.utils.clip_grads_with_norm_`). A weight tied across stages (an embedding and
+  its LM head: TiedAcrossStages) has a copy on the first and on the last stage: count it on one of them.
 - `model(...)` returns what the model returns, rebuilt on every rank: a bare loss, a tuple, a dict or a
   Hugging Face `ModelOutput`, with the global loss in its place and the other outputs None (logits
   exist only on the last stage, per micro-batch). Inputs may be positional or keywords
@@ -413,24 +414,67 @@ def adopt_container_parameters(model: torch.nn.Module, views: list[torch.nn.Modu
                     modules[container]._parameters[pname] = param
 
 
-def _refuse_tied_across_stages(model: torch.nn.Module, placement: _Placement, *, last: int) -> None:
-    """A parameter registered under two names whose modules land on different stages (an embedding tied
-    to the LM head) would become two copies trained apart: each stage would update its copy with only
-    its own part of the gradient. Refused until the tied gradient is summed across stages."""
-    def stage_of(param_name: str) -> int:
-        module = param_name.rpartition(".")[0]
-        while module not in placement.owner and module not in placement.path:
-            module = module.rpartition(".")[0]
-        return placement.owner.get(module, last)  # a container's bare parameter lives on the last stage
+class TiedAcrossStages:
+    """Parameters tied between modules of different stages (an embedding on the first stage, the LM head
+    on the last), synchronised as Megatron's embedding group does: each of those stages holds a copy, the
+    copies start equal (every rank builds the same model, as data parallel assumes), and after each
+    training step's backward the copies' gradients are summed over the ranks holding them, so every copy
+    takes the whole gradient and the same update. A rank holding no copy takes no part.
 
-    for names in tied_parameter_names(model):
-        stages = sorted({stage_of(n) for n in names})
-        if len(stages) > 1:
-            raise NotImplementedError(
-                f"pipeline parallel: {names} are one tied parameter used on stages {stages}; a tied embedding and "
-                "LM head across pipeline stages is not supported yet (each stage would train its own copy). Untie "
-                "them (e.g. config.tie_word_embeddings=False before building the model), or train without pp_config"
-            )
+    ties: (the tied parameter's names, the process group of the pipeline ranks holding a copy, or None
+    when one rank holds them all) for each tie this rank holds.
+    """
+
+    def __init__(self, model: torch.nn.Module, placement: _Placement, *, last: int, stage_ids: list[int], pp_group):
+        pp_ranks = dist.get_process_group_ranks(pp_group)
+        self.ties: list[tuple[list[str], object]] = []
+        for names in tied_parameter_names(model):
+            stage_of = {name: _stage_of_parameter(name, placement, last) for name in names}
+            if len(set(stage_of.values())) == 1:
+                continue  # one stage: one module tree, one parameter
+            members = sorted({pp_ranks[stage % len(pp_ranks)] for stage in stage_of.values()})  # looped placement
+            if not any(stage in stage_ids for stage in stage_of.values()):
+                continue
+            # Only the members create (and later use) the group: a rank holding no copy never calls in.
+            group = dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
+            self.ties.append((names, group))
+
+    def sum_gradients(self, views: list[torch.nn.Module]) -> None:
+        """After a training step's backward: every copy's gradient becomes the sum of all copies'."""
+        for names, group in self.ties:
+            copies = {id(p): p for view in views for name in names if (p := _parameter_or_none(view, name)) is not None}
+            params = list(copies.values())
+            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+            total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p, grad in zip(params, grads):
+                if p.grad is None:
+                    p.grad = _like(p, total.clone())
+                else:
+                    grad.copy_(total)
+
+
+def _stage_of_parameter(param_name: str, placement: _Placement, last: int) -> int:
+    module = param_name.rpartition(".")[0]
+    while module not in placement.owner and module not in placement.path:
+        module = module.rpartition(".")[0]
+    return placement.owner.get(module, last)  # a container's bare parameter lives on the last stage
+
+
+def _parameter_or_none(view: torch.nn.Module, name: str):
+    try:
+        return view.get_parameter(name)
+    except AttributeError:  # the module is a stand-in here: another stage holds it
+        return None
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A gradient for `param` from its local values (a DTensor parameter gets a DTensor gradient)."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
 
 
 # ------------------------------------------------------------------------------------------ applying
@@ -448,8 +492,8 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict,
     config = parse_pp_config(model, pp_config, pp=pp)
     placement = _placement(model, config)
     bare_parameters = _bare_parameter_names(model, placement)
-    _refuse_tied_across_stages(model, placement, last=config.num_stages - 1)
     stage_ids = [pp_rank + chunk * pp for chunk in range(config.chunks_per_rank)]  # torch's looped placement
+    tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_group=pp_mesh.get_group())
     last = config.num_stages - 1
     micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
     states = [_StageState(stage=s, is_first=s == 0, is_last=s == last) for s in stage_ids]
@@ -464,7 +508,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict,
     stages = [_Stage(view, state, num_stages=config.num_stages, device=device, group=pp_mesh.get_group())
               for view, state in zip(views, states)]
     runner = PipelineRunner(stages=stages, states=states, views=views, config=config, pp_group=pp_mesh.get_group(),
-                            dp_group=dp_group, micro_batches=micro_batches)
+                            dp_group=dp_group, micro_batches=micro_batches, tied=tied)
     model.forward = lambda *args, **kwargs: runner(model, args, kwargs)
     model._tridist_pipeline = runner
     log.info(
@@ -584,8 +628,8 @@ class PipelineRunner:
     """Runs one step of the schedule for the model's forward and reports the global mean loss."""
 
     def __init__(self, *, stages: list[_Stage], states: list[_StageState], views: list[torch.nn.Module],
-                 config: PipelineConfig, pp_group, dp_group, micro_batches: list):
-        self.stages, self.states, self.views, self.config = stages, states, views, config
+                 config: PipelineConfig, pp_group, dp_group, micro_batches: list, tied: TiedAcrossStages):
+        self.stages, self.states, self.views, self.config, self.tied = stages, states, views, config, tied
         self.pp_group, self.dp_group, self.micro_batches = pp_group, dp_group, micro_batches
         count = config.micro_batches
         loss_fn = lambda output, target: output / count  # noqa: E731 - micro-batch means averaged
@@ -651,6 +695,7 @@ class PipelineRunner:
         try:
             if training:
                 self.schedule.step(index, target=index, losses=losses, return_outputs=False)
+                self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are held apart
             else:
                 with torch.no_grad():
                     self.schedule.eval(index, target=index, losses=losses, return_outputs=False)

@@ -226,7 +226,7 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, proces
     from .block_check import choose_block_views
 
     resolved = resolve_plan(model, plan, strict=strict)
-    _refuse_tied_parameters(model, [*resolved.styles, *(name.rpartition(".")[0] for name in resolved.bare)])
+    tied_splits(model, resolved)  # before anything changes
     if global_view is None:
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())
@@ -253,6 +253,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
     reduce-scatters straight onto sequence shards instead of all-reducing then slicing: half the bytes,
     as Megatron does).
     """
+    ties = tied_splits(root, plan)
     modules = dict(root.named_modules())
     tp = tp_mesh.size()
     changes: list[str] = []
@@ -267,6 +268,12 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
             ))
     for name, styles in plan.bare.items():
         changes += [_apply_bare(root, name, style, tp_mesh=tp_mesh) for style in styles]
+    for names in ties:  # each holder was split alike; they hold one parameter again
+        kept = root.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(root.get_submodule(owner), leaf, kept)
+        changes.append(f"{', '.join(names)}: one tied parameter, split once")
     changes += _localise_head_counts(root, tp=tp)
     if plan.sequence_region:
         changes += _sequence_parallel_norms(root, plan.sequence_region, tp_mesh=tp_mesh)
@@ -291,16 +298,51 @@ def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in names_of.values() if len(names) > 1]
 
 
-def _refuse_tied_parameters(model: torch.nn.Module, planned) -> None:
-    """A parameter shared by two modules (tied embedding and LM head) would be replaced in one only.
-    `planned`: the names of the modules the plan changes (owners of planned bare parameters included)."""
-    planned = set(planned)
-    for names in tied_parameter_names(model):
-        if any(n.rpartition(".")[0] in planned for n in names):
+def tied_splits(root: torch.nn.Module, plan: TensorParallelPlan) -> list[list[str]]:
+    """The tied parameters the plan splits, each as its names (the first keeps the split parameter).
+
+    A tied weight is split once, so every module holding it must split it on the same dim of the weight:
+    an Embedding's RowWiseParallel (the vocabulary, dim 0 of [vocab, hidden]) with a Linear head's
+    ColWiseParallel (dim 0 of [vocab, hidden] too: Megatron's vocabulary-parallel tied embedding and
+    head), or an Embedding's ColWise with a Linear's RowWise (dim 1). Anything else is refused before the
+    model changes: a holder left out of the plan would meet a split weight it cannot use."""
+    ties = []
+    for names in tied_parameter_names(root):
+        owners = [name.rpartition(".")[0] for name in names]
+        if not any(plan.styles.get(owner) for owner in owners) and not any(name in plan.bare for name in names):
+            continue
+        dims = {name: _tied_split_dim(root, name, plan) for name in names}
+        if None in dims.values() or len(set(dims.values())) > 1:
+            held = "; ".join(f"{name}: {_describe_split(root, name, plan)}" for name in names)
             raise NotImplementedError(
-                f"parallelize: {names} are one tied parameter; tensor parallel of tied weights is not supported "
-                "yet: untie them, or leave both modules out of the plan"
+                f"parallelize: {names} are one tied parameter, split only when every module holding it splits it on "
+                f"the same dim (an Embedding's RowWiseParallel with a Linear head's ColWiseParallel, as Megatron "
+                f"splits a tied vocabulary); here {held}. Give each holder the matching style, or untie them"
             )
+        ties.append(names)
+    return ties
+
+
+def _tied_split_dim(root: torch.nn.Module, name: str, plan: TensorParallelPlan) -> int | None:
+    """The dim of the weight `name` its owner's plan splits; None where a tied weight cannot be split."""
+    owner, _, leaf = name.rpartition(".")
+    module = root.get_submodule(owner)
+    splits = [s for s in plan.styles.get(owner, []) if isinstance(s, (ColWiseParallel, RowWiseParallel))]
+    if name in plan.bare or leaf != "weight" or len(splits) != 1 or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        return None
+    column = isinstance(splits[0], ColWiseParallel)
+    if isinstance(module, torch.nn.Embedding):
+        return 1 if column else 0
+    if column and (splits[0].packed_parts or _PACKED_PARTS.get(owner.rpartition(".")[2], 1)) != 1:
+        return None  # a per-part split is no plain dim
+    return 0 if column else 1
+
+
+def _describe_split(root: torch.nn.Module, name: str, plan: TensorParallelPlan) -> str:
+    owner = name.rpartition(".")[0]
+    styles = plan.bare.get(name) or plan.styles.get(owner) or []
+    kind = type(root.get_submodule(owner)).__name__
+    return f"{kind} with {', '.join(type(s).__name__ for s in styles) or 'no style'}"
 
 
 def _check_region_parameters(root: torch.nn.Module, region: frozenset) -> None:

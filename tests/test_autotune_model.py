@@ -82,9 +82,13 @@ def test_tied_embeddings_and_overrides():
     model = build_model("hf-llama", "tiny")
     model.lm_head.weight = model.model.embed_tokens.weight
     spec = ModelSpec.from_module(model)
+    # Hugging Face's tie: a Linear head registered with the embedding's weight (what tensor parallel splits)
+    assert spec.tied_embeddings and (spec.structure.lm_head, spec.structure.lm_head_param) == ("lm_head", "lm_head.weight")
+    assert spec.num_parameters == _count(model)
+    model.lm_head = nn.Identity()  # a forward multiplying by the embedding's weight itself: no head module
+    spec = ModelSpec.from_module(model)
     assert spec.tied_embeddings and spec.structure.lm_head is None
     assert spec.structure.lm_head_param == "model.embed_tokens.weight"
-    assert spec.num_parameters == _count(model)
     assert ModelSpec.from_module(model, seq_len=8, name="mine").name == "mine"
 
 

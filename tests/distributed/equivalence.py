@@ -80,7 +80,8 @@ def full_values(tensors: dict) -> dict:
 
 
 def _named_parameters(model) -> dict:
-    return model if isinstance(model, dict) else dict(model.named_parameters())
+    # Every name of a tied parameter: a pipeline stage may hold it under its other name (the LM head's).
+    return model if isinstance(model, dict) else dict(model.named_parameters(remove_duplicate=False))
 
 
 def gradients(model) -> dict:

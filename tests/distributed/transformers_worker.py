@@ -3,9 +3,9 @@ call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)
 mask, its labels -100) and a `ModelOutput` back. The loss returned at every step is the single-device
 loss of the same global batch (its token mean, on every rank), first-step gradients and parameters after SGD steps equal one process
 (tests/distributed/equivalence.py), for the searched strategy and forced dp (levels 0 and 3), dp x tp
-with and without sequence parallel, pp with micro-batches and tp x pp. Strategies distcore cannot apply
-to a model (tied embeddings or packed grouped-query qkv under tp or pp) are never chosen, and refused
-with the reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
+with and without sequence parallel, pp with micro-batches and tp x pp, tied embeddings under all of
+them. Strategies distcore cannot apply to a model (packed grouped-query qkv under tp) are never chosen,
+and refused with the reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
 
 from __future__ import annotations
 
@@ -116,12 +116,14 @@ def check_phi3_packed_gqa_never_gets_tensor_parallel():
     _expect_refused("phi3", _strategy(2, 2, 1), "unequal sizes")
 
 
-def check_tied_embeddings_stay_data_parallel():
-    for family in ("llama-tied", "gemma"):
-        strategy = _train(family)
-        assert strategy.tp == strategy.pp == 1, strategy
-    _expect_refused("llama-tied", _strategy(2, 1, 2, num_micro_batches=2), "tied")
-    _expect_refused("gemma", _strategy(2, 2, 1), "tied")
+def check_tied_embeddings_under_tp_pp_and_tp_x_pp():
+    """Llama 3.2-style tie_word_embeddings (and Gemma's): under tp the embedding and the head share one
+    vocabulary split; under pp the first and last stages each hold a copy whose gradients are summed
+    across them (Megatron's embedding group); the gradients and parameters compared are both names'."""
+    _train("llama-tied")
+    _train("llama-tied", _strategy(2, 2, 1, sharding_level=2, sequence_parallel=True))
+    _train("llama-tied", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=1))
+    _train("gemma", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True))
 
 
 def check_unrecognised_and_ambiguous_models():
@@ -129,16 +131,35 @@ def check_unrecognised_and_ambiguous_models():
     assert _train("gpt-neox").tp == 1  # per-head packed query_key_value: its layout is not guessed
 
 
-def check_pipeline_refuses_tied_weights_across_stages():
-    """parallelize itself (a user's pp_config), not only to_distributed's search, refuses."""
+def check_parallelize_ties_across_stages_with_a_user_plan():
+    """parallelize itself (a user's pp_config over 4 stages: the tie spans ranks 0 and 3, ranks 1 and 2
+    hold no copy) keeps the tied copies equal; a plan splitting only one holder of the tie is refused."""
+    model, optimizer = _model("llama-tied")
+    mesh = distcore.ProcessMesh([0, 1, 2, 3], dim_names=["pp"])
+    model, optimizer = distcore.parallelize(model, optimizer, mesh, {"pp_config": {"split_spec": "model.layers"}})
+    held = dict(model.named_parameters(remove_duplicate=False))
+    assert ("model.embed_tokens.weight" in held) == (dist.get_rank() == 0), sorted(held)
+    assert ("lm_head.weight" in held) == (dist.get_rank() == 3), sorted(held)
+    assert all(any(p is q for q in held.values()) for g in optimizer.param_groups for p in g["params"])
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len({id(p) for p in held.values()})
+    trace = equivalence.Trace()
+    for batch in _batches():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    equivalence.assert_same_training(trace.end(model), _reference("llama-tied"))
+
     model, _ = _model("llama-tied")
-    mesh = distcore.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "pp"])
+    mesh = distcore.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
+    plan = {"model.embed_tokens": distcore.RowWiseParallel()}
     try:
-        distcore.parallelize(model, None, mesh, {"pp_config": {"split_spec": "model.layers"}})
+        distcore.parallelize(model, None, mesh, {"mp_config": {"parallelize_plan": plan}})
     except NotImplementedError as error:
-        assert "tied" in str(error) and "tie_word_embeddings" in str(error), error
+        assert "tied" in str(error) and "lm_head.weight" in str(error), error
     else:
-        raise AssertionError("a tied embedding split across pipeline stages was accepted")
+        raise AssertionError("a tied weight split in one of its holders only was accepted")
 
 
 def _expect_refused(family, strategy, why):
