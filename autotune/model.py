@@ -71,6 +71,7 @@ class ModelStructure:
     gate: str | None = None
     up: str | None = None
     gate_up: str | None = None
+    qkv_sizes: tuple[int, ...] | None = None  # the packed qkv's [q, k, v] widths (unequal with grouped-query heads)
     layer_norms: tuple[str, ...] = ()
     embedding: str | None = None
     final_norm: str | None = None
@@ -618,7 +619,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"], mlp=mlp,
         down=mlp_parts["down"], q=attn.get("q"), k=attn.get("k"), v=attn.get("v"), qkv=attn.get("qkv"),
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
-        layer_norms=norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
+        qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], notes=tuple(notes),
     )

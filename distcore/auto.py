@@ -171,11 +171,7 @@ def unsupported(spec) -> dict[str, str]:
             "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
             "a tied weight is split by tensor parallel, and shared across pipeline stages, only between an "
             "embedding and a Linear head")
-    if structure.qkv and spec.num_kv_heads != spec.num_heads:
-        limits.setdefault("tp", f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query attention: "
-                                f"{spec.num_heads} query heads, {spec.num_kv_heads} key/value heads); "
-                                "splitting unequal packed parts is not supported yet")
-    elif structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
+    if structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
         limits.setdefault("tp", f"{structure.qkv} may pack q/k/v per head (GPT-NeoX, Bloom) or contiguously; "
                                 "its layout cannot be told from the structure")
     return limits
@@ -316,9 +312,13 @@ def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
         if name:
             plan.setdefault(name, []).extend(styles)
 
-    for projection in (structure.q, structure.k, structure.v, structure.qkv, structure.gate, structure.up, structure.gate_up):
+    for projection in (structure.q, structure.k, structure.v, structure.gate, structure.up):
         if projection:
             add(structure.pattern(projection), ColWiseParallel())
+    if structure.qkv:  # each part split on its own; the recogniser measured their sizes
+        add(structure.pattern(structure.qkv), ColWiseParallel(packed_parts=structure.qkv_sizes))
+    if structure.gate_up:
+        add(structure.pattern(structure.gate_up), ColWiseParallel(packed_parts=2))
     add(structure.pattern(structure.o), RowWiseParallel())
     add(structure.pattern(structure.down), RowWiseParallel())
     if structure.embedding:

@@ -34,7 +34,7 @@ from .tensor_parallel import (
     SequenceParallelEnd,
     TensorParallelPlan,
     _map_first_activation,
-    _PackedColwiseParallel,
+    packed_colwise,
     split_parts,
 )
 
@@ -42,17 +42,38 @@ _aten = torch.ops.aten
 
 
 # Attention is independent per batch row and per head ([batch, heads, seq, dim]): q, k, v (backward:
-# grad, out and logsumexp too) all sharded on dim 0, all on dim 1, or all replicated.
+# grad, out and logsumexp too) all sharded on dim 0, all on dim 1, or all replicated. The placements list
+# what the call passed, in order (torch counts them): non-tensors (dropout_p, is_causal, scale) None. An
+# attention mask is a keyword argument, which DTensor's dispatch passes on as it is (it redistributes
+# positional arguments only): a split is offered only where the mask, as placed, fits it (replicated and
+# broadcast over the split dim, or split alike).
 @register_sharding(_aten._scaled_dot_product_flash_attention_for_cpu.default)
-def _cpu_attention(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    # outputs: (out, logsumexp [batch, heads, seq]); inputs: q, k, v, dropout_p, is_causal
-    return [([p, p], [p, p, p, None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+def _cpu_attention(query, key, value, *rest, **kwargs):
+    # outputs: (out, logsumexp [batch, heads, seq])
+    return [([p, p], [p, p, p, *others]) for p, others in _attention_splits(query, rest, kwargs)]
 
 
 @register_sharding(_aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None):
-    # outputs: grad q, k, v; inputs: grad_out, q, k, v, out, logsumexp, dropout_p, is_causal
-    return [([p, p, p], [p] * 6 + [None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+def _cpu_attention_backward(grad_out, query, key, value, out, logsumexp, *rest, **kwargs):
+    # outputs: grad q, k, v
+    return [([p, p, p], [p] * 6 + others) for p, others in _attention_splits(query, rest, kwargs)]
+
+
+def _attention_splits(query, rest, kwargs):
+    mask = kwargs.get("attn_mask")
+    placed = getattr(mask, "placements", (Replicate(),))[0] if hasattr(mask, "shape") else None
+    for split in (Replicate(), Shard(0), Shard(1)):
+        fits = placed is None or _mask_placement(mask, query, split) == placed
+        if fits:
+            yield split, [None] * len(rest) + [placed if key == "attn_mask" else None for key in kwargs]
+
+
+def _mask_placement(mask, query, split):
+    """The mask's placement for a split of the attention: replicated where it broadcasts over the split
+    dim (or nothing is split), else split alike."""
+    if not isinstance(split, Shard) or len(mask.shape) != len(query.shape) or mask.shape[split.dim] == 1:
+        return Replicate()
+    return split
 
 
 def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh,
@@ -87,9 +108,9 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
 
 def _torch_style(name: str, module: torch.nn.Module, style, *, tp: int, parent, scatter: bool):
     """torch's style for one Paddle style, outputs kept as DTensors."""
-    parts = split_parts(name, module, style, tp, parent=parent)
-    if parts > 1:
-        return _PackedColwiseParallel(parts, gather_output=style.gather_output, local_output=False)
+    sizes = split_parts(name, module, style, tp, parent=parent)
+    if len(sizes) > 1:
+        return packed_colwise(sizes, gather_output=style.gather_output, local_output=False)
     if isinstance(style, ColWiseParallel):
         return ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1), use_local_output=False)
     if isinstance(module, torch.nn.Embedding):  # vocabulary split: token ids in, summed embeddings out

@@ -18,9 +18,11 @@ head count in a reshape) would compute wrong numbers: each decoder-block type is
 (global_view.py: DTensors with global shapes, as Paddle does).
 
 Packed projections (`qkv_proj` = [q | k | v], `gate_up_proj` = [gate | up], see _PACKED_PARTS) are split
-part by part: a rank holds its share of q, of k and of v, so `q, k, v = qkv.chunk(3, -1)` in model code
-gives its local heads. The weight is a DTensor `_StridedShard(0, split_factor=parts)`: its global value
-(state_dict, unshard_dtensor, checkpoints) stays the single-device layout.
+part by part: a rank's output holds its share of q, of k and of v, so `q, k, v = qkv.chunk(3, -1)` (or
+slices at the local sizes) in model code gives its local heads. Equal parts: the weight is a DTensor
+`_StridedShard(0, split_factor=parts)`. Unequal parts (q/k/v with grouped-query heads): the weight is
+split on its input features and a reduce-scatter forms each rank's parts (_UnequalPackedColwise). Either
+way its global value (state_dict, unshard_dtensor, checkpoints) stays the single-device layout.
 
 A bare weight parameter (Paddle's LlamaLMHead `x @ weight`, the to_distributed seed's root `weight`)
 under ColWiseParallel is split on its vocabulary dim; the forward runs in a global view that gives
@@ -43,8 +45,8 @@ from functools import partial
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .vocab_parallel import split_bare_weight
@@ -66,14 +68,16 @@ class ColWiseParallel(_Style):
     """Split the output features (a Linear's columns; an Embedding's hidden dim; a bare [in, out]
     weight's columns, e.g. an LM head's vocabulary).
 
-    `packed_parts` (a tridist extension): how many equal projections a Linear packs along its output,
-    each split separately. None infers it from the name (3 for `qkv_proj`, 2 for `gate_up_proj`/`w13`,
-    else 1); `query_key_value` must say: 1 for a head-interleaved layout (GPT-NeoX's holds [q k v] per
-    head, which a contiguous split keeps together), 3 for [q | k | v].
+    `packed_parts` (a tridist extension): the projections a Linear packs along its output, each split
+    separately: a count of equal parts, or each part's size (`(q, k, v)` widths with grouped-query heads,
+    e.g. `(32 * 128, 8 * 128, 8 * 128)`). None infers it from the name (`qkv_proj`: q/k/v sized from the
+    parent's head counts, its own or its `config`'s; `gate_up_proj`/`w13`: 2; else 1); `query_key_value`
+    must say: 1 for a head-interleaved layout (GPT-NeoX's holds [q k v] per head, which a contiguous split
+    keeps together), 3 for [q | k | v].
     """
 
     gather_output: bool = False
-    packed_parts: int | None = None
+    packed_parts: int | tuple[int, ...] | None = None
 
 
 @dataclass(repr=False)
@@ -333,7 +337,7 @@ def _tied_split_dim(root: torch.nn.Module, name: str, plan: TensorParallelPlan) 
     column = isinstance(splits[0], ColWiseParallel)
     if isinstance(module, torch.nn.Embedding):
         return 1 if column else 0
-    if column and (splits[0].packed_parts or _PACKED_PARTS.get(owner.rpartition(".")[2], 1)) != 1:
+    if column and (splits[0].packed_parts if splits[0].packed_parts is not None else _PACKED_PARTS.get(owner.rpartition(".")[2], 1)) != 1:
         return None  # a per-part split is no plain dim
     return 0 if column else 1
 
@@ -421,11 +425,11 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
         return f"{name}: output hook"
     if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
         return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region, sequence_split=sequence_split)
-    parts = split_parts(name, module, style, tp, parent=parent)
-    if parts > 1:
-        parallelize_module(module, tp_mesh, _PackedColwiseParallel(parts, gather_output=style.gather_output))
+    sizes = split_parts(name, module, style, tp, parent=parent)
+    if len(sizes) > 1:
+        parallelize_module(module, tp_mesh, packed_colwise(sizes, gather_output=style.gather_output))
         module._tridist_local_heads = not style.gather_output
-        return f"{name}: {style!r} ({parts} packed projections, each split)"
+        return f"{name}: {style!r} ({len(sizes)} packed projections of {list(sizes)} outputs, each split)"
     if isinstance(module, torch.nn.Embedding):
         # Full (replicated) embeddings out: the hidden dim (column) or the vocabulary (row) is split.
         torch_style = ColwiseParallel(output_layouts=Replicate()) if isinstance(style, ColWiseParallel) else RowwiseParallel(input_layouts=Replicate())
@@ -445,24 +449,25 @@ def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, proce
     return f"{name}: {style!r}"
 
 
-def split_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> int:
-    """Check that ColWise/RowWise can split `module` over `tp` ranks; returns how many packed
-    projections it holds (1: one contiguous split). Shared by the local and the global view."""
+def split_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> tuple[int, ...]:
+    """Check that ColWise/RowWise can split `module` over `tp` ranks; returns the sizes of the packed
+    projections it holds (one size: a contiguous split). Shared by the local and the global view."""
     if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
             "nn.Linear and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. 'lm_head.weight')"
         )
-    parts = _packed_parts(name, module, style, tp, parent=parent)
-    if parts == 1:
+    sizes = packed_sizes(name, module, style, tp, parent=parent)
+    if len(sizes) == 1:
         _check_divisible(name, module, style, tp)
-    return parts
+    return sizes
 
 
-def _packed_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> int:
-    """How many packed projections a column-parallel Linear holds (1: an ordinary contiguous split)."""
+def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> tuple[int, ...]:
+    """The sizes of the projections a column-parallel Linear packs along its output (one: an ordinary
+    contiguous split), each checked to split over `tp` ranks."""
     if not isinstance(style, ColWiseParallel):
-        return 1
+        return (_out_size(module),)
     leaf = name.rpartition(".")[2]
     if style.packed_parts is None and leaf in _AMBIGUOUS_PACKED:
         raise ValueError(
@@ -470,26 +475,61 @@ def _packed_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent:
             "with ColWiseParallel(packed_parts=1) for q/k/v packed per head (GPT-NeoX, Bloom) or packed_parts=3 "
             "for [q | k | v] (ChatGLM)"
         )
-    parts = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
-    if parts == 1:
-        return 1
+    declared = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
+    if declared == 1:
+        return (_out_size(module),)
     if not isinstance(module, torch.nn.Linear):
         raise NotImplementedError(f"parallelize: packed projections ({name!r}) must be nn.Linear modules")
-    query_heads, kv_heads = _head_count(parent, _Q_HEADS), _head_count(parent, _KV_HEADS)
-    if parts == 3 and query_heads and kv_heads and query_heads != kv_heads:
-        raise NotImplementedError(
-            f"parallelize: {name!r} packs q/k/v of unequal sizes (grouped-query attention: {query_heads} query "
-            f"heads, {kv_heads} key/value heads); splitting unequal packed parts is not supported: use separate "
-            "q_proj/k_proj/v_proj projections, or leave it replicated"
-        )
-    if module.out_features % (parts * tp):
+    out = module.out_features
+    if isinstance(declared, tuple):
+        sizes = tuple(int(n) for n in declared)
+        if sum(sizes) != out or min(sizes) <= 0:
+            raise ValueError(
+                f"parallelize: ColWiseParallel(packed_parts={declared}) on {name!r}: the part sizes must be positive "
+                f"and add up to its {out} outputs"
+            )
+    else:
+        sizes = _qkv_sizes(parent, out) if declared == 3 else None
+        if sizes is None:
+            if out % declared:
+                raise ValueError(
+                    f"parallelize: ColWiseParallel on {name!r} packs {declared} equal projections, which do not divide "
+                    f"its {out} outputs; give each part's size: ColWiseParallel(packed_parts=(q, k, v))"
+                )
+            sizes = (out // declared,) * declared
+    if any(size % tp for size in sizes):
         raise ValueError(
-            f"parallelize: ColWiseParallel on {name!r} splits each of its {parts} packed projections "
-            f"({module.out_features} outputs in all) over {tp} ranks, which does not divide them; use a "
-            "tensor-parallel degree that divides each projection's size (or packed_parts=1 for a layout "
-            "packed per head)"
+            f"parallelize: ColWiseParallel on {name!r} splits each of its packed projections (sizes {list(sizes)}) "
+            f"over {tp} ranks, which does not divide them; use a tensor-parallel degree that divides each "
+            "projection's size (or packed_parts=1 for a layout packed per head)"
         )
-    return parts
+    if len(set(sizes)) > 1 and module.in_features % tp:
+        raise ValueError(
+            f"parallelize: ColWiseParallel on {name!r} packs projections of unequal sizes {list(sizes)}, split through "
+            f"its input features ({module.in_features}), which {tp} ranks do not divide; use a degree that divides them"
+        )
+    return sizes
+
+
+def _out_size(module: torch.nn.Module) -> int:
+    return module.out_features if isinstance(module, torch.nn.Linear) else module.embedding_dim
+
+
+def _qkv_sizes(parent: torch.nn.Module | None, out: int) -> tuple[int, int, int] | None:
+    """[q | k | v] sizes from the attention's head counts (its own attributes, else its `config`'s):
+    unequal with grouped-query heads. None where the counts are unknown (equal thirds then)."""
+    query_heads, kv_heads = _head_count(parent, _Q_HEADS), _head_count(parent, _KV_HEADS)
+    if not query_heads or not kv_heads or out % (query_heads + 2 * kv_heads):
+        return None
+    head_dim = out // (query_heads + 2 * kv_heads)
+    return (query_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+
+
+def packed_colwise(sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True) -> ParallelStyle:
+    """torch's style for a Linear packing projections of `sizes` (see the two classes)."""
+    if len(set(sizes)) == 1:
+        return _PackedColwiseParallel(len(sizes), gather_output=gather_output, local_output=local_output)
+    return _UnequalPackedColwise(sizes, gather_output=gather_output, local_output=local_output)
 
 
 class _PackedColwiseParallel(ColwiseParallel):
@@ -525,6 +565,62 @@ class _PackedColwiseParallel(ColwiseParallel):
         return output.to_local() if self.local_output else output
 
 
+class _UnequalPackedColwise(ParallelStyle):
+    """ColWise for a Linear packing projections of unequal sizes ([q | k | v] with grouped-query heads):
+    as with equal parts, rank r's output is [q_r | k_r | v_r], its share of every part.
+
+    DTensor has no placement for "each of several unequal parts split" (`_StridedShard` needs equal
+    parts), so the weight is split on its input features instead (Shard(1): a plain block, so FSDP2,
+    checkpoints and the global value keep the single-device layout) and the bias stays replicated. Each
+    rank multiplies its slice of the input features into a partial sum of the whole output (a Partial
+    DTensor), orders its columns rank by rank ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]) and a reduce-scatter
+    leaves it the sum of its own chunk: the output all-reduce that Megatron's column split avoids, as a
+    reduce-scatter (1 / tp of an all-reduce's bytes per rank, activations of the packed width); the
+    backward all-gathers the output gradient and the input gradient. In global view (`local_output`
+    False) the output is the DTensor of the single-device layout, split on its features.
+    """
+
+    def __init__(self, sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True):
+        super().__init__()
+        self.sizes, self.gather_output, self.local_output = tuple(sizes), gather_output, local_output
+
+    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
+
+    @staticmethod
+    def _partition(name, module, device_mesh) -> None:
+        layouts = {"weight": [Shard(1)], "bias": [Replicate()]}
+        for pname, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(pname, torch.nn.Parameter(
+                distribute_tensor(param, device_mesh, layouts[pname]), requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_input(module, inputs, device_mesh):
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        return x.redistribute(device_mesh, [Shard(-1)])  # this rank's input features: a local slice
+
+    def _prepare_output(self, module, output: DTensor, device_mesh):
+        if output.placements != (Partial(),):
+            raise RuntimeError(f"parallelize: expected partial sums from a Linear split on its input, got {output.placements}")
+        if self.gather_output or not self.local_output:
+            target = Replicate() if self.gather_output else Shard(-1)
+            output = output.redistribute(device_mesh, [target])
+            return output.to_local() if self.local_output else output
+        # The gradient of a partial sum is the gradient of the sum: the same on every rank.
+        partial_sum = output.to_local(grad_placements=[Replicate()])
+        order = self._rank_major_columns(device_mesh.size(), partial_sum.device)
+        return DTensor.from_local(partial_sum.index_select(-1, order), device_mesh, [Partial()], run_check=False).redistribute(
+            device_mesh, [Shard(-1)]).to_local()
+
+    def _rank_major_columns(self, tp: int, device) -> torch.Tensor:
+        """Column indices [part 0's chunk 0, part 1's chunk 0, ..., part 0's chunk 1, ...]."""
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return torch.cat([torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp, device=device)
+                          for rank in range(tp) for start, size in zip(starts, self.sizes)])
+
+
 def fsdp_shard_placement(param: torch.nn.Parameter):
     """FSDP2's shard placement for `param` (its `shard_placement_fn`): dim 1 for a packed projection's
     weight, None (FSDP's dim 0) otherwise. FSDP sharding dim 0 of a per-part split weight would describe
@@ -555,10 +651,13 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
 def _head_count(module: torch.nn.Module | None, attributes: tuple[str, ...]) -> int | None:
-    for attribute in attributes:
-        value = getattr(module, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    """A head count from the module's attributes, else from its `config` (Hugging Face's Phi-3 keeps only
+    the key/value count on the module)."""
+    for holder in (module, getattr(module, "config", None)):
+        for attribute in attributes:
+            value = getattr(holder, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
     return None
 
 

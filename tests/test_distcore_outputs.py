@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tridist.distcore.outputs import OutputForm, find_loss, replace_loss
-from tridist.distcore.tensor_parallel import ColWiseParallel, _packed_parts
+from tridist.distcore.tensor_parallel import ColWiseParallel, packed_sizes
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
@@ -42,9 +42,23 @@ def test_no_loss_is_none(output):
 def test_ambiguous_packed_layout_must_be_stated():
     linear = torch.nn.Linear(8, 24)
     with pytest.raises(ValueError, match=r"packed_parts=1\) for q/k/v packed per head"):
-        _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(), 2, parent=None)
-    assert _packed_parts("layers.0.attention.query_key_value", linear, ColWiseParallel(packed_parts=1), 2, parent=None) == 1
-    assert _packed_parts("layers.0.self_attn.qkv_proj", linear, ColWiseParallel(), 2, parent=None) == 3
+        packed_sizes("layers.0.attention.query_key_value", linear, ColWiseParallel(), 2, parent=None)
+    assert packed_sizes("layers.0.attention.query_key_value", linear, ColWiseParallel(packed_parts=1), 2, parent=None) == (24,)
+    assert packed_sizes("layers.0.self_attn.qkv_proj", linear, ColWiseParallel(), 2, parent=None) == (8, 8, 8)
+
+
+def test_packed_sizes_from_head_counts_or_the_plan():
+    """q/k/v sizes follow the attention's head counts (its own, else its config's, as Phi-3 keeps them);
+    a plan may give them; sizes that do not add up or do not split are errors naming the fix."""
+    qkv = torch.nn.Linear(16, 32)  # 4 query heads and 2 key/value heads of 4
+    attention = torch.nn.Module()
+    attention.config = type("Config", (), {"num_attention_heads": 4, "num_key_value_heads": 2})()
+    assert packed_sizes("self_attn.qkv_proj", qkv, ColWiseParallel(), 2, parent=attention) == (16, 8, 8)
+    assert packed_sizes("x.fused", qkv, ColWiseParallel(packed_parts=(16, 8, 8)), 2, parent=None) == (16, 8, 8)
+    with pytest.raises(ValueError, match="add up to its 32 outputs"):
+        packed_sizes("x.fused", qkv, ColWiseParallel(packed_parts=(16, 8, 4)), 2, parent=None)
+    with pytest.raises(ValueError, match="does not divide them"):
+        packed_sizes("self_attn.qkv_proj", qkv, ColWiseParallel(), 16, parent=attention)
 
 
 def test_exact_token_mean_only_for_transformers_causal_lm_loss():

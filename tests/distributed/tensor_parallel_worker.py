@@ -460,8 +460,8 @@ class _GroupedQueryAttention(torch.nn.Module):
 
 
 def check_unsupported_layouts_are_refused_clearly():
-    """Unequal packed parts (grouped-query attention), a bare weight that does not split evenly, a
-    1-D bare parameter, and tied LM head/embedding weights are refused with how to fix the plan."""
+    """Packed parts that the degree does not divide, a bare weight that does not split evenly, a 1-D bare
+    parameter, and a tied weight split in one holder only are refused with how to fix the plan."""
 
     def expect(error_type, message, model, plan):
         try:
@@ -473,7 +473,7 @@ def check_unsupported_layouts_are_refused_clearly():
 
     wrapper = torch.nn.Module()
     wrapper.self_attn = _GroupedQueryAttention()
-    expect(NotImplementedError, "unequal sizes", wrapper, {"self_attn.qkv_proj": ColWiseParallel()})
+    expect(ValueError, "sizes [16, 9, 7]", wrapper, {"self_attn.qkv_proj": ColWiseParallel(packed_parts=(16, 9, 7))})
     odd_vocab = build_model("paddle-llama", vocab_size=127)
     expect(ValueError, "does not divide them", odd_vocab, {"lm_head.weight": ColWiseParallel()})
     norm_weight = {"llama.norm.weight": ColWiseParallel()}  # a bare 1-D parameter
@@ -545,8 +545,63 @@ class ConstantsModel(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits
 
 
+# ------------------------------------------------------- packed q/k/v of unequal sizes (grouped-query)
+# Phi-3's layout with the head counts on the module (as hand-written models keep them): qkv_proj packs
+# [q (4 heads) | k (2 heads) | v (2 heads)] with a bias, sliced at the module's head counts.
+
+
+class _GroupedQueryPackedAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, HIDDEN // 4
+        self.qkv_proj = torch.nn.Linear(HIDDEN, (4 + 2 * 2) * self.head_dim)  # with a bias
+        self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        groups = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class GroupedQueryPackedModel(ConstantsModel):
+    def __init__(self):
+        super().__init__("minus")
+        for block in self.blocks:
+            block.attn = _GroupedQueryPackedAttention()
+
+
+GQA_PACKED_PLAN = {
+    "blocks.*.attn.qkv_proj": ColWiseParallel(), "blocks.*.attn.o_proj": RowWiseParallel(),
+    "blocks.*.mlp.up": ColWiseParallel(), "blocks.*.mlp.down": RowWiseParallel(),
+}
+
+
+def check_unequal_packed_parts_split_part_by_part():
+    """Grouped-query q/k/v packed in one Linear: each mp rank's output holds its 2 query heads and its key/
+    value head (local view, head counts divided), the weight is split on its input features with the
+    single-device layout as its global value; training equals one process under mp, dp x mp (ZeRO-2)
+    and with sequence parallel."""
+    reference, _ = _model("gqa-packed")
+    model, _ = distcore.parallelize(*_model("gqa-packed"), MESH, {"mp_config": {"parallelize_plan": GQA_PACKED_PLAN}})
+    attention = model.blocks[0].attn
+    assert not _global_view_reasons(model) and (attention.num_heads, attention.num_key_value_heads) == (2, 1)
+    assert attention.qkv_proj.weight.placements == (Shard(1),)
+    for name in ("blocks.0.attn.qkv_proj.weight", "blocks.0.attn.qkv_proj.bias"):
+        assert torch.equal(distcore.unshard_dtensor(model.get_parameter(name).detach()), reference.get_parameter(name).detach())
+    _equal_to_one_process("gqa-packed", {"mp_config": {"parallelize_plan": GQA_PACKED_PLAN}})
+    sequence_parallel = {**GQA_PACKED_PLAN, **CONSTANTS_SEQUENCE_PARALLEL}
+    model = _equal_to_one_process("gqa-packed", {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": sequence_parallel}})
+    assert not _global_view_reasons(model)
+
+
 _HAND_WRITTEN = {"constants-hidden": functools.partial(ConstantsModel, "hidden"),
-                 "constants-minus": functools.partial(ConstantsModel, "minus")}
+                 "constants-minus": functools.partial(ConstantsModel, "minus"),
+                 "gqa-packed": GroupedQueryPackedModel}
 CONSTANTS_PLAN = {
     "blocks.*.attn.[qkv]_proj": ColWiseParallel(), "blocks.*.attn.o_proj": RowWiseParallel(),
     "blocks.*.mlp.up": ColWiseParallel(), "blocks.*.mlp.down": RowWiseParallel(),
