@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +36,8 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
-    resolve_plan,
+    TensorParallelPlan,
+    plan_from_names,
 )
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
 def _tensor_parallel_refusal(model: torch.nn.Module, strategy, structure) -> str | None:
     """Why the model's blocks cannot take the strategy's tensor parallel (block_check.py: wrong in
     local and in global view), or None; the model is not changed."""
-    plan = resolve_plan(model, tensor_parallel_plan(structure, sequence_parallel=strategy.sequence_parallel))
+    plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
     mesh = _mesh(strategy)
     try:
         choose_block_views(model, plan, tp_mesh=mesh.device_mesh["mp"], process_mesh=mesh)
@@ -290,7 +290,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
     if strategy.tp > 1:
-        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(structure, sequence_parallel=strategy.sequence_parallel)}
+        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)}
     if strategy.pp > 1 or strategy.num_micro_batches > 1:
         # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
         # (1F1B: forward and backward one micro-batch at a time, gradients reduced once per step).
@@ -303,26 +303,30 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     return parallelize(model, optimizer, mesh or _mesh(strategy), parallel_config)
 
 
-def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
-    """Paddle-style plan for a recognised Llama-like structure (Megatron's split): column-parallel
-    q/k/v (or packed qkv) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head."""
+def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel: bool) -> TensorParallelPlan:
+    """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
+    module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
+    recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
+    when they are tied)."""
     plan: dict = {}
+    layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in range(structure.num_layers)]
 
     def add(name, *styles):
         if name:
             plan.setdefault(name, []).extend(styles)
 
+    def add_per_layer(relative, *styles):
+        if relative:
+            for layer in layers:
+                add(f"{layer}.{relative}", *styles)
+
     for projection in (structure.q, structure.k, structure.v, structure.gate, structure.up):
-        if projection:
-            add(structure.pattern(projection), ColWiseParallel())
-    if structure.qkv:  # each part split on its own; the recogniser measured their sizes
-        add(structure.pattern(structure.qkv), ColWiseParallel(packed_parts=structure.qkv_sizes))
-    if structure.gate_up:
-        add(structure.pattern(structure.gate_up), ColWiseParallel(packed_parts=2))
-    add(structure.pattern(structure.o), RowWiseParallel())
-    add(structure.pattern(structure.down), RowWiseParallel())
-    if structure.embedding:
-        add(structure.embedding, RowWiseParallel())  # vocabulary-split embedding, full outputs
+        add_per_layer(projection, ColWiseParallel())
+    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes))  # each part split on its own
+    add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2))
+    add_per_layer(structure.o, RowWiseParallel())
+    add_per_layer(structure.down, RowWiseParallel())
+    add(structure.embedding, RowWiseParallel())  # vocabulary-split embedding, full outputs
     if structure.lm_head_param and (structure.lm_head or not structure.tied_embeddings):
         # An nn.Linear head gathers its logits (the model's loss sees full logits); a bare weight used as
         # `x @ weight` keeps them split and its cross entropy runs vocabulary-parallel. A head tied to the
@@ -330,18 +334,12 @@ def tensor_parallel_plan(structure, *, sequence_parallel: bool) -> dict:
         add(structure.lm_head_param, ColWiseParallel(gather_output=structure.lm_head_layout == "linear"))
     if sequence_parallel:
         add(structure.embedding, SequenceParallelBegin())
-        add(structure.pattern(structure.attention), SequenceParallelDisable())
-        add(structure.pattern(structure.mlp), SequenceParallelDisable())
+        add_per_layer(structure.attention, SequenceParallelDisable())
+        add_per_layer(structure.mlp, SequenceParallelDisable())
         # Gather the sequence at the LM head module; a bare head weight on the root (the seed's) has none,
         # so gather before the final norm.
         add(structure.lm_head or structure.final_norm, SequenceParallelEnd())
-    return {_regex(name): styles for name, styles in plan.items()}
-
-
-def _regex(name: str) -> str:
-    """'llama.layers.*.mlp.up_proj' -> a regular expression matching exactly that name in every layer
-    (plan keys are fully matched regular expressions; a bare '.' or '*' would match more)."""
-    return r"\d+".join(re.escape(part) for part in name.split("*"))
+    return plan_from_names(model, plan)
 
 
 def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:

@@ -55,8 +55,29 @@ log = logging.getLogger(__name__)
 
 
 
+@dataclass
+class StyleTarget:
+    """Where a style is applied in local view: the module (its name and parent), the meshes, and its
+    place in the sequence-parallel region (worked out by the plan)."""
+
+    name: str
+    module: torch.nn.Module
+    parent: torch.nn.Module | None
+    tp_mesh: object  # the 1-D tensor-parallel DeviceMesh
+    process_mesh: object  # the user's ProcessMesh (PrepareLayer* functions take it)
+    in_region: bool = False  # strictly between SequenceParallelBegin and End
+    scatter_sequence: bool = False  # a row-parallel Linear directly under a Disable module: its possible exit
+    sequence_split: "SequenceSplit | None" = None
+
+
 class _Style:
-    """Base of Paddle's parallel styles (configuration only; applied by parallelize)."""
+    """Base of Paddle's parallel styles: configuration (the plan's values) that applies itself to one
+    module in local view (`apply`), as torch's ParallelStyle._apply does: a new style needs no change
+    anywhere else."""
+
+    def apply(self, target: StyleTarget) -> str:
+        """Change `target.module` in place; returns a line for the log."""
+        raise NotImplementedError
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -79,12 +100,43 @@ class ColWiseParallel(_Style):
     gather_output: bool = False
     packed_parts: int | tuple[int, ...] | None = None
 
+    def apply(self, target: StyleTarget) -> str:
+        name, module = target.name, target.module
+        sizes = split_parts(name, module, self, target.tp_mesh.size(), parent=target.parent)
+        if len(sizes) > 1:
+            parallelize_module(module, target.tp_mesh, packed_colwise(sizes, gather_output=self.gather_output))
+            module._tridist_local_heads = not self.gather_output
+            return f"{name}: {self!r} ({len(sizes)} packed projections of {list(sizes)} outputs, each split)"
+        if isinstance(module, torch.nn.Embedding):  # the hidden dim split, full (replicated) embeddings out
+            torch_style = ColwiseParallel(output_layouts=Replicate())
+        else:
+            torch_style = ColwiseParallel(output_layouts=Replicate() if self.gather_output else Shard(-1))
+            module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
+        parallelize_module(module, target.tp_mesh, torch_style)
+        return f"{name}: {self!r}"
+
 
 @dataclass(repr=False)
 class RowWiseParallel(_Style):
     """Split the input features (a Linear's rows; an Embedding's vocabulary)."""
 
     is_input_parallel: bool = True
+
+    def apply(self, target: StyleTarget) -> str:
+        name, module = target.name, target.module
+        split_parts(name, module, self, target.tp_mesh.size(), parent=target.parent)
+        if isinstance(module, torch.nn.Embedding):  # the vocabulary split, full (replicated) embeddings out
+            parallelize_module(module, target.tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+            return f"{name}: {self!r}"
+        # Inside a sequence-parallel Disable region the output goes straight to sequence shards.
+        output = Shard(_SEQUENCE_DIM) if target.scatter_sequence else Replicate()
+        parallelize_module(module, target.tp_mesh, RowwiseParallel(
+            input_layouts=Shard(-1) if self.is_input_parallel else Replicate(), output_layouts=output))
+        if not target.scatter_sequence:
+            return f"{name}: {self!r}"
+        module._tridist_scatters_sequence = True
+        module.register_forward_hook(_remember_exit_output)
+        return f"{name}: {self!r} (reduce-scatter onto sequence shards)"
 
 
 @dataclass(repr=False)
@@ -93,6 +145,10 @@ class PrepareLayerInput(_Style):
 
     fn: Callable
 
+    def apply(self, target: StyleTarget) -> str:
+        target.module.register_forward_pre_hook(self.fn(target.process_mesh))
+        return f"{target.name}: input hook"
+
 
 @dataclass(repr=False)
 class PrepareLayerOutput(_Style):
@@ -100,9 +156,19 @@ class PrepareLayerOutput(_Style):
 
     fn: Callable
 
+    def apply(self, target: StyleTarget) -> str:
+        target.module.register_forward_hook(self.fn(target.process_mesh))
+        return f"{target.name}: output hook"
+
+
+class _SequenceParallelBoundary(_Style):
+    def apply(self, target: StyleTarget) -> str:  # see the sequence-parallel section below
+        return _apply_sequence_parallel(target.name, target.module, self, tp_mesh=target.tp_mesh,
+                                        in_region=target.in_region, sequence_split=target.sequence_split)
+
 
 @dataclass(repr=False)
-class _SequenceParallelStyle(_Style):
+class _SequenceParallelStyle(_SequenceParallelBoundary):
     need_transpose: bool = True
 
 
@@ -114,7 +180,7 @@ class SequenceParallelEnd(_SequenceParallelStyle):
     pass
 
 
-class SequenceParallelEnable(_Style):
+class SequenceParallelEnable(_SequenceParallelBoundary):
     pass
 
 
@@ -181,9 +247,13 @@ def _strip(name: str, prefix: str) -> str:
     return name if not prefix else name[len(prefix) + 1:]
 
 
-def resolve_plan(model: torch.nn.Module, plan: dict, *, strict: bool = False) -> TensorParallelPlan:
+def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False) -> TensorParallelPlan:
     """Match every key of a Paddle plan against `model` (warning, or with strict an error, for a key
-    matching nothing) and work out each module's sequence-parallel context."""
+    matching nothing) and work out each module's sequence-parallel context. A TensorParallelPlan (built
+    from the model's own names, as to_distributed does) has its context worked out again for `model`:
+    a pipeline stage's view holds only some of the modules."""
+    if isinstance(plan, TensorParallelPlan):
+        return plan_from_names(model, plan.styles, plan.bare)
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: mp_config['parallelize_plan'] must be a dict of pattern -> style(s), got {type(plan).__name__}")
     modules = dict(model.named_modules())
@@ -199,8 +269,42 @@ def resolve_plan(model: torch.nn.Module, plan: dict, *, strict: bool = False) ->
                 )
         for name in _match(key, modules, params, strict=strict):
             (bare_styles if name in params else styles_of).setdefault(name, []).extend(styles)
+    return _with_sequence_context(model, styles_of, bare_styles)
+
+
+def plan_from_names(model: torch.nn.Module, styles: dict, bare: dict | None = None) -> TensorParallelPlan:
+    """A plan from exact names, no patterns: module name -> styles, and bare parameter name -> styles
+    (a parameter named in `styles` stands for its owning Linear/Embedding). What to_distributed builds
+    from the recognised structure. Names under a pipeline stand-in (another stage's modules) are
+    dropped; any other name the model lacks is an error."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    styles_of: dict[str, list] = {}
+    bare_styles = {name: list(st) for name, st in (bare or {}).items() if name in params or _elsewhere(name, modules)}
+    for name, values in styles.items():
+        owner = name.rpartition(".")[0]
+        if name in params and isinstance(modules.get(owner), (torch.nn.Linear, torch.nn.Embedding)):
+            name = owner
+        elif name in params:
+            bare_styles.setdefault(name, []).extend(values)
+            continue
+        if name in modules:
+            styles_of.setdefault(name, []).extend(values)
+        elif not _elsewhere(name, modules):
+            nearest = difflib.get_close_matches(name, [n for n in modules if n], n=3, cutoff=0.4)
+            raise ValueError(f"parallelize: the plan names {name!r}, which the model lacks; nearest names: {nearest}")
+    return _with_sequence_context(model, styles_of, bare_styles)
+
+
+def _elsewhere(name: str, modules: dict) -> bool:
+    """`name` lies under a pipeline stand-in (its module lives on another stage)."""
+    parts = name.split(".")
+    return any(getattr(modules.get(".".join(parts[:i])), "_tridist_stand_in", False) for i in range(1, len(parts) + 1))
+
+
+def _with_sequence_context(model: torch.nn.Module, styles_of: dict, bare_styles: dict) -> TensorParallelPlan:
     _check_sequence_parallel_boundaries(styles_of)
-    order = list(modules)
+    order = list(dict(model.named_modules()))
 
     def marked(kind):
         return [name for name, st in styles_of.items() if any(isinstance(x, kind) for x in st)]
@@ -218,7 +322,7 @@ def resolve_plan(model: torch.nn.Module, plan: dict, *, strict: bool = False) ->
     )
 
 
-def apply_tensor_parallel(model: torch.nn.Module, *, plan: dict, tp_mesh, process_mesh, strict: bool = False,
+def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
                           global_view: dict[str, str] | None = None) -> list[str]:
     """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
 
@@ -264,12 +368,16 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
     for name in reversed(list(modules)):
         parent = name.rpartition(".")[0] if name else None  # the root has none
         for style in plan.styles.get(name, []):
-            changes.append(_apply(
-                name, modules[name], style, tp_mesh=tp_mesh, tp=tp, process_mesh=process_mesh, parent=modules.get(parent),
-                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
-                scatter_sequence=parent in plan.disabled and isinstance(modules[name], torch.nn.Linear),
+            module = modules[name]
+            if getattr(module, "_tridist_stand_in", False):
+                changes.append(f"{name}: on pipeline stage {module.owner}")
+                continue
+            changes.append(style.apply(StyleTarget(
+                name, module, modules.get(parent), tp_mesh=tp_mesh, process_mesh=process_mesh,
                 in_region=name in plan.sequence_span, sequence_split=sequence_split_of(root, tp_mesh),
-            ))
+                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
+                scatter_sequence=parent in plan.disabled and isinstance(module, torch.nn.Linear),
+            )))
     for name, styles in plan.bare.items():
         changes += [_apply_bare(root, name, style, tp_mesh=tp_mesh) for style in styles]
     for names in ties:  # each holder was split alike; they hold one parameter again
@@ -411,42 +519,6 @@ def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
             "styles apply to modules: use the module's name as the key"
         )
     return split_bare_weight(model, name, style, tp_mesh=tp_mesh)
-
-
-def _apply(name: str, module: torch.nn.Module, style, *, tp_mesh, tp: int, process_mesh, scatter_sequence: bool,
-           in_region: bool, sequence_split: SequenceSplit, parent: torch.nn.Module | None = None) -> str:
-    if getattr(module, "_tridist_stand_in", False):
-        return f"{name}: on pipeline stage {module.owner}"
-    if isinstance(style, PrepareLayerInput):
-        module.register_forward_pre_hook(style.fn(process_mesh))
-        return f"{name}: input hook"
-    if isinstance(style, PrepareLayerOutput):
-        module.register_forward_hook(style.fn(process_mesh))
-        return f"{name}: output hook"
-    if isinstance(style, (_SequenceParallelStyle, SequenceParallelEnable)):
-        return _apply_sequence_parallel(name, module, style, tp_mesh=tp_mesh, in_region=in_region, sequence_split=sequence_split)
-    sizes = split_parts(name, module, style, tp, parent=parent)
-    if len(sizes) > 1:
-        parallelize_module(module, tp_mesh, packed_colwise(sizes, gather_output=style.gather_output))
-        module._tridist_local_heads = not style.gather_output
-        return f"{name}: {style!r} ({len(sizes)} packed projections of {list(sizes)} outputs, each split)"
-    if isinstance(module, torch.nn.Embedding):
-        # Full (replicated) embeddings out: the hidden dim (column) or the vocabulary (row) is split.
-        torch_style = ColwiseParallel(output_layouts=Replicate()) if isinstance(style, ColWiseParallel) else RowwiseParallel(input_layouts=Replicate())
-    elif isinstance(style, ColWiseParallel):
-        torch_style = ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1))
-        module._tridist_local_heads = not style.gather_output  # its output holds this rank's heads only
-    else:
-        # Inside a sequence-parallel Disable region the output goes straight to sequence shards.
-        output = Shard(_SEQUENCE_DIM) if scatter_sequence else Replicate()
-        torch_style = RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(), output_layouts=output)
-        scatter_sequence = scatter_sequence and output == Shard(_SEQUENCE_DIM)
-    parallelize_module(module, tp_mesh, torch_style)
-    if scatter_sequence and isinstance(style, RowWiseParallel):
-        module._tridist_scatters_sequence = True
-        module.register_forward_hook(_remember_exit_output)
-        return f"{name}: {style!r} (reduce-scatter onto sequence shards)"
-    return f"{name}: {style!r}"
 
 
 def split_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> tuple[int, ...]:

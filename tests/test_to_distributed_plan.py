@@ -1,8 +1,6 @@
 """to_distributed's single-process parts: the tensor/sequence-parallel plan it builds from a recognised
 structure, and the batch shape it prices."""
 
-import re
-
 import pytest
 import torch
 
@@ -12,35 +10,42 @@ from tridist.distcore import auto as td
 from tridist.distcore.tensor_parallel import ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SequenceParallelEnd
 
 
-def _matches(model, plan):
-    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    return {key: [n for n in names if re.fullmatch(key, n)] for key in plan}
-
-
-@pytest.mark.parametrize("name, head_key, end_module", [
+@pytest.mark.parametrize("name, head, end_module", [
     ("seed-llama", "weight", "norm"),             # bare root LM head: sequence gathered before the final norm
-    ("hf-llama", "lm_head.weight", "lm_head"),
-    ("paddle-llama", "lm_head.weight", "lm_head"),
+    ("hf-llama", "lm_head", "lm_head"),
+    ("paddle-llama", "lm_head.weight", "lm_head"),  # a bare weight in its LlamaLMHead
 ])
-def test_plan_names_every_projection_and_matches_only_them(name, head_key, end_module):
+def test_plan_names_every_projection_by_its_own_name(name, head, end_module):
+    """The typed plan holds the model's own module names (no patterns to re-match), the packed parts'
+    sizes and the sequence-parallel context."""
     model = build_model(name)
     structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
-    plan = td.tensor_parallel_plan(structure, sequence_parallel=True)
-    matched = _matches(model, plan)
-    assert all(matched.values()), {k: v for k, v in matched.items() if not v}
+    plan = td.tensor_parallel_plan(model, structure, sequence_parallel=True)
+    modules = dict(model.named_modules())
+    assert all(n in modules for n in plan.styles) and set(plan.bare) <= {n for n, _ in model.named_parameters()}
     layers = len(model.get_submodule(structure.layers))
-    colwise = [n for key, styles in plan.items() if any(isinstance(s, ColWiseParallel) for s in styles) for n in matched[key]]
-    rowwise = [n for key, styles in plan.items() if any(isinstance(s, RowWiseParallel) for s in styles) for n in matched[key]]
+    colwise = [n for n, styles in plan.styles.items() if any(isinstance(s, ColWiseParallel) for s in styles)]
+    rowwise = [n for n, styles in plan.styles.items() if any(isinstance(s, RowWiseParallel) for s in styles)]
     per_layer_col = 1 if name == "paddle-llama" else 3  # packed qkv, or q/k/v
     per_layer_col += 1 if name == "paddle-llama" else 2  # packed gate_up, or gate/up
     assert len([n for n in colwise if ".layers." in n or n.startswith("layers.")]) == layers * per_layer_col
     assert len([n for n in rowwise if n.endswith(("o_proj", "down_proj"))]) == 2 * layers
-    assert head_key in [n for key in plan for n in matched[key]]
-    ends = [n for key, styles in plan.items() if any(isinstance(s, SequenceParallelEnd) for s in styles) for n in matched[key]]
-    begins = [n for key, styles in plan.items() if any(isinstance(s, SequenceParallelBegin) for s in styles) for n in matched[key]]
+    assert head in [*colwise, *plan.bare]
+    if name == "paddle-llama":  # packed [q | k | v] sizes as recognised
+        qkv = plan.styles[f"{structure.layers}.0.{structure.qkv}"][0]
+        assert qkv.packed_parts == structure.qkv_sizes and len(set(qkv.packed_parts)) == 1
+    ends = [n for n, styles in plan.styles.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)]
+    begins = [n for n, styles in plan.styles.items() if any(isinstance(s, SequenceParallelBegin) for s in styles)]
     assert ends == [end_module] and begins == [structure.embedding]
-    # Regular expressions anchored per layer: "layers.1" must not also match "layers.10"-style names.
-    assert all("*" not in key for key in plan)
+    assert f"{structure.layers}.0" in plan.sequence_span and plan.lazy_split
+
+
+def test_plan_from_names_refuses_a_name_the_model_lacks():
+    from tridist.distcore.tensor_parallel import plan_from_names
+
+    model = build_model("hf-llama")
+    with pytest.raises(ValueError, match="nearest names"):
+        plan_from_names(model, {"model.layers.0.self_attn.q_projection": [ColWiseParallel()]})
 
 
 def test_batch_shape_from_input_spec_loader_or_default():
