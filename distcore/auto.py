@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from . import env
 from .dataloader import shard_dataloader
 from .mesh import ProcessMesh
+from .parallel_dims import ParallelDims
 from .parallelize import parallelize
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
@@ -104,7 +105,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         if refusal:  # every rank ran the same check: all choose again alike
             log.warning("to_distributed: tensor parallel excluded: %s", refusal)
             strategy = _choose(spec, cluster, global_batch, config, world, limits={"tp": refusal})
-    mesh = _mesh(strategy)
+    mesh = _dims(strategy).mesh
     model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
     loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
     for obj in (model, optimizer, loader):
@@ -194,9 +195,9 @@ def _tensor_parallel_refusal(model: torch.nn.Module, strategy, structure) -> str
     """Why the model's blocks cannot take the strategy's tensor parallel (block_check.py: wrong in
     local and in global view), or None; the model is not changed."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
-    mesh = _mesh(strategy)
+    dims = _dims(strategy)
     try:
-        choose_block_views(model, plan, tp_mesh=mesh.device_mesh["mp"], process_mesh=mesh)
+        choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
     except TensorParallelCheckError as error:
         return str(error)
     return None
@@ -260,16 +261,16 @@ def _log_choice(strategy, why: str, candidates) -> None:
 # --------------------------------------------------------------------------------------- applying
 
 
-def _mesh(strategy) -> ProcessMesh:
-    """tp innermost (consecutive ranks: inside a node), then dp, pp outermost (Megatron's order)."""
-    ranks = np.arange(strategy.num_devices).reshape(strategy.pp, strategy.dp, strategy.tp)
-    return ProcessMesh(ranks.tolist(), dim_names=["pp", "dp", "mp"])
+def _dims(strategy) -> ParallelDims:
+    """The strategy's degrees on a new mesh: tp innermost (consecutive ranks: inside a node), then dp, pp
+    outermost (Megatron's order)."""
+    return ParallelDims.for_degrees(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
 
 
 def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None,
                    mesh: ProcessMesh | None = None):
-    """Apply an autotune.Strategy to `model` and `optimizer` (in place) on `mesh` (default: `_mesh`'s
-    layout of all ranks); returns both."""
+    """Apply an autotune.Strategy to `model` and `optimizer` (in place) on `mesh` (default: the
+    strategy's ParallelDims layout of all ranks); returns both."""
     config = config or ToDistributedConfig()
     structure = getattr(spec, "structure", None)
     if (strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1) and structure is None:
@@ -300,7 +301,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "micro_batches": strategy.num_micro_batches,
             **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
         }
-    return parallelize(model, optimizer, mesh or _mesh(strategy), parallel_config)
+    return parallelize(model, optimizer, mesh or _dims(strategy).mesh, parallel_config)
 
 
 def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel: bool) -> TensorParallelPlan:

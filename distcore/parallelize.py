@@ -40,6 +40,7 @@ from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .token_mean import install_global_token_mean
 from .optimizer import with_paddle_methods
+from .parallel_dims import KINDS, ParallelDims
 from .tensor_parallel import apply_tensor_parallel, fsdp_shard_placement, resolve_plan
 
 log = logging.getLogger(__name__)
@@ -63,12 +64,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mesh = mesh if mesh is not None else get_mesh()
     if mesh is None or not any(key in config for key in _CONFIG_KEYS):
         return model, optimizer
-    kinds = [key for key in _CONFIG_KEYS if key in config]
-    if len(kinds) > 1 and mesh.ndim == 1 and mesh.dim_names[0] not in ("dp", "mp", "pp"):
-        raise ValueError(
-            f"parallelize: {kinds} on a 1-D mesh with dimension {mesh.dim_names[0]!r}: each kind of parallelism needs "
-            "its own named dimension, e.g. ProcessMesh([[0, 1], [2, 3]], dim_names=['dp', 'pp'])"
-        )
+    dims = ParallelDims.from_mesh(mesh, [kind for kind in KINDS if f"{kind}_config" in config])
     _check_optimizer_fresh(optimizer)
     names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -80,21 +76,21 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             # Keys are matched (warnings, or errors with strict) and blocks checked on the whole model,
             # once, before the stages are cut: a block that fails leaves the model unchanged.
             plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
-            global_view = choose_block_views(model, plan, tp_mesh=_named_device_mesh(mesh, "mp"), process_mesh=mesh)
+            global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
         runner = pipeline.apply_pipeline_parallel(
-            model, pp_mesh=_named_device_mesh(mesh, "pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
-            dp_group=_named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None,
+            model, pp_mesh=dims.device_mesh("pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
+            dp_group=dims.group("dp"),
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
-                stage, mesh=mesh, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, global_view=global_view,
+                stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, global_view=global_view,
             ),
         )
         micro_batches = runner.config.micro_batches
     else:
-        _apply_tensor_and_data_parallel(model, mesh=mesh, mp_config=mp_config, dp_config=dp_config)
+        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config)
         if dp_config is not None:
-            _report_global_mean_loss(model, group=_named_device_mesh(mesh, "dp").get_group())
+            _report_global_mean_loss(model, group=dims.group("dp"))
         micro_batches = 1
-    dp_group = _named_device_mesh(mesh, "dp").get_group() if dp_config is not None else None
+    dp_group = dims.group("dp")
     if dp_group is not None or micro_batches > 1:
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
@@ -117,7 +113,7 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
     return sub
 
 
-def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, mesh: ProcessMesh, mp_config: dict | None,
+def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
                                     dp_config: dict | None, warn_unmatched: bool = True, global_view=None) -> None:
     """Tensor parallel over "mp" first, then data parallel over "dp" on the resulting DTensor parameters."""
     if mp_config is not None:
@@ -125,13 +121,13 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, mesh: ProcessMesh
             if not warn_unmatched:  # pipeline stages: keys were checked against the whole model already
                 warnings.simplefilter("ignore")
             changes = apply_tensor_parallel(
-                model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=_named_device_mesh(mesh, "mp"),
-                process_mesh=mesh, strict=mp_config.get("strict", False) and warn_unmatched, global_view=global_view,
+                model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=dims.device_mesh("mp"),
+                process_mesh=dims.mesh, strict=mp_config.get("strict", False) and warn_unmatched, global_view=global_view,
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
     if dp_config is not None:
         apply_data_parallel(
-            model, dp_mesh=_named_device_mesh(mesh, "dp"), sharding_level=dp_config.get("sharding_level", 0),
+            model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
             mp_policy=_mixed_precision(dp_config),
         )
 
@@ -159,20 +155,6 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
-
-
-def _named_device_mesh(mesh: ProcessMesh, dim: str):
-    """The 1-D DeviceMesh of dimension `dim` ("dp", "mp" or "pp"); a 1-D mesh whose dimension has
-    another name serves whichever is asked (parallelize allows that for one kind of parallelism only)."""
-    if dim in mesh.dim_names:
-        return mesh.device_mesh[dim]
-    if mesh.ndim == 1 and mesh.dim_names[0] not in ("dp", "mp", "pp"):
-        return mesh.device_mesh
-    config = {"dp": "dp_config", "mp": "mp_config", "pp": "pp_config"}[dim]
-    raise ValueError(
-        f"parallelize: {config} needs a mesh dimension named {dim!r}; this mesh has {mesh.dim_names} "
-        "(name the dimensions, e.g. ProcessMesh(..., dim_names=['dp', 'mp']))"
-    )
 
 
 def _mixed_precision(dp_config: dict) -> MixedPrecisionPolicy:

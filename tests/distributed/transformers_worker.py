@@ -1,17 +1,19 @@
 """Real Hugging Face transformers models through to_distributed on 4 gloo processes, called as users
 call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)`, left padding in the
-mask, its labels -100) and a `ModelOutput` back. The loss returned at every step is the single-device
-loss of the same global batch (its token mean, on every rank), first-step gradients and parameters after SGD steps equal one process
-(tests/distributed/equivalence.py), for the searched strategy and forced dp (levels 0 and 3), dp x tp
-with and without sequence parallel, pp with micro-batches and tp x pp, tied embeddings under all of
-them, Phi-3's packed grouped-query qkv under tp. Strategies distcore cannot apply to a model are never
-chosen, and refused with the reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
+mask, its labels -100) and a `ModelOutput` back. For every Llama-like family (tests/hf_models.py) and
+every strategy of MATRIX (searched; dp levels 0 and 3; dp x tp with and without sequence parallel; dp x
+pp and tp x pp with micro-batches) the loss returned at every step is the single-device loss of the same
+global batch (its token mean, on every rank), and first-step gradients and parameters after SGD steps
+equal one process (tests/distributed/equivalence.py). Tied embeddings also through a checkpoint and a
+user's pp_config; strategies distcore cannot apply to a model are never chosen, and refused with the
+reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -20,7 +22,7 @@ from transformers.utils import ModelOutput
 from tridist import autotune, distcore
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import VOCAB, build
+from tests.hf_models import LLAMA_LIKE, VOCAB, build
 
 BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 3, 8, 4
 
@@ -95,50 +97,98 @@ def _strategy(dp, tp, pp, **fields):
     return autotune.Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=BATCH // dp // micro, num_micro_batches=micro, **fields)
 
 
-def check_llama_searched_strategy():
-    _train("llama")
+# Every strategy of the issue's matrix, for every Llama-like family (None: the searched strategy). The
+# global batch of 4 sequences allows at most dp 4; micro-batches of 1 sequence under dp 2 x pp 2.
+MATRIX = {
+    "searched": None,
+    "dp 4, level 0": _strategy(4, 1, 1, sharding_level=0),
+    "dp 4, level 3": _strategy(4, 1, 1, sharding_level=3),
+    "dp 2 x tp 2, level 2": _strategy(2, 2, 1, sharding_level=2),
+    "dp 2 x tp 2 + sp, level 1": _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True),
+    "dp 2 x pp 2, 2 micro-batches": _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2),
+    "tp 2 x pp 2 + sp, 2 micro-batches": _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True),
+}
+# Phi-3 slices q/k/v at the config's `num_attention_heads`, which local view does not divide (the slices
+# come out wrong): the block check puts its blocks in global view. Every other family runs in local view.
+GLOBAL_VIEW = {"phi3"}
 
 
-def check_llama_data_parallel_levels_0_and_3():
-    for level in (0, 3):
-        _train("llama", _strategy(4, 1, 1, sharding_level=level))
+def _check_family(family: str) -> None:
+    """Tied embeddings (llama-tied, Gemma), q/k/v biases (Qwen2), packed grouped-query qkv and gate_up
+    (Phi-3), `1 + w` norms and GeGLU (Gemma, Gemma2), sliding windows (Mistral): each strategy's losses,
+    first-step gradients and parameters equal one process."""
+    for label, strategy in MATRIX.items():
+        try:
+            _train(family, strategy, global_view=family in GLOBAL_VIEW)
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
-def check_llama_and_qwen2_tensor_parallel_with_and_without_sequence_parallel():
-    _train("llama", _strategy(2, 2, 1, sharding_level=2))
-    _train("qwen2", _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True))  # q/k/v biases
+for _family in LLAMA_LIKE:
+    globals()[f"check_{_family.replace('-', '_')}_under_every_strategy"] = functools.partial(_check_family, _family)
 
 
-def check_llama_pipeline_with_micro_batches_and_tp_x_pp():
-    _train("llama", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2))
-    _train("mistral", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True))
-
-
-def check_phi3_packed_gqa_under_tensor_parallel():
-    """Phi-3's packed qkv with grouped-query heads (parts of unequal sizes) and packed gate_up: the
-    searched strategy, dp x tp, tp x pp with sequence parallel. Phi-3 slices q/k/v at the config's
-    `num_attention_heads`, which local view does not divide (the slices come out wrong): the block check
-    puts its blocks in global view."""
-    _train("phi3", global_view=True)
-    _train("phi3", _strategy(2, 2, 1, sharding_level=2), global_view=True)
-    _train("phi3", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), global_view=True)
-    _train("phi3", _strategy(2, 1, 2, num_micro_batches=2))  # packed qkv / gate_up under pp
-
-
-def check_tied_embeddings_under_tp_pp_and_tp_x_pp():
-    """Llama 3.2-style tie_word_embeddings (and Gemma's): under tp the embedding and the head share one
-    vocabulary split; under pp the first and last stages each hold a copy whose gradients are summed
-    across them (Megatron's embedding group); the gradients and parameters compared are both names'."""
-    _train("llama-tied")
-    _train("llama-tied", _strategy(2, 2, 1, sharding_level=2, sequence_parallel=True))
-    _train("llama-tied", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=1))
-    _train("gemma", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True))
+def check_phi3_packed_qkv_is_split_part_by_part():
+    """Phi-3's packed qkv: the recogniser measured its unequal parts (4 query and 2 key/value heads of
+    16) and the plan carries them."""
+    model, optimizer = _model("phi3")
+    model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                          config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1), fuse_kernels=False))
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
+    assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
 
 
 def check_unrecognised_and_ambiguous_models():
     assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
     assert _train("gpt-neox").tp == 1  # per-head packed query_key_value: its layout is not guessed
     _expect_refused("gpt-neox", _strategy(2, 2, 1), "query_key_value")
+
+
+def check_tied_checkpoint_moves_between_pipeline_and_data_parallel():
+    """save_state under dp x pp (the tied weight held by the first and the last stage, optimizer state
+    with momentum) and load_state under dp: every parameter and momentum buffer equals the saved one,
+    under both names of the tie."""
+    import tempfile
+
+    path = [tempfile.mkdtemp(prefix="tridist-tied-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+
+    def trained(strategy):
+        model = build("llama-tied", layers=LAYERS)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        model, optimizer, _ = distcore.to_distributed(
+            model, optimizer, _Loader(), device_num=dist.get_world_size(),
+            config=distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False))
+        return model, optimizer
+
+    model, optimizer = trained(_strategy(2, 1, 2, num_micro_batches=2, sharding_level=1))
+    out = model(**_batches()[0])
+    out.loss.backward()
+    optimizer.step()
+    distcore.save_state(model, optimizer, path[0])
+    saved = equivalence.parameters(model)
+    saved_momentum = {name: optimizer.state[p]["momentum_buffer"] for name, p in model.named_parameters(remove_duplicate=False)}
+    saved_momentum = equivalence.full_values(saved_momentum)
+
+    loaded, loaded_optimizer = trained(_strategy(4, 1, 1, sharding_level=1))
+    loaded(**_batches()[0]).loss.backward()  # momentum buffers exist to load into
+    loaded_optimizer.step()
+    with torch.no_grad():  # nothing of the saved values left but what the load brings back
+        for p in loaded.parameters():
+            p.zero_()
+            loaded_optimizer.state[p]["momentum_buffer"].zero_()
+    distcore.load_state(loaded, loaded_optimizer, path[0])
+    got = equivalence.parameters(loaded)
+    momentum = equivalence.full_values({name: loaded_optimizer.state[p]["momentum_buffer"]
+                                        for name, p in loaded.named_parameters(remove_duplicate=False)})
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(got)
+    for name, value in saved.items():  # this rank's stage's names
+        assert torch.equal(got[name], value), name
+        assert torch.equal(momentum[name], saved_momentum[name]), name
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
 
 
 def check_parallelize_ties_across_stages_with_a_user_plan():
