@@ -100,11 +100,15 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
     strategy = _choose(spec, cluster, global_batch, config, world)
-    if strategy.tp > 1 and config.strategy is None:
-        refusal = _tensor_parallel_refusal(model, strategy, spec.structure)
-        if refusal:  # every rank ran the same check: all choose again alike
-            log.warning("to_distributed: tensor parallel excluded: %s", refusal)
-            strategy = _choose(spec, cluster, global_batch, config, world, limits={"tp": refusal})
+    limits: dict[str, str] = {}
+    while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
+        found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure).items() if dim not in limits}
+        if not found:
+            break
+        for dim, why in found.items():
+            log.warning("to_distributed: %s excluded: %s", "tensor parallel" if dim == "tp" else "activation recompute", why)
+        limits.update(found)  # grows each round: at most one round per kind of limit
+        strategy = _choose(spec, cluster, global_batch, config, world, limits=limits)
     mesh = _dims(strategy).mesh
     model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
     loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
@@ -187,20 +191,31 @@ def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
     space = options.pop("space", None) or autotune.SearchSpace(
         overlap_tp_comm=(False,), sequence_parallel=(True,) if config.sequence_parallel else (False, True),
     )
-    restrict = {dim: (1,) for dim in limits}
+    restrict = {dim: _UNLIMITED[dim] for dim in limits}
     return dataclasses.replace(space, **restrict), options
 
 
-def _tensor_parallel_refusal(model: torch.nn.Module, strategy, structure) -> str | None:
-    """Why the model's blocks cannot take the strategy's tensor parallel (block_check.py: wrong in
-    local and in global view), or None; the model is not changed."""
+_UNLIMITED = {"tp": (1,), "pp": (1,), "recompute": ("none",)}  # what a limited dimension is kept at
+
+
+def _violates(strategy, dim: str) -> bool:
+    return getattr(strategy, dim) not in _UNLIMITED[dim]
+
+
+def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict[str, str]:
+    """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
+    not changed): "tp" where a block is wrong in local and in global view; "recompute" where blocks run
+    in global view and the strategy recomputes them (global_view.refuse_recompute says why)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
     dims = _dims(strategy)
     try:
-        choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
+        global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
     except TensorParallelCheckError as error:
-        return str(error)
-    return None
+        return {"tp": str(error)}
+    if global_view and strategy.recompute != "none":
+        return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
+                             f"({next(iter(global_view.values()))}), where activation recompute cannot run"}
+    return {}
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
@@ -212,7 +227,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         if spec is not None:
             autotune.check(spec, cluster, strategy, global_batch_size=global_batch)
         reasons = [f"{dim}={getattr(strategy, dim)} cannot be applied to this model: {why}"
-                   for dim, why in limits.items() if getattr(strategy, dim) > 1]
+                   for dim, why in limits.items() if _violates(strategy, dim)]
         if reasons:
             raise autotune.InvalidStrategy(strategy, reasons)
         _log_choice(strategy, "given in ToDistributedConfig.strategy", [])
@@ -222,7 +237,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         _log_choice(strategy, "fallback for an unrecognised model", [])
         return strategy
     for dim, why in limits.items():
-        log.warning("to_distributed: %s kept at 1 for this model: %s", dim, why)
+        log.warning("to_distributed: %s kept at %s for this model: %s", dim, _UNLIMITED[dim][0], why)
     space, options = _search_space(config, limits)
     result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
                              top_k=config.top_k, space=space, **options)
@@ -346,10 +361,13 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
 def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
     """Activation recompute: "full" re-runs each decoder layer in backward, "selective" its attention
     (the part whose activations grow with the sequence). The forward is wrapped per instance, so
-    parameter names (and checkpoints) do not change."""
+    parameter names (and checkpoints) do not change, and the recomputation re-runs the forward only,
+    not the hooks distcore puts on the module (pipeline inputs, sequence splits), which must run once.
+    (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames parameters.)"""
     if structure is None:
         raise ValueError("to_distributed: recompute needs a recognised model structure")
     layers = model.get_submodule(structure.layers)
     for layer in layers:
         target = layer if mode == "full" else layer.get_submodule(structure.attention)
         target.forward = functools.partial(checkpoint, target.forward, use_reentrant=False)
+        layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)

@@ -130,6 +130,21 @@ def _replicate_other_parameters(block: torch.nn.Module, tp_mesh) -> None:
                 module.register_parameter(pname, torch.nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
+def refuse_recompute(model: torch.nn.Module, global_view: dict[str, str]) -> None:
+    """Activation recompute (to_distributed's `apply_recompute`) re-runs a block's forward in backward,
+    outside the forward hooks that hold the global view's contexts (implicit replication, saved tensors
+    as DTensors), so it would fail on mixed tensors there: refused, before anything changes."""
+    for name in global_view:
+        block = model.get_submodule(name) if name in dict(model.named_modules()) else None
+        mode = getattr(block, "_tridist_recompute", None)
+        if mode:
+            raise NotImplementedError(
+                f"parallelize: {name!r} runs in global view under tensor parallel ({global_view[name]}), where "
+                f"activation recompute ({mode!r}) cannot run: its recomputation happens outside the global view's "
+                "DTensor context. Train this model with recompute 'none' under tensor parallel, or without tensor parallel"
+            )
+
+
 def _install_boundary(block: torch.nn.Module, tp_mesh, *, sequence_split: bool) -> None:
     """Inputs in as DTensors, outputs out as local tensors; the contexts live for the block's forward."""
     entry_placement = [Shard(_SEQUENCE_DIM)] if sequence_split else [Replicate()]

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map
 from . import env, pipeline
 from .api import local_value
 from .block_check import choose_block_views, decoder_blocks
+from .global_view import refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
@@ -77,6 +78,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             # once, before the stages are cut: a block that fails leaves the model unchanged.
             plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
             global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
+            refuse_recompute(model, global_view)
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),

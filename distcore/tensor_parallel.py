@@ -339,6 +339,10 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())
     global_view = {name: reason for name, reason in global_view.items() if name in modules and resolved.styles_under(name)}
+    if global_view:
+        from .global_view import refuse_recompute
+
+        refuse_recompute(model, global_view)
     changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
     if global_view:
         from .global_view import apply_global_view
@@ -364,6 +368,8 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
     ties = tied_splits(root, plan)
     modules = dict(root.named_modules())
     tp = tp_mesh.size()
+    marks_split = any(isinstance(st, SequenceParallelBegin) for styles in plan.styles.values() for st in styles)
+    sequence_split = sequence_split_of(root, tp_mesh) if marks_split else None  # only a Begin module marks one
     changes: list[str] = []
     for name in reversed(list(modules)):
         parent = name.rpartition(".")[0] if name else None  # the root has none
@@ -374,7 +380,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
                 continue
             changes.append(style.apply(StyleTarget(
                 name, module, modules.get(parent), tp_mesh=tp_mesh, process_mesh=process_mesh,
-                in_region=name in plan.sequence_span, sequence_split=sequence_split_of(root, tp_mesh),
+                in_region=name in plan.sequence_span, sequence_split=sequence_split,
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in plan.disabled and isinstance(module, torch.nn.Linear),
             )))

@@ -24,7 +24,7 @@ from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 from tests.hf_models import LLAMA_LIKE, VOCAB, build
 
-BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 3, 8, 4
+BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 2, 8, 4
 
 
 def _batches() -> list[dict]:
@@ -137,6 +137,23 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
     assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
     assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
+
+
+def check_recompute_is_never_chosen_for_blocks_in_global_view():
+    """Recompute re-runs a block outside the global view's context: a search restricted to tp 2 with full
+    recompute chooses again without recompute for Phi-3 (its blocks run in global view) and trains; the
+    same strategy forced is refused by name before the model changes."""
+    space = autotune.SearchSpace(tp=(2,), pp=(1,), recompute=("full",), overlap_tp_comm=(False,))
+    strategy = _train("phi3", search_options={"space": space}, global_view=True)
+    assert (strategy.tp, strategy.recompute) == (2, "none"), strategy
+    model, optimizer = _model("phi3")
+    try:
+        distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
+            strategy=_strategy(2, 2, 1, recompute="full"), fuse_kernels=False))
+    except NotImplementedError as error:
+        assert "global view" in str(error) and "recompute" in str(error), error
+    else:
+        raise AssertionError("full recompute of blocks in global view was accepted")
 
 
 def check_unrecognised_and_ambiguous_models():
