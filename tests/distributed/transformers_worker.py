@@ -51,9 +51,8 @@ def _model(family):
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-@functools.cache  # one single-device run per family, shared by the checks
-def _reference(family: str) -> equivalence.Trace:
-    model, optimizer = _model(family)
+def _run(model, optimizer) -> equivalence.Trace:
+    """The plain loop over the global batches, as a user writes it for one device."""
     trace = equivalence.Trace()
     for batch in _batches():
         out = model(**batch)
@@ -62,6 +61,11 @@ def _reference(family: str) -> equivalence.Trace:
         optimizer.step()
         optimizer.zero_grad()
     return trace.end(model)
+
+
+@functools.cache  # one single-device run per family, shared by the checks
+def _reference(family: str) -> equivalence.Trace:
+    return _run(*_model(family))
 
 
 def _train(family, strategy=None, *, global_view: bool = False, **config):
@@ -219,14 +223,7 @@ def check_parallelize_ties_across_stages_with_a_user_plan():
     assert ("lm_head.weight" in held) == (dist.get_rank() == 3), sorted(held)
     assert all(any(p is q for q in held.values()) for g in optimizer.param_groups for p in g["params"])
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len({id(p) for p in held.values()})
-    trace = equivalence.Trace()
-    for batch in _batches():
-        out = model(**batch)
-        out.loss.backward()
-        trace.step(model, out.loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    equivalence.assert_same_training(trace.end(model), _reference("llama-tied"))
+    equivalence.assert_same_training(_run(model, optimizer), _reference("llama-tied"))
 
     model, _ = _model("llama-tied")
     mesh = distcore.ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
