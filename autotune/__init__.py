@@ -41,12 +41,12 @@ from .search import (
     pareto_front,
     search,
 )
-from .strategy import RECOMPUTE_MODES, InvalidStrategy, Strategy, check, validate
+from .strategy import RECOMPUTE_MODES, InvalidStrategy, Strategy, check, rank_layers, stage_layers, validate
 
 __all__ = [
     "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise",
     "DeviceProfile", "Cluster", "DEVICE_PROFILES", "get_profile", "load_profile", "save_profile",
-    "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check",
+    "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check", "stage_layers", "rank_layers",
     "estimate", "Estimate", "TimeBreakdown", "MemoryBreakdown", "COST_MODEL_VERSION",
     "model_flops_per_step", "hardware_flops_per_step", "megatron_flops_per_step",
     "all_reduce_time", "all_gather_time", "reduce_scatter_time", "p2p_time", "pipeline_bubble_fraction",

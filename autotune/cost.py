@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from .hardware import Cluster
 from .model import ModelSpec
-from .strategy import Strategy, check
+from .strategy import Strategy, check, rank_layers
 
 __all__ = [
     "Estimate",
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 2
+COST_MODEL_VERSION = 3  # 3: uneven pipeline stages (strategy.stage_layers)
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
@@ -228,11 +228,12 @@ def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_byt
     return weights, grads, optimizer
 
 
-def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int) -> float:
-    """Parameters held by one device of pipeline `stage`: its layers' matrices split by tp (norm
-    weights replicated), the vocabulary-parallel embedding on the first stage, the LM head and final
-    norm on the last (a tied head is a second copy when the two ends are different stages)."""
-    layers = spec.num_layers // pp
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1) -> float:
+    """Parameters held by one device of pipeline rank `stage`: its layers' matrices split by tp (norm
+    weights replicated; layers per rank as strategy.rank_layers lays them out, uneven where pp does not
+    divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
+    the last (a tied head is a second copy when the two ends are different ranks)."""
+    layers = rank_layers(spec.num_layers, pp, virtual_pp)[stage]
     params = layers * (spec.layer_matmul_parameters / tp + spec.layer_norm_parameters)
     if stage == 0:
         params += spec.embedding_parameters / tp
@@ -421,7 +422,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     e = cluster.dtype_bytes
     t, pp, dp, m, v = s.tp, s.pp, s.dp, s.num_micro_batches, s.virtual_pp
     c = _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel)
-    layers = spec.num_layers // pp
+    per_rank = rank_layers(spec.num_layers, pp, v)  # uneven where pp does not divide the layers
 
     # One micro-batch through one layer: forward, backward, recomputation, tensor-parallel traffic.
     backward_core = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * c.core_fwd
@@ -445,14 +446,14 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss
     # (its GEMM forward and backward, the cross entropy over the logits, two collectives).
     head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
-    first_compute, first_tp = layers * layer_compute, layers * tp_layer + c.tp_collective
-    last_compute, last_tp = layers * layer_compute + head_compute, layers * tp_layer + 2 * c.tp_collective
     if pp == 1:
-        stage_compute, stage_tp = last_compute, last_tp + c.tp_collective
-    elif first_compute + first_tp >= last_compute + last_tp:
-        stage_compute, stage_tp = first_compute, first_tp
-    else:
-        stage_compute, stage_tp = last_compute, last_tp
+        layers = per_rank[0]
+        stage_compute, stage_tp = layers * layer_compute + head_compute, layers * tp_layer + 3 * c.tp_collective
+    else:  # the slowest rank sets the pace: the first (embedding), the last (head) or a middle one
+        ranks = [(per_rank[r] * layer_compute + (head_compute if r == pp - 1 else 0.0),
+                  per_rank[r] * tp_layer + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), per_rank[r])
+                 for r in range(pp)]
+        stage_compute, stage_tp, layers = max(ranks, key=lambda rank: rank[0] + rank[1])
     stage_time = stage_compute + stage_tp
 
     compute_s = m * stage_compute
@@ -464,7 +465,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         pp_s = 2 * (v * m + pp - 1) * p2p_time(c.p2p_bytes, bw_pp, lat_pp)
 
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters.
-    params = max(stage_parameters(spec, t, pp, 0), stage_parameters(spec, t, pp, pp - 1))
+    params = max(stage_parameters(spec, t, pp, rank, v) for rank in range(pp))
     dp_s = 0.0
     if dp > 1:
         bw_dp, lat_dp = cluster.link(dp, t)
@@ -485,7 +486,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     optimizer_s = ADAM_BYTES_PER_PARAM * params / (dp if s.sharding_level >= 1 else 1) / (p.hbm_bandwidth * p.hbm_efficiency)
 
     time = TimeBreakdown(compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s)
-    memory = _memory(spec, cluster, s, c, layers)
+    memory = _memory(spec, cluster, s, c, per_rank)
     tokens = global_batch_size * spec.seq_len
     return Estimate(
         strategy=s, step_time_s=time.total_s, time=time, memory=memory,
@@ -497,8 +498,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     )
 
 
-def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, layers: int) -> MemoryBreakdown:
-    """Peak memory of the first and the last pipeline stage; the larger one is the device's need."""
+def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, per_rank: tuple[int, ...]) -> MemoryBreakdown:
+    """Peak memory of the pipeline ranks (the first, the last and the fullest middle one: uneven layouts
+    give middle ranks a layer more); the largest is the device's need."""
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
     per_layer = c.activations[s.recompute]
@@ -511,9 +513,11 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, layer
     if pp > 1:
         buffers += 2 * c.p2p_bytes  # send and receive buffers
     best = None
-    for stage in sorted({0, pp - 1}):
-        weights, grads, optimizer = model_state_bytes(stage_parameters(spec, t, pp, stage), s.dp, s.sharding_level, e)
-        in_flight = _in_flight_layers(layers, pp, s.virtual_pp, s.num_micro_batches, stage)
+    middle = max(range(1, pp - 1), key=lambda r: (per_rank[r], -r), default=0)  # most layers, earliest (most in flight)
+    for stage in sorted({0, middle, pp - 1}):
+        weights, grads, optimizer = model_state_bytes(stage_parameters(spec, t, pp, stage, s.virtual_pp), s.dp,
+                                                      s.sharding_level, e)
+        in_flight = _in_flight_layers(per_rank[stage], pp, s.virtual_pp, s.num_micro_batches, stage)
         activations = in_flight * per_layer
         if s.recompute == "full":
             activations += c.activations["none"]  # the layer being recomputed holds its full set

@@ -269,6 +269,9 @@ PRESETS: dict[str, ModelSpec] = {
     # Llama 3 8B / 70B released configs: vocab 128256, GQA with 8 kv heads, context 8192.
     "llama3-8b": ModelSpec(32, 4096, 32, 14336, 128256, num_kv_heads=8, seq_len=8192, name="llama3-8b"),
     "llama3-70b": ModelSpec(80, 8192, 64, 28672, 128256, num_kv_heads=8, seq_len=8192, name="llama3-70b"),
+    # Llama 3 405B (Llama Team, "The Llama 3 Herd of Models", 2024, Table 3): 126 layers, model dim 16384,
+    # FFN 53248, 128 heads, 8 kv heads; trained on 16 pipeline stages of 7, 8 x 14, 7 layers (Sec. 3.3.2).
+    "llama3-405b": ModelSpec(126, 16384, 128, 53248, 128256, num_kv_heads=8, seq_len=8192, name="llama3-405b"),
     # GPT-3 175B (Brown et al. 2020): 96 layers, d_model 12288, 96 heads, context 2048; vocab as
     # padded by Megatron (50257 -> 51200).
     "gpt3-175b": dataclasses.replace(_megatron_gpt("gpt3-175b", 96, 12288, 96), flash_attention=True, dropout=False),

@@ -206,10 +206,11 @@ def _tp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
 
 
 def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[int]:
-    """Pipeline degrees: divisors of the device count that divide the layer count."""
+    """Pipeline degrees: divisors of the device count with a layer for every stage (a degree that does
+    not divide the layer count gives uneven stages: strategy.stage_layers)."""
     allowed = set(space.pp) if space.pp is not None else None
     return [p for p in _divisors(cluster.num_devices)
-            if spec.num_layers % p == 0 and (allowed is None or p in allowed)]
+            if p <= spec.num_layers and (allowed is None or p in allowed)]
 
 
 def enumerate_layouts(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
@@ -231,7 +232,8 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
     space = space or SearchSpace()
     dp = cluster.num_devices // (tp * pp)
     local_batch = global_batch_size // dp
-    layers_per_stage = spec.num_layers // pp
+    # Interleaving only where the layers split evenly over pp (each rank then holds v equal stages).
+    layers_per_stage = spec.num_layers // pp if spec.num_layers % pp == 0 else 1
     levels = [lvl for lvl in space.sharding_levels if lvl == 0 or dp > 1]
     recompute = [r for r in space.recompute if not (r == "selective" and spec.flash_attention)]
     tp_modes = [(False, False)]
@@ -426,7 +428,7 @@ class _Progress:
 
 def _no_fit_message(layouts: list[LayoutResult], spec: ModelSpec, cluster: Cluster, global_batch_size: int) -> str:
     if not layouts:
-        return (f"no valid layout: no (tp, pp) with tp dividing heads/kv heads/hidden/ffn/vocab, pp dividing "
+        return (f"no valid layout: no (tp, pp) with tp dividing heads/kv heads/hidden/ffn/vocab, pp at most the "
                 f"{spec.num_layers} layers and dp = devices/(tp*pp) dividing the global batch "
                 f"{global_batch_size} on {cluster.num_devices} devices; change the batch size or device count")
     lean = min((l.leanest for l in layouts if l.leanest), key=lambda c: c.memory_bytes_per_device, default=None)

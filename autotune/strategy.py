@@ -15,10 +15,30 @@ if TYPE_CHECKING:
     from .hardware import Cluster
     from .model import ModelSpec
 
-__all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check"]
+__all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check", "stage_layers",
+           "rank_layers"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
+
+
+def stage_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage, in stage order. Equal where the count divides; otherwise the
+    middle stages take one layer more (ceil) and the first and last stages, which also run the embedding
+    and the LM head with its loss, fewer (floor), as Llama 3 405B's 126 layers on 16 stages were laid out
+    (7, 8 x 14, 7). More extra layers than middle stages go to the first stage, then to the last (the LM
+    head and loss outweigh the embedding). The cost model and distcore's pipeline both use this layout."""
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(f"{num_layers} layers cannot fill {num_stages} pipeline stages (each needs at least one)")
+    base, extra = divmod(num_layers, num_stages)
+    order = [*range(1, num_stages - 1), 0, num_stages - 1][:extra]  # middle stages first, then first, last
+    return tuple(base + (stage in order) for stage in range(num_stages))
+
+
+def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1) -> tuple[int, ...]:
+    """Decoder layers per pipeline rank: rank r holds stages r, r + pp, ... (torch's looped placement)."""
+    per_stage = stage_layers(num_layers, pp * virtual_pp)
+    return tuple(sum(per_stage[r::pp]) for r in range(pp))
 
 
 class InvalidStrategy(ValueError):
@@ -119,15 +139,16 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         problem = _divides("tp", s.tp, quantity_name, quantity)
         if problem:
             reasons.append(problem + "; pick a tp that divides it")
-    problem = _divides("pp", s.pp, "num_layers", spec.num_layers)
-    if problem:
-        reasons.append(problem + "; pick a pp that divides the layer count")
+    # Stages need not hold equal layer counts (stage_layers), but each holds one at least.
+    if spec.num_layers < s.pp * s.virtual_pp:
+        reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "
+                       "stage needs one at least); pick fewer stages")
     elif s.virtual_pp > 1:
         if s.pp == 1:
             reasons.append("virtual_pp > 1 (interleaved schedule) needs pp > 1")
-        elif (spec.num_layers // s.pp) % s.virtual_pp:
-            reasons.append(f"virtual_pp={s.virtual_pp} does not divide the {spec.num_layers // s.pp} layers per "
-                           "pipeline stage")
+        elif spec.num_layers % s.pp or (spec.num_layers // s.pp) % s.virtual_pp:
+            reasons.append(f"virtual_pp={s.virtual_pp} needs equal stages: pp*virtual_pp = {s.pp}*{s.virtual_pp} must "
+                           f"divide the {spec.num_layers} layers (uneven stages run without interleaving)")
         elif s.num_micro_batches % s.pp:
             reasons.append(f"the interleaved schedule needs num_micro_batches ({s.num_micro_batches}) to be a "
                            f"multiple of pp ({s.pp})")

@@ -2,7 +2,9 @@
 
 How a model written for one device becomes pipeline stages, without tracing it:
 
-- `split_spec` names the decoder-layer list (a prefix: layers split evenly) or exact split points
+- `split_spec` names the decoder-layer list (split evenly; where the stages do not divide the layers,
+  the first and last stages, which also run the embedding and the LM head, get a layer fewer, as
+  autotune's `stage_layers`; or as `layers_per_stage` lists) or exact split points
   (`{"llama.layers.1": SplitPoint.END}`). Stage `s` owns its layers; modules registered before the
   layer list (the embedding) belong to the first stage, those after it (final norm, LM head) and bare
   parameters of the containers (the seed's LM-head `weight`) to the last. Parameter-free modules
@@ -75,6 +77,7 @@ from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..autotune.strategy import stage_layers
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -97,7 +100,8 @@ _SCHEDULES = {  # Paddle's schedule_mode names, and torch's
     "VPP": ScheduleInterleaved1F1B,
 }
 _INTERLEAVED = {"Interleaved1F1B", "VPP"}
-PP_KEYS = ("split_spec", "global_spec", "schedule", "micro_batches", "accumulate_steps", "virtual_pp_degree", "vpp_degree")
+PP_KEYS = ("split_spec", "global_spec", "schedule", "micro_batches", "accumulate_steps", "virtual_pp_degree", "vpp_degree",
+           "layers_per_stage")
 
 
 # ------------------------------------------------------------------------------------------ the config
@@ -145,13 +149,20 @@ def parse_pp_config(model: torch.nn.Module, pp_config: dict, *, pp: int) -> Pipe
             f"parallelize: the 1F1B schedule needs at least one micro-batch per stage ({num_stages}), got "
             f"micro_batches={micro_batches}; raise pp_config['micro_batches'] or use schedule='GPipe'"
         )
-    layer_list, starts, num_layers = _split_layers(model, pp_config["split_spec"], num_stages=num_stages)
+    layer_list, starts, num_layers = _split_layers(model, pp_config["split_spec"], num_stages=num_stages,
+                                                   layers_per_stage=pp_config.get("layers_per_stage"))
     _check_global_spec(model, pp_config.get("global_spec"))
     return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks)
 
 
-def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int) -> tuple[str, list[int], int]:
+def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int,
+                  layers_per_stage=None) -> tuple[str, list[int], int]:
+    """The layer list and each stage's first layer. A layer-list name splits it as autotune's cost model
+    prices it (`stage_layers`: equal stages, or where the stage count does not divide the layers, a layer
+    fewer on the first and last stages), or as `layers_per_stage` lists; a dict gives SplitPoints."""
     modules = dict(model.named_modules())
+    if layers_per_stage is not None and not isinstance(split_spec, str):
+        raise ValueError("parallelize: pp_config layers_per_stage goes with a layer-list name as split_spec, not SplitPoints")
     if isinstance(split_spec, str):
         lists = [n for n, m in modules.items() if n and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential))]
         matched = [n for n in lists if n == split_spec or re.fullmatch(split_spec, n)]
@@ -162,14 +173,23 @@ def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int) -> tup
                 f"it matches {matched or 'none'}" + (f"; layer lists: {nearest}" if nearest else "")
             )
         layers = len(modules[matched[0]])
-        if layers % num_stages:
-            raise ValueError(
-                f"parallelize: split_spec {split_spec!r} has {layers} layers, which do not split evenly into "
-                f"{num_stages} pipeline stages; use a pp degree (x virtual stages) that divides {layers}, or a dict "
-                "split_spec with explicit SplitPoints"
-            )
-        per = layers // num_stages
-        return matched[0], [s * per for s in range(num_stages)], layers
+        if layers_per_stage is None:
+            if layers < num_stages:
+                raise ValueError(
+                    f"parallelize: split_spec {split_spec!r} has {layers} layers, fewer than the {num_stages} pipeline "
+                    "stages (x virtual stages) of the mesh; each stage needs one layer at least: use fewer stages"
+                )
+            sizes = stage_layers(layers, num_stages)
+        else:
+            sizes = list(layers_per_stage) if isinstance(layers_per_stage, (list, tuple)) else None
+            if (sizes is None or len(sizes) != num_stages or sum(sizes) != layers
+                    or not all(isinstance(n, int) and n >= 1 for n in sizes)):
+                raise ValueError(
+                    f"parallelize: pp_config layers_per_stage = {layers_per_stage!r} must list {num_stages} positive "
+                    f"layer counts (one per stage, x virtual stages) adding up to the {layers} layers of {split_spec!r}"
+                )
+        starts = [sum(sizes[:stage]) for stage in range(num_stages)]
+        return matched[0], starts, layers
     if not isinstance(split_spec, dict) or not split_spec:
         raise TypeError("parallelize: pp_config split_spec must be a layer-list name or a dict {layer name: SplitPoint}")
     boundaries, parents = set(), set()

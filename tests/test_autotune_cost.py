@@ -289,7 +289,9 @@ def test_validity_rules_and_messages():
     assert "must equal the cluster's 8 devices" in _reasons(Strategy(2, 2, 1, micro_batch_size=4, num_micro_batches=2))
     assert "must equal the global batch size 16" in _reasons(Strategy(2, 2, 2, micro_batch_size=1, num_micro_batches=4))
     assert "does not divide num_kv_heads=2" in _reasons(Strategy(1, 4, 2, micro_batch_size=2, num_micro_batches=8))
-    assert "pp=3 does not divide num_layers=8" in _reasons(Strategy(1, 1, 3), cluster=Cluster(1, 3), batch=1)
+    # pp need not divide the layers (uneven stages: 8 layers on 3 stages are 3, 3, 2), but each stage needs one.
+    assert _reasons(Strategy(1, 1, 3, num_micro_batches=3), cluster=Cluster(1, 3), batch=3) == ""
+    assert "exceed the 8 layers" in _reasons(Strategy(1, 1, 3, num_micro_batches=6, virtual_pp=3), cluster=Cluster(1, 3), batch=6)
     assert "sequence_parallel needs tp > 1" in _reasons(
         Strategy(8, 1, 1, sequence_parallel=True, micro_batch_size=2, num_micro_batches=1))
     assert "overlap_tp_comm needs sequence_parallel" in _reasons(

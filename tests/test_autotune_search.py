@@ -14,6 +14,7 @@ from tridist.autotune import (
     enumerate_layouts,
     estimate,
     exhaustive_search,
+    get_profile,
     heuristic_layout,
     preset,
     search,
@@ -195,3 +196,24 @@ def test_megatron_published_configurations(name, gpus, batch, published, tflops)
     # with today's options (sp, ZeRO, overlap, selective recompute, interleaving) the layout still ranks high
     modern = search(spec, cluster, global_batch_size=batch)
     assert modern.layout_rank(*published) <= TOP_FEW
+
+
+def test_a_pipeline_degree_that_does_not_divide_the_layers_is_searched():
+    """Llama 3 405B's 126 layers on 16 pipeline stages (uneven: 7, 8 x 14, 7), as it was trained: the
+    search, held to pp 16 on 16 x 8 H100s, finds a strategy that fits."""
+    spec = preset("llama3-405b")
+    cluster = Cluster(16, 8, get_profile("h100-sxm"))
+    result = search(spec, cluster, global_batch_size=256, space=SearchSpace(pp=(16,)), storage=None)
+    assert result.best is not None and result.best.strategy.pp == 16, result.message
+
+
+def test_search_equals_exhaustive_enumeration_with_uneven_stages():
+    """7 layers on 2 or 4 stages (uneven, no interleaving): the layout search and plain enumeration agree."""
+    spec = ModelSpec(num_layers=7, hidden_size=1024, num_heads=16, ffn_hidden_size=2816, vocab_size=32000,
+                     num_kv_heads=4, seq_len=2048, name="seven-layers")
+    cluster = Cluster(1, 8, get_profile("h100-sxm"))
+    fast = search(spec, cluster, global_batch_size=16, top_k=200, storage=None)
+    slow = exhaustive_search(spec, cluster, global_batch_size=16, top_k=200)
+    assert [c.strategy for c in fast.ranked] == [c.strategy for c in slow]
+    assert {c.strategy.pp for c in slow} >= {2, 4}
+    assert _brute_force(spec, cluster, 16)[:200] == [c.strategy for c in slow]

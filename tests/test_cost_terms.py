@@ -24,6 +24,8 @@ from tridist.autotune import (
     estimate,
     hardware_flops_per_step,
     model_flops_per_step,
+    rank_layers,
+    stage_layers,
     stage_parameters,
 )
 from tridist.autotune.cost import (
@@ -92,6 +94,31 @@ def test_stage_parameters_by_hand_norms_replicated_and_tied_head_on_both_ends():
     for spec in (TINY, tied):
         assert stage_parameters(spec, 2, 2, 0) == 608 + 128
         assert stage_parameters(spec, 2, 2, 1) == 608 + 8 + 128
+
+
+def test_uneven_pipeline_stages_hold_fewer_layers_at_the_ends():
+    """A pp that does not divide the layers: the middle stages take a layer more (Llama 3 405B's 126
+    layers on 16 stages: 7, 8 x 14, 7), extra layers beyond them go to the first stage, then the last."""
+    assert stage_layers(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert stage_layers(6, 4) == (1, 2, 2, 1) and stage_layers(5, 2) == (3, 2) and stage_layers(8, 4) == (2,) * 4
+    assert rank_layers(8, 2, 2) == (4, 4) and rank_layers(6, 4) == (1, 2, 2, 1)
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layers(3, 4)
+    # TINY's 4 layers on pp 3 (1, 2, 1) and tp 1: the middle rank holds two layers and nothing else.
+    assert [stage_parameters(TINY, 1, 3, r) for r in range(3)] == [592 + 256, 2 * 592, 592 + 8 + 256]
+
+
+def test_the_slowest_pipeline_rank_sets_the_pace():
+    """Six layers on pp 4 (1, 2, 2, 1) cost what the fuller of a 2-layer middle rank and the 1-layer last
+    rank with the LM head costs: between 6 layers on pp 6 (one layer each) and on pp 3 (two each)."""
+    six = replace(TINY, num_layers=6)
+    cluster = lambda n: Cluster(1, n)  # noqa: E731
+
+    def step(pp):
+        strategy = Strategy(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=12)
+        return estimate(six, cluster(pp), strategy, global_batch_size=12).time.compute_s
+
+    assert step(6) < step(4) <= step(3) * (1 + 1e-12)
 
 
 # ------------------------------------------------------------------------------ data parallel

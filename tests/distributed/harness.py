@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -104,12 +105,14 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
         checks = {name: fn for name, fn in checks.items() if name in only.split(",")}
     for name, check in checks.items():
         equivalence.MEASURED.clear()
+        start = time.perf_counter()
         try:
             check()
             record = {"check": name, "status": "ok"}
         except Exception:  # noqa: BLE001 - reported to the test
             record = {"check": name, "status": "fail", "error": traceback.format_exc()[-4000:]}
         record["measured"] = dict(equivalence.MEASURED)  # largest error / allowed, per kind
+        record["seconds"] = round(time.perf_counter() - start, 2)  # where the suite's time goes
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
     end_process_group()

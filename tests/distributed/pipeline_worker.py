@@ -31,9 +31,9 @@ def _batches():
     ]
 
 
-def _model(name: str, fused: bool = False):
+def _model(name: str, fused: bool = False, layers: int = LAYERS):
     torch.manual_seed(0)
-    model = build_model(name, num_hidden_layers=LAYERS)
+    model = build_model(name, num_hidden_layers=layers)
     if fused:
         kernels.fuse(model)
     # SGD: its update is linear in the gradient, so summation order (micro-batches, shards) stays at
@@ -60,16 +60,16 @@ def _forward_backward(model, mesh, inputs, labels):
 
 
 @functools.cache  # one single-process run per model, shared by the checks (they only read it)
-def _reference(name: str) -> equivalence.Trace:
-    return _train(*_model(name))  # unfused: the fused kernels must match eager
+def _reference(name: str, layers: int = LAYERS) -> equivalence.Trace:
+    return _train(*_model(name, layers=layers))  # unfused: the fused kernels must match eager
 
 
-def _equal_to_one_process(name: str, mesh: ProcessMesh, config: dict, *, fused: bool = False):
-    model, optimizer = distcore.parallelize(*_model(name, fused=fused), mesh, config)
+def _equal_to_one_process(name: str, mesh: ProcessMesh, config: dict, *, fused: bool = False, layers: int = LAYERS):
+    model, optimizer = distcore.parallelize(*_model(name, fused=fused, layers=layers), mesh, config)
     trace = _train(model, optimizer, mesh)
-    equivalence.assert_same_training(trace, _reference(name))
+    equivalence.assert_same_training(trace, _reference(name, layers))
     names = set(trace.parameters)
-    assert names and names < set(_reference(name).parameters), names  # this stage's parameters only, same names
+    assert names and names < set(_reference(name, layers).parameters), names  # this stage's parameters only, same names
     assert {id(p) for group in optimizer.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
     return model
 
@@ -139,6 +139,22 @@ def check_split_points():
     model = _equal_to_one_process("hf-llama", DP2_PP2, config)
     kept = [i for i, layer in enumerate(model.model.layers) if not getattr(layer, "_tridist_stand_in", False)]
     assert kept == ([0] if DP2_PP2.coordinate()[1] == 0 else [1, 2, 3]), kept
+
+
+def _kept_layers(model) -> list[int]:
+    return [i for i, layer in enumerate(model.model.layers) if not getattr(layer, "_tridist_stand_in", False)]
+
+
+def check_uneven_stages():
+    """Stage counts that do not divide the layers: 6 layers on pp 4 (1, 2, 2, 1: the ends, which also run
+    the embedding and the LM head, hold fewer) and 5 layers on dp 2 x pp 2 (3, 2), as autotune's cost model
+    prices them; an explicit layers_per_stage (1, 3). Each equals one process."""
+    model = _equal_to_one_process("hf-llama", PP4, _pp("hf-llama"), layers=6)
+    assert _kept_layers(model) == [[0], [1, 2], [3, 4], [5]][torch.distributed.get_rank()], _kept_layers(model)
+    model = _equal_to_one_process("hf-llama", DP2_PP2, {"dp_config": {"sharding_level": 1}, **_pp("hf-llama")}, layers=5)
+    assert _kept_layers(model) == ([0, 1, 2] if DP2_PP2.coordinate()[1] == 0 else [3, 4]), _kept_layers(model)
+    model = _equal_to_one_process("hf-llama", DP2_PP2, {"dp_config": {"sharding_level": 2}, **_pp("hf-llama", layers_per_stage=[1, 3])})
+    assert _kept_layers(model) == ([0] if DP2_PP2.coordinate()[1] == 0 else [1, 2, 3]), _kept_layers(model)
 
 
 HF_TP_PLAN = {
@@ -226,7 +242,8 @@ def _expect(error_type, fragment: str, config: dict, name: str = "seed-llama", m
 
 
 def check_errors():
-    _expect(ValueError, "do not split evenly into 8 pipeline stages", _pp("seed-llama", schedule="Interleaved1F1B"))
+    _expect(ValueError, "fewer than the 8 pipeline stages", _pp("seed-llama", schedule="Interleaved1F1B"))
+    _expect(ValueError, "must list 4 positive layer counts", _pp("seed-llama", layers_per_stage=[2, 1, 1, 1]))
     _expect(ValueError, "must name one layer list", {"pp_config": {"split_spec": "decoder.layers"}})
     _expect(ValueError, "unknown pp_config key", _pp("seed-llama", accumulate=2))
     _expect(ValueError, "choose one of", _pp("seed-llama", schedule="zigzag"))

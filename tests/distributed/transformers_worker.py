@@ -46,8 +46,8 @@ class _Loader(torch.utils.data.DataLoader):
         super().__init__(samples, batch_size=BATCH)
 
 
-def _model(family):
-    model = build(family, layers=LAYERS)
+def _model(family, layers: int = LAYERS):
+    model = build(family, layers=layers)
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
@@ -141,6 +141,19 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
     assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
     assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
+
+
+def check_to_distributed_with_uneven_pipeline_stages():
+    """Three decoder layers on pp 2 (2 + 1, as the cost model priced them), given and searched."""
+    reference = _run(*_model("qwen2", layers=3))
+    for strategy in (_strategy(2, 1, 2, num_micro_batches=2, sharding_level=1), None):
+        model, optimizer = _model("qwen2", layers=3)
+        space = autotune.SearchSpace(pp=(2,), overlap_tp_comm=(False,))
+        model, optimizer, _ = distcore.to_distributed(
+            model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
+                strategy=strategy, fuse_kernels=False, search_options={"space": space}))
+        assert model.distributed_strategy.pp == 2, model.distributed_strategy
+        equivalence.assert_same_training(_run(model, optimizer), reference)
 
 
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
