@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Callable
 
-from .hardware import DEVICE_PROFILES, DeviceProfile
+from .hardware import CALIBRATED_PREFIX, DEVICE_PROFILES, DeviceProfile
 
 __all__ = ["calibrate", "measure_matmul", "measure_copy_bandwidth", "measure_collectives", "DEFAULT_SIZES"]
 
@@ -153,7 +153,7 @@ def calibrate(device=None, *, name: str | None = None, sizes=None, dtypes=("bf16
         peak_fp32_flops=peaks.get("fp32", base.peak_fp32_flops * base.matmul_efficiency),
         memory_bytes=_memory_bytes(device), hbm_bandwidth=bandwidth,
         matmul_efficiency=1.0, hbm_efficiency=1.0,
-        source=f"tridist calibrate on {label}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
+        source=f"{CALIBRATED_PREFIX} {label}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
     )
     if comm and _distributed_world_size() > 1:
         fields.update(_measured_links(device, base, repeats, progress))

@@ -39,6 +39,9 @@ TFLOPS = 1e12
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+CALIBRATED_PREFIX = "tridist calibrate on"  # how `calibrate` starts a measured profile's source
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """One accelerator (or CPU socket set) and its links; all rates are per device, per direction.
@@ -68,6 +71,15 @@ class DeviceProfile:
             value = getattr(self, field.name)
             if field.type == "float" and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"DeviceProfile {self.name!r}: {field.name} must be a positive number, got {value!r}")
+
+    @property
+    def basis(self) -> str:
+        """What predictions on this profile rest on, shown with every prediction: a profile measured by
+        `tridist calibrate` (its source names device, torch and date), or datasheet figures, which the
+        torch-native engine does not reach (predictions read optimistic)."""
+        if self.source.startswith(CALIBRATED_PREFIX):
+            return f"calibrated: {self.source.removeprefix(CALIBRATED_PREFIX).strip()}"
+        return f"datasheet only ({self.name}): expect optimistic times; run `tridist calibrate` on the device"
 
     def matmul_flops(self, dtype: str = "bf16") -> float:
         """Achievable matmul FLOP/s in `dtype` (peak x efficiency)."""

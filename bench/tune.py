@@ -129,6 +129,7 @@ def summary_lines(result: SearchResult) -> list[str]:
         f"- Model: {result.spec.describe()}",
         f"- Cluster: {cluster.describe()}; {cluster.num_devices} devices; usable memory "
         f"{cluster.profile.memory_bytes * 0.9 / GB:.1f} GB per device ({cluster.profile.source})",
+        f"- Predictions: {cluster.profile.basis}",
         f"- Global batch: {result.global_batch_size} sequences of {result.spec.seq_len} tokens",
         f"- Search: {result.method} over {len(result.layouts)} layouts (tp, pp), {result.n_evaluated} strategies "
         f"scored, {result.n_new_trials} new trial(s) of {result.n_trials} in study `{result.study_name}` "

@@ -245,7 +245,8 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         strategy = _fallback(world, global_batch)
         log.warning("to_distributed: %s; trying %s", result.message or "no strategy fits in memory", strategy.describe())
         return strategy
-    _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced", result.ranked[: config.top_k])
+    _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced", result.ranked[: config.top_k],
+                basis=cluster.profile.basis)
     return result.best.strategy
 
 
@@ -261,8 +262,10 @@ def _fallback(world: int, global_batch: int):
                              micro_batch_size=global_batch // world, num_micro_batches=1)
 
 
-def _log_choice(strategy, why: str, candidates) -> None:
+def _log_choice(strategy, why: str, candidates, basis: str | None = None) -> None:
     lines = [f"to_distributed: {strategy.describe()} ({why})"]
+    if candidates and basis:
+        lines.append(f"  predictions: {basis}")
     for rank, candidate in enumerate(candidates, 1):
         lines.append(
             f"  #{rank} {candidate.strategy.describe():48s} step {candidate.step_time_s * 1e3:9.2f} ms  "

@@ -48,7 +48,9 @@ def test_tune_writes_report_and_plot(tmp_path, capsys):
     out = capsys.readouterr()
     assert code == 0
     assert "Best:" in out.out and "rank" in out.out and "[tridist tune]" in out.err
+    assert "Predictions: datasheet only (a100-40gb): expect optimistic" in out.out  # the basis of every figure
     text = (report / "report.md").read_text()
+    assert "datasheet only" in text
     assert "## Ranked strategies" in text and "Pareto" in text and "llama.layers.*.self_attn.qkv_proj" in text
     assert (report / "pareto.png").read_bytes()[:8] == PNG_MAGIC
     assert len((report / "ranked.csv").read_text().splitlines()) == 6  # header + top 5
@@ -115,6 +117,7 @@ def test_calibrate_cpu_quick(tmp_path, capsys):
     assert profile.name == "test-cpu" and profile.peak_fp32_flops > 0 and profile.matmul_efficiency == 1.0
     assert profile.memory_bytes > 1e8
     assert json.loads(out.read_text())["source"].startswith("tridist calibrate")
+    assert profile.basis.startswith("calibrated: ") and "torch" in profile.basis  # shown with its predictions
     # the measured profile drives a search
     result = autotune.search(autotune.preset("llama2-7b", num_layers=2, seq_len=512),
                                            Cluster(1, 2, str(out), dtype="fp32"), global_batch_size=4)
