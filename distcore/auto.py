@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from . import env
@@ -239,15 +240,33 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
     for dim, why in limits.items():
         log.warning("to_distributed: %s kept at %s for this model: %s", dim, _UNLIMITED[dim][0], why)
     space, options = _search_space(config, limits)
-    result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
-                             top_k=config.top_k, space=space, **options)
-    if result.best is None:
+    # One rank decides and every rank applies its answer: searches on every rank could disagree (a
+    # resumed storage one rank sees late) and would all write to a shared storage at once.
+    decision: list = [None]
+    failure = None
+    if env.get_rank() == 0:
+        try:
+            result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
+                                     top_k=config.top_k, space=space, **options)
+        except Exception as error:  # the others must not wait for an answer that never comes
+            failure, decision = error, [(None, None, f"{type(error).__name__}: {error}")]
+        else:
+            decision = [(result.best.strategy if result.best else None, result.message or "no strategy fits in memory", None)]
+            if result.best is not None:
+                _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced",
+                            result.ranked[: config.top_k], basis=cluster.profile.basis)
+    if world > 1 and dist.is_initialized():
+        dist.broadcast_object_list(decision, src=0)
+    best, message, error = decision[0]
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RuntimeError(f"to_distributed: the strategy search failed on rank 0: {error}")
+    if best is None:
         strategy = _fallback(world, global_batch)
-        log.warning("to_distributed: %s; trying %s", result.message or "no strategy fits in memory", strategy.describe())
+        log.warning("to_distributed: %s; trying %s", message, strategy.describe())
         return strategy
-    _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced", result.ranked[: config.top_k],
-                basis=cluster.profile.basis)
-    return result.best.strategy
+    return best
 
 
 def _fallback(world: int, global_batch: int):

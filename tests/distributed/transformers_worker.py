@@ -156,6 +156,23 @@ def check_to_distributed_with_uneven_pipeline_stages():
         equivalence.assert_same_training(_run(model, optimizer), reference)
 
 
+def check_one_rank_searches_and_every_rank_applies_its_choice():
+    """Only rank 0 runs the search (the others' would fail here); all ranks apply the same strategy."""
+    search = autotune.search
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank other than 0 searched")
+
+    autotune.search = search if dist.get_rank() == 0 else refuse
+    try:
+        strategy = _train("llama")
+    finally:
+        autotune.search = search
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, strategy)
+    assert all(s == chosen[0] for s in chosen), chosen
+
+
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
     """Recompute re-runs a block outside the global view's context: a search restricted to tp 2 with full
     recompute chooses again without recompute for Phi-3 (its blocks run in global view) and trains; the
