@@ -233,7 +233,11 @@ def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: 
     weights replicated; layers per rank as strategy.rank_layers lays them out, uneven where pp does not
     divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
     the last (a tied head is a second copy when the two ends are different ranks)."""
-    layers = rank_layers(spec.num_layers, pp, virtual_pp)[stage]
+    return _rank_parameters(spec, tp, pp, stage, rank_layers(spec.num_layers, pp, virtual_pp)[stage])
+
+
+def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, layers: int) -> float:
+    """stage_parameters for a rank holding `layers` decoder layers."""
     params = layers * (spec.layer_matmul_parameters / tp + spec.layer_norm_parameters)
     if stage == 0:
         params += spec.embedding_parameters / tp
@@ -465,7 +469,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         pp_s = 2 * (v * m + pp - 1) * p2p_time(c.p2p_bytes, bw_pp, lat_pp)
 
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters.
-    params = max(stage_parameters(spec, t, pp, rank, v) for rank in range(pp))
+    params = max(_rank_parameters(spec, t, pp, rank, per_rank[rank]) for rank in _peak_ranks(per_rank))
     dp_s = 0.0
     if dp > 1:
         bw_dp, lat_dp = cluster.link(dp, t)
@@ -498,6 +502,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     )
 
 
+def _peak_ranks(per_rank: tuple[int, ...]) -> list[int]:
+    """The pipeline ranks that can hold the most: the first (embedding, most micro-batches in flight),
+    the last (LM head, logits) and the fullest middle one (uneven layouts give middle ranks a layer
+    more; the earliest of them has the most in flight)."""
+    pp = len(per_rank)
+    middle = max(range(1, pp - 1), key=lambda r: (per_rank[r], -r), default=0)
+    return sorted({0, middle, pp - 1})
+
+
 def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, per_rank: tuple[int, ...]) -> MemoryBreakdown:
     """Peak memory of the pipeline ranks (the first, the last and the fullest middle one: uneven layouts
     give middle ranks a layer more); the largest is the device's need."""
@@ -513,9 +526,8 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, per_r
     if pp > 1:
         buffers += 2 * c.p2p_bytes  # send and receive buffers
     best = None
-    middle = max(range(1, pp - 1), key=lambda r: (per_rank[r], -r), default=0)  # most layers, earliest (most in flight)
-    for stage in sorted({0, middle, pp - 1}):
-        weights, grads, optimizer = model_state_bytes(stage_parameters(spec, t, pp, stage, s.virtual_pp), s.dp,
+    for stage in _peak_ranks(per_rank):
+        weights, grads, optimizer = model_state_bytes(_rank_parameters(spec, t, pp, stage, per_rank[stage]), s.dp,
                                                       s.sharding_level, e)
         in_flight = _in_flight_layers(per_rank[stage], pp, s.virtual_pp, s.num_micro_batches, stage)
         activations = in_flight * per_layer

@@ -239,16 +239,28 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         return strategy
     for dim, why in limits.items():
         log.warning("to_distributed: %s kept at %s for this model: %s", dim, _UNLIMITED[dim][0], why)
-    space, options = _search_space(config, limits)
-    # One rank decides and every rank applies its answer: searches on every rank could disagree (a
-    # resumed storage one rank sees late) and would all write to a shared storage at once.
+    best, message = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
+    if best is None:
+        strategy = _fallback(world, global_batch)
+        log.warning("to_distributed: %s; trying %s", message, strategy.describe())
+        return strategy
+    return best
+
+
+def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributedConfig, limits: dict, world: int):
+    """(the best strategy or None, why none): rank 0 searches and every rank takes its answer. Searches
+    on every rank could disagree (a resumed storage one rank sees late) and would all write to a shared
+    storage at once. A failure on rank 0 is raised on every rank, not left for the others to wait on."""
+    from tridist import autotune
+
+    space, options = _search_space(config, limits)  # on every rank: bad options fail everywhere alike
     decision: list = [None]
     failure = None
     if env.get_rank() == 0:
         try:
             result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
                                      top_k=config.top_k, space=space, **options)
-        except Exception as error:  # the others must not wait for an answer that never comes
+        except Exception as error:  # noqa: BLE001 - re-raised below, after the others have heard of it
             failure, decision = error, [(None, None, f"{type(error).__name__}: {error}")]
         else:
             decision = [(result.best.strategy if result.best else None, result.message or "no strategy fits in memory", None)]
@@ -262,11 +274,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         raise failure
     if error is not None:
         raise RuntimeError(f"to_distributed: the strategy search failed on rank 0: {error}")
-    if best is None:
-        strategy = _fallback(world, global_batch)
-        log.warning("to_distributed: %s; trying %s", message, strategy.describe())
-        return strategy
-    return best
+    return best, message
 
 
 def _fallback(world: int, global_batch: int):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 from .tensor_parallel import (
     _SEQUENCE_DIM,
@@ -32,10 +32,9 @@ from .tensor_parallel import (
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelEnd,
+    StyleTarget,
     TensorParallelPlan,
     _map_first_activation,
-    packed_colwise,
-    split_parts,
 )
 
 _aten = torch.ops.aten
@@ -80,44 +79,27 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
                       sequence_split: bool) -> list[str]:
     """Apply the block's part of the plan (`plan.within(block_name)`) in global view. `sequence_split`:
     the block receives (and must return) sequence slices."""
-    tp = tp_mesh.size()
     modules = dict(block.named_modules())
     changes = []
     for name, styles in plan.styles.items():
-        module = modules[name]
-        parent = modules.get(name.rpartition(".")[0]) if name else None
+        target = StyleTarget(name, modules[name], modules.get(name.rpartition(".")[0]) if name else None,
+                             tp_mesh=tp_mesh, process_mesh=process_mesh,
+                             scatter_sequence=sequence_split and name.rpartition(".")[0] in plan.disabled)
         for style in styles:
-            if isinstance(style, PrepareLayerInput):
-                module.register_forward_pre_hook(style.fn(process_mesh))
-            elif isinstance(style, PrepareLayerOutput):
-                module.register_forward_hook(style.fn(process_mesh))
+            if isinstance(style, (PrepareLayerInput, PrepareLayerOutput)):
+                style.apply(target)  # hooks: the same in either view
             elif isinstance(style, (SequenceParallelBegin, SequenceParallelEnd)):
                 raise NotImplementedError(
                     f"parallelize: {type(style).__name__} on {name!r} inside a block that runs in global view; put "
                     "the sequence-parallel boundaries outside the decoder blocks (on the embedding and the LM head)"
                 )
             elif isinstance(style, (ColWiseParallel, RowWiseParallel)):
-                parallelize_module(module, tp_mesh, _torch_style(name, module, style, tp=tp, parent=parent,
-                                                                  scatter=sequence_split and name.rpartition(".")[0] in plan.disabled))
+                parallelize_module(target.module, tp_mesh, style.torch_style(target, local_output=False))
             # SequenceParallelDisable / Enable: DTensor moves the activations between shardings itself.
         changes += [f"{name}: {style!r} (global view)" for style in styles]
     _replicate_other_parameters(block, tp_mesh)
     _install_boundary(block, tp_mesh, sequence_split=sequence_split)
     return changes
-
-
-def _torch_style(name: str, module: torch.nn.Module, style, *, tp: int, parent, scatter: bool):
-    """torch's style for one Paddle style, outputs kept as DTensors."""
-    sizes = split_parts(name, module, style, tp, parent=parent)
-    if len(sizes) > 1:
-        return packed_colwise(sizes, gather_output=style.gather_output, local_output=False)
-    if isinstance(style, ColWiseParallel):
-        return ColwiseParallel(output_layouts=Replicate() if style.gather_output else Shard(-1), use_local_output=False)
-    if isinstance(module, torch.nn.Embedding):  # vocabulary split: token ids in, summed embeddings out
-        return RowwiseParallel(input_layouts=Replicate(), use_local_output=False)
-    # A Disable region's exit under sequence parallel: reduce-scatter onto sequence shards.
-    return RowwiseParallel(input_layouts=Shard(-1) if style.is_input_parallel else Replicate(),
-                           output_layouts=Shard(_SEQUENCE_DIM) if scatter else Replicate(), use_local_output=False)
 
 
 def _replicate_other_parameters(block: torch.nn.Module, tp_mesh) -> None:
@@ -135,8 +117,7 @@ def refuse_recompute(model: torch.nn.Module, global_view: dict[str, str]) -> Non
     outside the forward hooks that hold the global view's contexts (implicit replication, saved tensors
     as DTensors), so it would fail on mixed tensors there: refused, before anything changes."""
     for name in global_view:
-        block = model.get_submodule(name) if name in dict(model.named_modules()) else None
-        mode = getattr(block, "_tridist_recompute", None)
+        mode = getattr(model.get_submodule(name), "_tridist_recompute", None)
         if mode:
             raise NotImplementedError(
                 f"parallelize: {name!r} runs in global view under tensor parallel ({global_view[name]}), where "

@@ -100,20 +100,23 @@ class ColWiseParallel(_Style):
     gather_output: bool = False
     packed_parts: int | tuple[int, ...] | None = None
 
-    def apply(self, target: StyleTarget) -> str:
-        name, module = target.name, target.module
-        sizes = split_parts(name, module, self, target.tp_mesh.size(), parent=target.parent)
+    def torch_style(self, target: StyleTarget, *, local_output: bool = True) -> ParallelStyle:
+        """torch's style for this split: local outputs (local view) or DTensors (global view)."""
+        sizes = split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
         if len(sizes) > 1:
-            parallelize_module(module, target.tp_mesh, packed_colwise(sizes, gather_output=self.gather_output))
-            module._tridist_local_heads = not self.gather_output
-            return f"{name}: {self!r} ({len(sizes)} packed projections of {list(sizes)} outputs, each split)"
-        if isinstance(module, torch.nn.Embedding):  # the hidden dim split, full (replicated) embeddings out
-            torch_style = ColwiseParallel(output_layouts=Replicate())
-        else:
-            torch_style = ColwiseParallel(output_layouts=Replicate() if self.gather_output else Shard(-1))
-            module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
-        parallelize_module(module, target.tp_mesh, torch_style)
-        return f"{name}: {self!r}"
+            return packed_colwise(sizes, gather_output=self.gather_output, local_output=local_output)
+        if local_output and isinstance(target.module, torch.nn.Embedding):
+            return ColwiseParallel(output_layouts=Replicate())  # the hidden dim split, full embeddings out
+        return ColwiseParallel(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
+
+    def apply(self, target: StyleTarget) -> str:
+        torch_style = self.torch_style(target)
+        parallelize_module(target.module, target.tp_mesh, torch_style)
+        if isinstance(target.module, torch.nn.Linear):
+            target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
+        if isinstance(torch_style, (_PackedColwiseParallel, _UnequalPackedColwise)):
+            return f"{target.name}: {self!r} ({torch_style.describe()})"
+        return f"{target.name}: {self!r}"
 
 
 @dataclass(repr=False)
@@ -122,21 +125,23 @@ class RowWiseParallel(_Style):
 
     is_input_parallel: bool = True
 
+    def torch_style(self, target: StyleTarget, *, local_output: bool = True) -> ParallelStyle:
+        """torch's style for this split: local outputs (local view) or DTensors (global view)."""
+        split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
+        if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split: token ids in, full embeddings out
+            return RowwiseParallel(input_layouts=Replicate(), use_local_output=local_output)
+        # A Disable region's exit under sequence parallel: reduce-scatter straight onto sequence shards.
+        return RowwiseParallel(input_layouts=Shard(-1) if self.is_input_parallel else Replicate(),
+                               output_layouts=Shard(_SEQUENCE_DIM) if target.scatter_sequence else Replicate(),
+                               use_local_output=local_output)
+
     def apply(self, target: StyleTarget) -> str:
-        name, module = target.name, target.module
-        split_parts(name, module, self, target.tp_mesh.size(), parent=target.parent)
-        if isinstance(module, torch.nn.Embedding):  # the vocabulary split, full (replicated) embeddings out
-            parallelize_module(module, target.tp_mesh, RowwiseParallel(input_layouts=Replicate()))
-            return f"{name}: {self!r}"
-        # Inside a sequence-parallel Disable region the output goes straight to sequence shards.
-        output = Shard(_SEQUENCE_DIM) if target.scatter_sequence else Replicate()
-        parallelize_module(module, target.tp_mesh, RowwiseParallel(
-            input_layouts=Shard(-1) if self.is_input_parallel else Replicate(), output_layouts=output))
+        parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
         if not target.scatter_sequence:
-            return f"{name}: {self!r}"
-        module._tridist_scatters_sequence = True
-        module.register_forward_hook(_remember_exit_output)
-        return f"{name}: {self!r} (reduce-scatter onto sequence shards)"
+            return f"{target.name}: {self!r}"
+        target.module._tridist_scatters_sequence = True
+        target.module.register_forward_hook(_remember_exit_output)
+        return f"{target.name}: {self!r} (reduce-scatter onto sequence shards)"
 
 
 @dataclass(repr=False)
@@ -334,7 +339,6 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
     from .block_check import choose_block_views
 
     resolved = resolve_plan(model, plan, strict=strict)
-    tied_splits(model, resolved)  # before anything changes
     if global_view is None:
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())
@@ -451,7 +455,7 @@ def _tied_split_dim(root: torch.nn.Module, name: str, plan: TensorParallelPlan) 
     column = isinstance(splits[0], ColWiseParallel)
     if isinstance(module, torch.nn.Embedding):
         return 1 if column else 0
-    if column and (splits[0].packed_parts if splits[0].packed_parts is not None else _PACKED_PARTS.get(owner.rpartition(".")[2], 1)) != 1:
+    if column and _declared_parts(splits[0], owner.rpartition(".")[2]) != 1:
         return None  # a per-part split is no plain dim
     return 0 if column else 1
 
@@ -553,7 +557,7 @@ def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: 
             "with ColWiseParallel(packed_parts=1) for q/k/v packed per head (GPT-NeoX, Bloom) or packed_parts=3 "
             "for [q | k | v] (ChatGLM)"
         )
-    declared = style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
+    declared = _declared_parts(style, leaf)
     if declared == 1:
         return (_out_size(module),)
     if not isinstance(module, torch.nn.Linear):
@@ -587,6 +591,11 @@ def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: 
             f"its input features ({module.in_features}), which {tp} ranks do not divide; use a degree that divides them"
         )
     return sizes
+
+
+def _declared_parts(style: ColWiseParallel, leaf: str):
+    """The plan's `packed_parts` (a count or the sizes), else what the module's name implies."""
+    return style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
 
 
 def _out_size(module: torch.nn.Module) -> int:
@@ -623,6 +632,9 @@ class _PackedColwiseParallel(ColwiseParallel):
     def __init__(self, parts: int, *, gather_output: bool, local_output: bool = True):
         super().__init__(output_layouts=Replicate() if gather_output else None)
         self.parts, self.gather_output, self.local_output = parts, gather_output, local_output
+
+    def describe(self) -> str:
+        return f"{self.parts} packed projections of equal size, each split"
 
     def _partition_linear_fn(self, name, module, device_mesh):
         layouts = {"weight": [_StridedShard(0, split_factor=self.parts)], "bias": [Replicate()]}
@@ -661,6 +673,10 @@ class _UnequalPackedColwise(ParallelStyle):
     def __init__(self, sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True):
         super().__init__()
         self.sizes, self.gather_output, self.local_output = tuple(sizes), gather_output, local_output
+        self._orders: dict = {}  # device -> _rank_major_columns
+
+    def describe(self) -> str:
+        return f"{len(self.sizes)} packed projections of {list(self.sizes)} outputs, each split"
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
@@ -688,15 +704,20 @@ class _UnequalPackedColwise(ParallelStyle):
             return output.to_local() if self.local_output else output
         # The gradient of a partial sum is the gradient of the sum: the same on every rank.
         partial_sum = output.to_local(grad_placements=[Replicate()])
-        order = self._rank_major_columns(device_mesh.size(), partial_sum.device)
+        order = self._rank_major_columns(device_mesh.size(), partial_sum.device)  # built once per device
         return DTensor.from_local(partial_sum.index_select(-1, order), device_mesh, [Partial()], run_check=False).redistribute(
             device_mesh, [Shard(-1)]).to_local()
 
     def _rank_major_columns(self, tp: int, device) -> torch.Tensor:
-        """Column indices [part 0's chunk 0, part 1's chunk 0, ..., part 0's chunk 1, ...]."""
-        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        return torch.cat([torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp, device=device)
-                          for rank in range(tp) for start, size in zip(starts, self.sizes)])
+        """Column indices [part 0's chunk 0, part 1's chunk 0, ..., part 0's chunk 1, ...], made on the
+        first forward on `device` and kept (the forward of every layer needs them)."""
+        order = self._orders.get(device)
+        if order is None:
+            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+            order = self._orders[device] = torch.cat([
+                torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp, device=device)
+                for rank in range(tp) for start, size in zip(starts, self.sizes)])
+        return order
 
 
 def fsdp_shard_placement(param: torch.nn.Parameter):
