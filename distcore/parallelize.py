@@ -1,6 +1,7 @@
 """parallelize(model, optimizer, mesh, config): Paddle's one-call parallelisation, on torch's engine.
 
-Data parallel (`dp_config={"sharding_level": 0..3}`) over the mesh dimension named "dp":
+Data parallel (`dp_config={"sharding_level": 0..3}`) over the mesh dimension named "dp" (a mesh with a
+"dp" dimension of more than one rank gets level 0 without a dp_config, as Paddle keeps its replicas in step):
 - 0: replicated parameters, gradients all-reduced (FSDP2's `replicate`, which, unlike DDP, also
   accepts tensor-parallel DTensor parameters);
 - 1 and 2: FSDP2 `fully_shard(reshard_after_forward=False)`: optimizer states and gradients sharded
@@ -65,6 +66,12 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mesh = mesh if mesh is not None else get_mesh()
     if mesh is None or not any(key in config for key in _CONFIG_KEYS):
         return model, optimizer
+    if "dp_config" not in config and "dp" in mesh.dim_names and mesh.get_dim_size("dp") > 1:
+        # Paddle keeps parameters replicated over a "dp" dimension and reduces their gradients without a
+        # dp_config; left out, each replica would train on its own rows only.
+        log.info("parallelize: the mesh's 'dp' dimension (%d ranks) without dp_config: data parallel at sharding_level 0",
+                 mesh.get_dim_size("dp"))
+        config["dp_config"] = {}
     dims = ParallelDims.from_mesh(mesh, [kind for kind in KINDS if f"{kind}_config" in config])
     _check_optimizer_fresh(optimizer)
     names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage

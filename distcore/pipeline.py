@@ -29,13 +29,19 @@ Semantics and limits worth knowing:
   ignored labels (padding, ignore_index) it weighs micro-batches with fewer valid tokens more than one
   device's token mean does, and a micro-batch whose labels are all ignored has torch's 0/0 = nan mean
   loss, so the reported loss is nan (its gradient is zero). Balance the padding over the batch.
-- An exception in one stage's forward (a shape error, a call without labels) stops that rank only; the
-  other ranks of the pipeline wait for it in their communication until the process group's timeout,
-  as with torch's pipelining. Debug a model on one device (or with pp=1) first.
+- An exception in one stage's forward (a shape error) stops that rank only; the other ranks of the
+  pipeline wait for it in their communication until the process group's timeout, as with torch's
+  pipelining. Debug a model on one device (or with pp=1) first. A training call without labels is
+  not such an exception: the schedule completes (on a zero loss) and every rank raises the same error.
 - A call in eval mode (`model.eval()`), or under no_grad, runs the schedule's forward only: its loss
   has no backward (one raises an error saying so). It returns its pipeline's loss (not averaged over
   data-parallel replicas, as data parallel does), so one replica may evaluate alone where its forward
-  needs no other (sharding_level 0).
+  needs no other (sharding_level 0); with labels, the loss is the token mean of the batch it was given
+  (Hugging Face models), without labels there is none (None in its place). It also returns the logits
+  of the whole batch (the last stage's micro-batches joined), by default on every rank of the pipeline
+  (one broadcast from the last stage: each rank then holds what one device would); `pp_config
+  ["eval_logits"]` = "last_stage" keeps them on the last stage's ranks (None elsewhere, no
+  communication), "none" keeps none (an evaluation of the loss alone).
 - Each rank's model holds its own stages' parameters only: `torch.nn.utils.clip_grad_norm_(
   model.parameters(), ...)` computes and clips by this rank's norm, not the whole model's. For the
   single-device result, all-reduce the squared norm (`torch.nn.utils.get_total_norm(grads) ** 2`, its
@@ -43,8 +49,9 @@ Semantics and limits worth knowing:
   the square root (`torch.nn.utils.clip_grads_with_norm_`). A weight tied across stages (an embedding and
   its LM head: TiedAcrossStages) has a copy on the first and on the last stage: count it on one of them.
 - `model(...)` returns what the model returns, rebuilt on every rank: a bare loss, a tuple, a dict or a
-  Hugging Face `ModelOutput`, with the global loss in its place and the other outputs None (logits
-  exist only on the last stage, per micro-batch). Inputs may be positional or keywords
+  Hugging Face `ModelOutput`, with the global loss in its place and, in an evaluation, the logits in
+  theirs. Other outputs are None (a training call's logits too: the schedule frees each micro-batch's),
+  as are hidden states and caches, which other stages computed in part. Inputs may be positional or keywords
   (`model(input_ids=..., attention_mask=..., labels=...)`); every batch-major tensor is split.
 - Outputs of an earlier stage's module other than the hidden states (a second tuple element: a mask it
   builds, an auxiliary loss) are zeros on later stages (a warning says so).
@@ -79,7 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
 from .env import all_reduce_mean_
-from .outputs import OutputForm, find_loss
+from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
 
 log = logging.getLogger(__name__)
@@ -101,7 +108,11 @@ _SCHEDULES = {  # Paddle's schedule_mode names, and torch's
 }
 _INTERLEAVED = {"Interleaved1F1B", "VPP"}
 PP_KEYS = ("split_spec", "global_spec", "schedule", "micro_batches", "accumulate_steps", "virtual_pp_degree", "vpp_degree",
-           "layers_per_stage")
+           "layers_per_stage", "eval_logits")
+# Where an evaluation's logits are returned: on every rank of the pipeline (one broadcast from the last
+# stage: each rank then holds what one device would), on the last stage's ranks only (None elsewhere,
+# no communication), or nowhere (an evaluation of the loss alone keeps no logits).
+EVAL_LOGITS = ("every_rank", "last_stage", "none")
 
 
 # ------------------------------------------------------------------------------------------ the config
@@ -115,6 +126,7 @@ class PipelineConfig:
     schedule: str
     micro_batches: int
     chunks_per_rank: int  # > 1: interleaved (virtual) stages, rank r holds stages r, r + pp, ...
+    eval_logits: str = "every_rank"  # one of EVAL_LOGITS
 
     @property
     def num_stages(self) -> int:
@@ -152,7 +164,10 @@ def parse_pp_config(model: torch.nn.Module, pp_config: dict, *, pp: int) -> Pipe
     layer_list, starts, num_layers = _split_layers(model, pp_config["split_spec"], num_stages=num_stages,
                                                    layers_per_stage=pp_config.get("layers_per_stage"))
     _check_global_spec(model, pp_config.get("global_spec"))
-    return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks)
+    eval_logits = pp_config.get("eval_logits", "every_rank")
+    if eval_logits not in EVAL_LOGITS:
+        raise ValueError(f"parallelize: pp_config['eval_logits'] = {eval_logits!r}; choose one of {list(EVAL_LOGITS)}")
+    return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks, eval_logits)
 
 
 def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int,
@@ -270,6 +285,9 @@ class _StageState:
     last_placeholder: torch.Tensor | None = None  # the output of the stand-in just before our first layer
     last_output: object = None  # our last layer's output
     output_form: OutputForm | None = None  # the kind of output the model returned (last stage)
+    keep_logits: bool = False  # this call is an evaluation whose logits are returned (last stage)
+    logits: dict = field(default_factory=dict)  # micro-batch -> its logits, detached (last stage, evaluation)
+    missing_loss: bool = False  # a micro-batch's output held no loss (last stage)
 
 
 class _StandIn(torch.nn.Module):
@@ -581,7 +599,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
         finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
             state.received = state.last_output = state.last_placeholder = None
         if state.is_last:
-            return _loss_of(output, state)
+            return _last_stage_result(output, state)
         hidden = output[0] if isinstance(output, tuple) else output
         if not isinstance(hidden, torch.Tensor) or isinstance(hidden, DTensor):
             raise TypeError(
@@ -593,17 +611,39 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
     view.forward = forward
 
 
-def _loss_of(output, state: _StageState) -> torch.Tensor:
-    loss = find_loss(output)
-    if loss is None:
-        raise ValueError(
-            "pipeline parallel: the model must compute its loss (return a scalar loss alone, first in a tuple, or "
-            "as a dict's or ModelOutput's 'loss'); call it with labels, e.g. model(input_ids=ids, labels=labels)"
-        )
+def _last_stage_result(output, state: _StageState) -> torch.Tensor:
+    """What the last stage hands the schedule for one micro-batch: its loss. A DTensor loss (computed from
+    vocabulary-parallel logits without F.cross_entropy) may be a partial sum on each mp rank: its full
+    value, differentiably, as the model's own global view returns it. In an evaluation the logits are
+    kept aside (detached; full, where vocabulary-parallel) for the runner to return.
+
+    An output without a loss (a call without labels) hands the schedule a zero that depends on the
+    outputs, so the schedule completes on every stage (raising here would leave the others waiting for
+    activations' gradients until the timeout); the runner then returns no loss (evaluation) or raises
+    on every rank (training)."""
     state.output_form = OutputForm.of(output)
-    # A DTensor loss (computed from vocabulary-parallel logits without F.cross_entropy) may be a partial
-    # sum on each mp rank: its full value, differentiably, as the model's own global view returns it.
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    if state.keep_logits:
+        logits = find_logits(output)
+        if logits is not None:
+            state.logits[state.micro_batch] = (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach()
+    loss = find_loss(output)
+    if loss is not None:
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    state.missing_loss = True
+    candidates = [find_logits(output), *tree_flatten(output)[0]]
+    tracked = next((t for t in candidates if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad), None)
+    if tracked is not None:
+        return _local(tracked).sum() * 0.0
+    if torch.is_grad_enabled():
+        raise ValueError(_NO_LOSS)  # nothing to stand in for a loss: the backward cannot run
+    return torch.zeros((), device=_device_of((output,), {}))
+
+
+_NO_LOSS = (
+    "pipeline parallel: a training call must compute its loss (return a scalar loss alone, first in a tuple, or as "
+    "a dict's or ModelOutput's 'loss'); call it with labels, e.g. model(input_ids=ids, labels=labels), or evaluate "
+    "without labels in eval mode (model.eval()), which returns the logits"
+)
 
 
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
@@ -673,14 +713,17 @@ class PipelineRunner:
         for name in (".".join(parts[:i]) for i in range(len(parts) + 1)):  # "", "model", "model.layers"
             for view in self.views:
                 view.get_submodule(name).training = model.get_submodule(name).training
+        training = model.training and torch.is_grad_enabled()
         for state in self.states:
             state.micro_batch = 0  # metadata inference on the first call runs micro-batch 0
+            state.keep_logits = not training and self.config.eval_logits != "none"
+            state.missing_loss = False
+            state.logits.clear()
         index = torch.arange(self.config.micro_batches, device=self.device)
         losses: list[torch.Tensor] = []
-        training = model.training and torch.is_grad_enabled()
         token = self._run_keeping_gradients(model, index, losses, training)
         self.micro_batches.clear()  # the batch is the loop's to free
-        return self._global_loss(losses, token)
+        return self._outputs(losses, token)
 
     def _follow_shapes(self) -> None:
         """torch infers the activations' shapes from the first call's micro-batches and sizes its receive
@@ -759,18 +802,28 @@ class PipelineRunner:
                 for p, grad in own.items():
                     p.grad.add_(grad, alpha=scale - 1.0)
 
-    def _global_loss(self, losses: list[torch.Tensor], token: object | None):
-        own_form = next((s.output_form for s in self.states if s.is_last), None)
-        packed = torch.zeros(2, device=self.device)
+    def _outputs(self, losses: list[torch.Tensor], token: object | None):
+        """The model's kind of output on every rank of the pipeline: the global mean loss (training: also
+        averaged over data-parallel replicas) and, for an evaluation, the logits as `eval_logits` says."""
+        last = next((s for s in self.states if s.is_last), None)
+        own_form = last.output_form if last is not None else None
+        packed = torch.zeros(3, device=self.device)
         if losses:  # the last stage: micro-batch losses, each already divided by their count
             packed[0] = torch.stack([loss.detach().float() for loss in losses]).sum()
             packed[1] = float(own_form != self._output_form)  # the kind of output changed (first call)
+            packed[2] = float(last.missing_loss)
         dist.broadcast(packed, src=self.last_rank, group=self.pp_group)
         if packed[1]:  # the kind of output (tuple, dict, ModelOutput) only the last stage saw, sent once
             form = [own_form]
             if dist.get_world_size(self.pp_group) > 1:
                 dist.broadcast_object_list(form, src=self.last_rank, group=self.pp_group)
             self._output_form = form[0]
+        if packed[2] and token is not None:  # on every rank: the schedule ran on a stand-in zero loss
+            self._pending = None
+            raise ValueError(_NO_LOSS)
+        logits = self._eval_logits(last) if token is None else None
+        if packed[2]:  # an evaluation without labels
+            return self._output_form.build(None, logits)
         # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
         # replicas with different numbers of batches) must not wait for a collective the others never join.
         if self.dp_group is not None and token is not None:
@@ -780,7 +833,27 @@ class PipelineRunner:
             loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
         elif torch.is_grad_enabled():  # eval mode with autograd on: no gradients were computed; say so on backward
             loss = _ReturnedLoss.apply(self._anchor, loss, _no_backward_in_eval_mode)
-        return self._output_form.build(loss)
+        return self._output_form.build(loss, logits)
+
+    def _eval_logits(self, last: _StageState | None) -> torch.Tensor | None:
+        """An evaluation's logits: the last stage's micro-batches' logits joined along the batch (dim 0),
+        sent to every rank of the pipeline (`eval_logits="every_rank"`) or kept where they are."""
+        mode = self.config.eval_logits
+        logits = None
+        if last is not None and len(last.logits) == self.config.micro_batches:
+            logits = torch.cat([last.logits[i] for i in range(self.config.micro_batches)])
+        if last is not None:
+            last.logits.clear()
+        if mode != "every_rank" or dist.get_world_size(self.pp_group) == 1:
+            return logits
+        meta = [(logits.shape, logits.dtype) if logits is not None else None]
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.pp_group)
+        if meta[0] is None:  # the model returned no logits
+            return None
+        if logits is None:
+            logits = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
+        dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
+        return logits
 
 
 def _no_backward_in_eval_mode(grad) -> None:

@@ -11,6 +11,8 @@ the labelled tokens of the global batch are counted (one all-reduce of a scalar 
 part gets `num_items_in_batch = global count / parts`: a part's loss is then `parts * its sum / global
 count`, and the mean over the parts that data parallel and the pipeline take is exactly the global
 token mean (loss and gradients). Any model whose forward takes `num_items_in_batch` gets the same.
+An evaluation's loss is the token mean of the batch the rank was given (no collective: one replica may
+evaluate alone); under pipeline micro-batches its own labelled tokens are counted the same way.
 
 Other models compute their own mean: where the counts differ between the parts, a warning says so
 (once per model) with the fix.
@@ -54,8 +56,11 @@ def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches
 
     def hook(module, args, kwargs):
         labels = kwargs.get("labels")
-        if not (module.training and torch.is_grad_enabled()) or not isinstance(labels, torch.Tensor):
-            return None  # evaluation may run on one rank alone: no collective
+        # An evaluation's loss is the token mean of this rank's batch (evaluation may run on one data-parallel
+        # rank alone: no collective); only the pipeline's micro-batches need the count then.
+        training = module.training and torch.is_grad_enabled()
+        if not isinstance(labels, torch.Tensor) or not (training or micro_batches > 1):
+            return None
         labels = local_value(labels)
         if exact:
             if "num_items_in_batch" in kwargs:
@@ -63,11 +68,11 @@ def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches
             # Hugging Face shifts inside its loss: position t predicts label t + 1, the first is never one.
             count = (labels[..., 1:] != IGNORE_INDEX).sum().to(torch.float32).reshape(1)
             parts = micro_batches
-            if dp_group is not None:
+            if dp_group is not None and training:
                 dist.all_reduce(count, group=dp_group)
                 parts *= dist.get_world_size(dp_group)
             return args, {**kwargs, "num_items_in_batch": count[0] / parts}
-        if not warned[0]:
+        if not warned[0] and training:
             counts = torch.stack([(chunk != IGNORE_INDEX).sum() for chunk in labels.chunk(micro_batches)]).float()
             extremes = torch.stack([counts.max(), -counts.min()])
             if dp_group is not None:

@@ -1,11 +1,12 @@
-"""distcore.outputs: the loss is found in every kind of output users' models return, replaced without
-touching the caller's object, and an output's form rebuilds the same kind elsewhere; packed
+"""distcore.outputs: the loss and the logits are found in every kind of output users' models return,
+the loss replaced without touching the caller's object, and an output's form rebuilds the same kind
+elsewhere (with or without a loss, with or without logits); packed
 `query_key_value` projections must state their layout."""
 
 import pytest
 import torch
 
-from tridist.distcore.outputs import OutputForm, find_loss, replace_loss
+from tridist.distcore.outputs import OutputForm, find_logits, find_loss, replace_loss
 from tridist.distcore.tensor_parallel import ColWiseParallel, packed_sizes
 
 transformers = pytest.importorskip("transformers")
@@ -37,6 +38,33 @@ def test_loss_found_replaced_and_rebuilt(output):
                                     CausalLMOutputWithPast(logits=LOGITS)])
 def test_no_loss_is_none(output):
     assert find_loss(output) is None  # not 0-dim floating, not first, or no "loss" key
+
+
+@pytest.mark.parametrize("output", [
+    LOGITS, (LOGITS, None), (LOSS, LOGITS), (None, LOGITS), [LOSS, LOGITS, None], {"logits": LOGITS, "other": LOGITS},
+    {"loss": LOSS, "logits": LOGITS}, CausalLMOutputWithPast(logits=LOGITS), CausalLMOutputWithPast(loss=LOSS, logits=LOGITS),
+])
+def test_logits_found_and_rebuilt_with_or_without_a_loss(output):
+    """What a pipeline's last stage sends back in evaluation: the logits in their place, the loss where
+    the model returned one (a call without labels has none), every other output None."""
+    assert find_logits(output) is LOGITS
+    form = OutputForm.of(output)
+    has_loss = find_loss(output) is not None
+    rebuilt = form.build(NEW if has_loss else None, LOGITS + 1)
+    assert type(rebuilt) is (tuple if isinstance(output, (tuple, list)) else type(output))
+    assert torch.equal(find_logits(rebuilt), LOGITS + 1)
+    assert (find_loss(rebuilt) is NEW) if has_loss else find_loss(rebuilt) is None
+    if isinstance(output, dict):
+        assert set(rebuilt) == set(output) and all(rebuilt[k] is None for k in rebuilt if k not in ("loss", "logits"))
+    if isinstance(output, CausalLMOutputWithPast):
+        assert rebuilt.past_key_values is None and (rebuilt.loss is NEW) == has_loss
+    if form.has_loss:  # a training call: the loss alone, the logits None where they were
+        assert find_logits(form.build(NEW)) is None
+
+
+@pytest.mark.parametrize("output", [LOSS, (LOSS,), (LOSS, None), {"loss": LOSS}, torch.tensor(3.0), [None]])
+def test_no_logits_is_none(output):
+    assert find_logits(output) is None
 
 
 def test_ambiguous_packed_layout_must_be_stated():

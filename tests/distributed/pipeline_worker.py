@@ -200,8 +200,14 @@ def check_sequence_parallel_beginning_at_a_stage_boundary():
         assert isinstance(model.model.layers[2].input_layernorm.weight, torch.distributed.tensor.DTensor)
 
 
+def _assert_logits(got, want) -> None:
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape, (type(got), getattr(got, "shape", None), want.shape)
+    equivalence.assert_tensors_close("logits", {"logits": got}, {"logits": want})  # a forward's rounding only
+
+
 def check_evaluation_runs_forward_only():
-    """model.eval() under no_grad: the schedule's forward only, the same loss as one process."""
+    """model.eval() under no_grad: the schedule's forward only; the loss and the whole batch's logits
+    (on every rank) equal one process's, with labels or without (then the loss is None)."""
     reference, _ = _model("hf-llama")
     model, _ = _model("hf-llama")
     model, _ = distcore.parallelize(model, None, PP4, _pp("hf-llama"))
@@ -209,10 +215,14 @@ def check_evaluation_runs_forward_only():
     model.eval()
     reference.eval()
     with torch.no_grad():
-        loss, _ = model(inputs, labels=labels)
-        expected, _ = reference(inputs, labels=labels)
+        loss, logits = model(inputs, labels=labels)
+        expected, expected_logits = reference(inputs, labels=labels)
+        unlabelled, unlabelled_logits = model(inputs)
     equivalence.assert_losses_close([loss.item()], [expected.item()])
     assert not loss.requires_grad
+    _assert_logits(logits, expected_logits)
+    assert unlabelled is None
+    _assert_logits(unlabelled_logits, expected_logits)
     assert all(p.grad is None for p in model.parameters())
     # The stages follow the model's own modes, module by module: a submodule the user put in eval mode
     # (dropout off in one part) stays so while the model trains.
@@ -417,6 +427,35 @@ def check_evaluation_on_one_pipeline_only():
             expected, _ = reference(inputs, labels=labels)
         equivalence.assert_losses_close([loss.item()], [expected.item()])
     torch.distributed.barrier()
+
+
+def check_evaluation_logits_where_asked_and_training_without_labels_fails_everywhere():
+    """dp2 x pp2 (each pipeline evaluates its own batch), eval_logits="last_stage": the logits of the
+    whole batch on the last stage's ranks only, None elsewhere; a training call without labels raises
+    the same error on every rank (no rank is left waiting), and the model trains normally afterwards."""
+    model, optimizer = _model("hf-llama")
+    model, optimizer = distcore.parallelize(model, optimizer, DP2_PP2, _pp("hf-llama", eval_logits="last_stage"))
+    reference, _ = _model("hf-llama")
+    inputs, labels = _batches()[DP2_PP2.coordinate()[0]]  # another batch on each replica
+    last_stage = DP2_PP2.coordinate()[1] == 1
+    model.eval()
+    with torch.no_grad():
+        loss, logits = model(inputs)
+        _, expected_logits = reference(inputs)
+    assert loss is None
+    if last_stage:
+        _assert_logits(logits, expected_logits)
+    else:
+        assert logits is None, type(logits)
+    model.train()
+    try:
+        model(inputs)
+    except ValueError as error:
+        assert "must compute its loss" in str(error) and "labels" in str(error), str(error)
+    else:
+        raise AssertionError("a training call without labels passed silently")
+    optimizer.clear_grad()
+    equivalence.assert_same_training(_train(model, optimizer, DP2_PP2), _reference("hf-llama"))
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -4,7 +4,8 @@ mask, its labels -100) and a `ModelOutput` back. For every Llama-like family (te
 every strategy of MATRIX (searched; dp levels 0 and 3; dp x tp with and without sequence parallel; dp x
 pp and tp x pp with micro-batches) the loss returned at every step is the single-device loss of the same
 global batch (its token mean, on every rank), and first-step gradients and parameters after SGD steps
-equal one process (tests/distributed/equivalence.py). Tied embeddings also through a checkpoint and a
+equal one process (tests/distributed/equivalence.py), and so does an evaluation first (model.eval(),
+no_grad, with labels: the loss; without: the logits of the whole batch, on every rank). Tied embeddings also through a checkpoint and a
 user's pp_config; strategies distcore cannot apply to a model are never chosen, and refused with the
 reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
 
@@ -52,7 +53,8 @@ def _model(family, layers: int = LAYERS):
 
 
 def _run(model, optimizer) -> equivalence.Trace:
-    """The plain loop over the global batches, as a user writes it for one device."""
+    """The plain loop over the global batches, as a user writes it for one device, then an evaluation
+    (its loss is the trace's last)."""
     trace = equivalence.Trace()
     for batch in _batches():
         out = model(**batch)
@@ -60,6 +62,7 @@ def _run(model, optimizer) -> equivalence.Trace:
         trace.step(model, out.loss)
         optimizer.step()
         optimizer.zero_grad()
+    trace.add_loss(_evaluate(model)[0])
     return trace.end(model)
 
 
@@ -68,12 +71,37 @@ def _reference(family: str) -> equivalence.Trace:
     return _run(*_model(family))
 
 
+def _evaluate(model) -> tuple[float, torch.Tensor]:
+    """The first global batch's evaluation, in eval mode under no_grad, as users call it on every rank:
+    its loss (with labels) and its logits (a second call, without labels: no loss)."""
+    batch = _batches()[0]
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss
+        unlabelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    model.train()
+    assert unlabelled.loss is None and isinstance(unlabelled, ModelOutput), unlabelled.loss
+    return loss.item(), unlabelled.logits
+
+
+@functools.cache
+def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
+    return _evaluate(_model(family)[0])
+
+
 def _train(family, strategy=None, *, global_view: bool = False, **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view)."""
     model, optimizer = _model(family)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
         config=distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False, **config))
+    # Before training the parameters are the single device's: the evaluation matches to a forward's
+    # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
+    loss, logits = _evaluate(model)
+    expected_loss, expected_logits = _reference_evaluation(family)
+    equivalence.assert_losses_close([loss], [expected_loss])
+    assert isinstance(logits, torch.Tensor) and logits.shape == expected_logits.shape, getattr(logits, "shape", logits)
+    equivalence.assert_tensors_close("evaluation logits", {"logits": logits}, {"logits": expected_logits})
     reasons = {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
     if global_view and model.distributed_strategy.tp > 1:  # every decoder block this rank holds
         held = {n for n, m in model.named_modules() if re.fullmatch(r"model\.layers\.\d+", n) and next(m.parameters(), None) is not None}
@@ -89,10 +117,10 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
         optimizer.step()
         optimizer.clear_grad()
     assert len(trace.losses) == BATCHES, trace.losses
+    # After training the losses of single rows differ more: an evaluation weighing micro-batches
+    # instead of tokens shows (at initialisation every token's loss is about log(vocab)).
+    trace.add_loss(_evaluate(model)[0])
     equivalence.assert_same_training(trace.end(model), _reference(family))
-    model.eval()  # evaluation runs under the same strategy (no collective over dp: its loss is local)
-    with torch.no_grad():
-        assert torch.isfinite(model(**_batches()[0]).loss)
     return model.distributed_strategy
 
 
