@@ -33,6 +33,11 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
 achievable matmul rate and bytes at the memory bandwidth), so tiny shapes are memory-bound.
+
+The hardware (the cluster's `DeviceProfile`) and the software that runs the step (its `EngineProfile`,
+engine.py) are separate: the engine sets the attention kernel's rate, the elementwise traffic, a
+layer's dispatch floor and FSDP2's buffer copies. A device's measured `step_time_scale` (fitted by a
+`measure=True` search) multiplies every term.
 """
 
 from __future__ import annotations
@@ -64,23 +69,16 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 3  # 3: uneven pipeline stages (strategy.stage_layers)
+COST_MODEL_VERSION = 4  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py)
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
 # Flash attention's backward recomputes S = Q·Kᵀ (1 of the forward's 2 attention-core matmuls):
 # 5 matmuls in backward vs 2 forward (Dao 2023, FlashAttention-2, section 3.1.2).
 FLASH_BWD_RECOMPUTE = 0.5
-# Flash attention runs below the GEMM rate: FlashAttention-2 reaches 50-73% of A100 peak forward and
-# less backward, FlashAttention-3 ~75% of H100 peak (Dao 2023; Shah et al. 2024), vs ~80% for a GEMM.
-FLASH_ATTENTION_RELATIVE_EFFICIENCY = 0.75
 # Communication overlapped with compute is not free: NCCL kernels hold 8-32 SMs and share HBM
 # bandwidth, slowing the GEMMs they hide behind. Each second of hidden traffic costs this much compute.
 OVERLAP_COMPUTE_COST = 0.15
-# Bytes moved by non-matmul ops in the forward pass per byte of stored activations: each stored
-# tensor is written by its producer and read by its consumer, a few read twice (counted for Megatron's
-# GPT layer: ~38·sbh + 9·as²b moved vs 34·sbh + 5·as²b stored).
-ELEMENTWISE_FWD_TRAFFIC = 1.5
 # Adam step traffic per parameter, mixed precision: read fp32 master, m, v and the bf16 gradient
 # (14 bytes), write master, m, v and the bf16 weight (14 bytes).
 ADAM_BYTES_PER_PARAM = 28
@@ -376,18 +374,19 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
             + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e)
             + _gemm_time(tokens, h, mlp_in / tp, flops, bw, e)
             + _gemm_time(tokens, f / tp, h, flops, bw, e))
-    core_flops = flops * (FLASH_ATTENTION_RELATIVE_EFFICIENCY if spec.flash_attention else 1.0)
+    engine = cluster.engine
+    core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
     outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
-    elementwise = ELEMENTWISE_FWD_TRAFFIC * stored / bw
-    core_elementwise = 0.0 if spec.flash_attention else ELEMENTWISE_FWD_TRAFFIC * core_bytes / tp / bw
+    elementwise = engine.elementwise_traffic * stored / bw
+    core_elementwise = 0.0 if spec.flash_attention else engine.elementwise_traffic * core_bytes / tp / bw
     bw_tp, lat_tp = cluster.link(tp, 1)
     message = e * tokens * h
     tp_collective = all_reduce_time(message, tp, bw_tp, lat_tp)
     head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
-    head_elementwise = ELEMENTWISE_FWD_TRAFFIC * logits_bytes / bw
+    head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
@@ -442,7 +441,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         recompute = c.core_fwd + c.core_elementwise_fwd
     else:
         recompute = 0.0
-    layer_compute = fwd + bwd + recompute
+    # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead).
+    layer_compute = max(fwd + bwd + recompute, cluster.engine.layer_floor_s())
     tp_layer = collectives * c.tp_collective
     if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         tp_layer = _hidden_behind(tp_layer, gemm_total, t)
@@ -479,17 +479,23 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         gather = all_gather_time(nbytes, dp, bw_dp, lat_dp)
         scatter = reduce_scatter_time(nbytes, dp, bw_dp, lat_dp)
         level = s.sharding_level
+        # The engine's copies into and out of the communication buffers (FSDP2's copy-in / copy-out),
+        # one per collective below, at memory bandwidth and not hidden.
+        copy = cluster.engine.fsdp_copy_passes * nbytes / (p.hbm_bandwidth * p.hbm_efficiency)
         if level == 0:
-            dp_s = _hidden_behind(all_reduce, window_bwd, layers)
+            dp_s = _hidden_behind(all_reduce, window_bwd, layers) + copy
         elif level == 1:
-            dp_s = _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers)
+            dp_s = _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers) + 2 * copy
         elif level == 2:
-            dp_s = m * _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers)
+            dp_s = (m * (_hidden_behind(scatter, window_bwd, layers) + copy)
+                    + _hidden_behind(gather, window_fwd, layers) + copy)
         else:
-            dp_s = m * (_hidden_behind(gather, window_fwd, layers) + _hidden_behind(gather + scatter, window_bwd, layers))
+            dp_s = m * (_hidden_behind(gather, window_fwd, layers) + _hidden_behind(gather + scatter, window_bwd, layers)
+                        + 3 * copy)
     optimizer_s = ADAM_BYTES_PER_PARAM * params / (dp if s.sharding_level >= 1 else 1) / (p.hbm_bandwidth * p.hbm_efficiency)
 
-    time = TimeBreakdown(compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s)
+    # What runs on this device measured slower or faster than predicted (a measure=True search's factor).
+    time = TimeBreakdown(*(p.step_time_scale * t for t in (compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s)))
     memory = _memory(spec, cluster, s, c, per_rank)
     tokens = global_batch_size * spec.seq_len
     return Estimate(

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .engine import DEFAULT_ENGINE, EngineProfile, get_engine
+
 __all__ = [
     "DeviceProfile",
     "Cluster",
@@ -65,6 +67,11 @@ class DeviceProfile:
     hbm_efficiency: float = 0.9  # H100: ~3.0 of 3.35 TB/s in a device-to-device copy (ARCHITECTURE.md 3)
     comm_efficiency: float = 0.8  # nccl-tests busbw is ~75-85% of the NVLink/IB line rate
     source: str = "spec sheet"
+    arch: str = "default"  # the GPU architecture ("hopper", "ampere"): engines' kernels differ by it
+    # Measured step time / predicted step time of strategies run on this device (a `measure=True`
+    # search fits it: the median ratio over every candidate it ran; `measured_steps` counts them).
+    step_time_scale: float = 1.0
+    measured_steps: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -114,6 +121,7 @@ _H100_SXM = DeviceProfile(
     inter_node_bandwidth=50 * GB,
     matmul_efficiency=0.8,
     source="NVIDIA H100 SXM5 datasheet; DGX H100 (8x ConnectX-7 400 Gb/s)",
+    arch="hopper",
 )
 
 # NVIDIA H200 SXM datasheet: same compute as H100 SXM (989.4 dense BF16, 66.9 FP32), 141 GB HBM3e at
@@ -139,6 +147,7 @@ _A100_80GB = DeviceProfile(
     inter_node_bandwidth=25 * GB,
     matmul_efficiency=0.8,
     source="NVIDIA A100 SXM4 80GB datasheet; DGX A100 (8x HDR 200 Gb/s)",
+    arch="ampere",
 )
 
 # NVIDIA A100 SXM4 40GB datasheet: same compute, 40 GB HBM2 at 1.555 TB/s, same NVLink 3 and DGX A100 NICs.
@@ -168,6 +177,7 @@ _CPU = DeviceProfile(
     hbm_efficiency=0.7,  # STREAM copy reaches ~70% of DDR peak
     comm_efficiency=0.5,  # gloo's ring is memcpy- and TCP-bound
     source="generic CPU server, order of magnitude; calibrate for real numbers",
+    arch="cpu",
 )
 
 DEVICE_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (_H100_SXM, _H200, _A100_80GB, _A100_40GB, _CPU)}
@@ -235,16 +245,19 @@ def get_profile(device: str | DeviceProfile) -> DeviceProfile:
 
 @dataclass(frozen=True)
 class Cluster:
-    """`nodes` x `devices_per_node` identical devices training in `dtype` (mixed precision: "bf16").
+    """`nodes` x `devices_per_node` identical devices training in `dtype` (mixed precision: "bf16"),
+    with `engine`, the software that runs the step (engine.py: "torch+tridist", what to_distributed
+    runs; "torch", eager torch-native; "megatron").
 
-    `device` is a profile name, a saved-profile name or path, or a `DeviceProfile`; it is resolved to
-    a `DeviceProfile` at construction.
+    `device` is a profile name, a saved-profile name or path, or a `DeviceProfile`; `engine` a name or
+    an `EngineProfile`; both are resolved at construction.
     """
 
     nodes: int
     devices_per_node: int
     device: DeviceProfile | str = "h100-sxm"
     dtype: str = "bf16"
+    engine: EngineProfile | str = DEFAULT_ENGINE
 
     def __post_init__(self) -> None:
         for name in ("nodes", "devices_per_node"):
@@ -254,6 +267,7 @@ class Cluster:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"Cluster: dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
         object.__setattr__(self, "device", get_profile(self.device))
+        object.__setattr__(self, "engine", get_engine(self.engine))
 
     @property
     def num_devices(self) -> int:
@@ -279,4 +293,4 @@ class Cluster:
         return p.inter_node_bandwidth * p.comm_efficiency, p.inter_node_latency
 
     def describe(self) -> str:
-        return f"{self.nodes}x{self.devices_per_node} {self.profile.name} ({self.dtype})"
+        return f"{self.nodes}x{self.devices_per_node} {self.profile.name} ({self.dtype}, {self.engine.name})"

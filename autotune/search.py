@@ -166,6 +166,7 @@ class SearchResult:
     elapsed_s: float
     message: str = ""
     study: object = field(default=None, repr=False)
+    pruned: tuple[str, ...] = ()  # what the search left out and why (the engine's limits)
 
     def layout_rank(self, tp: int, pp: int) -> int | None:
         """1-based rank of a layout by its best feasible time (None if it has no feasible strategy)."""
@@ -211,6 +212,16 @@ def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
     allowed = set(space.pp) if space.pp is not None else None
     return [p for p in _divisors(cluster.num_devices)
             if p <= spec.num_layers and (allowed is None or p in allowed)]
+
+
+def engine_space(space: SearchSpace, cluster: Cluster) -> tuple[SearchSpace, tuple[str, ...]]:
+    """`space` without what the cluster's engine cannot run, and the reasons (shown in reports)."""
+    pruned = []
+    if True in space.overlap_tp_comm and not cluster.engine.overlap_tp_comm:
+        space = dataclasses.replace(space, overlap_tp_comm=(False,))
+        pruned.append(f"overlap_tp_comm: the {cluster.engine.name} engine does not overlap tensor parallel's "
+                      "communication with its matmuls")
+    return space, tuple(pruned)
 
 
 def enumerate_layouts(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
@@ -396,7 +407,8 @@ def _study_name(spec: ModelSpec, cluster: Cluster, global_batch_size: int, space
     problem = {"spec": spec_fields, "device": cluster.profile.to_dict(), "nodes": cluster.nodes,
                "devices_per_node": cluster.devices_per_node, "dtype": cluster.dtype,
                "global_batch_size": global_batch_size, "space": space.signature(),
-               "cost_model": COST_MODEL_VERSION, "format": STUDY_FORMAT_VERSION}
+               "engine": dataclasses.asdict(cluster.engine), "cost_model": COST_MODEL_VERSION,
+               "format": STUDY_FORMAT_VERSION}
     digest = hashlib.sha256(json.dumps(problem, sort_keys=True, default=str).encode()).hexdigest()[:12]
     label = spec.name or "model"
     return f"tridist-{label}-{cluster.nodes}x{cluster.devices_per_node}-{cluster.profile.name}-gbs{global_batch_size}-{digest}"
@@ -462,7 +474,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     if method not in ("auto", "exhaustive", "tpe"):
         raise ValueError(f"method must be 'auto', 'exhaustive' or 'tpe', got {method!r}")
     started = time.perf_counter()
-    space = space or SearchSpace()
+    space, pruned = engine_space(space or SearchSpace(), cluster)
     keep = max(top_k, STORED_CANDIDATES_PER_LAYOUT)
     layouts = enumerate_layouts(spec, cluster, global_batch_size, space)
     if method == "auto":
@@ -539,7 +551,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
         best=best, ranked=ranked, pareto=pareto, layouts=results, spec=spec, cluster=cluster,
         global_batch_size=global_batch_size, method=method, study_name=name, storage=storage_desc,
         n_trials=n_trials_total, n_new_trials=new, n_evaluated=sum(r.evaluated for r in results),
-        elapsed_s=time.perf_counter() - started, message=message, study=study,
+        elapsed_s=time.perf_counter() - started, message=message, study=study, pruned=pruned,
     )
 
 

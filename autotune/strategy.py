@@ -172,6 +172,9 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     if s.overlap_tp_comm and not s.sequence_parallel:
         reasons.append("overlap_tp_comm needs sequence_parallel (the overlapped kernels are all-gather+matmul "
                        "and matmul+reduce-scatter)")
+    if s.overlap_tp_comm and not cluster.engine.overlap_tp_comm:
+        reasons.append(f"overlap_tp_comm: the {cluster.engine.name} engine does not overlap tensor parallel's "
+                       "communication with its matmuls (it would run without); use overlap_tp_comm=False")
     return reasons
 
 

@@ -134,6 +134,10 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device profile: h100-sxm, h200, a100-80gb, a100-40gb, cpu, a calibrated profile's "
                              "name or a JSON path (default h100-sxm)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--engine", choices=("torch+tridist", "torch", "megatron"), default="torch+tridist",
+                        help="the software that runs the step (autotune/engine.py): torch+tridist (what to_distributed "
+                             "runs: torch-native with tridist's fused kernels; default), torch (eager torch-native) or "
+                             "megatron (Megatron-LM's kernels, for comparison with its published figures)")
     parser.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
     parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default: the model's)")
     parser.add_argument("--storage", default=None,

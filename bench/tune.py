@@ -129,12 +129,15 @@ def summary_lines(result: SearchResult) -> list[str]:
         f"- Model: {result.spec.describe()}",
         f"- Cluster: {cluster.describe()}; {cluster.num_devices} devices; usable memory "
         f"{cluster.profile.memory_bytes * 0.9 / GB:.1f} GB per device ({cluster.profile.source})",
-        f"- Predictions: {cluster.profile.basis}",
+        f"- Predictions: {cluster.profile.basis}; engine {cluster.engine.name} ({cluster.engine.source})"
+        + (f"; measured step-time factor {cluster.profile.step_time_scale:.3g} over {cluster.profile.measured_steps} "
+           "measured candidate(s)" if cluster.profile.measured_steps else ""),
         f"- Global batch: {result.global_batch_size} sequences of {result.spec.seq_len} tokens",
         f"- Search: {result.method} over {len(result.layouts)} layouts (tp, pp), {result.n_evaluated} strategies "
         f"scored, {result.n_new_trials} new trial(s) of {result.n_trials} in study `{result.study_name}` "
         f"({result.storage}), {result.elapsed_s:.2f} s",
     ]
+    lines += [f"- Pruned: {reason}" for reason in result.pruned]
     if result.best:
         b = result.best
         lines.append(f"- Best: **{b.strategy.describe()}**: {b.step_time_s:.4g} s/step, "
@@ -216,7 +219,8 @@ def run_tune(args) -> int:
 
     try:
         spec = resolve_model(args.model, seq_len=args.seq_len, size=args.size)
-        cluster = Cluster(args.nodes, args.devices_per_node, args.device, dtype=args.dtype)
+        cluster = Cluster(args.nodes, args.devices_per_node, args.device, dtype=args.dtype,
+                          engine=args.engine)
     except UnrecognisedModel as exc:
         print(f"tridist tune: model not recognised: {exc}\n(to_distributed falls back to data parallel with "
               "sharding for such models)", file=sys.stderr)

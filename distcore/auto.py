@@ -94,7 +94,8 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
             f"this job has {world} processes; launch with torchrun --nnodes {node_num} --nproc-per-node {device_num}"
         )
     global_batch, seq_len = _input_shape(config, dataloader)
-    cluster = autotune.Cluster(nodes=node_num, devices_per_node=device_num, device=_device_profile(config))
+    cluster = autotune.Cluster(nodes=node_num, devices_per_node=device_num, device=_device_profile(config),
+                               engine="torch+tridist" if config.fuse_kernels else "torch")  # what will run
     try:
         spec = autotune.ModelSpec.from_module(model, seq_len=seq_len)
     except autotune.UnrecognisedModel as error:
@@ -184,13 +185,13 @@ def unsupported(spec) -> dict[str, str]:
 
 
 def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
-    """What this runtime can apply: no communication-overlapped matmuls in distcore (yet), and
-    degree 1 for what `unsupported` lists."""
+    """What this runtime can apply: degree 1 for what `unsupported` lists (the engine's own limits, such
+    as no communication-overlapped matmuls, the search prunes itself: autotune.search.engine_space)."""
     from tridist import autotune
 
     options = dict(config.search_options)
     space = options.pop("space", None) or autotune.SearchSpace(
-        overlap_tp_comm=(False,), sequence_parallel=(True,) if config.sequence_parallel else (False, True),
+        sequence_parallel=(True,) if config.sequence_parallel else (False, True),
     )
     restrict = {dim: _UNLIMITED[dim] for dim in limits}
     return dataclasses.replace(space, **restrict), options
@@ -266,7 +267,7 @@ def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributed
             decision = [(result.best.strategy if result.best else None, result.message or "no strategy fits in memory", None)]
             if result.best is not None:
                 _log_choice(result.best.strategy, f"fastest of {result.n_evaluated} strategies priced",
-                            result.ranked[: config.top_k], basis=cluster.profile.basis)
+                            result.ranked[: config.top_k], basis=f"{cluster.profile.basis}; engine {cluster.engine.name}")
     if world > 1 and dist.is_initialized():
         dist.broadcast_object_list(decision, src=0)
     best, message, error = decision[0]

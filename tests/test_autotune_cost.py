@@ -125,8 +125,8 @@ def test_overlap_hides_tensor_parallel_traffic_but_its_first_chunk():
     """Llama-2-7B, tp = 8 with sequence parallel, 2 micro-batches of 4 sequences: 4 collectives of b·s·h
     per layer and 3 at the ends. Overlapped with the GEMMs (chunked tp = 8 ways), a layer's traffic
     still shows its first chunk, plus OVERLAP_COMPUTE_COST per second hidden (the GEMMs it slows);
-    the 3 at the ends are not overlapped. Compute is unchanged."""
-    cluster = Cluster(1, 8)
+    the 3 at the ends are not overlapped. Compute is unchanged. (An engine that overlaps: Megatron's.)"""
+    cluster = Cluster(1, 8, engine="megatron")
     plain = Strategy(dp=1, tp=8, pp=1, sequence_parallel=True, micro_batch_size=4, num_micro_batches=2)
     overlapped = dataclasses.replace(plain, overlap_tp_comm=True)
     spec = preset("llama2-7b")

@@ -187,7 +187,7 @@ TOP_FEW = 5
 
 @pytest.mark.parametrize("name, gpus, batch, published, tflops", MEGATRON, ids=[m[0] for m in MEGATRON])
 def test_megatron_published_configurations(name, gpus, batch, published, tflops):
-    spec, cluster = preset(name), Cluster(gpus // 8, 8, "a100-80gb")
+    spec, cluster = preset(name), Cluster(gpus // 8, 8, "a100-80gb", engine="megatron")
     result = search(spec, cluster, global_batch_size=batch, space=SPACE_2021)
     assert result.layout_rank(*published) <= TOP_FEW
     layout = next(l for l in result.layouts if (l.tp, l.pp) == published)

@@ -28,11 +28,13 @@ from tridist.autotune import (
     stage_layers,
     stage_parameters,
 )
-from tridist.autotune.cost import (
-    ELEMENTWISE_FWD_TRAFFIC,
-    FLASH_ATTENTION_RELATIVE_EFFICIENCY,
-    OVERLAP_COMPUTE_COST,
-)
+from tridist.autotune.cost import OVERLAP_COMPUTE_COST
+from tridist.autotune.engine import MEGATRON
+
+# The hand counts below use the Megatron engine: no dispatch floor, no FSDP2 buffer copies (the torch
+# engine's terms are counted in test_autotune_engine.py).
+ELEMENTWISE_FWD_TRAFFIC = MEGATRON.elementwise_traffic
+FLASH_ATTENTION_RELATIVE_EFFICIENCY = MEGATRON.attention("default")
 
 # Llama-like (SwiGLU, GQA, flash attention, no dropout, untied head), counted by hand:
 #   head_dim 8/4 = 2, q = 4·2 = 8, kv = 2·2 = 4
@@ -54,7 +56,7 @@ def _cluster(nodes, per_node, *, flops=1e12, hbm=1e12, hbm_efficiency=1.0, matmu
                            hbm_bandwidth=hbm, intra_node_bandwidth=100e9, inter_node_bandwidth=10e9,
                            intra_node_latency=1e-6, inter_node_latency=3e-6, matmul_efficiency=matmul_efficiency,
                            hbm_efficiency=hbm_efficiency, comm_efficiency=1.0)
-    return Cluster(nodes, per_node, device)
+    return Cluster(nodes, per_node, device, engine="megatron")
 
 
 INTRA, INTER = (100e9, 1e-6), (10e9, 3e-6)
@@ -112,7 +114,7 @@ def test_the_slowest_pipeline_rank_sets_the_pace():
     """Six layers on pp 4 (1, 2, 2, 1) cost what the fuller of a 2-layer middle rank and the 1-layer last
     rank with the LM head costs: between 6 layers on pp 6 (one layer each) and on pp 3 (two each)."""
     six = replace(TINY, num_layers=6)
-    cluster = lambda n: Cluster(1, n)  # noqa: E731
+    cluster = lambda n: Cluster(1, n, engine="megatron")  # noqa: E731
 
     def step(pp):
         strategy = Strategy(dp=1, tp=1, pp=pp, micro_batch_size=1, num_micro_batches=12)
