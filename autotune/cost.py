@@ -441,8 +441,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         recompute = c.core_fwd + c.core_elementwise_fwd
     else:
         recompute = 0.0
-    # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead).
-    layer_compute = max(fwd + bwd + recompute, cluster.engine.layer_floor_s())
+    # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
+    # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
+    floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if s.recompute == "full" else 1.0)
+    layer_compute = max(fwd + bwd + recompute, floor)
     tp_layer = collectives * c.tp_collective
     if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         tp_layer = _hidden_behind(tp_layer, gemm_total, t)

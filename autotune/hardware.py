@@ -84,8 +84,12 @@ class DeviceProfile:
         """What predictions on this profile rest on, shown with every prediction: a profile measured by
         `tridist calibrate` (its source names device, torch and date), or datasheet figures, which the
         torch-native engine does not reach (predictions read optimistic)."""
+        measured = (f"; step times x{self.step_time_scale:.3g} as measured over {self.measured_steps} candidate runs"
+                    if self.measured_steps else "")
         if self.source.startswith(CALIBRATED_PREFIX):
-            return f"calibrated: {self.source.removeprefix(CALIBRATED_PREFIX).strip()}"
+            return f"calibrated: {self.source.removeprefix(CALIBRATED_PREFIX).strip()}{measured}"
+        if measured:
+            return f"datasheet ({self.name}){measured}"
         return f"datasheet only ({self.name}): expect optimistic times; run `tridist calibrate` on the device"
 
     def matmul_flops(self, dtype: str = "bf16") -> float:

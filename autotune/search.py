@@ -167,6 +167,7 @@ class SearchResult:
     message: str = ""
     study: object = field(default=None, repr=False)
     pruned: tuple[str, ...] = ()  # what the search left out and why (the engine's limits)
+    measured: object = None  # a measured.MeasuredRanking after a measured search
 
     def layout_rank(self, tp: int, pp: int) -> int | None:
         """1-based rank of a layout by its best feasible time (None if it has no feasible strategy)."""
@@ -456,7 +457,8 @@ def _no_fit_message(layouts: list[LayoutResult], spec: ModelSpec, cluster: Clust
 def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, storage=None, top_k: int = 10,
            space: SearchSpace | None = None, method: str = "auto", n_trials: int | None = None,
            exhaustive_limit: int = EXHAUSTIVE_LAYOUT_LIMIT, study_name: str | None = None,
-           progress: bool | Callable = False, seed: int = 0) -> SearchResult:
+           progress: bool | Callable = False, seed: int = 0, measure: Callable | None = None,
+           measure_top_k: int = 3) -> SearchResult:
     """Find the fastest strategy for `spec` on `cluster` that fits in memory.
 
     storage: None or "memory" (in memory, the default: fast, and safe when every rank of a job
@@ -464,7 +466,10 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     SQLite database there) or an Optuna storage object; a persistent storage resumes the study of the
     same problem and reuses its finished trials. method: "auto" (exhaustive up to `exhaustive_limit`
     layouts, else TPE), "exhaustive" or "tpe" (`n_trials` trials, default 64). progress: True prints
-    progress lines to stderr; a callable receives (done, total, message).
+    progress lines to stderr; a callable receives (done, total, message). measure: a callable
+    `strategy -> seconds per step`, run on the `measure_top_k` best predicted candidates, which then
+    rank by their measured times (measured.py; a candidate that raises is dropped with its reason); the
+    result's `measured` holds the measurements and the device profile with its refitted factor.
     """
     spec = model_spec
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -473,6 +478,11 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     if method not in ("auto", "exhaustive", "tpe"):
         raise ValueError(f"method must be 'auto', 'exhaustive' or 'tpe', got {method!r}")
+    if measure is not None and not callable(measure):
+        raise TypeError(
+            f"search: measure must be a callable strategy -> seconds per step, got {measure!r}; autotune runs no model "
+            "itself: measure on your model with distcore.to_distributed(config=ToDistributedConfig(measure=True)) "
+            "or `tridist tune --measure`")
     started = time.perf_counter()
     space, pruned = engine_space(space or SearchSpace(), cluster)
     keep = max(top_k, STORED_CANDIDATES_PER_LAYOUT)
@@ -547,12 +557,18 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     best = ranked[0] if ranked else None
     _check_against_study(study, best)
     message = "" if best else _no_fit_message(results, spec, cluster, global_batch_size)
-    return SearchResult(
+    result = SearchResult(
         best=best, ranked=ranked, pareto=pareto, layouts=results, spec=spec, cluster=cluster,
         global_batch_size=global_batch_size, method=method, study_name=name, storage=storage_desc,
         n_trials=n_trials_total, n_new_trials=new, n_evaluated=sum(r.evaluated for r in results),
         elapsed_s=time.perf_counter() - started, message=message, study=study, pruned=pruned,
     )
+    if measure is None or best is None:
+        return result
+    from .measured import measure_top, rerank
+
+    ranking = rerank(result, measure_top(result, measure, top_k=measure_top_k))
+    return dataclasses.replace(ranking.result, measured=ranking)
 
 
 def _fixed_layout(trial) -> tuple | None:

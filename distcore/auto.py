@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import env
 from .dataloader import shard_dataloader
+from .measure import measure_strategies
 from .mesh import ProcessMesh
 from .parallel_dims import ParallelDims
 from .parallelize import parallelize
@@ -63,6 +64,13 @@ class ToDistributedConfig:
     fuse_kernels: swap in the fused RMSNorm / SwiGLU / rotary layers (kernels.fuse) first.
     strategy: apply this autotune.Strategy instead of searching (it is still validated).
     storage: an Optuna storage for the search (None: in memory); top_k: candidates logged.
+    measure: run the `measure_top_k` best predicted strategies for `measure_warmup` + `measure_steps`
+      real steps each on copies of the model and optimizer, with the dataloader's batches (measure.py),
+      and apply the measured fastest; a candidate that fails (out of memory, refused) is dropped with
+      its reason. The device's step-time factor is refitted and, with `measure_save`, saved as the
+      profile `<device>-measured` (pass it as `device` next time). `measure_step(model, optimizer,
+      batch)`: one training step, where the model is not called as model(**batch) / model(*batch).
+      The measurements end up in `model.distributed_measurements` (predicted and measured seconds).
     """
 
     input_spec: list | None = None
@@ -74,6 +82,12 @@ class ToDistributedConfig:
     storage: object = None
     top_k: int = 5
     search_options: dict = field(default_factory=dict)
+    measure: bool = False
+    measure_top_k: int = 3
+    measure_steps: int = 3
+    measure_warmup: int = 1
+    measure_step: object = None
+    measure_save: bool = True
 
 
 def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: int, node_num: int | None = 1,
@@ -111,12 +125,22 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
             log.warning("to_distributed: %s excluded: %s", "tensor parallel" if dim == "tp" else "activation recompute", why)
         limits.update(found)  # grows each round: at most one round per kind of limit
         strategy = _choose(spec, cluster, global_batch, config, world, limits=limits)
-    mesh = _dims(strategy).mesh
-    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
-    loader = shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
+    measurements = None
+    if config.measure and config.strategy is None and spec is not None:
+        strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, cluster, global_batch, config,
+                                                  limits, world)
+    model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config)
     for obj in (model, optimizer, loader):
         obj.distributed_strategy = strategy
+    if measurements is not None:
+        model.distributed_measurements = measurements
     return model, optimizer, loader
+
+
+def _apply_with_loader(model, optimizer, dataloader, strategy, spec, config):
+    mesh = _dims(strategy).mesh
+    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
+    return model, optimizer, shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
 
 
 # --------------------------------------------------------------------------------------- choosing
@@ -240,7 +264,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         return strategy
     for dim, why in limits.items():
         log.warning("to_distributed: %s kept at %s for this model: %s", dim, _UNLIMITED[dim][0], why)
-    best, message = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
+    best, message, _ = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
     if best is None:
         strategy = _fallback(world, global_batch)
         log.warning("to_distributed: %s; trying %s", message, strategy.describe())
@@ -249,14 +273,15 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
 
 
 def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributedConfig, limits: dict, world: int):
-    """(the best strategy or None, why none): rank 0 searches and every rank takes its answer. Searches
+    """(the best strategy or None, why none, the SearchResult on rank 0 / None elsewhere): rank 0 searches
+    and every rank takes its answer. Searches
     on every rank could disagree (a resumed storage one rank sees late) and would all write to a shared
     storage at once. A failure on rank 0 is raised on every rank, not left for the others to wait on."""
     from tridist import autotune
 
     space, options = _search_space(config, limits)  # on every rank: bad options fail everywhere alike
     decision: list = [None]
-    failure = None
+    failure = result = None
     if env.get_rank() == 0:
         try:
             result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
@@ -275,7 +300,45 @@ def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributed
         raise failure
     if error is not None:
         raise RuntimeError(f"to_distributed: the strategy search failed on rank 0: {error}")
-    return best, message
+    return best, message, result
+
+
+def _measured_choice(model, optimizer, dataloader, spec, cluster, global_batch: int, config: ToDistributedConfig,
+                     limits: dict, world: int):
+    """(the measured fastest strategy, the measurements): rank 0 searches and names the top candidates,
+    every rank measures each (measure.py), rank 0 re-ranks (autotune.measured) and every rank applies
+    its answer."""
+    from tridist.autotune.measured import rerank
+
+    _, _, result = _search_on_rank_zero(spec, cluster, global_batch, config, {**unsupported(spec), **limits}, world)
+    names = [[c.strategy for c in result.ranked[: config.measure_top_k]] if result is not None else None]
+    if world > 1:
+        dist.broadcast_object_list(names, src=0)
+    measured = measure_strategies(
+        names[0], model=model, optimizer=optimizer, dataloader=dataloader, steps=config.measure_steps,
+        warmup=config.measure_warmup, step=config.measure_step,
+        apply=lambda m, o, s: _apply_with_loader(m, o, dataloader, s, spec, config))
+    decision: list = [None]
+    if env.get_rank() == 0:
+        ranking = rerank(result, measured, save=config.measure_save)
+        decision = [(ranking.best.strategy if ranking.best else None, ranking.measurements, ranking.result.message)]
+        _log_measured(ranking)
+    if world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    best, measurements, message = decision[0]
+    if best is None:
+        raise RuntimeError(f"to_distributed(measure=True): {message}")
+    return best, measurements
+
+
+def _log_measured(ranking) -> None:
+    lines = [f"to_distributed: measured {len(ranking.measurements)} candidates, predicted vs measured per step "
+             f"(new step-time factor {ranking.profile.step_time_scale:.3g} for {ranking.profile.name})"]
+    for m in ranking.measurements:
+        measured = f"{m.measured_s * 1e3:9.2f} ms" if m.measured_s is not None else f"dropped: {m.failure}"
+        lines.append(f"  {m.strategy.describe():48s} predicted {m.predicted_s * 1e3:9.2f} ms  measured {measured}")
+    log.info("\n".join(lines))
+    print("\n".join(lines), flush=True)
 
 
 def _fallback(world: int, global_batch: int):
@@ -400,5 +463,19 @@ def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
     layers = model.get_submodule(structure.layers)
     for layer in layers:
         target = layer if mode == "full" else layer.get_submodule(structure.attention)
-        target.forward = functools.partial(checkpoint, target.forward, use_reentrant=False)
+        target.forward = functools.partial(_recomputed, target.forward)
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value")  # Hugging Face's key/value cache, by version
+
+
+def _recomputed(forward, *args, **kwargs):
+    """`forward` under activation checkpointing while gradients are recorded. A key/value cache passed in
+    (Hugging Face models build one whenever `config.use_cache`) would get the keys appended twice, once
+    by the forward and again by the recomputation, which then attends over both: the cache is left out,
+    as Hugging Face's own gradient checkpointing turns `use_cache` off in training."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    kwargs = {key: None if key in _CACHE_ARGUMENTS else value for key, value in kwargs.items()}
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

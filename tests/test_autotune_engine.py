@@ -68,6 +68,9 @@ def test_dispatch_floor_sets_the_time_of_small_layers():
     time is the floor (10 ms more per layer between the two); a floor below it changes nothing."""
     ten, twenty = (_time(_engine(op_overhead_s=1e-3, ops_per_layer=n)).compute_s for n in (10, 20))
     assert twenty - ten == pytest.approx(TINY.num_layers * 10e-3, rel=1e-9)
+    # Full recompute dispatches the forward's third of those ops once more.
+    recomputed = _time(_engine(op_overhead_s=1e-3, ops_per_layer=10), recompute="full").compute_s
+    assert recomputed - ten == pytest.approx(TINY.num_layers * 10e-3 / 3, rel=1e-9)
     assert _time(_engine(op_overhead_s=1e-15, ops_per_layer=1)).compute_s == _time(MEGATRON).compute_s
 
 

@@ -15,6 +15,7 @@ import functools
 import logging
 import re
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,9 @@ MATRIX = {
     "searched": None,
     "dp 4, level 0": _strategy(4, 1, 1, sharding_level=0),
     "dp 4, level 3": _strategy(4, 1, 1, sharding_level=3),
+    # Recompute with the model's key/value cache on (config.use_cache): the recomputation must not append
+    # to it a second time.
+    "dp 4, level 2, full recompute": _strategy(4, 1, 1, sharding_level=2, recompute="full"),
     "dp 2 x tp 2, level 2": _strategy(2, 2, 1, sharding_level=2),
     "dp 2 x tp 2 + sp, level 1": _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True),
     "dp 2 x pp 2, 2 micro-batches": _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2),
@@ -199,6 +203,52 @@ def check_one_rank_searches_and_every_rank_applies_its_choice():
     chosen = [None] * dist.get_world_size()
     dist.all_gather_object(chosen, strategy)
     assert all(s == chosen[0] for s in chosen), chosen
+
+
+def check_measured_search_applies_the_measured_fastest_and_drops_failures():
+    """to_distributed(measure=True): the top 3 predicted strategies each run real steps on copies of the
+    model (in predicted order, on every rank). Planted: the first fails as out of memory (dropped with its
+    reason), the second is slowed down, so the third is the measured fastest, which every rank applies;
+    the user's model and optimizer, left untouched by the measuring, then train like one device."""
+    from tridist.distcore.measure import default_step
+
+    seen, reasons = [], []
+
+    def step(model, optimizer, batch):
+        strategy = model.distributed_strategy
+        if strategy not in seen:
+            seen.append(strategy)
+        if strategy == seen[0]:
+            raise MemoryError("CUDA out of memory (planted)")
+        if strategy == seen[1]:
+            time.sleep(0.25)  # far above a tiny model's step on any machine
+        default_step(model, optimizer, batch)
+
+    logger, handler = logging.getLogger("tridist.autotune.measured"), _Collect(reasons)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # the worker keeps tridist's loggers at ERROR
+    try:
+        chosen = _train("llama", None, measure=True, measure_top_k=3, measure_steps=1, measure_warmup=1,
+                        measure_step=step, measure_save=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert len(seen) == 3 and chosen == seen[2], (chosen, seen)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, chosen)
+    assert all(s == chosen for s in everyone), everyone
+    if dist.get_rank() == 0:  # rank 0 re-ranks and logs the dropped candidate's reason
+        assert any("out of memory (planted)" in r and seen[0].describe() in r for r in reasons), reasons
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list):
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record):
+        self.into.append(record.getMessage())
 
 
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
