@@ -146,6 +146,13 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=_positive_int, default=10)
     parser.add_argument("--method", choices=("auto", "exhaustive", "tpe"), default="auto")
     parser.add_argument("--report", default=None, metavar="DIR", help="write report.md, ranked.csv, pareto.png there")
+    parser.add_argument("--measure", action="store_true",
+                        help="run the best predicted strategies for a few real steps on this job's devices (launch "
+                             "with torchrun, nodes x devices-per-node processes; the model must be a bench model or "
+                             "module:function building an nn.Module; random token batches) and rank them by the "
+                             "clock; the device's step-time factor is refitted and saved as <device>-measured")
+    parser.add_argument("--measure-top-k", type=_positive_int, default=3, help="candidates to measure (default 3)")
+    parser.add_argument("--measure-steps", type=_positive_int, default=3, help="timed steps per candidate (default 3)")
 
 
 def _tune(args: argparse.Namespace) -> int:

@@ -217,6 +217,8 @@ def run_tune(args) -> int:
     """The `tridist tune` handler."""
     import pandas as pd
 
+    if args.measure:
+        return run_measured_tune(args)
     try:
         spec = resolve_model(args.model, seq_len=args.seq_len, size=args.size)
         cluster = Cluster(args.nodes, args.devices_per_node, args.device, dtype=args.dtype,
@@ -240,6 +242,101 @@ def run_tune(args) -> int:
         out = write_tune_report(result, args.report)
         print(f"report: {out / 'report.md'}")
     return 0 if result.best else 1
+
+
+def run_measured_tune(args) -> int:
+    """`tridist tune --measure`: to_distributed's measured search on this job's devices (torchrun), with the
+    model built for real and random token batches of the global batch; rank 0 prints and reports each
+    candidate's predicted and measured step time."""
+    import os
+
+    import torch
+
+    from tridist import distcore
+
+    def fail(message: str) -> int:
+        print(f"tridist tune --measure: error: {message}", file=sys.stderr)
+        return 2
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nodes * args.devices_per_node != world:
+        return fail(f"{args.nodes} x {args.devices_per_node} devices asked, but this job has {world} process(es); launch "
+                    f"with torchrun --nnodes {args.nodes} --nproc-per-node {args.devices_per_node} -m tridist.bench tune ...")
+    if args.engine == "megatron":
+        return fail("--engine megatron cannot be measured here: the strategies run on torch (engine torch or torch+tridist)")
+    try:
+        model = _build_module(args.model, args.size)
+    except ValueError as exc:
+        return fail(str(exc))
+    seq_len = args.seq_len or 128
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or ModelSpec.from_module(model, seq_len=seq_len).vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2 * args.global_batch, seq_len), generator=generator)
+    samples = [{"input_ids": row, "labels": row} for row in ids]  # causal LMs shift the labels themselves
+    loader = torch.utils.data.DataLoader(samples, batch_size=args.global_batch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    storage = default_storage() if args.storage is None else args.storage
+    config = distcore.ToDistributedConfig(
+        device=args.device, fuse_kernels=args.engine == "torch+tridist", storage=storage, top_k=args.top_k,
+        measure=True, measure_top_k=args.measure_top_k, measure_steps=args.measure_steps)
+    model, _, _ = distcore.to_distributed(model, optimizer, loader, device_num=args.devices_per_node,
+                                          node_num=args.nodes, config=config)
+    if int(os.environ.get("RANK", "0")) == 0 and args.report:
+        out = write_measured_report(model.distributed_measurements, args.report)
+        print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _build_module(name: str, size: str):
+    """The nn.Module behind a bench model name or 'module:function' (presets are shapes only)."""
+    if name in BENCH_MODELS:
+        from tridist.bench.models import build_model
+
+        return build_model(name, size)
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            built = getattr(importlib.import_module(module_name), attr)()
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load {name!r}: {exc}") from exc
+        if not hasattr(built, "parameters"):
+            raise ValueError(f"{name!r} built a {type(built).__name__}, not an nn.Module: --measure runs the model")
+        return built
+    raise ValueError(f"--measure runs the model: give a bench model ({', '.join(BENCH_MODELS)}) or module:function "
+                     f"building an nn.Module, not {name!r}")
+
+
+def write_measured_report(measurements, out_dir: str | Path) -> Path:
+    """report.md with the predicted vs measured table, measured.csv and measured.png (bars per candidate)."""
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame([{"strategy": m.strategy.describe(), "predicted_ms": m.predicted_s * 1e3,
+                           "measured_ms": m.measured_s * 1e3 if m.measured_s is not None else float("nan"),
+                           "measured/predicted": m.ratio if m.ratio is not None else float("nan"),
+                           "dropped": m.failure} for m in measurements])
+    frame.to_csv(out / "measured.csv", index=False)
+    fig = Figure(figsize=(8, 0.6 * len(frame) + 1.5))
+    ax = fig.subplots()
+    rows = range(len(frame))
+    ax.barh([r + 0.2 for r in rows], frame["predicted_ms"], height=0.4, label="predicted", color="tab:gray")
+    ax.barh([r - 0.2 for r in rows], frame["measured_ms"].fillna(0), height=0.4, label="measured", color="tab:blue")
+    ax.set_yticks(list(rows), frame["strategy"], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms)")
+    ax.set_title("measured re-ranking: fastest measured first (dropped candidates: no bar)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "measured.png", dpi=120)
+    lines = ["# Measured strategy search", "",
+             f"Generated {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by `tridist tune --measure`: the best predicted "
+             "strategies ran real steps on this job's devices; the fastest measured is first.", "",
+             markdown_table(list(frame.columns), [[_cell(v) for v in row] for row in frame.itertuples(index=False)]),
+             "", "![predicted vs measured](measured.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    return out
 
 
 # ---------------------------------------------------------------------------------------- calibrate

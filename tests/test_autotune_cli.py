@@ -131,3 +131,37 @@ def test_bench_tune_target(monkeypatch, capsys):
     frame = tune.run_tune_benchmark(quick=False, storages=("memory",))
     assert list(frame["equals_exhaustive"]) == [True] and frame["seconds"].iloc[0] > 0
     assert "exhaustive match: True" in capsys.readouterr().out
+
+
+def test_tune_measure_runs_candidates_on_this_jobs_processes(tmp_path):
+    """`tridist tune --measure` under torchrun (2 gloo processes, tiny model, random tokens): the report
+    lists each measured candidate's predicted and measured time, fastest measured first, with its plot;
+    the refitted profile is saved as cpu-measured."""
+    report = tmp_path / "report"
+    env = {**__import__("os").environ, "TRIDIST_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "tridist.bench", "tune", "--model", "hf-llama", "--size", "tiny", "--nodes", "1", "--devices-per-node",
+               "2", "--global-batch", "4", "--seq-len", "16", "--device", "cpu", "--engine", "torch", "--measure",
+               "--measure-top-k", "2", "--measure-steps", "1", "--storage", "memory", "--report", str(report)]
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import pandas as pd
+
+    frame = pd.read_csv(report / "measured.csv")
+    assert len(frame) == 2 and frame["measured_ms"].is_monotonic_increasing, frame
+    assert (report / "measured.png").read_bytes().startswith(PNG_MAGIC)
+    saved = load_profile(tmp_path / "cache" / "device-profiles" / "cpu-measured.json")
+    assert saved.measured_steps == 2 and saved.step_time_scale > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama2-7b"], "--measure runs the model"),
+    (["--model", "hf-llama", "--devices-per-node", "8"], "launch with torchrun"),
+    (["--model", "hf-llama", "--engine", "megatron"], "cannot be measured"),
+])
+def test_tune_measure_errors(args, message, capsys):
+    base = {"--nodes": "1", "--devices-per-node": "1", "--global-batch": "2", "--size": "tiny"}
+    given = dict(zip(args[::2], args[1::2]))
+    argv = ["tune", "--measure", *[x for key, value in {**base, **given}.items() for x in (key, value)]]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
