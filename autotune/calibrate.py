@@ -1,7 +1,10 @@
 """Measure the machine this runs on and turn it into a `DeviceProfile` (`tridist calibrate`).
 
 Measured: matmul throughput at a few square sizes in bf16 and fp32 (the best is the profile's peak,
-with efficiency 1.0: it is already an achieved rate), memory size, copy bandwidth, and, when the
+with efficiency 1.0: it is already an achieved rate), the GEMMs a decoder layer really runs (its
+q/k/v, o, gate/up and down projections at a training token count, forward and both backward
+products) and SDPA's causal attention forward + backward, both in bf16 (the torch engines price
+layers with them), memory size, copy bandwidth, and, when the
 process is one of several launched by torchrun (WORLD_SIZE > 1), all-reduce and all-gather bus
 bandwidth and latency over the default process group. A run inside one node measures the
 intra-node link; a run across nodes measures the inter-node link (the bottleneck of a ring that
@@ -19,11 +22,22 @@ from typing import Callable
 
 from .hardware import CALIBRATED_PREFIX, DEVICE_PROFILES, DeviceProfile
 
-__all__ = ["calibrate", "measure_matmul", "measure_copy_bandwidth", "measure_collectives", "DEFAULT_SIZES"]
+__all__ = ["calibrate", "measure_matmul", "measure_copy_bandwidth", "measure_collectives", "measure_layer_gemms",
+           "measure_attention", "DEFAULT_SIZES", "LAYER_SHAPES"]
 
 DEFAULT_SIZES = {"cuda": (2048, 4096, 8192), "cpu": (256, 512, 1024)}  # square GEMM sizes per device type
 COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 27}  # 1 GiB on a GPU, 128 MiB on a CPU: well past the caches
 COMM_SIZES = (1 << 10, 1 << 20, 1 << 24, 1 << 27)  # 1 KiB (latency) ... 128 MiB (bandwidth)
+# The layer whose GEMMs and attention are measured: Llama 3 8B's (the model of the torch-native runs in
+# published_runs.py: hidden 4096, 32 query and 8 key/value heads of 128, SwiGLU 14336) at 2 sequences of
+# 4096 tokens on a GPU; a small Llama-like layer on a CPU (seconds, not minutes).
+LAYER_SHAPES = {
+    "cuda": dict(batch=2, seq=4096, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336),
+    "cpu": dict(batch=2, seq=128, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=704),
+}
+# The cost model counts a flash-attention core as 4·b·s²·(heads·head_dim) FLOPs forward and 2 + 0.5
+# (recomputation) times that backward (cost.py); the measured rate uses the same count.
+ATTENTION_PASSES = 1 + 2 + 0.5
 WARMUP = 2
 REPEATS = 5
 
@@ -67,6 +81,46 @@ def measure_copy_bandwidth(device, nbytes: int, repeats: int = REPEATS) -> float
     dst = torch.empty_like(src)
     seconds = _time(lambda: dst.copy_(src), device, repeats)
     return 2.0 * nbytes / seconds
+
+
+def measure_layer_gemms(device, dtype, shape: dict, repeats: int = REPEATS) -> float:
+    """FLOP/s of one decoder layer's projections (q/k/v packed, o, gate/up packed, down) over batch·seq
+    tokens: for each, the forward x·W, the input gradient dY·Wᵀ and the weight gradient xᵀ·dY."""
+    import torch
+
+    tokens, h = shape["batch"] * shape["seq"], shape["hidden"]
+    q, kv, f = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"], shape["ffn"]
+    sets = []
+    for n_in, n_out in ((h, q + 2 * kv), (q, h), (h, 2 * f), (f, h)):
+        sets.append((torch.randn(tokens, n_in, device=device, dtype=dtype),
+                     torch.randn(n_in, n_out, device=device, dtype=dtype) / n_in**0.5,
+                     torch.randn(tokens, n_out, device=device, dtype=dtype)))
+
+    def layer():
+        for x, w, grad in sets:
+            torch.matmul(x, w)
+            torch.matmul(grad, w.t())
+            torch.matmul(x.t(), grad)
+
+    flops = sum(3 * 2.0 * tokens * w.shape[0] * w.shape[1] for _, w, _ in sets)
+    return flops / _time(layer, device, repeats)
+
+
+def measure_attention(device, dtype, shape: dict, repeats: int = REPEATS) -> float:
+    """The rate at which SDPA (causal, torch's fastest backend here) does the cost model's count of
+    attention FLOPs, forward and backward."""
+    import torch
+    import torch.nn.functional as F
+
+    b, s, heads, d = shape["batch"], shape["seq"], shape["heads"], shape["head_dim"]
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, heads, s, d, device=device, dtype=dtype)
+
+    def step():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    counted = ATTENTION_PASSES * 4.0 * b * s**2 * heads * d
+    return counted / _time(step, device, repeats)
 
 
 def measure_collectives(device, sizes=COMM_SIZES, repeats: int = REPEATS,
@@ -122,7 +176,7 @@ def _memory_bytes(device) -> float:
 
 
 def calibrate(device=None, *, name: str | None = None, sizes=None, dtypes=("bf16", "fp32"), comm: bool = True,
-              copy_bytes: int | None = None, repeats: int = REPEATS,
+              copy_bytes: int | None = None, repeats: int = REPEATS, layer: dict | None = None,
               progress: Callable[[str], None] = print) -> DeviceProfile:
     """Measure this machine and return its profile (save it with `save_profile`)."""
     import torch
@@ -147,12 +201,17 @@ def calibrate(device=None, *, name: str | None = None, sizes=None, dtypes=("bf16
     nbytes = copy_bytes or COPY_BYTES[kind]
     bandwidth = measure_copy_bandwidth(device, nbytes, repeats)
     progress(f"  copy {nbytes / 2**20:.0f} MiB: {bandwidth / 1e9:8.1f} GB/s")
+    shape = layer or LAYER_SHAPES[kind]
+    layer_gemm = measure_layer_gemms(device, torch.bfloat16, shape, repeats)
+    attention = measure_attention(device, torch.bfloat16, shape, repeats)
+    progress(f"  decoder layer GEMMs {shape}: {layer_gemm / 1e12:8.3f} TFLOP/s; SDPA causal forward + backward: "
+             f"{attention / 1e12:8.3f} TFLOP/s (as the cost model counts)")
     fields = dict(
         name=name or "measured-" + re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-"),
         peak_bf16_flops=peaks.get("bf16", base.peak_bf16_flops * base.matmul_efficiency),
         peak_fp32_flops=peaks.get("fp32", base.peak_fp32_flops * base.matmul_efficiency),
         memory_bytes=_memory_bytes(device), hbm_bandwidth=bandwidth,
-        matmul_efficiency=1.0, hbm_efficiency=1.0,
+        matmul_efficiency=1.0, hbm_efficiency=1.0, layer_gemm_flops=layer_gemm, attention_flops=attention,
         source=f"{CALIBRATED_PREFIX} {label}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}",
     )
     if comm and _distributed_world_size() > 1:

@@ -69,7 +69,8 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 4  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py)
+COST_MODEL_VERSION = 4  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+# the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
@@ -348,6 +349,7 @@ class _LayerCost:
     elementwise_fwd: float
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
+    packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     head_gemm_fwd: float
     head_elementwise_fwd: float
     activations: dict  # recompute mode -> bytes per layer
@@ -365,7 +367,9 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool) -> _LayerCost:
     p = cluster.profile
     e = cluster.dtype_bytes
-    flops = p.matmul_flops(cluster.dtype)
+    engine = cluster.engine
+    measured = engine.torch_kernels and cluster.dtype != "fp32"  # calibrate measures torch's kernels in bf16
+    flops = (p.layer_gemm_flops if measured and p.layer_gemm_flops else p.matmul_flops(cluster.dtype))
     bw = p.hbm_bandwidth * p.hbm_efficiency
     tokens = micro_batch_size * spec.seq_len
     h, f = spec.hidden_size, spec.ffn_hidden_size
@@ -374,8 +378,10 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
             + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e)
             + _gemm_time(tokens, h, mlp_in / tp, flops, bw, e)
             + _gemm_time(tokens, f / tp, h, flops, bw, e))
-    engine = cluster.engine
-    core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
+    if spec.flash_attention and measured and p.attention_flops:
+        core_flops = p.attention_flops
+    else:
+        core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
     outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
@@ -384,13 +390,19 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     bw_tp, lat_tp = cluster.link(tp, 1)
     message = e * tokens * h
     tp_collective = all_reduce_time(message, tp, bw_tp, lat_tp)
+    # Packed q/k/v of unequal parts: distcore splits the weight on its input features and reduce-scatters
+    # the packed output (forward), all-gathering its gradient (backward), per layer (tensor_parallel.py's
+    # _UnequalPackedColwise), on top of the four collectives of b·s·h; priced per layer as a share of them.
+    packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
+    packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
+                  if spec.packed_unequal_qkv and tp > 1 else 0.0)
     head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, head, head_elementwise,
+    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, packed_qkv, head, head_elementwise,
                       activations, logits_bytes, message / split, message / split)
 
 
@@ -445,7 +457,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
     floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if s.recompute == "full" else 1.0)
     layer_compute = max(fwd + bwd + recompute, floor)
-    tp_layer = collectives * c.tp_collective
+    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives
     if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         tp_layer = _hidden_behind(tp_layer, gemm_total, t)
 
@@ -469,6 +481,9 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     if pp > 1:
         bw_pp, lat_pp = cluster.link(2, t * dp)
         pp_s = 2 * (v * m + pp - 1) * p2p_time(c.p2p_bytes, bw_pp, lat_pp)
+        if spec.tied_embeddings:  # the embedding's and the head's gradients summed between first and last stage
+            bw_tie, lat_tie = cluster.link(2, (pp - 1) * t * dp)
+            pp_s += all_reduce_time(e * spec.vocab_size * spec.hidden_size / t, 2, bw_tie, lat_tie)
 
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters.
     params = max(_rank_parameters(spec, t, pp, rank, per_rank[rank]) for rank in _peak_ranks(per_rank))

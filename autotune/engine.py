@@ -42,6 +42,7 @@ class EngineProfile:
     ops_per_layer: int = 0
     fsdp_copy_passes: float = 0.0
     overlap_tp_comm: bool = False  # runs tensor parallel's collectives fused with the GEMMs
+    torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -98,6 +99,7 @@ TORCH = EngineProfile(
     op_overhead_s=10e-6,
     ops_per_layer=45 * 3,
     fsdp_copy_passes=2.0,
+    torch_kernels=True,
     source="torch-native eager (FSDP2, DTensor, SDPA FlashAttention-2); fitted to torchtitan's published runs",
 )
 

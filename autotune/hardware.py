@@ -72,11 +72,18 @@ class DeviceProfile:
     # search fits it: the median ratio over every candidate it ran; `measured_steps` counts them).
     step_time_scale: float = 1.0
     measured_steps: int = 0
+    # Measured by `tridist calibrate` with torch's kernels, in bf16 (None: not measured): the FLOP rate of
+    # a decoder layer's own GEMMs (q/k/v, o, gate/up, down at a training token count, forward and both
+    # backward products) and of SDPA's attention forward + backward (FLOPs counted as the cost model
+    # counts them). Engines that run torch's kernels use them instead of peak x efficiency.
+    layer_gemm_flops: float | None = None
+    attention_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "float" and not (isinstance(value, (int, float)) and value > 0):
+            optional = field.type == "float | None" and value is not None
+            if (field.type == "float" or optional) and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"DeviceProfile {self.name!r}: {field.name} must be a positive number, got {value!r}")
 
     @property

@@ -141,7 +141,9 @@ class ModelSpec:
     Beyond the contract's fields: `head_dim` (default hidden / heads), `gated_mlp` (SwiGLU: three
     MLP matrices; False for GPT's two), `tied_embeddings`, `flash_attention` (no s x s attention
     matrix is stored: the attention core is recomputed in the backward pass), `dropout` (Megatron's
-    GPT stores dropout masks), and a display `name`. `structure` is set by `from_module`.
+    GPT stores dropout masks), `packed_unequal_qkv` (q/k/v packed in one projection with grouped-query
+    heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need), and a
+    display `name`. `structure` is set by `from_module`.
     """
 
     num_layers: int
@@ -156,6 +158,7 @@ class ModelSpec:
     tied_embeddings: bool = False
     flash_attention: bool = True
     dropout: bool = False
+    packed_unequal_qkv: bool = False
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -630,5 +633,6 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         ffn_hidden_size=mlp_parts["ffn"], vocab_size=outer["vocab"], gated_mlp=mlp_parts["gated"],
         tied_embeddings=outer["tied"],
+        packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"],
     )
     return structure, fields

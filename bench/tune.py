@@ -342,6 +342,9 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------- calibrate
 
 
+QUICK_LAYER = dict(batch=1, seq=64, hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=352)  # a smoke run's layer
+
+
 def run_calibrate(args) -> int:
     """The `tridist calibrate` handler: measure, save, print how to use the profile."""
     import torch
@@ -357,7 +360,8 @@ def run_calibrate(args) -> int:
     rank = int(__import__("os").environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *_: None)
     profile = calibrate(device, name=args.name, sizes=sizes, comm=not args.no_comm,
-                        repeats=2 if args.quick else 5, copy_bytes=(1 << 22) if args.quick else None, progress=say)
+                        repeats=2 if args.quick else 5, copy_bytes=(1 << 22) if args.quick else None, progress=say,
+                        layer=QUICK_LAYER if args.quick else None)
     if rank != 0:
         return 0
     path = save_profile(profile, args.out)

@@ -112,8 +112,9 @@ def test_calibrate_cpu_quick(tmp_path, capsys):
     code = cli.main(["calibrate", "--device", "cpu", "--quick", "--sizes", "64,128", "--name", "test-cpu",
                      "--out", str(out)])
     text = capsys.readouterr().out
-    assert code == 0 and "matmul fp32 128x128" in text and "copy" in text
+    assert code == 0 and "matmul fp32 128x128" in text and "copy" in text and "decoder layer GEMMs" in text
     profile = load_profile(out)
+    assert profile.layer_gemm_flops > 0 and profile.attention_flops > 0  # the layer's real shapes, and SDPA
     assert profile.name == "test-cpu" and profile.peak_fp32_flops > 0 and profile.matmul_efficiency == 1.0
     assert profile.memory_bytes > 1e8
     assert json.loads(out.read_text())["source"].startswith("tridist calibrate")

@@ -123,3 +123,18 @@ def test_an_engine_that_cannot_overlap_never_gets_overlap():
     wanted = Strategy(dp=1, tp=8, pp=1, sequence_parallel=True, overlap_tp_comm=True, micro_batch_size=2, num_micro_batches=8)
     with pytest.raises(InvalidStrategy, match="does not overlap"):
         check(spec, Cluster(1, 8, engine="torch"), wanted, global_batch_size=16)
+
+
+def test_measured_layer_rates_replace_the_engines_figures_for_torch_kernels():
+    """A calibrated profile's layer GEMM and SDPA rates price the torch engines' layers (halving them
+    doubles the GEMM and attention time exactly); Megatron's kernels are not torch's: unchanged."""
+    device = _device(arch="hopper")
+    measured = dataclasses.replace(device, layer_gemm_flops=1e12, attention_flops=0.25e12)
+    slower = dataclasses.replace(device, layer_gemm_flops=0.5e12, attention_flops=0.125e12)
+    compute_only = dict(hbm_bandwidth=1e30)  # no memory-bound terms: a pure FLOP count
+    torch_engine = dataclasses.replace(TORCH, op_overhead_s=0.0, fsdp_copy_passes=0.0)
+    a, b = (_time(torch_engine, dataclasses.replace(p, **compute_only)).compute_s for p in (measured, slower))
+    assert b == pytest.approx(2 * a, rel=1e-9)
+    assert _time(MEGATRON, measured).compute_s == _time(MEGATRON, device).compute_s
+    with pytest.raises(ValueError, match="layer_gemm_flops"):
+        dataclasses.replace(device, layer_gemm_flops=-1.0)

@@ -176,3 +176,14 @@ def test_spec_validation_and_presets():
     with pytest.raises(ValueError, match="unknown model preset"):
         preset("nope")
     assert dataclasses.replace(preset("llama2-7b"), seq_len=2048) == preset("llama2-7b", seq_len=2048)
+
+
+def test_packed_grouped_query_qkv_is_flagged_for_the_cost_model():
+    """Phi-3 packs q/k/v with fewer key/value heads: the spec says so (tensor parallel then pays a
+    reduce-scatter of the packed output, cost.py); equal parts and separate projections do not."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    assert ModelSpec.from_module(build("phi3", layers=1), seq_len=16).packed_unequal_qkv
+    assert not ModelSpec.from_module(build("llama", layers=1), seq_len=16).packed_unequal_qkv
+    assert not ModelSpec.from_module(build_model("paddle-llama"), seq_len=16).packed_unequal_qkv  # packed, equal parts

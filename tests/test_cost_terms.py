@@ -343,3 +343,21 @@ def test_compute_time_memory_bound_roofline():
     layer = 3 * (E * (qkv + out + gate_up + down) + ELEMENTWISE_FWD_TRAFFIC * LAYER_ACTIVATIONS)
     head = 3 * (E * (4 * 8 + 8 * 32 + 4 * 32) + ELEMENTWISE_FWD_TRAFFIC * _logits(32))
     assert est.time.compute_s == pytest.approx(2 * (4 * layer + head) / 1e12, rel=1e-12)
+
+
+def test_tied_embedding_gradient_is_summed_between_first_and_last_stage():
+    """pp 2 with a tied embedding/head: one all-reduce of its gradient (V·h bf16 bytes, 2 ranks) per step
+    between the first and the last stage, here 2 ranks apart on one node."""
+    untied, tied = (_run(replace(TINY, tied_embeddings=flag), _cluster(1, 2), dp=1, tp=1, pp=2, num_micro_batches=2)
+                    for flag in (False, True))
+    assert tied.time.pp_comm_s - untied.time.pp_comm_s == pytest.approx(_ring("all-reduce", E * 32 * 8, 2, INTRA), rel=1e-12)
+
+
+def test_unequal_packed_qkv_adds_a_reduce_scatter_and_its_gradients_all_gather_per_layer():
+    """tp 2, Phi-3-style packed q/k/v (q 8, k 4, v 4 wide): per layer and micro-batch, the packed output
+    (b·s·16 bf16) is reduce-scattered forward and its gradient all-gathered backward."""
+    equal, packed = (_run(replace(TINY, packed_unequal_qkv=flag), _cluster(1, 2), dp=1, tp=2, pp=1)
+                     for flag in (False, True))
+    message = E * 1 * 4 * (8 + 2 * 4)
+    per_layer = _ring("reduce-scatter", message, 2, INTRA) + _ring("all-gather", message, 2, INTRA)
+    assert packed.time.tp_comm_s - equal.time.tp_comm_s == pytest.approx(TINY.num_layers * per_layer, rel=1e-12)
