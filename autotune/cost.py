@@ -385,7 +385,9 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
     outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
-    elementwise = engine.elementwise_traffic * stored / bw
+    # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
+    bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
+    elementwise = engine.elementwise_traffic * stored / bw_elementwise
     core_elementwise = 0.0 if spec.flash_attention else engine.elementwise_traffic * core_bytes / tp / bw
     bw_tp, lat_tp = cluster.link(tp, 1)
     message = e * tokens * h

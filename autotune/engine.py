@@ -43,6 +43,7 @@ class EngineProfile:
     fsdp_copy_passes: float = 0.0
     overlap_tp_comm: bool = False  # runs tensor parallel's collectives fused with the GEMMs
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
+    fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -111,6 +112,7 @@ TORCH_FUSED = dataclasses.replace(
     name="torch+tridist",
     elementwise_traffic=MEGATRON.elementwise_traffic,
     ops_per_layer=30 * 3,
+    fused_kernels=True,
     source="torch-native (FSDP2, DTensor, SDPA FlashAttention-2) with tridist's fused kernels",
 )
 

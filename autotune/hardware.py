@@ -78,6 +78,9 @@ class DeviceProfile:
     # counts them). Engines that run torch's kernels use them instead of peak x efficiency.
     layer_gemm_flops: float | None = None
     attention_flops: float | None = None
+    # Bytes/s tridist's fused RMSNorm, rotary and SwiGLU kernels reach, forward + backward, at the layer's
+    # shapes (measured on a GPU by `tridist calibrate`): the torch+tridist engine's elementwise rate.
+    fused_kernel_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

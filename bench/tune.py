@@ -14,6 +14,7 @@ are imported inside the functions that use them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib
 import json
@@ -35,6 +36,7 @@ from tridist.autotune import (
     search,
 )
 
+from tridist.autotune.calibrate import LAYER_SHAPES
 from tridist.autotune.cost import _layer_cost
 
 from .report import markdown_table
@@ -342,6 +344,35 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
 # ---------------------------------------------------------------------------------------- calibrate
 
 
+def profile_device(args):
+    import torch
+
+    if args.device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(args.device)
+
+
+def measure_fused_kernels(device, shape: dict, *, progress=print) -> float:
+    """Bytes/s of tridist's fused RMSNorm, rotary and SwiGLU, forward + backward, at one decoder layer's
+    shapes in bf16: the minimum bytes each must move (bench/kernels.py's counts) over its measured time."""
+    from tridist.bench import kernels as kb
+
+    tokens = shape["batch"] * shape["seq"]
+    cases = [kb.Case("rms_norm", tokens, shape["hidden"], "bf16"),
+             kb.Case("rotary", tokens, shape["heads"] * shape["head_dim"], "bf16", head_dim=shape["head_dim"],
+                     seq_len=shape["seq"]),
+             kb.Case("swiglu", tokens, shape["ffn"], "bf16")]
+    moved = seconds = 0.0
+    for case in cases:
+        fn = kb.build_variant(case.op, "tridist", device=device)
+        timed, grads = kb.make_timed_fn(fn, kb.make_inputs(case, device, requires_grad=True), "fwd+bwd")
+        ms = kb.time_ms(timed, device=device, grad_to_none=grads)
+        nbytes = kb.bytes_moved(case, "fwd+bwd")
+        progress(f"  fused {case.op} {case.shape}: {ms:.3f} ms forward + backward, {nbytes / ms / 1e6:.0f} GB/s")
+        moved, seconds = moved + nbytes, seconds + ms / 1e3
+    return moved / seconds
+
+
 QUICK_LAYER = dict(batch=1, seq=64, hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=352)  # a smoke run's layer
 
 
@@ -362,6 +393,11 @@ def run_calibrate(args) -> int:
     profile = calibrate(device, name=args.name, sizes=sizes, comm=not args.no_comm,
                         repeats=2 if args.quick else 5, copy_bytes=(1 << 22) if args.quick else None, progress=say,
                         layer=QUICK_LAYER if args.quick else None)
+    if profile_device(args).type == "cuda":
+        profile = dataclasses.replace(profile, fused_kernel_bandwidth=measure_fused_kernels(
+            profile_device(args), QUICK_LAYER if args.quick else LAYER_SHAPES["cuda"], progress=say))
+    else:
+        say("  fused kernels: not measured on a CPU (Triton runs them interpreted there)")
     if rank != 0:
         return 0
     path = save_profile(profile, args.out)

@@ -166,3 +166,16 @@ def test_tune_measure_errors(args, message, capsys):
     argv = ["tune", "--measure", *[x for key, value in {**base, **given}.items() for x in (key, value)]]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fused_kernel_bandwidth_is_measured_at_the_layers_shapes():
+    """The GPU calibration's fused-kernel figure, run here on tiny shapes under Triton's interpreter (the
+    machinery; a CPU calibration itself skips it): bytes of RMSNorm, rotary and SwiGLU over their time."""
+    import torch
+
+    from tridist.bench.tune import measure_fused_kernels
+
+    lines = []
+    rate = measure_fused_kernels(torch.device("cpu"), dict(batch=1, seq=8, hidden=64, heads=4, kv_heads=1,
+                                                           head_dim=16, ffn=32), progress=lines.append)
+    assert rate > 0 and [line.split()[1] for line in lines] == ["rms_norm", "rotary", "swiglu"], lines

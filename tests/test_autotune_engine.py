@@ -138,3 +138,22 @@ def test_measured_layer_rates_replace_the_engines_figures_for_torch_kernels():
     assert _time(MEGATRON, measured).compute_s == _time(MEGATRON, device).compute_s
     with pytest.raises(ValueError, match="layer_gemm_flops"):
         dataclasses.replace(device, layer_gemm_flops=-1.0)
+
+
+def test_fused_kernel_bandwidth_prices_the_fused_engines_elementwise_work():
+    """Memory-bound device (free FLOPs): the torch+tridist engine's elementwise time follows the fused
+    kernels' measured bandwidth (half of it: that part doubles); eager torch keeps the copy bandwidth."""
+    from tridist.autotune.engine import TORCH_FUSED
+
+    fused = dataclasses.replace(TORCH_FUSED, op_overhead_s=0.0, fsdp_copy_passes=0.0)
+    eager = dataclasses.replace(TORCH, op_overhead_s=0.0, fsdp_copy_passes=0.0)
+    base = _device(peak_bf16_flops=1e30, peak_fp32_flops=1e30)
+    fast, slow = (dataclasses.replace(base, fused_kernel_bandwidth=bw) for bw in (1e12, 0.5e12))
+    without = _time(fused, base).compute_s  # GEMMs + elementwise at 1 TB/s (the measured rate equals it)
+    assert _time(fused, fast).compute_s == pytest.approx(without, rel=1e-12)
+    # The layers' elementwise time at 1 TB/s: against infinitely fast fused kernels (the loss over the
+    # logits is not one of them: it stays at the copy bandwidth).
+    elementwise = without - _time(fused, dataclasses.replace(base, fused_kernel_bandwidth=1e30)).compute_s
+    assert elementwise > 0
+    assert _time(fused, slow).compute_s == pytest.approx(without + elementwise, rel=1e-9)
+    assert _time(eager, slow).compute_s == _time(eager, base).compute_s
