@@ -215,13 +215,28 @@ def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
             if p <= spec.num_layers and (allowed is None or p in allowed)]
 
 
-def engine_space(space: SearchSpace, cluster: Cluster) -> tuple[SearchSpace, tuple[str, ...]]:
-    """`space` without what the cluster's engine cannot run, and the reasons (shown in reports)."""
+# Where the runtime cannot apply a knob, the value the search keeps it at.
+KEPT_AT = {"tp": (1,), "pp": (1,), "recompute": ("none",), "overlap_tp_comm": (False,)}
+
+
+def engine_space(space: SearchSpace, cluster: Cluster,
+                 excluded: dict[str, str] | None = None) -> tuple[SearchSpace, tuple[str, ...]]:
+    """`space` without what the runtime cannot apply, and the reasons (shown in reports): `excluded`,
+    {knob: why} from the caller (distcore's limits for a model, `distcore.auto.unsupported`), and what
+    the cluster's engine cannot run."""
+    limits = dict(excluded or {})
+    unknown = sorted(set(limits) - set(KEPT_AT))
+    if unknown:
+        raise ValueError(f"search: cannot exclude {unknown}; excludable knobs: {sorted(KEPT_AT)}")
+    if not cluster.engine.overlap_tp_comm:
+        limits.setdefault("overlap_tp_comm", f"the {cluster.engine.name} engine does not overlap tensor parallel's "
+                                             "communication with its matmuls")
     pruned = []
-    if True in space.overlap_tp_comm and not cluster.engine.overlap_tp_comm:
-        space = dataclasses.replace(space, overlap_tp_comm=(False,))
-        pruned.append(f"overlap_tp_comm: the {cluster.engine.name} engine does not overlap tensor parallel's "
-                      "communication with its matmuls")
+    for knob, why in limits.items():
+        allowed = getattr(space, knob)
+        if allowed is None or set(allowed) - set(KEPT_AT[knob]):
+            space = dataclasses.replace(space, **{knob: KEPT_AT[knob]})
+            pruned.append(f"{knob} kept at {KEPT_AT[knob][0]}: {why}")
     return space, tuple(pruned)
 
 
@@ -458,7 +473,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
            space: SearchSpace | None = None, method: str = "auto", n_trials: int | None = None,
            exhaustive_limit: int = EXHAUSTIVE_LAYOUT_LIMIT, study_name: str | None = None,
            progress: bool | Callable = False, seed: int = 0, measure: Callable | None = None,
-           measure_top_k: int = 3) -> SearchResult:
+           measure_top_k: int = 3, excluded: dict[str, str] | None = None) -> SearchResult:
     """Find the fastest strategy for `spec` on `cluster` that fits in memory.
 
     storage: None or "memory" (in memory, the default: fast, and safe when every rank of a job
@@ -470,6 +485,8 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     `strategy -> seconds per step`, run on the `measure_top_k` best predicted candidates, which then
     rank by their measured times (measured.py; a candidate that raises is dropped with its reason); the
     result's `measured` holds the measurements and the device profile with its refitted factor.
+    excluded: {knob: reason} the runtime cannot apply ("tp", "pp", "recompute", "overlap_tp_comm"): kept
+    at 1 / "none" / False, the reason listed in the result's `pruned` (and reports).
     """
     spec = model_spec
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -484,7 +501,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
             "itself: measure on your model with distcore.to_distributed(config=ToDistributedConfig(measure=True)) "
             "or `tridist tune --measure`")
     started = time.perf_counter()
-    space, pruned = engine_space(space or SearchSpace(), cluster)
+    space, pruned = engine_space(space or SearchSpace(), cluster, excluded)
     keep = max(top_k, STORED_CANDIDATES_PER_LAYOUT)
     layouts = enumerate_layouts(spec, cluster, global_batch_size, space)
     if method == "auto":

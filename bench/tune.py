@@ -232,9 +232,11 @@ def run_tune(args) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"tridist tune: error: {exc}", file=sys.stderr)
         return 2
+    from tridist.distcore.auto import unsupported  # what distcore cannot apply to this model (tp, pp), and why
+
     storage = default_storage() if args.storage is None else args.storage
     result = search(spec, cluster, global_batch_size=args.global_batch, storage=storage, top_k=args.top_k,
-                    method=args.method, progress=True)
+                    method=args.method, progress=True, excluded=unsupported(spec))
     print("\n".join(line.replace("**", "") for line in summary_lines(result)))
     frame = ranked_frame(result)
     if len(frame):

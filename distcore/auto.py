@@ -16,7 +16,6 @@ carries the chosen strategy as `.distributed_strategy`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -208,24 +207,22 @@ def unsupported(spec) -> dict[str, str]:
     return limits
 
 
-def _search_space(config: ToDistributedConfig, limits: dict[str, str]):
-    """What this runtime can apply: degree 1 for what `unsupported` lists (the engine's own limits, such
-    as no communication-overlapped matmuls, the search prunes itself: autotune.search.engine_space)."""
+def _search_space(config: ToDistributedConfig):
+    """The search space and the other search options of the config (distcore's limits for the model go
+    to the search as `excluded`, which keeps those knobs at autotune.search.KEPT_AT and says why)."""
     from tridist import autotune
 
     options = dict(config.search_options)
     space = options.pop("space", None) or autotune.SearchSpace(
         sequence_parallel=(True,) if config.sequence_parallel else (False, True),
     )
-    restrict = {dim: _UNLIMITED[dim] for dim in limits}
-    return dataclasses.replace(space, **restrict), options
-
-
-_UNLIMITED = {"tp": (1,), "pp": (1,), "recompute": ("none",)}  # what a limited dimension is kept at
+    return space, options
 
 
 def _violates(strategy, dim: str) -> bool:
-    return getattr(strategy, dim) not in _UNLIMITED[dim]
+    from tridist.autotune.search import KEPT_AT
+
+    return getattr(strategy, dim) not in KEPT_AT[dim]
 
 
 def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict[str, str]:
@@ -263,7 +260,7 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         _log_choice(strategy, "fallback for an unrecognised model", [])
         return strategy
     for dim, why in limits.items():
-        log.warning("to_distributed: %s kept at %s for this model: %s", dim, _UNLIMITED[dim][0], why)
+        log.warning("to_distributed: %s kept at its default for this model: %s", dim, why)
     best, message, _ = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
     if best is None:
         strategy = _fallback(world, global_batch)
@@ -279,13 +276,13 @@ def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributed
     storage at once. A failure on rank 0 is raised on every rank, not left for the others to wait on."""
     from tridist import autotune
 
-    space, options = _search_space(config, limits)  # on every rank: bad options fail everywhere alike
+    space, options = _search_space(config)  # on every rank: bad options fail everywhere alike
     decision: list = [None]
     failure = result = None
     if env.get_rank() == 0:
         try:
             result = autotune.search(spec, cluster, global_batch_size=global_batch, storage=config.storage,
-                                     top_k=config.top_k, space=space, **options)
+                                     top_k=config.top_k, space=space, excluded=limits, **options)
         except Exception as error:  # noqa: BLE001 - re-raised below, after the others have heard of it
             failure, decision = error, [(None, None, f"{type(error).__name__}: {error}")]
         else:

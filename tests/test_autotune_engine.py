@@ -157,3 +157,16 @@ def test_fused_kernel_bandwidth_prices_the_fused_engines_elementwise_work():
     assert elementwise > 0
     assert _time(fused, slow).compute_s == pytest.approx(without + elementwise, rel=1e-9)
     assert _time(eager, slow).compute_s == _time(eager, base).compute_s
+
+
+def test_excluded_knobs_are_kept_at_their_default_with_the_reason():
+    """What the runtime cannot apply to a model (distcore.auto.unsupported) goes to the search, which
+    keeps the knob at its default and lists the reason in `pruned` (shown in the tune report)."""
+    from tridist.autotune import search
+
+    result = search(preset("llama2-7b"), Cluster(1, 8, engine="megatron"), global_batch_size=16, storage=None,
+                    excluded={"tp": "planted: the qkv packing cannot be told"})
+    assert result.ranked and all(c.strategy.tp == 1 for c in result.ranked)
+    assert result.pruned == ("tp kept at 1: planted: the qkv packing cannot be told",)
+    with pytest.raises(ValueError, match="excludable knobs"):
+        search(preset("llama2-7b"), Cluster(1, 8), global_batch_size=16, storage=None, excluded={"dp": "no"})

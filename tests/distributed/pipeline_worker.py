@@ -113,7 +113,7 @@ def check_1f1b_four_stages():
 
 
 def check_gpipe_hf_style_model_with_fused_kernels():
-    model = _equal_to_one_process("hf-llama", PP4, _pp("hf-llama", schedule="GPipe", micro_batches=8), fused=True)
+    model = _equal_to_one_process("hf-llama", PP4, _pp("hf-llama", schedule="GPipe", micro_batches=4), fused=True)
     owned = [layer for layer in model.model.layers if not getattr(layer, "_tridist_stand_in", False)]
     assert isinstance(owned[0].mlp, kernels.FusedSwiGLUMLP) and isinstance(owned[0].input_layernorm, kernels.FusedRMSNorm)
 
