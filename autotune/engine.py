@@ -86,7 +86,12 @@ MEGATRON = EngineProfile(
 #   element where a fused kernel moves 4; eager rotary (two multiplies, rotate_half's negate and cat, an
 #   add) ~22 where a fused one moves 4; eager SwiGLU (silu, multiply) 10 where a fused one moves 6.
 #   Over a Llama-3-8B layer (two norms, rotary of q and k, SwiGLU of 14336, residual adds, attention's
-#   transposes) that is ~633 kB per token against ~221 kB fused: 2.9x Megatron's 1.5.
+#   transposes) that is ~633 kB per token against ~221 kB fused: 2.9x Megatron's 1.5. Cross-check with our
+#   own H100 run (bench/results/h100-2026-11-24: eager / fused time, forward + backward, at large shapes):
+#   SwiGLU 1.65x (counted 1.7x), RMSNorm 13x (counted 9x), rotary 11.6x (counted 5.5x): eager ops also
+#   run below copy bandwidth, so the count is a floor; the measured ratios make the layer ~4.0x fused.
+#   With 4.0x the published runs below would predict 0.95 / 0.92 / 0.91 / 0.81 instead of 1.02 / 0.99 /
+#   0.94 / 0.82 (both inside their tolerance); a calibrated profile's measured rates replace both.
 # - Dispatch: ~10 us of CPU per eager op (PyTorch's dispatcher + a CUDA launch; the reason CUDA graphs
 #   and torch.compile pay off for small shapes), ~45 ops in a Llama layer's forward, twice that backward.
 # - FSDP2: all-gather copy-out and reduce-scatter copy-in (torch FSDP2 design: per-parameter DTensors
