@@ -177,6 +177,35 @@ def _calibrate(args: argparse.Namespace) -> int:
     return run_calibrate(args)
 
 
+def _bench_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", metavar="DIR",
+                        help="run directories written by `tridist bench kernels` (results.csv, or bench/results.csv); "
+                             "one: re-render it; several: compare each with the first")
+    parser.add_argument("--out", default=None, metavar="DIR", help="report directory (default: reports/report-<time>/)")
+    parser.add_argument("--noise", type=float, default=None,
+                        help="relative change within which two runs on one device count as the same (default 0.05)")
+
+
+def _bench_report(args: argparse.Namespace) -> int:
+    import datetime
+
+    from tridist.bench.compare import DEFAULT_NOISE, RunError, write_report
+
+    out = args.out or f"reports/report-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    noise = DEFAULT_NOISE if args.noise is None else args.noise
+    if not 0 <= noise < 1:
+        print(f"tridist bench report: error: --noise must be in [0, 1), got {noise}", file=sys.stderr)
+        return 2
+    try:
+        out, regressions = write_report(args.runs, out, noise=noise)
+    except RunError as exc:
+        print(f"tridist bench report: error: {exc}", file=sys.stderr)
+        return 2
+    print((out / "report.md").read_text())
+    print(f"report: {out}")
+    return 1 if regressions else 0
+
+
 def _bench_tune_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one 1x8 and one 128x8 case")
     parser.add_argument("--no-sqlite", action="store_true", help="time the in-memory storage only")
@@ -229,6 +258,11 @@ COMMANDS: dict[str, Command] = {
                 help="fused ops vs eager, torch.compile and Liger-Kernel: time, GB/s, share of copy bandwidth",
                 add_arguments=_kernels_arguments,
                 handler=_bench_kernels,
+            ),
+            "report": Command(
+                help="render a kernel-benchmark run, or compare runs (before/after, two devices) and flag regressions",
+                add_arguments=_bench_report_arguments,
+                handler=_bench_report,
             ),
             "tune": Command(
                 help="strategy-search speed on 1x8 and 128x8 clusters and agreement with exhaustive enumeration",

@@ -616,7 +616,30 @@ def environment(device: torch.device, copy_bw_gbps: float) -> dict:
         "copy_bw_gbps": copy_bw_gbps,
         "cuda": torch.version.cuda or "",
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        **provenance(device),
     }
+
+
+def provenance(device: torch.device) -> dict:
+    """The NVIDIA driver (nvidia-smi; "" without one), tridist's version and the git commit of the
+    checkout it runs from ("" outside a git checkout): stamped on every CSV row."""
+    import importlib.metadata
+    import subprocess
+    from pathlib import Path
+
+    def run(command, **kwargs) -> str:
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=10, check=True, **kwargs).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    driver = run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[:1] if device.type == "cuda" else []
+    try:
+        version = importlib.metadata.version("tridist")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    return {"driver": driver[0] if driver else "", "tridist": version,
+            "commit": run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent)}
 
 
 def _log_progress(progress: bool, message: str) -> None:

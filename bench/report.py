@@ -111,7 +111,7 @@ def _has_error(row) -> bool:
 
 
 def _error_rows(df) -> list[list[str]]:
-    has_error = df["error"].fillna("").astype(str) != ""
+    has_error = df["error"].astype(object).fillna("").astype(str) != ""
     errors = df[has_error].drop_duplicates(["op", "shape", "dtype", "variant", "error"])
     return [[r["op"], r["shape"], r["dtype"], r["variant"], str(r["error"]).replace("|", "/")]
             for _, r in errors.iterrows()]
@@ -214,11 +214,16 @@ def plot_kernel_results(df, path: str | Path, *, copy_bw_gbps: float | None = No
 # ---------------------------------------------------------------------------------------------- writer
 
 
+# Columns every results.csv row carries besides the measurement (`tridist bench report` compares by them).
+ROW_PROVENANCE = ("device", "driver", "cuda", "torch", "triton", "tridist", "date", "commit")
+
+
 def write_kernel_report(df, *, out_dir: str | Path | None = None, meta: dict) -> Path:
     """Write results.csv, report.md and plot.png; returns the directory."""
     out = Path(out_dir) if out_dir else default_report_dir(meta.get("device", "device"))
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "results.csv", index=False)
+    stamped = df.assign(**{key: meta.get(key, "") for key in ROW_PROVENANCE})  # each row says where it was taken
+    stamped.to_csv(out / "results.csv", index=False)
     (out / "report.md").write_text(render_kernel_markdown(df, meta))
     if len(df):
         plot_kernel_results(df, out / "plot.png", copy_bw_gbps=meta.get("copy_bw_gbps"))

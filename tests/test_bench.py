@@ -50,7 +50,13 @@ def test_eager_run_writes_results_report_and_plot(tmp_path):
     import pandas as pd
 
     saved = pd.read_csv(results)
-    assert list(saved.columns) == list(kb.RESULT_COLUMNS)
+    from tridist.bench.report import ROW_PROVENANCE
+
+    # Each row also says where it was taken: device, driver, CUDA, torch, triton, tridist, date, commit.
+    assert list(saved.columns) == [*kb.RESULT_COLUMNS, *(c for c in ROW_PROVENANCE if c not in kb.RESULT_COLUMNS)]
+    stamps = saved[list(ROW_PROVENANCE)].astype(object).fillna("").astype(str)
+    assert (stamps["torch"] == torch.__version__).all() and (stamps["date"].str.len() > 0).all()
+    assert (stamps["commit"].str.len() == 40).all() and (stamps["tridist"].str.len() > 0).all()
     assert len(saved) == len(TINY_CASES) * len(kb.MODES)
     assert set(saved["op"]) == set(kb.OPS) and set(saved["mode"]) == set(kb.MODES)
     assert saved["time_ms"].notna().all() and (saved["time_ms"] > 0).all()
