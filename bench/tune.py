@@ -322,6 +322,10 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
                            "measured/predicted": m.ratio if m.ratio is not None else float("nan"),
                            "dropped": m.failure} for m in measurements])
     frame.to_csv(out / "measured.csv", index=False)
+    ran = frame.dropna(subset=["measured_ms"])
+    # Spearman's rank correlation of predicted and measured times (pandas ranks, then Pearson): does the
+    # cost model order these candidates as the clock does? Undefined below 2 candidates or with ties only.
+    rho = ran["predicted_ms"].corr(ran["measured_ms"], method="spearman") if len(ran) > 1 else float("nan")
     fig = Figure(figsize=(8, 0.6 * len(frame) + 1.5))
     ax = fig.subplots()
     rows = range(len(frame))
@@ -337,6 +341,8 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
     lines = ["# Measured strategy search", "",
              f"Generated {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by `tridist tune --measure`: the best predicted "
              "strategies ran real steps on this job's devices; the fastest measured is first.", "",
+             f"Rank correlation of predicted and measured step times (Spearman): "
+             f"{'-' if rho != rho else f'{rho:.2f}'} over {len(ran)} candidate(s) that ran.", "",
              markdown_table(list(frame.columns), [[_cell(v) for v in row] for row in frame.itertuples(index=False)]),
              "", "![predicted vs measured](measured.png)", ""]
     (out / "report.md").write_text("\n".join(lines))

@@ -151,6 +151,7 @@ def test_tune_measure_runs_candidates_on_this_jobs_processes(tmp_path):
     frame = pd.read_csv(report / "measured.csv")
     assert len(frame) == 2 and frame["measured_ms"].is_monotonic_increasing, frame
     assert (report / "measured.png").read_bytes().startswith(PNG_MAGIC)
+    assert "Rank correlation of predicted and measured step times (Spearman)" in (report / "report.md").read_text()
     saved = load_profile(tmp_path / "cache" / "device-profiles" / "cpu-measured.json")
     assert saved.measured_steps == 2 and saved.step_time_scale > 0
 
@@ -179,3 +180,16 @@ def test_fused_kernel_bandwidth_is_measured_at_the_layers_shapes():
     rate = measure_fused_kernels(torch.device("cpu"), dict(batch=1, seq=8, hidden=64, heads=4, kv_heads=1,
                                                            head_dim=16, ffn=32), progress=lines.append)
     assert rate > 0 and [line.split()[1] for line in lines] == ["rms_norm", "rotary", "swiglu"], lines
+
+
+@pytest.mark.parametrize("measured, rho", [((1.0, 2.0, 3.0), "1.00"), ((3.0, 2.0, 1.0), "-1.00")])
+def test_measured_report_gives_the_rank_correlation(tmp_path, measured, rho):
+    """The cost model's order against the clock's: Spearman's rho of predicted vs measured times."""
+    from tridist.autotune import Strategy
+    from tridist.autotune.measured import Measurement
+    from tridist.bench.tune import write_measured_report
+
+    runs = [Measurement(Strategy(dp=4, tp=1, pp=1, sharding_level=level), predicted, seconds)
+            for level, predicted, seconds in zip((0, 1, 2), (1.0, 2.0, 3.0), measured)]
+    text = (write_measured_report(runs, tmp_path) / "report.md").read_text()
+    assert f"(Spearman): {rho} over 3 candidate(s)" in text
