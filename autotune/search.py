@@ -166,7 +166,7 @@ class SearchResult:
     elapsed_s: float
     message: str = ""
     study: object = field(default=None, repr=False)
-    pruned: tuple[str, ...] = ()  # what the search left out and why (the engine's limits)
+    pruned: tuple[str, ...] = ()  # what the search left out and why (the engine's and the caller's limits)
     measured: object = None  # a measured.MeasuredRanking after a measured search
 
     def layout_rank(self, tp: int, pp: int) -> int | None:

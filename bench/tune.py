@@ -55,30 +55,32 @@ def resolve_model(name: str, *, seq_len: int | None = None, size: str = "seed") 
     """A ModelSpec from a preset name, a bench.models name or 'module:function'."""
     if name in PRESETS:
         return preset(name, **({"seq_len": seq_len} if seq_len else {}))
-    if name in BENCH_MODELS:
-        import torch
+    factory = _model_factory(name, size)
+    if factory is None:
+        raise ValueError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}), a bench model "
+                         f"({', '.join(BENCH_MODELS)}) or 'module:function'")
+    import torch
 
+    with torch.device("meta"):  # shapes only: no memory for the weights, no initialisation work
+        built = factory()
+    if isinstance(built, ModelSpec):
+        return built if seq_len is None else _with_seq_len(built, seq_len)
+    return ModelSpec.from_module(built, seq_len=seq_len or 2048)
+
+
+def _model_factory(name: str, size: str):
+    """What builds a bench model or 'module:function' (None for other names)."""
+    if name in BENCH_MODELS:
         from tridist.bench.models import build_model
 
-        with torch.device("meta"):  # shapes only: no memory for the weights, no initialisation work
-            model = build_model(name, size)
-        spec = ModelSpec.from_module(model, seq_len=seq_len or 2048)
-        return spec
+        return lambda: build_model(name, size)
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
+            return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load {name!r}: {exc}") from exc
-        import torch
-
-        with torch.device("meta"):
-            built = factory()
-        if isinstance(built, ModelSpec):
-            return built if seq_len is None else _with_seq_len(built, seq_len)
-        return ModelSpec.from_module(built, seq_len=seq_len or 2048)
-    raise ValueError(f"unknown model {name!r}: use a preset ({', '.join(PRESETS)}), a bench model "
-                     f"({', '.join(BENCH_MODELS)}) or 'module:function'")
+    return None
 
 
 def _with_seq_len(spec: ModelSpec, seq_len: int) -> ModelSpec:
@@ -131,9 +133,7 @@ def summary_lines(result: SearchResult) -> list[str]:
         f"- Model: {result.spec.describe()}",
         f"- Cluster: {cluster.describe()}; {cluster.num_devices} devices; usable memory "
         f"{cluster.profile.memory_bytes * 0.9 / GB:.1f} GB per device ({cluster.profile.source})",
-        f"- Predictions: {cluster.profile.basis}; engine {cluster.engine.name} ({cluster.engine.source})"
-        + (f"; measured step-time factor {cluster.profile.step_time_scale:.3g} over {cluster.profile.measured_steps} "
-           "measured candidate(s)" if cluster.profile.measured_steps else ""),
+        f"- Predictions: {cluster.profile.basis}; engine {cluster.engine.name} ({cluster.engine.source})",
         f"- Global batch: {result.global_batch_size} sequences of {result.spec.seq_len} tokens",
         f"- Search: {result.method} over {len(result.layouts)} layouts (tp, pp), {result.n_evaluated} strategies "
         f"scored, {result.n_new_trials} new trial(s) of {result.n_trials} in study `{result.study_name}` "
@@ -293,21 +293,14 @@ def run_measured_tune(args) -> int:
 
 def _build_module(name: str, size: str):
     """The nn.Module behind a bench model name or 'module:function' (presets are shapes only)."""
-    if name in BENCH_MODELS:
-        from tridist.bench.models import build_model
-
-        return build_model(name, size)
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            built = getattr(importlib.import_module(module_name), attr)()
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"cannot load {name!r}: {exc}") from exc
-        if not hasattr(built, "parameters"):
-            raise ValueError(f"{name!r} built a {type(built).__name__}, not an nn.Module: --measure runs the model")
-        return built
-    raise ValueError(f"--measure runs the model: give a bench model ({', '.join(BENCH_MODELS)}) or module:function "
-                     f"building an nn.Module, not {name!r}")
+    factory = None if name in PRESETS else _model_factory(name, size)
+    if factory is None:
+        raise ValueError(f"--measure runs the model: give a bench model ({', '.join(BENCH_MODELS)}) or "
+                         f"module:function building an nn.Module, not {name!r}")
+    built = factory()
+    if not hasattr(built, "parameters"):
+        raise ValueError(f"{name!r} built a {type(built).__name__}, not an nn.Module: --measure runs the model")
+    return built
 
 
 def write_measured_report(measurements, out_dir: str | Path) -> Path:
@@ -353,6 +346,7 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
 
 
 def profile_device(args):
+    """The device `tridist calibrate --device` names ("auto": the current GPU, else the CPU)."""
     import torch
 
     if args.device == "auto":
@@ -394,16 +388,16 @@ def run_calibrate(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("tridist calibrate: error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
-    device = None if args.device == "auto" else torch.device(args.device)
+    device = profile_device(args)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([128, 256] if args.quick else None)
     rank = int(__import__("os").environ.get("RANK", "0"))
     say = print if rank == 0 else (lambda *_: None)
     profile = calibrate(device, name=args.name, sizes=sizes, comm=not args.no_comm,
                         repeats=2 if args.quick else 5, copy_bytes=(1 << 22) if args.quick else None, progress=say,
                         layer=QUICK_LAYER if args.quick else None)
-    if profile_device(args).type == "cuda":
+    if device.type == "cuda":
         profile = dataclasses.replace(profile, fused_kernel_bandwidth=measure_fused_kernels(
-            profile_device(args), QUICK_LAYER if args.quick else LAYER_SHAPES["cuda"], progress=say))
+            device, QUICK_LAYER if args.quick else LAYER_SHAPES["cuda"], progress=say))
     else:
         say("  fused kernels: not measured on a CPU (Triton runs them interpreted there)")
     if rank != 0:

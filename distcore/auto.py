@@ -114,7 +114,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     except autotune.UnrecognisedModel as error:
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
-    strategy = _choose(spec, cluster, global_batch, config, world)
+    strategy, searched = _choose(spec, cluster, global_batch, config, world)
     limits: dict[str, str] = {}
     while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
         found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure).items() if dim not in limits}
@@ -123,11 +123,10 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         for dim, why in found.items():
             log.warning("to_distributed: %s excluded: %s", "tensor parallel" if dim == "tp" else "activation recompute", why)
         limits.update(found)  # grows each round: at most one round per kind of limit
-        strategy = _choose(spec, cluster, global_batch, config, world, limits=limits)
+        strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     measurements = None
     if config.measure and config.strategy is None and spec is not None:
-        strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, cluster, global_batch, config,
-                                                  limits, world)
+        strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, config, searched, world)
     model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config)
     for obj in (model, optimizer, loader):
         obj.distributed_strategy = strategy
@@ -242,6 +241,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
+    """(the strategy every rank applies, the SearchResult behind it on rank 0: None elsewhere, and where
+    no search ran: a given strategy, an unrecognised model)."""
     from tridist import autotune
 
     limits = {**unsupported(spec), **(limits or {})}
@@ -254,19 +255,19 @@ def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world
         if reasons:
             raise autotune.InvalidStrategy(strategy, reasons)
         _log_choice(strategy, "given in ToDistributedConfig.strategy", [])
-        return strategy
+        return strategy, None
     if spec is None:  # unrecognised structure: nothing but data parallel needs no knowledge of it
         strategy = _fallback(world, global_batch)
         _log_choice(strategy, "fallback for an unrecognised model", [])
-        return strategy
+        return strategy, None
     for dim, why in limits.items():
         log.warning("to_distributed: %s kept at its default for this model: %s", dim, why)
-    best, message, _ = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
+    best, message, result = _search_on_rank_zero(spec, cluster, global_batch, config, limits, world)
     if best is None:
         strategy = _fallback(world, global_batch)
         log.warning("to_distributed: %s; trying %s", message, strategy.describe())
-        return strategy
-    return best
+        return strategy, result
+    return best, result
 
 
 def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributedConfig, limits: dict, world: int):
@@ -300,14 +301,12 @@ def _search_on_rank_zero(spec, cluster, global_batch: int, config: ToDistributed
     return best, message, result
 
 
-def _measured_choice(model, optimizer, dataloader, spec, cluster, global_batch: int, config: ToDistributedConfig,
-                     limits: dict, world: int):
-    """(the measured fastest strategy, the measurements): rank 0 searches and names the top candidates,
-    every rank measures each (measure.py), rank 0 re-ranks (autotune.measured) and every rank applies
-    its answer."""
+def _measured_choice(model, optimizer, dataloader, spec, config: ToDistributedConfig, result, world: int):
+    """(the measured fastest strategy, the measurements): rank 0 names the top candidates of its search
+    (`result`, None on the other ranks), every rank measures each (measure.py), rank 0 re-ranks
+    (autotune.measured) and every rank applies its answer."""
     from tridist.autotune.measured import rerank
 
-    _, _, result = _search_on_rank_zero(spec, cluster, global_batch, config, {**unsupported(spec), **limits}, world)
     names = [[c.strategy for c in result.ranked[: config.measure_top_k]] if result is not None else None]
     if world > 1:
         dist.broadcast_object_list(names, src=0)
