@@ -257,6 +257,7 @@ def check_errors():
     _expect(ValueError, "must name one layer list", {"pp_config": {"split_spec": "decoder.layers"}})
     _expect(ValueError, "unknown pp_config key", _pp("seed-llama", accumulate=2))
     _expect(ValueError, "choose one of", _pp("seed-llama", schedule="zigzag"))
+    _expect(ValueError, "pp_config['eval_logits'] = 'all'; choose one of", _pp("seed-llama", eval_logits="all"))
     _expect(ValueError, "needs 4", {"pp_config": {"split_spec": {"layers.1": SplitPoint.END}}})
     _expect(ValueError, "not a layer of a layer list", {"pp_config": {"split_spec": {"norm": SplitPoint.END}}})
     _expect(NotImplementedError, "global layer 'norm' has parameters", _pp("seed-llama", global_spec="norm"))
