@@ -4,6 +4,7 @@
     tridist bench tune [--quick] [--no-sqlite]
     tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
     tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
+    tridist autotune kernels [--ops ...] [--dtype bf16] [--trials 32] [--minutes M] [--quick] [--storage URL] [--out DIR]
 
 Commands are data: COMMANDS maps a name to a `Command` (its arguments and its handler), and
 `bench` has its own table of targets. Handlers import their package when they run, so that
@@ -219,6 +220,46 @@ def _bench_tune(args: argparse.Namespace) -> int:
     return 0 if frame["equals_exhaustive"].all() else 1
 
 
+# --------------------------------------------------------------------------- tridist autotune kernels
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be positive")
+    return value
+
+
+def _autotune_kernels_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", type=parse_ops, default=None,
+                        help=f"comma-separated ops (default: all of {','.join(KERNEL_OPS)}); forward and backward "
+                             "kernels are swept separately")
+    parser.add_argument("--dtype", default="bf16", help="comma-separated of bf16, fp16, fp32 (default bf16)")
+    parser.add_argument("--trials", type=_positive_int, default=32,
+                        help="trials per shape bucket, the heuristic's included (default 32)")
+    parser.add_argument("--minutes", type=_positive_float, default=None,
+                        help="time budget of the whole sweep, shared by the buckets (default: none)")
+    parser.add_argument("--quick", action="store_true", help="one shape per kernel (16384 tokens)")
+    parser.add_argument("--storage", default=None,
+                        help="Optuna storage: an RDB URL, an SQLite file path, a journal file (*.log) or 'memory' "
+                             "(default: sqlite under ~/.cache/tridist/kernel-sweep.db; an interrupted sweep resumes)")
+    parser.add_argument("--table", default=None, metavar="PATH",
+                        help="tuned table to update (default: where the kernels look for this device, "
+                             "~/.cache/tridist/kernel-configs/<device>.json, or $TRIDIST_KERNEL_CONFIGS)")
+    parser.add_argument("--no-write", dest="write", action="store_false", help="report only; leave the table alone")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="report directory (default: reports/kernel-sweep-<device>-<timestamp>/)")
+
+
+def _autotune_kernels(args: argparse.Namespace) -> int:
+    from tridist.bench.kernel_tune import run_kernel_autotune
+
+    return run_kernel_autotune(args)
+
+
 # ------------------------------------------------------------------------------------------- the table
 
 
@@ -275,6 +316,18 @@ COMMANDS: dict[str, Command] = {
         help="search the fastest training strategy (dp/tp/pp, sharding, micro-batches, recompute) with the cost model",
         add_arguments=_tune_arguments,
         handler=_tune,
+    ),
+    "autotune": Command(
+        help="auto-tuning sweeps",
+        add_arguments=lambda parser: None,
+        subcommands={
+            "kernels": Command(
+                help="Optuna sweeps of the fused kernels' launch configurations on this GPU; writes the table the "
+                     "kernels read at launch (exit 3 without a GPU)",
+                add_arguments=_autotune_kernels_arguments,
+                handler=_autotune_kernels,
+            ),
+        },
     ),
     "calibrate": Command(
         help="measure this machine (matmul, copy, collectives under torchrun) and save a device profile",

@@ -15,14 +15,25 @@ from tridist.kernels.ops import rms_norm as rms_norm_module, swiglu as swiglu_mo
 from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
 
 
+CPU = torch.device("cpu")
+FWD, BWD = rms_norm_module.TUNABLES["rms_norm", "fwd"], rms_norm_module.TUNABLES["rms_norm", "bwd"]
+
+
 @pytest.fixture
 def tuned_table(tmp_path, monkeypatch):
-    """Point kernels at a tuned table file written by the test (as autotune would write it)."""
+    """Point kernels at a tuned table file written by the test, in the format autotune writes.
+
+    `write({tunable: {key: config}}, **overrides)`: the table's fields (device, versions, format) are
+    this process's unless overridden; `versions={tunable: "..."}` sets a kernel's recorded version."""
     path = tmp_path / "table.json"
     monkeypatch.setenv("TRIDIST_KERNEL_CONFIGS", str(path))
 
-    def write(entries: dict):
-        path.write_text(json.dumps({"device": "cpu", "configs": entries}))
+    def write(entries: dict, *, versions: dict | None = None, **fields):
+        table = {"format": configs.TABLE_FORMAT, "device": "cpu", **configs.software_versions(), **fields,
+                 "kernels": {t.name: {"version": (versions or {}).get(t, t.version),
+                                      "entries": {key: {"config": cfg, "gain": 1.0} for key, cfg in by_key.items()}}
+                             for t, by_key in entries.items()}}
+        path.write_text(json.dumps(table))
         configs.clear_cache()
 
     yield write
@@ -30,22 +41,35 @@ def tuned_table(tmp_path, monkeypatch):
 
 
 def test_heuristic_without_a_table(tuned_table):
-    cpu = torch.device("cpu")
-    cfg = rms_norm_module.launch_config("fwd", 4096, torch.bfloat16, cpu)
+    cfg = rms_norm_module.launch_config("fwd", 64, 4096, torch.bfloat16, CPU)
     assert cfg == {"BLOCK_N": 4096, "BLOCK_M": 1, "num_warps": 8}
-    wide = rms_norm_module.launch_config("fwd", 65536, torch.bfloat16, cpu)
+    wide = rms_norm_module.launch_config("fwd", 64, 65536, torch.bfloat16, CPU)
     assert wide["BLOCK_N"] == rms_norm_module.MULTI_PASS_BLOCK_N  # streamed in column blocks
-    narrow = rms_norm_module.launch_config("fwd", 100, torch.float32, cpu)
+    narrow = rms_norm_module.launch_config("fwd", 64, 100, torch.float32, CPU)
     assert narrow["BLOCK_N"] == 128 and narrow["BLOCK_M"] == 32  # short rows packed into one tile
-    assert swiglu_module.launch_config("fwd", 11008, torch.bfloat16, cpu)["BLOCK_N"] == swiglu_module.MAX_BLOCK_N
+    assert rms_norm_module.launch_config("bwd", 64, 100, torch.float32, CPU)["PROGRAMS_PER_SM"] == 2
+    assert swiglu_module.launch_config("fwd", 64, 11008, torch.bfloat16, CPU)["BLOCK_N"] == swiglu_module.MAX_BLOCK_N
+
+
+def test_buckets():
+    assert [configs.rows_bucket(n) for n in (1, 1024, 1025, 4096, 5000, 65536, 10**7)] == [
+        1024, 1024, 4096, 4096, 16384, 65536, 65536]
+    assert [configs.width_bucket(n) for n in (1, 40, 64, 11008, 14336)] == [1, 64, 64, 16384, 16384]
+    # One entry serves every shape of its bucket: 40 and 64 columns, 5 and 1000 rows.
+    assert rms_norm_module.tuning_key(5, 40, torch.float32) == rms_norm_module.tuning_key(1000, 64, torch.float32)
+    assert rms_norm_module.tuning_key(5, 40, torch.float32) != rms_norm_module.tuning_key(5000, 40, torch.float32)
 
 
 def test_tuned_entry_wins_and_is_used_by_the_launch(tuned_table, backend):
     """A tuned config that forces the multi-pass path on a short row must still give right answers."""
-    key = configs.config_key(n_cols=40, dtype=torch.float32)
+    key = rms_norm_module.tuning_key(5, 40, torch.float32)
     tuned = {"BLOCK_N": 16, "BLOCK_M": 2, "num_warps": 1}
-    tuned_table({"rms_norm_fwd": {key: tuned}, "rms_norm_bwd": {key: tuned}, "swiglu_fwd": {key: tuned}})
-    assert rms_norm_module.launch_config("fwd", 40, torch.float32, torch.device("cpu")) == tuned
+    swiglu_fwd = swiglu_module.TUNABLES["fwd"]
+    tuned_table({FWD: {key: tuned}, BWD: {key: {**tuned, "PROGRAMS_PER_SM": 1}},
+                 swiglu_fwd: {swiglu_module.tuning_key(5, 40, torch.float32): tuned}})
+    assert rms_norm_module.launch_config("fwd", 5, 40, torch.float32, CPU) == tuned
+    # add_rms_norm is its own binary with its own entries: none here, so the heuristic.
+    assert rms_norm_module.launch_config("fwd", 5, 40, torch.float32, CPU, residual=True)["BLOCK_N"] == 64
     x = torch.randn(5, 40, requires_grad=True)
     w = torch.rand(40, requires_grad=True)
     y = kernels.rms_norm(x, w)
@@ -57,6 +81,29 @@ def test_tuned_entry_wins_and_is_used_by_the_launch(tuned_table, backend):
     torch.testing.assert_close(kernels.swiglu(x, x), swiglu_reference(x, x))
 
 
+def test_launches_read_the_table(tuned_table, monkeypatch):
+    """The launchers themselves pass the tuned entry to the kernel (not only launch_config)."""
+    if not rms_norm_module.use_triton(torch.empty(0)):
+        pytest.skip("the Triton path runs on CPU only under TRITON_INTERPRET=1")
+    seen = []
+    real = rms_norm_module._rms_norm_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append({k: kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps")})
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", Spy())
+    tuned = {"BLOCK_N": 32, "BLOCK_M": 4, "num_warps": 2}
+    tuned_table({FWD: {rms_norm_module.tuning_key(6, 64, torch.float32): tuned}})
+    x = torch.randn(6, 64)
+    torch.testing.assert_close(kernels.rms_norm(x, torch.ones(64)), rms_norm_reference(x, torch.ones(64)))
+    kernels.rms_norm(torch.randn(5000, 64), torch.ones(64))  # another rows bucket: the heuristic
+    assert seen == [tuned, rms_norm_module.heuristic_config("fwd", 64)]
+
+
 @pytest.mark.parametrize(
     "entry, problem",
     [
@@ -65,14 +112,42 @@ def test_tuned_entry_wins_and_is_used_by_the_launch(tuned_table, backend):
         ({"BLOCK_N": 48, "BLOCK_M": 1, "num_warps": 4}, "powers of two"),  # tl.arange needs 2**k
     ],
 )
-def test_stale_or_invalid_entry_is_ignored_with_a_warning(tuned_table, entry, problem):
-    key = configs.config_key(n_cols=64, dtype=torch.float32)
-    tuned_table({"rms_norm_fwd": {key: entry}})
+def test_invalid_entry_is_ignored_with_a_warning(tuned_table, entry, problem):
+    tuned_table({FWD: {rms_norm_module.tuning_key(3, 64, torch.float32): entry}})
     with pytest.warns(UserWarning, match=problem):
-        cfg = rms_norm_module.launch_config("fwd", 64, torch.float32, torch.device("cpu"))
+        cfg = rms_norm_module.launch_config("fwd", 3, 64, torch.float32, CPU)
     assert cfg == {"BLOCK_N": 64, "BLOCK_M": 64, "num_warps": 8}  # the heuristic
     x = torch.randn(3, 64)
     torch.testing.assert_close(kernels.rms_norm(x, torch.ones(64)), rms_norm_reference(x, torch.ones(64)))
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"device": "NVIDIA H100 80GB HBM3"}, "tuned on 'NVIDIA H100"),
+        ({"triton": "0.0.1"}, "tuned under triton 0.0.1"),
+        ({"torch": "1.0"}, "tuned under torch 1.0"),
+        ({"format": 1}, "format 1"),
+        ({"versions": {FWD: "0123456789abcdef"}}, "kernel's source is now"),
+    ],
+)
+def test_stale_table_falls_back_to_the_heuristic(tuned_table, fields, problem):
+    """A table from another device, other torch/Triton versions or an older kernel source is not used."""
+    key = rms_norm_module.tuning_key(3, 64, torch.float32)
+    tuned_table({FWD: {key: {"BLOCK_N": 16, "BLOCK_M": 2, "num_warps": 1}}}, **fields)
+    with pytest.warns(UserWarning, match=problem):
+        cfg = rms_norm_module.launch_config("fwd", 3, 64, torch.float32, CPU)
+    assert cfg == rms_norm_module.heuristic_config("fwd", 64)
+
+
+def test_kernel_version_follows_the_source():
+    """The version is a hash of the kernels' source: the four rms_norm tunables share code but not binaries,
+    and each op's version differs from the others'."""
+    versions = {t.name: t.version for t in (*rms_norm_module.TUNABLES.values(), *swiglu_module.TUNABLES.values())}
+    assert versions["rms_norm_fwd"] == versions["add_rms_norm_fwd"] != versions["rms_norm_bwd"]
+    assert len({versions["rms_norm_fwd"], versions["swiglu_fwd"], versions["swiglu_bwd"]}) == 3
+    edited = configs.Tunable("x", frozenset(), (lambda a: a + 1,))
+    assert edited.version != configs.Tunable("x", frozenset(), (lambda a: a + 2,)).version
 
 
 def test_unreadable_table_is_ignored_with_a_warning(tmp_path, monkeypatch):
@@ -81,13 +156,13 @@ def test_unreadable_table_is_ignored_with_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIDIST_KERNEL_CONFIGS", str(path))
     configs.clear_cache()
     with pytest.warns(UserWarning, match="unreadable"):
-        rms_norm_module.launch_config("fwd", 64, torch.float32, torch.device("cpu"))
+        rms_norm_module.launch_config("fwd", 3, 64, torch.float32, CPU)
     configs.clear_cache()
 
 
 def test_table_location_is_per_device(monkeypatch):
     monkeypatch.delenv("TRIDIST_KERNEL_CONFIGS", raising=False)
-    path = configs.tuned_table_path(torch.device("cpu"))
+    path = configs.tuned_table_path(CPU)
     assert path.name == "cpu.json" and "tridist" in str(path)
     assert configs.config_key(n_cols=8, dtype=torch.bfloat16) == "dtype=bfloat16,n_cols=8"
 

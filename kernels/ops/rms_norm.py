@@ -17,6 +17,8 @@ Rows longer than what fits in registers (MAX_SINGLE_PASS_COLS) are processed in 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,6 @@ TARGET_TILE_ELEMENTS = 4096
 BACKWARD_PROGRAMS_PER_SM = 2
 
 ROUND_NONE, ROUND_TO_WEIGHT, ROUND_TO_INPUT = 0, 1, 2
-_CONFIG_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -225,28 +226,69 @@ def _rms_norm_bwd_kernel(
                 tl.store(dx_ptr + out_rows[:, None] + block[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-# ------------------------------------------------------------------------------------- launch heuristics
+# ------------------------------------------------------------------------------- launch configurations
 
-
-def launch_config(kind: str, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_N, BLOCK_M (rows per tile) and num_warps for `kind` in {"fwd", "bwd"}.
-
-    A tuned table entry wins (see kernels.configs). The heuristic: the whole row in one block up to
-    MAX_SINGLE_PASS_COLS (no padding beyond the next power of two), otherwise MULTI_PASS_BLOCK_N-wide
-    blocks; short rows are packed until a tile holds TARGET_TILE_ELEMENTS; one warp per 512 elements of
-    the tile (16 bytes per thread per load for bf16), between 1 and 16 warps.
-    """
-    tuned = configs.tuned_config(
-        f"rms_norm_{kind}", device, configs.config_key(n_cols=n_cols, dtype=dtype), _CONFIG_PARAMS
+_FORWARD_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
+_BACKWARD_PARAMS = _FORWARD_PARAMS | {"PROGRAMS_PER_SM"}
+# The sweep's limits: a tile of more than 2**16 elements needs over 64 fp32 registers per thread even
+# at 32 warps (spills), and single-pass rows wider than 2**15 always spill on sm_90.
+MAX_TILE_ELEMENTS = 1 << 16
+MAX_BLOCK_N = 1 << 15
+# One Tunable per (op, direction): add_rms_norm's kernels are the same functions compiled with the
+# residual branch (HAS_RESIDUAL / HAS_DH), a different binary with its own best launch.
+TUNABLES = {
+    (op, kind): configs.Tunable(
+        f"{op}_{kind}", _FORWARD_PARAMS if kind == "fwd" else _BACKWARD_PARAMS,
+        (_rms_norm_fwd_kernel if kind == "fwd" else _rms_norm_bwd_kernel, _load_h, _round_normed, _row_offsets),
     )
-    if tuned is not None:
-        return tuned
+    for op in ("rms_norm", "add_rms_norm") for kind in ("fwd", "bwd")
+}
+
+
+@functools.lru_cache(maxsize=4096)  # pure, and asked on every launch
+def tuning_key(n_rows: int, n_cols: int, dtype: torch.dtype) -> str:
+    """The tuned table's bucket of a launch (also what the sweep writes under)."""
+    return configs.config_key(n_cols=configs.width_bucket(n_cols), rows=configs.rows_bucket(n_rows), dtype=dtype)
+
+
+def heuristic_config(kind: str, n_cols: int) -> dict:
+    """BLOCK_N, BLOCK_M (rows per tile) and num_warps (+ PROGRAMS_PER_SM for "bwd") without a table.
+
+    The whole row in one block up to MAX_SINGLE_PASS_COLS (no padding beyond the next power of two),
+    otherwise MULTI_PASS_BLOCK_N-wide blocks; short rows are packed until a tile holds
+    TARGET_TILE_ELEMENTS; one warp per 512 elements of the tile (16 bytes per thread per load for
+    bf16), between 1 and 16 warps; the backward's persistent grid has BACKWARD_PROGRAMS_PER_SM.
+    """
     block_n = max(16, next_power_of_2(n_cols))
     if block_n > (MAX_SINGLE_PASS_COLS if kind == "fwd" else MAX_SINGLE_PASS_COLS_BACKWARD):
         block_n = MULTI_PASS_BLOCK_N
     block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
     num_warps = max(1, min(16, block_m * block_n // 512))
-    return {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}
+    config = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}
+    if kind == "bwd":
+        config["PROGRAMS_PER_SM"] = BACKWARD_PROGRAMS_PER_SM
+    return config
+
+
+def search_space(kind: str, n_cols: int) -> dict[str, list[int]]:
+    """What the sweep may try: every launch here is correct; MAX_TILE_ELEMENTS bounds the tile."""
+    widest = min(max(16, next_power_of_2(n_cols)), MAX_BLOCK_N)
+    space = {
+        "BLOCK_N": [b for b in (16 << i for i in range(12)) if widest // 16 <= b <= widest],
+        "BLOCK_M": [1, 2, 4, 8, 16, 32, 64],
+        "num_warps": [1, 2, 4, 8, 16, 32],
+    }
+    if kind == "bwd":
+        space["PROGRAMS_PER_SM"] = [1, 2, 4, 8]
+    return space
+
+
+def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, *,
+                  residual: bool = False) -> dict:
+    """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
+    tunable = TUNABLES["add_rms_norm" if residual else "rms_norm", kind]
+    tuned = configs.tuned_config(tunable, device, tuning_key(n_rows, n_cols, dtype))
+    return tuned if tuned is not None else heuristic_config(kind, n_cols)
 
 
 # -------------------------------------------------------------------------------------------- launchers
@@ -262,7 +304,9 @@ def _output_dtypes(h_dtype: torch.dtype, w_dtype: torch.dtype, cast_to_input: bo
     return ROUND_NONE, torch.promote_types(torch.float32, w_dtype)
 
 
-def _forward(x, residual, weight, eps, offset, cast_to_input):
+def _forward(x, residual, weight, eps, offset, cast_to_input, config=None):
+    """y, h (x + residual, or y itself) and the fp32 1/rms per row; `config` overrides the launch
+    configuration (the kernel sweep times candidates this way)."""
     n_cols = x.shape[-1]
     h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     round_mode, y_dtype = _output_dtypes(h_dtype, weight.dtype, cast_to_input)
@@ -276,7 +320,7 @@ def _forward(x, residual, weight, eps, offset, cast_to_input):
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if x_rows.n_rows == 0 or n_cols == 0:
         return y, h, rstd
-    cfg = launch_config("fwd", n_cols, x.dtype, x.device)
+    cfg = config or launch_config("fwd", x_rows.n_rows, n_cols, x.dtype, x.device, residual=residual is not None)
     grid = (triton.cdiv(x_rows.n_rows, cfg["BLOCK_M"]),)
     _rms_norm_fwd_kernel[grid](
         x_rows.tensor, res_rows.tensor, weight, y, h, rstd,
@@ -290,7 +334,7 @@ def _forward(x, residual, weight, eps, offset, cast_to_input):
     return y, h, rstd
 
 
-def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_dw):
+def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_dw, config=None):
     n_cols = h.shape[-1]
     round_mode, _ = _output_dtypes(h.dtype, weight.dtype, cast_to_input)
     if not use_triton(h):
@@ -299,10 +343,10 @@ def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_
     h_rows, dy_rows = RowLayout.of(h), RowLayout.of(dy)
     dh_rows = RowLayout.of(dh) if dh is not None else dy_rows
     dx = torch.empty(h.shape, dtype=dx_dtype, device=h.device)
-    cfg = launch_config("bwd", n_cols, h.dtype, h.device)
+    cfg = config or launch_config("bwd", h_rows.n_rows, n_cols, h.dtype, h.device, residual=dh is not None)
     single_pass = cfg["BLOCK_N"] >= n_cols
     n_tiles = triton.cdiv(h_rows.n_rows, cfg["BLOCK_M"])
-    n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(h.device, BACKWARD_PROGRAMS_PER_SM)))
+    n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(h.device, cfg["PROGRAMS_PER_SM"])))
     # The multi-pass kernel accumulates into its partial row in memory, so that row must start at zero.
     alloc = torch.zeros if not single_pass else torch.empty
     dw_partial = alloc((n_programs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=h.device)

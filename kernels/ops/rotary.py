@@ -19,6 +19,8 @@ any strides (views into a fused qkv projection need no copy).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,6 @@ TARGET_TILE_ELEMENTS = 2048
 # Tokens per program: enough work per program for short heads, one token when a token is already
 # a large tile. The interpreter runs programs one by one, so it gets the packed setting too.
 MAX_TOKENS_PER_PROGRAM = 16
-_CONFIG_PARAMS = frozenset({"BLOCK_H", "TOKENS_PER_PROGRAM", "num_warps"})
 
 
 # ----------------------------------------------------------------------------------------------- kernel
@@ -158,17 +159,29 @@ def _strides4(t: torch.Tensor, prefix: str) -> dict:
     return {f"{prefix}_stride_b": sb, f"{prefix}_stride_s": ss, f"{prefix}_stride_h": sh, f"{prefix}_stride_d": sd}
 
 
-def launch_config(head_dim: int, half_rotary: int, max_heads: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_H (heads per tile), TOKENS_PER_PROGRAM and num_warps; a tuned table entry wins.
+# ------------------------------------------------------------------------------- launch configurations
 
-    Heuristic: all heads of a token in one tile up to TARGET_TILE_ELEMENTS per half; tokens packed
-    until a program handles about that many pairs; 4 warps (the tile is small and latency-bound).
+# One kernel serves both directions, but CONJUGATE compiles a different binary: each has its entries.
+TUNABLES = {
+    kind: configs.Tunable(f"rotary_{kind}", frozenset({"BLOCK_H", "TOKENS_PER_PROGRAM", "num_warps"}),
+                          (_rotary_kernel, _rotate_heads))
+    for kind in ("fwd", "bwd")
+}
+
+
+@functools.lru_cache(maxsize=4096)  # pure, and asked on every launch
+def tuning_key(n_tokens: int, head_dim: int, q_heads: int, k_heads: int, dtype: torch.dtype) -> str:
+    """The tuned table's bucket: exact head_dim, heads to the next power of two, the GQA ratio, tokens."""
+    return configs.config_key(head_dim=head_dim, heads=configs.width_bucket(max(q_heads, k_heads)),
+                              gqa=max(1, q_heads // max(1, k_heads)), rows=configs.rows_bucket(n_tokens), dtype=dtype)
+
+
+def heuristic_config(half_rotary: int, max_heads: int) -> dict:
+    """BLOCK_H (heads per tile), TOKENS_PER_PROGRAM and num_warps without a table.
+
+    All heads of a token in one tile up to TARGET_TILE_ELEMENTS per half; tokens packed until a
+    program handles about that many pairs; 4 warps (the tile is small and latency-bound).
     """
-    tuned = configs.tuned_config(
-        "rotary", device, configs.config_key(head_dim=head_dim, heads=max_heads, dtype=dtype), _CONFIG_PARAMS
-    )
-    if tuned is not None:
-        return tuned
     block_r = next_power_of_2(half_rotary)
     block_h = min(next_power_of_2(max_heads), max(1, TARGET_TILE_ELEMENTS // block_r))
     per_token = max_heads * block_r
@@ -176,10 +189,28 @@ def launch_config(head_dim: int, half_rotary: int, max_heads: int, dtype: torch.
     return {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 4}
 
 
+def search_space(half_rotary: int, max_heads: int) -> dict[str, list[int]]:
+    """What the sweep may try: any heads-per-tile up to all heads, 1-32 tokens per program, 1-16 warps."""
+    return {
+        "BLOCK_H": [1 << i for i in range(next_power_of_2(max_heads).bit_length())],
+        "TOKENS_PER_PROGRAM": [1, 2, 4, 8, 16, 32],
+        "num_warps": [1, 2, 4, 8, 16],
+    }
+
+
+def launch_config(kind: str, n_tokens: int, head_dim: int, half_rotary: int, q_heads: int, k_heads: int,
+                  dtype: torch.dtype, device: torch.device) -> dict:
+    """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
+    tuned = configs.tuned_config(TUNABLES[kind], device, tuning_key(n_tokens, head_dim, q_heads, k_heads, dtype))
+    return tuned if tuned is not None else heuristic_config(half_rotary, max(q_heads, k_heads))
+
+
 # ------------------------------------------------------------------------------------------- launchers
 
 
-def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate):
+def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate, config=None):
+    """Rotated q and k (the inverse rotation with `conjugate`); `config` overrides the launch
+    configuration (the kernel sweep times candidates this way)."""
     q4, k4 = _as_bshd(q, layout_bhsd), _as_bshd(k, layout_bhsd)
     cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
     batch, seq_len, _, head_dim = q4.shape
@@ -195,7 +226,8 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         return q_out, k_out
     qo4, ko4 = _as_bshd(q_out, layout_bhsd), _as_bshd(k_out, layout_bhsd)
     n_pass = head_dim - rotary_dim
-    cfg = launch_config(head_dim, rotary_dim // 2, max(q4.shape[2], k4.shape[2]), q.dtype, q.device)
+    cfg = config or launch_config("bwd" if conjugate else "fwd", n_tokens, head_dim, rotary_dim // 2,
+                                  q4.shape[2], k4.shape[2], q.dtype, q.device)
     if cos3.stride() != sin3.stride():  # one set of table strides serves both (rare: tables built apart)
         cos3, sin3 = cos3.contiguous(), sin3.contiguous()
     # A table without a batch dimension (or with batch 1) is shared by every sequence.

@@ -13,6 +13,8 @@ sigmoid(gate) from the saved inputs instead of storing silu, and computes both g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +26,6 @@ from .._common import RowLayout, check_dtype, check_same_device, eager_autograd,
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
 MAX_BLOCK_N = 1024
 TARGET_TILE_ELEMENTS = 4096
-_CONFIG_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -88,23 +89,49 @@ def _swiglu_bwd_kernel(
     tl.store(dup_ptr + dup_offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-# ------------------------------------------------------------------------------------ launch heuristics
+# ------------------------------------------------------------------------------- launch configurations
+
+TUNABLES = {
+    kind: configs.Tunable(f"swiglu_{kind}", frozenset({"BLOCK_M", "BLOCK_N", "num_warps"}),
+                          (_swiglu_fwd_kernel if kind == "fwd" else _swiglu_bwd_kernel, _tile, _offsets))
+    for kind in ("fwd", "bwd")
+}
+# The sweep's limit: at most 16384 elements per tile (the backward holds five fp32 values per element:
+# 80 registers per thread at 16 warps).
+MAX_TILE_ELEMENTS = 1 << 14
 
 
-def launch_config(kind: str, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """BLOCK_M, BLOCK_N and num_warps for `kind` in {"fwd", "bwd"}; a tuned table entry wins.
+@functools.lru_cache(maxsize=4096)  # pure, and asked on every launch
+def tuning_key(n_rows: int, n_cols: int, dtype: torch.dtype) -> str:
+    """The tuned table's bucket of a launch (also what the sweep writes under)."""
+    return configs.config_key(n_cols=configs.width_bucket(n_cols), rows=configs.rows_bucket(n_rows), dtype=dtype)
 
-    Heuristic: blocks of min(next_pow2(n_cols), MAX_BLOCK_N) columns, rows packed until a tile holds
-    TARGET_TILE_ELEMENTS, one warp per 512 elements (4 for a full tile).
+
+def heuristic_config(n_cols: int) -> dict:
+    """BLOCK_M, BLOCK_N and num_warps without a table.
+
+    Blocks of min(next_pow2(n_cols), MAX_BLOCK_N) columns, rows packed until a tile holds
+    TARGET_TILE_ELEMENTS, one warp per 1024 elements (4 for a full tile).
     """
-    tuned = configs.tuned_config(
-        f"swiglu_{kind}", device, configs.config_key(n_cols=n_cols, dtype=dtype), _CONFIG_PARAMS
-    )
-    if tuned is not None:
-        return tuned
     block_n = min(max(16, next_power_of_2(n_cols)), MAX_BLOCK_N)
     block_m = max(1, TARGET_TILE_ELEMENTS // block_n)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": max(1, block_m * block_n // 1024)}
+
+
+def search_space(n_cols: int) -> dict[str, list[int]]:
+    """What the sweep may try: every launch here is correct; MAX_TILE_ELEMENTS bounds the tile."""
+    widest = min(max(16, next_power_of_2(n_cols)), 4096)
+    return {
+        "BLOCK_N": [b for b in (16 << i for i in range(9)) if b <= widest],
+        "BLOCK_M": [1, 2, 4, 8, 16, 32, 64],
+        "num_warps": [1, 2, 4, 8, 16],
+    }
+
+
+def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
+    tuned = configs.tuned_config(TUNABLES[kind], device, tuning_key(n_rows, n_cols, dtype))
+    return tuned if tuned is not None else heuristic_config(n_cols)
 
 
 def _grid(n_rows: int, n_cols: int, cfg: dict):
@@ -114,7 +141,8 @@ def _grid(n_rows: int, n_cols: int, cfg: dict):
 # ------------------------------------------------------------------------------------------- launchers
 
 
-def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """silu(gate) * up; `config` overrides the launch configuration (the kernel sweep times candidates this way)."""
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     if not use_triton(gate):  # contiguous, as the Triton path and the fake implementation produce
         return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype).contiguous()
@@ -122,7 +150,7 @@ def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate_rows, up_rows = RowLayout.of(gate), RowLayout.of(up)
     n_rows, n_cols = gate_rows.n_rows, gate.shape[-1]
     if n_rows and n_cols:
-        cfg = launch_config("fwd", n_cols, gate.dtype, gate.device)
+        cfg = config or launch_config("fwd", n_rows, n_cols, gate.dtype, gate.device)
         _swiglu_fwd_kernel[_grid(n_rows, n_cols, cfg)](
             gate_rows.tensor, up_rows.tensor, out, n_rows, n_cols,
             **gate_rows.kernel_args("gate"), **up_rows.kernel_args("up"),
@@ -131,8 +159,8 @@ def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _backward_into(grad, gate, up, dgate, dup) -> None:
-    """Write both input gradients into the (possibly strided) tensors dgate and dup."""
+def _backward_into(grad, gate, up, dgate, dup, config=None) -> None:
+    """Write both input gradients into the (possibly strided) tensors dgate and dup (`config`: as in _forward)."""
     if not use_triton(gate):
         torch_dgate, torch_dup = _backward_torch(grad, gate, up)
         dgate.copy_(torch_dgate)
@@ -142,7 +170,7 @@ def _backward_into(grad, gate, up, dgate, dup) -> None:
     layouts.update(dgate=RowLayout.of(dgate, allow_copy=False), dup=RowLayout.of(dup, allow_copy=False))
     n_rows, n_cols = layouts["gate"].n_rows, gate.shape[-1]
     if n_rows and n_cols:
-        cfg = launch_config("bwd", n_cols, gate.dtype, gate.device)
+        cfg = config or launch_config("bwd", n_rows, n_cols, gate.dtype, gate.device)
         _swiglu_bwd_kernel[_grid(n_rows, n_cols, cfg)](
             *(layout.tensor for layout in layouts.values()), n_rows, n_cols,
             **{k: v for name, layout in layouts.items() for k, v in layout.kernel_args(name).items()},
