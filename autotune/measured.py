@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 from .hardware import DeviceProfile, save_profile
 from .strategy import Strategy
 
-__all__ = ["Measurement", "MeasuredRanking", "rerank", "measure_top"]
+__all__ = ["Measurement", "MeasuredRanking", "rerank", "measure_top", "candidates_to_measure", "MEASURE_PICKS"]
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,31 @@ class MeasuredRanking:
         return next((m for m in self.measurements if m.measured_s is not None), None)
 
 
-def measure_top(result, measure: Callable[[Strategy], float], *, top_k: int = 3) -> dict[Strategy, float | str]:
-    """Call `measure(strategy)` on the `top_k` best predicted candidates; an exception is that
+MEASURE_PICKS = ("top", "layouts")
+
+
+def candidates_to_measure(result, top_k: int, pick: str = "top") -> list:
+    """Which candidates of `result` (a SearchResult) a measured search runs.
+
+    "top": the `top_k` best predicted (to choose the fastest: the usual case). "layouts": the best
+    predicted strategy of each (dp, tp, pp) layout, fastest layouts first, `top_k` of them: a spread of
+    strategies, to judge the cost model's ordering (the strategy benchmark's rank correlation) rather
+    than the near-ties at the top.
+    """
+    if pick not in MEASURE_PICKS:
+        raise ValueError(f"measure pick {pick!r} is not one of {', '.join(MEASURE_PICKS)}")
+    if pick == "top":
+        return list(result.ranked[:top_k])
+    bests = sorted((layout.best for layout in result.layouts if layout.best), key=lambda c: c.sort_key())
+    return bests[:top_k]
+
+
+def measure_top(result, measure: Callable[[Strategy], float], *, top_k: int = 3,
+                pick: str = "top") -> dict[Strategy, float | str]:
+    """Call `measure(strategy)` on the candidates `candidates_to_measure` picks; an exception is that
     candidate's failure (its message), not the search's."""
     measured: dict[Strategy, float | str] = {}
-    for candidate in result.ranked[:top_k]:
+    for candidate in candidates_to_measure(result, top_k, pick):
         try:
             measured[candidate.strategy] = float(measure(candidate.strategy))
         except Exception as error:  # noqa: BLE001 - out of memory, a shape error: the candidate is dropped
@@ -75,7 +95,7 @@ def measure_top(result, measure: Callable[[Strategy], float], *, top_k: int = 3)
 def rerank(result, measured: Mapping[Strategy, float | str], *, save: bool = False) -> MeasuredRanking:
     """Re-rank `result` (a SearchResult) by `measured` (seconds per step, or a failure's reason per
     strategy) and refit its device's step-time factor (saved as `<name>-measured` when `save`)."""
-    by_strategy = {c.strategy: c for c in result.ranked}
+    by_strategy = {c.strategy: c for c in [*(layout.best for layout in result.layouts if layout.best), *result.ranked]}
     unknown = [s.describe() for s in measured if s not in by_strategy]
     if unknown:
         raise ValueError(f"rerank: measured strategies {unknown} are not among the search's ranked candidates")

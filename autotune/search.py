@@ -473,7 +473,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
            space: SearchSpace | None = None, method: str = "auto", n_trials: int | None = None,
            exhaustive_limit: int = EXHAUSTIVE_LAYOUT_LIMIT, study_name: str | None = None,
            progress: bool | Callable = False, seed: int = 0, measure: Callable | None = None,
-           measure_top_k: int = 3, excluded: dict[str, str] | None = None) -> SearchResult:
+           measure_top_k: int = 3, measure_pick: str = "top", excluded: dict[str, str] | None = None) -> SearchResult:
     """Find the fastest strategy for `spec` on `cluster` that fits in memory.
 
     storage: None or "memory" (in memory, the default: fast, and safe when every rank of a job
@@ -482,7 +482,8 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
     same problem and reuses its finished trials. method: "auto" (exhaustive up to `exhaustive_limit`
     layouts, else TPE), "exhaustive" or "tpe" (`n_trials` trials, default 64). progress: True prints
     progress lines to stderr; a callable receives (done, total, message). measure: a callable
-    `strategy -> seconds per step`, run on the `measure_top_k` best predicted candidates, which then
+    `strategy -> seconds per step`, run on the `measure_top_k` best predicted candidates (measure_pick
+    "top"), or on the best of each (dp, tp, pp) layout ("layouts": a spread, to judge the model), which then
     rank by their measured times (measured.py; a candidate that raises is dropped with its reason); the
     result's `measured` holds the measurements and the device profile with its refitted factor.
     excluded: {knob: reason} the runtime cannot apply ("tp", "pp", "recompute", "overlap_tp_comm"): kept
@@ -495,6 +496,8 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     if method not in ("auto", "exhaustive", "tpe"):
         raise ValueError(f"method must be 'auto', 'exhaustive' or 'tpe', got {method!r}")
+    if measure_pick not in ("top", "layouts"):
+        raise ValueError(f"measure_pick must be 'top' or 'layouts', got {measure_pick!r}")
     if measure is not None and not callable(measure):
         raise TypeError(
             f"search: measure must be a callable strategy -> seconds per step, got {measure!r}; autotune runs no model "
@@ -584,7 +587,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
         return result
     from .measured import measure_top, rerank
 
-    ranking = rerank(result, measure_top(result, measure, top_k=measure_top_k))
+    ranking = rerank(result, measure_top(result, measure, top_k=measure_top_k, pick=measure_pick))
     return dataclasses.replace(ranking.result, measured=ranking)
 
 

@@ -4,6 +4,8 @@
     tridist bench tune [--quick] [--no-sqlite]
     tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
     tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
+    tridist bench model [--targets layer,model] [--variants ...] [--quick] [--no-compile] [--out DIR]
+    tridist bench all [--out DIR] [--steps sweep,check,kernels,model,calibrate] [--sweep-minutes 4]
     tridist autotune kernels [--ops ...] [--dtype bf16] [--trials 32] [--minutes M] [--quick] [--storage URL] [--out DIR]
 
 Commands are data: COMMANDS maps a name to a `Command` (its arguments and its handler), and
@@ -154,6 +156,10 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "clock; the device's step-time factor is refitted and saved as <device>-measured")
     parser.add_argument("--measure-top-k", type=_positive_int, default=3, help="candidates to measure (default 3)")
     parser.add_argument("--measure-steps", type=_positive_int, default=3, help="timed steps per candidate (default 3)")
+    parser.add_argument("--measure-pick", choices=("top", "layouts"), default="top",
+                        help="which candidates to measure: the best predicted (top, default) or the best of each "
+                             "dp x tp x pp layout (layouts: the strategy benchmark, a spread of strategies with the "
+                             "rank correlation of predicted and measured times)")
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -218,6 +224,87 @@ def _bench_tune(args: argparse.Namespace) -> int:
     frame = run_tune_benchmark(quick=args.quick, storages=("memory",) if args.no_sqlite else ("memory", "journal", "sqlite"))
     print(frame.to_string(index=False))
     return 0 if frame["equals_exhaustive"].all() else 1
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    # The names of bench.model_bench's TARGETS and VARIANTS (which imports torch): argument checking
+    # stays import-free; tests/test_model_bench.py checks that they agree.
+    targets, variants = ("layer", "model"), ("eager", "compile", "liger", "fused", "fused+compile")
+
+    def names(valid: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+        def parse(text: str) -> list[str]:
+            given = [name.strip() for name in text.split(",") if name.strip()]
+            unknown = [name for name in given if name not in valid]
+            if unknown or not given:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what}(s): {', '.join(unknown) or '(none given)'}; valid {what}s: {', '.join(valid)}")
+            return given
+
+        return parse
+
+    parser.add_argument("--targets", type=names(targets, "target"), default=None,
+                        help=f"comma-separated of {','.join(targets)} (default: both): one decoder layer's "
+                             "forward+backward, a small Llama's training step")
+    parser.add_argument("--variants", type=names(variants, "variant"), default=None,
+                        help=f"comma-separated of {','.join(variants)} (default: all; liger needs a GPU and liger_kernel)")
+    parser.add_argument("--dtype", choices=KERNEL_DTYPES, default=None,
+                        help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (GPU: 2048-token layer, 2-layer model)")
+    parser.add_argument("--no-compile", dest="compile", action="store_false",
+                        help="skip the torch.compile variants (compile, fused+compile)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="report directory (default: reports/model-<device>-<timestamp>/)")
+
+
+def _bench_model(args: argparse.Namespace) -> int:
+    from tridist.bench.kernels import resolve_device
+    from tridist.bench.model_bench import COMPILED_VARIANTS, VARIANTS, exit_status, run_model_benchmark
+
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as exc:  # --device cuda without a GPU
+        print(f"tridist bench model: error: {exc}", file=sys.stderr)
+        return 2
+    variants = [v for v in (args.variants or VARIANTS) if args.compile or v not in COMPILED_VARIANTS]
+    if not variants:
+        print("tridist bench model: error: --no-compile leaves no variant to run", file=sys.stderr)
+        return 2
+    df = run_model_benchmark(targets=args.targets or ("layer", "model"), variants=variants, device=device,
+                             dtype=args.dtype, quick=args.quick, out_dir=args.out, progress=True)
+    report_dir = df.attrs["report_dir"]
+    print((Path(report_dir) / "report.md").read_text())
+    print(f"report: {report_dir}")
+    return exit_status(df)  # 1: a variant disagreed with eager, or nothing ran cleanly
+
+
+# -------------------------------------------------------------------------------- tridist bench all
+
+
+def _parse_steps(text: str) -> list[str]:
+    from tridist.bench.all import STEP_NAMES  # light: no torch at import
+
+    steps = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in steps if name not in STEP_NAMES]
+    if unknown or not steps:
+        raise argparse.ArgumentTypeError(
+            f"unknown step(s): {', '.join(unknown) or '(none given)'}; valid steps: {', '.join(STEP_NAMES)}")
+    return steps
+
+
+def _bench_all_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="evidence folder (default: bench/results/<device>-<date>/)")
+    parser.add_argument("--steps", type=_parse_steps, default=None,
+                        help="comma-separated subset, run in the fixed order (default: sweep,check,kernels,model,calibrate)")
+    parser.add_argument("--sweep-minutes", type=_positive_float, default=4.0,
+                        help="time budget of the kernel sweep step (default 4)")
+
+
+def _bench_all(args: argparse.Namespace) -> int:
+    from tridist.bench.all import run_bench_all
+
+    return run_bench_all(args)
 
 
 # --------------------------------------------------------------------------- tridist autotune kernels
@@ -300,6 +387,12 @@ COMMANDS: dict[str, Command] = {
                 add_arguments=_kernels_arguments,
                 handler=_bench_kernels,
             ),
+            "all": Command(
+                help="all GPU evidence in one folder: kernel sweep, correctness, kernel and model benchmarks, "
+                     "calibration (exit 3 without a GPU)",
+                add_arguments=_bench_all_arguments,
+                handler=_bench_all,
+            ),
             "report": Command(
                 help="render a kernel-benchmark run, or compare runs (before/after, two devices) and flag regressions",
                 add_arguments=_bench_report_arguments,
@@ -309,6 +402,12 @@ COMMANDS: dict[str, Command] = {
                 help="strategy-search speed on 1x8 and 128x8 clusters and agreement with exhaustive enumeration",
                 add_arguments=_bench_tune_arguments,
                 handler=_bench_tune,
+            ),
+            "model": Command(
+                help="a decoder layer's forward+backward and a small Llama's training step: eager, torch.compile, "
+                     "Liger-Kernel, fuse(), fuse()+compile; time, tokens/s, peak memory",
+                add_arguments=_model_arguments,
+                handler=_bench_model,
             ),
         },
     ),

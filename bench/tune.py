@@ -282,7 +282,8 @@ def run_measured_tune(args) -> int:
     storage = default_storage() if args.storage is None else args.storage
     config = distcore.ToDistributedConfig(
         device=args.device, fuse_kernels=args.engine == "torch+tridist", storage=storage, top_k=args.top_k,
-        measure=True, measure_top_k=args.measure_top_k, measure_steps=args.measure_steps)
+        measure=True, measure_top_k=args.measure_top_k, measure_steps=args.measure_steps,
+        measure_pick=getattr(args, "measure_pick", "top"))
     model, _, _ = distcore.to_distributed(model, optimizer, loader, device_num=args.devices_per_node,
                                           node_num=args.nodes, config=config)
     if int(os.environ.get("RANK", "0")) == 0 and args.report:

@@ -70,6 +70,8 @@ class ToDistributedConfig:
       profile `<device>-measured` (pass it as `device` next time). `measure_step(model, optimizer,
       batch)`: one training step, where the model is not called as model(**batch) / model(*batch).
       The measurements end up in `model.distributed_measurements` (predicted and measured seconds).
+      measure_pick: "top" (the best predicted) or "layouts" (the best predicted of each dp x tp x pp
+      layout: a spread of strategies, for the strategy benchmark's predicted-vs-measured correlation).
     """
 
     input_spec: list | None = None
@@ -87,6 +89,12 @@ class ToDistributedConfig:
     measure_warmup: int = 1
     measure_step: object = None
     measure_save: bool = True
+    measure_pick: str = "top"
+
+    def __post_init__(self):
+        if self.measure_pick not in ("top", "layouts"):
+            raise ValueError(f"ToDistributedConfig: measure_pick must be 'top' (the best predicted strategies) or "
+                             f"'layouts' (the best of each dp x tp x pp layout), got {self.measure_pick!r}")
 
 
 def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: int, node_num: int | None = 1,
@@ -305,9 +313,10 @@ def _measured_choice(model, optimizer, dataloader, spec, config: ToDistributedCo
     """(the measured fastest strategy, the measurements): rank 0 names the top candidates of its search
     (`result`, None on the other ranks), every rank measures each (measure.py), rank 0 re-ranks
     (autotune.measured) and every rank applies its answer."""
-    from tridist.autotune.measured import rerank
+    from tridist.autotune.measured import candidates_to_measure, rerank
 
-    names = [[c.strategy for c in result.ranked[: config.measure_top_k]] if result is not None else None]
+    names = [[c.strategy for c in candidates_to_measure(result, config.measure_top_k, config.measure_pick)]
+             if result is not None else None]
     if world > 1:
         dist.broadcast_object_list(names, src=0)
     measured = measure_strategies(

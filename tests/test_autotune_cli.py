@@ -143,13 +143,16 @@ def test_tune_measure_runs_candidates_on_this_jobs_processes(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "tridist.bench", "tune", "--model", "hf-llama", "--size", "tiny", "--nodes", "1", "--devices-per-node",
                "2", "--global-batch", "4", "--seq-len", "16", "--device", "cpu", "--engine", "torch", "--measure",
-               "--measure-top-k", "2", "--measure-steps", "1", "--storage", "memory", "--report", str(report)]
+               "--measure-top-k", "2", "--measure-steps", "1", "--storage", "memory", "--report", str(report),
+               "--measure-pick", "layouts"]  # the strategy benchmark's spread: two different dp x tp x pp layouts
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     import pandas as pd
 
     frame = pd.read_csv(report / "measured.csv")
     assert len(frame) == 2 and frame["measured_ms"].is_monotonic_increasing, frame
+    layouts = [tuple(part for part in name.split() if part[:2] in ("dp", "tp", "pp")) for name in frame["strategy"]]
+    assert len(set(layouts)) == 2, frame["strategy"]
     assert (report / "measured.png").read_bytes().startswith(PNG_MAGIC)
     assert "Rank correlation of predicted and measured step times (Spearman)" in (report / "report.md").read_text()
     saved = load_profile(tmp_path / "cache" / "device-profiles" / "cpu-measured.json")

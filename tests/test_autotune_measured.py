@@ -62,3 +62,34 @@ def test_nothing_ran_and_bad_input(predicted):
         rerank(predicted, {top: 0.0})
     with pytest.raises(TypeError, match="ToDistributedConfig\\(measure=True\\)"):
         search(SPEC, CLUSTER, global_batch_size=BATCH, storage=None, measure=True)
+
+
+def test_layouts_pick_measures_a_spread_for_the_strategy_benchmark(predicted):
+    """measure_pick="layouts": the best predicted strategy of each dp x tp x pp layout, fastest layouts
+    first (the top predicted candidates are often one layout's micro-batch variants)."""
+    seen = []
+
+    def clock(strategy):
+        return 1.0 + (strategy.tp + strategy.pp) / 10  # the clock prefers little tp/pp
+
+    def measure(strategy):
+        seen.append(strategy)
+        return clock(strategy)
+
+    result = search(SPEC, CLUSTER, global_batch_size=BATCH, storage=None, measure=measure, measure_top_k=4,
+                    measure_pick="layouts")
+    layouts = [(s.dp, s.tp, s.pp) for s in seen]
+    assert len(seen) == 4 and len(set(layouts)) == 4
+    bests = sorted((l.best for l in predicted.layouts if l.best), key=lambda c: c.sort_key())[:4]
+    assert seen == [c.strategy for c in bests]
+    assert result.best.strategy == min(seen, key=clock)
+    assert [m.measured_s for m in result.measured.measurements] == sorted(clock(s) for s in seen)
+    with pytest.raises(ValueError, match="measure_pick"):
+        search(SPEC, CLUSTER, global_batch_size=BATCH, storage=None, measure=measure, measure_pick="all")
+
+
+def test_to_distributed_config_refuses_an_unknown_pick():
+    from tridist.distcore import ToDistributedConfig
+
+    with pytest.raises(ValueError, match="measure_pick must be 'top'"):
+        ToDistributedConfig(measure=True, measure_pick="every")

@@ -1,0 +1,275 @@
+"""`tridist bench model` on tiny CPU sizes: rows, report files, the correctness gate and the CLI.
+
+Timing numbers are not checked (CPU, shared machine). What is checked: every row is filled and
+stamped with its provenance, an unavailable variant is a row with its reason, a variant that
+computes something else is an error row and is not timed, and the CLI writes its files and exit
+status. Most tests run the fused kernels' PyTorch path (conftest sets TRITON_INTERPRET=1, whose
+interpreter takes ~0.5 s per tiny step); one runs them in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tridist.bench import cli
+from tridist.bench import model_bench as mb
+from tridist.bench.models import hf_llama
+from tridist.bench.report import ROW_PROVENANCE
+from tridist.kernels import _common
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FAST_TIMING = {"warmup_ms": 1, "rep_ms": 1}  # the minimum of 5 timed steps per row
+TINY = mb.ModelSize(hidden=32, heads=2, kv_heads=1, intermediate=64, layers=1, vocab=64, batch=1, seq=8)
+SIZES = {"layer": TINY, "model": mb.dataclasses.replace(TINY, layers=2)}
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """The fused ops' PyTorch implementation for CPU tensors instead of the (slow) Triton interpreter."""
+    monkeypatch.setattr(_common, "TRITON_INTERPRET", False)
+
+
+def _run(**kwargs):
+    kwargs = {"device": "cpu", "sizes": SIZES, "progress": False, **FAST_TIMING, **kwargs}
+    kwargs.setdefault("write_report", "out_dir" in kwargs)
+    return mb.run_model_benchmark(**kwargs)
+
+
+def _row(df, target, variant):
+    rows = df[(df["target"] == target) & (df["variant"] == variant)]
+    assert len(rows) == 1, rows
+    return rows.iloc[0]
+
+
+def _perturbing(factor, *, gradient_only=False):
+    """A variant builder for eager's module whose output (loss, or the layer's output) is off by
+    `factor`; with gradient_only, the output is right and every gradient is off by `factor`."""
+
+    def perturb(t):
+        return t.detach() + (t - t.detach()) * factor if gradient_only else t * factor
+
+    def build(module, *, device):
+        def fn(*args, **kwargs):
+            out = module(*args, **kwargs)
+            return (perturb(out[0]), out[1]) if isinstance(out, tuple) else perturb(out)
+
+        return mb.Built(fn, module, "planted")
+
+    return build
+
+
+# ------------------------------------------------------------------------------------------- full runs
+
+
+def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
+    df = _run(variants=["eager", "liger", "fused"], out_dir=tmp_path, progress=True)
+
+    import pandas as pd
+
+    saved = pd.read_csv(tmp_path / "results.csv")
+    assert list(saved.columns) == [*mb.RESULT_COLUMNS, *(c for c in ROW_PROVENANCE if c not in mb.RESULT_COLUMNS)]
+    assert len(saved) == len(df) == 2 * 3
+    assert list(saved["target"]) == ["layer"] * 3 + ["model"] * 3
+    stamps = saved[list(ROW_PROVENANCE)].astype(object).fillna("").astype(str)
+    assert (stamps["torch"] == torch.__version__).all() and (stamps["date"].str.len() > 0).all()
+    assert (stamps["commit"].str.len() == 40).all() and (stamps["tridist"].str.len() > 0).all()
+    assert (stamps["device"].str.startswith("CPU")).all()
+
+    ran = saved[saved["variant"] != "liger"]
+    assert (ran["status"] == "ok").all(), ran[["target", "variant", "error"]]
+    assert (ran["time_ms"] > 0).all() and (ran["tokens_per_s"] > 0).all() and (ran["tflops"] > 0).all()
+    assert (ran["tokens"] == 8).all() and (ran["params"] > 0).all()
+    assert ran["peak_mem_gib"].isna().all() and ran["mfu_pct"].isna().all()  # a CPU has neither: not faked
+    assert (ran["grad_err"] <= ran["grad_tol"]).all() and (ran["out_err"] <= ran["out_tol"]).all()
+    assert (saved.loc[saved["variant"] == "eager", "speedup_vs_eager"] == 1.0).all()
+    assert saved["speedup_vs_compile"].isna().all()  # compile did not run
+    fused = _row(saved, "model", "fused")
+    assert "rms_norm" in fused["detail"] and "swiglu" in fused["detail"] and "rotary" in fused["detail"]
+    model_eager = _row(saved, "model", "eager")
+    assert math.isclose(fused["loss"], model_eager["loss"], rel_tol=1e-5) and model_eager["loss"] > 0
+    assert math.isnan(_row(saved, "layer", "eager")["loss"])
+
+    liger = saved[saved["variant"] == "liger"]  # unavailable here: a row with the reason, not timed
+    assert (liger["status"] == "unavailable").all() and liger["time_ms"].isna().all()
+    assert liger["error"].str.contains("GPUs only").all()
+
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# Model benchmark") and "- Device: CPU" in report
+    assert f"torch {torch.__version__}" in report and "## layer" in report and "## model" in report
+    assert "| variant" in report and "tokens/s" in report and "unavailable: Liger-Kernel runs on GPUs only" in report
+    assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_MAGIC
+    assert df.attrs["report_dir"] == str(tmp_path)
+    progress = capsys.readouterr().err
+    assert "[layer] fused:" in progress and "[model] liger: unavailable" in progress
+
+
+def test_a_wrong_variant_is_an_error_row_and_not_timed(monkeypatch, torch_path):
+    monkeypatch.setitem(mb.VARIANT_BUILDERS, "fused", _perturbing(1.01))
+    df = _run(variants=["eager", "fused"])
+    for target in ("layer", "model"):
+        wrong = _row(df, target, "fused")
+        assert wrong["status"] == "mismatch" and wrong["error"].startswith("mismatch:")
+        assert wrong["out_err"] > wrong["out_tol"]
+        assert math.isnan(wrong["time_ms"]) and math.isnan(wrong["tokens_per_s"])
+        assert math.isnan(wrong["speedup_vs_eager"])
+        assert _row(df, target, "eager")["status"] == "ok"
+    assert mb.exit_status(df) == 1
+
+
+def test_wrong_gradients_alone_are_flagged(monkeypatch, torch_path):
+    monkeypatch.setitem(mb.VARIANT_BUILDERS, "fused", _perturbing(1.05, gradient_only=True))
+    df = _run(variants=["fused"])  # eager's reference runs whether or not eager is a row
+    assert list(df["variant"]) == ["fused", "fused"]
+    for target in ("layer", "model"):
+        wrong = _row(df, target, "fused")
+        assert wrong["out_err"] == 0 and wrong["grad_err"] > wrong["grad_tol"]
+        assert wrong["status"] == "mismatch" and "gradient error" in wrong["error"]
+        assert math.isnan(wrong["time_ms"])
+
+
+def test_a_broken_variant_is_a_failed_row_and_the_others_run(monkeypatch, torch_path):
+    def broken(module, *, device):
+        raise RuntimeError("no kernel for you")
+
+    monkeypatch.setitem(mb.VARIANT_BUILDERS, "fused", broken)
+    df = _run(targets=["layer"], variants=["eager", "fused", "liger"])
+    row = _row(df, "layer", "fused")
+    assert row["status"] == "failed" and "RuntimeError: no kernel for you" in row["error"]
+    assert math.isnan(row["time_ms"])
+    assert _row(df, "layer", "eager")["status"] == "ok"
+    assert mb.exit_status(df) == 0  # failed and unavailable rows alone do not fail the run
+    assert mb.exit_status(df[df["variant"] != "eager"]) == 1  # nothing ran cleanly
+
+
+def test_fused_variant_in_the_triton_interpreter():
+    assert _common.TRITON_INTERPRET  # conftest: the real Triton kernels, interpreted
+    df = _run(targets=["layer"], variants=["eager", "fused"])
+    fused = _row(df, "layer", "fused")
+    assert fused["status"] == "ok", fused["error"]
+    assert fused["grad_err"] <= mb.TOLERANCE_FLOOR[torch.float32]["grad"]
+
+
+def test_compile_variant_runs_and_gives_the_compile_speedups(torch_path):
+    df = _run(targets=["layer"], variants=["eager", "compile"])  # the file's one compilation (~10 s)
+    assert set(df["status"]) == {"ok"}, df[["variant", "error"]]
+    compiled = _row(df, "layer", "compile")
+    assert compiled["speedup_vs_compile"] == 1.0 and compiled["setup_s"] > 0
+    assert _row(df, "layer", "eager")["speedup_vs_compile"] > 0
+
+
+def test_bf16_tolerance_is_calibrated_against_fp32(torch_path):
+    df = _run(targets=["model"], variants=["eager", "fused"], dtype="bf16")
+    assert set(df["status"]) == {"ok"}, df[["variant", "error"]]
+    assert (df["dtype"] == "bf16").all()
+    eager = _row(df, "model", "eager")
+    floor = mb.TOLERANCE_FLOOR[torch.bfloat16]
+    assert eager["grad_tol"] >= floor["grad"] and eager["grad_tol"] > 0.01  # bf16 rounding noise x 4
+    assert _row(df, "model", "fused")["grad_err"] > 0  # a different rounding order, within tolerance
+
+
+def test_tolerances():
+    floor = mb.TOLERANCE_FLOOR[torch.bfloat16]
+    assert mb.tolerances(torch.bfloat16, (1e-3, 5e-3)) == (4e-3, 2e-2)
+    assert mb.tolerances(torch.bfloat16, (1e-7, 1e-4)) == (floor["out"], floor["grad"])
+    assert mb.tolerances(torch.float32, None) == (1e-5, 1e-4)
+    assert mb.tolerances(torch.bfloat16, (math.nan, math.inf)) == (floor["out"], floor["grad"])
+
+
+def test_flops_count():
+    size = mb.ModelSize(hidden=8, heads=2, kv_heads=1, intermediate=16, layers=3, vocab=10, batch=2, seq=5)
+    # 6 x 100 weights x 10 tokens + 12 x layers x S x Hq x D x tokens
+    assert mb.step_flops("model", size, 100) == 6 * 100 * 10 + 12 * 3 * 5 * 2 * 4 * 10
+    assert mb.step_flops("layer", size, 100) == 6 * 100 * 10 + 12 * 1 * 5 * 2 * 4 * 10
+
+
+# ----------------------------------------------------------------------------------------------- Liger
+
+
+def test_liger_swap_keeps_parameters_and_catches_a_wrong_rope():
+    """The module swap, with our own classes standing in for Liger's (Liger needs a GPU): parameters
+    stay the same objects, only the instances' rotary call changes, and the check catches a rope
+    that does nothing (through the gradients: the first-step loss barely moves at initialisation)."""
+    target = mb.make_target("model", SIZES["model"])
+    torch.manual_seed(0)
+    base = target.build("cpu", torch.float32)
+    batch = target.batch("cpu", torch.float32)
+    reference = mb._reference(target, base, batch, device=torch.device("cpu"), dtype=torch.float32)
+
+    same = copy.deepcopy(base)
+    params = {name: id(p) for name, p in same.named_parameters()}
+    counts = mb.swap_liger_modules(same, rms_norm_cls=hf_llama.LlamaRMSNorm, swiglu_mlp_cls=hf_llama.LlamaMLP,
+                                   rotary_fn=hf_llama.apply_rotary_pos_emb)
+    assert counts == {"rms_norm": 5, "swiglu": 2, "rotary": 2}
+    assert {name: id(p) for name, p in same.named_parameters()} == params
+    out_err, grad_err, _ = mb.compare(target.check_run(same, same, batch), reference.run)
+    assert out_err == 0 and grad_err == 0
+
+    no_rope = copy.deepcopy(base)
+    mb.swap_liger_modules(no_rope, rms_norm_cls=hf_llama.LlamaRMSNorm, swiglu_mlp_cls=hf_llama.LlamaMLP,
+                          rotary_fn=lambda q, k, cos, sin, *args, **kwargs: (q, k))
+    assert hf_llama.LlamaAttention.forward.__globals__["apply_rotary_pos_emb"] is hf_llama.apply_rotary_pos_emb
+    out_err, grad_err, worst = mb.compare(target.check_run(no_rope, no_rope, batch), reference.run)
+    assert grad_err > 100 * reference.grad_tol and "self_attn" in worst
+    assert out_err < 1e-2  # the loss alone would not tell at bf16's tolerance
+
+
+def test_liger_variant_is_unavailable_on_cpu():
+    with pytest.raises(mb.VariantUnavailable, match="GPUs only"):
+        mb.VARIANT_BUILDERS["liger"](torch.nn.Linear(2, 2), device=torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_runs_and_writes_files(tmp_path, torch_path, capsys):
+    status = cli.main(["bench", "model", "--device", "cpu", "--quick", "--no-compile",
+                       "--variants", "eager,compile,liger,fused", "--out", str(tmp_path)])
+    assert status == 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.csv", "report.md", "plot.png"}
+    out = capsys.readouterr().out
+    assert "# Model benchmark" in out and f"report: {tmp_path}" in out
+
+    import pandas as pd
+
+    saved = pd.read_csv(tmp_path / "results.csv")
+    assert list(saved["variant"]) == ["eager", "liger", "fused"] * 2  # --no-compile dropped compile
+    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES["layer"].label("layer"),
+                                             mb.CPU_QUICK_SIZES["model"].label("model")]
+
+
+def test_cli_exits_1_when_a_variant_disagrees(tmp_path, monkeypatch, torch_path):
+    monkeypatch.setitem(mb.VARIANT_BUILDERS, "fused", _perturbing(0.9))
+    monkeypatch.setattr(mb, "CPU_QUICK_SIZES", {"layer": TINY, "model": TINY})
+    status = cli.main(["bench", "model", "--device", "cpu", "--quick", "--targets", "layer",
+                       "--variants", "eager,fused", "--out", str(tmp_path)])
+    assert status == 1
+    assert "mismatch:" in (tmp_path / "report.md").read_text()
+
+
+def test_cli_names_agree_with_the_module():
+    args = cli.build_parser().parse_args(["bench", "model", "--targets", ",".join(mb.TARGETS),
+                                          "--variants", ",".join(mb.VARIANTS)])
+    assert args.targets == list(mb.TARGETS) and args.variants == list(mb.VARIANTS)
+    assert args.compile and args.device == "auto" and args.dtype is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "eager,triton"], "valid variants: eager, compile, liger, fused, fused+compile"),
+    (["--targets", "block"], "valid targets: layer, model"),
+])
+def test_cli_rejects_unknown_names(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "model", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_import_is_light():
+    code = ("import sys, tridist.bench.model_bench, tridist.kernels; "
+            "heavy = {'pandas', 'matplotlib'} & set(sys.modules); assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
