@@ -287,7 +287,7 @@ def run_measured_tune(args) -> int:
     model, _, _ = distcore.to_distributed(model, optimizer, loader, device_num=args.devices_per_node,
                                           node_num=args.nodes, config=config)
     if int(os.environ.get("RANK", "0")) == 0 and args.report:
-        out = write_measured_report(model.distributed_measurements, args.report)
+        out = write_measured_report(model.distributed_measurements, args.report, pick=getattr(args, "measure_pick", "top"))
         print(f"report: {out / 'report.md'}")
     return 0
 
@@ -304,7 +304,7 @@ def _build_module(name: str, size: str):
     return built
 
 
-def write_measured_report(measurements, out_dir: str | Path) -> Path:
+def write_measured_report(measurements, out_dir: str | Path, *, pick: str = "top") -> Path:
     """report.md with the predicted vs measured table, measured.csv and measured.png (bars per candidate)."""
     import pandas as pd
     from matplotlib.figure import Figure
@@ -333,8 +333,10 @@ def write_measured_report(measurements, out_dir: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(out / "measured.png", dpi=120)
     lines = ["# Measured strategy search", "",
-             f"Generated {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by `tridist tune --measure`: the best predicted "
-             "strategies ran real steps on this job's devices; the fastest measured is first.", "",
+             f"Generated {datetime.datetime.now():%Y-%m-%d %H:%M:%S} by `tridist tune --measure`: "
+             + ("the best predicted strategy of each dp x tp x pp layout" if pick == "layouts"
+                else "the best predicted strategies") + " ran real steps on this job's devices; the fastest measured "
+             "is first.", "",
              f"Rank correlation of predicted and measured step times (Spearman): "
              f"{'-' if rho != rho else f'{rho:.2f}'} over {len(ran)} candidate(s) that ran.", "",
              markdown_table(list(frame.columns), [[_cell(v) for v in row] for row in frame.itertuples(index=False)]),
