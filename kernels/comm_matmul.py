@@ -326,64 +326,86 @@ def _no_autocast(device: torch.device):
 # ------------------------------------------------------------------------- forward and backward math
 
 
-def _all_gather_matmul_forward(x_shard, weight, group, dim: int, save_gathered: bool):
-    """(y, gathered or None): y = F.linear(all_gather(x_shard, dim), weight)."""
+def _all_gather_matmul_forward(x_shard, weights, group, dim: int, keep_gathered: bool):
+    """(ys, gathered or None): ys[i] = F.linear(all_gather(x_shard, dim), weights[i]), one ring for all;
+    gathered = every rank's shard, source-major [W, *shard] (kept when asked, or for a group of one
+    when asked: then a copy)."""
     op = "all_gather_matmul"
     ring = _ring(op, group, x_shard.device)
-    with _no_autocast(x_shard.device):
+    with torch.profiler.record_function("tridist.all_gather_matmul"), _no_autocast(x_shard.device):
         x_shard = x_shard.contiguous()
         rows = x_shard.shape[dim]
-        out_shape = list(x_shard.shape)
-        out_shape[dim] *= ring.size
-        out_shape[-1] = weight.shape[0]
-        y = x_shard.new_empty(out_shape)
-        weight_t = weight.t()
-        slots = x_shard.new_empty((ring.size, *x_shard.shape)) if save_gathered and ring.size > 1 else None
+        ys, weights_t = [], [w.t() for w in weights]
+        for weight in weights:
+            out_shape = list(x_shard.shape)
+            out_shape[dim] *= ring.size
+            out_shape[-1] = weight.shape[0]
+            ys.append(x_shard.new_empty(out_shape))
+        slots = x_shard.new_empty((ring.size, *x_shard.shape)) if keep_gathered else None
 
         def visit(src, chunk):
-            _matmul_into(_chunk(y, dim, src, rows), chunk, weight_t)
+            for y, weight_t in zip(ys, weights_t):
+                _matmul_into(_chunk(y, dim, src, rows), chunk, weight_t)
 
         _ring_all_gather(x_shard, ring, visit, slots)
-    return y, slots
+    return ys, slots
 
 
-def _all_gather_matmul_backward(grad_y, x_shard, gathered, weight, group, dim: int, need_x: bool, need_w: bool):
-    """(grad_x_shard or None, grad_weight or None). `gathered` is the forward's [W, *shard] or None."""
+def _all_gather_matmul_backward(grad_ys, grad_gathered, x_shard, gathered, weights, group, dim: int, need_x: bool,
+                                need_ws):
+    """(grad_x_shard or None, [grad_weight or None per weight]). `gathered`: the forward's [W, *shard] or
+    None; grad_ys[i] None: that output was unused; grad_gathered: the gradient of the returned gathered
+    input (its own rows add to grad_x_shard: every rank computed with its copy), or None."""
     op = "all_gather_matmul"
-    ring = _ring(op, group, grad_y.device)
-    grad_x = grad_weight = None
-    with _no_autocast(grad_y.device):
-        rows, out_features = x_shard.shape[dim], weight.shape[0]
+    used = [i for i, g in enumerate(grad_ys) if g is not None]
+    ring = _ring(op, group, x_shard.device)
+    grad_x = None
+    grad_weights = [None] * len(weights)
+    with torch.profiler.record_function("tridist.all_gather_matmul.backward"), _no_autocast(x_shard.device):
+        rows = x_shard.shape[dim]
         x_shard = x_shard.contiguous()
-        if ring.size == 1:
+        if ring.size == 1 and gathered is None:
             gathered = x_shard.unsqueeze(0)
-        if need_w:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        need_w = [need_ws[i] and i in used for i in range(len(weights))]
+        for i, wanted in enumerate(need_w):
+            if wanted:
+                grad_weights[i] = torch.zeros(weights[i].shape, dtype=torch.float32, device=weights[i].device)
 
-        def grad_rows(c):  # grad_y's chunk c as [rows, out]
-            return _chunk(grad_y, dim, c, rows).reshape(-1, out_features)
+        def grad_rows(i, c):  # grad_ys[i]'s chunk c as [rows, out_i]
+            return _chunk(grad_ys[i], dim, c, rows).reshape(-1, weights[i].shape[0])
 
-        def add_weight_grad(c, x_chunk, g=None):
-            g = grad_rows(c) if g is None else g
-            _accumulate_weight_grad(grad_weight, g, x_chunk.reshape(-1, x_chunk.shape[-1]))
+        def add_weight_grads(c, x_chunk, grads=None):
+            x_rows = x_chunk.reshape(-1, x_chunk.shape[-1])
+            for i in used:
+                if need_w[i]:
+                    g = grad_rows(i, c) if grads is None else grads[i]
+                    _accumulate_weight_grad(grad_weights[i], g, x_rows)
 
-        if need_w and gathered is None:  # regather x, each chunk's product hiding the next transfer
-            _ring_all_gather(x_shard, ring, add_weight_grad)
-        if need_x:
+        if any(need_w) and gathered is None:  # regather x, each chunk's products hiding the next transfer
+            _ring_all_gather(x_shard, ring, add_weight_grads)
+        if need_x and used:
 
-            def partial(c):  # this rank's share of grad_x_shard of rank c: grad_y[c] @ weight
-                g = grad_rows(c)
-                if need_w and gathered is not None:
-                    add_weight_grad(c, gathered[c], g)  # more compute under the same transfer
-                return (g @ weight).view(x_shard.shape)
+            def partial(c):  # this rank's share of grad_x_shard of rank c: sum_i grad_ys[i][c] @ weights[i]
+                grads = {i: grad_rows(i, c) for i in used}
+                if any(need_w) and gathered is not None:
+                    add_weight_grads(c, gathered[c], grads)  # more compute under the same transfer
+                total = None
+                for i in used:
+                    product = grads[i] @ weights[i]
+                    total = product if total is None else total.add_(product)
+                return total.view(x_shard.shape)
 
             grad_x = _ring_reduce_scatter(partial, ring, x_shard.dtype)
-        elif need_w and gathered is not None:
+        elif any(need_w) and gathered is not None:
             for c in range(ring.size):
-                add_weight_grad(c, gathered[c])
-    if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_x, grad_weight
+                add_weight_grads(c, gathered[c])
+        if need_x and grad_gathered is not None:  # the gathered input's own use on this rank: its own rows
+            own = grad_gathered[ring.rank].to(x_shard.dtype)
+            grad_x = own.clone() if grad_x is None else grad_x.add_(own)
+        elif need_x and grad_x is None:
+            grad_x = torch.zeros_like(x_shard)
+    grad_weights = [g.to(w.dtype) if g is not None else None for g, w in zip(grad_weights, weights)]
+    return grad_x, grad_weights
 
 
 def _matmul_reduce_scatter_forward(x, weight, group, dim: int):
@@ -398,7 +420,8 @@ def _matmul_reduce_scatter_forward(x, weight, group, dim: int):
         def partial(c):
             return torch.matmul(_chunk(x, dim, c, rows), weight_t).contiguous()
 
-        return _ring_reduce_scatter(partial, ring, x.dtype)
+        with torch.profiler.record_function("tridist.matmul_reduce_scatter"):
+            return _ring_reduce_scatter(partial, ring, x.dtype)
 
 
 def _matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, need_x: bool, need_w: bool):
@@ -422,7 +445,8 @@ def _matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, ne
                 _accumulate_weight_grad(grad_weight, g_chunk.reshape(-1, g_chunk.shape[-1]), x_rows)
 
         if need_x or need_w:
-            _ring_all_gather(grad_y_shard, ring, visit)
+            with torch.profiler.record_function("tridist.matmul_reduce_scatter.backward"):
+                _ring_all_gather(grad_y_shard, ring, visit)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return grad_x, grad_weight
@@ -432,24 +456,38 @@ def _matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, ne
 
 
 class _AllGatherMatmul(torch.autograd.Function):
+    """Outputs: the gathered input [W, *shard] (an empty tensor unless asked for), then one y per weight."""
+
     @staticmethod
-    def forward(ctx, x_shard, weight, group, dim, save_gathered):
-        y, gathered = _all_gather_matmul_forward(x_shard, weight, group, dim, save_gathered)
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x_shard, group, dim, save_gathered, return_gathered, *weights):
+        ys, gathered = _all_gather_matmul_forward(x_shard, weights, group, dim,
+                                                  _keep_gathered(save_gathered, return_gathered, group))
+        ctx.group, ctx.dim, ctx.return_gathered = group, dim, return_gathered
         # Keep the gathered x, or only the shard to gather again in backward (never both).
-        ctx.save_for_backward(x_shard if gathered is None else None, gathered, weight)
-        return y
+        ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
+        if return_gathered:
+            return (gathered, *ys)
+        placeholder = x_shard.new_empty(0)
+        ctx.mark_non_differentiable(placeholder)
+        return (placeholder, *ys)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_y):
-        x_shard, gathered, weight = ctx.saved_tensors
+    def backward(ctx, grad_gathered, *grad_ys):
+        x_shard, gathered, *weights = ctx.saved_tensors
         if x_shard is None:  # the gathered x holds a copy of this rank's shard
             x_shard = gathered[dist.get_rank(ctx.group)]
-        grad_x, grad_weight = _all_gather_matmul_backward(
-            grad_y, x_shard, gathered, weight, ctx.group, ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x, grad_weights = _all_gather_matmul_backward(
+            list(grad_ys), grad_gathered if ctx.return_gathered else None, x_shard, gathered, weights, ctx.group,
+            ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[5:],
         )
-        return grad_x, grad_weight, None, None, None
+        return (grad_x, None, None, None, None, *grad_weights)
+
+
+def _keep_gathered(save_gathered: bool, return_gathered: bool, group) -> bool:
+    """Keep every rank's shard: for backward (save_gathered, unless the group is one rank: its shard is
+    the input) or to return it."""
+    return return_gathered or (save_gathered and dist.get_world_size(group) > 1)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -484,64 +522,74 @@ def _if_wanted(t: torch.Tensor, wanted: bool):
 
 @torch.library.custom_op("tridist::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(
-    x_shard: torch.Tensor, weight: torch.Tensor, group_name: str, gather_dim: int, save_gathered: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y, gathered = _all_gather_matmul_forward(x_shard, weight, _group_by_name(group_name), gather_dim, save_gathered)
-    return y, _empty_like_none(gathered, x_shard)
+    x_shard: torch.Tensor, weights: list[torch.Tensor], group_name: str, gather_dim: int, save_gathered: bool,
+    return_gathered: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    group = _group_by_name(group_name)
+    ys, gathered = _all_gather_matmul_forward(x_shard, weights, group, gather_dim,
+                                              _keep_gathered(save_gathered, return_gathered, group))
+    return _empty_like_none(gathered, x_shard), ys
 
 
 @_all_gather_matmul_op.register_fake
-def _(x_shard, weight, group_name, gather_dim, save_gathered):
+def _(x_shard, weights, group_name, gather_dim, save_gathered, return_gathered):
     size = _group_by_name(group_name).size()
-    out_shape = list(x_shard.shape)
-    out_shape[gather_dim] *= size
-    out_shape[-1] = weight.shape[0]
-    gathered_shape = (size, *x_shard.shape) if save_gathered and size > 1 else (0,)
-    return x_shard.new_empty(out_shape), x_shard.new_empty(gathered_shape)
+    ys = []
+    for weight in weights:
+        out_shape = list(x_shard.shape)
+        out_shape[gather_dim] *= size
+        out_shape[-1] = weight.shape[0]
+        ys.append(x_shard.new_empty(out_shape))
+    kept = return_gathered or (save_gathered and size > 1)
+    return x_shard.new_empty((size, *x_shard.shape) if kept else (0,)), ys
 
 
 @torch.library.custom_op("tridist::all_gather_matmul_backward", mutates_args=())
 def _all_gather_matmul_backward_op(
-    grad_y: torch.Tensor,
+    grad_ys: list[torch.Tensor],
+    grad_gathered: torch.Tensor,
     x_shard: torch.Tensor,
     gathered: torch.Tensor,
-    weight: torch.Tensor,
+    weights: list[torch.Tensor],
     group_name: str,
     gather_dim: int,
     need_x: bool,
-    need_w: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_weight = _all_gather_matmul_backward(
-        grad_y, x_shard, gathered if gathered.numel() else None, weight,
-        _group_by_name(group_name), gather_dim, need_x, need_w,
+    need_ws: list[bool],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    grad_x, grad_weights = _all_gather_matmul_backward(
+        [g if g.numel() else None for g in grad_ys], grad_gathered if grad_gathered.numel() else None, x_shard,
+        gathered if gathered.numel() else None, weights, _group_by_name(group_name), gather_dim, need_x, need_ws,
     )
-    return _empty_like_none(grad_x, x_shard), _empty_like_none(grad_weight, weight)
+    return _empty_like_none(grad_x, x_shard), [_empty_like_none(g, w) for g, w in zip(grad_weights, weights)]
 
 
 @_all_gather_matmul_backward_op.register_fake
-def _(grad_y, x_shard, gathered, weight, group_name, gather_dim, need_x, need_w):
+def _(grad_ys, grad_gathered, x_shard, gathered, weights, group_name, gather_dim, need_x, need_ws):
     grad_x = x_shard.new_empty(x_shard.shape) if need_x else x_shard.new_empty(0)
-    grad_weight = weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
-    return grad_x, grad_weight
+    return grad_x, [w.new_empty(w.shape) if wanted else w.new_empty(0) for w, wanted in zip(weights, need_ws)]
 
 
 def _setup_all_gather_matmul(ctx, inputs, output):
-    x_shard, weight, group_name, gather_dim, save_gathered = inputs
-    ctx.group_name, ctx.dim = group_name, gather_dim
-    gathered = output[1]
+    x_shard, weights, group_name, gather_dim, save_gathered, return_gathered = inputs
+    ctx.group_name, ctx.dim, ctx.return_gathered, ctx.n_weights = group_name, gather_dim, return_gathered, len(weights)
+    gathered = output[0]
     ctx.saved_shard = gathered.numel() == 0  # else the gathered x holds a copy of the shard
-    ctx.save_for_backward(x_shard if ctx.saved_shard else None, gathered, weight)
+    ctx.save_for_backward(x_shard if ctx.saved_shard else None, gathered, *weights)
 
 
-def _backward_all_gather_matmul(ctx, grad_y, _grad_gathered):
-    x_shard, gathered, weight = ctx.saved_tensors
+def _backward_all_gather_matmul(ctx, grad_gathered, grad_ys):
+    x_shard, gathered, *weights = ctx.saved_tensors
     if not ctx.saved_shard:
         x_shard = gathered[_group_by_name(ctx.group_name).rank()]
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    grad_x, grad_weight = _all_gather_matmul_backward_op(
-        grad_y, x_shard, gathered, weight, ctx.group_name, ctx.dim, need_x, need_w
+    need_x, need_ws = ctx.needs_input_grad[0], list(ctx.needs_input_grad[1])
+    grad_ys = [g if g is not None else x_shard.new_empty(0) for g in grad_ys]
+    use_gathered = ctx.return_gathered and grad_gathered is not None
+    grad_x, grad_weights = _all_gather_matmul_backward_op(
+        grad_ys, grad_gathered if use_gathered else x_shard.new_empty(0), x_shard, gathered, weights,
+        ctx.group_name, ctx.dim, need_x, need_ws,
     )
-    return _if_wanted(grad_x, need_x), _if_wanted(grad_weight, need_w), None, None, None
+    return (_if_wanted(grad_x, need_x), [_if_wanted(g, wanted) for g, wanted in zip(grad_weights, need_ws)],
+            None, None, None, None)
 
 
 torch.library.register_autograd(
@@ -620,8 +668,9 @@ def _apply_autocast(x: torch.Tensor, weight: torch.Tensor):
 
 
 def all_gather_matmul(
-    x_shard: torch.Tensor, weight: torch.Tensor, group=None, *, gather_dim: int = 0, save_gathered: bool = True
-) -> torch.Tensor:
+    x_shard: torch.Tensor, weight, group=None, *, gather_dim: int = 0, save_gathered: bool = True,
+    return_gathered: bool = False,
+):
     """`F.linear(all_gather(x_shard, dim=gather_dim, group=group), weight)`, the gather hidden behind the matmul.
 
     The entry of a sequence-parallel region: a ColWise linear whose input is sharded along the
@@ -630,21 +679,50 @@ def all_gather_matmul(
     rank's ColWise shard of it). Returns `[..., world_size * rows, ..., out_features]`, equal to the
     plain all-gather then matmul up to rounding.
 
+    `weight` may be a list of weights (q, k and v; gate and up): the input is gathered once and each
+    chunk feeds every projection while the next travels; a list of outputs comes back, one per weight.
+    `return_gathered=True` also returns the gathered input, `(x, outputs)` (as torch's symmetric-memory
+    `fused_all_gather_matmul` does): model code that reads its input besides the projections gets it
+    without a second gather; its gradient on this rank adds this rank's rows to x_shard's gradient.
+
     `gather_dim`: a leading dim of x_shard (1 for [batch, seq, hidden], 0 for [seq, batch, hidden]).
     `group`: a torch.distributed process group; None means the default group. A group of size 1 is a
     plain matmul. `save_gathered`: keep the gathered input for backward (default, no extra transfers)
     or only the shard, gathering it again in backward (W times less memory, W - 1 more transfers
-    hidden behind the grad_weight matmuls). Differentiable in x_shard and weight; fp32/fp16/bf16
-    (weight in x's dtype, or both cast by torch.autocast). The ring schedule, backward and CUDA stream
-    behaviour are described in the module docstring.
+    hidden behind the grad_weight matmuls). Differentiable in x_shard and the weights; fp32/fp16/bf16
+    (weights in x's dtype, or all cast by torch.autocast). The ring schedule, backward and CUDA stream
+    behaviour are described in the module docstring. Profiler traces show the forward and backward
+    rings as `tridist.all_gather_matmul` and `tridist.all_gather_matmul.backward`.
     """
     op = "all_gather_matmul"
-    x_shard, weight = _apply_autocast(x_shard, weight)
-    dim = _check_inputs(op, "x_shard", x_shard, weight, gather_dim, "gather_dim")
+    single = isinstance(weight, torch.Tensor)
+    weights = [weight] if single else list(weight)
+    if not weights:
+        raise ValueError(f"{op}: weight is an empty list; pass one weight or a list of weights ([out, in] each)")
+    casted = [_apply_autocast(x_shard, w) for w in weights]
+    x_shard, weights = casted[0][0], [w for _, w in casted]
+    dim = None
+    for w in weights:
+        dim = _check_inputs(op, "x_shard", x_shard, w, gather_dim, "gather_dim")
     if torch.compiler.is_compiling():
-        return _all_gather_matmul_op(x_shard, weight, _group_name(op, group), dim, bool(save_gathered))[0]
-    group = _resolve_group(op, group)
-    return _AllGatherMatmul.apply(x_shard, weight, group, dim, bool(save_gathered))
+        gathered, ys = _all_gather_matmul_op(x_shard, weights, _group_name(op, group), dim, bool(save_gathered),
+                                             bool(return_gathered))
+    else:
+        group = _resolve_group(op, group)
+        gathered, *ys = _AllGatherMatmul.apply(x_shard, group, dim, bool(save_gathered), bool(return_gathered), *weights)
+    outputs = ys[0] if single else list(ys)
+    if not return_gathered:
+        return outputs
+    return _source_major_to_gathered(gathered, dim), outputs
+
+
+def _source_major_to_gathered(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """[W, ..., rows, ...] (one slot per source rank) -> [..., W * rows, ...]: a view when the gathered dim
+    is the outermost (or the dims before it are 1), else one copy."""
+    moved = gathered.movedim(0, dim)  # [..., W, rows, ...]
+    shape = list(moved.shape)
+    shape[dim:dim + 2] = [shape[dim] * shape[dim + 1]]
+    return moved.reshape(shape)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, scatter_dim: int = 0) -> torch.Tensor:

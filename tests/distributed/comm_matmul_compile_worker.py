@@ -59,14 +59,19 @@ def check_opcheck():
     """torch.library.opcheck: schemas, fake (meta) implementations, autograd registration, AOT dispatch."""
     name = dist.group.WORLD.group_name
     x, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    w2 = torch.randn(3, 8, requires_grad=True)
     for save_gathered in (True, False):
-        torch.library.opcheck(torch.ops.tridist.all_gather_matmul.default, (x, w, name, 1, save_gathered))
+        for return_gathered in (False, True):
+            torch.library.opcheck(torch.ops.tridist.all_gather_matmul.default,
+                                  (x, [w, w2], name, 1, save_gathered, return_gathered))
     torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter.default, (torch.randn(4, 2, 8, requires_grad=True), w, name, 0))
-    grad_y = torch.randn(2, 6, 5)
+    grad_ys = [torch.randn(2, 6, 5), torch.randn(2, 6, 3)]
     gathered = torch.randn(2, 2, 3, 8)
     for need_x, need_w in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(torch.ops.tridist.all_gather_matmul_backward.default,
-                              (grad_y, x.detach(), gathered, w.detach(), name, 1, need_x, need_w))
+        for grad_gathered in (torch.randn(2, 2, 3, 8), torch.empty(0)):
+            torch.library.opcheck(torch.ops.tridist.all_gather_matmul_backward.default,
+                                  (grad_ys, grad_gathered, x.detach(), gathered, [w.detach(), w2.detach()], name, 1,
+                                   need_x, [need_w, need_w]))
         torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter_backward.default,
                               (torch.randn(2, 2, 5), torch.randn(4, 2, 8), w.detach(), name, 0, need_x, need_w))
 

@@ -303,6 +303,87 @@ def check_sequence_parallel_mlp_block_equals_one_process():
     equivalence.assert_tensors_close("all_reduce", {"out": out.detach()}, {"out": partial[:, rows]})
 
 
+def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gathered=True, dtype=torch.float32):
+    """q/k/v from one gather: every output equals its own all-gather + F.linear, the returned gathered
+    input equals the plain all-gather, and the gradients include a replicated use of that input (model
+    code reading its input besides the projections): own rows only, no reduction."""
+    group = _groups()[group_key]
+    rank, size = _rank_in(group)
+    generator = torch.Generator().manual_seed(11)
+    x_full = torch.randn(_full_shape(shard_shape, dim, size), generator=generator)
+    weights = [torch.randn(size, out, shard_shape[-1], generator=generator) / shard_shape[-1] ** 0.5 for out in outs]
+    grads = [torch.randn(size, *x_full.shape[:-1], out, generator=generator) for out in outs]
+    other = torch.randn(x_full.shape, generator=generator)  # d loss / d x of the replicated use
+    rows = shard_shape[dim]
+
+    def reference(absolute=False):
+        value = torch.abs if absolute else torch.clone
+        x = value(x_full).requires_grad_()
+        ws = [value(w).requires_grad_() for w in weights]
+        ys = [[F.linear(x, w[q]) for q in range(size)] for w in ws]
+        terms = [(y * value(g[q])).sum() for y_q, g in zip(ys, grads) for q, y in enumerate(y_q)]
+        loss = sum(terms) + ((x * value(other)).sum() if use_gathered else 0)
+        loss.backward()
+        return [y_q[rank].detach() for y_q in ys], x.grad.narrow(dim, rank * rows, rows), [w.grad[rank] for w in ws]
+
+    expected, magnitude = reference(), reference(absolute=True)
+    terms = shard_shape[-1] + size * sum(outs) + 1 + x_full.numel() // shard_shape[-1]
+    x_shard = x_full.narrow(dim, rank * rows, rows).to(dtype).requires_grad_()
+    w_shards = [w[rank].to(dtype).requires_grad_() for w in weights]
+    gathered, ys = all_gather_matmul(x_shard, w_shards, group, gather_dim=dim, return_gathered=True)
+    assert isinstance(ys, list) and len(ys) == len(outs)
+    assert torch.equal(gathered.detach(), x_full.to(dtype)), "the returned gathered input is the plain all-gather"
+    for i, y in enumerate(ys):
+        _assert_close(f"y{i}", y.detach(), expected[0][i], magnitude[0][i], dtype=dtype, terms=terms)
+    loss = sum((y * g[rank].to(dtype)).sum() for y, g in zip(ys, grads))
+    if use_gathered:
+        # A replicated use: every rank computes the same term of the model's loss with its own copy of the
+        # gathered input (in tensor parallel each rank's loss is the global loss); the gradient of each
+        # shard's rows comes from the rank that owns them, unreduced.
+        loss = loss + (gathered * other.to(dtype)).sum()
+    loss.backward()
+    _assert_close("grad_x_shard", x_shard.grad, expected[1], magnitude[1], dtype=dtype, terms=terms)
+    for i, w in enumerate(w_shards):
+        _assert_close(f"grad_w{i}", w.grad, expected[2][i], magnitude[2][i], dtype=dtype, terms=terms)
+
+
+def check_all_gather_matmul_several_weights_and_the_gathered_input():
+    _multi_weight_case("world", (2, 3, 16), 1)  # batch 2: the gathered input is assembled by a copy
+    _multi_weight_case("world", (1, 3, 16), 1)  # batch 1: a view of the ring's buffer
+    _multi_weight_case("pair", (3, 2, 16), 0, use_gathered=False)
+    _multi_weight_case("single", (2, 3, 16), 1)
+    _multi_weight_case("world", (2, 3, 16), 1, dtype=torch.bfloat16)
+
+
+def check_all_gather_matmul_several_weights_one_unused():
+    """An output nobody uses (k of a module that reads only q and v) gets no gradient and breaks nothing."""
+    group = _groups()["world"]
+    rank, size = _rank_in(group)
+    x_shard = torch.randn(2, 3, 16, requires_grad=True)
+    ws = [torch.randn(8, 16, requires_grad=True) for _ in range(3)]
+    ys = all_gather_matmul(x_shard, ws, group, gather_dim=1)
+    (ys[0].sum() + ys[2].sum()).backward()
+    assert ws[1].grad is None or not ws[1].grad.any()
+    alone = [w.detach().clone().requires_grad_() for w in (ws[0], ws[2])]
+    x_alone = x_shard.detach().clone().requires_grad_()
+    sum(y.sum() for y in all_gather_matmul(x_alone, alone, group, gather_dim=1)).backward()
+    equivalence.assert_tensors_close("unused", {"x": x_shard.grad, "w0": ws[0].grad, "w2": ws[2].grad},
+                                     {"x": x_alone.grad, "w0": alone[0].grad, "w2": alone[1].grad})
+
+
+def check_profiler_names_the_rings():
+    group = _groups()["world"]
+    x_shard = torch.randn(2, 3, 16, requires_grad=True)
+    w_in, w_out = torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = matmul_reduce_scatter(all_gather_matmul(x_shard, w_in, group, gather_dim=1), w_out, group, scatter_dim=1)
+        y.sum().backward()
+    names = {event.name for event in prof.events()}
+    for expected in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward",
+                     "tridist.matmul_reduce_scatter", "tridist.matmul_reduce_scatter.backward"):
+        assert expected in names, (expected, sorted(n for n in names if "tridist" in n))
+
+
 def check_autocast_bf16():
     """Under torch.autocast both inputs are cast like F.linear's; grads reach the fp32 leaves."""
     group = _groups()["pair"]
