@@ -69,8 +69,9 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 4  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
-# the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives
+COST_MODEL_VERSION = 5  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+# the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
+# engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
@@ -417,12 +418,12 @@ def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro
     return chunks * layers_per_stage / virtual_pp
 
 
-def _hidden_behind(comm: float, window: float, parts: int) -> float:
+def _hidden_behind(comm: float, window: float, parts: int, interference: float = OVERLAP_COMPUTE_COST) -> float:
     """Time `comm` adds when overlapped with `window` of compute: what does not fit (at least one of
     its `parts`: the first gather / the last reduction has nothing to hide behind), plus the
-    slowdown the hidden part inflicts on the compute (OVERLAP_COMPUTE_COST)."""
+    slowdown the hidden part inflicts on the compute (`interference` per second hidden)."""
     exposed = max(comm - window, comm / max(parts, 1))
-    return exposed + OVERLAP_COMPUTE_COST * (comm - exposed)
+    return exposed + interference * (comm - exposed)
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_batch_size: int,
@@ -458,10 +459,16 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
     # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
     floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if s.recompute == "full" else 1.0)
-    layer_compute = max(fwd + bwd + recompute, floor)
     tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives
+    chunked_gemms = 0.0
     if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
-        tp_layer = _hidden_behind(tp_layer, gemm_total, t)
+        # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how
+        # much slower that is and how much the transfers beside them slow them (else OVERLAP_COMPUTE_COST).
+        chunking = p.overlap_chunking_overhead or 0.0
+        interference = OVERLAP_COMPUTE_COST if p.overlap_interference is None else p.overlap_interference
+        chunked_gemms = chunking * gemm_total
+        tp_layer = _hidden_behind(tp_layer * cluster.engine.overlap_wire_factor, gemm_total, t, interference)
+    layer_compute = max(fwd + bwd + recompute + chunked_gemms, floor)
 
     # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss
     # (its GEMM forward and backward, the cross entropy over the logits, two collectives).

@@ -18,8 +18,11 @@ The terms (each built-in value says where it comes from):
 - `fsdp_copy_passes`: FSDP2 copies each gathered parameter out of its all-gather buffer and each
   gradient into its reduce-scatter buffer (a read and a write of the bytes), on top of the collective.
 - `overlap_tp_comm`: whether the engine can run a Strategy with `overlap_tp_comm` at all (Megatron's
-  communication-overlapped GEMMs; distcore's tensor parallel does not route through tridist's yet), so
-  the search never proposes, and `check` refuses, what the engine would silently run without overlap.
+  communication-overlapped GEMMs; distcore's `mp_config["overlap_comm"]`, which runs sequence parallel's
+  edges through tridist's rings), so the search never proposes, and `check` refuses, what the engine
+  would silently run without overlap. `overlap_wire_factor`: the bytes the overlapped collectives move
+  per byte of the plain ones (tridist's reduce-scatter ring sums in fp32 on the wire: twice a bf16
+  reduce-scatter's bytes, half of sequence parallel's collectives, so 1.5 in 16-bit training).
 
 Not modelled, and so left to the measured calibration factor (`DeviceProfile.step_time_scale`, which
 `measure=True` searches fit and save): DTensor's per-op dispatch cost, torch pipelining's Python
@@ -42,6 +45,7 @@ class EngineProfile:
     ops_per_layer: int = 0
     fsdp_copy_passes: float = 0.0
     overlap_tp_comm: bool = False  # runs tensor parallel's collectives fused with the GEMMs
+    overlap_wire_factor: float = 1.0  # bytes of the overlapped collectives per byte of the plain ones
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
     source: str = ""
@@ -106,6 +110,10 @@ TORCH = EngineProfile(
     ops_per_layer=45 * 3,
     fsdp_copy_passes=2.0,
     torch_kernels=True,
+    # distcore's overlap_comm: tridist's all-gather / reduce-scatter rings at sequence parallel's edges
+    # (NCCL point-to-point beside the GEMMs); the reduce-scatter ring's partial sums travel in fp32.
+    overlap_tp_comm=True,
+    overlap_wire_factor=1.5,
     source="torch-native eager (FSDP2, DTensor, SDPA FlashAttention-2); fitted to torchtitan's published runs",
 )
 

@@ -44,6 +44,9 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 CALIBRATED_PREFIX = "tridist calibrate on"  # how `calibrate` starts a measured profile's source
 
 
+_MAY_BE_ZERO = ("overlap_chunking_overhead", "overlap_interference")  # measured fractions: 0 is a valid reading
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """One accelerator (or CPU socket set) and its links; all rates are per device, per direction.
@@ -81,12 +84,20 @@ class DeviceProfile:
     # Bytes/s tridist's fused RMSNorm, rotary and SwiGLU kernels reach, forward + backward, at the layer's
     # shapes (measured on a GPU by `tridist calibrate`): the torch+tridist engine's elementwise rate.
     fused_kernel_bandwidth: float | None = None
+    # Measured on a GPU by `tridist calibrate` (bench/overlap.py's emulated ring at the layer's shape; None:
+    # the cost model's constants): how much slower the ring's tp chunked matmuls are than one matmul
+    # (chunked / whole - 1), and the matmuls' slowdown per second of transfer running beside them.
+    overlap_chunking_overhead: float | None = None
+    overlap_interference: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             optional = field.type == "float | None" and value is not None
-            if (field.type == "float" or optional) and not (isinstance(value, (int, float)) and value > 0):
+            if field.name in _MAY_BE_ZERO:
+                if optional and not (isinstance(value, (int, float)) and value >= 0):
+                    raise ValueError(f"DeviceProfile {self.name!r}: {field.name} must be >= 0, got {value!r}")
+            elif (field.type == "float" or optional) and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"DeviceProfile {self.name!r}: {field.name} must be a positive number, got {value!r}")
 
     @property

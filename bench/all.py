@@ -8,10 +8,10 @@ others' results; its output is also kept in DIR/logs/<step>.log):
     check      tridist check kernels --dtype bf16,fp16,fp32   compiled kernels vs eager and fp64, tuned configs
     kernels    tridist bench kernels                          vs eager, torch.compile and Liger-Kernel (if installed)
     model      tridist bench model                            a decoder layer and a small Llama's training step
+    overlap    tridist bench overlap                          the overlapped ring emulated on one GPU
     calibrate  tridist calibrate                              the device profile the cost model uses
 
-`tridist bench overlap` (the communication-overlap emulation) is not part of tridist yet; the summary
-says so. About 12 minutes on one H100; `--steps` runs a subset into the same folder (e.g. when one
+About 14 minutes on one H100; `--steps` runs a subset into the same folder (e.g. when one
 call of a remote machine is limited to 10 minutes), and the summary DIR/README.md (device, versions,
 date, commit, each step's status and time, headline figures) is rebuilt from whatever the folder holds.
 Exit codes: 0 every step ran cleanly, 1 a step failed, 2 bad arguments, 3 no GPU (nothing run).
@@ -55,6 +55,8 @@ STEPS = (
          lambda out, o: ["bench", "kernels", "--out", str(out / "bench")]),
     Step("model", "decoder layer and small-model training step benchmark",
          lambda out, o: ["bench", "model", "--out", str(out / "model")]),
+    Step("overlap", "overlapped all-gather ring emulated on one GPU (hidden fraction, chunking overhead)",
+         lambda out, o: ["bench", "overlap", "--out", str(out / "overlap")], uses_table=False),
     Step("calibrate", "device profile for the cost model",
          lambda out, o: ["calibrate", "--out", str(out / "profile.json")], uses_table=False),
 )
@@ -182,6 +184,15 @@ def _check_headline(frame) -> list[str]:
             f"(worst error/allowed {worst:.2f}).", ""]
 
 
+def _overlap_headline(frame) -> list[str]:
+    if frame is None or frame.empty:
+        return []
+    nvlink = frame[(frame["tp"] == frame["tp"].max()) & (frame["link_gbps"] == frame["link_gbps"].max())]
+    return [f"Overlapped ring (emulated): at tp {int(nvlink['tp'].iloc[0])} over {nvlink['link'].iloc[0]}, "
+            f"{nvlink['hidden_fraction'].min():.0%}-{nvlink['hidden_fraction'].max():.0%} of the communication hidden; "
+            f"chunking overhead up to {frame['chunking_overhead'].max():+.1%} (targets: >= 80%, <= 5%).", ""]
+
+
 def _calibrate_headline(path: Path) -> list[str]:
     if not path.exists():
         return []
@@ -220,8 +231,6 @@ def write_summary(out: str | Path) -> Path:
         s = status.get(step.name)
         rows.append([step.name, step.what, "not run" if s is None else ("ok" if s["exit"] == 0 else f"exit {s['exit']}"),
                      "-" if s is None else f"{s['seconds']:.0f} s", "" if s is None else ("yes" if s["tuned_table"] else "no")])
-    rows.append(["overlap", "communication-overlap emulation (`tridist bench overlap`)", "not built yet (issue 10)",
-                 "-", ""])
     lines += [markdown_table(["step", "what", "status", "time", "tuned table"], rows), "",
               "Each step's own report is in its folder (`sweep/`, `check/`, `bench/`, `model/`), its output in "
               "`logs/<step>.log`.", "", "## Headlines", ""]
@@ -229,6 +238,7 @@ def write_summary(out: str | Path) -> Path:
     lines += _kernel_headlines(_read_csv(out / "bench" / "results.csv"))
     lines += _model_headlines(_read_csv(out / "model" / "results.csv"))
     lines += _sweep_headline(_read_csv(out / "sweep" / "sweep.csv"))
+    lines += _overlap_headline(_read_csv(out / "overlap" / "results.csv"))
     lines += _calibrate_headline(out / "profile.json")
     (out / "README.md").write_text("\n".join(lines).rstrip() + "\n")
     return out / "README.md"

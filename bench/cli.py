@@ -5,6 +5,7 @@
     tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
     tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
     tridist bench model [--targets layer,model] [--variants ...] [--quick] [--no-compile] [--out DIR]
+    tridist bench overlap [--quick] [--device auto] [--out DIR]
     tridist bench all [--out DIR] [--steps sweep,check,kernels,model,calibrate] [--sweep-minutes 4]
     tridist autotune kernels [--ops ...] [--dtype bf16] [--trials 32] [--minutes M] [--quick] [--storage URL] [--out DIR]
 
@@ -278,6 +279,21 @@ def _bench_model(args: argparse.Namespace) -> int:
     return exit_status(df)  # 1: a variant disagreed with eager, or nothing ran cleanly
 
 
+# ---------------------------------------------------------------------------- tridist bench overlap
+
+
+def _overlap_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--quick", action="store_true", help="one case per link (hidden 4096, 8192 tokens, tp 8)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="report directory (default: reports/overlap-<time>/)")
+
+
+def _bench_overlap(args: argparse.Namespace) -> int:
+    from tridist.bench.overlap import run
+
+    return run(args)
+
+
 # -------------------------------------------------------------------------------- tridist bench all
 
 
@@ -392,6 +408,12 @@ COMMANDS: dict[str, Command] = {
                      "calibration (exit 3 without a GPU)",
                 add_arguments=_bench_all_arguments,
                 handler=_bench_all,
+            ),
+            "overlap": Command(
+                help="the overlapped all-gather ring emulated on one GPU: communication hidden, chunking overhead, "
+                     "interference, at hidden 4096/8192, 8k-32k tokens, tp 2/4/8, 450/100/25 GB/s links",
+                add_arguments=_overlap_arguments,
+                handler=_bench_overlap,
             ),
             "report": Command(
                 help="render a kernel-benchmark run, or compare runs (before/after, two devices) and flag regressions",

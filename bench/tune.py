@@ -399,10 +399,17 @@ def run_calibrate(args) -> int:
                         repeats=2 if args.quick else 5, copy_bytes=(1 << 22) if args.quick else None, progress=say,
                         layer=QUICK_LAYER if args.quick else None)
     if device.type == "cuda":
-        profile = dataclasses.replace(profile, fused_kernel_bandwidth=measure_fused_kernels(
-            device, QUICK_LAYER if args.quick else LAYER_SHAPES["cuda"], progress=say))
+        from tridist.bench.overlap import calibrate_overlap
+
+        shape = QUICK_LAYER if args.quick else LAYER_SHAPES["cuda"]
+        overlap = calibrate_overlap(device, hidden=shape["hidden"], tokens=shape["batch"] * shape["seq"])
+        say(f"  overlapped ring (emulated, tp 8, 450 GB/s): chunked matmuls +{overlap['overlap_chunking_overhead']:.1%}, "
+            f"interference {overlap['overlap_interference']:.3f} s per hidden transfer second")
+        profile = dataclasses.replace(profile, fused_kernel_bandwidth=measure_fused_kernels(device, shape, progress=say),
+                                      **overlap)
     else:
-        say("  fused kernels: not measured on a CPU (Triton runs them interpreted there)")
+        say("  fused kernels and the overlapped ring: not measured on a CPU (Triton runs interpreted, nothing "
+            "runs beside the matmuls there)")
     if rank != 0:
         return 0
     path = save_profile(profile, args.out)

@@ -16,6 +16,8 @@ carries the chosen strategy as `.distributed_strategy`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -129,7 +131,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         if not found:
             break
         for dim, why in found.items():
-            log.warning("to_distributed: %s excluded: %s", "tensor parallel" if dim == "tp" else "activation recompute", why)
+            log.warning("to_distributed: %s excluded: %s", _KNOB_NAMES[dim], why)
         limits.update(found)  # grows each round: at most one round per kind of limit
         strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     measurements = None
@@ -141,6 +143,10 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if measurements is not None:
         model.distributed_measurements = measurements
     return model, optimizer, loader
+
+
+_KNOB_NAMES = {"tp": "tensor parallel", "recompute": "activation recompute",
+               "overlap_tp_comm": "overlapped tensor-parallel communication"}
 
 
 def _apply_with_loader(model, optimizer, dataloader, strategy, spec, config):
@@ -211,6 +217,10 @@ def unsupported(spec) -> dict[str, str]:
     if structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
         limits.setdefault("tp", f"{structure.qkv} may pack q/k/v per head (GPT-NeoX, Bloom) or contiguously; "
                                 "its layout cannot be told from the structure")
+    if getattr(spec, "packed_unequal_qkv", False):
+        limits["overlap_tp_comm"] = (f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query heads): split on "
+                                     "its input features, it reduce-scatters its output, which the overlapped "
+                                     "all-gather ring cannot feed")
     return limits
 
 
@@ -234,18 +244,26 @@ def _violates(strategy, dim: str) -> bool:
 
 def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict[str, str]:
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
-    not changed): "tp" where a block is wrong in local and in global view; "recompute" where blocks run
-    in global view and the strategy recomputes them (global_view.refuse_recompute says why)."""
+    not changed): "tp" where a block is wrong in local and in global view; "recompute" and
+    "overlap_tp_comm" where blocks run in global view and the strategy recomputes them or overlaps their
+    communication (global_view.refuse_recompute / refuse_overlap say why). With overlap, the blocks are
+    checked overlapped (an entry projection fed something else than its region's input fails there)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
+    if strategy.overlap_tp_comm:
+        plan = dataclasses.replace(plan, overlap_comm=True)
     dims = _dims(strategy)
     try:
         global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
     except TensorParallelCheckError as error:
         return {"tp": str(error)}
+    limits = {}
     if global_view and strategy.recompute != "none":
-        return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
-                             f"({next(iter(global_view.values()))}), where activation recompute cannot run"}
-    return {}
+        limits["recompute"] = (f"blocks {sorted(global_view)} run in global view under tensor parallel "
+                               f"({next(iter(global_view.values()))}), where activation recompute cannot run")
+    if global_view and strategy.overlap_tp_comm:
+        limits["overlap_tp_comm"] = (f"blocks {sorted(global_view)} run in global view under tensor parallel "
+                                     f"({next(iter(global_view.values()))}), where the overlapped rings cannot run")
+    return limits
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
@@ -405,7 +423,8 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
     if strategy.tp > 1:
-        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)}
+        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel),
+                                        "overlap_comm": strategy.overlap_tp_comm}
     if strategy.pp > 1 or strategy.num_micro_batches > 1:
         # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
         # (1F1B: forward and backward one micro-batch at a time, gradients reduced once per step).

@@ -126,6 +126,19 @@ def refuse_recompute(model: torch.nn.Module, global_view: dict[str, str]) -> Non
             )
 
 
+def refuse_overlap(global_view: dict[str, str]) -> None:
+    """mp_config["overlap_comm"] fuses each sequence-parallel region's collectives into its local-view
+    projections (overlap.py); a block in global view computes on DTensors and has no such edges, so it
+    would run without overlap: refused, naming the blocks, before anything changes."""
+    if global_view:
+        name, reason = next(iter(global_view.items()))
+        raise NotImplementedError(
+            f"parallelize: mp_config['overlap_comm'] cannot apply to blocks that run in global view under tensor "
+            f"parallel ({sorted(global_view)}; {name!r}: {reason}): the overlapped rings run on local shards. Leave "
+            "overlap_comm off for this model"
+        )
+
+
 def _install_boundary(block: torch.nn.Module, tp_mesh, *, sequence_split: bool) -> None:
     """Inputs in as DTensors, outputs out as local tensors; the contexts live for the block's forward."""
     entry_placement = [Shard(_SEQUENCE_DIM)] if sequence_split else [Replicate()]

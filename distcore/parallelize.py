@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_map
 from . import env, pipeline
 from .api import local_value
 from .block_check import choose_block_views, decoder_blocks
-from .global_view import refuse_recompute
+from .global_view import refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 _CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
 _DP_KEYS = ("sharding_level", "param_dtype", "reduce_dtype")
-_MP_KEYS = ("parallelize_plan", "strict")
+_MP_KEYS = ("parallelize_plan", "strict", "overlap_comm")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -83,9 +83,12 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         if mp_config is not None:
             # Keys are matched (warnings, or errors with strict) and blocks checked on the whole model,
             # once, before the stages are cut: a block that fails leaves the model unchanged.
-            plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False))
+            plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False),
+                                overlap_comm=mp_config.get("overlap_comm", False))
             global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
             refuse_recompute(model, global_view)
+            if plan.overlap_comm:
+                refuse_overlap(global_view)
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),
@@ -132,6 +135,7 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
             changes = apply_tensor_parallel(
                 model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=dims.device_mesh("mp"),
                 process_mesh=dims.mesh, strict=mp_config.get("strict", False) and warn_unmatched, global_view=global_view,
+                overlap_comm=mp_config.get("overlap_comm", False),
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
     if dp_config is not None:

@@ -36,6 +36,7 @@ that builds masks or positions from the embedding output (Hugging Face does) see
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import re
@@ -66,8 +67,11 @@ class StyleTarget:
     tp_mesh: object  # the 1-D tensor-parallel DeviceMesh
     process_mesh: object  # the user's ProcessMesh (PrepareLayer* functions take it)
     in_region: bool = False  # strictly between SequenceParallelBegin and End
-    scatter_sequence: bool = False  # a row-parallel Linear directly under a Disable module: its possible exit
+    # A Linear directly under a Disable module: a row-parallel one is the region's possible exit, and with
+    # overlap_comm a column-parallel one is an entry fed by the region's overlapped all-gather.
+    scatter_sequence: bool = False
     sequence_split: "SequenceSplit | None" = None
+    overlap_comm: bool = False  # mp_config["overlap_comm"]: the region's edges run the overlapped rings
 
 
 class _Style:
@@ -111,6 +115,10 @@ class ColWiseParallel(_Style):
 
     def apply(self, target: StyleTarget) -> str:
         torch_style = self.torch_style(target)
+        if target.overlap_comm and target.scatter_sequence:
+            from .overlap import apply_overlapped_entry
+
+            return apply_overlapped_entry(self, target, torch_style)
         parallelize_module(target.module, target.tp_mesh, torch_style)
         if isinstance(target.module, torch.nn.Linear):
             target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
@@ -136,6 +144,10 @@ class RowWiseParallel(_Style):
                                use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
+        if target.overlap_comm and target.scatter_sequence:
+            from .overlap import apply_overlapped_exit
+
+            return apply_overlapped_exit(self, target, self.torch_style(target))
         parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
         if not target.scatter_sequence:
             return f"{target.name}: {self!r}"
@@ -169,7 +181,8 @@ class PrepareLayerOutput(_Style):
 class _SequenceParallelBoundary(_Style):
     def apply(self, target: StyleTarget) -> str:  # see the sequence-parallel section below
         return _apply_sequence_parallel(target.name, target.module, self, tp_mesh=target.tp_mesh,
-                                        in_region=target.in_region, sequence_split=target.sequence_split)
+                                        in_region=target.in_region, sequence_split=target.sequence_split,
+                                        overlap_comm=target.overlap_comm)
 
 
 @dataclass(repr=False)
@@ -211,6 +224,9 @@ class TensorParallelPlan:
     disabled: modules marked SequenceParallelDisable (a row-parallel child is its possible exit).
     lazy_split: the region's top-most parameterised modules; whichever runs first after Begin splits the
       sequence (empty for a block's plan: its check feeds it split inputs).
+    overlap_comm: each Disable region's all-gather runs fused with its entry projections
+      (kernels.all_gather_matmul, one gather for all of them) and its exit's reduce-scatter with the
+      exit's matmul (matmul_reduce_scatter); see overlap.py.
     """
 
     styles: dict
@@ -219,6 +235,7 @@ class TensorParallelPlan:
     sequence_region: frozenset = frozenset()
     disabled: frozenset = frozenset()
     lazy_split: tuple = ()
+    overlap_comm: bool = False
 
     def within(self, prefix: str) -> "TensorParallelPlan":
         """The plan of the module at `prefix`, its names relative to it (what a block's copy takes)."""
@@ -237,7 +254,7 @@ class TensorParallelPlan:
             styles={rename(n): st for n, st in self.styles.items() if keep(n)},
             bare={rename(n): st for n, st in self.bare.items() if keep(n)},
             sequence_span=names(self.sequence_span), sequence_region=names(self.sequence_region),
-            disabled=names(self.disabled), lazy_split=lazy_split,
+            disabled=names(self.disabled), lazy_split=lazy_split, overlap_comm=self.overlap_comm,
         )
 
     def styles_under(self, prefix: str) -> bool:
@@ -252,7 +269,23 @@ def _strip(name: str, prefix: str) -> str:
     return name if not prefix else name[len(prefix) + 1:]
 
 
-def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False) -> TensorParallelPlan:
+def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False, overlap_comm: bool = False) -> TensorParallelPlan:
+    """`_resolve_plan`, with mp_config's `overlap_comm` (checked: it needs sequence-parallel regions)."""
+    if not isinstance(overlap_comm, bool):
+        raise TypeError(f"parallelize: mp_config['overlap_comm'] must be True or False, got {overlap_comm!r}")
+    resolved = _resolve_plan(model, plan, strict=strict)
+    if not overlap_comm:
+        return resolved
+    if not resolved.disabled:
+        raise ValueError(
+            "parallelize: mp_config['overlap_comm'] overlaps sequence parallel's all-gather and reduce-scatter with "
+            "the matmuls at each region's edges, but this plan has no sequence-parallel region (SequenceParallelBegin "
+            "on the embedding, SequenceParallelDisable on attention and MLP, SequenceParallelEnd); add them, or leave "
+            "overlap_comm off (tensor parallel without sequence parallel all-reduces, which this does not overlap)")
+    return dataclasses.replace(resolved, overlap_comm=True)
+
+
+def _resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False) -> TensorParallelPlan:
     """Match every key of a Paddle plan against `model` (warning, or with strict an error, for a key
     matching nothing) and work out each module's sequence-parallel context. A TensorParallelPlan (built
     from the model's own names, as to_distributed does) has its context worked out again for `model`:
@@ -328,7 +361,7 @@ def _with_sequence_context(model: torch.nn.Module, styles_of: dict, bare_styles:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
-                          global_view: dict[str, str] | None = None) -> list[str]:
+                          global_view: dict[str, str] | None = None, overlap_comm: bool = False) -> list[str]:
     """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
 
     Each decoder-block type is checked first (block_check.py): its tensor-parallel forward must equal
@@ -338,15 +371,17 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
     """
     from .block_check import choose_block_views
 
-    resolved = resolve_plan(model, plan, strict=strict)
+    resolved = resolve_plan(model, plan, strict=strict, overlap_comm=overlap_comm)
     if global_view is None:
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())
     global_view = {name: reason for name, reason in global_view.items() if name in modules and resolved.styles_under(name)}
     if global_view:
-        from .global_view import refuse_recompute
+        from .global_view import refuse_overlap, refuse_recompute
 
         refuse_recompute(model, global_view)
+        if resolved.overlap_comm:
+            refuse_overlap(global_view)
     changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
     if global_view:
         from .global_view import apply_global_view
@@ -387,6 +422,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
                 in_region=name in plan.sequence_span, sequence_split=sequence_split,
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in plan.disabled and isinstance(module, torch.nn.Linear),
+                overlap_comm=plan.overlap_comm,
             )))
     for name, styles in plan.bare.items():
         changes += [_apply_bare(root, name, style, tp_mesh=tp_mesh) for style in styles]
@@ -844,7 +880,7 @@ def _map_output(output, fn):
 
 
 def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool,
-                             sequence_split: SequenceSplit) -> str:
+                             sequence_split: SequenceSplit, overlap_comm: bool = False) -> str:
     def gather_input(_, args, kwargs):
         return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
 
@@ -863,7 +899,12 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
     elif isinstance(style, SequenceParallelEnd):
         module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
-        module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
+        if overlap_comm:
+            from .overlap import OverlappedRegion
+
+            OverlappedRegion.install(name, module, tp_mesh)  # gathers once, fused with the entry projections
+        else:
+            module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
         exits = [child for child in module.children() if getattr(child, "_tridist_scatters_sequence", False)]
         if exits:
             module.register_forward_hook(_check_exit(name, exits))

@@ -110,19 +110,40 @@ def test_engines_by_name_and_errors():
 
 
 def test_an_engine_that_cannot_overlap_never_gets_overlap():
-    """The torch engines run tensor parallel without overlapped GEMMs: the search leaves overlap out and
-    says so; a strategy asking for it is refused with the reason (it would silently run without)."""
+    """An engine without overlapped tensor-parallel GEMMs: the search leaves overlap out and says so; a
+    strategy asking for it is refused with the reason (it would silently run without)."""
     from tridist.autotune import InvalidStrategy, check, search
 
     spec = preset("llama2-7b")
-    result = search(spec, Cluster(1, 8, engine="torch+tridist"), global_batch_size=16, storage=None)
+    plain = _engine(overlap_tp_comm=False)
+    result = search(spec, Cluster(1, 8, engine=plain), global_batch_size=16, storage=None)
     assert not any(c.strategy.overlap_tp_comm for c in result.ranked)
     assert any("overlap_tp_comm" in reason for reason in result.pruned), result.pruned
-    megatron = search(spec, Cluster(1, 8, engine="megatron"), global_batch_size=16, storage=None)
-    assert not megatron.pruned and any(c.strategy.overlap_tp_comm for c in megatron.ranked)
     wanted = Strategy(dp=1, tp=8, pp=1, sequence_parallel=True, overlap_tp_comm=True, micro_batch_size=2, num_micro_batches=8)
     with pytest.raises(InvalidStrategy, match="does not overlap"):
-        check(spec, Cluster(1, 8, engine="torch"), wanted, global_batch_size=16)
+        check(spec, Cluster(1, 8, engine=plain), wanted, global_batch_size=16)
+
+
+def test_torch_engines_overlap_with_fp32_reduce_scatter_bytes():
+    """distcore runs overlap (mp_config overlap_comm): the torch engines search it, and price its traffic
+    at 1.5x the plain collectives' bytes (the reduce-scatter ring's fp32 partial sums) where Megatron's
+    does not; a strategy with overlap but no sequence parallel stays invalid."""
+    from tridist.autotune import InvalidStrategy, check, estimate, search
+
+    spec = preset("llama2-7b")
+    for engine in ("torch+tridist", "torch", "megatron"):
+        result = search(spec, Cluster(1, 8, engine=engine), global_batch_size=16, storage=None)
+        assert not result.pruned and any(c.strategy.overlap_tp_comm for c in result.ranked), engine
+    wanted = Strategy(dp=1, tp=8, pp=1, sequence_parallel=True, overlap_tp_comm=True, micro_batch_size=2, num_micro_batches=8)
+    without = dataclasses.replace(wanted, overlap_tp_comm=False)
+    torch_engine = Cluster(1, 8, engine="torch+tridist")
+    factor_one = Cluster(1, 8, engine=dataclasses.replace(torch_engine.engine, overlap_wire_factor=1.0))
+    t_plain = estimate(spec, torch_engine, without, global_batch_size=16).time.tp_comm_s
+    t_fp32 = estimate(spec, torch_engine, wanted, global_batch_size=16).time.tp_comm_s
+    t_one = estimate(spec, factor_one, wanted, global_batch_size=16).time.tp_comm_s
+    assert t_one < t_fp32 < t_plain  # hidden either way, the fp32 wire leaves more exposed
+    with pytest.raises(InvalidStrategy, match="needs sequence_parallel"):
+        check(spec, torch_engine, dataclasses.replace(wanted, sequence_parallel=False), global_batch_size=16)
 
 
 def test_measured_layer_rates_replace_the_engines_figures_for_torch_kernels():

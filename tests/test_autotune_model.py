@@ -187,3 +187,15 @@ def test_packed_grouped_query_qkv_is_flagged_for_the_cost_model():
     assert ModelSpec.from_module(build("phi3", layers=1), seq_len=16).packed_unequal_qkv
     assert not ModelSpec.from_module(build("llama", layers=1), seq_len=16).packed_unequal_qkv
     assert not ModelSpec.from_module(build_model("paddle-llama"), seq_len=16).packed_unequal_qkv  # packed, equal parts
+
+
+def test_distcore_limits_overlap_for_unequal_packed_qkv():
+    """Phi-3's packed grouped-query qkv cannot feed the overlapped all-gather ring: distcore says so, and
+    to_distributed's search keeps overlap off for it (with the reason); a packed qkv of equal parts can."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+    from tridist.distcore.auto import unsupported
+
+    phi3 = unsupported(ModelSpec.from_module(build("phi3", layers=1), seq_len=16))
+    assert "unequal sizes" in phi3["overlap_tp_comm"] and "tp" not in phi3
+    assert "overlap_tp_comm" not in unsupported(ModelSpec.from_module(build_model("paddle-llama"), seq_len=16))

@@ -1,0 +1,235 @@
+"""Checks of mp_config["overlap_comm"] (distcore/overlap.py): sequence-parallel tensor parallel whose
+region edges run kernels.all_gather_matmul / matmul_reduce_scatter. Run on 4 gloo processes (tp 4 and
+dp 2 x tp 2) and on 2 (tp 2) by test_overlap.py: every strategy trains like one process with overlap on
+and off, on the seed model, the HF-style model (grouped-query attention), the packed-qkv model, with
+the fused kernels and with FSDP2 sharding on the same mesh; the profiler shows the rings ran."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tridist import distcore
+from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel
+from tests.distributed import equivalence
+from tests.distributed.harness import run_checks
+from tests.distributed.tensor_parallel_worker import (
+    GQA_PACKED_PLAN,
+    HF_PLAN,
+    PADDLE_SEED_PLAN,
+    SEED_PLAN,
+    SP_BOUNDARIES_SEED,
+    _batches,
+    _model,
+    _reference_run,
+    _train,
+)
+
+SEED_SP_PLAN = {**SEED_PLAN, **SP_BOUNDARIES_SEED}
+HF_SP_PLAN = {
+    **HF_PLAN,
+    "model.embed_tokens": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+    "model.layers.*.self_attn": distcore.SequenceParallelDisable(),
+    "model.layers.*.mlp": distcore.SequenceParallelDisable(),
+    "lm_head": distcore.SequenceParallelEnd(),
+}
+RINGS = ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward", "tridist.matmul_reduce_scatter",
+         "tridist.matmul_reduce_scatter.backward")
+
+
+def _world() -> int:
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _tp_mesh() -> ProcessMesh:
+    """Every rank in one tensor-parallel group: tp 4 on 4 processes, tp 2 on 2."""
+    return ProcessMesh(list(range(_world())), dim_names=["mp"])
+
+
+def _dp_tp_mesh() -> ProcessMesh | None:
+    """dp 2 x tp 2 on 4 processes (the layout tensor_parallel_worker's _train shards batches for)."""
+    return ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"]) if _world() == 4 else None
+
+
+def _trains_like_one_process(name: str, mesh, config: dict, *, fused: bool = False, overlap: bool = True):
+    config = {**config, "mp_config": {**config["mp_config"], "overlap_comm": overlap}}
+    model, optimizer = distcore.parallelize(*_model(name, fused=fused), mesh, config)
+    trace = _train(model, optimizer, sharded_inputs="dp" in mesh.dim_names)
+    reference = _reference_run(name)  # one process, unfused
+    assert set(trace.parameters) == set(reference.parameters)
+    equivalence.assert_same_training(trace, reference)
+    return model
+
+
+def _overlapped(module) -> bool:
+    return type(module).__name__.startswith("Overlapped")
+
+
+def check_seed_model_overlap_on_and_off():
+    """tp 4 (tp 2 on two processes): the seed model with sequence parallel, overlap on and off, equal to one process."""
+    model = _trains_like_one_process("seed-llama", _tp_mesh(), {"mp_config": {"parallelize_plan": SEED_SP_PLAN}})
+    layer = model.layers[0]
+    assert all(_overlapped(m) for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+    assert type(layer.self_attn.q_proj).__name__ == "OverlappedEntryLinear"
+    assert layer.self_attn.num_heads == 4 // _world()  # local heads, as without overlap
+    off = _trains_like_one_process("seed-llama", _tp_mesh(), {"mp_config": {"parallelize_plan": SEED_SP_PLAN}},
+                                   overlap=False)
+    assert not _overlapped(off.layers[0].self_attn.q_proj)
+
+
+def check_hf_style_model_with_grouped_query_heads():
+    """The HF-style model (4 query / 2 key-value heads): tp 2 alone, and dp 2 x tp 2 with ZeRO-2."""
+    if _world() == 2:
+        _trains_like_one_process("hf-llama", _tp_mesh(), {"mp_config": {"parallelize_plan": HF_SP_PLAN}})
+    else:
+        _trains_like_one_process("hf-llama", _dp_tp_mesh(), {"dp_config": {"sharding_level": 2},
+                                                             "mp_config": {"parallelize_plan": HF_SP_PLAN}})
+
+
+def check_packed_qkv_and_gate_up():
+    """paddle-llama's packed qkv_proj and gate_up_proj (each part split on its own) are overlapped entries:
+    the parallelize seed's plan, with dp sharding level 1 on 4 processes."""
+    if _world() == 2:
+        model = _trains_like_one_process("paddle-llama", _tp_mesh(), {"mp_config": {"parallelize_plan": PADDLE_SEED_PLAN}})
+    else:
+        model = _trains_like_one_process("paddle-llama", _dp_tp_mesh(), {"dp_config": {"sharding_level": 1},
+                                                                         "mp_config": {"parallelize_plan": PADDLE_SEED_PLAN}})
+    layer = model.llama.layers[0]
+    assert _overlapped(layer.self_attn.qkv_proj) and _overlapped(layer.mlp.gate_up_proj)
+    assert layer.self_attn.num_heads == 4 // 2 if _world() == 4 else 2
+
+
+def check_fused_kernels_and_fsdp2_on_the_same_mesh():
+    """Fused RMSNorm / rotary / SwiGLU on local shards and sequence slices, FSDP2 (ZeRO-3: parameters
+    sharded over dp too) on the tensor-parallel DTensors."""
+    mesh = _dp_tp_mesh() or _tp_mesh()
+    config = {"mp_config": {"parallelize_plan": SEED_SP_PLAN}}
+    if "dp" in mesh.dim_names:
+        config["dp_config"] = {"sharding_level": 3}
+    model = _trains_like_one_process("seed-llama", mesh, config, fused=True)
+    from tridist import kernels
+
+    assert isinstance(model.layers[0].mlp, kernels.FusedSwiGLUMLP) and _overlapped(model.layers[0].mlp.gate_proj)
+
+
+def _ring_events(model, ids, labels) -> dict[str, int]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss, _ = model(ids, labels=labels)
+        loss.backward()
+    names = [event.name for event in prof.events()]
+    return {ring: names.count(ring) for ring in RINGS}
+
+
+def check_profiler_shows_the_overlapped_rings():
+    """One ring per region edge and step: 2 layers x (attention + MLP) entries and exits, forward and backward;
+    none without overlap."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    for overlap, expected in ((True, 4), (False, 0)):
+        config = {"mp_config": {"parallelize_plan": SEED_SP_PLAN, "overlap_comm": overlap}}
+        model, _ = distcore.parallelize(*_model("seed-llama"), _tp_mesh(), config)
+        counts = _ring_events(model, ids, ids)
+        assert counts == {ring: expected for ring in RINGS}, (overlap, counts)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, scale_input: bool):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.scale_input = scale_input
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x * 2 if self.scale_input else x)))
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, scale_input: bool = False):
+        super().__init__()
+        self.inp, self.block, self.out = torch.nn.Linear(8, 8), _Block(scale_input), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+TOY_PLAN = {"inp": distcore.SequenceParallelBegin(), "block": distcore.SequenceParallelDisable(),
+            "block.up": ColWiseParallel(), "block.down": RowWiseParallel(), "out": distcore.SequenceParallelEnd()}
+
+
+def check_overlap_that_cannot_be_honoured_is_refused():
+    def expect(error_type, message, plan, *, model=None, overlap=True, run=False):
+        model = model or _Toy()
+        try:
+            model, _ = distcore.parallelize(model, None, _tp_mesh(), {"mp_config": {"parallelize_plan": plan,
+                                                                                     "overlap_comm": overlap}})
+            if run:
+                model(torch.randn(2, 4, 8))
+        except error_type as error:
+            assert message in str(error), str(error)
+        else:
+            raise AssertionError(f"expected {error_type.__name__}: {message}")
+
+    # tensor parallel without sequence parallel: nothing to overlap
+    expect(ValueError, "has no sequence-parallel region", {"block.up": ColWiseParallel(), "block.down": RowWiseParallel()})
+    # an entry projection fed something else than the region's input
+    expect(RuntimeError, "block.up was called with a tensor other than its region's input", TOY_PLAN,
+           model=_Toy(scale_input=True), run=True)
+    expect(TypeError, "mp_config['overlap_comm'] must be True or False", TOY_PLAN, overlap="yes")
+    # grouped-query q/k/v packed in one Linear: split on its input features, cannot be fed by the ring
+    from tests.distributed.tensor_parallel_worker import CONSTANTS_SEQUENCE_PARALLEL, GroupedQueryPackedModel
+
+    expect(ValueError, "its packed parts have unequal sizes", {**GQA_PACKED_PLAN, **CONSTANTS_SEQUENCE_PARALLEL},
+           model=GroupedQueryPackedModel())
+
+
+def check_toy_region_with_biases_equals_one_process():
+    """Biases on both edges (the entry's split with its columns, the exit's added once after the
+    reduce-scatter, its gradient summed over the sequence shards), against the same toy on one process."""
+    torch.manual_seed(0)
+    reference = _Toy()
+    model, _ = distcore.parallelize(_copy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN,
+                                                                                         "overlap_comm": True}})
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    out, expected = model(x), reference(x)
+    (out * out).sum().backward()
+    (expected * expected).sum().backward()
+    equivalence.assert_tensors_close("toy output", {"out": out.detach()}, {"out": expected.detach()})
+    equivalence.assert_tensors_close("toy gradients", equivalence.gradients(model), equivalence.gradients(reference))
+
+
+def check_to_distributed_applies_a_strategy_with_overlap():
+    """Strategy(overlap_tp_comm=True) through to_distributed: the projections run overlapped (not a field the
+    engine ignores) and training equals one process; the search may now choose it too."""
+    from tridist import autotune
+
+    tp = _world()
+    strategy = autotune.Strategy(dp=1, tp=tp, pp=1, sequence_parallel=True, overlap_tp_comm=True,
+                                 micro_batch_size=4, num_micro_batches=1)
+    model, optimizer = _model("seed-llama")
+    batches = [(inputs, labels) for inputs, labels in _batches()]
+    loader = torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
+                                         batch_size=batches[0][0].shape[0])
+    config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)
+    dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp, config=config)
+    attention = dist_model.layers[0].self_attn
+    assert _overlapped(attention.q_proj) and _overlapped(attention.o_proj), type(attention.q_proj)
+    trace = equivalence.Trace()
+    for inputs, labels in dist_loader():
+        loss, _ = dist_model(inputs, labels=labels)
+        loss.backward()
+        trace.step(dist_model, loss)
+        dist_opt.step()
+        dist_opt.zero_grad()
+    equivalence.assert_same_training(trace.end(dist_model), _reference_run("seed-llama"))
+
+
+def _copy(module):
+    import copy
+
+    return copy.deepcopy(module)
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    run_checks(CHECKS)  # ends the process group
