@@ -55,6 +55,21 @@ def check_compiled_block_equals_eager():
     assert counts["ops"] == ["tridist.all_gather_matmul.default", "tridist.matmul_reduce_scatter.default"], counts
 
 
+def check_profiler_names_the_rings_in_a_compiled_graph():
+    """The rings keep their record_function ranges when a compiled graph calls the registered ops."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_block, backend="aot_eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in _inputs()]
+    compiled(*leaves).sum().backward()  # compile outside the trace
+    leaves = [t.clone().requires_grad_() for t in _inputs()]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(*leaves).sum().backward()
+    names = {event.name for event in prof.events()}
+    for ring in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward", "tridist.matmul_reduce_scatter",
+                 "tridist.matmul_reduce_scatter.backward"):
+        assert ring in names, (ring, sorted(n for n in names if "tridist" in n))
+
+
 def check_opcheck():
     """torch.library.opcheck: schemas, fake (meta) implementations, autograd registration, AOT dispatch."""
     name = dist.group.WORLD.group_name
