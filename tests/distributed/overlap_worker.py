@@ -199,20 +199,28 @@ def check_toy_region_with_biases_equals_one_process():
 
 def check_to_distributed_applies_a_strategy_with_overlap():
     """Strategy(overlap_tp_comm=True) through to_distributed: the projections run overlapped (not a field the
-    engine ignores) and training equals one process; the search may now choose it too."""
+    engine ignores) and training equals one process; the search may now choose it too. Also with full
+    activation recompute: the regions run again in backward (their rings too) and leave nothing behind."""
+    for recompute in ("none", "full"):
+        _to_distributed_with_overlap(recompute)
+    if _world() == 4:  # pipeline stages of tp 2: each stage's regions overlapped
+        _to_distributed_with_overlap("none", pp=2)
+
+
+def _to_distributed_with_overlap(recompute: str, pp: int = 1):
     from tridist import autotune
 
-    tp = _world()
-    strategy = autotune.Strategy(dp=1, tp=tp, pp=1, sequence_parallel=True, overlap_tp_comm=True,
-                                 micro_batch_size=4, num_micro_batches=1)
+    tp = _world() // pp
+    strategy = autotune.Strategy(dp=1, tp=tp, pp=pp, sequence_parallel=True, overlap_tp_comm=True,
+                                 micro_batch_size=4 // pp, num_micro_batches=pp, recompute=recompute)
     model, optimizer = _model("seed-llama")
     batches = [(inputs, labels) for inputs, labels in _batches()]
     loader = torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
                                          batch_size=batches[0][0].shape[0])
     config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)
-    dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp, config=config)
-    attention = dist_model.layers[0].self_attn
-    assert _overlapped(attention.q_proj) and _overlapped(attention.o_proj), type(attention.q_proj)
+    dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp * pp, config=config)
+    layer = next(m for m in dist_model.modules() if hasattr(m, "self_attn") and not getattr(m, "_tridist_stand_in", False))
+    assert _overlapped(layer.self_attn.q_proj) and _overlapped(layer.self_attn.o_proj), type(layer.self_attn.q_proj)
     trace = equivalence.Trace()
     for inputs, labels in dist_loader():
         loss, _ = dist_model(inputs, labels=labels)
