@@ -467,7 +467,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         chunking = p.overlap_chunking_overhead or 0.0
         interference = OVERLAP_COMPUTE_COST if p.overlap_interference is None else p.overlap_interference
         chunked_gemms = chunking * gemm_total
-        tp_layer = _hidden_behind(tp_layer * cluster.engine.overlap_wire_factor, gemm_total, t, interference)
+        wire = cluster.engine.overlap_wire_factor if e < 4 else 1.0  # fp32 training sends fp32 sums anyway
+        tp_layer = _hidden_behind(tp_layer * wire, gemm_total, t, interference)
     layer_compute = max(fwd + bwd + recompute + chunked_gemms, floor)
 
     # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss

@@ -46,6 +46,7 @@ class EngineProfile:
     fsdp_copy_passes: float = 0.0
     overlap_tp_comm: bool = False  # runs tensor parallel's collectives fused with the GEMMs
     overlap_wire_factor: float = 1.0  # bytes of the overlapped collectives per byte of the plain ones
+    overlap_with_selective_recompute: bool = True  # distcore: no (its selective recompute bypasses the region)
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
     source: str = ""
@@ -114,6 +115,7 @@ TORCH = EngineProfile(
     # (NCCL point-to-point beside the GEMMs); the reduce-scatter ring's partial sums travel in fp32.
     overlap_tp_comm=True,
     overlap_wire_factor=1.5,
+    overlap_with_selective_recompute=False,  # the recomputed attention would run without the region's gather
     source="torch-native eager (FSDP2, DTensor, SDPA FlashAttention-2); fitted to torchtitan's published runs",
 )
 

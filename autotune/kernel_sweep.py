@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import itertools
 import json
 import math
 import os
@@ -315,6 +317,7 @@ class SweepResult:
     results: list[BucketResult]
     skipped: list[Bucket]  # not reached within the time budget
     seconds: float
+    failed: list[tuple[Bucket, str]] = dataclasses.field(default_factory=list)  # the error that stopped a bucket
 
 
 class _Pruned(Exception):
@@ -348,8 +351,11 @@ class _Progress:
         print(("\r" + text.ljust(110)) if self.tty and not final else text, file=self.stream, flush=True)
 
 
-def _study_name(bucket: Bucket, device: str, versions: dict) -> str:
-    return (f"kernels|{bucket.tunable.name}|{bucket.key}|v{bucket.tunable.version}|{device}|"
+def _study_name(bucket: Bucket, device: str, versions: dict, space: dict) -> str:
+    """Everything a trial's meaning depends on: the kernel's source, the bucket, the device, the versions and
+    the search space (Optuna cannot resume a study whose parameters' choices changed)."""
+    space_hash = hashlib.sha1(json.dumps(space, sort_keys=True).encode()).hexdigest()[:8]
+    return (f"kernels|{bucket.tunable.name}|{bucket.key}|v{bucket.tunable.version}|space-{space_hash}|{device}|"
             f"torch={versions['torch']}|triton={versions['triton']}")
 
 
@@ -357,12 +363,10 @@ def _sweep_bucket(bucket: Bucket, *, device: torch.device, device_name: str, ver
                   trials: int, timeout: float | None, timer: Timer, progress: _Progress, seed: int) -> BucketResult:
     import optuna
 
-    name = _study_name(bucket, device_name, versions)
     space = bucket.space()
     heuristic = bucket.heuristic()
-    n_configs = math.prod(len(v) for v in space.values())
-    # A space no bigger than the budget is swept exhaustively; a larger one by TPE (seeded).
-    sampler = optuna.samplers.GridSampler(space, seed=seed) if n_configs <= trials else optuna.samplers.TPESampler(seed=seed)
+    name = _study_name(bucket, device_name, versions, space)
+    sampler = optuna.samplers.TPESampler(seed=seed)
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # our progress line instead of a log line per trial
     try:
@@ -378,8 +382,13 @@ def _run_study(bucket, name, space, heuristic, sampler, *, device, storage, tria
 
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler,
                                 load_if_exists=True)
-    if not isinstance(sampler, optuna.samplers.GridSampler):  # a grid holds the heuristic already
-        study.enqueue_trial(heuristic, skip_if_exists=True)
+    # The heuristic first; a space no bigger than the budget is then swept exhaustively in a fixed order
+    # (queued), a larger one by TPE (seeded). A resumed study skips what it ran already.
+    configs_in_space = [dict(zip(space, values)) for values in itertools.product(*space.values())]
+    queue = [heuristic] + ([c for c in configs_in_space if c != heuristic] if len(configs_in_space) <= trials else [])
+    for config in queue:
+        study.enqueue_trial(config, skip_if_exists=True)
+    trials = min(trials, len(configs_in_space))
     finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
     remaining = trials - len(study.get_trials(deepcopy=False, states=finished))
     launch = None
@@ -499,7 +508,8 @@ def run_sweep(buckets: Sequence[Bucket] | None = None, *, device: torch.device |
     start = time.monotonic()
     deadline = start + minutes * 60 if minutes else None
     bar = _Progress(trials * len(buckets), deadline, stream or sys.stderr, progress)
-    results, skipped = [], []
+    results, skipped, failed = [], [], []
+    path = Path(table_path) if table_path is not None else configs.tuned_table_path(device)
     for i, bucket in enumerate(buckets):
         timeout = None
         if deadline is not None:
@@ -508,17 +518,23 @@ def run_sweep(buckets: Sequence[Bucket] | None = None, *, device: torch.device |
                 skipped += buckets[i:]
                 break
             timeout = left / (len(buckets) - i)
-        results.append(_sweep_bucket(bucket, device=device, device_name=name, versions=versions, storage=storage_arg,
-                                     trials=trials, timeout=timeout, timer=timer, progress=bar, seed=seed))
-        bar.done = trials * (i + 1)  # a resumed or timed-out bucket counts as done
+        try:
+            result = _sweep_bucket(bucket, device=device, device_name=name, versions=versions, storage=storage_arg,
+                                   trials=trials, timeout=timeout, timer=timer, progress=bar, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - out of memory preparing a big bucket, a timer failure: the rest go on
+            failed.append((bucket, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"))
+            print(f"tridist autotune kernels: {bucket.tunable.name} {bucket.shape} failed: {failed[-1][1]}",
+                  file=stream or sys.stderr)
+        else:
+            results.append(result)
+            if write_table:  # after every bucket: an interrupted sweep keeps what it found
+                write_table_file(path, [result], device_name=name, versions=versions)
+        bar.done = trials * (i + 1)  # a resumed, timed-out or failed bucket counts as done
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    path = Path(table_path) if table_path is not None else configs.tuned_table_path(device)
-    if write_table and results:
-        write_table_file(path, results, device_name=name, versions=versions)
     return SweepResult(device=name, versions=versions, storage=storage_desc,
                        table_path=path if write_table and results else None, results=results, skipped=skipped,
-                       seconds=time.monotonic() - start)
+                       seconds=time.monotonic() - start, failed=failed)
 
 
 # ------------------------------------------------------------------------------------------------ table

@@ -281,6 +281,8 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         vpps = [1] if pp == 1 else [v for v in _divisors(layers_per_stage)
                                     if v <= space.max_virtual_pp and (v == 1 or m % pp == 0)]
         for v, level, (sp, overlap), rc in itertools.product(vpps, levels, tp_modes, recompute):
+            if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
+                continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
             yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v)
 
 

@@ -175,6 +175,9 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     if s.overlap_tp_comm and not cluster.engine.overlap_tp_comm:
         reasons.append(f"overlap_tp_comm: the {cluster.engine.name} engine does not overlap tensor parallel's "
                        "communication with its matmuls (it would run without); use overlap_tp_comm=False")
+    elif s.overlap_tp_comm and s.recompute == "selective" and not cluster.engine.overlap_with_selective_recompute:
+        reasons.append(f"overlap_tp_comm with selective recompute: the {cluster.engine.name} engine recomputes the "
+                       "attention core outside the overlapped region's gather; recompute 'full' or 'none'")
     return reasons
 
 

@@ -5,7 +5,8 @@
 
 The sweep itself (studies, pruning, table) is `autotune.kernel_sweep`; this module turns its result
 into report.md, sweep.csv and gain.png (pandas and matplotlib imported here, when it runs).
-Exit codes: 0 done, 1 a heuristic configuration failed its check (a kernel bug: see the report),
+Exit codes: 0 done, 1 a heuristic configuration failed its check (a kernel bug: see the report) or a
+bucket failed (its error in the report; the others were swept and written),
 2 bad arguments, 3 no GPU here (nothing tuned; the message says so).
 """
 
@@ -95,6 +96,9 @@ def write_sweep_report(result, out_dir: str | Path, *, budget: str = "") -> Path
                 if r.heuristic_problem]
     if problems:
         lines += ["", "## Heuristic configurations that failed (kernel bugs)", "", *problems]
+    if result.failed:
+        lines += ["", f"## Buckets that failed ({len(result.failed)})", "",
+                  *(f"- {b.tunable.name} {b.shape}: {why}" for b, why in result.failed)]
     if result.skipped:
         lines += ["", f"## Not reached within the time budget ({len(result.skipped)})", "",
                   *(f"- {b.tunable.name} {b.shape}" for b in result.skipped)]
@@ -129,4 +133,4 @@ def run_kernel_autotune(args) -> int:
     report = write_sweep_report(result, out, budget=budget)
     print((report / "report.md").read_text())
     print(f"report: {report}")
-    return 1 if any(r.heuristic_problem for r in result.results) else 0
+    return 1 if result.failed or any(r.heuristic_problem for r in result.results) else 0

@@ -5,8 +5,9 @@ real ones (`tp` chunks of [tokens / tp, hidden] times the entry weight [hidden, 
 output), and each of the `tp - 1` transfers is a device-to-device copy of one chunk on a side stream
 followed by a GPU spin (`torch.cuda._sleep`, one thread block) lasting what the chunk takes at the link's
 bandwidth (450 GB/s NVLink-class, 100 GB/s, 25 GB/s; the copy itself comes on top, a few percent at
-these rates). The schedule is the ring's: the transfer of chunk
-s + 1 starts when chunk s is available and runs beside chunk s's matmul; each matmul waits for its chunk.
+these rates). The schedule is the ring's (as `kernels.comm_matmul` posts it): the transfer of chunk
+s + 1 is posted once the work queued before matmul s is done (the chunk it forwards has arrived, its
+buffer is free), runs beside matmul s, and matmul s + 1 waits for it.
 
 Reported per case (hidden, tokens, tp, link):
 - `full_ms`: one unchunked matmul; `chunked_ms`: the tp chunked matmuls alone; `chunking_overhead`:
@@ -14,7 +15,8 @@ Reported per case (hidden, tokens, tp, link):
 - `comm_ms`: the tp - 1 transfers alone; `overlapped_ms`: the ring; `exposed_ms`: overlapped - chunked;
   `hidden_fraction`: 1 - exposed / comm (1: every transfer hidden);
 - `interference`: the matmuls' slowdown from copies running beside them (the same ring with the copies
-  only, no spin: they take memory bandwidth and an SM or two, as NCCL's kernels do).
+  only, no spin: they take memory bandwidth and an SM or two; NCCL's kernels hold more SMs for the whole
+  transfer, so this is a lower bound of what real transfers cost).
 
 Targets (benchmarks, not tests) on H100/H200: at tp 8 over a 450 GB/s link at least 80% hidden, and a
 chunking overhead of at most 5%. On a CPU the matmuls and "transfers" run one after the other (no
@@ -90,7 +92,8 @@ class _Link:
 
 
 def _gpu_cycles_per_second(device: torch.device) -> float:
-    """torch.cuda._sleep's cycles per second, measured (the clock under load, not the datasheet's)."""
+    """torch.cuda._sleep's cycles per second, measured on this GPU before the cases run (its clock then;
+    under a matmul's load the SM clock may run lower, so an emulated transfer can last a little longer)."""
     cycles = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(cycles)  # warm-up

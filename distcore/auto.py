@@ -244,26 +244,32 @@ def _violates(strategy, dim: str) -> bool:
 
 def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict[str, str]:
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
-    not changed): "tp" where a block is wrong in local and in global view; "recompute" and
-    "overlap_tp_comm" where blocks run in global view and the strategy recomputes them or overlaps their
-    communication (global_view.refuse_recompute / refuse_overlap say why). With overlap, the blocks are
-    checked overlapped (an entry projection fed something else than its region's input fails there)."""
+    not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
+    fed something else than its region's input, a block only right in global view), so that tensor parallel
+    itself is judged without it; "tp" where a block is wrong in local and in global view; "recompute" where
+    blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
-    if strategy.overlap_tp_comm:
-        plan = dataclasses.replace(plan, overlap_comm=True)
     dims = _dims(strategy)
+
+    def views(plan):
+        return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
+
+    if strategy.overlap_tp_comm:
+        try:
+            global_view = views(dataclasses.replace(plan, overlap_comm=True))
+        except TensorParallelCheckError as error:
+            return {"overlap_tp_comm": str(error)}
+        if global_view:
+            return {"overlap_tp_comm": f"blocks {sorted(global_view)} cannot run overlapped "
+                                       f"({next(iter(global_view.values()))})"}
     try:
-        global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
+        global_view = views(plan)
     except TensorParallelCheckError as error:
         return {"tp": str(error)}
-    limits = {}
     if global_view and strategy.recompute != "none":
-        limits["recompute"] = (f"blocks {sorted(global_view)} run in global view under tensor parallel "
-                               f"({next(iter(global_view.values()))}), where activation recompute cannot run")
-    if global_view and strategy.overlap_tp_comm:
-        limits["overlap_tp_comm"] = (f"blocks {sorted(global_view)} run in global view under tensor parallel "
-                                     f"({next(iter(global_view.values()))}), where the overlapped rings cannot run")
-    return limits
+        return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
+                             f"({next(iter(global_view.values()))}), where activation recompute cannot run"}
+    return {}
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
@@ -488,6 +494,7 @@ def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
     for layer in layers:
         target = layer if mode == "full" else layer.get_submodule(structure.attention)
         target.forward = functools.partial(_recomputed, target.forward)
+        target._tridist_recompute_wrapper = mode  # an overlapped region refuses it (overlap.py)
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)
 
 

@@ -21,8 +21,13 @@ the optimizer see no difference); the Linears only change class (`OverlappedEntr
 `fully_shard` does) so that their forward takes the fused path: names, parameters and hooks are kept.
 
 Contract: an entry projection must be called with the region's input itself (`self.q_proj(hidden_states)`),
-once per forward; the region's output must be its exit's (as without overlap). Anything else raises, naming
-the module. A packed projection of unequal parts (q/k/v with grouped-query heads in one Linear) is split
+unchanged in place, once per forward; the region's output must be its exit's (as without overlap); the
+region must not be recomputed on its own (selective recompute wraps its forward, whose recomputation
+skips the region's hooks; full recompute of the layer re-runs the region with its hooks and works). Anything else raises, naming the module.
+
+Cost: with a batch of more than one sequence, the gathered input [B, S, H] is assembled from the ring's
+source-major buffer [W, B, S/W, H] by one copy (the ring receives into contiguous slots); batch 1 is a
+view. Modules built with these classes do not pickle whole (`torch.save(model)`); their state_dict does. A packed projection of unequal parts (q/k/v with grouped-query heads in one Linear) is split
 on its input features and needs a reduce-scatter of its output: it cannot be an overlapped entry
 (refused with the reason), nor can blocks running in global view (global_view.refuse_overlap).
 """
@@ -60,7 +65,7 @@ class OverlappedExitLinear:
         mesh = self.weight.device_mesh
         out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=_SEQUENCE_DIM)
         if self.bias is not None:  # once, after the sum; its gradient summed over the ranks' sequence shards
-            out = (DTensor.from_local(out, mesh, [Shard(_SEQUENCE_DIM)], run_check=False) + self.bias).to_local()
+            out = (DTensor.from_local(out, mesh, [Shard(_SEQUENCE_DIM)], run_check=False) + self.bias.to(out.dtype)).to_local()
         return out
 
 
@@ -125,6 +130,7 @@ class OverlappedRegion:
     def __init__(self, name: str, entries: list[tuple[str, torch.nn.Module]], tp_mesh):
         self.name, self.entries, self.tp_mesh = name, entries, tp_mesh
         self.gathered: torch.Tensor | None = None
+        self.version = 0  # the gathered input's version counter when the ring made it
         self.outputs: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -136,6 +142,11 @@ class OverlappedRegion:
                 f"parallelize: overlap_comm: the sequence-parallel region {name!r} has no column-parallel Linear "
                 "directly under it to feed from its all-gather; mark the projections ColWiseParallel (or leave "
                 "overlap_comm off)")
+        if getattr(module, "_tridist_recompute_wrapper", None):
+            raise ValueError(
+                f"parallelize: overlap_comm: {name}'s forward is wrapped for activation recompute on its own "
+                "(selective recompute): its recomputation in backward would run without the region's overlapped "
+                "gather. Recompute whole layers ('full') or leave overlap_comm off")
         region = cls(name, entries, tp_mesh)
         for _, child in entries:
             child._tridist_region = region
@@ -150,7 +161,7 @@ class OverlappedRegion:
         weights = [child.weight.to_local() for _, child in self.entries]
         gathered, outputs = all_gather_matmul(x_shard, weights, self.tp_mesh.get_group(), gather_dim=_SEQUENCE_DIM,
                                               return_gathered=True)
-        self.gathered = gathered
+        self.gathered, self.version = gathered, gathered._version
         self.outputs = {id(child): y for (_, child), y in zip(self.entries, outputs)}
         return gathered
 
@@ -161,12 +172,17 @@ class OverlappedRegion:
                 f"parallelize: overlap_comm: {self.name}.{child} was called with a tensor other than its region's "
                 "input; an overlapped entry projection must read the region's input itself (its output was computed "
                 "by the region's all-gather ring). Leave overlap_comm off for this model")
+        if input._version != self.version:
+            raise RuntimeError(
+                f"parallelize: overlap_comm: the input of {self.name} was changed in place before {child} read it; "
+                "its output was computed by the region's all-gather ring from the values before the change. Leave "
+                "overlap_comm off for this model (or change a copy)")
         output = self.outputs.pop(id(linear), None)
         if output is None:
             raise RuntimeError(f"parallelize: overlap_comm: {self.name}.{child} was called twice in one forward; an "
                                "overlapped entry projection runs once per forward of its region")
-        if linear.bias is not None:
-            output = output + _local_bias(linear)
+        if linear.bias is not None:  # in the output's dtype, as F.linear adds it (under autocast too)
+            output = output + _local_bias(linear).to(output.dtype)
         return output
 
     def leave(self, module, args, output):

@@ -463,6 +463,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         ys, gathered = _all_gather_matmul_forward(x_shard, weights, group, dim,
                                                   _keep_gathered(save_gathered, return_gathered, group))
         ctx.group, ctx.dim, ctx.return_gathered = group, dim, return_gathered
+        ctx.set_materialize_grads(False)  # an unused output (or gathered input) gets no zero-filled gradient
         # Keep the gathered x, or only the shard to gather again in backward (never both).
         ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
         if return_gathered:
@@ -658,13 +659,14 @@ torch.library.register_autograd(
 # ------------------------------------------------------------------------------------------ public API
 
 
-def _apply_autocast(x: torch.Tensor, weight: torch.Tensor):
-    """Under torch.autocast, cast both to its dtype, as autocast casts F.linear's inputs (differentiably)."""
+def _apply_autocast(x: torch.Tensor, *weights: torch.Tensor):
+    """Under torch.autocast, cast x and the weights to its dtype, as autocast casts F.linear's inputs
+    (differentiably); returns (x, list of weights)."""
     device_type = x.device.type
     if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        return x.to(dtype), weight.to(dtype)
-    return x, weight
+        return x.to(dtype), [w.to(dtype) for w in weights]
+    return x, list(weights)
 
 
 def all_gather_matmul(
@@ -699,8 +701,7 @@ def all_gather_matmul(
     weights = [weight] if single else list(weight)
     if not weights:
         raise ValueError(f"{op}: weight is an empty list; pass one weight or a list of weights ([out, in] each)")
-    casted = [_apply_autocast(x_shard, w) for w in weights]
-    x_shard, weights = casted[0][0], [w for _, w in casted]
+    x_shard, weights = _apply_autocast(x_shard, *weights)
     dim = None
     for w in weights:
         dim = _check_inputs(op, "x_shard", x_shard, w, gather_dim, "gather_dim")
@@ -739,7 +740,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, 
     default group; a group of size 1 is a plain matmul. Differentiable in x and weight; fp32/fp16/bf16.
     """
     op = "matmul_reduce_scatter"
-    x, weight = _apply_autocast(x, weight)
+    x, (weight,) = _apply_autocast(x, weight)
     dim = _check_inputs(op, "x", x, weight, scatter_dim, "scatter_dim")
     if torch.compiler.is_compiling():
         return _matmul_reduce_scatter_op(x, weight, _group_name(op, group), dim)

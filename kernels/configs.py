@@ -35,6 +35,10 @@ from pathlib import Path
 import torch
 
 TABLE_FORMAT = 2
+# Launch limits a table entry must respect (a hand-edited table must not break a launch): 32 warps is
+# CUDA's 1024 threads per block; no kernel here tiles more than 2**16 elements along one parameter.
+MAX_NUM_WARPS = 32
+MAX_CONFIG_VALUE = 1 << 16
 
 # Row-count buckets: powers of four from 1024 to 65536 rows. Below ~1024 rows a launch is a single
 # wave of programs on any GPU of this class (132 SMs) and the config hardly matters; above 65536 the
@@ -55,7 +59,7 @@ def width_bucket(n_cols: int) -> int:
     return 1 << max(0, int(n_cols) - 1).bit_length()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: launches look it up on every call
 class Tunable:
     """One kernel as the sweep and the table see it (e.g. `rms_norm_fwd`, `rotary_bwd`)."""
 
@@ -166,6 +170,8 @@ def check_config(tunable: Tunable, config: dict) -> str | None:
         return f"names unknown parameters {unknown} / lacks {missing} (expected exactly {sorted(tunable.params)})"
     if not all(isinstance(v, int) and v > 0 and v & (v - 1) == 0 for v in config.values()):
         return f"has values that are not positive powers of two: {config}"  # tl.arange needs 2**k
+    if config.get("num_warps", 1) > MAX_NUM_WARPS or any(v > MAX_CONFIG_VALUE for v in config.values()):
+        return f"has values out of range (num_warps <= {MAX_NUM_WARPS}, others <= {MAX_CONFIG_VALUE}): {config}"
     return None
 
 

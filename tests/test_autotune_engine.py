@@ -191,3 +191,18 @@ def test_excluded_knobs_are_kept_at_their_default_with_the_reason():
     assert result.pruned == ("tp kept at 1: planted: the qkv packing cannot be told",)
     with pytest.raises(ValueError, match="excludable knobs"):
         search(preset("llama2-7b"), Cluster(1, 8), global_batch_size=16, storage=None, excluded={"dp": "no"})
+
+
+def test_distcore_cannot_overlap_with_selective_recompute():
+    """Selective recompute re-runs the attention core outside the overlapped region's gather in distcore:
+    the torch engines refuse the pair (and the search never proposes it); Megatron's engine runs it."""
+    from tridist.autotune import InvalidStrategy, check, search
+
+    spec = dataclasses.replace(preset("llama2-7b"), flash_attention=False)  # selective is valid without flash
+    wanted = Strategy(dp=1, tp=8, pp=1, sequence_parallel=True, overlap_tp_comm=True, recompute="selective",
+                      micro_batch_size=2, num_micro_batches=8)
+    with pytest.raises(InvalidStrategy, match="overlap_tp_comm with selective recompute"):
+        check(spec, Cluster(1, 8, engine="torch+tridist"), wanted, global_batch_size=16)
+    check(spec, Cluster(1, 8, engine="megatron"), wanted, global_batch_size=16)
+    result = search(spec, Cluster(1, 8, engine="torch+tridist"), global_batch_size=16, storage=None, top_k=10_000)
+    assert not any(c.strategy.overlap_tp_comm and c.strategy.recompute == "selective" for c in result.ranked)

@@ -110,6 +110,7 @@ def test_launches_read_the_table(tuned_table, monkeypatch):
         ({"BLOCK_N": 64, "BLOCK_SIZE": 4}, "unknown parameters"),
         ({"BLOCK_N": 64, "num_warps": 4}, "lacks"),  # BLOCK_M missing
         ({"BLOCK_N": 48, "BLOCK_M": 1, "num_warps": 4}, "powers of two"),  # tl.arange needs 2**k
+        ({"BLOCK_N": 64, "BLOCK_M": 1, "num_warps": 64}, "out of range"),  # over CUDA's 1024 threads
     ],
 )
 def test_invalid_entry_is_ignored_with_a_warning(tuned_table, entry, problem):

@@ -237,3 +237,29 @@ def test_default_buckets_cover_every_kernel():
     assert len({(b.tunable.name, b.key) for b in full}) == len(full)  # one shape per bucket
     for b in full:  # the heuristic is in every space (it is trial 0)
         assert all(b.heuristic()[k] in v for k, v in b.space().items())
+
+
+def test_a_failing_bucket_leaves_the_others_swept_and_written(table):
+    """Out of memory preparing one bucket (planted in its timer): reported, the others still swept, and the
+    table written bucket by bucket."""
+    failing = TINY["rotary_fwd"]
+
+    def timer(fn, *, config, quick):
+        if "TOKENS_PER_PROGRAM" in config:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (planted)")
+        fn()
+        return 1.0 + config["num_warps"]
+
+    result = _sweep([TINY["swiglu_fwd"], failing, TINY["rms_norm_fwd"]], timer, trials=3, table_path=table)
+    assert [r.bucket for r in result.results] == [TINY["swiglu_fwd"], TINY["rms_norm_fwd"]]
+    assert result.failed == [(failing, "OutOfMemoryError: CUDA out of memory (planted)")]
+    assert set(json.loads(table.read_text())["kernels"]) == {"swiglu_fwd", "rms_norm_fwd"}
+
+
+def test_a_changed_search_space_is_another_study(monkeypatch):
+    """Optuna cannot resume a study whose choices changed: the space is part of the study's name."""
+    bucket = TINY["swiglu_fwd"]
+    before = _sweep([bucket], Clock(lambda c: 1.0), trials=2, write_table=False).results[0].study_name
+    monkeypatch.setattr(swiglu_ops, "search_space", lambda n_cols: {"BLOCK_N": [64], "BLOCK_M": [1], "num_warps": [1]})
+    after = _sweep([bucket], Clock(lambda c: 1.0), trials=2, write_table=False).results[0].study_name
+    assert before != after and before.split("|space-")[0] == after.split("|space-")[0]

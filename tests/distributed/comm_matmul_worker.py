@@ -363,7 +363,7 @@ def check_all_gather_matmul_several_weights_one_unused():
     ws = [torch.randn(8, 16, requires_grad=True) for _ in range(3)]
     ys = all_gather_matmul(x_shard, ws, group, gather_dim=1)
     (ys[0].sum() + ys[2].sum()).backward()
-    assert ws[1].grad is None or not ws[1].grad.any()
+    assert ws[1].grad is None  # no zero-filled gradient for an unused output
     alone = [w.detach().clone().requires_grad_() for w in (ws[0], ws[2])]
     x_alone = x_shard.detach().clone().requires_grad_()
     sum(y.sum() for y in all_gather_matmul(x_alone, alone, group, gather_dim=1)).backward()

@@ -134,17 +134,21 @@ def check_profiler_shows_the_overlapped_rings():
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, scale_input: bool):
+    def __init__(self, scale_input: str = ""):
         super().__init__()
         self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-        self.scale_input = scale_input
+        self.scale_input = scale_input  # "": reads its input; "copy": a scaled copy; "in place": scales it first
 
     def forward(self, x):
-        return self.down(torch.relu(self.up(x * 2 if self.scale_input else x)))
+        if self.scale_input == "copy":
+            x = x * 2
+        elif self.scale_input == "in place":
+            x.mul_(2)
+        return self.down(torch.relu(self.up(x)))
 
 
 class _Toy(torch.nn.Module):
-    def __init__(self, scale_input: bool = False):
+    def __init__(self, scale_input: str = ""):
         super().__init__()
         self.inp, self.block, self.out = torch.nn.Linear(8, 8), _Block(scale_input), torch.nn.Linear(8, 8)
 
@@ -173,7 +177,16 @@ def check_overlap_that_cannot_be_honoured_is_refused():
     expect(ValueError, "has no sequence-parallel region", {"block.up": ColWiseParallel(), "block.down": RowWiseParallel()})
     # an entry projection fed something else than the region's input
     expect(RuntimeError, "block.up was called with a tensor other than its region's input", TOY_PLAN,
-           model=_Toy(scale_input=True), run=True)
+           model=_Toy(scale_input="copy"), run=True)
+    expect(RuntimeError, "the input of block was changed in place before up read it", TOY_PLAN,
+           model=_Toy(scale_input="in place"), run=True)
+    # selective recompute wraps the attention's forward: its recomputation would skip the region's gather
+    from tridist.autotune import ModelSpec
+    from tridist.distcore.auto import apply_recompute
+
+    model, _ = _model("seed-llama")
+    apply_recompute(model, structure=ModelSpec.from_module(model, seq_len=8).structure, mode="selective")
+    expect(ValueError, "self_attn's forward is wrapped for activation recompute on its own", SEED_SP_PLAN, model=model)
     expect(TypeError, "mp_config['overlap_comm'] must be True or False", TOY_PLAN, overlap="yes")
     # grouped-query q/k/v packed in one Linear: split on its input features, cannot be fed by the ring
     from tests.distributed.tensor_parallel_worker import CONSTANTS_SEQUENCE_PARALLEL, GroupedQueryPackedModel
@@ -195,6 +208,15 @@ def check_toy_region_with_biases_equals_one_process():
     (expected * expected).sum().backward()
     equivalence.assert_tensors_close("toy output", {"out": out.detach()}, {"out": expected.detach()})
     equivalence.assert_tensors_close("toy gradients", equivalence.gradients(model), equivalence.gradients(reference))
+    # Under autocast the edges' outputs keep autocast's dtype (biases cast as F.linear casts them).
+    plain, _ = distcore.parallelize(_copy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN}})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        seen = {}
+        for name, m in (("overlap", model), ("plain", plain)):
+            hook = m.block.up.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__(name, out.dtype))
+            m(x)
+            hook.remove()
+    assert seen == {"overlap": torch.bfloat16, "plain": torch.bfloat16}, seen
 
 
 def check_to_distributed_applies_a_strategy_with_overlap():
