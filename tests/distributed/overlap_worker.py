@@ -223,10 +223,9 @@ def check_to_distributed_applies_a_strategy_with_overlap():
     """Strategy(overlap_tp_comm=True) through to_distributed: the projections run overlapped (not a field the
     engine ignores) and training equals one process; the search may now choose it too. Also with full
     activation recompute: the regions run again in backward (their rings too) and leave nothing behind."""
-    for recompute in ("none", "full"):
-        _to_distributed_with_overlap(recompute)
-    if _world() == 4:  # pipeline stages of tp 2: each stage's regions overlapped
-        _to_distributed_with_overlap("none", pp=2)
+    _to_distributed_with_overlap("none")
+    # pipeline stages of tp 2 (each stage's regions overlapped), with full recompute
+    _to_distributed_with_overlap("full", pp=2 if _world() == 4 else 1)
 
 
 def _to_distributed_with_overlap(recompute: str, pp: int = 1):
