@@ -40,14 +40,21 @@ class Command:
 # -------------------------------------------------------------------------------- tridist bench kernels
 
 
-def parse_ops(text: str) -> list[str]:
-    """'rms_norm,swiglu' -> ['rms_norm', 'swiglu']; an unknown name is an error that lists the valid ones."""
-    ops = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in ops if name not in KERNEL_OPS]
-    if unknown or not ops:
-        raise argparse.ArgumentTypeError(
-            f"unknown op(s): {', '.join(unknown) or '(none given)'}; valid ops: {', '.join(KERNEL_OPS)}")
-    return ops
+def choice_list(valid: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: 'a,b' -> ['a', 'b'], each one of `valid`; an unknown name is an error that lists them."""
+
+    def parse(text: str) -> list[str]:
+        given = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in given if name not in valid]
+        if unknown or not given:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what}(s): {', '.join(unknown) or '(none given)'}; valid {what}s: {', '.join(valid)}")
+        return given
+
+    return parse
+
+
+parse_ops = choice_list(KERNEL_OPS, "op")  # 'rms_norm,swiglu' -> ['rms_norm', 'swiglu']
 
 
 def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,22 +238,10 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     # The names of bench.model_bench's TARGETS and VARIANTS (which imports torch): argument checking
     # stays import-free; tests/test_model_bench.py checks that they agree.
     targets, variants = ("layer", "model"), ("eager", "compile", "liger", "fused", "fused+compile")
-
-    def names(valid: tuple[str, ...], what: str) -> Callable[[str], list[str]]:
-        def parse(text: str) -> list[str]:
-            given = [name.strip() for name in text.split(",") if name.strip()]
-            unknown = [name for name in given if name not in valid]
-            if unknown or not given:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {what}(s): {', '.join(unknown) or '(none given)'}; valid {what}s: {', '.join(valid)}")
-            return given
-
-        return parse
-
-    parser.add_argument("--targets", type=names(targets, "target"), default=None,
+    parser.add_argument("--targets", type=choice_list(targets, "target"), default=None,
                         help=f"comma-separated of {','.join(targets)} (default: both): one decoder layer's "
                              "forward+backward, a small Llama's training step")
-    parser.add_argument("--variants", type=names(variants, "variant"), default=None,
+    parser.add_argument("--variants", type=choice_list(variants, "variant"), default=None,
                         help=f"comma-separated of {','.join(variants)} (default: all; liger needs a GPU and liger_kernel)")
     parser.add_argument("--dtype", choices=KERNEL_DTYPES, default=None,
                         help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
@@ -300,12 +295,7 @@ def _bench_overlap(args: argparse.Namespace) -> int:
 def _parse_steps(text: str) -> list[str]:
     from tridist.bench.all import STEP_NAMES  # light: no torch at import
 
-    steps = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in steps if name not in STEP_NAMES]
-    if unknown or not steps:
-        raise argparse.ArgumentTypeError(
-            f"unknown step(s): {', '.join(unknown) or '(none given)'}; valid steps: {', '.join(STEP_NAMES)}")
-    return steps
+    return choice_list(STEP_NAMES, "step")(text)
 
 
 def _bench_all_arguments(parser: argparse.ArgumentParser) -> None:
