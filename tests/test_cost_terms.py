@@ -361,3 +361,32 @@ def test_unequal_packed_qkv_adds_a_reduce_scatter_and_its_gradients_all_gather_p
     message = E * 1 * 4 * (8 + 2 * 4)
     per_layer = _ring("reduce-scatter", message, 2, INTRA) + _ring("all-gather", message, 2, INTRA)
     assert packed.time.tp_comm_s - equal.time.tp_comm_s == pytest.approx(TINY.num_layers * per_layer, rel=1e-12)
+
+
+def test_overlap_on_the_torch_engine_and_a_calibrated_profile():
+    """The same tp = 2 case on the torch+tridist engine: its reduce-scatter ring's fp32 partial sums make
+    the overlapped traffic 1.5x the plain volume in bf16 (1x in fp32); a profile's measured interference
+    replaces RC, and its chunking overhead adds that share of the layer's GEMM time to compute:
+    m x layers x (1 + 2) x gemm_fwd x overhead, the GEMM forward of one layer a known quantity (the
+    difference between chunking 0 and 0.1 over 0.1)."""
+    m, layers, ends, per_layer = 2, 4, 3, 4
+    one = _ring("all-reduce", 64, 2, INTRA)
+    base = dict(dp=4, tp=2, pp=1, num_micro_batches=m, sequence_parallel=True, overlap_tp_comm=True)
+
+    def cluster(engine="torch+tridist", dtype="bf16", **profile):
+        c = _cluster(1, 8, **SLOW_COMPUTE)
+        return Cluster(1, 8, replace(c.profile, **profile), dtype=dtype, engine=engine)
+
+    def exposed(parts, interference):
+        return 1 / parts + interference * (1 - 1 / parts)
+
+    torch_bf16 = _run(TINY, cluster(), **base).time.tp_comm_s
+    assert torch_bf16 == pytest.approx(m * (layers * per_layer * one * 1.5 * _exposed_share(2) + ends * one), rel=1e-12)
+    quiet = _run(TINY, cluster(overlap_interference=0.02), **base).time.tp_comm_s
+    assert quiet == pytest.approx(m * (layers * per_layer * one * 1.5 * exposed(2, 0.02) + ends * one), rel=1e-12)
+    fp32 = cluster(dtype="fp32")
+    one_fp32 = _ring("all-reduce", 128, 2, INTRA)
+    assert _run(TINY, fp32, **base).time.tp_comm_s == pytest.approx(
+        m * (layers * per_layer * one_fp32 * _exposed_share(2) + ends * one_fp32), rel=1e-12)
+    compute = [_run(TINY, cluster(overlap_chunking_overhead=x), **base).time.compute_s for x in (0.0, 0.1, 0.2)]
+    assert compute[2] - compute[0] == pytest.approx(2 * (compute[1] - compute[0]), rel=1e-9) and compute[1] > compute[0]
