@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
+import statistics
 import os
 import subprocess
 import sys
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .report import markdown_table
+from .report import format_value, markdown_table
 
 NO_GPU_EXIT = 3
 TABLE_NAME = "kernel-configs.json"
@@ -110,12 +110,6 @@ def _read_csv(path: Path):
     return pd.read_csv(path) if path.exists() else None
 
 
-def _fmt(value, spec=".3g", suffix="") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
-
-
 def _kernel_headlines(frame) -> list[str]:
     """fwd+bwd of each op at its largest shape: tridist's time, % of copy bandwidth, ratios to the others."""
     if frame is None or frame.empty:
@@ -128,8 +122,8 @@ def _kernel_headlines(frame) -> list[str]:
         if ours.empty or "tridist" not in times:
             continue
         row = ours.iloc[0]
-        rows.append([op, row["shape"], row["dtype"], _fmt(times["tridist"], ".3f"), _fmt(row["pct_copy_bw"], ".0f", "%"),
-                     *(_fmt(times[v] / times["tridist"], ".2f", "x") if v in times else "-"
+        rows.append([op, row["shape"], row["dtype"], format_value(times["tridist"], ".3f"), format_value(row["pct_copy_bw"], ".0f", "%"),
+                     *(format_value(times[v] / times["tridist"], ".2f", "x") if v in times else "-"
                        for v in ("compile", "liger", "eager"))])
     if not rows:
         return []
@@ -149,10 +143,10 @@ def _model_headlines(frame) -> list[str]:
         times = {v: t for v, t in zip(sub["variant"], sub["time_ms"]) if isinstance(t, float) and t == t}
         for variant, t in times.items():
             row = sub[sub["variant"] == variant].iloc[0]
-            rows.append([target, row.get("shape", ""), variant, _fmt(t, ".3f"), _fmt(row.get("tokens_per_s"), ",.0f"),
-                         _fmt(row.get("peak_mem_gib"), ".2f"),
-                         _fmt(times["eager"] / t, ".2f", "x") if "eager" in times else "-",
-                         _fmt(times["compile"] / t, ".2f", "x") if "compile" in times else "-"])
+            rows.append([target, row.get("shape", ""), variant, format_value(t, ".3f"), format_value(row.get("tokens_per_s"), ",.0f"),
+                         format_value(row.get("peak_mem_gib"), ".2f"),
+                         format_value(times["eager"] / t, ".2f", "x") if "eager" in times else "-",
+                         format_value(times["compile"] / t, ".2f", "x") if "compile" in times else "-"])
     if not rows:
         return []
     return ["Decoder layer (forward + backward) and small model (training step):", "",
@@ -166,7 +160,7 @@ def _sweep_headline(frame) -> list[str]:
     gains = [g for g in frame["gain"] if isinstance(g, float) and g == g and g > 0]
     if not gains:
         return []
-    geo = math.exp(sum(math.log(g) for g in gains) / len(gains))
+    geo = statistics.geometric_mean(gains)
     best = frame.loc[frame["gain"].idxmax()]
     return [f"Launch-configuration sweep: geometric-mean gain {geo:.3f}x over the heuristic in {len(gains)} buckets; "
             f"largest {best['gain']:.2f}x ({best['kernel']} {best['shape']}). Table: `{TABLE_NAME}` (used by the check, "

@@ -13,13 +13,11 @@ bucket failed (its error in the report; the others were swept and written),
 from __future__ import annotations
 
 import datetime
-import math
+import statistics
 import sys
 from pathlib import Path
 
-from .report import device_slug, markdown_table
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from .report import device_slug, format_value, markdown_table
 
 
 def sweep_frame(result):
@@ -55,10 +53,6 @@ def plot_gains(frame, path: str | Path, *, title: str) -> Path:
     return Path(path)
 
 
-def _ms(value) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4g}"
-
-
 def write_sweep_report(result, out_dir: str | Path, *, budget: str = "") -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,7 +74,7 @@ def write_sweep_report(result, out_dir: str | Path, *, budget: str = "") -> Path
     ]
     rows = []
     for r in result.results:
-        rows.append([r.bucket.tunable.name, r.bucket.shape, r.bucket.key, _ms(r.heuristic_ms), _ms(r.best_ms),
+        rows.append([r.bucket.tunable.name, r.bucket.shape, r.bucket.key, format_value(r.heuristic_ms, ".4g"), format_value(r.best_ms, ".4g"),
                      f"{r.gain:.2f}x" if r.gain else "-", r.trials,
                      "/".join(str(r.pruned.get(k, 0)) for k in ("infeasible", "failed", "wrong", "slower")),
                      ", ".join(f"{k}={v}" for k, v in sorted((r.best or {}).items()))])
@@ -89,7 +83,7 @@ def write_sweep_report(result, out_dir: str | Path, *, budget: str = "") -> Path
                                 align=["l", "l", "l", "r", "r", "r", "r", "r", "l"]))
     gains = [r.gain for r in result.results if r.gain]
     if gains:
-        geo = math.exp(sum(math.log(g) for g in gains) / len(gains))
+        geo = statistics.geometric_mean(gains)
         lines += ["", f"Geometric-mean gain over the heuristic: {geo:.3f}x over {len(gains)} buckets "
                       f"(max {max(gains):.2f}x)."]
     problems = [f"- {r.bucket.tunable.name} {r.bucket.shape}: {r.heuristic_problem}" for r in result.results
@@ -113,6 +107,7 @@ def run_kernel_autotune(args) -> int:
     import torch
 
     from tridist.autotune import kernel_sweep
+    from tridist.bench.kernels import DTYPES
 
     names = [n.strip() for n in (args.dtype or "bf16").split(",") if n.strip()]
     unknown = [n for n in names if n not in DTYPES]
@@ -124,7 +119,7 @@ def run_kernel_autotune(args) -> int:
               "the GPU that will run them, so nothing was tuned (exit code 3). Kernels keep using their heuristic "
               "configurations; run this on the GPU machine.", file=sys.stderr)
         return kernel_sweep.NO_GPU_EXIT
-    dtypes = [getattr(torch, DTYPES[n]) for n in names]
+    dtypes = [DTYPES[n] for n in names]
     buckets = kernel_sweep.default_buckets(dtypes, ops=args.ops or kernel_sweep.OPS, quick=args.quick)
     result = kernel_sweep.run_sweep(buckets, device="cuda", trials=args.trials, minutes=args.minutes,
                                     storage=args.storage, table_path=args.table, write_table=args.write)

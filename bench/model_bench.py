@@ -47,13 +47,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from .kernels import VariantUnavailable, _log_progress, device_name, environment, resolve_device, time_ms
+from .kernels import DTYPES, VariantUnavailable, _log_progress, device_name, environment, resolve_device, time_ms
+from .report import device_slug, format_value, markdown_table, stamp_provenance
 
 TARGETS = ("layer", "model")
 # Report order: baselines first, ours last.
 VARIANTS = ("eager", "compile", "liger", "fused", "fused+compile")
 COMPILED_VARIANTS = ("compile", "fused+compile")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Correctness check (see the module docstring): tolerance = max(NOISE_FACTOR x eager's own error
 # against fp32, floor), per quantity: "out" (loss / layer update) and "grad" (worst tensor).
@@ -706,9 +706,7 @@ def run_model_benchmark(*, targets: Sequence[str] = TARGETS, variants: Sequence[
     for column in ("error", "detail", "worst_grad"):
         df[column] = df[column].fillna("").astype(str)
     df = _add_speedups(df, peak)
-    from tridist.bench.report import ROW_PROVENANCE
-
-    df = df.assign(**{key: meta.get(key, "") for key in ROW_PROVENANCE})  # every row says where it was taken
+    df = stamp_provenance(df, meta)  # every row says where it was taken
     df.attrs["meta"] = meta
     if write_report:
         df.attrs["report_dir"] = str(write_model_report(df, out_dir=out_dir, meta=meta))
@@ -728,15 +726,8 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:{spec}}{suffix}"
-
-
 def target_table(df, target: str) -> str:
     """One markdown table per target: a row per variant, timing columns empty where it did not run."""
-    from tridist.bench.report import markdown_table
 
     sub = df[df["target"] == target]
     headers = ["variant", "ms / step", "tokens/s", "peak GiB", "vs eager", "vs compile", "TFLOP/s", "MFU",
@@ -750,10 +741,10 @@ def target_table(df, target: str) -> str:
         status = status.replace("|", "/")
         if r["detail"]:
             status += f" ({r['detail']})"
-        rows.append([r["variant"], _fmt(r["time_ms"], ".2f"), _fmt(r["tokens_per_s"], ",.0f"),
-                     _fmt(r["peak_mem_gib"], ".2f"), _fmt(r["speedup_vs_eager"], ".2f", "x"),
-                     _fmt(r["speedup_vs_compile"], ".2f", "x"), _fmt(r["tflops"], ".3g"),
-                     _fmt(r["mfu_pct"], ".1f", "%"), _fmt(r["out_err"], ".2g"), _fmt(r["grad_err"], ".2g"), status])
+        rows.append([r["variant"], format_value(r["time_ms"], ".2f"), format_value(r["tokens_per_s"], ",.0f"),
+                     format_value(r["peak_mem_gib"], ".2f"), format_value(r["speedup_vs_eager"], ".2f", "x"),
+                     format_value(r["speedup_vs_compile"], ".2f", "x"), format_value(r["tflops"], ".3g"),
+                     format_value(r["mfu_pct"], ".1f", "%"), format_value(r["out_err"], ".2g"), format_value(r["grad_err"], ".2g"), status])
     return markdown_table(headers, rows, align=["l"] + ["r"] * 9 + ["l"])
 
 
@@ -788,7 +779,7 @@ def render_model_markdown(df, meta: dict) -> str:
     for target in dict.fromkeys(df["target"]):
         sub = df[df["target"] == target]
         first = sub.iloc[0]
-        tol = f"tolerance: out {_fmt(first['out_tol'], '.2g')}, grad {_fmt(first['grad_tol'], '.2g')}"
+        tol = f"tolerance: out {format_value(first['out_tol'], '.2g')}, grad {format_value(first['grad_tol'], '.2g')}"
         lines += ["", f"## {target}", "", f"{first['shape']}, {first['params']:,} parameters, "
                                           f"{first['tokens']:,} tokens per step; {tol}"]
         if target in sizes and sizes[target].get("rope_theta"):
@@ -814,7 +805,7 @@ def plot_model_results(df, path) -> Path:
         ax.bar(range(len(names)), values, color=[colors.get(v, "gray") for v in names])
         top = max(values, default=0.0) or 1.0
         for i, (_, r) in enumerate(sub.iterrows()):
-            label = _fmt(r["speedup_vs_eager"], ".2f", "x") if r["status"] == "ok" else r["status"]
+            label = format_value(r["speedup_vs_eager"], ".2f", "x") if r["status"] == "ok" else r["status"]
             ax.text(i, values[i] + 0.01 * top, label, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
@@ -830,7 +821,6 @@ def plot_model_results(df, path) -> Path:
 
 
 def default_report_dir(device: str, *, root: str | Path = "reports") -> Path:
-    from tridist.bench.report import device_slug
 
     return Path(root) / f"model-{device_slug(device)}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
 

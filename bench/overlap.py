@@ -178,8 +178,8 @@ def run_overlap_benchmark(*, device=None, quick: bool = False, links: dict | Non
     """Every case (hidden x tokens x tp x link); returns a pandas DataFrame with provenance columns."""
     import pandas as pd
 
-    from .kernels import provenance, resolve_device
-    from .report import ROW_PROVENANCE
+    from .kernels import environment, resolve_device
+    from .report import ROW_PROVENANCE, stamp_provenance
 
     device = resolve_device(device)
     on_gpu = device.type == "cuda"
@@ -200,21 +200,7 @@ def run_overlap_benchmark(*, device=None, quick: bool = False, links: dict | Non
         rows.append(row)
         progress(f"[{i}/{len(cases)}] hidden {hidden} tokens {tokens} tp {tp} {name}: {row['hidden_fraction']:.0%} hidden, "
                  f"chunking +{row['chunking_overhead']:.1%}, interference +{row['interference']:.1%}")
-    frame = pd.DataFrame(rows)
-    from .kernels import device_name as bench_device_name
-
-    frame["device"] = bench_device_name(device)
-    stamp = provenance(device)
-    import datetime
-
-    import triton
-
-    extra = {"driver": stamp["driver"], "cuda": torch.version.cuda or "", "torch": torch.__version__,
-             "triton": triton.__version__, "tridist": stamp["tridist"],
-             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": stamp["commit"]}
-    for key in ROW_PROVENANCE:
-        if key not in frame:
-            frame[key] = extra.get(key, "")
+    frame = stamp_provenance(pd.DataFrame(rows), environment(device, math.nan))
     return frame[[*COLUMNS, *(c for c in ROW_PROVENANCE if c not in COLUMNS)]]
 
 

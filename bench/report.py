@@ -40,7 +40,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence], *, align: S
     return "\n".join([line([str(h) for h in headers]), "| " + " | ".join(rule) + " |"] + [line(r) for r in cells])
 
 
-def _fmt(value: float, spec: str, suffix: str = "") -> str:
+def format_value(value: float, spec: str, suffix: str = "") -> str:
+    """`value` formatted with `spec` and `suffix`; "-" for None or NaN (a variant that did not run)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:{spec}}{suffix}"
@@ -95,14 +96,14 @@ def _table_cells(by_variant: dict, *, variants: Sequence[str], focus: str, basel
     cells = []
     for variant in variants:
         row = by_variant.get(variant)
-        cells.append("-" if row is None else _fmt(row["time_ms"], ".4f") + (ERROR_MARK if _has_error(row) else ""))
+        cells.append("-" if row is None else format_value(row["time_ms"], ".4f") + (ERROR_MARK if _has_error(row) else ""))
     ours = by_variant.get(focus)
     if ours is None:
         return cells + ["-"] * (2 + len(baselines))
-    cells += [_fmt(ours["gbps"], ".1f"), _fmt(ours["pct_copy_bw"], ".1f", "%")]
+    cells += [format_value(ours["gbps"], ".1f"), format_value(ours["pct_copy_bw"], ".1f", "%")]
     for baseline in baselines:
         base = by_variant.get(baseline)
-        cells.append("-" if base is None else _fmt(base["time_ms"] / ours["time_ms"], ".2f", "x"))
+        cells.append("-" if base is None else format_value(base["time_ms"] / ours["time_ms"], ".2f", "x"))
     return cells
 
 
@@ -128,7 +129,7 @@ def render_kernel_markdown(df, meta: dict) -> str:
         + (f", CUDA {meta['cuda']}" if meta.get("cuda") else ""),
         f"- Date: {meta.get('date', '?')}"
         + (f"; CPU threads: {meta['threads']}" if meta.get("threads") else ""),
-        f"- Measured copy bandwidth: {_fmt(copy_bw, '.1f')} GB/s (device-to-device `copy_`, "
+        f"- Measured copy bandwidth: {format_value(copy_bw, '.1f')} GB/s (device-to-device `copy_`, "
         "bytes read + written)",
         "",
         "- Time: median ms; CUDA: `triton.testing.do_bench` (CUDA events, L2 flushed before each run); "
@@ -218,11 +219,16 @@ def plot_kernel_results(df, path: str | Path, *, copy_bw_gbps: float | None = No
 ROW_PROVENANCE = ("device", "driver", "cuda", "torch", "triton", "tridist", "date", "commit")
 
 
+def stamp_provenance(df, meta: dict):
+    """`df` with every ROW_PROVENANCE column filled from `meta` (bench.kernels.environment)."""
+    return df.assign(**{key: meta.get(key, "") for key in ROW_PROVENANCE})
+
+
 def write_kernel_report(df, *, out_dir: str | Path | None = None, meta: dict) -> Path:
     """Write results.csv, report.md and plot.png; returns the directory."""
     out = Path(out_dir) if out_dir else default_report_dir(meta.get("device", "device"))
     out.mkdir(parents=True, exist_ok=True)
-    stamped = df.assign(**{key: meta.get(key, "") for key in ROW_PROVENANCE})  # each row says where it was taken
+    stamped = stamp_provenance(df, meta)  # each row says where it was taken
     stamped.to_csv(out / "results.csv", index=False)
     (out / "report.md").write_text(render_kernel_markdown(df, meta))
     if len(df):
