@@ -112,6 +112,12 @@ def config_key(**features) -> str:
     return ",".join(parts)
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and asked on every launch
+def row_tuning_key(n_rows: int, n_cols: int, dtype: torch.dtype) -> str:
+    """The table bucket of a launch over `n_rows` rows of `n_cols` (RMSNorm, SwiGLU; the sweep writes under it)."""
+    return config_key(n_cols=width_bucket(n_cols), rows=rows_bucket(n_rows), dtype=dtype)
+
+
 def _warn(message: str) -> None:
     warnings.warn(f"tridist: {message}; the launch heuristics are used instead. Re-run `tridist autotune kernels`.",
                   stacklevel=4)

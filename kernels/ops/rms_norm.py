@@ -17,8 +17,6 @@ Rows longer than what fits in registers (MAX_SINGLE_PASS_COLS) are processed in 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -245,10 +243,7 @@ TUNABLES = {
 }
 
 
-@functools.lru_cache(maxsize=4096)  # pure, and asked on every launch
-def tuning_key(n_rows: int, n_cols: int, dtype: torch.dtype) -> str:
-    """The tuned table's bucket of a launch (also what the sweep writes under)."""
-    return configs.config_key(n_cols=configs.width_bucket(n_cols), rows=configs.rows_bucket(n_rows), dtype=dtype)
+tuning_key = configs.row_tuning_key  # the tuned table's bucket of a launch (also what the sweep writes under)
 
 
 def heuristic_config(kind: str, n_cols: int) -> dict:
