@@ -46,7 +46,6 @@ from .tensor_parallel import (
     _SEQUENCE_DIM,
     StyleTarget,
     _map_first_activation,
-    _remember_exit_output,
     _UnequalPackedColwise,
 )
 
@@ -80,7 +79,7 @@ def _swap_class(module: torch.nn.Module, mixin: type) -> None:
 
 def apply_overlapped_entry(style, target: StyleTarget, torch_style) -> str:
     """A ColWiseParallel Linear directly under a Disable region, with overlap: its weight (and bias) split
-    as torch_style splits them, its forward the region's precomputed output."""
+    as torch_style splits them, its forward the region's precomputed output; returns how, for the log."""
     module = target.module
     if not isinstance(module, torch.nn.Linear):
         raise ValueError(f"parallelize: overlap_comm: {target.name} is a {type(module).__name__}; the entry of a "
@@ -96,22 +95,21 @@ def apply_overlapped_entry(style, target: StyleTarget, torch_style) -> str:
                          "sequence-parallel region; its outputs stay split there")
     distribute_module(module, target.tp_mesh, partition_fn=torch_style._partition_linear_fn)
     _swap_class(module, OverlappedEntryLinear)
-    module._tridist_local_heads = True
     module._tridist_overlap_entry = True
     module._tridist_packed_parts = getattr(torch_style, "parts", 1)  # _PackedColwiseParallel's equal parts
-    return f"{target.name}: {style!r} (overlapped: fed by the region's all-gather ring)"
+    return "overlapped: fed by the region's all-gather ring"
 
 
 def apply_overlapped_exit(style, target: StyleTarget, torch_style) -> str:
-    module = target.module
+    """A RowWiseParallel Linear at a Disable region's exit, with overlap: its weight (and bias) split as
+    torch_style splits them, its forward one matmul_reduce_scatter ring; returns how, for the log (the
+    caller marks it as the region's exit, as without overlap)."""
     if not style.is_input_parallel:
         raise ValueError(f"parallelize: overlap_comm: {target.name} has RowWiseParallel(is_input_parallel=False) "
                          "at a sequence-parallel region's exit; its input must be the split activation")
-    distribute_module(module, target.tp_mesh, partition_fn=torch_style._partition_linear_fn)
-    _swap_class(module, OverlappedExitLinear)
-    module._tridist_scatters_sequence = True
-    module.register_forward_hook(_remember_exit_output)
-    return f"{target.name}: {style!r} (overlapped: matmul and reduce-scatter in one ring)"
+    distribute_module(target.module, target.tp_mesh, partition_fn=torch_style._partition_linear_fn)
+    _swap_class(target.module, OverlappedExitLinear)
+    return "overlapped: matmul and reduce-scatter in one ring"
 
 
 def _local_bias(linear: torch.nn.Module) -> torch.Tensor:

@@ -115,16 +115,16 @@ class ColWiseParallel(_Style):
 
     def apply(self, target: StyleTarget) -> str:
         torch_style = self.torch_style(target)
+        notes = [torch_style.describe()] if isinstance(torch_style, (_PackedColwiseParallel, _UnequalPackedColwise)) else []
         if target.overlap_comm and target.scatter_sequence:
             from .overlap import apply_overlapped_entry
 
-            return apply_overlapped_entry(self, target, torch_style)
-        parallelize_module(target.module, target.tp_mesh, torch_style)
+            notes.append(apply_overlapped_entry(self, target, torch_style))
+        else:
+            parallelize_module(target.module, target.tp_mesh, torch_style)
         if isinstance(target.module, torch.nn.Linear):
             target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
-        if isinstance(torch_style, (_PackedColwiseParallel, _UnequalPackedColwise)):
-            return f"{target.name}: {self!r} ({torch_style.describe()})"
-        return f"{target.name}: {self!r}"
+        return f"{target.name}: {self!r}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 @dataclass(repr=False)
@@ -147,13 +147,15 @@ class RowWiseParallel(_Style):
         if target.overlap_comm and target.scatter_sequence:
             from .overlap import apply_overlapped_exit
 
-            return apply_overlapped_exit(self, target, self.torch_style(target))
-        parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
-        if not target.scatter_sequence:
-            return f"{target.name}: {self!r}"
+            how = apply_overlapped_exit(self, target, self.torch_style(target))
+        else:
+            parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
+            if not target.scatter_sequence:
+                return f"{target.name}: {self!r}"
+            how = "reduce-scatter onto sequence shards"
         target.module._tridist_scatters_sequence = True
         target.module.register_forward_hook(_remember_exit_output)
-        return f"{target.name}: {self!r} (reduce-scatter onto sequence shards)"
+        return f"{target.name}: {self!r} ({how})"
 
 
 @dataclass(repr=False)
