@@ -6,6 +6,7 @@ the fused kernels and with FSDP2 sharding on the same mesh; the profiler shows t
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -200,7 +201,7 @@ def check_toy_region_with_biases_equals_one_process():
     reduce-scatter, its gradient summed over the sequence shards), against the same toy on one process."""
     torch.manual_seed(0)
     reference = _Toy()
-    model, _ = distcore.parallelize(_copy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN,
+    model, _ = distcore.parallelize(copy.deepcopy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN,
                                                                                          "overlap_comm": True}})
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
     out, expected = model(x), reference(x)
@@ -209,7 +210,7 @@ def check_toy_region_with_biases_equals_one_process():
     equivalence.assert_tensors_close("toy output", {"out": out.detach()}, {"out": expected.detach()})
     equivalence.assert_tensors_close("toy gradients", equivalence.gradients(model), equivalence.gradients(reference))
     # Under autocast the edges' outputs keep autocast's dtype (biases cast as F.linear casts them).
-    plain, _ = distcore.parallelize(_copy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN}})
+    plain, _ = distcore.parallelize(copy.deepcopy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN}})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         seen = {}
         for name, m in (("overlap", model), ("plain", plain)):
@@ -235,7 +236,7 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1):
     strategy = autotune.Strategy(dp=1, tp=tp, pp=pp, sequence_parallel=True, overlap_tp_comm=True,
                                  micro_batch_size=4 // pp, num_micro_batches=pp, recompute=recompute)
     model, optimizer = _model("seed-llama")
-    batches = [(inputs, labels) for inputs, labels in _batches()]
+    batches = _batches()
     loader = torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
                                          batch_size=batches[0][0].shape[0])
     config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)
@@ -250,12 +251,6 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1):
         dist_opt.step()
         dist_opt.zero_grad()
     equivalence.assert_same_training(trace.end(dist_model), _reference_run("seed-llama"))
-
-
-def _copy(module):
-    import copy
-
-    return copy.deepcopy(module)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
