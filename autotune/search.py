@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 from .cost import COST_MODEL_VERSION, estimate
 from .hardware import Cluster, cache_dir
+from .measured import MEASURE_PICKS
 from .model import ModelSpec
 from .strategy import RECOMPUTE_MODES, SHARDING_LEVELS, Strategy, validate
 
@@ -498,8 +499,8 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
     if method not in ("auto", "exhaustive", "tpe"):
         raise ValueError(f"method must be 'auto', 'exhaustive' or 'tpe', got {method!r}")
-    if measure_pick not in ("top", "layouts"):
-        raise ValueError(f"measure_pick must be 'top' or 'layouts', got {measure_pick!r}")
+    if measure_pick not in MEASURE_PICKS:
+        raise ValueError(f"measure_pick must be one of {', '.join(map(repr, MEASURE_PICKS))}, got {measure_pick!r}")
     if measure is not None and not callable(measure):
         raise TypeError(
             f"search: measure must be a callable strategy -> seconds per step, got {measure!r}; autotune runs no model "

@@ -94,7 +94,9 @@ class ToDistributedConfig:
     measure_pick: str = "top"
 
     def __post_init__(self):
-        if self.measure_pick not in ("top", "layouts"):
+        from tridist.autotune.measured import MEASURE_PICKS
+
+        if self.measure_pick not in MEASURE_PICKS:
             raise ValueError(f"ToDistributedConfig: measure_pick must be 'top' (the best predicted strategies) or "
                              f"'layouts' (the best of each dp x tp x pp layout), got {self.measure_pick!r}")
 
