@@ -326,6 +326,14 @@ def _no_autocast(device: torch.device):
 # ------------------------------------------------------------------------- forward and backward math
 
 
+def _gathered_output_shape(x_shard: torch.Tensor, dim: int, size: int, weight: torch.Tensor) -> list[int]:
+    """F.linear(all_gather(x_shard, dim), weight)'s shape over a group of `size`."""
+    shape = list(x_shard.shape)
+    shape[dim] *= size
+    shape[-1] = weight.shape[0]
+    return shape
+
+
 def _all_gather_matmul_forward(x_shard, weights, group, dim: int, keep_gathered: bool):
     """(ys, gathered or None): ys[i] = F.linear(all_gather(x_shard, dim), weights[i]), one ring for all;
     gathered = every rank's shard, source-major [W, *shard] (kept when asked, or for a group of one
@@ -335,12 +343,8 @@ def _all_gather_matmul_forward(x_shard, weights, group, dim: int, keep_gathered:
     with torch.profiler.record_function("tridist.all_gather_matmul"), _no_autocast(x_shard.device):
         x_shard = x_shard.contiguous()
         rows = x_shard.shape[dim]
-        ys, weights_t = [], [w.t() for w in weights]
-        for weight in weights:
-            out_shape = list(x_shard.shape)
-            out_shape[dim] *= ring.size
-            out_shape[-1] = weight.shape[0]
-            ys.append(x_shard.new_empty(out_shape))
+        ys = [x_shard.new_empty(_gathered_output_shape(x_shard, dim, ring.size, w)) for w in weights]
+        weights_t = [w.t() for w in weights]
         slots = x_shard.new_empty((ring.size, *x_shard.shape)) if keep_gathered else None
 
         def visit(src, chunk):
@@ -535,12 +539,7 @@ def _all_gather_matmul_op(
 @_all_gather_matmul_op.register_fake
 def _(x_shard, weights, group_name, gather_dim, save_gathered, return_gathered):
     size = _group_by_name(group_name).size()
-    ys = []
-    for weight in weights:
-        out_shape = list(x_shard.shape)
-        out_shape[gather_dim] *= size
-        out_shape[-1] = weight.shape[0]
-        ys.append(x_shard.new_empty(out_shape))
+    ys = [x_shard.new_empty(_gathered_output_shape(x_shard, gather_dim, size, w)) for w in weights]
     kept = return_gathered or (save_gathered and size > 1)
     return x_shard.new_empty((size, *x_shard.shape) if kept else (0,)), ys
 
