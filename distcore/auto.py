@@ -74,6 +74,9 @@ class ToDistributedConfig:
       The measurements end up in `model.distributed_measurements` (predicted and measured seconds).
       measure_pick: "top" (the best predicted) or "layouts" (the best predicted of each dp x tp x pp
       layout: a spread of strategies, for the strategy benchmark's predicted-vs-measured correlation).
+    overlap_backend: how a strategy with overlap_tp_comm runs its overlapped collectives: "ring"
+      (tridist's point-to-point rings, any process group) or "symm_mem" (torch's symmetric-memory fused
+      ops: CUDA GPUs of one node); see kernels.comm_matmul.BACKENDS.
     """
 
     input_spec: list | None = None
@@ -92,9 +95,15 @@ class ToDistributedConfig:
     measure_step: object = None
     measure_save: bool = True
     measure_pick: str = "top"
+    overlap_backend: str = "ring"
 
     def __post_init__(self):
         from tridist.autotune.measured import MEASURE_PICKS
+        from tridist.kernels.comm_matmul import BACKENDS
+
+        if self.overlap_backend not in BACKENDS:
+            raise ValueError(f"ToDistributedConfig: overlap_backend must be one of {list(BACKENDS)} ('ring': any "
+                             f"process group; 'symm_mem': CUDA GPUs of one node), got {self.overlap_backend!r}")
 
         if self.measure_pick not in MEASURE_PICKS:
             raise ValueError(f"ToDistributedConfig: measure_pick must be 'top' (the best predicted strategies) or "
@@ -432,7 +441,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
     if strategy.tp > 1:
         parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel),
-                                        "overlap_comm": strategy.overlap_tp_comm}
+                                        "overlap_comm": strategy.overlap_tp_comm and config.overlap_backend}
     if strategy.pp > 1 or strategy.num_micro_batches > 1:
         # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
         # (1F1B: forward and backward one micro-batch at a time, gradients reduced once per step).

@@ -14,6 +14,11 @@ while the next travels:
 - exit: the row-parallel Linear computes `kernels.matmul_reduce_scatter` (+ its bias, once, after the
   reduce-scatter).
 
+Backend: `"overlap_comm": True` runs tridist's point-to-point rings (kernels' default, backend "ring":
+any process group, NCCL within and across nodes); `"overlap_comm": "symm_mem"` runs torch's
+symmetric-memory fused ops instead (CUDA GPUs of one node; copy engines move the chunks, so the matmuls
+keep every SM), refused with the reason at the first forward where they cannot run.
+
 Gradients: the projections' input gradients are reduce-scattered by the entry ring's backward, the exit's
 by an all-gather ring; a replicated use of the gathered input by model code keeps its own rows (the ring's
 `return_gathered`). Weights stay DTensors split as without overlap (checkpoints, FSDP2 on the same mesh,
@@ -62,7 +67,8 @@ class OverlappedExitLinear:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         mesh = self.weight.device_mesh
-        out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=_SEQUENCE_DIM)
+        out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=_SEQUENCE_DIM,
+                                    backend=self._tridist_overlap_backend)
         if self.bias is not None:  # once, after the sum; its gradient summed over the ranks' sequence shards
             out = (DTensor.from_local(out, mesh, [Shard(_SEQUENCE_DIM)], run_check=False) + self.bias.to(out.dtype)).to_local()
         return out
@@ -97,7 +103,7 @@ def apply_overlapped_entry(style, target: StyleTarget, torch_style) -> str:
     _swap_class(module, OverlappedEntryLinear)
     module._tridist_overlap_entry = True
     module._tridist_packed_parts = getattr(torch_style, "parts", 1)  # _PackedColwiseParallel's equal parts
-    return "overlapped: fed by the region's all-gather ring"
+    return f"overlapped: fed by the region's all-gather ({target.overlap_comm})"
 
 
 def apply_overlapped_exit(style, target: StyleTarget, torch_style) -> str:
@@ -109,7 +115,8 @@ def apply_overlapped_exit(style, target: StyleTarget, torch_style) -> str:
                          "at a sequence-parallel region's exit; its input must be the split activation")
     distribute_module(target.module, target.tp_mesh, partition_fn=torch_style._partition_linear_fn)
     _swap_class(target.module, OverlappedExitLinear)
-    return "overlapped: matmul and reduce-scatter in one ring"
+    target.module._tridist_overlap_backend = target.overlap_comm
+    return f"overlapped: matmul and reduce-scatter fused ({target.overlap_comm})"
 
 
 def _local_bias(linear: torch.nn.Module) -> torch.Tensor:
@@ -121,18 +128,29 @@ def _local_bias(linear: torch.nn.Module) -> torch.Tensor:
     return bias.to_local()
 
 
+def mark_checked(model: torch.nn.Module, blocks: list[str]) -> None:
+    """The regions inside `blocks` ran overlapped in parallelize's eager block check (block_check.py: one
+    copy per block type, whose entries would have raised on an in-place change of the region's input):
+    torch.compile may trace them without running that check itself."""
+    for name, module in model.named_modules():
+        region = getattr(module, "_tridist_region", None)
+        if region is not None and any(name == block or name.startswith(block + ".") for block in blocks):
+            region.checked = True
+
+
 class OverlappedRegion:
     """One Disable region's entry: on entry, the ring computes every entry projection and returns the
     gathered input; the projections take their outputs; on exit, nothing is left behind."""
 
-    def __init__(self, name: str, entries: list[tuple[str, torch.nn.Module]], tp_mesh):
-        self.name, self.entries, self.tp_mesh = name, entries, tp_mesh
+    def __init__(self, name: str, entries: list[tuple[str, torch.nn.Module]], tp_mesh, backend: str):
+        self.name, self.entries, self.tp_mesh, self.backend = name, entries, tp_mesh, backend
         self.gathered: torch.Tensor | None = None
         self.version = 0  # the gathered input's version counter when the ring made it
         self.outputs: dict[int, torch.Tensor] = {}
+        self.checked = False  # an eager forward read the entries without an in-place change of the input
 
     @classmethod
-    def install(cls, name: str, module: torch.nn.Module, tp_mesh) -> "OverlappedRegion":
+    def install(cls, name: str, module: torch.nn.Module, tp_mesh, backend: str) -> "OverlappedRegion":
         entries = [(child_name, child) for child_name, child in module.named_children()
                    if getattr(child, "_tridist_overlap_entry", False)]
         if not entries:
@@ -145,7 +163,7 @@ class OverlappedRegion:
                 f"parallelize: overlap_comm: {name}'s forward is wrapped for activation recompute on its own "
                 "(selective recompute): its recomputation in backward would run without the region's overlapped "
                 "gather. Recompute whole layers ('full') or leave overlap_comm off")
-        region = cls(name, entries, tp_mesh)
+        region = cls(name, entries, tp_mesh, backend)
         for _, child in entries:
             child._tridist_region = region
         module.register_forward_pre_hook(region.enter, with_kwargs=True, prepend=True)
@@ -158,8 +176,9 @@ class OverlappedRegion:
     def _gather_and_project(self, x_shard: torch.Tensor) -> torch.Tensor:
         weights = [child.weight.to_local() for _, child in self.entries]
         gathered, outputs = all_gather_matmul(x_shard, weights, self.tp_mesh.get_group(), gather_dim=_SEQUENCE_DIM,
-                                              return_gathered=True)
-        self.gathered, self.version = gathered, gathered._version
+                                              return_gathered=True, backend=self.backend)
+        self.gathered = gathered
+        self.version = 0 if torch.compiler.is_compiling() else gathered._version
         self.outputs = {id(child): y for (_, child), y in zip(self.entries, outputs)}
         return gathered
 
@@ -170,11 +189,21 @@ class OverlappedRegion:
                 f"parallelize: overlap_comm: {self.name}.{child} was called with a tensor other than its region's "
                 "input; an overlapped entry projection must read the region's input itself (its output was computed "
                 "by the region's all-gather ring). Leave overlap_comm off for this model")
-        if input._version != self.version:
+        if torch.compiler.is_compiling():
+            # torch.compile cannot read version counters (a graph break that drops the whole forward back to
+            # eager): the in-place check must have run eagerly, in parallelize's block check or a forward.
+            if not self.checked:
+                raise RuntimeError(
+                    f"parallelize: overlap_comm: {self.name} is traced by torch.compile before its in-place check ran "
+                    "(parallelize checks decoder blocks in a layer list eagerly; this region is outside them): run one "
+                    "forward without torch.compile first, then compile")
+        elif input._version != self.version:
             raise RuntimeError(
                 f"parallelize: overlap_comm: the input of {self.name} was changed in place before {child} read it; "
                 "its output was computed by the region's all-gather ring from the values before the change. Leave "
                 "overlap_comm off for this model (or change a copy)")
+        else:
+            self.checked = True
         output = self.outputs.pop(id(linear), None)
         if output is None:
             raise RuntimeError(f"parallelize: overlap_comm: {self.name}.{child} was called twice in one forward; an "

@@ -50,6 +50,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tridist.kernels.comm_matmul import BACKENDS, check_backend_available
+
 from .vocab_parallel import split_bare_weight
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class StyleTarget:
     # overlap_comm a column-parallel one is an entry fed by the region's overlapped all-gather.
     scatter_sequence: bool = False
     sequence_split: "SequenceSplit | None" = None
-    overlap_comm: bool = False  # mp_config["overlap_comm"]: the region's edges run the overlapped rings
+    overlap_comm: str | None = None  # mp_config["overlap_comm"]'s backend ("ring", "symm_mem"); None: off
 
 
 class _Style:
@@ -226,9 +228,9 @@ class TensorParallelPlan:
     disabled: modules marked SequenceParallelDisable (a row-parallel child is its possible exit).
     lazy_split: the region's top-most parameterised modules; whichever runs first after Begin splits the
       sequence (empty for a block's plan: its check feeds it split inputs).
-    overlap_comm: each Disable region's all-gather runs fused with its entry projections
-      (kernels.all_gather_matmul, one gather for all of them) and its exit's reduce-scatter with the
-      exit's matmul (matmul_reduce_scatter); see overlap.py.
+    overlap_comm: the backend (kernels.comm_matmul.BACKENDS) with which each Disable region's all-gather
+      runs fused with its entry projections (kernels.all_gather_matmul, one gather for all of them) and
+      its exit's reduce-scatter with the exit's matmul (matmul_reduce_scatter); None: off. See overlap.py.
     """
 
     styles: dict
@@ -237,7 +239,7 @@ class TensorParallelPlan:
     sequence_region: frozenset = frozenset()
     disabled: frozenset = frozenset()
     lazy_split: tuple = ()
-    overlap_comm: bool = False
+    overlap_comm: str | None = None
 
     def within(self, prefix: str) -> "TensorParallelPlan":
         """The plan of the module at `prefix`, its names relative to it (what a block's copy takes)."""
@@ -271,12 +273,24 @@ def _strip(name: str, prefix: str) -> str:
     return name if not prefix else name[len(prefix) + 1:]
 
 
-def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False, overlap_comm: bool = False) -> TensorParallelPlan:
+def overlap_backend(overlap_comm) -> str | None:
+    """mp_config["overlap_comm"] -> the comm_matmul backend it names, or None (off): True is the default
+    backend ("ring"); a backend's name picks it."""
+    if overlap_comm is False or overlap_comm is None:
+        return None
+    if overlap_comm is True:
+        return "ring"
+    if overlap_comm in BACKENDS:
+        return overlap_comm
+    raise ValueError(f"parallelize: mp_config['overlap_comm'] must be True, False or a backend's name "
+                     f"{list(BACKENDS)} (True: {BACKENDS[0]!r}), got {overlap_comm!r}")
+
+
+def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False, overlap_comm=False) -> TensorParallelPlan:
     """`_resolve_plan`, with mp_config's `overlap_comm` (checked: it needs sequence-parallel regions)."""
-    if not isinstance(overlap_comm, bool):
-        raise TypeError(f"parallelize: mp_config['overlap_comm'] must be True or False, got {overlap_comm!r}")
+    backend = overlap_backend(overlap_comm)
     resolved = _resolve_plan(model, plan, strict=strict)
-    if not overlap_comm:
+    if backend is None:
         return resolved
     if not resolved.disabled:
         raise ValueError(
@@ -284,7 +298,7 @@ def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False, overlap_
             "the matmuls at each region's edges, but this plan has no sequence-parallel region (SequenceParallelBegin "
             "on the embedding, SequenceParallelDisable on attention and MLP, SequenceParallelEnd); add them, or leave "
             "overlap_comm off (tensor parallel without sequence parallel all-reduces, which this does not overlap)")
-    return dataclasses.replace(resolved, overlap_comm=True)
+    return dataclasses.replace(resolved, overlap_comm=backend)
 
 
 def _resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False) -> TensorParallelPlan:
@@ -363,7 +377,7 @@ def _with_sequence_context(model: torch.nn.Module, styles_of: dict, bare_styles:
 
 
 def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
-                          global_view: dict[str, str] | None = None, overlap_comm: bool = False) -> list[str]:
+                          global_view: dict[str, str] | None = None, overlap_comm=False) -> list[str]:
     """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
 
     Each decoder-block type is checked first (block_check.py): its tensor-parallel forward must equal
@@ -374,6 +388,9 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
     from .block_check import choose_block_views
 
     resolved = resolve_plan(model, plan, strict=strict, overlap_comm=overlap_comm)
+    if resolved.overlap_comm:  # before any module changes
+        check_backend_available("parallelize: mp_config['overlap_comm']", resolved.overlap_comm, tp_mesh.get_group(),
+                                torch.device(tp_mesh.device_type))
     if global_view is None:
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())
@@ -385,6 +402,11 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
         if resolved.overlap_comm:
             refuse_overlap(global_view)
     changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
+    if resolved.overlap_comm:
+        from .block_check import decoder_blocks
+        from .overlap import mark_checked
+
+        mark_checked(model, [name for name, _ in decoder_blocks(model) if resolved.styles_under(name)])
     if global_view:
         from .global_view import apply_global_view
 
@@ -882,7 +904,7 @@ def _map_output(output, fn):
 
 
 def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool,
-                             sequence_split: SequenceSplit, overlap_comm: bool = False) -> str:
+                             sequence_split: SequenceSplit, overlap_comm: str | None = None) -> str:
     def gather_input(_, args, kwargs):
         return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
 
@@ -904,7 +926,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         if overlap_comm:
             from .overlap import OverlappedRegion
 
-            OverlappedRegion.install(name, module, tp_mesh)  # gathers once, fused with the entry projections
+            OverlappedRegion.install(name, module, tp_mesh, overlap_comm)  # gathers once, fused with the entries
         else:
             module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
         exits = [child for child in module.children() if getattr(child, "_tridist_scatters_sequence", False)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -25,6 +26,22 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "cuda":
         return True
     return tensor.device.type == "cpu" and TRITON_INTERPRET
+
+
+def no_autocast(device: torch.device):
+    """A block whose dtypes are settled before it runs (the public functions apply autocast's cast themselves)."""
+    if device.type in ("cpu", "cuda"):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def gathered_and_outputs(ctx, gathered: torch.Tensor | None, ys, *, like: torch.Tensor) -> tuple:
+    """An all-gather-matmul autograd.Function's outputs: the gathered input (or, when not asked for, an
+    empty non-differentiable placeholder like `like`), then one output per weight."""
+    if gathered is None:
+        gathered = like.new_empty(0)
+        ctx.mark_non_differentiable(gathered)
+    return (gathered, *ys)
 
 
 def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:

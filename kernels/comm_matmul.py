@@ -57,9 +57,11 @@ symmetric memory: peers map each other's buffers over NVLink and copy engines mo
 no NCCL kernels competing for SMs; Inductor substitutes them for all_gather + mm patterns when
 `torch._inductor.config._micro_pipeline_tp` is set. They are CUDA-only (CUDA and Meta kernels, no CPU),
 need P2P-capable GPUs in one node and symmetric-memory allocations, and have no autograd formula.
-This portable ring runs on any backend with point-to-point ops (gloo on CPU, NCCL within and across
-nodes), is autograd-aware, and is the one tested here (gloo); the symmetric-memory ops remain the
-better choice on one NVLink node when they apply.
+`backend="symm_mem"` runs them, with the autograd formula added (symm_mem_matmul.py). The default,
+`backend="ring"`, is this portable ring: it runs on any backend with point-to-point ops (gloo on CPU,
+NCCL within and across nodes), keeps reduce-scatter sums in fp32, and is the one the GPU-free test
+suite runs end to end; the symmetric-memory ops may hide more on one NVLink node (no NCCL kernels on
+the SMs): time both on those GPUs (a few training steps of each) before switching.
 
 torch.compile: both ops are registered with torch.library (`tridist::all_gather_matmul`,
 `tridist::matmul_reduce_scatter` and their backwards), keyed by the group's name, so a compiled
@@ -84,9 +86,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._common import SUPPORTED_DTYPES
+from ._common import SUPPORTED_DTYPES, gathered_and_outputs, no_autocast
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
+__all__ = ["BACKENDS", "all_gather_matmul", "check_backend_available", "matmul_reduce_scatter"]
 
 
 # ------------------------------------------------------------------------------------------ the group
@@ -316,13 +318,6 @@ def _accumulate_weight_grad(grad_weight: torch.Tensor, grad_rows: torch.Tensor, 
         grad_weight.add_(grad_rows.t() @ x_rows)
 
 
-def _no_autocast(device: torch.device):
-    """Dtypes are settled before the ops run (the public functions apply autocast's cast themselves)."""
-    if device.type in ("cpu", "cuda"):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
 # ------------------------------------------------------------------------- forward and backward math
 
 
@@ -340,7 +335,7 @@ def _all_gather_matmul_forward(x_shard, weights, group, dim: int, keep_gathered:
     when asked: then a copy)."""
     op = "all_gather_matmul"
     ring = _ring(op, group, x_shard.device)
-    with torch.profiler.record_function("tridist.all_gather_matmul"), _no_autocast(x_shard.device):
+    with torch.profiler.record_function("tridist.all_gather_matmul"), no_autocast(x_shard.device):
         x_shard = x_shard.contiguous()
         rows = x_shard.shape[dim]
         ys = [x_shard.new_empty(_gathered_output_shape(x_shard, dim, ring.size, w)) for w in weights]
@@ -365,7 +360,7 @@ def _all_gather_matmul_backward(grad_ys, grad_gathered, x_shard, gathered, weigh
     ring = _ring(op, group, x_shard.device)
     grad_x = None
     grad_weights = [None] * len(weights)
-    with torch.profiler.record_function("tridist.all_gather_matmul.backward"), _no_autocast(x_shard.device):
+    with torch.profiler.record_function("tridist.all_gather_matmul.backward"), no_autocast(x_shard.device):
         rows = x_shard.shape[dim]
         x_shard = x_shard.contiguous()
         if ring.size == 1 and gathered is None:
@@ -418,7 +413,7 @@ def _matmul_reduce_scatter_forward(x, weight, group, dim: int):
     ring = _ring(op, group, x.device)
     _check_divisible(op, x, dim, ring.size)
     rows = x.shape[dim] // ring.size
-    with _no_autocast(x.device):
+    with no_autocast(x.device):
         weight_t = weight.t()
 
         def partial(c):
@@ -433,7 +428,7 @@ def _matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, ne
     op = "matmul_reduce_scatter"
     ring = _ring(op, group, grad_y_shard.device)
     grad_x = grad_weight = None
-    with _no_autocast(x.device):
+    with no_autocast(x.device):
         grad_y_shard = grad_y_shard.contiguous()
         rows, in_features = grad_y_shard.shape[dim], x.shape[-1]
         if need_x:
@@ -470,11 +465,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (or gathered input) gets no zero-filled gradient
         # Keep the gathered x, or only the shard to gather again in backward (never both).
         ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
-        if return_gathered:
-            return (gathered, *ys)
-        placeholder = x_shard.new_empty(0)
-        ctx.mark_non_differentiable(placeholder)
-        return (placeholder, *ys)
+        return gathered_and_outputs(ctx, gathered if return_gathered else None, ys, like=x_shard)
 
     @staticmethod
     @once_differentiable
@@ -657,6 +648,31 @@ torch.library.register_autograd(
 
 # ------------------------------------------------------------------------------------------ public API
 
+# Which implementation moves the chunks. "ring" is the default: it runs on every process group tridist
+# supports (gloo on CPU, NCCL within and across nodes), is what the test suite runs, and keeps the
+# reduce-scatter's partial sums in fp32. "symm_mem" (symm_mem_matmul.py) is torch's symmetric-memory ops:
+# on one NVLink node they move chunks with copy engines, leaving every SM to the matmuls; pick them there
+# when a few timed training steps on those GPUs say they hide more.
+BACKENDS = ("ring", "symm_mem")
+
+
+def _check_backend_name(op: str, backend) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend={backend!r} is not one of {list(BACKENDS)}; 'ring' (the default) runs on "
+                         "any process group, 'symm_mem' on CUDA GPUs of one node")
+    return backend
+
+
+def check_backend_available(op: str, backend: str, group, device: torch.device) -> None:
+    """Raise, naming the reason and the fix, where `backend` cannot run on `group` (None: the default
+    group) with `device` tensors: what the ops check at each call, for callers that set up ahead (distcore)."""
+    _check_backend_name(op, backend)
+    if backend == "symm_mem":
+        from .symm_mem_matmul import check_available
+
+        check_available(op, _resolve_group(op, group), torch.device(device))
+
+
 
 def _apply_autocast(x: torch.Tensor, *weights: torch.Tensor):
     """Under torch.autocast, cast x and the weights to its dtype, as autocast casts F.linear's inputs
@@ -670,7 +686,7 @@ def _apply_autocast(x: torch.Tensor, *weights: torch.Tensor):
 
 def all_gather_matmul(
     x_shard: torch.Tensor, weight, group=None, *, gather_dim: int = 0, save_gathered: bool = True,
-    return_gathered: bool = False,
+    return_gathered: bool = False, backend: str = "ring",
 ):
     """`F.linear(all_gather(x_shard, dim=gather_dim, group=group), weight)`, the gather hidden behind the matmul.
 
@@ -694,8 +710,14 @@ def all_gather_matmul(
     (weights in x's dtype, or all cast by torch.autocast). The ring schedule, backward and CUDA stream
     behaviour are described in the module docstring. Profiler traces show the forward and backward
     rings as `tridist.all_gather_matmul` and `tridist.all_gather_matmul.backward`.
+
+    `backend`: "ring" (default: tridist's point-to-point ring, any process group, gloo or NCCL, within
+    and across nodes) or "symm_mem" (torch's symmetric-memory `fused_all_gather_matmul`: CUDA GPUs of
+    one node; the backward's reduce-scatter carries partial sums in the input dtype; save_gathered=False
+    is a ring option). See BACKENDS.
     """
     op = "all_gather_matmul"
+    backend = _check_backend_name(op, backend)
     single = isinstance(weight, torch.Tensor)
     weights = [weight] if single else list(weight)
     if not weights:
@@ -704,6 +726,18 @@ def all_gather_matmul(
     dim = None
     for w in weights:
         dim = _check_inputs(op, "x_shard", x_shard, w, gather_dim, "gather_dim")
+    if backend == "symm_mem":
+        if not save_gathered:
+            raise ValueError(f"{op}: save_gathered=False (gather the input again in backward) is an option of "
+                             "backend='ring'; backend='symm_mem' keeps the gathered input. Drop it or use backend='ring'")
+        from .symm_mem_matmul import SymmMemAllGatherMatmul
+
+        group = _resolve_group(op, group)
+        check_backend_available(op, backend, group, x_shard.device)
+        gathered, *ys = SymmMemAllGatherMatmul.apply(x_shard, group.group_name, dist.get_rank(group), dim,
+                                                     bool(return_gathered), *weights)
+        outputs = ys[0] if single else list(ys)
+        return (gathered, outputs) if return_gathered else outputs
     if torch.compiler.is_compiling():
         gathered, ys = _all_gather_matmul_op(x_shard, weights, _group_name(op, group), dim, bool(save_gathered),
                                              bool(return_gathered))
@@ -725,7 +759,8 @@ def _source_major_to_gathered(gathered: torch.Tensor, dim: int) -> torch.Tensor:
     return moved.reshape(shape)
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, scatter_dim: int = 0) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, scatter_dim: int = 0,
+                          backend: str = "ring") -> torch.Tensor:
     """`reduce_scatter(F.linear(x, weight), dim=scatter_dim, group=group)` (sum), overlapped with the matmul.
 
     The exit of a sequence-parallel region: a RowWise linear whose partial outputs are summed over
@@ -737,10 +772,21 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, 
 
     `scatter_dim`: a leading dim of x whose size divides by the group size. `group`: None means the
     default group; a group of size 1 is a plain matmul. Differentiable in x and weight; fp32/fp16/bf16.
+
+    `backend`: "ring" (default) or "symm_mem" (torch's symmetric-memory `fused_matmul_reduce_scatter`:
+    CUDA GPUs of one node; partial sums travel in x's dtype and are summed once). See BACKENDS.
     """
     op = "matmul_reduce_scatter"
+    backend = _check_backend_name(op, backend)
     x, (weight,) = _apply_autocast(x, weight)
     dim = _check_inputs(op, "x", x, weight, scatter_dim, "scatter_dim")
+    if backend == "symm_mem":
+        from .symm_mem_matmul import SymmMemMatmulReduceScatter
+
+        group = _resolve_group(op, group)
+        _check_divisible(op, x, dim, dist.get_world_size(group))
+        check_backend_available(op, backend, group, x.device)
+        return SymmMemMatmulReduceScatter.apply(x, weight, group.group_name, dim)
     if torch.compiler.is_compiling():
         return _matmul_reduce_scatter_op(x, weight, _group_name(op, group), dim)
     group = _resolve_group(op, group)

@@ -11,14 +11,15 @@ import torch.nn.functional as F
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
+from tests.distributed.symm_mem_cpu import symm_mem_on_cpu
 
 
 GROUP = {}
 
 
-def _block(x_shard, up, down, save_gathered=True):
-    h = F.gelu(all_gather_matmul(x_shard, up, gather_dim=1, save_gathered=save_gathered))  # the default group
-    return matmul_reduce_scatter(h, down, GROUP["explicit"], scatter_dim=1)  # a ProcessGroup object
+def _block(x_shard, up, down, save_gathered=True, backend="ring"):
+    h = F.gelu(all_gather_matmul(x_shard, up, gather_dim=1, save_gathered=save_gathered, backend=backend))  # default group
+    return matmul_reduce_scatter(h, down, GROUP["explicit"], scatter_dim=1, backend=backend)  # a ProcessGroup object
 
 
 def _inputs():
@@ -68,6 +69,29 @@ def check_profiler_names_the_rings_in_a_compiled_graph():
     for ring in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward", "tridist.matmul_reduce_scatter",
                  "tridist.matmul_reduce_scatter.backward"):
         assert ring in names, (ring, sorted(n for n in names if "tridist" in n))
+
+
+def check_symm_mem_backend_compiles_to_one_graph():
+    """backend="symm_mem" under torch.compile(fullgraph=True): torch's ops in the graph (their Meta kernels
+    trace it), forward and backward equal to eager and to the ring (symm_mem_cpu.py: torch's reference
+    implementations of the ops on CPU)."""
+    torch._dynamo.reset()
+    counts = {}
+
+    def backend(gm, example_inputs):
+        counts["ops"] = [str(n.target) for n in gm.graph.nodes if "symm_mem" in str(n.target) or "tridist" in str(n.target)]
+        return gm.forward
+
+    names = ("out", "grad_x", "grad_up", "grad_down")
+    with symm_mem_on_cpu():
+        inputs = _inputs()
+        eager = _run(lambda *t: _block(*t, backend="symm_mem"), inputs)
+        compiled = _run(torch.compile(lambda *t: _block(*t, backend="symm_mem"), backend="aot_eager", fullgraph=True), inputs)
+        torch.compile(lambda *t: _block(*t, backend="symm_mem"), backend=backend, fullgraph=True)(*_inputs())
+    ring = _run(_block, inputs)
+    equivalence.assert_tensors_close("compiled", dict(zip(names, [compiled[0], *compiled[1]])), dict(zip(names, [eager[0], *eager[1]])))
+    equivalence.assert_tensors_close("ring", dict(zip(names, [eager[0], *eager[1]])), dict(zip(names, [ring[0], *ring[1]])))
+    assert counts["ops"] == ["symm_mem.fused_all_gather_matmul", "symm_mem.fused_matmul_reduce_scatter"], counts
 
 
 def check_opcheck():

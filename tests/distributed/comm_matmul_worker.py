@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
+from tests.distributed.symm_mem_cpu import symm_mem_on_cpu
 
 GROUPS: dict[str, dist.ProcessGroup] = {}
 
@@ -38,7 +39,7 @@ def _full_shape(dims: tuple, dim: int, size: int) -> list[int]:
     return shape
 
 
-def _assert_close(name, result, expected, magnitude, *, dtype, terms: int):
+def _assert_close(name, result, expected, magnitude, *, dtype, terms: int, wire_roundings: int = 0):
     """Element by element, within the rounding bound of the two computations (no fitted tolerance).
 
     Every output is a sum of products; `magnitude` is the sum of their absolute values (the reference
@@ -48,11 +49,13 @@ def _assert_close(name, result, expected, magnitude, *, dtype, terms: int):
     roundings of a path through the op: the inputs cast to the dtype (two factors of each product:
     2·u_h), each chunk's product (u_h) and the result (u_h), each at most u_h times the |terms| it holds:
     4·u_h·Σ|terms|, plus one u_h for second-order terms. (The matmuls accumulate in fp32 inside, as
-    torch's CPU and CUDA GEMMs do for half inputs.) A ring bug (a chunk from the wrong rank, a step
-    skipped, a partial sum added twice) moves an element by O(Σ|terms|)."""
+    torch's CPU and CUDA GEMMs do for half inputs.) `wire_roundings`: further half-precision roundings
+    of a partial sum on its way (a reduce-scatter summing W partials in the dtype: W - 1), each at most
+    u_h·Σ|terms|. A ring bug (a chunk from the wrong rank, a step skipped, a partial sum added twice)
+    moves an element by O(Σ|terms|)."""
     assert result.shape == expected.shape, f"{name}: shape {tuple(result.shape)} != {tuple(expected.shape)}"
     assert result.dtype == dtype, f"{name}: dtype {result.dtype} != {dtype}"
-    half_roundings = 0 if dtype == torch.float32 else 5 * torch.finfo(dtype).eps / 2
+    half_roundings = 0 if dtype == torch.float32 else (5 + wire_roundings) * torch.finfo(dtype).eps / 2
     allowed = (2 * terms * equivalence.U + half_roundings) * magnitude
     excess = (result.double() - expected.double()).abs() / allowed.double()
     worst = excess.max().item() if excess.numel() else 0.0
@@ -85,7 +88,7 @@ def _rank_in(group):
 
 
 def _all_gather_matmul_case(group_key, shard_shape, dim, *, out=40, dtype=torch.float32, transposed=False,
-                            save_gathered=True, need_x=True, need_w=True, seed=0):
+                            save_gathered=True, need_x=True, need_w=True, seed=0, backend="ring"):
     group = _groups()[group_key]
     rank, size = _rank_in(group)
     generator = torch.Generator().manual_seed(seed)
@@ -112,18 +115,25 @@ def _all_gather_matmul_case(group_key, shard_shape, dim, *, out=40, dtype=torch.
     x_leaf.requires_grad_(need_x)
     w_leaf.requires_grad_(need_w)
     x_before, w_before = x_leaf.detach().clone(), w_leaf.detach().clone()
-    y = all_gather_matmul(x_in, w_in, group, gather_dim=dim, save_gathered=save_gathered)
-    _assert_close("y", y.detach(), expected[0], magnitude[0], dtype=dtype, terms=terms)
+    y = all_gather_matmul(x_in, w_in, group, gather_dim=dim, save_gathered=save_gathered, backend=backend)
+    bound = dict(dtype=dtype, terms=terms, wire_roundings=_wire_roundings(backend, size))
+    _assert_close("y", y.detach(), expected[0], magnitude[0], **bound)
     y.backward(grads[rank].to(dtype))
     assert torch.equal(x_leaf.detach(), x_before) and torch.equal(w_leaf.detach(), w_before), "inputs mutated"
     if need_x:
-        _assert_close("grad_x_shard", unview_x(x_leaf.grad), expected[1], magnitude[1], dtype=dtype, terms=terms)
+        _assert_close("grad_x_shard", unview_x(x_leaf.grad), expected[1], magnitude[1], **bound)
     else:
         assert x_leaf.grad is None
     if need_w:
-        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], magnitude[2], dtype=dtype, terms=terms)
+        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], magnitude[2], **bound)
     else:
         assert w_leaf.grad is None
+
+
+def _wire_roundings(backend: str, size: int) -> int:
+    """The ring sums partials in fp32; torch's symmetric-memory reference ops (what these CPU tests run,
+    symm_mem_cpu.py) reduce-scatter them in the input dtype, gloo adding the W partials one by one."""
+    return size - 1 if backend == "symm_mem" else 0
 
 
 def check_all_gather_matmul_seq_dim_world():
@@ -178,7 +188,7 @@ def check_all_gather_matmul_partial_requires_grad():
 
 
 def _matmul_reduce_scatter_case(group_key, x_shape, dim, *, out=40, dtype=torch.float32, transposed=False,
-                                need_x=True, need_w=True, seed=0):
+                                need_x=True, need_w=True, seed=0, backend="ring"):
     group = _groups()[group_key]
     rank, size = _rank_in(group)
     generator = torch.Generator().manual_seed(100 + seed)
@@ -204,16 +214,17 @@ def _matmul_reduce_scatter_case(group_key, x_shape, dim, *, out=40, dtype=torch.
     x_leaf.requires_grad_(need_x)
     w_leaf.requires_grad_(need_w)
     x_before, w_before = x_leaf.detach().clone(), w_leaf.detach().clone()
-    y_shard = matmul_reduce_scatter(x_in, w_in, group, scatter_dim=dim)
-    _assert_close("y_shard", y_shard.detach(), expected[0], magnitude[0], dtype=dtype, terms=terms)
+    y_shard = matmul_reduce_scatter(x_in, w_in, group, scatter_dim=dim, backend=backend)
+    bound = dict(dtype=dtype, terms=terms, wire_roundings=_wire_roundings(backend, size))
+    _assert_close("y_shard", y_shard.detach(), expected[0], magnitude[0], **bound)
     y_shard.backward(grad_full.narrow(dim, rank * rows, rows).to(dtype))
     assert torch.equal(x_leaf.detach(), x_before) and torch.equal(w_leaf.detach(), w_before), "inputs mutated"
     if need_x:
-        _assert_close("grad_x", unview_x(x_leaf.grad), expected[1], magnitude[1], dtype=dtype, terms=terms)
+        _assert_close("grad_x", unview_x(x_leaf.grad), expected[1], magnitude[1], **bound)
     else:
         assert x_leaf.grad is None
     if need_w:
-        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], magnitude[2], dtype=dtype, terms=terms)
+        _assert_close("grad_weight", unview_w(w_leaf.grad), expected[2], magnitude[2], **bound)
     else:
         assert w_leaf.grad is None
 
@@ -303,7 +314,8 @@ def check_sequence_parallel_mlp_block_equals_one_process():
     equivalence.assert_tensors_close("all_reduce", {"out": out.detach()}, {"out": partial[:, rows]})
 
 
-def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gathered=True, dtype=torch.float32):
+def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gathered=True, dtype=torch.float32,
+                       backend="ring"):
     """q/k/v from one gather: every output equals its own all-gather + F.linear, the returned gathered
     input equals the plain all-gather, and the gradients include a replicated use of that input (model
     code reading its input besides the projections): own rows only, no reduction."""
@@ -330,11 +342,12 @@ def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gath
     terms = shard_shape[-1] + size * sum(outs) + 1 + x_full.numel() // shard_shape[-1]
     x_shard = x_full.narrow(dim, rank * rows, rows).to(dtype).requires_grad_()
     w_shards = [w[rank].to(dtype).requires_grad_() for w in weights]
-    gathered, ys = all_gather_matmul(x_shard, w_shards, group, gather_dim=dim, return_gathered=True)
+    gathered, ys = all_gather_matmul(x_shard, w_shards, group, gather_dim=dim, return_gathered=True, backend=backend)
     assert isinstance(ys, list) and len(ys) == len(outs)
     assert torch.equal(gathered.detach(), x_full.to(dtype)), "the returned gathered input is the plain all-gather"
+    bound = dict(dtype=dtype, terms=terms, wire_roundings=_wire_roundings(backend, size))
     for i, y in enumerate(ys):
-        _assert_close(f"y{i}", y.detach(), expected[0][i], magnitude[0][i], dtype=dtype, terms=terms)
+        _assert_close(f"y{i}", y.detach(), expected[0][i], magnitude[0][i], **bound)
     loss = sum((y * g[rank].to(dtype)).sum() for y, g in zip(ys, grads))
     if use_gathered:
         # A replicated use: every rank computes the same term of the model's loss with its own copy of the
@@ -342,9 +355,9 @@ def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gath
         # shard's rows comes from the rank that owns them, unreduced.
         loss = loss + (gathered * other.to(dtype)).sum()
     loss.backward()
-    _assert_close("grad_x_shard", x_shard.grad, expected[1], magnitude[1], dtype=dtype, terms=terms)
+    _assert_close("grad_x_shard", x_shard.grad, expected[1], magnitude[1], **bound)
     for i, w in enumerate(w_shards):
-        _assert_close(f"grad_w{i}", w.grad, expected[2][i], magnitude[2][i], dtype=dtype, terms=terms)
+        _assert_close(f"grad_w{i}", w.grad, expected[2][i], magnitude[2][i], **bound)
 
 
 def check_all_gather_matmul_several_weights_and_the_gathered_input():
@@ -406,6 +419,84 @@ def check_no_grad_and_detached_inputs():
     assert not y.requires_grad and tuple(y.shape) == (2, 6 * dist.get_world_size(), 40)
     y = matmul_reduce_scatter(torch.randn(8, 24), w, scatter_dim=0)
     assert not y.requires_grad and tuple(y.shape) == (8 // dist.get_world_size(), 40)
+
+
+# ------------------------------------------------------------------ backend="symm_mem" (torch's ops)
+
+
+def check_symm_mem_backend_all_gather_matmul():
+    with symm_mem_on_cpu():
+        _all_gather_matmul_case("world", (2, 6, 24), 1, seed=30, backend="symm_mem")
+        _all_gather_matmul_case("pair", (6, 2, 24), 0, transposed=True, seed=31, backend="symm_mem")
+        _all_gather_matmul_case("single", (2, 6, 24), 1, seed=32, backend="symm_mem")
+        _all_gather_matmul_case("world", (2, 3, 2, 24), -3, dtype=torch.bfloat16, seed=33, backend="symm_mem")
+        _all_gather_matmul_case("world", (2, 6, 24), 1, need_x=False, seed=34, backend="symm_mem")
+        _all_gather_matmul_case("pair", (2, 6, 24), 1, need_w=False, seed=35, backend="symm_mem")
+
+
+def check_symm_mem_backend_matmul_reduce_scatter():
+    with symm_mem_on_cpu():
+        _matmul_reduce_scatter_case("world", (2, 24, 24), 1, seed=40, backend="symm_mem")
+        _matmul_reduce_scatter_case("pair", (12, 2, 24), 0, transposed=True, seed=41, backend="symm_mem")
+        _matmul_reduce_scatter_case("single", (2, 6, 24), 1, seed=42, backend="symm_mem")
+        _matmul_reduce_scatter_case("world", (2, 12, 2, 24), 1, dtype=torch.bfloat16, seed=43, backend="symm_mem")
+        _matmul_reduce_scatter_case("world", (2, 24, 24), 1, need_x=False, seed=44, backend="symm_mem")
+        _matmul_reduce_scatter_case("pair", (2, 24, 24), 1, need_w=False, seed=45, backend="symm_mem")
+
+
+def check_symm_mem_backend_several_weights_and_the_gathered_input():
+    with symm_mem_on_cpu():
+        _multi_weight_case("world", (2, 3, 16), 1, backend="symm_mem")
+        _multi_weight_case("pair", (3, 2, 16), 0, use_gathered=False, backend="symm_mem")
+        _multi_weight_case("world", (2, 3, 16), 1, dtype=torch.bfloat16, backend="symm_mem")
+
+
+def check_symm_mem_backend_profiler_names_and_autocast():
+    """Traces read the same whatever the backend; autocast casts as for the ring."""
+    group = _groups()["world"]
+    x_shard = torch.randn(2, 3, 16, requires_grad=True)
+    w_in, w_out = torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    with symm_mem_on_cpu():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            h = all_gather_matmul(x_shard, w_in, group, gather_dim=1, backend="symm_mem")
+            matmul_reduce_scatter(h, w_out, group, scatter_dim=1, backend="symm_mem").sum().backward()
+        x_shard.grad = w_in.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = all_gather_matmul(x_shard, w_in, group, gather_dim=1, backend="symm_mem")
+            z = matmul_reduce_scatter(y, w_out, group, scatter_dim=1, backend="symm_mem")
+        z.float().sum().backward()
+    names = {event.name for event in prof.events()}
+    for expected in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward",
+                     "tridist.matmul_reduce_scatter", "tridist.matmul_reduce_scatter.backward"):
+        assert expected in names, (expected, sorted(n for n in names if "tridist" in n))
+    assert y.dtype == z.dtype == torch.bfloat16
+    assert x_shard.grad.dtype == w_in.grad.dtype == torch.float32 and w_in.grad.abs().sum() > 0
+
+
+def check_symm_mem_backend_errors():
+    x, w = torch.randn(2, 6, 24), torch.randn(40, 24)
+    for call in (lambda: all_gather_matmul(x, w, gather_dim=1, backend="symm_mem"),
+                 lambda: matmul_reduce_scatter(torch.randn(2, 8, 24), w, scatter_dim=1, backend="symm_mem")):
+        _raises(ValueError, ["backend='symm_mem'", "no kernel of symm_mem::fused_", "cpu tensors", "backend='ring'"], call)
+    _raises(ValueError, ["backend='nccl'", "['ring', 'symm_mem']"], lambda: all_gather_matmul(x, w, gather_dim=1, backend="nccl"))
+    _raises(ValueError, ["backend='Ring'"], lambda: matmul_reduce_scatter(x, w, scatter_dim=0, backend="Ring"))
+    with symm_mem_on_cpu():
+        _raises(ValueError, ["save_gathered=False", "backend='ring'"],
+                lambda: all_gather_matmul(x, w, gather_dim=1, save_gathered=False, backend="symm_mem"))
+        _raises(ValueError, ["x.shape[1] = 7", "group size"],
+                lambda: matmul_reduce_scatter(torch.randn(2, 7, 24), w, scatter_dim=1, backend="symm_mem"))
+        # torchrun numbers each node's processes consecutively: with 2 per node, the world spans 2 nodes,
+        # the pair {0, 2} / {1, 3} too, and a single rank none.
+        previous = os.environ["LOCAL_WORLD_SIZE"]
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        try:
+            pair = sorted(dist.get_process_group_ranks(_groups()["pair"]))
+            for group, ranks in ((_groups()["world"], [0, 1, 2, 3]), (_groups()["pair"], pair)):
+                _raises(ValueError, [f"ranks {ranks} span nodes [0, 1]", "LOCAL_WORLD_SIZE=2", "backend='ring'"],
+                        lambda: all_gather_matmul(x, w, group, gather_dim=1, backend="symm_mem"))
+            assert all_gather_matmul(x, w, _groups()["single"], gather_dim=1, backend="symm_mem").shape == (2, 6, 40)
+        finally:
+            os.environ["LOCAL_WORLD_SIZE"] = previous
 
 
 # -------------------------------------------------------------------------------------------- errors

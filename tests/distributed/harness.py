@@ -67,9 +67,11 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
             if agent.returncode != 0:
                 failures.append(f"torchrun exited {agent.returncode}:\n{stderr[-4000:]}")
         except subprocess.TimeoutExpired:
-            # Workers hung in a collective (one rank failed, the others wait) hold the pipes open:
-            # kill the whole group, or communicate() would wait for them forever.
+            # Workers hung in a collective (one rank failed, the others wait) hold the pipes open: kill
+            # the agent's group and the workers (torchrun starts each in a session of its own, out of
+            # that group's reach; they wrote their pids), or communicate() would wait for them forever.
             os.killpg(agent.pid, signal.SIGKILL)
+            _kill_workers(out_dir)
             failures.append(f"timed out after {timeout_s}s:\n{agent.communicate()[1][-4000:]}")
     failure = "\n".join(failures) or None
     results: dict = {}
@@ -80,6 +82,14 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
             results.setdefault(record["check"], {})[rank] = record
     results["__launch__"] = {"failure": failure}
     return results
+
+
+def _kill_workers(out_dir: Path) -> None:
+    for path in out_dir.glob("rank*.pid"):
+        try:
+            os.kill(int(path.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass  # already gone, or the file half written
 
 
 def assert_check(results: dict, name: str, *, nproc: int) -> None:
@@ -100,6 +110,7 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     path = out_dir / f"rank{rank}.jsonl"
+    (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))  # for the launcher to kill on a timeout
     only = os.environ.get("TRIDIST_CHECKS")  # a developer's subset: "check_a,check_b" (the test then fails on the rest)
     if only:
         checks = {name: fn for name, fn in checks.items() if name in only.split(",")}

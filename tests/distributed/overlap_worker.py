@@ -15,6 +15,7 @@ from tridist import distcore
 from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
+from tests.distributed.symm_mem_cpu import symm_mem_on_cpu
 from tests.distributed.tensor_parallel_worker import (
     GQA_PACKED_PLAN,
     HF_PLAN,
@@ -188,7 +189,19 @@ def check_overlap_that_cannot_be_honoured_is_refused():
     model, _ = _model("seed-llama")
     apply_recompute(model, structure=ModelSpec.from_module(model, seq_len=8).structure, mode="selective")
     expect(ValueError, "self_attn's forward is wrapped for activation recompute on its own", SEED_SP_PLAN, model=model)
-    expect(TypeError, "mp_config['overlap_comm'] must be True or False", TOY_PLAN, overlap="yes")
+    expect(ValueError, "mp_config['overlap_comm'] must be True, False or a backend's name ['ring', 'symm_mem']",
+           TOY_PLAN, overlap="yes")
+    # torch's symmetric-memory ops have no CPU kernels (outside symm_mem_on_cpu): refused before any change
+    model = _Toy()
+    expect(ValueError, "no kernel of symm_mem::fused_all_gather_matmul for cpu tensors", TOY_PLAN, model=model,
+           overlap="symm_mem")
+    assert type(model.block.up) is torch.nn.Linear
+    try:
+        distcore.ToDistributedConfig(overlap_backend="nccl")
+    except ValueError as error:
+        assert "overlap_backend must be one of ['ring', 'symm_mem']" in str(error), str(error)
+    else:
+        raise AssertionError("ToDistributedConfig(overlap_backend='nccl') was accepted")
     # grouped-query q/k/v packed in one Linear: split on its input features, cannot be fed by the ring
     from tests.distributed.tensor_parallel_worker import CONSTANTS_SEQUENCE_PARALLEL, GroupedQueryPackedModel
 
@@ -199,10 +212,14 @@ def check_overlap_that_cannot_be_honoured_is_refused():
 def check_toy_region_with_biases_equals_one_process():
     """Biases on both edges (the entry's split with its columns, the exit's added once after the
     reduce-scatter, its gradient summed over the sequence shards), against the same toy on one process."""
+    _toy_region_with_biases(True)
+
+
+def _toy_region_with_biases(overlap):
     torch.manual_seed(0)
     reference = _Toy()
     model, _ = distcore.parallelize(copy.deepcopy(reference), None, _tp_mesh(), {"mp_config": {"parallelize_plan": TOY_PLAN,
-                                                                                         "overlap_comm": True}})
+                                                                                         "overlap_comm": overlap}})
     x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
     out, expected = model(x), reference(x)
     (out * out).sum().backward()
@@ -220,6 +237,48 @@ def check_toy_region_with_biases_equals_one_process():
     assert seen == {"overlap": torch.bfloat16, "plain": torch.bfloat16}, seen
 
 
+def check_compiled_model_trains_like_one_process():
+    """torch.compile of the whole overlapped model (aot_eager: the graphs Inductor would get): the rings are
+    in the graphs (profiler ranges, once per region edge and step) and training equals one process. A
+    region outside any decoder block (not checked by parallelize) must run eagerly once before it is traced."""
+    torch._dynamo.reset()
+    model, optimizer = distcore.parallelize(*_model("seed-llama"), _tp_mesh(),
+                                            {"mp_config": {"parallelize_plan": SEED_SP_PLAN, "overlap_comm": True}})
+    compiled = torch.compile(model, backend="aot_eager")
+    trace = equivalence.Trace()
+    for step, (inputs, labels) in enumerate(_batches()):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss, _ = compiled(inputs, labels=labels)
+            loss.backward()
+        if step == 1:  # compiled at step 0
+            names = [event.name for event in prof.events()]
+            assert {ring: names.count(ring) for ring in RINGS} == {ring: 4 for ring in RINGS}, \
+                sorted(set(n for n in names if "tridist" in n))
+        trace.step(model, loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    equivalence.assert_same_training(trace.end(model), _reference_run("seed-llama"))
+
+    # A region outside the decoder blocks was not checked by parallelize: torch.compile must not trace its
+    # entries unchecked. Dynamo turns the region's refusal into an eager fallback of that frame (where
+    # the check runs), or the refusal reaches the caller: either way an in-place change is caught.
+    for scale_input in ("", "in place"):
+        torch._dynamo.reset()
+        toy, _ = distcore.parallelize(_Toy(scale_input), None, _tp_mesh(),
+                                      {"mp_config": {"parallelize_plan": TOY_PLAN, "overlap_comm": True}})
+        x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
+        try:
+            out = torch.compile(toy, backend="aot_eager")(x.clone())
+        except RuntimeError as error:
+            assert ("block is traced by torch.compile before its in-place check ran" in str(error)
+                    or "the input of block was changed in place" in str(error)), str(error)
+            assert scale_input or "before its in-place check" in str(error), str(error)
+        else:
+            assert not scale_input, "an in-place change of an overlapped region's input went unnoticed when compiled"
+            assert toy.block.up._tridist_region.checked  # ran eagerly, checked
+            equivalence.assert_tensors_close("compiled toy", {"out": out}, {"out": toy(x.clone())})
+
+
 def check_to_distributed_applies_a_strategy_with_overlap():
     """Strategy(overlap_tp_comm=True) through to_distributed: the projections run overlapped (not a field the
     engine ignores) and training equals one process; the search may now choose it too. Also with full
@@ -229,7 +288,27 @@ def check_to_distributed_applies_a_strategy_with_overlap():
     _to_distributed_with_overlap("full", pp=2 if _world() == 4 else 1)
 
 
-def _to_distributed_with_overlap(recompute: str, pp: int = 1):
+def check_symm_mem_backend_trains_like_one_process():
+    """overlap through torch's symmetric-memory ops (ToDistributedConfig.overlap_backend, mp_config's
+    "overlap_comm": "symm_mem"), run on CPU with torch's reference implementations (symm_mem_cpu.py):
+    the seed model through to_distributed and the toy with biases equal one process; the ops ran."""
+    with symm_mem_on_cpu():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model = _to_distributed_with_overlap("none", backend="symm_mem")
+        assert model.layers[0].self_attn.o_proj._tridist_overlap_backend == "symm_mem"
+        names = [event.name for event in prof.events()]
+        # Every overlapped call ran torch's op: each all-gather (a forward entry, an exit's backward) and
+        # each reduce-scatter (a forward exit, an entry's backward); a call left on the ring would not.
+        count = names.count
+        assert count("tridist.all_gather_matmul") > 0, sorted(set(n for n in names if "tridist" in n))
+        assert count("symm_mem::fused_all_gather_matmul") == \
+            count("tridist.all_gather_matmul") + count("tridist.matmul_reduce_scatter.backward")
+        assert count("symm_mem::fused_matmul_reduce_scatter") == \
+            count("tridist.matmul_reduce_scatter") + count("tridist.all_gather_matmul.backward")
+        _toy_region_with_biases("symm_mem")
+
+
+def _to_distributed_with_overlap(recompute: str, pp: int = 1, backend: str = "ring"):
     from tridist import autotune
 
     tp = _world() // pp
@@ -239,7 +318,7 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1):
     batches = _batches()
     loader = torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
                                          batch_size=batches[0][0].shape[0])
-    config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)
+    config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False, overlap_backend=backend)
     dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp * pp, config=config)
     layer = next(m for m in dist_model.modules() if hasattr(m, "self_attn") and not getattr(m, "_tridist_stand_in", False))
     assert _overlapped(layer.self_attn.q_proj) and _overlapped(layer.self_attn.o_proj), type(layer.self_attn.q_proj)
@@ -251,6 +330,7 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1):
         dist_opt.step()
         dist_opt.zero_grad()
     equivalence.assert_same_training(trace.end(dist_model), _reference_run("seed-llama"))
+    return dist_model
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -1,6 +1,7 @@
 """kernels.all_gather_matmul / matmul_reduce_scatter on 4 gloo processes (world, sub-groups of 2, groups
 of 1): forward and both gradients equal to the plain all-gather + F.linear / F.linear + reduce-scatter,
-fp32/bf16/fp16, dims 0 and 1, non-contiguous inputs, error messages. Plus torch.compile capture on 2."""
+fp32/bf16/fp16, dims 0 and 1, non-contiguous inputs, error messages; backend="symm_mem" through torch's
+ops (their reference implementations as CPU kernels: symm_mem_cpu.py). Plus torch.compile capture on 2."""
 
 import pytest
 import torch
