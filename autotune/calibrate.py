@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Callable
 
-from .hardware import CALIBRATED_PREFIX, DEVICE_PROFILES, DeviceProfile
+from .hardware import CALIBRATED_PREFIX, DEVICE_PROFILES, DeviceProfile, builtin_profile_for
 
 __all__ = ["calibrate", "measure_matmul", "measure_copy_bandwidth", "measure_collectives", "measure_layer_gemms",
            "measure_attention", "DEFAULT_SIZES", "LAYER_SHAPES"]
@@ -150,18 +150,7 @@ def measure_collectives(device, sizes=COMM_SIZES, repeats: int = REPEATS,
 
 def _base_profile(device) -> DeviceProfile:
     """The built-in profile closest to this device, for what is not measured."""
-    import torch
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).lower()
-        for key, profile in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb")):
-            if key in name:
-                base = DEVICE_PROFILES[profile]
-                if profile == "a100-80gb" and torch.cuda.get_device_properties(device).total_memory < 50e9:
-                    base = DEVICE_PROFILES["a100-40gb"]
-                return base
-        return DEVICE_PROFILES["h100-sxm"]
-    return DEVICE_PROFILES["cpu"]
+    return DEVICE_PROFILES[builtin_profile_for(device)[0]]
 
 
 def _memory_bytes(device) -> float:

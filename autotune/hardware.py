@@ -208,6 +208,23 @@ _CPU = DeviceProfile(
 DEVICE_PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (_H100_SXM, _H200, _A100_80GB, _A100_40GB, _CPU)}
 
 
+def builtin_profile_for(device) -> tuple[str, bool]:
+    """The name of the built-in profile closest to a torch device, and whether the device is one of
+    them (False: a GPU without a profile, priced as an H100 until `tridist calibrate` measures it)."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu", True
+    name = torch.cuda.get_device_name(device).lower()
+    for key, profile in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb")):
+        if key in name:
+            # The A100 comes with 40 or 80 GB (the name does not say): 60 GiB separates them.
+            if profile == "a100-80gb" and torch.cuda.get_device_properties(device).total_memory < 60 * 2**30:
+                return "a100-40gb", True
+            return profile, True
+    return "h100-sxm", False
+
+
 # ------------------------------------------------------------------------------ saving and loading
 
 

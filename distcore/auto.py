@@ -202,14 +202,14 @@ def _device_profile(config: ToDistributedConfig):
         return config.device
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    for key, profile in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80gb")):
-        if key in name:
-            if profile == "a100-80gb" and torch.cuda.get_device_properties(0).total_memory < 60 * 2**30:
-                return "a100-40gb"
-            return profile
-    log.warning("to_distributed: no built-in profile for %r; pricing it as an H100 (run `tridist calibrate`)", name)
-    return "h100-sxm"
+    from tridist.autotune.hardware import builtin_profile_for
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    profile, known = builtin_profile_for(device)
+    if not known:
+        log.warning("to_distributed: no built-in profile for %r; pricing it as an H100 (run `tridist calibrate`)",
+                    torch.cuda.get_device_name(device))
+    return profile
 
 
 def unsupported(spec) -> dict[str, str]:

@@ -107,6 +107,28 @@ def test_profiles_save_load_and_lookup(tmp_path):
         DeviceProfile("bad", 0, 1, 1, 1, 1, 1)
 
 
+@pytest.mark.parametrize("gpu_name, memory_gib, expected", [
+    ("NVIDIA H100 80GB HBM3", 80, ("h100-sxm", True)),
+    ("NVIDIA H200", 141, ("h200", True)),
+    ("NVIDIA A100-SXM4-80GB", 80, ("a100-80gb", True)),
+    ("NVIDIA A100-SXM4-40GB", 40, ("a100-40gb", True)),
+    ("NVIDIA L4", 24, ("h100-sxm", False)),  # no profile: priced as an H100, and said so
+])
+def test_builtin_profile_for_a_gpu_by_its_name_and_memory(monkeypatch, gpu_name, memory_gib, expected):
+    """calibrate's base profile and to_distributed's default device both come from builtin_profile_for."""
+    import types
+
+    import torch
+
+    from tridist.autotune.hardware import builtin_profile_for
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu_name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(total_memory=memory_gib * 2**30))
+    assert builtin_profile_for(torch.device("cuda", 0)) == expected
+    assert builtin_profile_for(torch.device("cpu")) == ("cpu", True)
+
+
 def test_calibrate_cpu_quick(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     code = cli.main(["calibrate", "--device", "cpu", "--quick", "--sizes", "64,128", "--name", "test-cpu",
