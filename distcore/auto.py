@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from tridist.kernels.comm_matmul import check_backend_available
+
 from . import env
 from .dataloader import shard_dataloader
 from .measure import measure_strategies
@@ -121,6 +123,9 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     config = config or ToDistributedConfig()
     node_num = node_num or 1
     env.init_parallel_env()
+    # An overlap backend these devices cannot run is an error now, not a knob the search quietly drops
+    # (the tensor-parallel group, chosen later, is checked when the strategy is applied).
+    check_backend_available("to_distributed: ToDistributedConfig.overlap_backend", config.overlap_backend, env.device())
     world = env.get_world_size()
     if device_num * node_num != world:
         raise ValueError(
@@ -138,7 +143,8 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     strategy, searched = _choose(spec, cluster, global_batch, config, world)
     limits: dict[str, str] = {}
     while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
-        found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure).items() if dim not in limits}
+        found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()
+                 if dim not in limits}
         if not found:
             break
         for dim, why in found.items():
@@ -253,7 +259,7 @@ def _violates(strategy, dim: str) -> bool:
     return getattr(strategy, dim) not in KEPT_AT[dim]
 
 
-def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict[str, str]:
+def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config: ToDistributedConfig) -> dict[str, str]:
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
     not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
     fed something else than its region's input, a block only right in global view), so that tensor parallel
@@ -267,7 +273,7 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure) -> dict
 
     if strategy.overlap_tp_comm:
         try:
-            global_view = views(dataclasses.replace(plan, overlap_comm=True))
+            global_view = views(dataclasses.replace(plan, overlap_comm=config.overlap_backend))
         except TensorParallelCheckError as error:
             return {"overlap_tp_comm": str(error)}
         if global_view:

@@ -17,7 +17,14 @@ while the next travels:
 Backend: `"overlap_comm": True` runs tridist's point-to-point rings (kernels' default, backend "ring":
 any process group, NCCL within and across nodes); `"overlap_comm": "symm_mem"` runs torch's
 symmetric-memory fused ops instead (CUDA GPUs of one node; copy engines move the chunks, so the matmuls
-keep every SM), refused with the reason at the first forward where they cannot run.
+keep every SM), refused with the reason when parallelize runs where they cannot (kernels.comm_matmul.
+check_backend_available).
+
+torch.compile: Dynamo cannot read version counters, so a compiled forward skips the in-place check of
+the region's input; regions inside the decoder blocks were checked by parallelize's block check (an
+eager forward of one block per type, overlapped; in eval mode: an in-place change made only in training,
+such as an in-place dropout of the region's input, is not seen there), and a region outside them refuses
+to be traced before an eager forward checked it.
 
 Gradients: the projections' input gradients are reduce-scattered by the entry ring's backward, the exit's
 by an all-gather ring; a replicated use of the gathered input by model code keeps its own rows (the ring's

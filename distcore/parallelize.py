@@ -43,7 +43,7 @@ from .outputs import find_loss, replace_loss
 from .token_mean import install_global_token_mean
 from .optimizer import with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
-from .tensor_parallel import apply_tensor_parallel, fsdp_shard_placement, resolve_plan
+from .tensor_parallel import apply_tensor_parallel, check_overlap_backend, fsdp_shard_placement, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             # once, before the stages are cut: a block that fails leaves the model unchanged.
             plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False),
                                 overlap_comm=mp_config.get("overlap_comm", False))
+            check_overlap_backend(plan, dims.device_mesh("mp"))
             global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
             refuse_recompute(model, global_view)
             if plan.overlap_comm:

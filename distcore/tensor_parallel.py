@@ -286,6 +286,14 @@ def overlap_backend(overlap_comm) -> str | None:
                      f"{list(BACKENDS)} (True: {BACKENDS[0]!r}), got {overlap_comm!r}")
 
 
+def check_overlap_backend(plan: TensorParallelPlan, tp_mesh) -> None:
+    """Refuse an overlap backend that cannot run on this tensor-parallel group's devices (symm_mem off CUDA
+    or across nodes), with the reason, before anything is changed or checked."""
+    if plan.overlap_comm:
+        check_backend_available("parallelize: mp_config['overlap_comm']", plan.overlap_comm, tp_mesh.device_type,
+                                tp_mesh.get_group())
+
+
 def resolve_plan(model: torch.nn.Module, plan, *, strict: bool = False, overlap_comm=False) -> TensorParallelPlan:
     """`_resolve_plan`, with mp_config's `overlap_comm` (checked: it needs sequence-parallel regions)."""
     backend = overlap_backend(overlap_comm)
@@ -388,9 +396,7 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
     from .block_check import choose_block_views
 
     resolved = resolve_plan(model, plan, strict=strict, overlap_comm=overlap_comm)
-    if resolved.overlap_comm:  # before any module changes
-        check_backend_available("parallelize: mp_config['overlap_comm']", resolved.overlap_comm, tp_mesh.get_group(),
-                                torch.device(tp_mesh.device_type))
+    check_overlap_backend(resolved, tp_mesh)  # before any module changes
     if global_view is None:
         global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
     modules = dict(model.named_modules())

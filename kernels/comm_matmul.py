@@ -663,14 +663,14 @@ def _check_backend_name(op: str, backend) -> str:
     return backend
 
 
-def check_backend_available(op: str, backend: str, group, device: torch.device) -> None:
-    """Raise, naming the reason and the fix, where `backend` cannot run on `group` (None: the default
-    group) with `device` tensors: what the ops check at each call, for callers that set up ahead (distcore)."""
+def check_backend_available(op: str, backend: str, device, group=None) -> None:
+    """Raise, naming the reason and the fix, where `backend` cannot run with `device` tensors (and, given a
+    `group`, on that group): what the ops check at each call, for callers that set up ahead (distcore)."""
     _check_backend_name(op, backend)
     if backend == "symm_mem":
         from .symm_mem_matmul import check_available
 
-        check_available(op, _resolve_group(op, group), torch.device(device))
+        check_available(op, torch.device(device), group)
 
 
 
@@ -733,7 +733,7 @@ def all_gather_matmul(
         from .symm_mem_matmul import SymmMemAllGatherMatmul
 
         group = _resolve_group(op, group)
-        check_backend_available(op, backend, group, x_shard.device)
+        check_backend_available(op, backend, x_shard.device, group)
         gathered, *ys = SymmMemAllGatherMatmul.apply(x_shard, group.group_name, dist.get_rank(group), dim,
                                                      bool(return_gathered), *weights)
         outputs = ys[0] if single else list(ys)
@@ -785,7 +785,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, 
 
         group = _resolve_group(op, group)
         _check_divisible(op, x, dim, dist.get_world_size(group))
-        check_backend_available(op, backend, group, x.device)
+        check_backend_available(op, backend, x.device, group)
         return SymmMemMatmulReduceScatter.apply(x, weight, group.group_name, dim)
     if torch.compiler.is_compiling():
         return _matmul_reduce_scatter_op(x, weight, _group_name(op, group), dim)

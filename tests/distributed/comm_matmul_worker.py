@@ -117,6 +117,7 @@ def _all_gather_matmul_case(group_key, shard_shape, dim, *, out=40, dtype=torch.
     x_before, w_before = x_leaf.detach().clone(), w_leaf.detach().clone()
     y = all_gather_matmul(x_in, w_in, group, gather_dim=dim, save_gathered=save_gathered, backend=backend)
     bound = dict(dtype=dtype, terms=terms, wire_roundings=_wire_roundings(backend, size))
+    assert y.is_contiguous(), f"{backend}: y has strides {y.stride()}"  # model code may .view() it
     _assert_close("y", y.detach(), expected[0], magnitude[0], **bound)
     y.backward(grads[rank].to(dtype))
     assert torch.equal(x_leaf.detach(), x_before) and torch.equal(w_leaf.detach(), w_before), "inputs mutated"
@@ -345,6 +346,7 @@ def _multi_weight_case(group_key, shard_shape, dim, *, outs=(40, 8, 8), use_gath
     gathered, ys = all_gather_matmul(x_shard, w_shards, group, gather_dim=dim, return_gathered=True, backend=backend)
     assert isinstance(ys, list) and len(ys) == len(outs)
     assert torch.equal(gathered.detach(), x_full.to(dtype)), "the returned gathered input is the plain all-gather"
+    assert gathered.is_contiguous() and all(y.is_contiguous() for y in ys), backend
     bound = dict(dtype=dtype, terms=terms, wire_roundings=_wire_roundings(backend, size))
     for i, y in enumerate(ys):
         _assert_close(f"y{i}", y.detach(), expected[0][i], magnitude[0][i], **bound)
@@ -432,6 +434,14 @@ def check_symm_mem_backend_all_gather_matmul():
         _all_gather_matmul_case("world", (2, 3, 2, 24), -3, dtype=torch.bfloat16, seed=33, backend="symm_mem")
         _all_gather_matmul_case("world", (2, 6, 24), 1, need_x=False, seed=34, backend="symm_mem")
         _all_gather_matmul_case("pair", (2, 6, 24), 1, need_w=False, seed=35, backend="symm_mem")
+        # A shard sliced from a wider tensor (q of a packed qkv): rows strided, viewable once flattened;
+        # torch's CUDA kernel needs it contiguous (symm_mem_cpu.py asserts it)
+        group = _groups()["world"]
+        wide = torch.randn(6, 2, 40, generator=torch.Generator().manual_seed(36))
+        x, w = wide[..., :24].requires_grad_(False), torch.randn(8, 24)
+        assert not x.movedim(0, 0).flatten(0, -2).is_contiguous()
+        equivalence.assert_tensors_close("sliced shard", {"y": all_gather_matmul(x, w, group, backend="symm_mem")},
+                                         {"y": all_gather_matmul(x, w, group)})
 
 
 def check_symm_mem_backend_matmul_reduce_scatter():
@@ -448,6 +458,7 @@ def check_symm_mem_backend_several_weights_and_the_gathered_input():
     with symm_mem_on_cpu():
         _multi_weight_case("world", (2, 3, 16), 1, backend="symm_mem")
         _multi_weight_case("pair", (3, 2, 16), 0, use_gathered=False, backend="symm_mem")
+        _multi_weight_case("pair", (2, 3, 16), 1, backend="symm_mem")  # own rows by group rank, not global rank
         _multi_weight_case("world", (2, 3, 16), 1, dtype=torch.bfloat16, backend="symm_mem")
 
 

@@ -85,11 +85,18 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
 
 
 def _kill_workers(out_dir: Path) -> None:
+    """Kill the process group of each worker that wrote a pid file and still runs this launch's worker
+    (a pid may have been reused since; workers that ended removed their file)."""
     for path in out_dir.glob("rank*.pid"):
         try:
-            os.kill(int(path.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass  # already gone, or the file half written
+            pid = int(path.read_text())
+            if str(out_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                if os.getpgid(pid) == pid:  # torchrun starts each worker in a session of its own
+                    os.killpg(pid, signal.SIGKILL)  # its children too
+                else:
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # gone already, not ours to kill, or the file half written
 
 
 def assert_check(results: dict, name: str, *, nproc: int) -> None:
@@ -127,6 +134,7 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
     end_process_group()
+    (out_dir / f"rank{rank}.pid").unlink(missing_ok=True)
 
 
 def end_process_group() -> None:

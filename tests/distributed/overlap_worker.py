@@ -196,6 +196,16 @@ def check_overlap_that_cannot_be_honoured_is_refused():
     expect(ValueError, "no kernel of symm_mem::fused_all_gather_matmul for cpu tensors", TOY_PLAN, model=model,
            overlap="symm_mem")
     assert type(model.block.up) is torch.nn.Linear
+    # with pipeline stages too: the backend is refused as such, before the blocks are checked
+    pp_mesh = ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "mp"])
+    try:
+        distcore.parallelize(*_model("seed-llama"), pp_mesh, {
+            "mp_config": {"parallelize_plan": SEED_SP_PLAN, "overlap_comm": "symm_mem"},
+            "pp_config": {"split_spec": "layers", "micro_batches": 2}})
+    except ValueError as error:
+        assert "mp_config['overlap_comm']: backend='symm_mem'" in str(error), str(error)
+    else:
+        raise AssertionError("overlap_comm='symm_mem' without kernels was accepted with pipeline stages")
     try:
         distcore.ToDistributedConfig(overlap_backend="nccl")
     except ValueError as error:
@@ -286,6 +296,19 @@ def check_to_distributed_applies_a_strategy_with_overlap():
     _to_distributed_with_overlap("none")
     # pipeline stages of tp 2 (each stage's regions overlapped), with full recompute
     _to_distributed_with_overlap("full", pp=2 if _world() == 4 else 1)
+    # The search's path: a strategy it proposes with overlap is checked on the model's blocks first;
+    # the seed model's run overlapped, so nothing is excluded.
+    assert _overlap_limits(distcore.ToDistributedConfig()) == {}
+
+
+def _overlap_limits(config) -> dict:
+    from tridist import autotune
+    from tridist.distcore.auto import _tensor_parallel_limits
+
+    model, _ = _model("seed-llama")
+    strategy = autotune.Strategy(dp=1, tp=_world(), pp=1, sequence_parallel=True, overlap_tp_comm=True,
+                                 micro_batch_size=4, num_micro_batches=1)
+    return _tensor_parallel_limits(model, strategy, autotune.ModelSpec.from_module(model, seq_len=8).structure, config)
 
 
 def check_symm_mem_backend_trains_like_one_process():
@@ -306,6 +329,21 @@ def check_symm_mem_backend_trains_like_one_process():
         assert count("symm_mem::fused_matmul_reduce_scatter") == \
             count("tridist.matmul_reduce_scatter") + count("tridist.all_gather_matmul.backward")
         _toy_region_with_biases("symm_mem")
+        assert _overlap_limits(distcore.ToDistributedConfig(overlap_backend="symm_mem")) == {}
+    # Without kernels for these tensors, the setting is refused at once (not dropped by the search).
+    try:
+        distcore.to_distributed(*_model("seed-llama"), _loader(), device_num=_world(),
+                                config=distcore.ToDistributedConfig(overlap_backend="symm_mem"))
+    except ValueError as error:
+        assert "ToDistributedConfig.overlap_backend: backend='symm_mem'" in str(error) and "cpu tensors" in str(error), error
+    else:
+        raise AssertionError("to_distributed accepted overlap_backend='symm_mem' without kernels for CPU tensors")
+
+
+def _loader():
+    batches = _batches()
+    return torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
+                                       batch_size=batches[0][0].shape[0])
 
 
 def _to_distributed_with_overlap(recompute: str, pp: int = 1, backend: str = "ring"):
@@ -315,9 +353,7 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1, backend: str = "ri
     strategy = autotune.Strategy(dp=1, tp=tp, pp=pp, sequence_parallel=True, overlap_tp_comm=True,
                                  micro_batch_size=4 // pp, num_micro_batches=pp, recompute=recompute)
     model, optimizer = _model("seed-llama")
-    batches = _batches()
-    loader = torch.utils.data.DataLoader([(i, l) for inputs, labels in batches for i, l in zip(inputs, labels)],
-                                         batch_size=batches[0][0].shape[0])
+    loader = _loader()
     config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False, overlap_backend=backend)
     dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp * pp, config=config)
     layer = next(m for m in dist_model.modules() if hasattr(m, "self_attn") and not getattr(m, "_tridist_stand_in", False))
