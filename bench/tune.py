@@ -317,9 +317,11 @@ def write_measured_report(measurements, out_dir: str | Path, *, pick: str = "top
                            "dropped": m.failure} for m in measurements])
     frame.to_csv(out / "measured.csv", index=False)
     ran = frame.dropna(subset=["measured_ms"])
-    # Spearman's rank correlation of predicted and measured times (pandas ranks, then Pearson): does the
-    # cost model order these candidates as the clock does? Undefined below 2 candidates or with ties only.
-    rho = ran["predicted_ms"].corr(ran["measured_ms"], method="spearman") if len(ran) > 1 else float("nan")
+    # Spearman's rank correlation of predicted and measured times: does the cost model order these
+    # candidates as the clock does? Undefined below 2 candidates or with ties only. Computed as the
+    # Pearson correlation of the ranks (ties averaged), which is what pandas' method="spearman" returns,
+    # without the scipy that method imports (not a dependency of ours: a clean install lacks it).
+    rho = ran["predicted_ms"].rank().corr(ran["measured_ms"].rank()) if len(ran) > 1 else float("nan")
     fig = Figure(figsize=(8, 0.6 * len(frame) + 1.5))
     ax = fig.subplots()
     rows = range(len(frame))
