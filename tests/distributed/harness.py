@@ -68,10 +68,12 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
                 failures.append(f"torchrun exited {agent.returncode}:\n{stderr[-4000:]}")
         except subprocess.TimeoutExpired:
             # Workers hung in a collective (one rank failed, the others wait) hold the pipes open: kill
-            # the agent's group and the workers (torchrun starts each in a session of its own, out of
-            # that group's reach; they wrote their pids), or communicate() would wait for them forever.
+            # the agent's group and every process under it (torchrun starts each worker in a session of
+            # its own, out of that group's reach), or communicate() would wait for them forever. The
+            # descendants are listed first: once the agent dies they are re-parented and unfindable.
+            workers = _descendants(agent.pid)
             os.killpg(agent.pid, signal.SIGKILL)
-            _kill_workers(out_dir)
+            _kill(workers)
             failures.append(f"timed out after {timeout_s}s:\n{agent.communicate()[1][-4000:]}")
     failure = "\n".join(failures) or None
     results: dict = {}
@@ -84,19 +86,29 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     return results
 
 
-def _kill_workers(out_dir: Path) -> None:
-    """Kill the process group of each worker that wrote a pid file and still runs this launch's worker
-    (a pid may have been reused since; workers that ended removed their file)."""
-    for path in out_dir.glob("rank*.pid"):
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            pid = int(path.read_text())
-            if str(out_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                if os.getpgid(pid) == pid:  # torchrun starts each worker in a session of its own
-                    os.killpg(pid, signal.SIGKILL)  # its children too
-                else:
-                    os.kill(pid, signal.SIGKILL)
-        except (OSError, ValueError):
-            pass  # gone already, not ours to kill, or the file half written
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue  # ended while listed
+    found, queue = [], [pid]
+    while queue:
+        children = parents.get(queue.pop(0), [])
+        found += children
+        queue += children
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass  # already gone
 
 
 def assert_check(results: dict, name: str, *, nproc: int) -> None:
@@ -117,7 +129,6 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     path = out_dir / f"rank{rank}.jsonl"
-    (out_dir / f"rank{rank}.pid").write_text(str(os.getpid()))  # for the launcher to kill on a timeout
     only = os.environ.get("TRIDIST_CHECKS")  # a developer's subset: "check_a,check_b" (the test then fails on the rest)
     if only:
         checks = {name: fn for name, fn in checks.items() if name in only.split(",")}
@@ -134,7 +145,6 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
         with path.open("a") as f:
             f.write(json.dumps(record) + "\n")
     end_process_group()
-    (out_dir / f"rank{rank}.pid").unlink(missing_ok=True)
 
 
 def end_process_group() -> None:
