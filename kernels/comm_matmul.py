@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -454,14 +455,34 @@ def _matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, ne
 # --------------------------------------------------------------------------------- eager autograd
 
 
+@dataclass(frozen=True)
+class _Backend:
+    """How one backend computes the two ops and their backwards (same signatures as the ring's)."""
+
+    all_gather_matmul_forward: Callable
+    all_gather_matmul_backward: Callable
+    matmul_reduce_scatter_forward: Callable
+    matmul_reduce_scatter_backward: Callable
+
+
+def _backend(name: str) -> _Backend:
+    if name == "symm_mem":
+        from . import symm_mem_matmul as symm
+
+        return _Backend(symm.all_gather_matmul_forward, symm.all_gather_matmul_backward,
+                        symm.matmul_reduce_scatter_forward, symm.matmul_reduce_scatter_backward)
+    return _Backend(_all_gather_matmul_forward, _all_gather_matmul_backward,
+                    _matmul_reduce_scatter_forward, _matmul_reduce_scatter_backward)
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     """Outputs: the gathered input [W, *shard] (an empty tensor unless asked for), then one y per weight."""
 
     @staticmethod
-    def forward(ctx, x_shard, group, dim, save_gathered, return_gathered, *weights):
-        ys, gathered = _all_gather_matmul_forward(x_shard, weights, group, dim,
-                                                  _keep_gathered(save_gathered, return_gathered, group))
-        ctx.group, ctx.dim, ctx.return_gathered = group, dim, return_gathered
+    def forward(ctx, x_shard, group, dim, save_gathered, return_gathered, backend, *weights):
+        ys, gathered = _backend(backend).all_gather_matmul_forward(
+            x_shard, weights, group, dim, _keep_gathered(save_gathered, return_gathered, group))
+        ctx.group, ctx.dim, ctx.return_gathered, ctx.backend = group, dim, return_gathered, backend
         ctx.set_materialize_grads(False)  # an unused output (or gathered input) gets no zero-filled gradient
         # Keep the gathered x, or only the shard to gather again in backward (never both).
         ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
@@ -473,11 +494,11 @@ class _AllGatherMatmul(torch.autograd.Function):
         x_shard, gathered, *weights = ctx.saved_tensors
         if x_shard is None:  # the gathered x holds a copy of this rank's shard
             x_shard = gathered[dist.get_rank(ctx.group)]
-        grad_x, grad_weights = _all_gather_matmul_backward(
+        grad_x, grad_weights = _backend(ctx.backend).all_gather_matmul_backward(
             list(grad_ys), grad_gathered if ctx.return_gathered else None, x_shard, gathered, weights, ctx.group,
-            ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[5:],
+            ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[6:],
         )
-        return (grad_x, None, None, None, None, *grad_weights)
+        return (grad_x, None, None, None, None, None, *grad_weights)
 
 
 def _keep_gathered(save_gathered: bool, return_gathered: bool, group) -> bool:
@@ -488,9 +509,9 @@ def _keep_gathered(save_gathered: bool, return_gathered: bool, group) -> bool:
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, group, dim):
-        y_shard = _matmul_reduce_scatter_forward(x, weight, group, dim)
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x, weight, group, dim, backend):
+        y_shard = _backend(backend).matmul_reduce_scatter_forward(x, weight, group, dim)
+        ctx.group, ctx.dim, ctx.backend = group, dim, backend
         ctx.save_for_backward(x, weight)
         return y_shard
 
@@ -498,10 +519,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight = _matmul_reduce_scatter_backward(
+        grad_x, grad_weight = _backend(ctx.backend).matmul_reduce_scatter_backward(
             grad_y_shard, x, weight, ctx.group, ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         )
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None
 
 
 # ---------------------------------------------------------------- torch.library ops (torch.compile)
@@ -519,20 +540,25 @@ def _if_wanted(t: torch.Tensor, wanted: bool):
 @torch.library.custom_op("tridist::all_gather_matmul", mutates_args=())
 def _all_gather_matmul_op(
     x_shard: torch.Tensor, weights: list[torch.Tensor], group_name: str, gather_dim: int, save_gathered: bool,
-    return_gathered: bool,
+    return_gathered: bool, backend: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     group = _group_by_name(group_name)
-    ys, gathered = _all_gather_matmul_forward(x_shard, weights, group, gather_dim,
-                                              _keep_gathered(save_gathered, return_gathered, group))
+    ys, gathered = _backend(backend).all_gather_matmul_forward(
+        x_shard, weights, group, gather_dim, _keep_gathered(save_gathered, return_gathered, group))
     return _empty_like_none(gathered, x_shard), ys
 
 
 @_all_gather_matmul_op.register_fake
-def _(x_shard, weights, group_name, gather_dim, save_gathered, return_gathered):
+def _(x_shard, weights, group_name, gather_dim, save_gathered, return_gathered, backend):
     size = _group_by_name(group_name).size()
     ys = [x_shard.new_empty(_gathered_output_shape(x_shard, gather_dim, size, w)) for w in weights]
-    kept = return_gathered or (save_gathered and size > 1)
-    return x_shard.new_empty((size, *x_shard.shape) if kept else (0,)), ys
+    if not (return_gathered or (save_gathered and size > 1)):
+        return x_shard.new_empty(0), ys
+    if backend == "symm_mem":  # a source-major view of the gathered input in its plain layout
+        shape = list(x_shard.shape)
+        shape[gather_dim] *= size
+        return x_shard.new_empty(shape).unflatten(gather_dim, (size, shape[gather_dim] // size)).movedim(gather_dim, 0), ys
+    return x_shard.new_empty((size, *x_shard.shape)), ys
 
 
 @torch.library.custom_op("tridist::all_gather_matmul_backward", mutates_args=())
@@ -546,8 +572,9 @@ def _all_gather_matmul_backward_op(
     gather_dim: int,
     need_x: bool,
     need_ws: list[bool],
+    backend: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    grad_x, grad_weights = _all_gather_matmul_backward(
+    grad_x, grad_weights = _backend(backend).all_gather_matmul_backward(
         [g if g.numel() else None for g in grad_ys], grad_gathered if grad_gathered.numel() else None, x_shard,
         gathered if gathered.numel() else None, weights, _group_by_name(group_name), gather_dim, need_x, need_ws,
     )
@@ -555,14 +582,14 @@ def _all_gather_matmul_backward_op(
 
 
 @_all_gather_matmul_backward_op.register_fake
-def _(grad_ys, grad_gathered, x_shard, gathered, weights, group_name, gather_dim, need_x, need_ws):
+def _(grad_ys, grad_gathered, x_shard, gathered, weights, group_name, gather_dim, need_x, need_ws, backend):
     grad_x = x_shard.new_empty(x_shard.shape) if need_x else x_shard.new_empty(0)
     return grad_x, [w.new_empty(w.shape) if wanted else w.new_empty(0) for w, wanted in zip(weights, need_ws)]
 
 
 def _setup_all_gather_matmul(ctx, inputs, output):
-    x_shard, weights, group_name, gather_dim, save_gathered, return_gathered = inputs
-    ctx.group_name, ctx.dim, ctx.return_gathered, ctx.n_weights = group_name, gather_dim, return_gathered, len(weights)
+    x_shard, weights, group_name, gather_dim, save_gathered, return_gathered, backend = inputs
+    ctx.group_name, ctx.dim, ctx.return_gathered, ctx.backend = group_name, gather_dim, return_gathered, backend
     gathered = output[0]
     ctx.saved_shard = gathered.numel() == 0  # else the gathered x holds a copy of the shard
     ctx.save_for_backward(x_shard if ctx.saved_shard else None, gathered, *weights)
@@ -577,10 +604,10 @@ def _backward_all_gather_matmul(ctx, grad_gathered, grad_ys):
     use_gathered = ctx.return_gathered and grad_gathered is not None
     grad_x, grad_weights = _all_gather_matmul_backward_op(
         grad_ys, grad_gathered if use_gathered else x_shard.new_empty(0), x_shard, gathered, weights,
-        ctx.group_name, ctx.dim, need_x, need_ws,
+        ctx.group_name, ctx.dim, need_x, need_ws, ctx.backend,
     )
     return (_if_wanted(grad_x, need_x), [_if_wanted(g, wanted) for g, wanted in zip(grad_weights, need_ws)],
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 torch.library.register_autograd(
@@ -589,12 +616,13 @@ torch.library.register_autograd(
 
 
 @torch.library.custom_op("tridist::matmul_reduce_scatter", mutates_args=())
-def _matmul_reduce_scatter_op(x: torch.Tensor, weight: torch.Tensor, group_name: str, scatter_dim: int) -> torch.Tensor:
-    return _matmul_reduce_scatter_forward(x, weight, _group_by_name(group_name), scatter_dim)
+def _matmul_reduce_scatter_op(x: torch.Tensor, weight: torch.Tensor, group_name: str, scatter_dim: int,
+                              backend: str) -> torch.Tensor:
+    return _backend(backend).matmul_reduce_scatter_forward(x, weight, _group_by_name(group_name), scatter_dim)
 
 
 @_matmul_reduce_scatter_op.register_fake
-def _(x, weight, group_name, scatter_dim):
+def _(x, weight, group_name, scatter_dim, backend):
     size = _group_by_name(group_name).size()
     _check_divisible("matmul_reduce_scatter", x, scatter_dim, size)
     out_shape = list(x.shape)
@@ -612,23 +640,24 @@ def _matmul_reduce_scatter_backward_op(
     scatter_dim: int,
     need_x: bool,
     need_w: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_weight = _matmul_reduce_scatter_backward(
+    grad_x, grad_weight = _backend(backend).matmul_reduce_scatter_backward(
         grad_y_shard, x, weight, _group_by_name(group_name), scatter_dim, need_x, need_w
     )
     return _empty_like_none(grad_x, x), _empty_like_none(grad_weight, weight)
 
 
 @_matmul_reduce_scatter_backward_op.register_fake
-def _(grad_y_shard, x, weight, group_name, scatter_dim, need_x, need_w):
+def _(grad_y_shard, x, weight, group_name, scatter_dim, need_x, need_w, backend):
     grad_x = x.new_empty(x.shape) if need_x else x.new_empty(0)
     grad_weight = weight.new_empty(weight.shape) if need_w else weight.new_empty(0)
     return grad_x, grad_weight
 
 
 def _setup_matmul_reduce_scatter(ctx, inputs, output):
-    x, weight, group_name, scatter_dim = inputs
-    ctx.group_name, ctx.dim = group_name, scatter_dim
+    x, weight, group_name, scatter_dim, backend = inputs
+    ctx.group_name, ctx.dim, ctx.backend = group_name, scatter_dim, backend
     ctx.save_for_backward(x, weight)
 
 
@@ -636,9 +665,9 @@ def _backward_matmul_reduce_scatter(ctx, grad_y_shard):
     x, weight = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     grad_x, grad_weight = _matmul_reduce_scatter_backward_op(
-        grad_y_shard, x, weight, ctx.group_name, ctx.dim, need_x, need_w
+        grad_y_shard, x, weight, ctx.group_name, ctx.dim, need_x, need_w, ctx.backend
     )
-    return _if_wanted(grad_x, need_x), _if_wanted(grad_weight, need_w), None, None
+    return _if_wanted(grad_x, need_x), _if_wanted(grad_weight, need_w), None, None, None
 
 
 torch.library.register_autograd(
@@ -730,20 +759,14 @@ def all_gather_matmul(
         if not save_gathered:
             raise ValueError(f"{op}: save_gathered=False (gather the input again in backward) is an option of "
                              "backend='ring'; backend='symm_mem' keeps the gathered input. Drop it or use backend='ring'")
-        from .symm_mem_matmul import SymmMemAllGatherMatmul
-
-        group = _resolve_group(op, group)
-        check_backend_available(op, backend, x_shard.device, group)
-        gathered, *ys = SymmMemAllGatherMatmul.apply(x_shard, group.group_name, dist.get_rank(group), dim,
-                                                     bool(return_gathered), *weights)
-        outputs = ys[0] if single else list(ys)
-        return (gathered, outputs) if return_gathered else outputs
+        check_backend_available(op, backend, x_shard.device, _resolve_group(op, group))
     if torch.compiler.is_compiling():
         gathered, ys = _all_gather_matmul_op(x_shard, weights, _group_name(op, group), dim, bool(save_gathered),
-                                             bool(return_gathered))
+                                             bool(return_gathered), backend)
     else:
         group = _resolve_group(op, group)
-        gathered, *ys = _AllGatherMatmul.apply(x_shard, group, dim, bool(save_gathered), bool(return_gathered), *weights)
+        gathered, *ys = _AllGatherMatmul.apply(x_shard, group, dim, bool(save_gathered), bool(return_gathered),
+                                               backend, *weights)
     outputs = ys[0] if single else list(ys)
     if not return_gathered:
         return outputs
@@ -781,14 +804,9 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, *, 
     x, (weight,) = _apply_autocast(x, weight)
     dim = _check_inputs(op, "x", x, weight, scatter_dim, "scatter_dim")
     if backend == "symm_mem":
-        from .symm_mem_matmul import SymmMemMatmulReduceScatter
-
-        group = _resolve_group(op, group)
-        _check_divisible(op, x, dim, dist.get_world_size(group))
-        check_backend_available(op, backend, x.device, group)
-        return SymmMemMatmulReduceScatter.apply(x, weight, group.group_name, dim)
+        check_backend_available(op, backend, x.device, _resolve_group(op, group))
     if torch.compiler.is_compiling():
-        return _matmul_reduce_scatter_op(x, weight, _group_name(op, group), dim)
+        return _matmul_reduce_scatter_op(x, weight, _group_name(op, group), dim, backend)
     group = _resolve_group(op, group)
     _check_divisible(op, x, dim, dist.get_world_size(group))  # before any rank posts a transfer
-    return _MatmulReduceScatter.apply(x, weight, group, dim)
+    return _MatmulReduceScatter.apply(x, weight, group, dim, backend)

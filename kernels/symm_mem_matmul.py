@@ -6,7 +6,8 @@ instead of tridist's point-to-point ring (`backend="ring"`, comm_matmul.py). Tho
 buffers over NVLink and move the chunks with copy engines, so no NCCL kernel competes with the matmuls
 for SMs; they need CUDA tensors on GPUs of one node that can map each other's memory.
 
-torch gives them no autograd formula; the two are each other's backward, which is what this file adds:
+torch gives them no autograd formula; the two are each other's backward, which is what this file
+computes (comm_matmul's autograd Functions and torch.library ops call these functions):
 
 - all_gather_matmul: ys[i] = A @ W_i^T with A = all_gather(x_shard) (one fused op for every weight,
   A returned). Backward: grad_x_shard = reduce_scatter(sum_i grad_ys[i] @ W_i), one
@@ -25,8 +26,9 @@ gathered/scattered dim outermost; with gather_dim 1 and batch > 1 ([B, S, H], di
 shard is re-strided and each output made contiguous (one copy each; none at batch 1 or gather_dim 0).
 Which is default, and why: the ring (see comm_matmul.py's docstring).
 
-Profiler ranges are the ring's names (`tridist.all_gather_matmul`, ... `.backward`), so traces read the
-same whatever the backend; torch's kernels add their own `fused_all_gather_matmul` ranges inside.
+The autograd Functions and torch.library ops are comm_matmul's, shared by both backends (the backend
+is one of their arguments), so eager and compiled traces show the same `tridist.all_gather_matmul`, ...
+`.backward` ranges whatever the backend; torch's ops add their own ranges inside.
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
-from ._common import gathered_and_outputs, no_autocast
+from ._common import no_autocast
 
 _OPS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter")
 _DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}  # the devices torch's dispatcher may hold kernels of these ops for
@@ -87,10 +88,6 @@ def _unavailable(op: str, group_name: str, device_type: str) -> str:
     return ""
 
 
-def _own_rows(t: torch.Tensor, dim: int, rank: int, rows: int) -> torch.Tensor:
-    return t.narrow(dim, rank * rows, rows)
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -109,73 +106,66 @@ def _scatter_ready(t: torch.Tensor, dim: int) -> torch.Tensor:
     return restride_A_for_fused_matmul_reduce_scatter(t, dim)
 
 
-class SymmMemAllGatherMatmul(torch.autograd.Function):
-    """Outputs: the gathered input (an empty tensor unless asked for), then one y per weight.
-
-    torch's op computes with the gathered dim outermost and returns views in the caller's dim order; a
-    view whose strides differ from the plain layout (gather_dim 1 with batch > 1) is copied to it, so
-    that model code sees the same contiguous tensors as from the ring."""
-
-    @staticmethod
-    def forward(ctx, x_shard, group_name, group_rank, dim, return_gathered, *weights):
-        keep = return_gathered or any(ctx.needs_input_grad[5:])  # the weights' gradients read the gathered x
-        with torch.profiler.record_function("tridist.all_gather_matmul"), no_autocast(x_shard.device):
-            gathered, ys = torch.ops.symm_mem.fused_all_gather_matmul(
-                _gather_ready(x_shard, dim), [w.t() for w in weights], dim, group_name, return_A=keep)
-            ys = [y.contiguous() for y in ys]
-            if keep:
-                gathered = gathered.contiguous()
-        ctx.group_name, ctx.group_rank, ctx.dim, ctx.return_gathered = group_name, group_rank, dim, return_gathered
-        ctx.shard_shape = x_shard.shape
-        ctx.set_materialize_grads(False)  # an unused output gets no zero-filled gradient
-        ctx.save_for_backward(gathered if keep else None, *weights)
-        return gathered_and_outputs(ctx, gathered if return_gathered else None, ys, like=x_shard)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_gathered, *grad_ys):
-        gathered, *weights = ctx.saved_tensors
-        used = [i for i, g in enumerate(grad_ys) if g is not None]
-        need_x, need_ws = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
-        dim, rows = ctx.dim, ctx.shard_shape[ctx.dim]
-        grad_x = None
-        with torch.profiler.record_function("tridist.all_gather_matmul.backward"), no_autocast(weights[0].device):
-            if need_x and used:
-                grads = torch.cat([grad_ys[i] for i in used], dim=-1) if len(used) > 1 else grad_ys[used[0]]
-                stacked = torch.cat([weights[i] for i in used], dim=0) if len(used) > 1 else weights[used[0]]
-                grad_x = torch.ops.symm_mem.fused_matmul_reduce_scatter(
-                    _scatter_ready(grads, dim), stacked, "sum", dim, ctx.group_name).contiguous()
-            if need_x and ctx.return_gathered and grad_gathered is not None:  # its use on this rank: own rows
-                own = _own_rows(grad_gathered, dim, ctx.group_rank, rows).to(weights[0].dtype)
-                grad_x = own.clone() if grad_x is None else grad_x.add_(own)
-            if need_x and grad_x is None:
-                grad_x = weights[0].new_zeros(ctx.shard_shape)
-            grad_ws = [_flat(grad_ys[i]).t() @ _flat(gathered) if wanted and grad_ys[i] is not None else None
-                       for i, wanted in enumerate(need_ws)]
-        return (grad_x, None, None, None, None, *grad_ws)
+# The four functions below have the signatures of comm_matmul's ring functions, which the autograd
+# Functions and torch.library ops there call for either backend (comm_matmul._backend).
 
 
-class SymmMemMatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, group_name, dim):
-        with torch.profiler.record_function("tridist.matmul_reduce_scatter"), no_autocast(x.device):
-            y_shard = torch.ops.symm_mem.fused_matmul_reduce_scatter(
-                _scatter_ready(x, dim), weight.t(), "sum", dim, group_name).contiguous()
-        ctx.group_name, ctx.dim = group_name, dim
-        ctx.save_for_backward(x, weight)
-        return y_shard
+def all_gather_matmul_forward(x_shard, weights, group, dim: int, keep_gathered: bool):
+    """(ys, gathered or None): ys[i] = F.linear(all_gather(x_shard, dim), weights[i]), one fused op for all;
+    gathered: the gathered input as a source-major view [W, *shard] (as the ring keeps it) of torch's
+    plain-layout result. torch computes with `dim` outermost and returns views in the caller's dim
+    order; the outputs are made contiguous (a copy only at dim 1 with batch > 1), as the ring's are."""
+    with torch.profiler.record_function("tridist.all_gather_matmul"), no_autocast(x_shard.device):
+        gathered, ys = torch.ops.symm_mem.fused_all_gather_matmul(
+            _gather_ready(x_shard, dim), [w.t() for w in weights], dim, group.group_name, return_A=keep_gathered)
+        ys = [y.contiguous() for y in ys]
+        if keep_gathered:
+            rows = x_shard.shape[dim]
+            gathered = gathered.contiguous().unflatten(dim, (group.size(), rows)).movedim(dim, 0)
+    return ys, (gathered if keep_gathered else None)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y_shard):
-        x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = grad_weight = None
-        if need_x or need_w:
-            with torch.profiler.record_function("tridist.matmul_reduce_scatter.backward"), no_autocast(x.device):
-                grad_y, (grad_x,) = torch.ops.symm_mem.fused_all_gather_matmul(
-                    _gather_ready(grad_y_shard, ctx.dim), [weight], ctx.dim, ctx.group_name, return_A=need_w)
-                grad_x = grad_x.contiguous()
-                if need_w:
-                    grad_weight = _flat(grad_y).t() @ _flat(x)
-        return (grad_x if need_x else None), grad_weight, None, None
+
+def all_gather_matmul_backward(grad_ys, grad_gathered, x_shard, gathered, weights, group, dim: int, need_x: bool,
+                               need_ws):
+    """(grad_x_shard or None, [grad_weight or None per weight]), as comm_matmul's ring backward: grad_x =
+    reduce_scatter(sum_i grad_ys[i] @ W_i), one fused op over the concatenated gradients and weights
+    (a copy of each), plus this rank's rows of the gathered input's gradient; grad_W_i = grad_ys[i]^T @ x."""
+    used = [i for i, g in enumerate(grad_ys) if g is not None]
+    grad_x = None
+    with torch.profiler.record_function("tridist.all_gather_matmul.backward"), no_autocast(x_shard.device):
+        if need_x and used:
+            grads = torch.cat([grad_ys[i] for i in used], dim=-1) if len(used) > 1 else grad_ys[used[0]]
+            stacked = torch.cat([weights[i] for i in used], dim=0) if len(used) > 1 else weights[used[0]]
+            grad_x = torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                _scatter_ready(grads, dim), stacked, "sum", dim, group.group_name).contiguous()
+        if need_x and grad_gathered is not None:  # the gathered input's own use on this rank: its own rows
+            own = grad_gathered[dist.get_rank(group)].to(x_shard.dtype)
+            grad_x = own.clone() if grad_x is None else grad_x.add_(own)
+        if need_x and grad_x is None:
+            grad_x = torch.zeros_like(x_shard)
+        # the gathered x in its plain layout, row for row with grad_ys (one rank: the shard itself)
+        x_rows = _flat(x_shard if gathered is None else gathered.movedim(0, dim).flatten(dim, dim + 1))
+        grad_ws = [_flat(grad_ys[i]).t() @ x_rows if wanted and grad_ys[i] is not None else None
+                   for i, wanted in enumerate(need_ws)]
+    return grad_x, grad_ws
+
+
+def matmul_reduce_scatter_forward(x, weight, group, dim: int):
+    """reduce_scatter(F.linear(x, weight), dim): partial products summed in x's dtype, once."""
+    with torch.profiler.record_function("tridist.matmul_reduce_scatter"), no_autocast(x.device):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            _scatter_ready(x, dim), weight.t(), "sum", dim, group.group_name).contiguous()
+
+
+def matmul_reduce_scatter_backward(grad_y_shard, x, weight, group, dim: int, need_x: bool, need_w: bool):
+    """grad_x = all_gather(grad_y_shard) @ weight in one fused op that also returns the gathered gradient,
+    grad_weight = that^T @ x."""
+    grad_x = grad_weight = None
+    if need_x or need_w:
+        with torch.profiler.record_function("tridist.matmul_reduce_scatter.backward"), no_autocast(x.device):
+            grad_y, (grad_x,) = torch.ops.symm_mem.fused_all_gather_matmul(
+                _gather_ready(grad_y_shard, dim), [weight], dim, group.group_name, return_A=need_w)
+            grad_x = grad_x.contiguous() if need_x else None
+            if need_w:
+                grad_weight = _flat(grad_y).t() @ _flat(x)
+    return grad_x, grad_weight

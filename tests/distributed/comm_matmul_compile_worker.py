@@ -72,9 +72,10 @@ def check_profiler_names_the_rings_in_a_compiled_graph():
 
 
 def check_symm_mem_backend_compiles_to_one_graph():
-    """backend="symm_mem" under torch.compile(fullgraph=True): torch's ops in the graph (their Meta kernels
-    trace it), forward and backward equal to eager and to the ring (symm_mem_cpu.py: torch's reference
-    implementations of the ops on CPU)."""
+    """backend="symm_mem" under torch.compile(fullgraph=True): the same tridist ops in the graph (the backend
+    one of their arguments; torch's symm_mem ops run inside them), forward and backward equal to eager and
+    to the ring, and the profiler shows the tridist ranges in the compiled graph as for the ring
+    (symm_mem_cpu.py: torch's reference implementations of the ops on CPU)."""
     torch._dynamo.reset()
     counts = {}
 
@@ -86,33 +87,49 @@ def check_symm_mem_backend_compiles_to_one_graph():
     with symm_mem_on_cpu():
         inputs = _inputs()
         eager = _run(lambda *t: _block(*t, backend="symm_mem"), inputs)
-        compiled = _run(torch.compile(lambda *t: _block(*t, backend="symm_mem"), backend="aot_eager", fullgraph=True), inputs)
+        compiled_fn = torch.compile(lambda *t: _block(*t, backend="symm_mem"), backend="aot_eager", fullgraph=True)
+        compiled = _run(compiled_fn, inputs)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _run(compiled_fn, inputs)
         torch.compile(lambda *t: _block(*t, backend="symm_mem"), backend=backend, fullgraph=True)(*_inputs())
     ring = _run(_block, inputs)
     equivalence.assert_tensors_close("compiled", dict(zip(names, [compiled[0], *compiled[1]])), dict(zip(names, [eager[0], *eager[1]])))
     equivalence.assert_tensors_close("ring", dict(zip(names, [eager[0], *eager[1]])), dict(zip(names, [ring[0], *ring[1]])))
-    assert counts["ops"] == ["symm_mem.fused_all_gather_matmul", "symm_mem.fused_matmul_reduce_scatter"], counts
+    assert counts["ops"] == ["tridist.all_gather_matmul.default", "tridist.matmul_reduce_scatter.default"], counts
+    events = {event.name for event in prof.events()}
+    for expected in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward", "tridist.matmul_reduce_scatter",
+                     "tridist.matmul_reduce_scatter.backward", "symm_mem::fused_all_gather_matmul",
+                     "symm_mem::fused_matmul_reduce_scatter"):
+        assert expected in events, (expected, sorted(n for n in events if "tridist" in n or "symm" in n))
 
 
 def check_opcheck():
-    """torch.library.opcheck: schemas, fake (meta) implementations, autograd registration, AOT dispatch."""
+    """torch.library.opcheck: schemas, fake (meta) implementations, autograd registration, AOT dispatch,
+    for both backends (symm_mem: torch's reference implementations as CPU kernels, symm_mem_cpu.py)."""
+    with symm_mem_on_cpu():
+        for backend in ("ring", "symm_mem"):
+            _opcheck(backend)
+
+
+def _opcheck(backend: str):
     name = dist.group.WORLD.group_name
     x, w = torch.randn(2, 3, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
     w2 = torch.randn(3, 8, requires_grad=True)
-    for save_gathered in (True, False):
+    for save_gathered in ((True, False) if backend == "ring" else (True,)):
         for return_gathered in (False, True):
             torch.library.opcheck(torch.ops.tridist.all_gather_matmul.default,
-                                  (x, [w, w2], name, 1, save_gathered, return_gathered))
-    torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter.default, (torch.randn(4, 2, 8, requires_grad=True), w, name, 0))
+                                  (x, [w, w2], name, 1, save_gathered, return_gathered, backend))
+    torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter.default,
+                          (torch.randn(4, 2, 8, requires_grad=True), w, name, 0, backend))
     grad_ys = [torch.randn(2, 6, 5), torch.randn(2, 6, 3)]
     gathered = torch.randn(2, 2, 3, 8)
     for need_x, need_w in ((True, True), (True, False), (False, True)):
         for grad_gathered in (torch.randn(2, 2, 3, 8), torch.empty(0)):
             torch.library.opcheck(torch.ops.tridist.all_gather_matmul_backward.default,
                                   (grad_ys, grad_gathered, x.detach(), gathered, [w.detach(), w2.detach()], name, 1,
-                                   need_x, [need_w, need_w]))
+                                   need_x, [need_w, need_w], backend))
         torch.library.opcheck(torch.ops.tridist.matmul_reduce_scatter_backward.default,
-                              (torch.randn(2, 2, 5), torch.randn(4, 2, 8), w.detach(), name, 0, need_x, need_w))
+                              (torch.randn(2, 2, 5), torch.randn(4, 2, 8), w.detach(), name, 0, need_x, need_w, backend))
 
 
 def check_benchmark_runs():
