@@ -103,14 +103,7 @@ def check_save_then_continue():
 def _uninterrupted_single_process() -> equivalence.Trace:
     """Three steps on one process, no parallelism: what a resumed run must reproduce."""
     model, optimizer = _model_for_layout()
-    trace = equivalence.Trace()
-    for inputs, labels in _batches():
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return trace.end(model)
+    return equivalence.train(model, optimizer, _batches())
 
 
 def check_load_under_another_layout_and_continue():

@@ -155,6 +155,21 @@ class Trace:
         return self
 
 
+def train(model, optimizer, batches, *, forward=None) -> Trace:
+    """Most checks' loop: for each (inputs, labels) batch, `loss, _ = forward(inputs, labels=labels)`
+    (forward: the model itself by default, or e.g. its compiled version), backward, record the step,
+    optimizer step and zero_grad; returns the run's Trace."""
+    forward = model if forward is None else forward
+    trace = Trace()
+    for inputs, labels in batches:
+        loss, _ = forward(inputs, labels=labels)
+        loss.backward()
+        trace.step(model, loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return trace.end(model)
+
+
 def assert_same_training(trace: Trace, reference: Trace, *, rtol: float = RTOL, loss_rtol: float = LOSS_RTOL,
                          losses: bool = True) -> None:
     """`trace` (distributed, maybe one pipeline stage's parameters) trained like `reference` (one process):

@@ -49,17 +49,11 @@ def _batches(vocab: int):
 
 
 def _train(model, optimizer, vocab: int, mesh=None) -> equivalence.Trace:
-    trace = equivalence.Trace()
-    for inputs, labels in _batches(vocab):
-        if mesh is not None:  # global-view batches split over dp, as shard_dataloader yields them
-            placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
-            inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return trace.end(model)
+    batches = _batches(vocab)
+    if mesh is not None:  # global-view batches split over dp, as shard_dataloader yields them
+        placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+        batches = [tuple(distcore.shard_tensor(t, mesh, placements) for t in batch) for batch in batches]
+    return equivalence.train(model, optimizer, batches)
 
 
 def _materialisation_problems(model, reference) -> list[str]:

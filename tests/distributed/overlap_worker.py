@@ -255,19 +255,14 @@ def check_compiled_model_trains_like_one_process():
     model, optimizer = distcore.parallelize(*_model("seed-llama"), _tp_mesh(),
                                             {"mp_config": {"parallelize_plan": SEED_SP_PLAN, "overlap_comm": True}})
     compiled = torch.compile(model, backend="aot_eager")
-    trace = equivalence.Trace()
-    for step, (inputs, labels) in enumerate(_batches()):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            loss, _ = compiled(inputs, labels=labels)
-            loss.backward()
-        if step == 1:  # compiled at step 0
-            names = [event.name for event in prof.events()]
-            assert {ring: names.count(ring) for ring in RINGS} == {ring: 4 for ring in RINGS}, \
-                sorted(set(n for n in names if "tridist" in n))
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    equivalence.assert_same_training(trace.end(model), _reference_run("seed-llama"))
+    trace = equivalence.train(model, optimizer, _batches(), forward=compiled)
+    equivalence.assert_same_training(trace, _reference_run("seed-llama"))
+    inputs, labels = _batches()[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # compiled already
+        compiled(inputs, labels=labels)[0].backward()
+    names = [event.name for event in prof.events()]
+    assert {ring: names.count(ring) for ring in RINGS} == {ring: 4 for ring in RINGS}, \
+        sorted(set(n for n in names if "tridist" in n))
 
     # A region outside the decoder blocks was not checked by parallelize: torch.compile must not trace its
     # entries unchecked. Dynamo turns the region's refusal into an eager fallback of that frame (where
@@ -358,14 +353,7 @@ def _to_distributed_with_overlap(recompute: str, pp: int = 1, backend: str = "ri
     dist_model, dist_opt, dist_loader = distcore.to_distributed(model, optimizer, loader, device_num=tp * pp, config=config)
     layer = next(m for m in dist_model.modules() if hasattr(m, "self_attn") and not getattr(m, "_tridist_stand_in", False))
     assert _overlapped(layer.self_attn.q_proj) and _overlapped(layer.self_attn.o_proj), type(layer.self_attn.q_proj)
-    trace = equivalence.Trace()
-    for inputs, labels in dist_loader():
-        loss, _ = dist_model(inputs, labels=labels)
-        loss.backward()
-        trace.step(dist_model, loss)
-        dist_opt.step()
-        dist_opt.zero_grad()
-    equivalence.assert_same_training(trace.end(dist_model), _reference_run("seed-llama"))
+    equivalence.assert_same_training(equivalence.train(dist_model, dist_opt, dist_loader()), _reference_run("seed-llama"))
     return dist_model
 
 

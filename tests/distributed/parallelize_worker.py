@@ -36,16 +36,10 @@ def _model_and_optimizer():
 
 
 def _train(model, optimizer, mesh=None) -> equivalence.Trace:
-    trace = equivalence.Trace()
-    for inputs, labels in _batches():
-        if mesh is not None:  # global-view inputs, as shard_dataloader yields them; parallelize unwraps this rank's rows
-            inputs, labels = (distcore.shard_tensor(t, mesh, [Shard(0)]) for t in (inputs, labels))
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return trace.end(model)
+    batches = _batches()
+    if mesh is not None:  # global-view inputs, as shard_dataloader yields them; parallelize unwraps this rank's rows
+        batches = [tuple(distcore.shard_tensor(t, mesh, [Shard(0)]) for t in batch) for batch in batches]
+    return equivalence.train(model, optimizer, batches)
 
 
 @functools.cache  # one single-process run, shared by the checks (they only read it)

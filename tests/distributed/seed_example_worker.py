@@ -141,13 +141,7 @@ def check_the_parallelize_example_dp_mp_pp():
         "pp_config": {"split_spec": "llama.layers"},
     }
     reference, ref_optimizer = _paddle_llama()
-    ref_trace = equivalence.Trace()
-    for inputs, labels in _llama_batches():
-        loss, _ = reference(inputs, labels=labels)
-        loss.backward()
-        ref_trace.step(reference, loss)
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+    ref_trace = equivalence.train(reference, ref_optimizer, _llama_batches())
     model, optimizer = _paddle_llama()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -164,7 +158,7 @@ def check_the_parallelize_example_dp_mp_pp():
         dist_optimizer.clear_grad()
     trace.end(dist_model)
     names = set(trace.parameters)
-    assert names and names < set(ref_trace.end(reference).parameters), names  # this pipeline stage's parameters, same names
+    assert names and names < set(ref_trace.parameters), names  # this pipeline stage's parameters, same names
     equivalence.assert_same_training(trace, ref_trace)
 
 

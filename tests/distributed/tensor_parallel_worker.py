@@ -58,16 +58,11 @@ def _model(name: str, fused: bool = False):
 
 
 def _train(model, optimizer, *, sharded_inputs: bool) -> equivalence.Trace:
-    trace = equivalence.Trace()
-    for inputs, labels in _batches():
-        if sharded_inputs:  # global-view batches split over dp, as shard_dataloader yields them
-            inputs, labels = (distcore.shard_tensor(t, MESH, [Shard(0), distcore.Replicate()]) for t in (inputs, labels))
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return trace.end(model)
+    batches = _batches()
+    if sharded_inputs:  # global-view batches split over dp, as shard_dataloader yields them
+        batches = [tuple(distcore.shard_tensor(t, MESH, [Shard(0), distcore.Replicate()]) for t in batch)
+                   for batch in batches]
+    return equivalence.train(model, optimizer, batches)
 
 
 @functools.cache  # one single-device run per model, shared by the checks (callers only read it)

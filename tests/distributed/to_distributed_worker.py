@@ -32,14 +32,7 @@ def _loader():
 @functools.cache  # one single-device run per model, shared by the checks
 def _reference(name: str) -> equivalence.Trace:
     model, optimizer = _model(name)
-    trace = equivalence.Trace()
-    for inputs, labels in _loader():
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return trace.end(model)
+    return equivalence.train(model, optimizer, _loader())
 
 
 def _seed_loop(name: str = "seed-llama", *, node_num: int = 1, **config_fields):
