@@ -35,15 +35,6 @@ def no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def gathered_and_outputs(ctx, gathered: torch.Tensor | None, ys, *, like: torch.Tensor) -> tuple:
-    """An all-gather-matmul autograd.Function's outputs: the gathered input (or, when not asked for, an
-    empty non-differentiable placeholder like `like`), then one output per weight."""
-    if gathered is None:
-        gathered = like.new_empty(0)
-        ctx.mark_non_differentiable(gathered)
-    return (gathered, *ys)
-
-
 def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(

@@ -87,7 +87,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._common import SUPPORTED_DTYPES, gathered_and_outputs, no_autocast
+from ._common import SUPPORTED_DTYPES, no_autocast
 
 __all__ = ["BACKENDS", "all_gather_matmul", "check_backend_available", "matmul_reduce_scatter"]
 
@@ -486,7 +486,11 @@ class _AllGatherMatmul(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused output (or gathered input) gets no zero-filled gradient
         # Keep the gathered x, or only the shard to gather again in backward (never both).
         ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
-        return gathered_and_outputs(ctx, gathered if return_gathered else None, ys, like=x_shard)
+        if return_gathered:
+            return (gathered, *ys)
+        placeholder = x_shard.new_empty(0)
+        ctx.mark_non_differentiable(placeholder)
+        return (placeholder, *ys)
 
     @staticmethod
     @once_differentiable
