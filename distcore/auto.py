@@ -269,7 +269,7 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     dims = _dims(strategy)
 
     def views(plan):
-        return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
+        return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh).global_view
 
     if strategy.overlap_tp_comm:
         try:

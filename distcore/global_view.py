@@ -10,22 +10,22 @@ propagates the shardings through reshapes, transposes and attention; the matmuls
 global-view block costs DTensor's dispatch and, under sequence parallel, one all-gather per
 projection instead of one per region).
 
-Tensors the block's code creates (a mask, positions, `torch.arange`) are plain: the forward runs
-under torch's `implicit_replication` (plain tensors count as replicated), and tensors saved for the
-backward are saved as Replicate DTensors (a saved-tensor hook), because the backward runs outside
-that context. CPU attention (`_scaled_dot_product_flash_attention_for_cpu`) has no DTensor sharding
-rule in torch; one is registered here (batch- or head-sharded, or replicated).
+The boundary (inputs in as DTensors, outputs out as local tensors, plain tensors the code creates taken
+as replicated) is dtensor_region.install_dtensor_boundary. CPU attention
+(`_scaled_dot_product_flash_attention_for_cpu`) has no DTensor sharding rule in torch; one is
+registered here (batch- or head-sharded, or replicated).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import parallelize_module
 
+from .dtensor_region import install_dtensor_boundary, replicate_parameters
+from .sequence_layout import SEQUENCE_DIM
 from .tensor_parallel import (
-    _SEQUENCE_DIM,
     ColWiseParallel,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -34,7 +34,6 @@ from .tensor_parallel import (
     SequenceParallelEnd,
     StyleTarget,
     TensorParallelPlan,
-    _map_first_activation,
 )
 
 _aten = torch.ops.aten
@@ -97,19 +96,9 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
                 parallelize_module(target.module, tp_mesh, style.torch_style(target, local_output=False))
             # SequenceParallelDisable / Enable: DTensor moves the activations between shardings itself.
         changes += [f"{name}: {style!r} (global view)" for style in styles]
-    _replicate_other_parameters(block, tp_mesh)
-    _install_boundary(block, tp_mesh, sequence_split=sequence_split)
+    replicate_parameters(block, tp_mesh, recurse=True)  # norm weights, biases: gradients reduced where computed on shards
+    install_dtensor_boundary(block, tp_mesh, entry_placement=[Shard(SEQUENCE_DIM)] if sequence_split else [Replicate()])
     return changes
-
-
-def _replicate_other_parameters(block: torch.nn.Module, tp_mesh) -> None:
-    """Norm weights, biases of row-parallel layers' neighbours, ...: Replicate DTensors, whose
-    gradients DTensor reduces where they were computed on slices (Partial)."""
-    for module in block.modules():
-        for pname, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                replicated = distribute_tensor(param.detach(), tp_mesh, [Replicate()])
-                module.register_parameter(pname, torch.nn.Parameter(replicated, requires_grad=param.requires_grad))
 
 
 def refuse_recompute(model: torch.nn.Module, global_view: dict[str, str]) -> None:
@@ -137,51 +126,3 @@ def refuse_overlap(global_view: dict[str, str]) -> None:
             f"parallel ({sorted(global_view)}; {name!r}: {reason}): the overlapped rings run on local shards. Leave "
             "overlap_comm off for this model"
         )
-
-
-def _install_boundary(block: torch.nn.Module, tp_mesh, *, sequence_split: bool) -> None:
-    """Inputs in as DTensors, outputs out as local tensors; the contexts live for the block's forward."""
-    entry_placement = [Shard(_SEQUENCE_DIM)] if sequence_split else [Replicate()]
-    contexts: list = []
-
-    def save_as_dtensor(tensor: torch.Tensor):
-        if isinstance(tensor, DTensor):
-            return tensor
-        return DTensor.from_local(tensor, tp_mesh, [Replicate()], run_check=False)
-
-    def enter(module, args, kwargs):
-        def wrap(x, placement):
-            if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not x.is_floating_point():
-                return x  # integers and booleans (positions, masks) stay plain: implicitly replicated
-            return DTensor.from_local(x, tp_mesh, placement, run_check=False)
-
-        args, kwargs = _map_first_activation(args, kwargs, lambda x: wrap(x, entry_placement))
-        args = tuple(torch.utils._pytree.tree_map(lambda x: wrap(x, [Replicate()]), list(args)))
-        kwargs = torch.utils._pytree.tree_map(lambda x: wrap(x, [Replicate()]), kwargs)
-        for context in (implicit_replication(), torch.autograd.graph.saved_tensors_hooks(save_as_dtensor, _identity)):
-            context.__enter__()
-            contexts.append(context)
-        return args, kwargs
-
-    def leave(module, args, output):
-        while contexts:
-            contexts.pop().__exit__(None, None, None)
-        if output is None:  # the forward raised: the error goes on
-            return None
-        first = [True]
-
-        def local(x):
-            if not isinstance(x, DTensor):
-                return x
-            placement = entry_placement if first[0] else [Replicate()]
-            first[0] = False
-            return x.redistribute(tp_mesh, placement).to_local()
-
-        return torch.utils._pytree.tree_map(local, output)
-
-    block.register_forward_pre_hook(enter, with_kwargs=True)
-    block.register_forward_hook(leave, always_call=True)
-
-
-def _identity(tensor):
-    return tensor

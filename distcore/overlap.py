@@ -54,12 +54,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 
-from .tensor_parallel import (
-    _SEQUENCE_DIM,
-    StyleTarget,
-    _map_first_activation,
-    _UnequalPackedColwise,
-)
+from .sequence_layout import SEQUENCE_DIM, map_first_activation
+from .packed import UnequalPackedColwise
 
 
 class OverlappedEntryLinear:
@@ -74,10 +70,10 @@ class OverlappedExitLinear:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         mesh = self.weight.device_mesh
-        out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=_SEQUENCE_DIM,
+        out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=SEQUENCE_DIM,
                                     backend=self._tridist_overlap_backend)
         if self.bias is not None:  # once, after the sum; its gradient summed over the ranks' sequence shards
-            out = (DTensor.from_local(out, mesh, [Shard(_SEQUENCE_DIM)], run_check=False) + self.bias.to(out.dtype)).to_local()
+            out = (DTensor.from_local(out, mesh, [Shard(SEQUENCE_DIM)], run_check=False) + self.bias.to(out.dtype)).to_local()
         return out
 
 
@@ -90,14 +86,14 @@ def _swap_class(module: torch.nn.Module, mixin: type) -> None:
     module.__class__ = _with_mixin(type(module), mixin)
 
 
-def apply_overlapped_entry(style, target: StyleTarget, torch_style) -> str:
+def apply_overlapped_entry(style, target, torch_style) -> str:
     """A ColWiseParallel Linear directly under a Disable region, with overlap: its weight (and bias) split
     as torch_style splits them, its forward the region's precomputed output; returns how, for the log."""
     module = target.module
     if not isinstance(module, torch.nn.Linear):
         raise ValueError(f"parallelize: overlap_comm: {target.name} is a {type(module).__name__}; the entry of a "
                          "sequence-parallel region must be an nn.Linear")
-    if isinstance(torch_style, _UnequalPackedColwise):
+    if isinstance(torch_style, UnequalPackedColwise):
         raise ValueError(
             f"parallelize: overlap_comm cannot overlap {target.name}: its packed parts have unequal sizes "
             f"({torch_style.describe()}), so it is split on its input features and reduce-scatters its output, "
@@ -109,11 +105,11 @@ def apply_overlapped_entry(style, target: StyleTarget, torch_style) -> str:
     distribute_module(module, target.tp_mesh, partition_fn=torch_style._partition_linear_fn)
     _swap_class(module, OverlappedEntryLinear)
     module._tridist_overlap_entry = True
-    module._tridist_packed_parts = getattr(torch_style, "parts", 1)  # _PackedColwiseParallel's equal parts
+    module._tridist_packed_parts = getattr(torch_style, "parts", 1)  # PackedColwiseParallel's equal parts
     return f"overlapped: fed by the region's all-gather ({target.overlap_comm})"
 
 
-def apply_overlapped_exit(style, target: StyleTarget, torch_style) -> str:
+def apply_overlapped_exit(style, target, torch_style) -> str:
     """A RowWiseParallel Linear at a Disable region's exit, with overlap: its weight (and bias) split as
     torch_style splits them, its forward one matmul_reduce_scatter ring; returns how, for the log (the
     caller marks it as the region's exit, as without overlap)."""
@@ -128,7 +124,7 @@ def apply_overlapped_exit(style, target: StyleTarget, torch_style) -> str:
 
 def _local_bias(linear: torch.nn.Module) -> torch.Tensor:
     """This rank's columns of an entry's bias: split like its output (a packed projection keeps its bias
-    replicated, see _PackedColwiseParallel: each part's slice is taken, differentiably)."""
+    replicated, see PackedColwiseParallel: each part's slice is taken, differentiably)."""
     bias = linear.bias
     if linear._tridist_packed_parts > 1:
         bias = bias.redistribute(bias.device_mesh, [_StridedShard(0, split_factor=linear._tridist_packed_parts)])
@@ -178,11 +174,11 @@ class OverlappedRegion:
         return region
 
     def enter(self, module, args, kwargs):
-        return _map_first_activation(args, kwargs, self._gather_and_project)
+        return map_first_activation(args, kwargs, self._gather_and_project)
 
     def _gather_and_project(self, x_shard: torch.Tensor) -> torch.Tensor:
         weights = [child.weight.to_local() for _, child in self.entries]
-        gathered, outputs = all_gather_matmul(x_shard, weights, self.tp_mesh.get_group(), gather_dim=_SEQUENCE_DIM,
+        gathered, outputs = all_gather_matmul(x_shard, weights, self.tp_mesh.get_group(), gather_dim=SEQUENCE_DIM,
                                               return_gathered=True, backend=self.backend)
         self.gathered = gathered
         self.version = 0 if torch.compiler.is_compiling() else gathered._version

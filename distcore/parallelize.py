@@ -35,15 +35,17 @@ from torch.utils._pytree import tree_map
 
 from . import env, pipeline
 from .api import local_value
-from .block_check import choose_block_views, decoder_blocks
-from .global_view import refuse_overlap, refuse_recompute
+from .block_check import BlockViews, choose_block_views, decoder_blocks
+from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .token_mean import install_global_token_mean
 from .optimizer import with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
-from .tensor_parallel import apply_tensor_parallel, check_overlap_backend, fsdp_shard_placement, resolve_plan
+from .overlap import mark_checked
+from .packed import fsdp_shard_placement
+from .tensor_parallel import TensorParallelPlan, apply_local_view, check_overlap_backend, install_lazy_split, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +81,22 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         names_before.setdefault(id(param), []).append(name)
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     if "pp_config" in config:
-        global_view = None
+        views = None
         if mp_config is not None:
             # Keys are matched (warnings, or errors with strict) and blocks checked on the whole model,
             # once, before the stages are cut: a block that fails leaves the model unchanged.
             plan = resolve_plan(model, mp_config.get("parallelize_plan", {}), strict=mp_config.get("strict", False),
                                 overlap_comm=mp_config.get("overlap_comm", False))
             check_overlap_backend(plan, dims.device_mesh("mp"))
-            global_view = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
-            refuse_recompute(model, global_view)
+            views = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=mesh)
+            refuse_recompute(model, views.global_view)
             if plan.overlap_comm:
-                refuse_overlap(global_view)
+                refuse_overlap(views.global_view)
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
-                stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, global_view=global_view,
+                stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
             ),
         )
         micro_batches = runner.config.micro_batches
@@ -127,7 +129,7 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
-                                    dp_config: dict | None, warn_unmatched: bool = True, global_view=None) -> None:
+                                    dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None) -> None:
     """Tensor parallel over "mp" first, then data parallel over "dp" on the resulting DTensor parameters."""
     if mp_config is not None:
         with warnings.catch_warnings():
@@ -135,7 +137,7 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
                 warnings.simplefilter("ignore")
             changes = apply_tensor_parallel(
                 model, plan=mp_config.get("parallelize_plan", {}), tp_mesh=dims.device_mesh("mp"),
-                process_mesh=dims.mesh, strict=mp_config.get("strict", False) and warn_unmatched, global_view=global_view,
+                process_mesh=dims.mesh, strict=mp_config.get("strict", False) and warn_unmatched, views=views,
                 overlap_comm=mp_config.get("overlap_comm", False),
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
@@ -144,6 +146,39 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
             model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
             mp_policy=_mixed_precision(dp_config),
         )
+
+
+def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
+                          views: BlockViews | None = None, overlap_comm=False) -> list[str]:
+    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
+
+    Each decoder-block type is checked first (block_check.py): its tensor-parallel copy must equal its
+    single-device copy on a tiny input, forward and backward, in local view with the repairs the check
+    found (added to the plan), else in global view (global_view.py). `views`: decided already
+    (parallelize checks the whole model before pipeline stages are cut); None checks `model` here.
+    """
+    resolved = resolve_plan(model, plan, strict=strict, overlap_comm=overlap_comm)
+    check_overlap_backend(resolved, tp_mesh)  # before any module changes
+    if views is None:
+        views = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
+    modules = dict(model.named_modules())
+    views = views.within(name for name in modules if resolved.styles_under(name) or name in views.repairs)
+    global_view = views.global_view
+    if global_view:
+        refuse_recompute(model, global_view)
+        if resolved.overlap_comm:
+            refuse_overlap(global_view)
+    resolved = resolved.with_styles(views.repairs)
+    changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
+    if resolved.overlap_comm:
+        mark_checked(model, [name for name, _ in decoder_blocks(model) if resolved.styles_under(name)])
+    for name, reason in global_view.items():
+        changes.append(f"{name}: global view ({reason})")
+        model.get_submodule(name)._tridist_global_view = reason  # for the log and tests
+        changes += apply_global_view(model.get_submodule(name), resolved.within(name), tp_mesh=tp_mesh,
+                                     process_mesh=process_mesh, sequence_split=name in resolved.sequence_span)
+    install_lazy_split(model, resolved.lazy_split, tp_mesh=tp_mesh)
+    return changes
 
 
 # --------------------------------------------------------------------------------------- data parallel

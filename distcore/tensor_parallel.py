@@ -21,7 +21,7 @@ Packed projections (`qkv_proj` = [q | k | v], `gate_up_proj` = [gate | up], see 
 part by part: a rank's output holds its share of q, of k and of v, so `q, k, v = qkv.chunk(3, -1)` (or
 slices at the local sizes) in model code gives its local heads. Equal parts: the weight is a DTensor
 `_StridedShard(0, split_factor=parts)`. Unequal parts (q/k/v with grouped-query heads): the weight is
-split on its input features and a reduce-scatter forms each rank's parts (_UnequalPackedColwise). Either
+split on its input features and a reduce-scatter forms each rank's parts (UnequalPackedColwise). Either
 way its global value (state_dict, unshard_dtensor, checkpoints) stays the single-device layout.
 
 A bare weight parameter (Paddle's LlamaLMHead `x @ weight`, the to_distributed seed's root `weight`)
@@ -42,16 +42,18 @@ import logging
 import re
 import warnings
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from tridist.kernels.comm_matmul import BACKENDS, check_backend_available
 
+from .dtensor_region import install_dtensor_boundary, replicate_parameters
+from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
+from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
+from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation, map_output, split_sequence
 from .vocab_parallel import split_bare_weight
 
 log = logging.getLogger(__name__)
@@ -117,10 +119,8 @@ class ColWiseParallel(_Style):
 
     def apply(self, target: StyleTarget) -> str:
         torch_style = self.torch_style(target)
-        notes = [torch_style.describe()] if isinstance(torch_style, (_PackedColwiseParallel, _UnequalPackedColwise)) else []
+        notes = [torch_style.describe()] if isinstance(torch_style, (PackedColwiseParallel, UnequalPackedColwise)) else []
         if target.overlap_comm and target.scatter_sequence:
-            from .overlap import apply_overlapped_entry
-
             notes.append(apply_overlapped_entry(self, target, torch_style))
         else:
             parallelize_module(target.module, target.tp_mesh, torch_style)
@@ -142,13 +142,11 @@ class RowWiseParallel(_Style):
             return RowwiseParallel(input_layouts=Replicate(), use_local_output=local_output)
         # A Disable region's exit under sequence parallel: reduce-scatter straight onto sequence shards.
         return RowwiseParallel(input_layouts=Shard(-1) if self.is_input_parallel else Replicate(),
-                               output_layouts=Shard(_SEQUENCE_DIM) if target.scatter_sequence else Replicate(),
+                               output_layouts=Shard(SEQUENCE_DIM) if target.scatter_sequence else Replicate(),
                                use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
         if target.overlap_comm and target.scatter_sequence:
-            from .overlap import apply_overlapped_exit
-
             how = apply_overlapped_exit(self, target, self.torch_style(target))
         else:
             parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
@@ -182,6 +180,57 @@ class PrepareLayerOutput(_Style):
         return f"{target.name}: output hook"
 
 
+@dataclass(repr=False)
+class ShardLocalParameters(_Style):
+    """A module kept whole on every mp rank that runs on this rank's shard of the activations: a per-head
+    q/k RMSNorm of Qwen3-style attention normalises each local head with one weight shared by all heads.
+    Its forward is right on every rank, but each rank's weight gradient covers its own heads only: the
+    parameters become Replicate DTensors whose gradients are Partial (summed over the mp ranks, as
+    sequence parallel's norm weights are), while the module's own code (fused kernels included) sees plain
+    local tensors. The block check adds this style where a parameter's gradients summed over the mp ranks
+    equal one device's and each rank's alone do not (block_check.py)."""
+
+    def apply(self, target: StyleTarget) -> str:
+        module = target.module
+        replicate_parameters(module, target.tp_mesh, recurse=False)
+        module.register_forward_pre_hook(_swap_in_local_parameters)
+        module.register_forward_hook(_swap_back_parameters, always_call=True)
+        return f"{target.name}: {self!r} (gradients summed over the mp ranks)"
+
+
+def _swap_in_local_parameters(module, args) -> None:
+    """For the forward only: each DTensor parameter as its local value whose gradient is Partial on the mesh
+    dims where the parameter is replicated. FSDP2 swaps its unsharded parameters in the same way, around
+    the enclosing block; this runs inside that, on whatever parameter is registered now."""
+    whole = {}
+    for pname, param in module._parameters.items():
+        if isinstance(param, DTensor):
+            whole[pname] = param
+            grad_placements = [Partial() if p.is_replicate() else p for p in param.placements]
+            module._parameters[pname] = param.to_local(grad_placements=grad_placements)
+    module._tridist_whole_parameters = whole
+
+
+def _swap_back_parameters(module, args, output) -> None:
+    module._parameters.update(vars(module).pop("_tridist_whole_parameters", {}))
+
+
+@dataclass(repr=False)
+class DistributedNorm(_Style):
+    """A norm over a dimension that mp splits: OLMo2's q/k RMSNorms run over the whole q/k projection (every
+    head's features), whose output each rank holds a column shard of. The module runs on DTensors (its
+    input this rank's shard of the last dim, its parameters Replicate), so DTensor reduces its statistics
+    (the mean of squares) over the mp ranks, and its output leaves as the local shard again. Any norm-like
+    module's own code runs unchanged (the fused RMSNorm takes the same path). The block check adds this
+    style where a module's 1-D parameters are tp times the width of its local input (block_check.py)."""
+
+    def apply(self, target: StyleTarget) -> str:
+        module = target.module
+        replicate_parameters(module, target.tp_mesh, recurse=False)
+        install_dtensor_boundary(module, target.tp_mesh, entry_placement=[Shard(-1)])
+        return f"{target.name}: {self!r} (statistics reduced over the mp ranks)"
+
+
 class _SequenceParallelBoundary(_Style):
     def apply(self, target: StyleTarget) -> str:  # see the sequence-parallel section below
         return _apply_sequence_parallel(target.name, target.module, self, tp_mesh=target.tp_mesh,
@@ -210,7 +259,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
     pass
 
 
-STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput,
+STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, DistributedNorm,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 
@@ -249,6 +298,15 @@ class TensorParallelPlan:
         """This plan without the subtrees at `prefixes` (blocks applied another way)."""
         return self._select(lambda name: not any(_under(name, p) for p in prefixes), lambda name: name,
                             lazy_split=self.lazy_split)
+
+    def with_styles(self, added: dict) -> "TensorParallelPlan":
+        """This plan with more styles: {module name: [styles]} (the block check's repairs)."""
+        if not added:
+            return self
+        styles = {name: list(st) for name, st in self.styles.items()}
+        for name, extra in added.items():
+            styles.setdefault(name, []).extend(extra)
+        return dataclasses.replace(self, styles=styles)
 
     def _select(self, keep, rename, *, lazy_split: tuple) -> "TensorParallelPlan":
         def names(values):
@@ -382,48 +440,6 @@ def _with_sequence_context(model: torch.nn.Module, styles_of: dict, bare_styles:
         styles_of, bare_styles, sequence_span=span, sequence_region=region,
         disabled=frozenset(marked(SequenceParallelDisable)), lazy_split=tuple(_split_points(model, order[first + 1:last + 1])),
     )
-
-
-def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
-                          global_view: dict[str, str] | None = None, overlap_comm=False) -> list[str]:
-    """Apply `plan` to `model` over the 1-D `tp_mesh`; returns a line per module changed (for the log).
-
-    Each decoder-block type is checked first (block_check.py): its tensor-parallel forward must equal
-    its single-device forward on a tiny input, else the block runs in global view (global_view.py).
-    `global_view`: {block name: reason} decided already (parallelize checks the whole model before
-    pipeline stages are cut); None checks `model` here.
-    """
-    from .block_check import choose_block_views
-
-    resolved = resolve_plan(model, plan, strict=strict, overlap_comm=overlap_comm)
-    check_overlap_backend(resolved, tp_mesh)  # before any module changes
-    if global_view is None:
-        global_view = choose_block_views(model, resolved, tp_mesh=tp_mesh, process_mesh=process_mesh)
-    modules = dict(model.named_modules())
-    global_view = {name: reason for name, reason in global_view.items() if name in modules and resolved.styles_under(name)}
-    if global_view:
-        from .global_view import refuse_overlap, refuse_recompute
-
-        refuse_recompute(model, global_view)
-        if resolved.overlap_comm:
-            refuse_overlap(global_view)
-    changes = apply_local_view(model, resolved.excluding(global_view), tp_mesh=tp_mesh, process_mesh=process_mesh)
-    if resolved.overlap_comm:
-        from .block_check import decoder_blocks
-        from .overlap import mark_checked
-
-        mark_checked(model, [name for name, _ in decoder_blocks(model) if resolved.styles_under(name)])
-    if global_view:
-        from .global_view import apply_global_view
-
-        for name, reason in global_view.items():
-            changes.append(f"{name}: global view ({reason})")
-            model.get_submodule(name)._tridist_global_view = reason  # for the log and tests
-            changes += apply_global_view(model.get_submodule(name), resolved.within(name), tp_mesh=tp_mesh,
-                                         process_mesh=process_mesh, sequence_split=name in resolved.sequence_span)
-    if resolved.lazy_split:
-        _install_lazy_split(model, resolved.lazy_split, tp_mesh=tp_mesh)
-    return changes
 
 
 def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh) -> list[str]:
@@ -678,123 +694,6 @@ def _qkv_sizes(parent: torch.nn.Module | None, out: int) -> tuple[int, int, int]
     return (query_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
 
-def packed_colwise(sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True) -> ParallelStyle:
-    """torch's style for a Linear packing projections of `sizes` (see the two classes)."""
-    if len(set(sizes)) == 1:
-        return _PackedColwiseParallel(len(sizes), gather_output=gather_output, local_output=local_output)
-    return _UnequalPackedColwise(sizes, gather_output=gather_output, local_output=local_output)
-
-
-class _PackedColwiseParallel(ColwiseParallel):
-    """ColwiseParallel for a Linear packing `parts` equal projections along its output ([q | k | v]).
-
-    The weight is `_StridedShard(0, split_factor=parts)`: each part split over the ranks, a rank's
-    shard the concatenation of its share of every part, the global value the single-device layout.
-    DTensor propagates it through the matmul (output `_StridedShard(-1)`), so the local output is
-    [q_r | k_r | v_r]. The bias stays replicated (a slice of it is taken in the forward): FSDP2 can
-    only shard a 1-D parameter on dim 0, which cannot express a per-part split.
-    """
-
-    def __init__(self, parts: int, *, gather_output: bool, local_output: bool = True):
-        super().__init__(output_layouts=Replicate() if gather_output else None)
-        self.parts, self.gather_output, self.local_output = parts, gather_output, local_output
-
-    def describe(self) -> str:
-        return f"{self.parts} packed projections of equal size, each split"
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        layouts = {"weight": [_StridedShard(0, split_factor=self.parts)], "bias": [Replicate()]}
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dist_param = distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, torch.nn.Parameter(dist_param, requires_grad=param.requires_grad))
-
-    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        return distribute_module(
-            module, device_mesh, self._partition_linear_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts), self._prepare_packed_output,
-        )
-
-    def _prepare_packed_output(self, module, output: DTensor, device_mesh) -> torch.Tensor:
-        target = Replicate() if self.gather_output else _StridedShard(output.dim() - 1, split_factor=self.parts)
-        if output.placements != (target,):
-            output = output.redistribute(device_mesh, [target])
-        return output.to_local() if self.local_output else output
-
-
-class _UnequalPackedColwise(ParallelStyle):
-    """ColWise for a Linear packing projections of unequal sizes ([q | k | v] with grouped-query heads):
-    as with equal parts, rank r's output is [q_r | k_r | v_r], its share of every part.
-
-    DTensor has no placement for "each of several unequal parts split" (`_StridedShard` needs equal
-    parts), so the weight is split on its input features instead (Shard(1): a plain block, so FSDP2,
-    checkpoints and the global value keep the single-device layout) and the bias stays replicated. Each
-    rank multiplies its slice of the input features into a partial sum of the whole output (a Partial
-    DTensor), orders its columns rank by rank ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]) and a reduce-scatter
-    leaves it the sum of its own chunk: the output all-reduce that Megatron's column split avoids, as a
-    reduce-scatter (1 / tp of an all-reduce's bytes per rank, activations of the packed width); the
-    backward all-gathers the output gradient and the input gradient. In global view (`local_output`
-    False) the output is the DTensor of the single-device layout, split on its features.
-    """
-
-    def __init__(self, sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True):
-        super().__init__()
-        self.sizes, self.gather_output, self.local_output = tuple(sizes), gather_output, local_output
-        self._orders: dict = {}  # device -> _rank_major_columns
-
-    def describe(self) -> str:
-        return f"{len(self.sizes)} packed projections of {list(self.sizes)} outputs, each split"
-
-    def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
-        return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
-
-    @staticmethod
-    def _partition(name, module, device_mesh) -> None:
-        layouts = {"weight": [Shard(1)], "bias": [Replicate()]}
-        for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, torch.nn.Parameter(
-                distribute_tensor(param, device_mesh, layouts[pname]), requires_grad=param.requires_grad))
-
-    @staticmethod
-    def _prepare_input(module, inputs, device_mesh):
-        x = inputs[0]
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-        return x.redistribute(device_mesh, [Shard(-1)])  # this rank's input features: a local slice
-
-    def _prepare_output(self, module, output: DTensor, device_mesh):
-        if output.placements != (Partial(),):
-            raise RuntimeError(f"parallelize: expected partial sums from a Linear split on its input, got {output.placements}")
-        if self.gather_output or not self.local_output:
-            target = Replicate() if self.gather_output else Shard(-1)
-            output = output.redistribute(device_mesh, [target])
-            return output.to_local() if self.local_output else output
-        # The gradient of a partial sum is the gradient of the sum: the same on every rank.
-        partial_sum = output.to_local(grad_placements=[Replicate()])
-        order = self._rank_major_columns(device_mesh.size(), partial_sum.device)  # built once per device
-        return DTensor.from_local(partial_sum.index_select(-1, order), device_mesh, [Partial()], run_check=False).redistribute(
-            device_mesh, [Shard(-1)]).to_local()
-
-    def _rank_major_columns(self, tp: int, device) -> torch.Tensor:
-        """Column indices [part 0's chunk 0, part 1's chunk 0, ..., part 0's chunk 1, ...], made on the
-        first forward on `device` and kept (the forward of every layer needs them)."""
-        order = self._orders.get(device)
-        if order is None:
-            starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-            order = self._orders[device] = torch.cat([
-                torch.arange(start + rank * size // tp, start + (rank + 1) * size // tp, device=device)
-                for rank in range(tp) for start, size in zip(starts, self.sizes)])
-        return order
-
-
-def fsdp_shard_placement(param: torch.nn.Parameter):
-    """FSDP2's shard placement for `param` (its `shard_placement_fn`): dim 1 for a packed projection's
-    weight, None (FSDP's dim 0) otherwise. FSDP sharding dim 0 of a per-part split weight would describe
-    it wrongly (its global value, state dict and checkpoints would be scrambled); dim 1 is independent."""
-    if isinstance(param, DTensor) and param.dim() == 2 and any(isinstance(p, _StridedShard) for p in param.placements):
-        return Shard(1)
-    return None
-
-
 def _remember_exit_output(module, args, output):
     module._tridist_last_output = output  # the Disable region checks its own output is this tensor
 
@@ -875,53 +774,19 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
 # Parameters of modules that see only S / tp tokens (norm weights) get partial gradients: torch's
 # SequenceParallel style makes them Replicate DTensors whose gradients are reduced over the ranks.
 
-_SEQUENCE_DIM = 1  # [batch, seq, hidden], the layout of the seed and Hugging Face models
-
-
-def _gather_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
-    return DTensor.from_local(x, tp_mesh, [Shard(_SEQUENCE_DIM)], run_check=False).redistribute(
-        tp_mesh, [Replicate()]
-    ).to_local(grad_placements=[Replicate()])
-
-
-def _split_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
-    if x.shape[_SEQUENCE_DIM] % tp_mesh.size():
-        raise ValueError(
-            f"parallelize: sequence parallel splits the sequence ({x.shape[_SEQUENCE_DIM]} tokens) over "
-            f"{tp_mesh.size()} ranks, which does not divide it; use a sequence length divisible by the mp degree"
-        )
-    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(_SEQUENCE_DIM)]).to_local()
-
-
-def _map_first_activation(args, kwargs, fn):
-    """Apply fn to the module's hidden states: the first positional argument, else `hidden_states`."""
-    if args and torch.is_tensor(args[0]):
-        return (fn(args[0]), *args[1:]), kwargs
-    for key in ("hidden_states", "x", "input"):
-        if torch.is_tensor(kwargs.get(key)):
-            return args, {**kwargs, key: fn(kwargs[key])}
-    raise ValueError("parallelize: a sequence-parallel boundary found no hidden-states tensor in the module's inputs")
-
-
-def _map_output(output, fn):
-    if isinstance(output, tuple) and output:
-        return (fn(output[0]), *output[1:])
-    return fn(output)
-
-
 def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_mesh, in_region: bool,
                              sequence_split: SequenceSplit, overlap_comm: str | None = None) -> str:
     def gather_input(_, args, kwargs):
-        return _map_first_activation(args, kwargs, lambda x: _gather_sequence(x, tp_mesh))
+        return map_first_activation(args, kwargs, lambda x: gather_sequence(x, tp_mesh))
 
     def split_input(_, args, kwargs):
-        return _map_first_activation(args, kwargs, lambda x: _split_sequence(x, tp_mesh))
+        return map_first_activation(args, kwargs, lambda x: split_sequence(x, tp_mesh))
 
     def split_output(_, args, output):
-        return _map_output(output, lambda x: _split_sequence(x, tp_mesh))
+        return map_output(output, lambda x: split_sequence(x, tp_mesh))
 
     def gather_output(_, args, output):
-        return _map_output(output, lambda x: _gather_sequence(x, tp_mesh))
+        return map_output(output, lambda x: gather_sequence(x, tp_mesh))
 
     if isinstance(style, SequenceParallelBegin):
         module.register_forward_hook(sequence_split.mark)
@@ -930,8 +795,6 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
         if overlap_comm:
-            from .overlap import OverlappedRegion
-
             OverlappedRegion.install(name, module, tp_mesh, overlap_comm)  # gathers once, fused with the entries
         else:
             module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
@@ -941,7 +804,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         else:
             module.register_forward_hook(split_output)  # no row-parallel exit: split the full output
     else:  # SequenceParallelEnable: the module runs on sequence slices; its parameters are shared
-        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
+        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))
         if not in_region:  # Paddle's self-contained form: split on entry, gather on exit
             module.register_forward_pre_hook(split_input, with_kwargs=True, prepend=True)
             module.register_forward_hook(gather_output)
@@ -966,12 +829,12 @@ class SequenceSplit:
         if not self.pending:
             return hidden
         self.pending = False
-        return _split_sequence(hidden, self.tp_mesh)
+        return split_sequence(hidden, self.tp_mesh)
 
     def take_at_entry(self, module, args, kwargs):
         if not self.pending:
             return None
-        return _map_first_activation(args, kwargs, self.take)
+        return map_first_activation(args, kwargs, self.take)
 
 
 def sequence_split_of(model: torch.nn.Module, tp_mesh) -> SequenceSplit:
@@ -1003,7 +866,10 @@ def _split_points(model: torch.nn.Module, names: list[str]) -> list[str]:
     return chosen
 
 
-def _install_lazy_split(model: torch.nn.Module, names: tuple[str, ...], *, tp_mesh) -> None:
+def install_lazy_split(model: torch.nn.Module, names: tuple[str, ...], *, tp_mesh) -> None:
+    """The sequence split taken by whichever of `names` runs first after the Begin module (none: nothing)."""
+    if not names:
+        return
     split = sequence_split_of(model, tp_mesh)
     for name in names:
         model.get_submodule(name).register_forward_pre_hook(split.take_at_entry, with_kwargs=True, prepend=True)
@@ -1043,7 +909,7 @@ def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mes
             or any(p.dim() != 1 or isinstance(p, DTensor) for p in params)
         ):
             continue
-        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=_SEQUENCE_DIM, use_local_output=True))
+        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))
         module._tridist_sequence_parallel = "SequenceParallelEnable"
         changes.append(f"{name}: SequenceParallelEnable (implicit: runs on sequence slices)")
     return changes

@@ -2,7 +2,9 @@
 users bring. Each config is the smallest that keeps the family's distinguishing structure: grouped-
 query attention (4 query heads, 2 key/value heads), Qwen2's q/k/v biases, Phi-3's packed qkv and
 gate_up, Gemma's `1 + w` norms and GeGLU MLP, Gemma2's extra norms and soft-capping, tied embeddings,
-GPT-NeoX's per-head interleaved query_key_value and partial rotary, GPT-2's Conv1D projections."""
+Qwen3's per-head q/k RMSNorms (one weight shared by every head), OLMo2's q/k RMSNorms over the whole
+projection (all heads' features), GPT-NeoX's per-head interleaved query_key_value and partial rotary,
+GPT-2's Conv1D projections."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
 
-LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "phi3", "gemma", "gemma2"]
+LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2"]
 FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2"]
 
 
@@ -29,6 +31,10 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
         return hf.MistralForCausalLM(hf.MistralConfig(**common))
     if family == "qwen2":
         return hf.Qwen2ForCausalLM(hf.Qwen2Config(**common))
+    if family == "qwen3":  # q_norm/k_norm: RMSNorm over head_dim, applied per head
+        return hf.Qwen3ForCausalLM(hf.Qwen3Config(**common, head_dim=16))
+    if family == "olmo2":  # q_norm/k_norm: RMSNorm over num_heads x head_dim (post-norm blocks)
+        return hf.Olmo2ForCausalLM(hf.Olmo2Config(**common))
     if family == "phi3":
         return hf.Phi3ForCausalLM(hf.Phi3Config(**common))
     if family == "gemma":

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import configs
+from ..reference import rms_norm_reference
 from .._common import (
     HALF_DTYPES,
     RowLayout,
@@ -548,16 +549,21 @@ def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
     shards. The weight's gradient from a shard covers only its rows: Partial over those mesh dims."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    if any(p.is_partial() or p.is_shard(x.dim() - 1) or p.is_shard(-1) for p in x.placements):
+    if any(p.is_partial() for p in x.placements):
         raise ValueError(
-            f"rms_norm: a DTensor with placements {x.placements} has its hidden dim split or pending a "
-            "reduction; normalise a tensor split on other dims (e.g. Shard(1), sequence parallel) or redistribute it"
+            f"rms_norm: a DTensor with placements {x.placements} is pending a reduction; redistribute it "
+            "(to Shard or Replicate) before normalising"
         )
     if not _is_dtensor(weight) or weight.device_mesh != x.device_mesh:
         raise ValueError(
             "rms_norm: a DTensor input needs its weight as a DTensor on the same mesh (Replicate), so that the "
             "weight gradient of each shard is reduced; distribute the weight (parallelize does)"
         )
+    if any(p.is_shard(x.dim() - 1) or p.is_shard(-1) for p in x.placements):
+        # The hidden dim itself is split (a norm over a tensor-parallel projection, OLMo2's q/k norms): each
+        # row's mean of squares needs every rank's part. The unfused ops on DTensors reduce it (one
+        # all-reduce of the statistic per call); the kernel's row statistics stay local by design.
+        return rms_norm_reference(x, weight, eps, offset=offset, residual=residual, cast_to=cast_to)
     weight_grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
     local_weight = weight.to_local(grad_placements=weight_grad_placements)
     if residual is not None:

@@ -1,0 +1,44 @@
+"""Where a block's activations keep their sequence, and the two differentiable moves between whole and
+split sequences; the bottom of distcore's tensor-parallel modules (it imports none of them).
+
+Activations are [batch, seq, hidden] (the seed's and Hugging Face's layout). gather = all-gather forward,
+own slice backward; split = own slice forward, all-gather backward (DTensor redistributions).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+SEQUENCE_DIM = 1  # [batch, seq, hidden], the layout of the seed and Hugging Face models
+
+
+def gather_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    return DTensor.from_local(x, tp_mesh, [Shard(SEQUENCE_DIM)], run_check=False).redistribute(
+        tp_mesh, [Replicate()]
+    ).to_local(grad_placements=[Replicate()])
+
+
+def split_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    if x.shape[SEQUENCE_DIM] % tp_mesh.size():
+        raise ValueError(
+            f"parallelize: sequence parallel splits the sequence ({x.shape[SEQUENCE_DIM]} tokens) over "
+            f"{tp_mesh.size()} ranks, which does not divide it; use a sequence length divisible by the mp degree"
+        )
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
+
+def map_first_activation(args, kwargs, fn):
+    """Apply fn to the module's hidden states: the first positional argument, else `hidden_states`."""
+    if args and torch.is_tensor(args[0]):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in ("hidden_states", "x", "input"):
+        if torch.is_tensor(kwargs.get(key)):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise ValueError("parallelize: a sequence-parallel boundary found no hidden-states tensor in the module's inputs")
+
+
+def map_output(output, fn):
+    if isinstance(output, tuple) and output:
+        return (fn(output[0]), *output[1:])
+    return fn(output)
