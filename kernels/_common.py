@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,55 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "cuda":
         return True
     return tensor.device.type == "cpu" and TRITON_INTERPRET
+
+
+def is_dtensor(tensor) -> bool:
+    # By name: importing torch.distributed.tensor for every call (or at import) is not needed here.
+    return type(tensor).__name__ == "DTensor"
+
+
+def keeps_whole(tensor, dims) -> bool:
+    """A DTensor each of whose shards holds whole extents of `dims` (no placement splits them) and no pending
+    sum: an op that works along `dims` only (a row's features, a position's pair) can run on the shards."""
+    wanted = {d % tensor.dim() for d in dims}
+    return not any(p.is_partial() or split_dim(p, tensor.dim()) in wanted for p in tensor.placements)
+
+
+def split_dim(placement, ndim: int) -> int | None:
+    """The tensor dim a DTensor placement splits (Shard, or torch's _StridedShard, which is no Shard), or None."""
+    if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+        return placement.dim % ndim
+    return None
+
+
+def local_saved_tensors():
+    """For an op computed on DTensors' local shards: the tensors its backward saves stay the plain local
+    tensors, whatever saved-tensor hooks an enclosing context set (tensor parallel's global view saves plain
+    tensors as replicated DTensors, which a shard's backward must not meet)."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(tensor):
+    return tensor
+
+
+@functools.lru_cache(maxsize=None)
+def note_unfused(op: str, why: str) -> None:
+    """Logged once per op and reason: a fused op ran as the unfused ops on DTensors (correct, not fused)."""
+    logging.getLogger("tridist.kernels").info("%s: the unfused ops run on these DTensors (%s)", op, why)
+
+
+def as_dtensor_like(local: torch.Tensor, like, placements=None, shape=None) -> torch.Tensor:
+    """`local` (this rank's shard of an op's output) as a DTensor on `like`'s mesh: with `like`'s placements and
+    shape unless given (uneven shards keep their true global shape)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(like.shape if shape is None else shape)
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
 
 
 def no_autocast(device: torch.device):

@@ -24,6 +24,8 @@ import triton.language as tl
 from .. import configs
 from ..reference import rms_norm_reference
 from .._common import (
+    is_dtensor,
+    local_saved_tensors,
     HALF_DTYPES,
     RowLayout,
     check_dtype,
@@ -510,7 +512,7 @@ def rms_norm(
     weight (1.0 for Gemma-style `(1 + w)` norms). `cast_to` is "weight" (seed/Paddle rounding) or
     "input" (Hugging Face Llama rounding); see the module docstring.
     """
-    if _is_dtensor(x):
+    if is_dtensor(x):
         return _rms_norm_on_shards(x, weight, eps, offset=offset, residual=residual, cast_to=cast_to)
     op = "rms_norm"
     if cast_to not in ("weight", "input"):
@@ -539,11 +541,6 @@ def rms_norm(
     return y, h
 
 
-def _is_dtensor(tensor) -> bool:
-    # By name: importing torch.distributed.tensor for every call (or at import) is not needed here.
-    return type(tensor).__name__ == "DTensor"
-
-
 def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
     """RMSNorm of a DTensor split on non-hidden dims (sequence parallel): the kernel runs on local
     shards. The weight's gradient from a shard covers only its rows: Partial over those mesh dims."""
@@ -554,7 +551,7 @@ def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
             f"rms_norm: a DTensor with placements {x.placements} is pending a reduction; redistribute it "
             "(to Shard or Replicate) before normalising"
         )
-    if not _is_dtensor(weight) or weight.device_mesh != x.device_mesh:
+    if not is_dtensor(weight) or weight.device_mesh != x.device_mesh:
         raise ValueError(
             "rms_norm: a DTensor input needs its weight as a DTensor on the same mesh (Replicate), so that the "
             "weight gradient of each shard is reduced; distribute the weight (parallelize does)"
@@ -567,11 +564,12 @@ def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):
     weight_grad_placements = [Partial() if p.is_shard() else Replicate() for p in x.placements]
     local_weight = weight.to_local(grad_placements=weight_grad_placements)
     if residual is not None:
-        if not _is_dtensor(residual):
+        if not is_dtensor(residual):
             raise ValueError("rms_norm: with a DTensor input, the residual must be a DTensor too")
         residual = residual.redistribute(x.device_mesh, x.placements)
     local_residual = residual.to_local() if residual is not None else None
-    out = rms_norm(x.to_local(), local_weight, eps, offset=offset, residual=local_residual, cast_to=cast_to)
+    with local_saved_tensors():
+        out = rms_norm(x.to_local(), local_weight, eps, offset=offset, residual=local_residual, cast_to=cast_to)
 
     def wrap(local):
         return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())

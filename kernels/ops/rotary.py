@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import check_dtype, check_same_device, eager_autograd, next_power_of_2, use_triton
+from .._common import (as_dtensor_like, check_dtype, check_same_device, eager_autograd, is_dtensor, keeps_whole,
+                       local_saved_tensors, next_power_of_2, note_unfused, use_triton)
+from ..reference import rotary_reference
 
 LAYOUTS = ("bshd", "bhsd")
 # Heads are processed in tiles of up to this many elements per half (a or b), e.g. 32 heads x 64 pairs.
@@ -368,9 +370,30 @@ def apply_rotary_pos_emb(
     D is rotary_dim (duplicated tables, as Llama builds them; the default rotary_dim is D) or
     rotary_dim / 2 (one entry per pair, flash-attention style). Features past rotary_dim pass through.
     """
+    if any(is_dtensor(t) for t in (q, k, cos, sin, position_ids)):
+        return _rotary_on_shards(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
     rotary_dim = _validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=rotary_dim)
     op = _rotary_op if torch.compiler.is_compiling() else _rotary_eager
     return op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, rotary_dim, False)
+
+
+def _rotary_on_shards(q, k, cos, sin, position_ids, *, layout, interleaved, rotary_dim):
+    """Rotary of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's heads
+    when q and k are split on their heads dim only (the sequence and head_dim whole, as the tables index
+    them) and the tables and positions are replicated; else the unfused ops run on the DTensors."""
+    seq_dim = 2 if layout == "bhsd" else 1
+    tables = [t for t in (cos, sin, position_ids) if t is not None]
+    on_heads = (is_dtensor(q) and is_dtensor(k) and keeps_whole(q, (0, seq_dim, 3)) and keeps_whole(k, (0, seq_dim, 3))
+                and all(not is_dtensor(t) or all(p.is_replicate() for p in t.placements) for t in tables))
+    if not on_heads:
+        placements = [getattr(t, "placements", "plain") for t in (q, k, cos, sin)]
+        note_unfused("apply_rotary_pos_emb", f"q, k, cos, sin placed {placements}")
+        return rotary_reference(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+    local = [t.to_local() if is_dtensor(t) else t for t in (cos, sin, position_ids)]
+    with local_saved_tensors():
+        q_out, k_out = apply_rotary_pos_emb(q.to_local(), k.to_local(), *local, layout=layout, interleaved=interleaved,
+                                            rotary_dim=rotary_dim)
+    return as_dtensor_like(q_out, q), as_dtensor_like(k_out, k)
 
 
 def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | None) -> int:

@@ -18,7 +18,10 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import RowLayout, check_dtype, check_same_device, eager_autograd, next_power_of_2, use_triton
+from .._common import (RowLayout, as_dtensor_like, check_dtype, check_same_device, eager_autograd, is_dtensor,
+                       keeps_whole, local_saved_tensors, next_power_of_2, note_unfused, split_dim,
+                       use_triton)
+from ..reference import swiglu_reference
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
@@ -270,6 +273,8 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
 
     Computed in fp32 and rounded once to the promoted dtype of the inputs. Any shape and strides.
     """
+    if is_dtensor(x) or is_dtensor(y):
+        return _swiglu_on_shards(x, y)
     op = "swiglu"
     check_dtype(op, "x", x)
     if x.dim() == 0:
@@ -285,6 +290,38 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     if x.shape != y.shape:
         raise ValueError(f"{op}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
     return (_swiglu_op if torch.compiler.is_compiling() else _swiglu_eager)(x, y)
+
+
+def _swiglu_on_shards(x, y):
+    """SwiGLU of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's shards
+    where they pair up elementwise, else the unfused ops run on the DTensors (DTensor moves what it must).
+
+    Two tensors with equal placements pair up shard by shard. The split-in-half form pairs up when the last
+    dim is whole on each rank, or split part by part (a packed gate_up projection's output: `_StridedShard`
+    of its last dim with split_factor 2, each rank holding [its gate | its up]); the output then has the
+    last dim split evenly."""
+    last = x.dim() - 1
+    if y is not None:
+        if is_dtensor(x) and is_dtensor(y) and x.placements == y.placements and keeps_whole(x, ()):
+            with local_saved_tensors():
+                return as_dtensor_like(swiglu(x.to_local(), y.to_local()), x)
+        note_unfused("swiglu", f"x {getattr(x, 'placements', 'plain')}, y {getattr(y, 'placements', 'plain')}")
+        return swiglu_reference(x, y)
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
+    if keeps_whole(x, (last,)):
+        with local_saved_tensors():
+            return as_dtensor_like(swiglu(x.to_local()), x, shape=shape)
+    halves = [type(p).__name__ == "_StridedShard" and p.dim % x.dim() == last and p.split_factor == 2
+              for p in x.placements]
+    others_whole = all(half or not (p.is_partial() or split_dim(p, x.dim()) == last) for p, half in zip(x.placements, halves))
+    if any(halves) and others_whole:
+        from torch.distributed.tensor import Shard
+
+        placements = [Shard(last) if half else p for p, half in zip(x.placements, halves)]
+        with local_saved_tensors():
+            return as_dtensor_like(swiglu(x.to_local()), x, placements=placements, shape=shape)
+    note_unfused("swiglu", f"x {x.placements} splits the gate and up halves unevenly")
+    return swiglu_reference(x)
 
 
 class FusedSwiGLU(torch.nn.Module):
