@@ -1,0 +1,665 @@
+"""Linear + cross-entropy over token chunks: the [tokens, vocab] logits are never held whole.
+
+    loss = F.cross_entropy(softcap(hidden @ weight.T + bias).float(), labels, ignore_index=...,
+                           reduction=..., label_smoothing=...),   softcap(x) = softcap * tanh(x / softcap)
+
+(softcap: Gemma-2's final logit soft-capping; `num_items_in_batch`: transformers' convention, the summed
+loss divided by it.) Tokens are processed in chunks (`chunk_tokens`), each through one reused
+[chunk, vocab] buffer:
+
+1. logits = hidden_chunk @ weight.T (+ bias) by torch.mm / addmm in the input dtype: fp32 accumulation
+   inside the GEMM (cuBLAS, oneDNN) and one rounding, the logits eager's F.linear produces;
+2. `_stats_kernel`: per row, streaming over vocabulary blocks, the running max m of z = softcap(logits)
+   and the sum of exp(z - m), the label's z and the sum of z (label smoothing), all in fp32. Rows whose
+   label is ignore_index are not read;
+3. `_loss_grad_kernel`: lse = m + log(sum), the row's loss, and d loss / d logits written IN PLACE over
+   the buffer, rounded once to the input dtype:
+
+       (softmax(z) - (1 - eps) onehot(label) - eps / V) * (1 - tanh^2) * row_scale
+
+   (1 - tanh^2 only with softcap), row_scale = 1 / #non-ignored (mean), 1 / num_items_in_batch, 1 (sum),
+   or the token's grad_output (reduction="none", in the backward);
+4. grad_hidden[chunk] = grad_logits @ weight in the input dtype; grad_weight += grad_logits.T @ hidden_chunk
+   into an fp32 accumulator (cuBLAS's fp32-output GEMM on CUDA, an fp32 upcast of the chunk elsewhere),
+   rounded once to the weight's dtype at the end; grad_bias likewise from fp32 column sums.
+
+Where the gradients are computed. For a scalar loss (mean, sum, num_items_in_batch) the forward computes
+them, as Liger does: three GEMMs in all, like eager, nothing of the inputs saved, and the backward only
+scales the saved gradients by grad_output: a product in new tensors, or, in eager mode when grad_output is
+exactly 1 (`loss.backward()`; one host sync on CUDA, as in Liger), the saved gradients themselves. Either
+way they are never modified, so a second backward gives the same gradients. The price is memory:
+grad_hidden and grad_weight (their inputs' sizes and dtypes) are held from the forward to the backward,
+and a half-precision weight's fp32 accumulator (4 bytes per weight element) lives during the forward: with
+a bf16 weight the forward peaks at the weight plus 6 bytes per weight element (accumulator and result).
+With reduction="none" each token's gradient is scaled by its own grad_output, unknown in the forward: the
+forward computes only the losses and saves the inputs, and the backward recomputes each chunk's logits
+(four GEMMs in all) with grad_output as row_scale; nothing is held between the two but the inputs.
+
+Memory (CPU, torch's MemTracker, forward + backward of the loss alone, inputs included): 2 x 1024 tokens,
+hidden 512, vocabulary 32000, fp32: 164 MiB against eager F.linear + F.cross_entropy's 817 MiB; 8192 tokens,
+hidden 4096, vocabulary 128256, bf16 (under FakeTensorMode): 4.0 GiB against 12.8 GiB.
+
+The statistics (step 2) and the loss/gradient (step 3) are separate kernels on purpose: a
+vocabulary-parallel head, whose rank holds columns vocab_start .. vocab_start + n_cols of the
+vocabulary, all-reduces the [4, rows] statistics between the two (max with MAX; the sums of exp rescaled
+to the global max, the label's z and the sum of z with SUM) and runs the same step-3 kernel with
+n_classes = the full vocabulary. Both kernels already take vocab_start and n_classes.
+
+CUDA tensors run the Triton kernels; CPU tensors run the same chunked steps in plain PyTorch unless
+TRITON_INTERPRET=1 is set before import.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+
+from .. import configs
+from .._common import (
+    check_dtype,
+    check_same_device,
+    eager_autograd,
+    next_power_of_2,
+    no_autocast,
+    use_triton,
+)
+
+# Tokens per chunk (`chunk_tokens`): Liger's rule sizes a chunk's logits like the hidden input
+# (tokens x hidden elements), so the loss adds about one hidden-sized buffer to the step. The floor keeps
+# the GEMM's M dimension one full 128-row tensor-core tile when the vocabulary dwarfs the hidden size
+# (a 128 x 128k bf16 buffer is 32 MiB); above the ceiling a GEMM runs no faster, it only takes more memory.
+MIN_CHUNK_TOKENS = 128
+MAX_CHUNK_TOKENS = 4096
+
+# Vocabulary columns per block (a 128k row is streamed in 32 blocks); short rows (small vocabularies)
+# are packed until a tile holds TARGET_TILE_ELEMENTS, one warp per 512 elements of the tile.
+MAX_BLOCK_N = 4096
+TARGET_TILE_ELEMENTS = 4096
+
+REDUCTIONS = ("mean", "sum", "none")
+# Rows of the per-row statistics buffer (see _stats_kernel).
+STAT_MAX, STAT_SUM_EXP, STAT_TARGET, STAT_SUM_Z = range(4)
+
+# cuBLAS's fp32-output GEMM of half-precision inputs (addmm's out_dtype): torch >= 2.8, sm_80 and newer.
+_ADDMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Tokens per chunk: about n_tokens * hidden_size / vocab_size (the chunk's logits as large as the
+    hidden input), clamped to [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] and to n_tokens, then evened out so
+    that the chunks differ by at most one token (no thin last GEMM)."""
+    if n_tokens <= 0:
+        return 1
+    target = -(-n_tokens * hidden_size // max(vocab_size, 1))
+    chunk = min(max(target, MIN_CHUNK_TOKENS), MAX_CHUNK_TOKENS, n_tokens)
+    return -(-n_tokens // -(-n_tokens // chunk))
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(y):
+    """tanh from exp(-2|y|) <= 1: no overflow for any logit (the interpreter has no tanh of its own)."""
+    e = tl.exp(-2.0 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(y < 0, -t, t)
+
+
+# Both kernels take a chunk's logits as [n_rows, n_cols] with row stride stride_row (columns vocab_start ..
+# of the vocabulary), a label per row (any integer dtype, stride labels_stride) and one program per
+# BLOCK_M rows streaming over the columns in BLOCK_N blocks. The helpers are inlined rather than called:
+# in Triton's interpreter every call of a @triton.jit function costs milliseconds.
+
+
+@triton.jit
+def _stats_kernel(
+    logits_ptr, labels_ptr, stats_ptr,
+    n_rows, n_cols, stride_row, labels_stride, stats_stride, vocab_start, ignore_index, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per row into the [4, rows] stats: max of z, sum of exp(z - max), the label's z (0 when another
+    vocabulary shard holds it), sum of z; z = softcap(logits) in fp32. Ignored rows are not read: -inf, 0, 0, 0."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    labels = tl.load(labels_ptr + rows.to(tl.int64) * labels_stride, mask=row_mask, other=ignore_index).to(tl.int64)
+    active = row_mask & (labels != ignore_index)
+    target = labels - vocab_start  # the label's column here; outside [0, n_cols) in another shard
+    softcap = tl.cast(softcap, tl.float32)  # the interpreter passes Python floats raw
+    row_offsets = rows.to(tl.int64) * stride_row
+
+    in_shard = active & (target >= 0) & (target < n_cols)
+    z_target = tl.load(logits_ptr + row_offsets + target, mask=in_shard, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_target = softcap * _tanh(z_target / softcap)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sum_z = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = active[:, None] & (cols < n_cols)[None, :]
+        z = tl.load(logits_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        if HAS_SMOOTHING:
+            sum_z += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        # Online softmax: the running sum rescaled to the new max. Ignored rows keep m = -inf; shifting them
+        # by 0 instead keeps every exp() argument -inf (exp = 0), never -inf - (-inf) = nan.
+        shift = tl.where(active, m_new, 0.0)
+        sum_exp = sum_exp * tl.exp(m - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        m = m_new
+    tl.store(stats_ptr + rows, m, mask=row_mask)
+    tl.store(stats_ptr + stats_stride + rows, sum_exp, mask=row_mask)
+    tl.store(stats_ptr + 2 * stats_stride + rows, tl.where(in_shard, z_target, 0.0), mask=row_mask)
+    tl.store(stats_ptr + 3 * stats_stride + rows, sum_z, mask=row_mask)
+
+
+@triton.jit
+def _loss_grad_kernel(
+    logits_ptr, labels_ptr, stats_ptr, loss_ptr, scale_ptr,
+    n_rows, n_cols, stride_row, labels_stride, stats_stride, scale_stride, vocab_start, n_classes,
+    ignore_index, softcap, label_smoothing,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SCALE: tl.constexpr,
+    WRITE_LOSS: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """From the (reduced) stats: loss = lse - (1 - eps) z_label - eps / V sum(z), and the gradient over the
+    logits, (exp(z - lse) - (1 - eps) [col == label] - eps / V) * (1 - t^2 with softcap) * row_scale;
+    ignored rows get 0 for both. V = n_classes, the whole vocabulary."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    labels = tl.load(labels_ptr + rows.to(tl.int64) * labels_stride, mask=row_mask, other=ignore_index).to(tl.int64)
+    active = row_mask & (labels != ignore_index)
+    target = labels - vocab_start
+    softcap = tl.cast(softcap, tl.float32)
+    eps = tl.cast(label_smoothing, tl.float32)
+    m = tl.load(stats_ptr + rows, mask=row_mask, other=0.0)
+    sum_exp = tl.load(stats_ptr + stats_stride + rows, mask=row_mask, other=1.0)
+    lse = tl.where(active, m + tl.log(tl.where(active, sum_exp, 1.0)), 0.0)  # ignored rows: no log(0)
+    if WRITE_LOSS:
+        loss = lse - (1.0 - eps) * tl.load(stats_ptr + 2 * stats_stride + rows, mask=row_mask, other=0.0)
+        if HAS_SMOOTHING:
+            loss -= eps / n_classes * tl.load(stats_ptr + 3 * stats_stride + rows, mask=row_mask, other=0.0)
+        tl.store(loss_ptr + rows, tl.where(active, loss, 0.0), mask=row_mask)
+    if COMPUTE_GRAD:
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + rows.to(tl.int64) * scale_stride, mask=row_mask, other=0.0).to(tl.float32)
+        else:
+            scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        row_offsets = rows.to(tl.int64) * stride_row
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
+            offsets = row_offsets[:, None] + cols[None, :]
+            z = tl.load(logits_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = _tanh(z / softcap)
+                z = softcap * t
+            grad = tl.exp(z - lse[:, None])
+            grad = tl.where(cols[None, :] == target[:, None], grad - (1.0 - eps), grad)
+            if HAS_SMOOTHING:
+                grad -= eps / n_classes
+            if HAS_SOFTCAP:
+                grad *= 1.0 - t * t  # d softcap(x) / dx
+            # where() after the product: an inf scale (num_items_in_batch = 0) never reaches ignored rows.
+            grad = tl.where(active[:, None], grad * scale[:, None], 0.0)
+            tl.store(logits_ptr + offsets, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------- launch configurations
+
+TUNABLES = {
+    "stats": configs.Tunable("linear_cross_entropy_stats", frozenset({"BLOCK_M", "BLOCK_N", "num_warps"}),
+                             (_stats_kernel, _tanh)),
+    "grad": configs.Tunable("linear_cross_entropy_grad", frozenset({"BLOCK_M", "BLOCK_N", "num_warps"}),
+                            (_loss_grad_kernel, _tanh)),
+}
+
+tuning_key = configs.row_tuning_key  # rows of a chunk x vocabulary columns
+
+
+def heuristic_config(n_cols: int) -> dict:
+    block_n = min(max(16, next_power_of_2(n_cols)), MAX_BLOCK_N)
+    block_m = max(1, TARGET_TILE_ELEMENTS // block_n)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": max(1, min(16, block_m * block_n // 512))}
+
+
+def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
+    tuned = configs.tuned_config(TUNABLES[kind], device, tuning_key(n_rows, n_cols, dtype))
+    return tuned if tuned is not None else heuristic_config(n_cols)
+
+
+# ------------------------------------------------------------------------- one chunk: steps 2 and 3
+
+
+def _chunk_stats(logits, labels, stats, *, vocab_start, ignore_index, softcap, smoothing):
+    """Step 2 into stats ([4, rows] fp32): max, sum of exp(z - max), the label's z, sum of z."""
+    n_rows, n_cols = logits.shape
+    if not use_triton(logits):
+        z = _softcap_torch(logits.float(), softcap)
+        active = labels != ignore_index
+        target = labels - vocab_start
+        in_shard = active & (target >= 0) & (target < n_cols)
+        m = z.amax(1)
+        stats[STAT_MAX] = torch.where(active, m, float("-inf"))
+        stats[STAT_SUM_EXP] = torch.where(active, (z - m[:, None]).exp_().sum(1), 0.0)  # one temporary
+        stats[STAT_TARGET] = torch.where(in_shard, z.gather(1, target.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)
+        stats[STAT_SUM_Z] = torch.where(active, z.sum(1), 0.0) if smoothing else 0.0
+        return
+    cfg = launch_config("stats", n_rows, n_cols, logits.dtype, logits.device)
+    _stats_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        logits, labels, stats,
+        n_rows, n_cols, logits.stride(0), labels.stride(0), stats.stride(0), vocab_start, ignore_index,
+        float(softcap or 1.0),
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )
+
+
+def _chunk_loss_grad(logits, labels, stats, loss, scale, *, vocab_start, n_classes, ignore_index, softcap,
+                     label_smoothing, compute_grad):
+    """Step 3: per-row losses into `loss` (if given) and, with compute_grad, the gradient over `logits`."""
+    n_rows, n_cols = logits.shape
+    if not use_triton(logits):
+        active = labels != ignore_index
+        lse = torch.where(active, stats[STAT_MAX] + torch.log(stats[STAT_SUM_EXP]), 0.0)
+        if loss is not None:
+            rows_loss = lse - (1.0 - label_smoothing) * stats[STAT_TARGET]
+            if label_smoothing:
+                rows_loss = rows_loss - label_smoothing / n_classes * stats[STAT_SUM_Z]
+            loss.copy_(torch.where(active, rows_loss, 0.0))
+        if compute_grad:
+            grad = logits.float() if logits.dtype != torch.float32 else logits  # fp32: in place
+            if softcap is not None:
+                t = torch.tanh(grad / softcap)
+                grad = torch.mul(t, softcap, out=grad)
+            grad = grad.sub_(lse[:, None]).exp_()
+            target = labels - vocab_start
+            in_shard = active & (target >= 0) & (target < n_cols)
+            label_term = torch.where(in_shard, label_smoothing - 1.0, 0.0)[:, None]  # - (1 - eps) at the label
+            grad.scatter_add_(1, target.clamp(0, n_cols - 1)[:, None], label_term)
+            if label_smoothing:
+                grad.sub_(label_smoothing / n_classes)
+            if softcap is not None:
+                grad.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap(x) / dx = 1 - tanh^2
+            if scale is not None:
+                grad.mul_(scale.float()[:, None])
+            grad.masked_fill_(~active[:, None], 0.0)  # after the product, as in the kernel
+            if grad is not logits:
+                logits.copy_(grad)
+        return
+    cfg = launch_config("grad", n_rows, n_cols, logits.dtype, logits.device)
+    _loss_grad_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        logits, labels, stats, loss if loss is not None else stats, scale if scale is not None else stats,
+        n_rows, n_cols, logits.stride(0), labels.stride(0), stats.stride(0),
+        scale.stride(0) if scale is not None else 0, vocab_start, n_classes, ignore_index,
+        float(softcap or 1.0), float(label_smoothing),
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0, HAS_SCALE=scale is not None,
+        WRITE_LOSS=loss is not None, COMPUTE_GRAD=compute_grad,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    )
+
+
+def _softcap_torch(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+# ------------------------------------------------------------------------------------ the chunk loop
+
+
+def _token_rows(hidden: torch.Tensor, n_tokens: int):
+    """`rows(start, end)`: hidden's tokens [start, end) as an [n, H] matrix (any column stride; torch.mm
+    takes it as is). A view when hidden's leading dims merge into one stride (contiguous, a row slice of
+    one, [S, 1, H]); otherwise (hidden[:, :-1] of a batch, an [S, B, H] transpose) only those tokens are
+    gathered: one chunk-sized copy, never a copy of hidden."""
+    hidden_size = hidden.shape[-1]
+    try:
+        flat = hidden.view(n_tokens, hidden_size)
+    except RuntimeError:
+        leading = hidden.shape[:-1]
+        return lambda start, end: hidden[torch.unravel_index(torch.arange(start, end, device=hidden.device), leading)]
+    return lambda start, end: flat[start:end]
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: torch.Tensor) -> None:
+    """acc (fp32) += grad_logits.T @ rows, the chunk's product never rounded to a half dtype."""
+    if grad_logits.dtype == torch.float32:
+        acc.addmm_(grad_logits.t(), rows)
+    elif acc.device.type == "cuda" and _ADDMM_HAS_OUT_DTYPE and torch.cuda.get_device_capability(acc.device)[0] >= 8:
+        torch.addmm(acc, grad_logits.t(), rows, out_dtype=torch.float32, out=acc)
+    else:  # an fp32 copy of the chunk (chunk-sized, not weight-sized)
+        acc.addmm_(grad_logits.t().float(), rows.float())
+
+
+def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, softcap, scale, loss,
+                grad_hidden, grad_weight, grad_bias):
+    """Steps 1-4 over every chunk of tokens. `labels` and `scale` (row_scale: None, or [tokens] with any
+    stride, 0 for one scale) are 1-D; `loss` is None or the [tokens] fp32 output. Returns the requested
+    gradients (grad_hidden [tokens, H] in hidden's dtype; grad_weight and grad_bias in fp32)."""
+    n_tokens, (vocab, hidden_size) = labels.shape[0], weight.shape
+    compute_grad = grad_hidden or grad_weight or grad_bias
+    device, dtype = hidden.device, hidden.dtype
+    gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
+    gw = torch.zeros((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight else None
+    gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
+    if n_tokens == 0:
+        return gh, gw, gb
+    chunk = chunk_tokens(n_tokens, hidden_size, vocab)
+    buffer = torch.empty((chunk, vocab), dtype=dtype, device=device)
+    stats = torch.empty((4, chunk), dtype=torch.float32, device=device)
+    rows_of = _token_rows(hidden, n_tokens)
+    weight_t = weight.t()
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        rows, logits, chunk_labels = rows_of(start, end), buffer[: end - start], labels[start:end]
+        if bias is None:
+            torch.mm(rows, weight_t, out=logits)
+        else:
+            torch.addmm(bias, rows, weight_t, out=logits)
+        chunk_stats = stats[:, : end - start]
+        _chunk_stats(logits, chunk_labels, chunk_stats, vocab_start=0, ignore_index=ignore_index, softcap=softcap,
+                     smoothing=label_smoothing != 0.0)
+        _chunk_loss_grad(
+            logits, chunk_labels, chunk_stats, loss[start:end] if loss is not None else None,
+            scale[start:end] if scale is not None else None, vocab_start=0, n_classes=vocab,
+            ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, compute_grad=compute_grad,
+        )
+        if grad_hidden:
+            torch.mm(logits, weight, out=gh[start:end])
+        if grad_weight:
+            _accumulate_weight_grad(gw, logits, rows)
+        if grad_bias:
+            gb += logits.sum(0, dtype=torch.float32)
+    return gh, gw, gb
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels in [0, vocab) or ignore_index, as F.cross_entropy requires; asynchronous on CUDA (no host
+    sync: a device-side assert, as F.cross_entropy gives there), an error right away on the CPU."""
+    if labels.numel():
+        valid = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
+        torch._assert_async(
+            valid.all(),
+            f"linear_cross_entropy: labels must be class indices in [0, {vocab}) or ignore_index ({ignore_index}); "
+            "found one outside (a label beyond the vocabulary, or padding marked with another value than ignore_index)",
+        )
+
+
+def _empty(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(0)
+
+
+# ------------------------------------------------------------------------------ torch.library operators
+
+
+def _linear_cross_entropy_impl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    reduction: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, grad_hidden, grad_weight, grad_bias): the gradients of the loss itself (grad_output 1), each
+    an empty tensor unless requested. With reduction="none" the caller requests none: its gradients come
+    from the backward op (see the module docstring)."""
+    with no_autocast(hidden.device):
+        _check_labels(labels, weight.shape[0], ignore_index)
+        flat_labels = labels.reshape(-1)  # a copy of the labels only if they are strided
+        n_tokens = flat_labels.shape[0]
+        denominator = scale = None
+        if reduction == "mean":
+            count = num_items_in_batch if num_items_in_batch is not None else (flat_labels != ignore_index).sum()
+            denominator = count.to(torch.float32)
+            scale = torch.reciprocal(denominator).expand(n_tokens)  # one value for every row: stride 0
+        loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+        gh, gw, gb = _run_chunks(
+            hidden, weight, flat_labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            softcap=softcap, scale=scale, loss=loss_rows,
+            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
+        )
+        if reduction == "none":
+            loss = loss_rows.view(labels.shape)
+        elif reduction == "sum":
+            loss = loss_rows.sum()
+        else:
+            loss = loss_rows.sum() / denominator  # 0 / 0 = nan when every label is ignored, as in torch
+        return (
+            loss,
+            gh.view(hidden.shape) if grad_hidden else _empty(hidden),
+            gw.to(weight.dtype) if grad_weight else _empty(weight),
+            gb.to(bias.dtype) if grad_bias else _empty(hidden),
+        )
+
+
+def _linear_cross_entropy_backward_impl(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none": the chunks again, each token's gradient scaled by its grad_loss."""
+    with no_autocast(hidden.device):
+        gh, gw, gb = _run_chunks(
+            hidden, weight, labels.reshape(-1), bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            softcap=softcap, scale=grad_loss.reshape(-1), loss=None,
+            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
+        )
+        return (
+            gh.view(hidden.shape) if grad_hidden else _empty(hidden),
+            gw.to(weight.dtype) if grad_weight else _empty(weight),
+            gb.to(bias.dtype) if grad_bias else _empty(hidden),
+        )
+
+
+_lce_op = torch.library.custom_op("tridist::linear_cross_entropy", mutates_args=())(_linear_cross_entropy_impl)
+_lce_backward_op = torch.library.custom_op("tridist::linear_cross_entropy_backward", mutates_args=())(
+    _linear_cross_entropy_backward_impl
+)
+
+
+def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+    return (
+        hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if grad_weight else weight.new_empty(0),
+        bias.new_empty(bias.shape) if grad_bias else hidden.new_empty(0),
+    )
+
+
+@_lce_op.register_fake
+def _(hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoothing, softcap, reduction,
+      grad_hidden, grad_weight, grad_bias):
+    loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
+    return (loss, *_fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias))
+
+
+@_lce_backward_op.register_fake
+def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, grad_hidden, grad_weight,
+      grad_bias):
+    return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+
+
+def _setup_linear_cross_entropy(ctx, inputs, output):
+    hidden, weight, labels, bias, _, ignore_index, label_smoothing, softcap, reduction, *grad_flags = inputs
+    # The gradient outputs are carried to the backward, never differentiated: no zero gradients are
+    # materialised for them (one would be weight-sized).
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.recompute = reduction == "none"
+    if ctx.recompute:
+        ctx.save_for_backward(hidden, weight, labels, bias)
+        ctx.options = (ignore_index, label_smoothing, softcap)
+    else:
+        ctx.save_for_backward(*output[1:])
+        ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
+
+
+def _backward_linear_cross_entropy(ctx, grad_loss, *_):
+    needs = ctx.needs_input_grad
+    if grad_loss is None:
+        return (None,) * len(needs)
+    if ctx.recompute:
+        hidden, weight, labels, bias = ctx.saved_tensors
+        backward = _linear_cross_entropy_backward_impl if getattr(ctx, "eager", False) else _lce_backward_op
+        gh, gw, gb = backward(grad_loss, hidden, weight, labels, bias, *ctx.options,
+                              needs[0], needs[1], bias is not None and needs[3])
+    else:
+        saved = [g if computed else None for g, computed in zip(ctx.saved_tensors, ctx.computed)]
+        if getattr(ctx, "eager", False) and _is_one(grad_loss):
+            # loss.backward(): the saved gradients are the answer. Handing them over instead of a product
+            # spares a weight-sized tensor; autograd never accumulates into a gradient that another
+            # reference (ctx, while the graph is retained) still holds, so a second backward gets them
+            # unchanged. One host sync per backward on CUDA, as Liger has; a compiled graph multiplies.
+            gh, gw, gb = saved
+        else:
+            # New tensors, the saved gradients unchanged for a second backward; a grad_loss other than 1 or
+            # a power of two rounds each gradient a second time in a half dtype.
+            gh, gw, gb = (g * grad_loss if g is not None else None for g in saved)
+    return (gh if needs[0] else None, gw if needs[1] else None, None, gb if needs[3] else None) + (None,) * 8
+
+
+def _is_one(grad_loss: torch.Tensor) -> bool:
+    """Whether the loss's gradient is exactly 1; False where its value is unknown (fake or meta tensors)."""
+    if grad_loss.device.type == "meta" or is_fake(grad_loss):
+        return False
+    return bool(grad_loss == 1)
+
+
+torch.library.register_autograd(
+    "tridist::linear_cross_entropy", _backward_linear_cross_entropy, setup_context=_setup_linear_cross_entropy
+)
+_lce_eager = eager_autograd(_linear_cross_entropy_impl, _setup_linear_cross_entropy, _backward_linear_cross_entropy)
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.cross_entropy(softcap(F.linear(hidden, weight, bias)).float(), labels, ...)` without the logits.
+
+    hidden: [..., H] (any leading shape and strides); weight: [V, H], nn.Linear's layout (an LM head's
+    weight); bias: [V] or None; labels: [...] integer class indices in [0, V) or ignore_index. hidden,
+    weight and bias share one dtype (fp32, fp16 or bf16; under torch.autocast they are cast to its dtype,
+    as F.linear's inputs are); the loss is fp32, each gradient has its input's dtype.
+
+    reduction: "mean" over the non-ignored tokens (nan when all are ignored, as torch gives), "sum", or
+    "none" (per-token losses of labels' shape, 0 where ignored). num_items_in_batch (transformers'
+    convention, a number or a one-element tensor): the summed loss divided by it instead of the mean;
+    only with reduction="mean". label_smoothing in [0, 1] as in F.cross_entropy; softcap > 0 applies
+    Gemma-2's final logit soft-capping softcap * tanh(logits / softcap) before the loss.
+    """
+    op = "linear_cross_entropy"
+    hidden, weight, bias = _apply_autocast(hidden, weight, bias)
+    num_items_in_batch = _validate(
+        op, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, num_items_in_batch
+    )
+    grad_enabled = torch.is_grad_enabled() and reduction != "none"  # "none": gradients in the backward
+    args = (
+        hidden, weight, labels, bias, num_items_in_batch, int(ignore_index), float(label_smoothing),
+        None if softcap is None else float(softcap), reduction,
+        grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    loss, *_ = (_lce_op if torch.compiler.is_compiling() else _lce_eager)(*args)
+    return loss
+
+
+def _apply_autocast(hidden, weight, bias):
+    """Under torch.autocast, hidden, weight and bias cast to its dtype (differentiably), as autocast casts
+    F.linear's inputs (comm_matmul does the same for its matmuls)."""
+    device_type = hidden.device.type
+    if device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+    return hidden, weight, bias
+
+
+def _validate(op, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, num_items):
+    """Raise a ValueError/TypeError naming the problem and its fix; return num_items_in_batch as a 0-d
+    tensor on hidden's device (or None)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_dtype(op, "hidden", hidden)
+    check_dtype(op, "weight", weight)
+    if bias is not None:
+        check_dtype(op, "bias", bias)
+    check_same_device(op, hidden=hidden, weight=weight, labels=labels, bias=bias)
+    if hidden.dim() == 0:
+        raise ValueError(f"{op}: hidden must be [..., hidden_size], got a scalar")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{op}: weight has shape {tuple(weight.shape)}; expected [vocab_size, {hidden.shape[-1]}] (nn.Linear's "
+            f"[out_features, in_features], hidden's last dim {hidden.shape[-1]}); a [hidden, vocab] weight is passed as weight.t()"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(
+                f"{op}: {name} has dtype {t.dtype} but hidden has {hidden.dtype}; they must match, as in F.linear "
+                f"(cast one, e.g. {name}.to(hidden.dtype), or run under torch.autocast, which casts both)"
+            )
+    if weight.shape[0] == 0:
+        raise ValueError(
+            f"{op}: weight has no rows (vocabulary size 0): is it an unmaterialised (e.g. ZeRO-3 sharded) parameter? "
+            "Gather it before the call"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}; expected [{weight.shape[0]}] (one per vocabulary entry)")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"{op}: labels must be integer class indices (int64 or int32), got {labels.dtype}; "
+            "cast them with labels.long() (probability targets are not supported)"
+        )
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"{op}: labels have shape {tuple(labels.shape)} but hidden {tuple(hidden.shape)} has {tuple(hidden.shape[:-1])} "
+            "tokens; labels must be hidden's shape without its last dim (shift the labels, not the hidden states, "
+            "for a causal LM)"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{op}: softcap must be a positive number (Gemma-2 uses 30.0) or None for no soft-capping, got {softcap}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if num_items is None:
+        return None
+    if reduction != "mean":
+        raise ValueError(
+            f"{op}: num_items_in_batch divides the summed loss (transformers' convention) and replaces the mean's "
+            f"denominator; leave reduction='mean' with it (got reduction={reduction!r})"
+        )
+    if torch.is_tensor(num_items):
+        if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+            raise ValueError(f"{op}: num_items_in_batch must be a number or a one-element real tensor, got {num_items!r}")
+        return num_items.reshape(()).to(hidden.device)
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
+        raise ValueError(f"{op}: num_items_in_batch must be a positive number (the count of non-ignored labels), got {num_items!r}")
+    return torch.full((), num_items, dtype=torch.float32, device=hidden.device)
