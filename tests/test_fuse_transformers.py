@@ -25,6 +25,8 @@ EXPECTED = {
     "llama-tied": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},
     "mistral": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},
     "qwen2": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},
+    "qwen3": {"rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # + per-head q/k norms
+    "olmo2": {"rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # + q/k norms over the projection
     "phi3": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # packed gate_up
     "gemma": {"rms_norm": 2 * LAYERS + 1, "rotary": LAYERS},  # GeGLU MLP: not SwiGLU
     "gemma2": {"rms_norm": 4 * LAYERS + 1, "rotary": LAYERS},

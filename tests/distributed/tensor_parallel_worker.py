@@ -670,6 +670,120 @@ def check_to_distributed_excludes_tensor_parallel_a_block_cannot_take():
     assert torch.isfinite(loss)
 
 
+# --------------------------------------------------------------- the block check's own strength
+# Blocks whose tensor-parallel local view is wrong in a small or hidden way, each by one fault of its code
+# (module-level head counts, as model code not written for tp has them). The check must send each to
+# global view (where the same code is right) or repair it, before anything changes; a check that compared
+# forward outputs only, loosely, or let NaN through would keep these in local view.
+
+
+class _BackwardScaledByHeads(torch.autograd.Function):
+    """Identity forward; the backward scales the gradient by local heads / all heads: a fault that only a
+    comparison of gradients sees (its forward is right in local view)."""
+
+    @staticmethod
+    def forward(ctx, x, fraction):
+        ctx.fraction = fraction
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.fraction, None
+
+
+class _FaultyAttention(torch.nn.Module):
+    def __init__(self, fault: str):
+        super().__init__()
+        self.q_proj, self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False), torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.num_heads, self.fault = N_HEADS, fault
+        self.gain = torch.nn.Parameter(torch.ones(HIDDEN // N_HEADS))  # one per head feature, shared by the heads
+        self.register_buffer("marker", torch.ones(()))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, -1) * self.gain  # right on local heads; its gradient is not
+        if self.fault == "small":  # 0.25% off on local heads: above the 1e-3 tolerance, under a loosened one
+            q = q * (1 + 0.005 * (N_HEADS - self.num_heads) / N_HEADS)
+        elif self.fault == "nan" and self.num_heads != N_HEADS:
+            q = q * float("nan")
+        elif self.fault == "backward":
+            q = _BackwardScaledByHeads.apply(q, self.num_heads / N_HEADS)
+        elif self.fault == "unchecked" and self.marker.item() != 1.0:  # the check's random buffers: fails there
+            raise RuntimeError("this block runs only with its marker at 1")
+        return self.o_proj(q.reshape(b, s, -1))
+
+
+class FaultyModel(torch.nn.Module):
+    def __init__(self, fault: str):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = torch.nn.ModuleList(_FaultyBlock(fault) for _ in range(2))
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids, labels=None):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits
+
+
+class _FaultyBlock(torch.nn.Module):
+    def __init__(self, fault: str):
+        super().__init__()
+        self.norm, self.attn = torch.nn.LayerNorm(HIDDEN), _FaultyAttention(fault)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+FAULTY_PLAN = {"blocks.*.attn.q_proj": ColWiseParallel(), "blocks.*.attn.o_proj": RowWiseParallel()}
+FAULTS = ("none", "small", "nan", "backward", "unchecked")
+_HAND_WRITTEN.update({f"faulty-{fault}": functools.partial(FaultyModel, fault) for fault in FAULTS})
+
+
+def check_block_check_sends_small_nan_and_backward_only_faults_to_global_view():
+    """Each fault found before training, named by its block, and the block trains right in global view
+    (dp x tp, equal to one process): a 0.25% output error, NaN in local view only, and a gradient scaled by
+    1/tp behind a right forward."""
+    symptoms = {"small": "in the output by", "nan": "in the output by inf", "backward": "in the input's gradient"}
+    for fault, symptom in symptoms.items():
+        model = _equal_to_one_process(f"faulty-{fault}", {"dp_config": {}, "mp_config": {"parallelize_plan": FAULTY_PLAN}})
+        reasons = _global_view_reasons(model)
+        assert set(reasons) == {"blocks.0", "blocks.1"} and all(symptom in r for r in reasons.values()), (fault, reasons)
+
+
+def check_block_check_unchecked_block_runs_in_global_view():
+    """A block whose single-device copy cannot run on the probe's inputs is not checked: it runs in global
+    view (which needs nothing of local view's assumptions), never unchecked in local view."""
+    model = _equal_to_one_process("faulty-unchecked", {"mp_config": {"parallelize_plan": FAULTY_PLAN}})
+    reasons = _global_view_reasons(model)
+    assert set(reasons) == {"blocks.0", "blocks.1"} and all(r.startswith("not checked") for r in reasons.values()), reasons
+
+
+def check_replicated_parameter_on_head_shards_gets_summed_gradients():
+    """`gain`, kept whole and applied to each local head, is found by its gradients (each rank's covers its
+    heads; their sum is one device's), not by its name: local view with the repair, a Replicate DTensor
+    whose gradient is summed over mp; equal to one process under dp x tp, unfused and fused."""
+    model = _equal_to_one_process("faulty-none", {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": FAULTY_PLAN}})
+    assert not _global_view_reasons(model)
+    gain = model.blocks[0].attn.gain
+    assert gain.placements[gain.device_mesh.mesh_dim_names.index("mp")] == distcore.Replicate(), gain.placements
+
+
+def check_block_check_tolerance_and_verdicts_unit():
+    """The comparison itself: NaN fails, an error at 1.5x the tolerance fails, rounding (1e-6) passes."""
+    from tridist.distcore import block_check
+
+    expected = torch.linspace(-1, 1, 64)
+    tolerance = block_check._RELATIVE_TOLERANCE
+    assert block_check._relative_error(expected + 1e-6, expected, 0.0) <= tolerance
+    assert not block_check._relative_error(expected * (1 + 1.5 * tolerance), expected, 0.0) <= tolerance
+    nan = expected.clone()
+    nan[3] = float("nan")
+    assert not block_check._relative_error(nan, expected, 0.0) <= tolerance
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

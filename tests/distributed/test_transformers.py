@@ -11,7 +11,12 @@ from tests.distributed.harness import assert_check, launch  # noqa: E402
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return launch("tests.distributed.transformers_worker", nproc=4, out_dir=tmp_path_factory.mktemp("transformers"))
+    # The fused kernels (on by default, as users get them) take their CPU path here: the same ops, autograd
+    # and DTensor handling around the kernels' math in PyTorch. The Triton kernels themselves are checked in
+    # the interpreter by tests/test_*.py; interpreting them in every training step of this matrix would
+    # multiply its time without checking more of distcore.
+    return launch("tests.distributed.transformers_worker", nproc=4, out_dir=tmp_path_factory.mktemp("transformers"),
+                  extra_env={"TRITON_INTERPRET": "0"})
 
 
 @pytest.mark.parametrize("check", list(transformers_worker.CHECKS))

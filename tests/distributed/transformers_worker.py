@@ -92,11 +92,14 @@ def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
 
 
 def _train(family, strategy=None, *, global_view: bool = False, **config):
-    """`global_view`: every decoder block runs in global view under tp (else all in local view)."""
+    """`global_view`: every decoder block runs in global view under tp (else all in local view). The config
+    is the users' default (fused kernels on) unless `config` says otherwise."""
     model, optimizer = _model(family)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
-        config=distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False, **config))
+        config=distcore.ToDistributedConfig(strategy=strategy, **config))
+    fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
+    assert bool(fused) == config.get("fuse_kernels", True), fused  # the default really ran the fused kernels
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
     loss, logits = _evaluate(model)
@@ -155,23 +158,32 @@ MATRIX = {
 GLOBAL_VIEW = {"phi3"}
 
 
+# The same families unfused (fuse_kernels=False), under the strategy that changes most (tp with sequence
+# parallel, overlapped): the model's own modules on shards, as the matrix ran them before fusion became
+# its default.
+UNFUSED = "dp 2 x tp 2 + sp + overlap, level 1"
+
+
 def _check_family(family: str) -> None:
-    """Tied embeddings (llama-tied, Gemma), q/k/v biases (Qwen2), packed grouped-query qkv and gate_up
-    (Phi-3), `1 + w` norms and GeGLU (Gemma, Gemma2), sliding windows (Mistral): each strategy's losses,
-    first-step gradients and parameters equal one process."""
-    for label, strategy in MATRIX.items():
+    """Tied embeddings (llama-tied, Gemma), q/k/v biases (Qwen2), per-head q/k norms (Qwen3: their weight
+    gradients summed over tp), q/k norms over the whole projection (OLMo2: statistics reduced over tp),
+    packed grouped-query qkv and gate_up (Phi-3), `1 + w` norms and GeGLU (Gemma, Gemma2), sliding windows
+    (Mistral): each strategy's losses, first-step gradients and parameters equal one process, with the
+    default config (fused kernels on), and once unfused."""
+    for label, strategy, fuse in [*((label, strategy, True) for label, strategy in MATRIX.items()),
+                                  (f"{UNFUSED}, unfused", MATRIX[UNFUSED], False)]:
         if family in GLOBAL_VIEW and strategy is not None and strategy.overlap_tp_comm:
             # Phi-3's packed grouped-query qkv cannot feed the overlapped ring: refused with the reason,
             # then the same strategy without overlap.
             try:
-                _train(family, strategy, global_view=True)
+                _train(family, strategy, global_view=True, fuse_kernels=fuse)
             except autotune.InvalidStrategy as error:
                 assert "unequal sizes" in str(error), error
             else:
                 raise AssertionError(f"{family}: overlap was not refused")
             strategy = dataclasses.replace(strategy, overlap_tp_comm=False)
         try:
-            _train(family, strategy, global_view=family in GLOBAL_VIEW)
+            _train(family, strategy, global_view=family in GLOBAL_VIEW, fuse_kernels=fuse)
         except Exception as error:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
