@@ -20,6 +20,9 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
 * Collectives: ring alpha-beta (all-reduce 2(n−1)/n·bytes/bw + 2(n−1)·α; all-gather and
   reduce-scatter half that). Tensor parallel: 4 all-reduces of b·s·h per layer per micro-batch (6
   with full recompute); the same volume as all-gather + reduce-scatter under sequence parallel.
+  Some models add their own per layer: a packed q/k/v of unequal parts (reduce-scatter of its output,
+  all-gather of its gradient) and q/k norms (per-head: their weights' gradients all-reduced; over the
+  whole projection: the statistic and its gradient all-reduced, the weights' gradients all-gathered).
   A group that spans nodes is priced at the inter-node bandwidth. Data-parallel gradient traffic
   overlaps the backward pass (the last layer's share cannot); ZeRO-2 reduce-scatters and ZeRO-3
   gathers every micro-batch (gradients cannot be accumulated unsharded), which is what keeps them
@@ -69,9 +72,10 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 5  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 6  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
-# engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes
+# engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
+# 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
 
 FWD_BWD_PASSES = 3  # backward = 2x forward: gradients w.r.t. inputs and w.r.t. weights
 BWD_TO_FWD = 2.0
@@ -92,6 +96,7 @@ DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
 ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
 LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
+NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
 # Optimizer bytes per parameter: fp32 master weights + Adam m and v (12) when training in 16 bits;
 # pure fp32 training needs no master copy (8). Weights and gradients take the dtype's bytes.
@@ -351,6 +356,7 @@ class _LayerCost:
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
+    qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
     head_gemm_fwd: float
     head_elementwise_fwd: float
     activations: dict  # recompute mode -> bytes per layer
@@ -399,14 +405,32 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
     packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
                   if spec.packed_unequal_qkv and tp > 1 else 0.0)
+    # q/k norms under tensor parallel (distcore's tensor_parallel.py). Per head (Qwen3): each rank's heads
+    # give a partial gradient of the q and k norm weights (head_dim each, Replicate), summed over the tp
+    # ranks: 2 all-reduces of head_dim elements. Over the whole projection (OLMo2): the normalised dim is
+    # split, so each of the two norms all-reduces its statistic (the row's sum of squares, one fp32 per
+    # token) forward and the statistic's gradient backward (4 all-reduces of tokens fp32 values), and the
+    # weights' gradients (Shard over the features) are all-gathered to Replicate: q_size + kv_size elements.
+    # Priced per layer per micro-batch, with the other tp collectives. That over-counts with several
+    # micro-batches: the per-head all-reduces run once per step (DTensor reduces the Partial gradient when
+    # FSDP / the optimizer reads it), not once per micro-batch. (Full recompute's second forward repeats the
+    # statistics' all-reduces, not counted, as for the packed q/k/v.) Every message is small (a value per
+    # token, a weight of head_dim or q + kv), so the term is latency-bound: ring steps x alpha, not bytes/bw.
+    if spec.qk_norm == "projection" and tp > 1:
+        qk_norm = (4 * all_reduce_time(NORM_STATISTIC_BYTES * tokens, tp, bw_tp, lat_tp)
+                   + all_gather_time(e * (spec.q_size + spec.kv_size), tp, bw_tp, lat_tp))
+    elif spec.qk_norm == "head" and tp > 1:
+        qk_norm = 2 * all_reduce_time(e * spec.head_dim, tp, bw_tp, lat_tp)
+    else:
+        qk_norm = 0.0
     head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, packed_qkv, head, head_elementwise,
-                      activations, logits_bytes, message / split, message / split)
+    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, packed_qkv, qk_norm, head,
+                      head_elementwise, activations, logits_bytes, message / split, message / split)
 
 
 def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro_batches: int, stage: int) -> float:
@@ -459,7 +483,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
     # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
     floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if s.recompute == "full" else 1.0)
-    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives
+    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives
     chunked_gemms = 0.0
     if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how

@@ -12,6 +12,9 @@ runs on the meta device (no forward, no memory for the weights):
 * head counts come from attributes (num_heads, num_attention_heads, n_heads, num_key_value_heads,
   num_key_value_groups, head_dim, ... on the attention module, the layer or a `config`), else from a
   rotary table (`inv_freq` holds head_dim / 2 entries) and the projection shapes;
+* q/k norms (Qwen3's per-head, OLMo2's over the whole projection): norm-like modules (a 1-D `weight`
+  and no matrix) under the attention module whose size is head_dim, or the q or kv width; they are
+  not layer norms, even when q's width equals the hidden size;
 * outside the layers: the embedding ([vocab, hidden]), the final norm (a 1-D `weight` of hidden
   entries) and the LM head: a Linear [vocab, hidden], or a bare [hidden, vocab] parameter (Paddle's
   `x @ weight`); tied to the embedding, a Linear whose weight is the embedding's (Hugging Face's
@@ -31,6 +34,8 @@ if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself
     from torch import nn
 
 __all__ = ["ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise"]
+
+QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
 
 # Attribute names that hold head counts, in order of preference (HF, Megatron, Meta Llama, GPT-2).
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_attention_heads_per_partition")
@@ -73,6 +78,7 @@ class ModelStructure:
     gate_up: str | None = None
     qkv_sizes: tuple[int, ...] | None = None  # the packed qkv's [q, k, v] widths (unequal with grouped-query heads)
     layer_norms: tuple[str, ...] = ()
+    qk_norms: tuple[str, ...] = ()  # norms of the queries/keys inside attention (ModelSpec.qk_norm says which kind)
     embedding: str | None = None
     final_norm: str | None = None
     lm_head: str | None = None
@@ -123,6 +129,8 @@ class ModelStructure:
             rows.append(("mlp up", self.pattern(self.up)))
         rows.append(("mlp down", self.pattern(self.down)))
         rows.append(("layer norms", ", ".join(self.pattern(n) for n in self.layer_norms) or "-"))
+        if self.qk_norms:
+            rows.append(("q/k norms", ", ".join(self.pattern(n) for n in self.qk_norms)))
         rows.append(("embedding", self.embedding or "-"))
         rows.append(("final norm", self.final_norm or "-"))
         head = f"{self.lm_head_param} ({self.lm_head_layout})"
@@ -142,8 +150,12 @@ class ModelSpec:
     MLP matrices; False for GPT's two), `tied_embeddings`, `flash_attention` (no s x s attention
     matrix is stored: the attention core is recomputed in the backward pass), `dropout` (Megatron's
     GPT stores dropout masks), `packed_unequal_qkv` (q/k/v packed in one projection with grouped-query
-    heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need), and a
-    display `name`. `structure` is set by `from_module`.
+    heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need),
+    `qk_norm` (norms of the queries and keys inside attention: "head" for Qwen3-style RMSNorms over
+    head_dim applied to every head, whose weights' gradients tensor parallel sums over its ranks;
+    "projection" for OLMo2-style RMSNorms over all heads' features, whose statistics tensor parallel
+    all-reduces; None without; their weights are counted with the layer's norms), and a display `name`.
+    `structure` is set by `from_module`.
     """
 
     num_layers: int
@@ -159,6 +171,7 @@ class ModelSpec:
     flash_attention: bool = True
     dropout: bool = False
     packed_unequal_qkv: bool = False
+    qk_norm: str | None = None
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -167,6 +180,8 @@ class ModelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelSpec: {name} must be a positive integer, got {value!r}")
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"ModelSpec: qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -206,9 +221,19 @@ class ModelSpec:
         return self.attention_parameters + self.mlp_parameters
 
     @property
+    def qk_norm_parameters(self) -> int:
+        """The q and k norms' weights per layer: head_dim each (per head), q_size + kv_size (per projection)."""
+        if self.qk_norm == "head":
+            return 2 * self.head_dim
+        if self.qk_norm == "projection":
+            return self.q_size + self.kv_size
+        return 0
+
+    @property
     def layer_norm_parameters(self) -> int:
-        """Two RMSNorm weights per layer (LayerNorm biases ignored: 2h of ~12h^2)."""
-        return 2 * self.hidden_size
+        """Two RMSNorm weights per layer (LayerNorm biases ignored: 2h of ~12h^2), plus the q/k norms'
+        (replicated under tensor parallel, like the layer norms)."""
+        return 2 * self.hidden_size + self.qk_norm_parameters
 
     @property
     def layer_parameters(self) -> int:
@@ -381,6 +406,37 @@ def _norm_names(block, hidden: int) -> list[str]:
         if weight is not None and getattr(weight, "dim", lambda: 0)() == 1 and weight.shape[0] == hidden:
             names.append(name)
     return names
+
+
+def _qk_norms(attn_module, attention: str, head_dim: int, q_size: int, kv_size: int,
+              hidden: int) -> tuple[str | None, tuple[str, ...]]:
+    """(kind, layer-relative names) of the q/k norms: norm-like modules (a 1-D `weight`, no parameter of
+    more dimensions) under the attention module, of head_dim entries ("head": one weight applied to every
+    head, Qwen3) or of the q / kv projection's width ("projection": all heads' features, OLMo2). A q/kv-wide
+    one makes it "projection" even when kv's width is head_dim (a single kv head). When the attention
+    projections sit in the layer itself (`attention` is ""), hidden-wide norms are the layer's own."""
+    names, kinds = [], set()
+    widths = {q_size, kv_size} - {head_dim}
+    for name, module in attn_module.named_modules():
+        if not name:
+            continue
+        params = list(module.parameters(recurse=False))
+        weight = getattr(module, "weight", None)
+        if (weight is None or not any(p is weight for p in params) or weight.dim() != 1
+                or any(p.dim() != 1 for p in params)):
+            continue
+        size = int(weight.shape[0])
+        if not attention and size == hidden:
+            continue
+        if size in widths:
+            kinds.add("projection")
+        elif size == head_dim:
+            kinds.add("head")
+        else:
+            continue
+        names.append(_join(attention, name))
+    kind = "projection" if "projection" in kinds else "head" if kinds else None
+    return kind, tuple(names)
 
 
 def _first_attr(objects, attrs) -> int | None:
@@ -614,7 +670,8 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     heads, kv_heads, head_dim = _heads(attn_module, block, model, _rotary_head_dim(block, model),
                                        attn["q_size"], attn["kv_size"], overrides)
     outer = _outer_parts(model, layers_name, hidden)
-    norms = tuple(_norm_names(block, hidden))
+    qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
+    norms = tuple(n for n in _norm_names(block, hidden) if n not in qk_norms)  # OLMo2's q norm can be hidden-wide
     notes = []
     biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
     if biases:
@@ -625,7 +682,8 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"], mlp=mlp,
         down=mlp_parts["down"], q=attn.get("q"), k=attn.get("k"), v=attn.get("v"), qkv=attn.get("qkv"),
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
-        qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
+        qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
+        qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], notes=tuple(notes),
     )
@@ -633,6 +691,6 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         ffn_hidden_size=mlp_parts["ffn"], vocab_size=outer["vocab"], gated_mlp=mlp_parts["gated"],
         tied_embeddings=outer["tied"],
-        packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"],
+        packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
     )
     return structure, fields

@@ -199,3 +199,37 @@ def test_distcore_limits_overlap_for_unequal_packed_qkv():
     phi3 = unsupported(ModelSpec.from_module(build("phi3", layers=1), seq_len=16))
     assert "unequal sizes" in phi3["overlap_tp_comm"] and "tp" not in phi3
     assert "overlap_tp_comm" not in unsupported(ModelSpec.from_module(build_model("paddle-llama"), seq_len=16))
+
+
+def test_qk_norms_are_recognised_by_their_size():
+    """q/k norms under the attention module are told apart by their weight's size: head_dim (Qwen3, one
+    weight applied to every head) or the q / kv projection's width (OLMo2, all heads' features). They are
+    not layer norms (OLMo2's q norm is hidden-wide here: 4 heads x 16 = 64), and their weights count."""
+    pytest.importorskip("transformers")
+    import transformers as hf
+
+    from tests.hf_models import build
+
+    qwen3, olmo2, llama = (build(name, layers=1) for name in ("qwen3", "olmo2", "llama"))
+    specs = {name: ModelSpec.from_module(model, seq_len=16) for name, model in
+             (("qwen3", qwen3), ("olmo2", olmo2), ("llama", llama))}
+    assert {name: spec.qk_norm for name, spec in specs.items()} == {"qwen3": "head", "olmo2": "projection", "llama": None}
+    for name in ("qwen3", "olmo2"):
+        s = specs[name].structure
+        assert s.qk_norms == ("self_attn.q_norm", "self_attn.k_norm") and not s.notes
+        assert "self_attn.q_norm" not in s.layer_norms and len(s.layer_norms) == 2
+        assert "q/k norms" in s.describe()
+    assert specs["llama"].structure.qk_norms == ()
+    assert specs["qwen3"].qk_norm_parameters == 2 * 16 and specs["olmo2"].qk_norm_parameters == 64 + 32
+    for name, model in (("qwen3", qwen3), ("olmo2", olmo2), ("llama", llama)):
+        assert specs[name].num_parameters == _count(model)
+    # One kv head: OLMo2's k norm is head_dim wide, its q norm (4 x 16) still makes it "projection".
+    mqa = hf.Olmo2ForCausalLM(hf.Olmo2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=1))
+    assert ModelSpec.from_module(mqa, seq_len=16).qk_norm == "projection"
+    with torch.device("meta"):  # structure only, as for the other families
+        assert ModelSpec.from_module(build("qwen3", layers=1), seq_len=16).qk_norm == "head"
+    with pytest.raises(ValueError, match="qk_norm must be one of"):
+        ModelSpec(2, 64, 4, 128, 100, qk_norm="per-head")
+    spec = dataclasses.replace(preset("llama3-8b"), qk_norm="head")  # hashable, as the cost model's cache needs
+    assert spec != preset("llama3-8b") and hash(spec) == hash(dataclasses.replace(preset("llama3-8b"), qk_norm="head"))

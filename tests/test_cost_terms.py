@@ -363,6 +363,41 @@ def test_unequal_packed_qkv_adds_a_reduce_scatter_and_its_gradients_all_gather_p
     assert packed.time.tp_comm_s - equal.time.tp_comm_s == pytest.approx(TINY.num_layers * per_layer, rel=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["projection", "head"])
+def test_qk_norm_collectives_per_layer_and_micro_batch(kind):
+    """tp 2 across two 1-device nodes (10 GB/s, 3 µs a ring step), TINY with s = 1024 and b = 2: 2048
+    tokens a micro-batch, m = 3 micro-batches, 4 layers. Per layer and micro-batch:
+    projection (OLMo2): the q and k norms each all-reduce their statistic (a fp32 sum of squares per token:
+    4·2048 = 8192 bytes) forward and its gradient backward, 4 all-reduces of 8192 bytes, each
+    2·(1/2)·8192/10e9 + 2·3e-6 = 6.8192 µs, and all-gather their weights' gradients, E·(q + kv) = 2·12 =
+    24 bytes: (1/2)·24/10e9 + 3e-6 = 3.0012 µs; 30.278 µs in all.
+    head (Qwen3): the q and k norms' weight gradients (E·head_dim = 4 bytes each) are all-reduced:
+    2·(2·(1/2)·4/10e9 + 2·3e-6) = 12.0008 µs. Their weights add 12 (q + kv) or 4 (2·head_dim) replicated
+    parameters a layer. No q/k norms, or tp = 1: nothing."""
+    from tridist.autotune.cost import _layer_cost
+
+    spec = replace(TINY, seq_len=1024)
+    with_norms = replace(spec, qk_norm=kind)
+    cluster = _cluster(2, 1)
+    tokens = 2 * 1024
+    if kind == "projection":
+        per_layer = 4 * _ring("all-reduce", 4 * tokens, 2, INTER) + _ring("all-gather", E * (8 + 4), 2, INTER)
+        assert per_layer == pytest.approx(4 * (2 * 0.5 * 8192 / 10e9 + 2 * 3e-6) + (0.5 * 24 / 10e9 + 3e-6), rel=1e-12)
+        assert per_layer == pytest.approx(30.278e-6, rel=1e-12)
+    else:
+        per_layer = 2 * _ring("all-reduce", E * 2, 2, INTER)
+        assert per_layer == pytest.approx(12.0008e-6, rel=1e-12)
+    assert _layer_cost(with_norms, cluster, 2, 2, False).qk_norm_collectives == pytest.approx(per_layer, rel=1e-12)
+    base, normed = (_run(s, cluster, dp=1, tp=2, pp=1, micro_batch_size=2, num_micro_batches=3)
+                    for s in (spec, with_norms))
+    assert normed.time.tp_comm_s - base.time.tp_comm_s == pytest.approx(3 * 4 * per_layer, rel=1e-9)
+    assert stage_parameters(with_norms, 1, 1, 0) == 2888 + 4 * {"projection": 12, "head": 4}[kind]
+    # tp = 1: no collectives at all
+    assert _layer_cost(with_norms, _cluster(1, 1), 1, 2, False).qk_norm_collectives == 0.0
+    assert _run(with_norms, _cluster(1, 1), dp=1, tp=1, pp=1, micro_batch_size=2).time.tp_comm_s == 0.0
+    assert _layer_cost(spec, cluster, 2, 2, False).qk_norm_collectives == 0.0
+
+
 def test_overlap_on_the_torch_engine_and_a_calibrated_profile():
     """The same tp = 2 case on the torch+tridist engine: its reduce-scatter ring's fp32 partial sums make
     the overlapped traffic 1.5x the plain volume in bf16 (1x in fp32); a profile's measured interference
