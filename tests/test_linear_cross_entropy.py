@@ -110,9 +110,10 @@ def _error_bounds(hidden, weight, labels, bias, grad_output, *, ignore_index=-10
     Gradient of the logits, g = r (p - (1 - eps) y - eps / V) (1 - t^2) with r the row's scale: p = exp(z - lse)
     is off by a factor exp(rho) with rho = 2 delta + lse's error + (|z - lse| + 4) u32; t^2 by (2|t| + dz/c) dz/c;
     then 6 fp32 operations and the rounding to the input dtype (2 u: also covers the interpreter's truncating
-    conversion; plus one subnormal spacing, absolute, for each rounding to the input dtype). Gradients of hidden, weight, bias: those errors through |w|, |h| or a column sum, plus the
+    conversion). Gradients of hidden, weight, bias: those errors through |w|, |h| or a column sum, plus the
     fp32 GEMM's (K + 1) u32 over its K terms, plus the final rounding (2 u; twice when the backward multiplies
-    a saved gradient by a grad_output other than 1)."""
+    a saved gradient by a grad_output other than 1). Every rounding to the input dtype also adds one
+    subnormal spacing, absolute (`_subnormal_spacing`)."""
     dtype, (vocab, hidden_size) = hidden.dtype, weight.shape
     u, tiny = _unit(dtype), _subnormal_spacing(dtype)
     h = hidden.detach().double().reshape(-1, hidden_size)
@@ -256,6 +257,12 @@ def test_options(backend, options):
     _check(hidden, weight, labels, bias, grad_output=grad_output, **options)
 
 
+def test_label_smoothing_over_a_small_vocabulary(backend):
+    """eps / V weighs every class: with 37 classes a wrong V (e.g. the shard's columns + 1) moves the loss by
+    ~1e-3, far beyond fp32's bound; with 1000 it would hide under it."""
+    _check(*_inputs((5,), 8, 37, scale=3.0), grad_output=torch.randn(5), label_smoothing=0.3, reduction="none")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_options_in_half_precision(backend, dtype):
     hidden, weight, labels, bias = _inputs((3, 13), 16, 1000, dtype, scale=3.0)
@@ -320,7 +327,7 @@ def test_strided_inputs(torch_path, small_chunks):
     bias = torch.randn(1000, requires_grad=True)
     _check(base.transpose(0, 1).requires_grad_(), weight, labels, bias)
     full = torch.randn(3, 14, 16, requires_grad=True)
-    _, grads = _check(full[:, :-1], weight, labels, bias)
+    _check(full[:, :-1], weight, labels, bias)
     _check(torch.randn(16, requires_grad=True), weight, torch.tensor(7), bias, reduction="none",
            grad_output=torch.tensor(0.5))
 
