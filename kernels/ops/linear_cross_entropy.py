@@ -61,6 +61,7 @@ from .._common import (
     check_dtype,
     check_same_device,
     eager_autograd,
+    is_dtensor,
     next_power_of_2,
     no_autocast,
     use_triton,
@@ -575,6 +576,11 @@ def linear_cross_entropy(
     convention, a number or a one-element tensor): the summed loss divided by it instead of the mean;
     only with reduction="mean". label_smoothing in [0, 1] as in F.cross_entropy; softcap > 0 applies
     Gemma-2's final logit soft-capping softcap * tanh(logits / softcap) before the loss.
+
+    The logits are rounded to the input dtype once (as F.linear's output is), everything after them is
+    fp32; the gradients of hidden and weight come from the logits' gradient rounded to the input dtype,
+    through fp32-accumulated GEMMs. For mean/sum the gradients are computed in this call (the module
+    docstring says what that costs in memory); `loss.backward()` may hand back those very tensors.
     """
     op = "linear_cross_entropy"
     hidden, weight, bias = _apply_autocast(hidden, weight, bias)
@@ -607,6 +613,12 @@ def _validate(op, hidden, weight, labels, bias, ignore_index, reduction, label_s
     tensor on hidden's device (or None)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if any(is_dtensor(t) for t in (hidden, weight, labels, bias)):
+        raise TypeError(
+            f"{op}: DTensor inputs (tensor parallel) are not supported yet: the vocabulary-parallel variant is to "
+            "come (issue 23, part 2). Compute this loss unfused (F.linear + F.cross_entropy) on DTensors, or pass "
+            "local tensors when each rank holds whole rows of the vocabulary"
+        )
     check_dtype(op, "hidden", hidden)
     check_dtype(op, "weight", weight)
     if bias is not None:
