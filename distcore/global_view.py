@@ -18,8 +18,10 @@ registered here (batch- or head-sharded, or replicated).
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import parallelize_module
 
@@ -97,8 +99,39 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
             # SequenceParallelDisable / Enable: DTensor moves the activations between shardings itself.
         changes += [f"{name}: {style!r} (global view)" for style in styles]
     replicate_parameters(block, tp_mesh, recurse=True)  # norm weights, biases: gradients reduced where computed on shards
+    block.register_forward_pre_hook(functools.partial(_caches_take_whole_tensors, tp_mesh=tp_mesh), with_kwargs=True)
     install_dtensor_boundary(block, tp_mesh, entry_placement=[Shard(SEQUENCE_DIM)] if sequence_split else [Replicate()])
     return changes
+
+
+def _caches_take_whole_tensors(module, args, kwargs, *, tp_mesh):
+    """A key/value cache passed to the block (transformers' Cache: `past_key_values`, which Hugging Face
+    models fill in training too) meets DTensors in global view, and its plain tensors cannot join them
+    (`torch.cat` of its empty start with a DTensor fails): the block gets a view of the cache that stores
+    whole (gathered) keys and values, as one device's cache holds them, and returns Replicate DTensors."""
+    if not any(_is_cache(value) for value in kwargs.values()):
+        return None
+    return args, {key: _GatheringCache(value, tp_mesh) if _is_cache(value) else value for key, value in kwargs.items()}
+
+
+def _is_cache(value) -> bool:
+    return callable(getattr(value, "update", None)) and type(value).__name__.endswith("Cache")
+
+
+class _GatheringCache:
+    """A cache seen from a block in global view: `update` stores and returns whole tensors; everything else
+    is the cache's own."""
+
+    def __init__(self, cache, tp_mesh):
+        self._cache, self._tp_mesh = cache, tp_mesh
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in (key_states, value_states)]
+        keys, values = self._cache.update(*whole, *args, **kwargs)
+        return tuple(DTensor.from_local(t, self._tp_mesh, [Replicate()], run_check=False) for t in (keys, values))
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
 
 
 def refuse_recompute(model: torch.nn.Module, global_view: dict[str, str]) -> None:

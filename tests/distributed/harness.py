@@ -86,6 +86,25 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     return results
 
 
+MERGED_NPROC = 4  # the merged launch's world (conftest.py): the size most worker modules check on
+
+
+def launch_merged(modules: dict, *, nproc: int, out_dir: Path, timeout_s: float = 1200) -> dict:
+    """One torchrun of merged_worker.py running `modules` ({worker module: its checks to run, or None for
+    all}) in turn; read each module's results with `module_results`."""
+    return launch("tests.distributed.merged_worker", nproc=nproc, out_dir=out_dir, timeout_s=timeout_s,
+                  extra_env={"TRIDIST_MERGED": json.dumps(modules)})
+
+
+def module_results(merged: dict, module: str) -> dict:
+    """One module's part of a merged launch's results, named as its own launch would name them (the launch's
+    failure, a crash or a timeout, fails every module's tests)."""
+    prefix = f"{module}."
+    results = {name[len(prefix):]: value for name, value in merged.items() if name.startswith(prefix)}
+    results["__launch__"] = merged["__launch__"]
+    return results
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid` (Linux /proc), children before grandchildren."""
     parents: dict[int, list[int]] = {}

@@ -9,15 +9,18 @@ import torch.distributed as dist
 
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed import comm_matmul_compile_worker, comm_matmul_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, launch, module_results
 
 NPROC = 4
 COMPILE_NPROC = 2
 
 
+MERGED_WORKER = "comm_matmul_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.comm_matmul_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("comm_matmul"))
+def results(merged_launch):
+    return module_results(merged_launch, MERGED_WORKER)
 
 
 @pytest.mark.parametrize("check", list(comm_matmul_worker.CHECKS))

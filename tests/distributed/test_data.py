@@ -4,14 +4,17 @@ data-parallel rank, pipeline meshes, shuffling kept in step, DDP updates equal t
 import pytest
 
 from tests.distributed import data_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = 4
 
 
+MERGED_WORKER = "data_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.data_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("data"))
+def results(merged_launch):
+    return module_results(merged_launch, MERGED_WORKER)
 
 
 @pytest.mark.parametrize("check", list(data_worker.CHECKS))

@@ -4,14 +4,17 @@ equal a single-process run of the seed model on the same global batches."""
 import pytest
 
 from tests.distributed import parallelize_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = parallelize_worker.WORLD
 
 
+MERGED_WORKER = "parallelize_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.parallelize_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("parallelize"))
+def results(merged_launch):
+    return module_results(merged_launch, MERGED_WORKER)
 
 
 @pytest.mark.parametrize("check", list(parallelize_worker.CHECKS))

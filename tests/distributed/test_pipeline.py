@@ -3,14 +3,17 @@
 import pytest
 
 from tests.distributed import pipeline_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = 4
 
 
+MERGED_WORKER = "pipeline_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.pipeline_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("pipeline"))
+def results(merged_launch):
+    return module_results(merged_launch, MERGED_WORKER)
 
 
 @pytest.mark.parametrize("check", list(pipeline_worker.CHECKS))

@@ -3,14 +3,17 @@
 import pytest
 
 from tests.distributed import primitives_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = 4
 
 
+MERGED_WORKER = "primitives_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.primitives_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("primitives"))
+def results(merged_launch):
+    return module_results(merged_launch, MERGED_WORKER)
 
 
 @pytest.mark.parametrize("check", list(primitives_worker.CHECKS))

@@ -16,7 +16,7 @@ def results(tmp_path_factory):
     # the interpreter by tests/test_*.py; interpreting them in every training step of this matrix would
     # multiply its time without checking more of distcore.
     return launch("tests.distributed.transformers_worker", nproc=4, out_dir=tmp_path_factory.mktemp("transformers"),
-                  extra_env={"TRITON_INTERPRET": "0"})
+                  extra_env={"TRITON_INTERPRET": "0"}, timeout_s=900)  # every family x strategy: minutes, not a hang
 
 
 @pytest.mark.parametrize("check", list(transformers_worker.CHECKS))

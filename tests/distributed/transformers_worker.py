@@ -192,6 +192,21 @@ for _family in LLAMA_LIKE:
     globals()[f"check_{_family.replace('-', '_')}_under_every_strategy"] = functools.partial(_check_family, _family)
 
 
+def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
+    """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
+    the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
+    fused kernels on), it trains equal to one process under dp 2 x tp 2 (the cache stores whole keys and
+    values; before, torch.cat of its empty start with a DTensor raised)."""
+    from tridist.distcore import block_check
+
+    local_view = block_check._Check.local_view
+    block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
+    try:
+        _train("qwen3", _strategy(2, 2, 1, sharding_level=2), global_view=True)
+    finally:
+        block_check._Check.local_view = local_view
+
+
 def check_phi3_packed_qkv_is_split_part_by_part():
     """Phi-3's packed qkv: the recogniser measured its unequal parts (4 query and 2 key/value heads of
     16) and the plan carries them."""
