@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
-from .tensor_parallel import DistributedNorm, ShardLocalParameters, apply_local_view
+from .outputs import find_loss
+from .tensor_parallel import DistributedNorm, ShardLocalParameters, apply_local_view, install_lazy_split
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
     input and the gradient of every parameter as the optimizer will see it must equal one device's. Returns
     the blocks (every instance of a type) that run in global view and the repairs local view needs.
     Changes nothing; raises TensorParallelCheckError for a type wrong in both views."""
+    check_outside_blocks(model, plan, tp_mesh=tp_mesh, process_mesh=process_mesh)
     planned = [(name, block) for name, block in decoder_blocks(model) if plan.styles_under(name)]
     if not planned:
         return BlockViews()
@@ -233,6 +235,99 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             views.global_view[name] = reason
         views.repairs.update({f"{name}.{module}": styles for module, styles in repairs.items()})
     return views
+
+
+def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> None:
+    """The parts outside the decoder blocks that the plan changes (the embedding, norms on sequence slices,
+    the LM head and the loss, a vocabulary-parallel one included), checked as the blocks are: a copy of the
+    model without its blocks (its layer lists emptied), seeded fp32 weights, run on `4 x tp` token ids with
+    labels, once whole and once with the plan's outside part in local view; the loss (or, without one, the
+    first output) and every parameter's gradient as the optimizer sees it must equal one device's. Raises
+    TensorParallelCheckError naming what differs; a model whose copy does not run without its blocks is
+    not checked (logged)."""
+    block_names = [name for name, _ in decoder_blocks(model)]
+    outside = plan.excluding(block_names)
+    if not outside.styles and not outside.bare:
+        return
+    shell = _without_blocks(model)
+    device = torch.device(tp_mesh.device_type)
+    embedding = next((m for m in shell.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if embedding is None:
+        return
+    ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp_mesh.size(), device=device) % embedding.num_embeddings).unsqueeze(0)
+    labels = ids.roll(-1, dims=1)
+    reference = _seeded_copy(shell, device)
+    try:
+        expected = _loss_and_gradients(reference, ids, labels)
+    except Exception as error:  # noqa: BLE001 - any model code: its outside parts are then left to training
+        log.warning("parallelize: the parts outside the decoder blocks are not checked: the model did not run "
+                    "without its blocks (%s: %s)", type(error).__name__, error)
+        return
+    parallel = copy.deepcopy(reference)
+    try:
+        apply_local_view(parallel, outside, tp_mesh=tp_mesh, process_mesh=process_mesh)
+        modules = dict(parallel.named_modules())
+        install_lazy_split(parallel, tuple(n for n in outside.lazy_split if n in modules), tp_mesh=tp_mesh)
+        got = _loss_and_gradients(parallel, ids, labels)
+    except (ValueError, TypeError, NotImplementedError):
+        return  # a plan the model cannot take: applying it to the model raises the same error, by name
+    except Exception as error:  # noqa: BLE001 - reported by name
+        raise TensorParallelCheckError(
+            f"parallelize: tensor parallel of the parts outside the decoder blocks ({sorted(outside.styles)}) fails "
+            f"on one forward and backward: {type(error).__name__}: {error}") from error
+    scale = _GRADIENT_FLOOR * max((float(g.abs().max()) for g in expected[1].values() if g is not None and g.numel()), default=0.0)
+    errors = {"the loss": _relative_error(got[0], expected[0], expected[0].abs().max())}
+    for name, grad in expected[1].items():
+        other = got[1].get(name)
+        if (other is None) != (grad is None):
+            errors[f"the gradient of {name}"] = math.inf
+        elif grad is not None:
+            errors[f"the gradient of {name}"] = _relative_error(other, grad, scale)
+    bad = [what for what, error in zip(errors, _worst_over_ranks(list(errors.values()), tp_mesh)) if not error <= _RELATIVE_TOLERANCE]
+    if bad:
+        raise TensorParallelCheckError(
+            f"parallelize: tensor parallel changes what the model computes outside its decoder blocks, where these "
+            f"differ from one device (tolerance {_RELATIVE_TOLERANCE:g}): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; "
+            f"check the plan for {sorted([*outside.styles, *outside.bare])}")
+
+
+def _without_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` whose lists of decoder blocks are empty (the blocks themselves are not copied)."""
+    lists = {name.rpartition(".")[0] for name, _ in decoder_blocks(model)}
+    held = {name: model.get_submodule(name) for name in lists}
+    try:
+        for name in lists:
+            _set_submodule(model, name, torch.nn.ModuleList())
+        return copy.deepcopy(model)
+    finally:
+        for name, modules in held.items():
+            _set_submodule(model, name, modules)
+
+
+def _set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, module)
+
+
+def _loss_and_gradients(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+    """The model's loss on (ids, labels) (or a seeded projection of its first output) and every parameter's
+    gradient of it, as the optimizer sees them."""
+    output = model(ids, labels=labels)
+    loss = find_loss(output)
+    if loss is None:
+        first = _first_tensor(output)
+        loss = (first.float() * torch.randn(first.shape, generator=torch.Generator().manual_seed(_SEED + 2)).to(first.device)).sum()
+    params = dict(model.named_parameters())
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss.detach(), {name: None if g is None else _as_seen_by_the_optimizer(g) for name, g in zip(params, grads)}
+
+
+def _worst_over_ranks(errors: list[float], tp_mesh) -> list[float]:
+    """Each error's largest value over the mp ranks (NaN as inf), so that every rank takes the same verdict."""
+    worst = torch.tensor([e if e == e else math.inf for e in errors], dtype=torch.float64)
+    torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=tp_mesh.get_group())
+    return worst.tolist()
 
 
 @dataclass
@@ -375,9 +470,8 @@ class _Check:
                 errors[f"the gradient of {name}"] = math.inf
             elif got is not None:
                 errors[f"the gradient of {name}"] = _relative_error(got, expected, scale)
-        worst = torch.tensor([e if e == e else math.inf for e in errors.values()], dtype=torch.float64)  # NaN: inf
-        torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=self.tp_mesh.get_group())
-        bad = [(what, error) for what, error in zip(errors, worst.tolist()) if not error <= _RELATIVE_TOLERANCE]
+        worst = _worst_over_ranks(list(errors.values()), self.tp_mesh)
+        bad = [(what, error) for what, error in zip(errors, worst) if not error <= _RELATIVE_TOLERANCE]
         if not bad:
             return None
         what, error = bad[0]
@@ -455,18 +549,12 @@ def _seeded_copy(block: torch.nn.Module, device: torch.device) -> torch.nn.Modul
     meta = any(t.device.type == "meta" for _, t in tensors)
     if meta:
         copied = copied.to_empty(device=device)
-    copied = copied.to(device)
+    copied = copied.to(device=device, dtype=torch.float32)  # in place: a tied parameter stays one parameter
     with torch.no_grad():
         for name, tensor in [*copied.named_parameters(), *copied.named_buffers()]:
             if tensor.dtype.is_floating_point:
                 fan_in = tensor.shape[-1] if tensor.dim() > 1 else 1
-                value = torch.randn(tensor.shape, generator=generator) / fan_in**0.5
-                owner, _, leaf = name.rpartition(".")
-                module = copied.get_submodule(owner)
-                if leaf in module._parameters:
-                    module._parameters[leaf] = torch.nn.Parameter(value.to(device), requires_grad=module._parameters[leaf].requires_grad)
-                else:
-                    module._buffers[leaf] = value.to(device)
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) / fan_in**0.5)
             elif meta:
                 tensor.zero_()
     return copied.train(False)

@@ -771,6 +771,28 @@ def check_replicated_parameter_on_head_shards_gets_summed_gradients():
     assert gain.placements[gain.device_mesh.mesh_dim_names.index("mp")] == distcore.Replicate(), gain.placements
 
 
+def check_outside_blocks_are_checked_forward_and_backward():
+    """The embedding, the final norm and the LM head with its loss are checked like the blocks: with
+    distcore's sequence-parallel norms planted away (and the guard that would refuse them), the final norm's
+    weight gradient covers one sequence slice; parallelize raises before anything changes, naming it."""
+    from tridist.distcore import tensor_parallel
+
+    plan = {**HF_PLAN, "model.embed_tokens": [ColWiseParallel(), distcore.SequenceParallelBegin()],
+            "model.layers.*.self_attn": distcore.SequenceParallelDisable(),
+            "model.layers.*.mlp": distcore.SequenceParallelDisable(), "lm_head": distcore.SequenceParallelEnd()}
+    norms, guard = tensor_parallel._sequence_parallel_norms, tensor_parallel._check_region_parameters
+    tensor_parallel._sequence_parallel_norms = lambda root, region, *, tp_mesh: []
+    tensor_parallel._check_region_parameters = lambda root, region: None
+    try:
+        distcore.parallelize(_model("hf-llama")[0], None, MESH, {"mp_config": {"parallelize_plan": plan}})
+    except distcore.TensorParallelCheckError as error:
+        assert "outside its decoder blocks" in str(error) and "model.norm.weight" in str(error), error
+    else:
+        raise AssertionError("a final norm with one slice's gradient was not caught")
+    finally:
+        tensor_parallel._sequence_parallel_norms, tensor_parallel._check_region_parameters = norms, guard
+
+
 def check_block_check_tolerance_and_verdicts_unit():
     """The comparison itself: NaN fails; a 2e-3 relative error fails (the tolerance's derivation: rounding
     stays under 1e-5, a real fault is 1e-3 or more); rounding (1e-6) passes."""
