@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -69,14 +70,36 @@ def test_wheel_holds_every_package_of_the_tree(wheel):
     assert packaged == _tree_packages(), "pyproject's [tool.setuptools] packages list is out of date"
 
 
+def _running_site_packages() -> list[str]:
+    """Where this interpreter finds its installed packages (torch, triton): its environment's
+    site-packages (a virtualenv's, or the system's, or both for a venv with system site packages) and
+    the user's, when the interpreter reads it."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if os.path.isdir(d)]
+
+
 def test_installed_wheel_imports_from_anywhere(wheel, tmp_path):
-    """Install the wheel in a fresh virtualenv (torch from the system site-packages) and use it from a
-    directory that is not the repository: the entry points, the console script, the torch.library ops."""
+    """Install the wheel in a fresh virtualenv and use it from a directory that is not the repository:
+    the entry points, the console script, the torch.library ops.
+
+    torch comes from the running interpreter's site-packages, listed in a .pth file of the new
+    environment. Not `system_site_packages=True`: inside a virtualenv the "system" packages are the
+    base interpreter's, which has no torch. A .pth line that names a directory only adds it to
+    sys.path; the .pth files in that directory are not run, so the editable install's finder
+    (`__editable__*tridist*.pth`) stays out and every tridist module must come from the wheel (asserted
+    below)."""
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(system_site_packages=False, with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--quiet",
                     "--disable-pip-version-check", str(wheel)], check=True, capture_output=True, timeout=300)
+    # After the install: pip must neither see the running environment's tridist (the editable one) as
+    # already installed nor touch it.
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    (Path(purelib) / "running_interpreter.pth").write_text("\n".join(_running_site_packages()) + "\n")
     code = (
         "import pathlib, sys, tridist\n"
         "assert 'torch' not in sys.modules, 'import tridist must stay light'\n"
