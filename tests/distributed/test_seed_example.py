@@ -3,17 +3,14 @@
 import pytest
 
 from tests.distributed import seed_example_worker
-from tests.distributed.harness import assert_check, module_results
+from tests.distributed.harness import assert_check, launch
 
 NPROC = 8
 
 
-MERGED_WORKER = "seed_example_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
-
-
 @pytest.fixture(scope="module")
-def results(merged_launch):
-    return module_results(merged_launch, MERGED_WORKER)
+def results(tmp_path_factory):
+    return launch("tests.distributed.seed_example_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("seed_example"))
 
 
 @pytest.mark.parametrize("check", list(seed_example_worker.CHECKS))
