@@ -475,6 +475,14 @@ def _backend(name: str) -> _Backend:
                     _matmul_reduce_scatter_forward, _matmul_reduce_scatter_backward)
 
 
+# The autograd Functions keep the group's name, not the group (as the registered ops do). A graph lives
+# as long as its outputs, in a script until the interpreter exits, and a ProcessGroup on it would outlive
+# dist.destroy_process_group(), gloo's worker threads with it. Such a thread frees each finished
+# collective's work, and with it tensors Python holds too, which takes the GIL: once the interpreter
+# finalises, that aborts the process ("terminate called without an active exception") after every result
+# was printed. Unreferenced, the group ends in destroy_process_group, which waits for its threads.
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     """Outputs: the gathered input [W, *shard] (an empty tensor unless asked for), then one y per weight."""
 
@@ -482,7 +490,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x_shard, group, dim, save_gathered, return_gathered, backend, *weights):
         ys, gathered = _backend(backend).all_gather_matmul_forward(
             x_shard, weights, group, dim, _keep_gathered(save_gathered, return_gathered, group))
-        ctx.group, ctx.dim, ctx.return_gathered, ctx.backend = group, dim, return_gathered, backend
+        ctx.group_name, ctx.dim, ctx.return_gathered, ctx.backend = group.group_name, dim, return_gathered, backend
         ctx.set_materialize_grads(False)  # an unused output (or gathered input) gets no zero-filled gradient
         # Keep the gathered x, or only the shard to gather again in backward (never both).
         ctx.save_for_backward(x_shard if gathered is None else None, gathered, *weights)
@@ -496,10 +504,11 @@ class _AllGatherMatmul(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_gathered, *grad_ys):
         x_shard, gathered, *weights = ctx.saved_tensors
+        group = _group_by_name(ctx.group_name)
         if x_shard is None:  # the gathered x holds a copy of this rank's shard
-            x_shard = gathered[dist.get_rank(ctx.group)]
+            x_shard = gathered[dist.get_rank(group)]
         grad_x, grad_weights = _backend(ctx.backend).all_gather_matmul_backward(
-            list(grad_ys), grad_gathered if ctx.return_gathered else None, x_shard, gathered, weights, ctx.group,
+            list(grad_ys), grad_gathered if ctx.return_gathered else None, x_shard, gathered, weights, group,
             ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[6:],
         )
         return (grad_x, None, None, None, None, None, *grad_weights)
@@ -515,7 +524,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, group, dim, backend):
         y_shard = _backend(backend).matmul_reduce_scatter_forward(x, weight, group, dim)
-        ctx.group, ctx.dim, ctx.backend = group, dim, backend
+        ctx.group_name, ctx.dim, ctx.backend = group.group_name, dim, backend
         ctx.save_for_backward(x, weight)
         return y_shard
 
@@ -524,7 +533,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad_y_shard):
         x, weight = ctx.saved_tensors
         grad_x, grad_weight = _backend(ctx.backend).matmul_reduce_scatter_backward(
-            grad_y_shard, x, weight, ctx.group, ctx.dim, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            grad_y_shard, x, weight, _group_by_name(ctx.group_name), ctx.dim, ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
         )
         return grad_x, grad_weight, None, None, None
 

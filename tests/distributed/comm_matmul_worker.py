@@ -10,6 +10,8 @@ global tensors (all ranks' shards, weights and output gradients), so the plain a
 from __future__ import annotations
 
 import os
+import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -397,6 +399,39 @@ def check_profiler_names_the_rings():
     for expected in ("tridist.all_gather_matmul", "tridist.all_gather_matmul.backward",
                      "tridist.matmul_reduce_scatter", "tridist.matmul_reduce_scatter.backward"):
         assert expected in names, (expected, sorted(n for n in names if "tridist" in n))
+
+
+def check_rings_leave_no_work_and_no_group_behind():
+    """Once forward and backward are done, while their outputs (and so the autograd graph) are alive, as
+    a script's are until interpreter exit: no transfer's Work object survives, and nothing of the ops
+    holds the process group. A group held past dist.destroy_process_group() keeps gloo's threads running
+    into interpreter finalisation, where a thread freeing its last work aborts the process
+    (kernels/comm_matmul.py, above _AllGatherMatmul)."""
+    group = _groups()["pair"]
+    works = []
+    post = dist.batch_isend_irecv
+
+    def recording(ops):  # comm_matmul looks dist.batch_isend_irecv up at each call
+        posted = post(ops)
+        works.extend(weakref.ref(work) for work in posted)
+        return posted
+
+    references = sys.getrefcount(group)
+    dist.batch_isend_irecv = recording
+    try:
+        x_shard = torch.randn(2, 3, 16, requires_grad=True)
+        w_in, w_out = torch.randn(8, 16, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+        kept = all_gather_matmul(x_shard, w_in, group, gather_dim=1)
+        regathered = all_gather_matmul(x_shard, w_in, group, gather_dim=1, save_gathered=False)
+        y = matmul_reduce_scatter(kept + regathered, w_out, group, scatter_dim=1)
+        y.sum().backward()
+    finally:
+        dist.batch_isend_irecv = post
+    assert works, "the rings posted no transfer through dist.batch_isend_irecv"
+    alive = sum(ref() is not None for ref in works)
+    assert not alive, f"{alive} of the rings' {len(works)} Work objects outlive them"
+    held = sys.getrefcount(group) - references
+    assert held == 0, f"the outputs' autograd graph holds {held} references to the process group"
 
 
 def check_autocast_bf16():
