@@ -18,6 +18,7 @@ from .auto import ToDistributedConfig, apply_strategy, to_distributed
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .tensor_parallel import (
     ColWiseParallel,
+    DistributedNorm,
     PrepareLayerInput,
     PrepareLayerOutput,
     RowWiseParallel,
@@ -25,11 +26,14 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    ShardLocalParameters,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 __all__ = [
     "ColWiseParallel",
+    "DistributedNorm",
+    "ShardLocalParameters",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",
