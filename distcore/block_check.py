@@ -275,14 +275,7 @@ def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh)
         raise TensorParallelCheckError(
             f"parallelize: tensor parallel of the parts outside the decoder blocks ({sorted(outside.styles)}) fails "
             f"on one forward and backward: {type(error).__name__}: {error}") from error
-    scale = _GRADIENT_FLOOR * max((float(g.abs().max()) for g in expected[1].values() if g is not None and g.numel()), default=0.0)
-    errors = {"the loss": _relative_error(got[0], expected[0], expected[0].abs().max())}
-    for name, grad in expected[1].items():
-        other = got[1].get(name)
-        if (other is None) != (grad is None):
-            errors[f"the gradient of {name}"] = math.inf
-        elif grad is not None:
-            errors[f"the gradient of {name}"] = _relative_error(other, grad, scale)
+    errors = {"the loss": _relative_error(got[0], expected[0], expected[0].abs().max()), **_gradient_errors(got[1], expected[1])}
     bad = [what for what, error in zip(errors, _worst_over_ranks(list(errors.values()), tp_mesh)) if not error <= _RELATIVE_TOLERANCE]
     if bad:
         raise TensorParallelCheckError(
@@ -443,15 +436,15 @@ class _Check:
     def _partial_grads(self, reference: _Reference, run: "_Run", params: dict) -> list[str]:
         """Plain (whole) parameters whose gradient differs from one device's on some rank while the sum of
         the ranks' gradients equals it: computed from this rank's shard of the activations only."""
-        found = []
+        found, scale = [], _grad_scale(reference.grads)
         for name, param in params.items():
             grad, expected = run.grads.get(name), reference.grads.get(name)
             if isinstance(param, DTensor) or grad is None or expected is None:
                 continue
             summed = grad.clone()
             torch.distributed.all_reduce(summed, group=self.tp_mesh.get_group())
-            own_ok = _agree(_relative_error(grad, expected, _grad_scale(reference)) <= _RELATIVE_TOLERANCE, self.tp_mesh)
-            if not own_ok and _relative_error(summed, expected, _grad_scale(reference)) <= _RELATIVE_TOLERANCE:
+            own_ok = _agree(_relative_error(grad, expected, scale) <= _RELATIVE_TOLERANCE, self.tp_mesh)
+            if not own_ok and _relative_error(summed, expected, scale) <= _RELATIVE_TOLERANCE:
                 found.append(name)
         return found
 
@@ -463,13 +456,7 @@ class _Check:
             return f"gives an output of shape {tuple(run.output.shape)} instead of {tuple(reference.output.shape)}"
         errors = {"the output": _relative_error(run.output, reference.output, reference.output.abs().max()),
                   "the input's gradient": _relative_error(run.input_grad, reference.input_grad, reference.input_grad.abs().max())}
-        scale = _grad_scale(reference)
-        for name, expected in reference.grads.items():
-            got = run.grads.get(name)
-            if (got is None) != (expected is None):
-                errors[f"the gradient of {name}"] = math.inf
-            elif got is not None:
-                errors[f"the gradient of {name}"] = _relative_error(got, expected, scale)
+        errors.update(_gradient_errors(run.grads, reference.grads))
         worst = _worst_over_ranks(list(errors.values()), self.tp_mesh)
         bad = [(what, error) for what, error in zip(errors, worst) if not error <= _RELATIVE_TOLERANCE]
         if not bad:
@@ -517,12 +504,25 @@ def _as_seen_by_the_optimizer(grad):
     return grad
 
 
-def _grad_scale(reference: _Reference) -> float:
-    """The floor of a parameter gradient's scale: FLOOR of the largest gradient element of the block. A
-    gradient that nearly cancels has rounding set by the size of its terms, not of its sum; the block's
+def _grad_scale(grads: dict) -> float:
+    """The floor of a parameter gradient's scale: FLOOR of the largest gradient element of the module. A
+    gradient that nearly cancels has rounding set by the size of its terms, not of its sum; the module's
     typical large gradient stands for that size (as in tests/distributed/equivalence.py)."""
-    largest = [g.abs().max() for g in reference.grads.values() if g is not None and g.numel()]
+    largest = [g.abs().max() for g in grads.values() if g is not None and g.numel()]
     return _GRADIENT_FLOOR * float(max(largest)) if largest else 0.0
+
+
+def _gradient_errors(got: dict, expected: dict) -> dict:
+    """{"the gradient of <name>": relative error} for every parameter of `expected` (inf where only one side
+    has a gradient), scaled as _grad_scale says."""
+    scale, errors = _grad_scale(expected), {}
+    for name, grad in expected.items():
+        other = got.get(name)
+        if (other is None) != (grad is None):
+            errors[f"the gradient of {name}"] = math.inf
+        elif grad is not None:
+            errors[f"the gradient of {name}"] = _relative_error(other, grad, scale)
+    return errors
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor, scale) -> float:
