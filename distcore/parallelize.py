@@ -93,7 +93,8 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             if plan.overlap_comm:
                 refuse_overlap(views.global_view)
         runner = pipeline.apply_pipeline_parallel(
-            model, pp_mesh=dims.device_mesh("pp"), pp_config=dict(config["pp_config"] or {}), device=env.device(),
+            model, pp_mesh=dims.device_mesh("pp"), pp_rank_groups=dims.rank_groups("pp"),
+            pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,

@@ -463,19 +463,27 @@ class TiedAcrossStages:
     when one rank holds them all) for each tie this rank holds.
     """
 
-    def __init__(self, model: torch.nn.Module, placement: _Placement, *, last: int, stage_ids: list[int], pp_group):
-        pp_ranks = dist.get_process_group_ranks(pp_group)
+    def __init__(self, model: torch.nn.Module, placement: _Placement, *, last: int, stage_ids: list[int],
+                 pp_rank_groups: list[list[int]]):
+        """`pp_rank_groups`: the ranks of every pipeline (ParallelDims.rank_groups("pp")), the same on every rank."""
+        rank = dist.get_rank()
         self.ties: list[tuple[list[str], object]] = []
         for names in tied_parameter_names(model):
-            stage_of = {name: _stage_of_parameter(name, placement, last) for name in names}
-            if len(set(stage_of.values())) == 1:
+            stages = {_stage_of_parameter(name, placement, last) for name in names}
+            if len(stages) == 1:
                 continue  # one stage: one module tree, one parameter
-            members = sorted({pp_ranks[stage % len(pp_ranks)] for stage in stage_of.values()})  # looped placement
-            if not any(stage in stage_ids for stage in stage_of.values()):
-                continue
-            # Only the members create (and later use) the group: a rank holding no copy never calls in.
-            group = dist.new_group(members, use_local_synchronization=True) if len(members) > 1 else None
-            self.ties.append((names, group))
+            # Every rank creates the holders' group of every pipeline, in the same order (new_group is a
+            # collective of the whole job). Letting only the members create theirs
+            # (use_local_synchronization=True) hangs in torch as soon as ranks hold different numbers of
+            # groups, e.g. after any subgroup some ranks are not in (pytorch/pytorch#173608).
+            group = None
+            for pp_ranks in pp_rank_groups:
+                members = sorted({pp_ranks[stage % len(pp_ranks)] for stage in stages})  # looped placement
+                created = dist.new_group(members) if len(members) > 1 else None
+                if rank in members:
+                    group = created
+            if any(stage in stage_ids for stage in stages):  # a rank holding no copy takes no part
+                self.ties.append((names, group))
 
     def sum_gradients(self, views: list[torch.nn.Module]) -> None:
         """After a training step's backward: every copy's gradient becomes the sum of all copies'."""
@@ -518,10 +526,12 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ applying
 
 
-def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict, device: torch.device, dp_group,
+def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: list[list[int]], pp_config: dict,
+                            device: torch.device, dp_group,
                             parallelize_stage: Callable[[torch.nn.Module], None]) -> "PipelineRunner":
-    """Split `model` into pipeline stages over `pp_mesh` (this rank keeps its own), parallelise each
-    stage with `parallelize_stage` (tensor and data parallel), and make `model(...)` run the schedule.
+    """Split `model` into pipeline stages over `pp_mesh` (this rank keeps its own; `pp_rank_groups`: the ranks
+    of every pipeline of the job, ParallelDims.rank_groups("pp")), parallelise each stage with
+    `parallelize_stage` (tensor and data parallel), and make `model(...)` run the schedule.
 
     Why views and not a traced graph: the model's own forward keeps running (masks, rotary tables, the
     loss), so tensor parallel's hooks and the fused kernels work inside stages as they do without pp.
@@ -531,7 +541,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_config: dict,
     placement = _placement(model, config)
     bare_parameters = _bare_parameter_names(model, placement)
     stage_ids = [pp_rank + chunk * pp for chunk in range(config.chunks_per_rank)]  # torch's looped placement
-    tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_group=pp_mesh.get_group())
+    tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_rank_groups=pp_rank_groups)
     last = config.num_stages - 1
     micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
     states = [_StageState(stage=s, is_first=s == 0, is_last=s == last) for s in stage_ids]
