@@ -13,6 +13,11 @@ import torch  # noqa: E402
 
 from tridist.kernels import _common  # noqa: E402
 
+# Under pytest-xdist the workers share the cores: each takes its part for torch's own threads, so that
+# two workers on two cores do not run four threads that spin-wait for each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(params=["triton", "torch"])
 def backend(request, monkeypatch):

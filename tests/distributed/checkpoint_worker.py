@@ -1,19 +1,20 @@
 """Checkpoints across strategies and world sizes (run by tests/distributed/test_checkpoint.py).
 
-Phase "save" (4 processes, ZeRO-3): train 2 steps, save, then train a third step and record its loss.
-Phase "load" (2 processes, sharding level 1; or 1 process, no parallelism): load: every parameter and
-optimizer state equals the saved one bit for bit (a checkpoint moves values, it computes nothing); train
-the third step: the loss and the parameters equal the uninterrupted run's within rounding
-(equivalence.py; the third step's gradients come from another layout).
+Save (4 processes): train 2 steps, save, then train a third step and record its loss, under each layout:
+"zero3" (the seed model under ZeRO-3), "tensor-parallel" (the HF-style model under dp2 x mp2, level 2).
+Load (2 processes, sharding level 1; or 1 process, no parallelism): every parameter and optimizer state
+equals the saved one bit for bit (a checkpoint moves values, it computes nothing); train the third step:
+the loss and the parameters equal the uninterrupted run's within rounding (equivalence.py; the third
+step's gradients come from another layout).
 
 Layout "packed-tensor-parallel": paddle-llama (packed qkv_proj/gate_up_proj split per part, a
 vocabulary-parallel bare LM head) under the parallelize seed's plan on dp2 x mp2, SGD with momentum (so
 optimizer states are packed too); loaded under mp4 or on one process, the next step must equal an
-uninterrupted single-process run.
-"""
+uninterrupted single-process run."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -28,42 +29,45 @@ from tests.distributed.harness import run_checks
 from tests.distributed import tensor_parallel_worker
 from tests.distributed.parallelize_worker import _batches, _model_and_optimizer
 
-PHASE = os.environ.get("CHECKPOINT_PHASE", "save")
-CHECKPOINT = Path(os.environ.get("CHECKPOINT_DIR", "/tmp/tridist-checkpoint"))
-# "zero3": the seed model under ZeRO-3 when saving; "tensor-parallel": the HF-style model under
-# dp2 x mp2 (level 2) when saving. Loading uses data parallel level 1 (or one process) either way.
-# "packed-tensor-parallel": see the module docstring (loads under mp4 or on one process).
-LAYOUT = os.environ.get("CHECKPOINT_LAYOUT", "zero3")
-PACKED = LAYOUT == "packed-tensor-parallel"
+LAYOUTS = ("zero3", "tensor-parallel", "packed-tensor-parallel")
+# The world sizes each layout is loaded under (saved under 4 processes): see the module docstring.
+LOADED_UNDER = {"zero3": (2, 1), "tensor-parallel": (2, 1), "packed-tensor-parallel": (4, 1)}
 
 
-def _model_for_layout():
-    if LAYOUT == "tensor-parallel":
+def _directory(layout: str) -> Path:
+    """Where `layout` is saved: the session's scratch directory (the larger world's launch saves, the smaller
+    ones' load), or a temporary one for a developer's run of this module alone."""
+    return Path(os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-checkpoint")) / f"checkpoint-{layout}"
+
+
+def _model_for_layout(layout: str):
+    if layout == "tensor-parallel":
         return tensor_parallel_worker._model("hf-llama")  # SGD: layouts then agree to rounding
-    if PACKED:
+    if layout == "packed-tensor-parallel":
         torch.manual_seed(0)
         model = build_model("paddle-llama")
         return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # momentum: optimizer state
     return _model_and_optimizer()
 
 
-def _parallel_model():
+def _parallel_model(layout: str, phase: str):
     world = dist.get_world_size()
-    model, optimizer = _model_for_layout()
+    model, optimizer = _model_for_layout(layout)
     if world == 1:
         return model, distcore.shard_optimizer(optimizer), None
-    if PHASE == "save" and LAYOUT == "tensor-parallel":
+    packed = layout == "packed-tensor-parallel"
+    if phase == "save" and layout == "tensor-parallel":
         mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
         config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": tensor_parallel_worker.HF_PLAN}}
-    elif PACKED and PHASE == "save":
+    elif packed and phase == "save":
         mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
         config = {"dp_config": {"sharding_level": 1}, "mp_config": {"parallelize_plan": tensor_parallel_worker.PADDLE_SEED_PLAN}}
-    elif PACKED:  # loaded under mp4: another tensor-parallel degree than the saving run's mp2
+    elif packed:  # loaded under mp4: another tensor-parallel degree than the saving run's mp2
         mesh = ProcessMesh(list(range(world)), ["mp"])
         config = {"mp_config": {"parallelize_plan": tensor_parallel_worker.PADDLE_SEED_PLAN}}
     else:
         mesh = ProcessMesh(list(range(world)), ["dp"])
-        config = {"dp_config": {"sharding_level": 3 if PHASE == "save" else 1}}
+        config = {"dp_config": {"sharding_level": 3 if phase == "save" else 1}}
     model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
     return model, optimizer, mesh
 
@@ -88,37 +92,40 @@ def _full_state(model, optimizer) -> dict:
     return state
 
 
-def check_save_then_continue():
-    model, optimizer, mesh = _parallel_model()
+def _save_then_continue(layout: str) -> None:
+    model, optimizer, mesh = _parallel_model(layout, "save")
     batches = _batches()
     losses = [_step(model, optimizer, mesh, inputs, labels) for inputs, labels in batches[:2]]
-    distcore.save_state(model, optimizer, CHECKPOINT / "state", extra={"step": 2})
+    directory = _directory(layout)
+    distcore.save_state(model, optimizer, directory / "state", extra={"step": 2})
     saved = _full_state(model, optimizer)  # collectives: every rank gathers, rank 0 writes
     losses.append(_step(model, optimizer, mesh, *batches[2]))
     continued = equivalence.parameters(model)
     if dist.get_rank() == 0:
-        torch.save({"losses": losses, "saved": saved, "continued": continued}, CHECKPOINT / "expected.pt")
+        torch.save({"losses": losses, "saved": saved, "continued": continued}, directory / "expected.pt")
 
 
-def _uninterrupted_single_process() -> equivalence.Trace:
+def _uninterrupted_single_process(layout: str) -> equivalence.Trace:
     """Three steps on one process, no parallelism: what a resumed run must reproduce."""
-    model, optimizer = _model_for_layout()
+    model, optimizer = _model_for_layout(layout)
     return equivalence.train(model, optimizer, _batches())
 
 
-def check_load_under_another_layout_and_continue():
-    model, optimizer, mesh = _parallel_model()
-    extra = distcore.load_state(model, optimizer, CHECKPOINT / "state")
+def _load_under_another_layout_and_continue(layout: str) -> None:
+    assert dist.get_world_size() in LOADED_UNDER[layout], (layout, dist.get_world_size())
+    model, optimizer, mesh = _parallel_model(layout, "load")
+    directory = _directory(layout)
+    extra = distcore.load_state(model, optimizer, directory / "state")
     assert extra == {"step": 2}, extra
-    expected = torch.load(CHECKPOINT / "expected.pt")
+    expected = torch.load(directory / "expected.pt")
     loaded = _full_state(model, optimizer)
     assert loaded.keys() == expected["saved"].keys(), sorted(loaded.keys() ^ expected["saved"].keys())
     unequal = [key for key, value in loaded.items() if not torch.equal(torch.as_tensor(value), torch.as_tensor(expected["saved"][key]))]
     assert not unequal, f"not the saved values: {unequal}"
     losses = expected["losses"][:2] + [_step(model, optimizer, mesh, *_batches()[2])]
     params = equivalence.parameters(model)
-    if PACKED:  # against three uninterrupted single-process steps; error relative to their whole displacement
-        reference = _uninterrupted_single_process()
+    if layout == "packed-tensor-parallel":  # against three uninterrupted single-process steps; error relative to their whole displacement
+        reference = _uninterrupted_single_process(layout)
         equivalence.assert_losses_close(losses, reference.losses)
         moved = {name: reference.parameters[name] - reference.initial[name] for name in params}
         equivalence.assert_tensors_close("parameters", params, reference.parameters, scale=moved)
@@ -129,23 +136,26 @@ def check_load_under_another_layout_and_continue():
 
 
 def check_missing_checkpoint_is_a_clear_error():
-    model, optimizer, _ = _parallel_model()
-    try:
-        distcore.load_state(model, optimizer, CHECKPOINT / "nothing-here")
-    except FileNotFoundError as error:
-        assert "no checkpoint directory" in str(error)
-    else:
-        raise AssertionError("expected FileNotFoundError")
+    """Under each layout this world loads."""
+    for layout in (layout for layout in LAYOUTS if dist.get_world_size() in LOADED_UNDER[layout]):
+        model, optimizer, _ = _parallel_model(layout, "load")
+        try:
+            distcore.load_state(model, optimizer, _directory(layout) / "nothing-here")
+        except FileNotFoundError as error:
+            assert "no checkpoint directory" in str(error)
+        else:
+            raise AssertionError(f"{layout}: expected FileNotFoundError")
 
 
-CHECKS = (
-    {"check_save_then_continue": check_save_then_continue}
-    if PHASE == "save"
-    else {
-        "check_load_under_another_layout_and_continue": check_load_under_another_layout_and_continue,
-        "check_missing_checkpoint_is_a_clear_error": check_missing_checkpoint_is_a_clear_error,
-    }
-)
+_NAMES = {layout: layout.replace("-", "_") for layout in LAYOUTS}
+# The saves run on 4 processes; the loads on each world size of LOADED_UNDER (tests/distributed/test_checkpoint.py
+# asks each launch for its own). A world's checks run in this order: saves before the loads that read them.
+CHECKS = {
+    **{f"check_save_{_NAMES[layout]}_then_continue": functools.partial(_save_then_continue, layout) for layout in LAYOUTS},
+    **{f"check_load_{_NAMES[layout]}_and_continue": functools.partial(_load_under_another_layout_and_continue, layout)
+       for layout in LAYOUTS},
+    "check_missing_checkpoint_is_a_clear_error": check_missing_checkpoint_is_a_clear_error,
+}
 
 if __name__ == "__main__":
     distcore.init_parallel_env()

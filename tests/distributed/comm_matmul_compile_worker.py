@@ -14,7 +14,7 @@ from tests.distributed.harness import run_checks
 from tests.distributed.symm_mem_cpu import symm_mem_on_cpu
 
 
-GROUP = {}
+GROUP: dict[str, dist.ProcessGroup] = {}  # created by _inputs(), before any compile traces _block (a dict read)
 
 
 def _block(x_shard, up, down, save_gathered=True, backend="ring"):
@@ -23,6 +23,8 @@ def _block(x_shard, up, down, save_gathered=True, backend="ring"):
 
 
 def _inputs():
+    if "explicit" not in GROUP:  # every check makes its inputs first, on every rank (new_group is collective)
+        GROUP["explicit"] = dist.new_group([0, 1])
     generator = torch.Generator().manual_seed(dist.get_rank())
     return (torch.randn(2, 6, 24, generator=generator), torch.randn(20, 24, generator=generator),
             torch.randn(24, 20, generator=generator))
@@ -147,6 +149,5 @@ CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_"
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    GROUP["explicit"] = dist.new_group([0, 1])
     torch.set_num_threads(1)
     run_checks(CHECKS)  # ends the process group

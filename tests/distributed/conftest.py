@@ -1,18 +1,34 @@
-"""One merged 4-process launch per session for the worker modules whose tests ask for it (MERGED_WORKER in
-the test module, optionally MERGED_CHECKS): see merged_worker.py. Only the modules of the collected tests
-are launched, so running one test file still runs only its own checks."""
+"""The session's merged launches: one torchrun per world size (4, then 2, then 1 processes) runs the checks of
+every worker module whose test module declares it (MERGED = {worker module: {world size: its checks, or None
+for all}}): see merged_worker.py. Only the test modules collected are launched, so running one test file
+still runs only its own checks. The larger worlds go first: a smaller world may read what a larger one
+wrote in the session's scratch directory (TRIDIST_SCRATCH: checkpoints saved on 4 processes, loaded on 2
+and on 1)."""
 
 import pytest
 
-from tests.distributed.harness import MERGED_NPROC, launch_merged
+from tests.distributed.harness import launch_merged
 
 
 @pytest.fixture(scope="session")
-def merged_launch(request, tmp_path_factory) -> dict:
-    modules = {}
+def merged_launches(request, tmp_path_factory) -> dict:
+    """{world size: that launch's results}; read one module's with harness.module_results."""
+    by_world: dict[int, dict] = {}
     for item in request.session.items:
-        worker = getattr(item.module, "MERGED_WORKER", None)
-        if worker:
-            checks = getattr(item.module, "MERGED_CHECKS", None)
-            modules[worker] = None if checks is None else list(checks)
-    return launch_merged(modules, nproc=MERGED_NPROC, out_dir=tmp_path_factory.mktemp("merged"))
+        for worker, worlds in getattr(item.module, "MERGED", {}).items():
+            for nproc, checks in worlds.items():
+                by_world.setdefault(nproc, {})[worker] = None if checks is None else list(checks)
+    scratch = tmp_path_factory.mktemp("scratch")
+    return {nproc: launch_merged(by_world[nproc], nproc=nproc, out_dir=tmp_path_factory.mktemp(f"merged{nproc}"),
+                                 scratch=scratch)
+            for nproc in sorted(by_world, reverse=True)}
+
+
+def pytest_collection_modifyitems(items):
+    # Under pytest-xdist (--dist loadgroup) every test of the merged launches runs on one worker, which
+    # launches them once; each other launch (its own module fixture) keeps its module together.
+    for item in items:
+        if "merged_launches" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("merged launches"))
+        elif item.module.__name__.startswith("tests.distributed."):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

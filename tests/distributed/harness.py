@@ -23,6 +23,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from tridist.distcore.env import destroy_parallel_env
+from tridist.kernels import _common
 from tests.distributed import equivalence
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,14 +87,12 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     return results
 
 
-MERGED_NPROC = 4  # the merged launch's world (conftest.py): the size most worker modules check on
-
-
-def launch_merged(modules: dict, *, nproc: int, out_dir: Path, timeout_s: float = 1200) -> dict:
+def launch_merged(modules: dict, *, nproc: int, out_dir: Path, scratch: Path, timeout_s: float = 1500) -> dict:
     """One torchrun of merged_worker.py running `modules` ({worker module: its checks to run, or None for
-    all}) in turn; read each module's results with `module_results`."""
+    all}) in turn, with `scratch` as TRIDIST_SCRATCH (a directory the session's launches share); read each
+    module's results with `module_results`."""
     return launch("tests.distributed.merged_worker", nproc=nproc, out_dir=out_dir, timeout_s=timeout_s,
-                  extra_env={"TRIDIST_MERGED": json.dumps(modules)})
+                  extra_env={"TRIDIST_MERGED": json.dumps(modules), "TRIDIST_SCRATCH": str(scratch)})
 
 
 def module_results(merged: dict, module: str) -> dict:
@@ -142,16 +141,31 @@ def assert_check(results: dict, name: str, *, nproc: int) -> None:
     assert launch_failure is None, f"check {name!r} passed, but the launch ended badly: {launch_failure}"
 
 
+def interprets_kernels(check: Callable[[], None]) -> Callable[[], None]:
+    """Marks a check whose subject is the fused Triton kernels themselves (on local shards, in pipeline
+    stages, beside FSDP2): where the launch has TRITON_INTERPRET=1 (the suite's default, tests/conftest.py)
+    it runs them in Triton's interpreter. Every other check runs the kernels' CPU path: the same fused
+    modules, autograd Functions and DTensor handling, with the kernels' math in PyTorch (kernels/_common.py
+    `use_triton`). Interpreting the kernels in every training step costs ~10x (to_distributed's searched
+    strategy: 13.5 s against 1.4 s on 4 processes) and checks no more of distcore; the kernels themselves
+    are checked against their references in tests/test_*.py, under the interpreter."""
+    check.interprets_kernels = True
+    return check
+
+
 def run_checks(checks: dict[str, Callable[[], None]]) -> None:
     """Worker side: run every check on this rank, appending one JSON line per result (with the
-    equivalence margins the check measured), then end the process group."""
+    equivalence margins the check measured), then end the process group. The Triton interpreter runs only
+    in checks marked `interprets_kernels`."""
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
     path = out_dir / f"rank{rank}.jsonl"
     only = os.environ.get("TRIDIST_CHECKS")  # a developer's subset: "check_a,check_b" (the test then fails on the rest)
     if only:
         checks = {name: fn for name, fn in checks.items() if name in only.split(",")}
+    interpreter = _common.TRITON_INTERPRET  # the launch's: the kernels were decorated for the interpreter
     for name, check in checks.items():
+        _common.TRITON_INTERPRET = interpreter and getattr(check, "interprets_kernels", False)
         equivalence.MEASURED.clear()
         start = time.perf_counter()
         try:

@@ -14,7 +14,7 @@ import torch
 from tridist import distcore
 from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import interprets_kernels, run_checks
 from tests.distributed.symm_mem_cpu import symm_mem_on_cpu
 from tests.distributed.tensor_parallel_worker import (
     GQA_PACKED_PLAN,
@@ -103,6 +103,7 @@ def check_packed_qkv_and_gate_up():
     assert layer.self_attn.num_heads == 4 // 2 if _world() == 4 else 2
 
 
+@interprets_kernels
 def check_fused_kernels_and_fsdp2_on_the_same_mesh():
     """Fused RMSNorm / rotary / SwiGLU on local shards and sequence slices, FSDP2 (ZeRO-3: parameters
     sharded over dp too) on the tensor-parallel DTensors."""

@@ -16,7 +16,7 @@ from tridist import kernels
 from tridist.bench.models import SeedLlamaModel, build_model, tiny_seed_config
 from tridist.distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import interprets_kernels, run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB, LAYERS = 8, 8, 3, 128, 4
 SPLIT = {"seed-llama": "layers", "hf-llama": "model.layers"}
@@ -112,6 +112,7 @@ def check_1f1b_four_stages():
     assert ("weight" in dict(model.named_parameters())) == (stage == 3)  # the bare LM head: last stage
 
 
+@interprets_kernels
 def check_gpipe_hf_style_model_with_fused_kernels():
     model = _equal_to_one_process("hf-llama", PP4, _pp("hf-llama", schedule="GPipe", micro_batches=4), fused=True)
     owned = [layer for layer in model.model.layers if not getattr(layer, "_tridist_stand_in", False)]

@@ -15,7 +15,7 @@ from tridist import kernels
 from tridist.bench.models import build_model
 from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel, Shard
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import interprets_kernels, run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB = 4, 8, 3, 128
 MESH = ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "mp"])
@@ -90,6 +90,7 @@ def check_seed_model_with_fixed_head_count_reshape():
     assert model.layers[0].self_attn.num_heads == 2  # 4 heads, 2 per tensor-parallel rank
 
 
+@interprets_kernels
 def check_fused_kernels_run_on_local_shards():
     model = _equal_to_one_process("hf-llama", {"mp_config": {"parallelize_plan": HF_PLAN}}, fused=True)
     assert isinstance(model.model.layers[0].mlp, kernels.FusedSwiGLUMLP)
@@ -132,6 +133,7 @@ def check_sequence_parallel_hf_style_model():
     assert isinstance(model.model.norm.weight, torch.distributed.tensor.DTensor)  # final norm on slices
 
 
+@interprets_kernels
 def check_sequence_parallel_with_fused_kernels_and_data_parallel():
     """FusedRMSNorm on sequence slices (DTensor inputs) + fused SwiGLU/rotary on local shards, dp2 x mp2."""
     config = {"dp_config": {"sharding_level": 2}, "mp_config": {"parallelize_plan": {**SEED_PLAN, **SP_BOUNDARIES_SEED}}}

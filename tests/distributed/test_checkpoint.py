@@ -3,45 +3,44 @@ parallel on 4 processes; resumed under sharding level 1 on 2 processes and on a 
 parameter and optimizer state resumes bit for bit, and the next step equals the saving run's within
 rounding (tests/distributed/equivalence.py). Packed projections (split per part) and a
 vocabulary-parallel LM head saved under dp2 x mp2 resume under mp4 and on a single process as an
-uninterrupted single-process run."""
+uninterrupted single-process run. The saves run in the session's merged 4-process launch, the loads in
+the launches of each world size after it (conftest.py), through the session's scratch directory."""
 
 import pytest
 
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.checkpoint_worker import LAYOUTS, LOADED_UNDER
+from tests.distributed.harness import assert_check, module_results
+
+SAVED_UNDER = 4
 
 
-def _save(tmp_path_factory, layout: str):
-    directory = tmp_path_factory.mktemp(f"checkpoint-{layout}")
-    env = {"CHECKPOINT_DIR": str(directory), "CHECKPOINT_LAYOUT": layout}
-    results = launch("tests.distributed.checkpoint_worker", nproc=4, out_dir=directory / "save",
-                     extra_env={**env, "CHECKPOINT_PHASE": "save"})
-    assert_check(results, "check_save_then_continue", nproc=4)
-    return directory, env
+def _name(layout: str) -> str:
+    return layout.replace("-", "_")
 
 
-@pytest.fixture(scope="module", params=["zero3", "tensor-parallel"])
-def saved(request, tmp_path_factory):
-    return _save(tmp_path_factory, request.param)
+MERGED = {"checkpoint_worker": {
+    nproc: [*(f"check_save_{_name(layout)}_then_continue" for layout in LAYOUTS if nproc == SAVED_UNDER),
+            *(f"check_load_{_name(layout)}_and_continue" for layout in LAYOUTS if nproc in LOADED_UNDER[layout]),
+            "check_missing_checkpoint_is_a_clear_error"]
+    for nproc in (4, 2, 1)
+}}
 
 
-@pytest.fixture(scope="module")
-def saved_packed(tmp_path_factory):
-    return _save(tmp_path_factory, "packed-tensor-parallel")
+def _results(merged_launches, nproc: int) -> dict:
+    return module_results(merged_launches[nproc], "checkpoint_worker")
 
 
-def _load(saved, nproc: int) -> None:
-    directory, env = saved
-    results = launch("tests.distributed.checkpoint_worker", nproc=nproc, out_dir=directory / f"load{nproc}",
-                     extra_env={**env, "CHECKPOINT_PHASE": "load"})
-    assert_check(results, "check_load_under_another_layout_and_continue", nproc=nproc)
-    assert_check(results, "check_missing_checkpoint_is_a_clear_error", nproc=nproc)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_then_continue(merged_launches, layout):
+    assert_check(_results(merged_launches, SAVED_UNDER), f"check_save_{_name(layout)}_then_continue", nproc=SAVED_UNDER)
 
 
-@pytest.mark.parametrize("nproc", [2, 1], ids=["2-processes-level-1", "single-process"])
-def test_load_under_another_layout(saved, nproc):
-    _load(saved, nproc)
+@pytest.mark.parametrize("layout, nproc", [(layout, nproc) for layout in LAYOUTS for nproc in LOADED_UNDER[layout]],
+                         ids=[f"{layout}-{nproc}-processes" for layout in LAYOUTS for nproc in LOADED_UNDER[layout]])
+def test_load_under_another_layout(merged_launches, layout, nproc):
+    assert_check(_results(merged_launches, nproc), f"check_load_{_name(layout)}_and_continue", nproc=nproc)
 
 
-@pytest.mark.parametrize("nproc", [4, 1], ids=["mp4", "single-process"])
-def test_packed_tensor_parallel_loads_under_another_degree(saved_packed, nproc):
-    _load(saved_packed, nproc)
+@pytest.mark.parametrize("nproc", (4, 2, 1))
+def test_missing_checkpoint_is_a_clear_error(merged_launches, nproc):
+    assert_check(_results(merged_launches, nproc), "check_missing_checkpoint_is_a_clear_error", nproc=nproc)

@@ -9,18 +9,19 @@ import torch.distributed as dist
 
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 from tests.distributed import comm_matmul_compile_worker, comm_matmul_worker
-from tests.distributed.harness import assert_check, launch, module_results
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = 4
 COMPILE_NPROC = 2
 
 
-MERGED_WORKER = "comm_matmul_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+# In the session's merged launches of 4 and of 2 processes (conftest.py).
+MERGED = {"comm_matmul_worker": {NPROC: None}, "comm_matmul_compile_worker": {COMPILE_NPROC: None}}
 
 
 @pytest.fixture(scope="module")
-def results(merged_launch):
-    return module_results(merged_launch, MERGED_WORKER)
+def results(merged_launches):
+    return module_results(merged_launches[NPROC], "comm_matmul_worker")
 
 
 @pytest.mark.parametrize("check", list(comm_matmul_worker.CHECKS))
@@ -29,11 +30,8 @@ def test_comm_matmul(results, check):
 
 
 @pytest.fixture(scope="module")
-def compile_results(tmp_path_factory):
-    return launch(
-        "tests.distributed.comm_matmul_compile_worker", nproc=COMPILE_NPROC,
-        out_dir=tmp_path_factory.mktemp("comm_matmul_compile"),
-    )
+def compile_results(merged_launches):
+    return module_results(merged_launches[COMPILE_NPROC], "comm_matmul_compile_worker")
 
 
 @pytest.mark.parametrize("check", list(comm_matmul_compile_worker.CHECKS))

@@ -4,7 +4,7 @@ processes (tp 4, dp 2 x tp 2: every check) and on 2 (tp 2: the model checks), ag
 import pytest
 
 from tests.distributed import overlap_worker
-from tests.distributed.harness import MERGED_NPROC, assert_check, launch, module_results
+from tests.distributed.harness import assert_check, module_results
 
 # tp 2 alone: the three models; the refusals, profiler and to_distributed checks run on 4 processes. The
 # compiled model and the symmetric-memory backend run on 2 only: the same code as tp 4, at half the CPU
@@ -15,16 +15,13 @@ TWO_PROCESS_CHECKS = ("check_seed_model_overlap_on_and_off", "check_hf_style_mod
 FOUR_PROCESS_CHECKS = tuple(name for name in overlap_worker.CHECKS if name not in TWO_PROCESS_ONLY)
 
 
-MERGED_WORKER, MERGED_CHECKS = "overlap_worker", FOUR_PROCESS_CHECKS  # in the session's merged launch (conftest.py)
+# In the session's merged launches of 4 and of 2 processes (conftest.py).
+MERGED = {"overlap_worker": {4: FOUR_PROCESS_CHECKS, 2: TWO_PROCESS_CHECKS}}
 
 
 @pytest.fixture(scope="module", params=[4, 2], ids=["4 processes", "2 processes"])
-def results(request, tmp_path_factory):
-    nproc = request.param
-    if nproc == MERGED_NPROC:
-        return nproc, module_results(request.getfixturevalue("merged_launch"), MERGED_WORKER)
-    return nproc, launch("tests.distributed.overlap_worker", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"overlap{nproc}"),
-                         extra_env={"TRIDIST_CHECKS": ",".join(TWO_PROCESS_CHECKS)})
+def results(request, merged_launches):
+    return request.param, module_results(merged_launches[request.param], "overlap_worker")
 
 
 @pytest.mark.parametrize("check", list(overlap_worker.CHECKS))

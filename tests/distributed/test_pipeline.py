@@ -8,12 +8,12 @@ from tests.distributed.harness import assert_check, module_results
 NPROC = 4
 
 
-MERGED_WORKER = "pipeline_worker"  # its checks run in the session's merged 4-process launch (conftest.py)
+MERGED = {"pipeline_worker": {NPROC: None}}  # its checks run in the session's merged launch of NPROC (conftest.py)
 
 
 @pytest.fixture(scope="module")
-def results(merged_launch):
-    return module_results(merged_launch, MERGED_WORKER)
+def results(merged_launches):
+    return module_results(merged_launches[NPROC], "pipeline_worker")
 
 
 @pytest.mark.parametrize("check", list(pipeline_worker.CHECKS))

@@ -3,18 +3,16 @@
 import pytest
 
 from tests.distributed import to_distributed_worker
-from tests.distributed.harness import MERGED_NPROC, assert_check, launch, module_results
+from tests.distributed.harness import assert_check, module_results
 
 
-MERGED_WORKER = "to_distributed_worker"  # on 4 processes: in the session's merged launch (conftest.py)
+WORLDS = (1, 2, 4)
+MERGED = {"to_distributed_worker": {nproc: None for nproc in WORLDS}}  # the session's merged launches (conftest.py)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def world(request, tmp_path_factory):
-    nproc = request.param
-    if nproc == MERGED_NPROC:
-        return nproc, module_results(request.getfixturevalue("merged_launch"), MERGED_WORKER)
-    return nproc, launch("tests.distributed.to_distributed_worker", nproc=nproc, out_dir=tmp_path_factory.mktemp(f"to_distributed{nproc}"))
+@pytest.fixture(scope="module", params=WORLDS)
+def world(request, merged_launches):
+    return request.param, module_results(merged_launches[request.param], "to_distributed_worker")
 
 
 @pytest.mark.parametrize("check", list(to_distributed_worker.CHECKS))
