@@ -66,19 +66,21 @@ class ParallelDims:
 
     def device_mesh(self, kind: str):
         """The 1-D torch DeviceMesh of `kind` (collective on first use, as every DeviceMesh)."""
-        if kind not in self.kinds:
-            raise ValueError(f"ParallelDims: {kind!r} parallelism is not asked for here (asked: {list(self.kinds)})")
+        self._require(kind)
         return self.mesh.device_mesh[kind] if kind in self.mesh.dim_names else self.mesh.device_mesh
 
     def rank_groups(self, kind: str) -> list[list[int]]:
         """Every group of ranks along `kind` (one per coordinate of the other dims, in the mesh's order), each
         in `kind`'s order: what every rank must enumerate alike to create subgroups collectively."""
-        if kind not in self.kinds:
-            raise ValueError(f"ParallelDims: {kind!r} parallelism is not asked for here (asked: {list(self.kinds)})")
+        self._require(kind)
         if kind not in self.mesh.dim_names:
             return [list(self.mesh.process_ids)]
         ranks = np.moveaxis(np.asarray(self.mesh.mesh), self.mesh.dim_index(kind), -1)
         return ranks.reshape(-1, ranks.shape[-1]).tolist()
+
+    def _require(self, kind: str) -> None:
+        if kind not in self.kinds:
+            raise ValueError(f"ParallelDims: {kind!r} parallelism is not asked for here (asked: {list(self.kinds)})")
 
     def group(self, kind: str):
         """The process group of `kind`, or None where it is not asked for."""

@@ -31,3 +31,14 @@ def test_a_1d_mesh_of_another_name_serves_one_kind_only():
     assert ParallelDims.from_mesh(line, ["mp"]).degree("mp") == 4
     with pytest.raises(ValueError, match="each kind of parallelism needs its own named dimension"):
         ParallelDims.from_mesh(line, ["dp", "mp"])
+
+
+def test_rank_groups_list_every_group_along_a_dim_in_its_order():
+    """What every rank enumerates alike to create subgroups collectively (the pipelines' tie groups)."""
+    dims = ParallelDims.for_degrees(dp=2, tp=2, pp=2)  # ranks [pp][dp][mp]
+    assert dims.rank_groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.rank_groups("mp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    one_d = ParallelDims.from_mesh(ProcessMesh([0, 1, 2], dim_names=["x"]), ["dp"])
+    assert one_d.rank_groups("dp") == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="'pp' parallelism is not asked for"):
+        one_d.rank_groups("pp")

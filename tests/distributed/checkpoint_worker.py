@@ -147,13 +147,19 @@ def check_missing_checkpoint_is_a_clear_error():
             raise AssertionError(f"{layout}: expected FileNotFoundError")
 
 
-_NAMES = {layout: layout.replace("-", "_") for layout in LAYOUTS}
+def save_check(layout: str) -> str:
+    return f"check_save_{layout.replace('-', '_')}_then_continue"
+
+
+def load_check(layout: str) -> str:
+    return f"check_load_{layout.replace('-', '_')}_and_continue"
+
+
 # The saves run on 4 processes; the loads on each world size of LOADED_UNDER (tests/distributed/test_checkpoint.py
 # asks each launch for its own). A world's checks run in this order: saves before the loads that read them.
 CHECKS = {
-    **{f"check_save_{_NAMES[layout]}_then_continue": functools.partial(_save_then_continue, layout) for layout in LAYOUTS},
-    **{f"check_load_{_NAMES[layout]}_and_continue": functools.partial(_load_under_another_layout_and_continue, layout)
-       for layout in LAYOUTS},
+    **{save_check(layout): functools.partial(_save_then_continue, layout) for layout in LAYOUTS},
+    **{load_check(layout): functools.partial(_load_under_another_layout_and_continue, layout) for layout in LAYOUTS},
     "check_missing_checkpoint_is_a_clear_error": check_missing_checkpoint_is_a_clear_error,
 }
 

@@ -8,19 +8,15 @@ the launches of each world size after it (conftest.py), through the session's sc
 
 import pytest
 
-from tests.distributed.checkpoint_worker import LAYOUTS, LOADED_UNDER
+from tests.distributed.checkpoint_worker import LAYOUTS, LOADED_UNDER, load_check, save_check
 from tests.distributed.harness import assert_check, module_results
 
 SAVED_UNDER = 4
 
 
-def _name(layout: str) -> str:
-    return layout.replace("-", "_")
-
-
 MERGED = {"checkpoint_worker": {
-    nproc: [*(f"check_save_{_name(layout)}_then_continue" for layout in LAYOUTS if nproc == SAVED_UNDER),
-            *(f"check_load_{_name(layout)}_and_continue" for layout in LAYOUTS if nproc in LOADED_UNDER[layout]),
+    nproc: [*(save_check(layout) for layout in LAYOUTS if nproc == SAVED_UNDER),
+            *(load_check(layout) for layout in LAYOUTS if nproc in LOADED_UNDER[layout]),
             "check_missing_checkpoint_is_a_clear_error"]
     for nproc in (4, 2, 1)
 }}
@@ -32,13 +28,13 @@ def _results(merged_launches, nproc: int) -> dict:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_save_then_continue(merged_launches, layout):
-    assert_check(_results(merged_launches, SAVED_UNDER), f"check_save_{_name(layout)}_then_continue", nproc=SAVED_UNDER)
+    assert_check(_results(merged_launches, SAVED_UNDER), save_check(layout), nproc=SAVED_UNDER)
 
 
 @pytest.mark.parametrize("layout, nproc", [(layout, nproc) for layout in LAYOUTS for nproc in LOADED_UNDER[layout]],
                          ids=[f"{layout}-{nproc}-processes" for layout in LAYOUTS for nproc in LOADED_UNDER[layout]])
 def test_load_under_another_layout(merged_launches, layout, nproc):
-    assert_check(_results(merged_launches, nproc), f"check_load_{_name(layout)}_and_continue", nproc=nproc)
+    assert_check(_results(merged_launches, nproc), load_check(layout), nproc=nproc)
 
 
 @pytest.mark.parametrize("nproc", (4, 2, 1))
