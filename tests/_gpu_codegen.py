@@ -66,12 +66,13 @@ def variants():
              **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
             ("offset",), 8,
         )
-    for interleaved in (False, True):
+    # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 8 tokens per tile of 4 heads x 32 pairs.
+    for interleaved, tokens, block_t, block_h, block_r in ((False, 1, 1, 32, 64), (True, 1, 1, 32, 64), (False, 16, 8, 4, 32)):
         yield (
-            f"rotary[interleaved={interleaved}]", rotary._rotary_kernel,
+            f"rotary[interleaved={interleaved}, BLOCK_T={block_t}]", rotary._rotary_kernel,
             {"q_ptr": BF16, "k_ptr": BF16, "q_out_ptr": BF16, "k_out_ptr": BF16, "cos_ptr": FP32, "sin_ptr": FP32, "pos_ptr": "*i64"},
             {"HAS_POSITIONS": True, "INTERLEAVED": interleaved, "HALF_TABLE": False, "CONJUGATE": False, "HAS_PASS": True,
-             "TOKENS_PER_PROGRAM": 1, "BLOCK_H": 32, "BLOCK_R": 64, "BLOCK_P": 16,
+             "TOKENS_PER_PROGRAM": tokens, "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": 16,
              **unit("q_stride_d", "k_stride_d", "qo_stride_d", "ko_stride_d", "table_stride_d")},
             (), 4,
         )

@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before `triton.jit` decorates the kernels, i.e. bef
 is imported anywhere, so it is set here at conftest import time.
 """
 
+import gc
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,3 +30,10 @@ def backend(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_finish(session):
+    """Every module the tests import is loaded by now and lives until exit: frozen, the collector no longer
+    scans it at every full collection (see tests/distributed/harness.run_checks)."""
+    gc.collect()
+    gc.freeze()

@@ -49,29 +49,33 @@ def _rotate_heads(
     c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
     CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Rotate all heads of one token of x into y (pass-through features copied)."""
-    x_base = x_ptr + b * x_stride_b + s * x_stride_s
-    y_base = y_ptr + b * y_stride_b + s * y_stride_s
+    """Rotate all heads of a tile of tokens of x into y (pass-through features copied). b, s and
+    token_valid are [BLOCK_T] vectors, the table rows c_a ... s_b [BLOCK_T, BLOCK_R]; heads go in tiles
+    of [BLOCK_T, BLOCK_H, BLOCK_R]."""
+    x_base = (x_ptr + b * x_stride_b + s * x_stride_s)[:, None, None]
+    y_base = (y_ptr + b * y_stride_b + s * y_stride_s)[:, None, None]
+    c_a, c_b, s_a, s_b = c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :]
+    cols_a, cols_b = cols_a[None, None, :], cols_b[None, None, :]
     for h0 in range(0, n_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        head_mask = (heads < n_heads)[:, None] & token_valid
-        mask = head_mask & pair_mask[None, :]
-        x_rows = x_base + heads[:, None].to(tl.int64) * x_stride_h
-        y_rows = y_base + heads[:, None].to(tl.int64) * y_stride_h
-        x_a = tl.load(x_rows + cols_a[None, :] * x_stride_d, mask=mask, other=0.0).to(tl.float32)
-        x_b = tl.load(x_rows + cols_b[None, :] * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+        heads = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
+        head_mask = (heads < n_heads) & token_valid[:, None, None]
+        mask = head_mask & pair_mask[None, None, :]
+        x_rows = x_base + heads.to(tl.int64) * x_stride_h
+        y_rows = y_base + heads.to(tl.int64) * y_stride_h
+        x_a = tl.load(x_rows + cols_a * x_stride_d, mask=mask, other=0.0).to(tl.float32)
+        x_b = tl.load(x_rows + cols_b * x_stride_d, mask=mask, other=0.0).to(tl.float32)
         if CONJUGATE:
-            out_a = x_a * c_a[None, :] + x_b * s_b[None, :]
-            out_b = x_b * c_b[None, :] - x_a * s_a[None, :]
+            out_a = x_a * c_a + x_b * s_b
+            out_b = x_b * c_b - x_a * s_a
         else:
-            out_a = x_a * c_a[None, :] - x_b * s_a[None, :]
-            out_b = x_b * c_b[None, :] + x_a * s_b[None, :]
-        tl.store(y_rows + cols_a[None, :] * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_rows + cols_b[None, :] * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
+            out_a = x_a * c_a - x_b * s_a
+            out_b = x_b * c_b + x_a * s_b
+        tl.store(y_rows + cols_a * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + cols_b * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
         if HAS_PASS:
-            mask = head_mask & pass_mask[None, :]
-            passed = tl.load(x_rows + pass_cols[None, :] * x_stride_d, mask=mask, other=0.0)
-            tl.store(y_rows + pass_cols[None, :] * y_stride_d, passed, mask=mask)
+            mask = head_mask & pass_mask[None, None, :]
+            passed = tl.load(x_rows + pass_cols[None, None, :] * x_stride_d, mask=mask, other=0.0)
+            tl.store(y_rows + pass_cols[None, None, :] * y_stride_d, passed, mask=mask)
 
 
 @triton.jit
@@ -86,7 +90,8 @@ def _rotary_kernel(
     pos_stride_b, pos_stride_s,
     HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
     CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
-    TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
     pairs = tl.arange(0, BLOCK_R).to(tl.int64)  # large feature strides must not overflow int32
     pair_mask = pairs < half_rotary
@@ -105,8 +110,9 @@ def _rotary_kernel(
     pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P).to(tl.int64)
     pass_mask = tl.arange(0, BLOCK_P) < n_pass
 
-    for i in range(TOKENS_PER_PROGRAM):
-        token = tl.program_id(0) * TOKENS_PER_PROGRAM + i
+    # BLOCK_T tokens at a time (it divides TOKENS_PER_PROGRAM): short heads fill a tile with several tokens.
+    for t0 in range(0, TOKENS_PER_PROGRAM, BLOCK_T):
+        token = tl.program_id(0) * TOKENS_PER_PROGRAM + t0 + tl.arange(0, BLOCK_T)
         token_valid = token < n_tokens
         token = tl.minimum(token, n_tokens - 1).to(tl.int64)  # keep addresses in bounds when masked
         b = token // seq_len
@@ -115,11 +121,12 @@ def _rotary_kernel(
             row = tl.load(pos_ptr + b * pos_stride_b + s * pos_stride_s).to(tl.int64)
         else:
             row = s
-        table_row = b * table_stride_b + row * table_stride_t
-        c_a = tl.load(cos_ptr + table_row + table_a * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
-        c_b = tl.load(cos_ptr + table_row + table_b * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
-        s_a = tl.load(sin_ptr + table_row + table_a * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
-        s_b = tl.load(sin_ptr + table_row + table_b * table_stride_d, mask=pair_mask, other=0.0).to(tl.float32)
+        table_row = (b * table_stride_b + row * table_stride_t)[:, None]
+        table_mask = pair_mask[None, :]
+        c_a = tl.load(cos_ptr + table_row + table_a[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
+        c_b = tl.load(cos_ptr + table_row + table_b[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
+        s_a = tl.load(sin_ptr + table_row + table_a[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
+        s_b = tl.load(sin_ptr + table_row + table_b[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
         _rotate_heads(
             q_ptr, q_out_ptr, b, s, n_q_heads,
             q_stride_b, q_stride_s, q_stride_h, q_stride_d,
@@ -191,6 +198,17 @@ def heuristic_config(half_rotary: int, max_heads: int) -> dict:
     return {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 4}
 
 
+def tokens_per_tile(tokens_per_program: int, block_h: int, block_r: int) -> int:
+    """BLOCK_T: the tokens one tile holds, the largest power of two dividing TOKENS_PER_PROGRAM whose tile of
+    BLOCK_T x BLOCK_H x BLOCK_R stays within TARGET_TILE_ELEMENTS per half (1 once a token's heads fill it,
+    as at Llama's 32 heads x 64 pairs). Short heads (few heads, small head_dim) then rotate several tokens
+    per instruction instead of looping over them; the Triton interpreter, which pays per operation, too."""
+    block_t = 1
+    while tokens_per_program % (2 * block_t) == 0 and 2 * block_t * block_h * block_r <= TARGET_TILE_ELEMENTS:
+        block_t *= 2
+    return block_t
+
+
 def search_space(half_rotary: int, max_heads: int) -> dict[str, list[int]]:
     """What the sweep may try: any heads-per-tile up to all heads, 1-32 tokens per program, 1-16 warps."""
     return {
@@ -245,6 +263,7 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, HALF_TABLE=half_table,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], next_power_of_2(rotary_dim // 2)),
         BLOCK_R=next_power_of_2(rotary_dim // 2), BLOCK_P=max(1, next_power_of_2(n_pass)),
         num_warps=cfg["num_warps"],
     )
