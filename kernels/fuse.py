@@ -72,17 +72,18 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
     """
     report = FuseReport()
     changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
+    verdicts: dict = {}  # one probe per kind of module (_kind) or rotary function: a model's layers are alike
     for name, module in model.named_modules():
         if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP)):
             continue
         if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)):
             report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
         elif rms_norm and _looks_like_rms_norm(module):
-            _fuse_rms_norm(model, name, module, report, changes)
+            _fuse_rms_norm(model, name, module, report, changes, verdicts)
         elif swiglu and _looks_like_swiglu_mlp(module):
-            _fuse_swiglu_mlp(model, name, module, report, changes)
+            _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
         if rotary:
-            _fuse_rotary(name, module, report, changes)
+            _fuse_rotary(name, module, report, changes, verdicts)
     if strict and report.skipped:
         lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
         raise FuseError(
@@ -101,6 +102,50 @@ def _why_not_probeable(module: torch.nn.Module) -> str | None:
     if module._forward_hooks or module._forward_pre_hooks:
         return "module has forward hooks, which a replacement would drop"
     return None
+
+
+# What every fresh nn.Module holds in its __dict__: torch's bookkeeping, not state a forward reads.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def _kind(module: torch.nn.Module) -> tuple | None:
+    """What a probe of `module` can depend on, hashable: its class, its parameters' names, shapes and dtypes
+    (probes replace their values), its plain attributes (numbers, strings, None by value; anything else,
+    such as a shared config object, by identity) and its children's kinds. Modules of one kind compute the
+    same function of their input and parameters, so one probe's verdict holds for all of them. None (probe
+    it on its own) for a module with buffers or hooks, or a forward replaced on the instance: what those do
+    to a probe is not captured here."""
+    internals = vars(module)
+    if module._buffers or "forward" in internals or any(
+            internals[a] for a in _MODULE_INTERNALS if a not in ("_parameters", "_modules") and isinstance(internals.get(a), dict)):
+        return None
+    attributes = tuple((attr, _by_value(value)) for attr, value in sorted(internals.items()) if attr not in _MODULE_INTERNALS)
+    parameters = tuple((n, tuple(p.shape), p.dtype) for n, p in module._parameters.items() if p is not None)
+    children = []
+    for child_name, child in module._modules.items():
+        child_kind = _kind(child) if child is not None else ()
+        if child_kind is None:
+            return None
+        children.append((child_name, child_kind))
+    return type(module), attributes, parameters, tuple(children)
+
+
+def _by_value(value):
+    """Plain values (numbers, strings, None, tuples of them) as themselves; any other object by identity."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return value
+    return "object", id(value)
+
+
+def _probed(verdicts: dict, what: str, kind, probe):
+    """probe()'s result, run once per (what, kind) in one `fuse` call; kind None: run every time."""
+    if kind is None:
+        return probe()
+    if (what, kind) not in verdicts:
+        verdicts[what, kind] = probe()
+    return verdicts[what, kind]
 
 
 def _replace(model: torch.nn.Module, name: str, old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -178,20 +223,29 @@ def _looks_like_rms_norm(module: torch.nn.Module) -> bool:
     )
 
 
-def _fuse_rms_norm(model, name, module, report, changes) -> None:
+def _fuse_rms_norm(model, name, module, report, changes, verdicts) -> None:
     why = _why_not_probeable(module)
     if why:
         report.skipped.append((name, f"RMSNorm candidate: {why}"))
         return
     eps = next(getattr(module, a) for a in _EPS_ATTRIBUTES if isinstance(getattr(module, a, None), float))
-    weight = module.weight
+    verdict = _probed(verdicts, "rms_norm", _kind(module), partial(_rms_norm_verdict, module, eps))
+    if isinstance(verdict, str):
+        report.skipped.append((name, verdict))
+        return
+    offset, cast_to = verdict
+    changes.append(partial(_replace, model, name, module, FusedRMSNorm.from_parameter(module.weight, eps, offset=offset, cast_to=cast_to)))
+    report.replaced.append((name, f"rms_norm: FusedRMSNorm(eps={eps}, offset={offset}, cast_to={cast_to!r})"))
+
+
+def _rms_norm_verdict(module: torch.nn.Module, eps: float) -> tuple[float, str] | str:
+    """(offset, cast_to) of an RMSNorm look-alike, from probes, or why it is left alone."""
     cast_to = _rms_norm_cast_convention(module)
     probe = _probe_copy(module)
-    x = _probe_input((4, weight.shape[0]))
+    x = _probe_input((4, module.weight.shape[0]))
     out, error = _run(probe, x)
     if error:
-        report.skipped.append((name, f"RMSNorm candidate: its forward failed on a probe ({error}); left as is"))
-        return
+        return f"RMSNorm candidate: its forward failed on a probe ({error}); left as is"
     offset = None
     if cast_to is not None:
         offset = next(
@@ -199,12 +253,8 @@ def _fuse_rms_norm(model, name, module, report, changes) -> None:
             None,
         )
     if offset is None:
-        report.skipped.append(
-            (name, f"has a 1-D weight and eps={eps} but its output is not RMSNorm(x) * (w or 1 + w); left as is")
-        )
-        return
-    changes.append(partial(_replace, model, name, module, FusedRMSNorm.from_parameter(weight, eps, offset=offset, cast_to=cast_to)))
-    report.replaced.append((name, f"rms_norm: FusedRMSNorm(eps={eps}, offset={offset}, cast_to={cast_to!r})"))
+        return f"has a 1-D weight and eps={eps} but its output is not RMSNorm(x) * (w or 1 + w); left as is"
+    return offset, cast_to
 
 
 def _rms_norm_cast_convention(module: torch.nn.Module) -> str | None:
@@ -231,7 +281,7 @@ def _looks_like_swiglu_mlp(module: torch.nn.Module) -> bool:
     return "down_proj" in children and ("gate_up_proj" in children or {"gate_proj", "up_proj"} <= set(children))
 
 
-def _fuse_swiglu_mlp(model, name, module, report, changes) -> None:
+def _fuse_swiglu_mlp(model, name, module, report, changes, verdicts) -> None:
     why = _why_not_probeable(module)
     if why:
         report.skipped.append((name, f"SwiGLU MLP candidate: {why}"))
@@ -241,22 +291,9 @@ def _fuse_swiglu_mlp(model, name, module, report, changes) -> None:
     if in_features is None:
         report.skipped.append((name, "SwiGLU MLP candidate: projections without in_features; left as is"))
         return
-    probe = _probe_copy(module)
-    x = _probe_input((2, 3, in_features))
-    out, error = _run(probe, x)
-    if error:
-        report.skipped.append((name, f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"))
-        return
-    with torch.no_grad():
-        if "gate_up_proj" in children:
-            gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
-        else:
-            gate, up = probe.gate_proj(x), probe.up_proj(x)
-        expected = probe.down_proj(F.silu(gate) * up)
-    if not _close(out, expected):
-        report.skipped.append(
-            (name, "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is")
-        )
+    why_not = _probed(verdicts, "swiglu", _kind(module), partial(_swiglu_verdict, module, in_features))
+    if why_not:
+        report.skipped.append((name, why_not))
         return
     if "gate_up_proj" in children:
         fused = FusedSwiGLUMLP.from_linears(gate_up_proj=children["gate_up_proj"], down_proj=children["down_proj"])
@@ -266,6 +303,24 @@ def _fuse_swiglu_mlp(model, name, module, report, changes) -> None:
         )
     changes.append(partial(_replace, model, name, module, fused))
     report.replaced.append((name, "swiglu: FusedSwiGLUMLP"))
+
+
+def _swiglu_verdict(module: torch.nn.Module, in_features: int) -> str | None:
+    """None when a probe shows `module` computes down(silu(gate(x)) * up(x)), else why it is left alone."""
+    probe = _probe_copy(module)
+    x = _probe_input((2, 3, in_features))
+    out, error = _run(probe, x)
+    if error:
+        return f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"
+    with torch.no_grad():
+        if "gate_up_proj" in probe._modules:
+            gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = probe.gate_proj(x), probe.up_proj(x)
+        expected = probe.down_proj(F.silu(gate) * up)
+    if not _close(out, expected):
+        return "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
+    return None
 
 
 # --------------------------------------------------------------------------------------------- Rotary
@@ -303,7 +358,7 @@ def _rotary_function_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes: list) -> None:
+def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes: list, verdicts: dict) -> None:
     function_names = _rotary_function_names(module)
     if not function_names:
         return
@@ -312,7 +367,7 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
     fused_names = []
     for function_name in function_names:
         original = forward.__globals__[function_name]
-        convention = _rotary_convention(original)
+        convention = _probed(verdicts, "rotary", original, partial(_rotary_convention, original))
         if convention is None:
             report.skipped.append(
                 (name, f"calls {function_name}, which does not behave like the seed's or Hugging Face's rotary")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import importlib
 from unittest import mock
 
 import pytest
@@ -403,6 +404,36 @@ def test_fuse_replaces_true_variants_and_leaves_near_look_alikes(kind):
         out = replaced(x)
     assert launches == {op: 1}
     _assert_within(out, original(x), reduction * U_FP32, kind)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_one_fuse_call_probes_each_kind_once_and_gives_each_its_own_verdict(monkeypatch):
+    """fuse probes one module per kind (fuse._kind: class, parameter shapes, plain attributes, attribute
+    objects by identity, children): every candidate above twice in one model gets the verdict it gets
+    alone, with one probe per kind. Look-alikes of one class differ only in an attribute (the function
+    `normalise` or `combine`, eps, the offset): a kind that ignored attributes would hand the first
+    one's verdict to the others."""
+    fuse_module = importlib.import_module("tridist.kernels.fuse")  # `kernels.fuse` is the function
+    probes = []
+    for name in ("_rms_norm_verdict", "_swiglu_verdict"):
+        original = getattr(fuse_module, name)
+        monkeypatch.setattr(fuse_module, name, lambda module, *args, _original=original: (probes.append(module), _original(module, *args))[1])
+    first = {kind: factory() for kind, (factory, _) in CANDIDATES.items()}
+    # The second of each a deep copy: the same attribute objects (a lambda is another object per factory call)
+    container = torch.nn.ModuleDict({f"{kind}_{i}": m if i == 0 else copy.deepcopy(m) for kind, m in first.items() for i in (0, 1)})
+    report = kernels.fuse(container)
+    replaced, skipped = dict(report.replaced), dict(report.skipped)
+    for kind, (_, expected) in CANDIDATES.items():
+        for name in (f"{kind}_0", f"{kind}_1"):
+            if isinstance(expected, str):
+                assert name not in replaced and expected in skipped[name], (name, report)
+            else:
+                op, offset = expected
+                assert replaced[name].startswith(op) and name not in skipped, (name, report)
+                if op == "rms_norm":
+                    assert container[name].offset == offset, name
+    hooked = sum(1 for kind in CANDIDATES if "hook" in kind)  # refused before any probe
+    assert len(probes) == len(CANDIDATES) - hooked, [type(m).__name__ for m in probes]
 
 
 def _rotary_ignoring_positions(q, k, cos, sin, position_ids):
