@@ -174,8 +174,12 @@ class Trace:
         self.losses.append(loss.item() if torch.is_tensor(loss) else float(loss))
 
     def before_first_update(self, model) -> None:
-        if self.gradients is None:
-            self.initial, self.gradients = parameters(model), gradients(model)
+        if self.gradients is None:  # both in one gather: a parameter and its gradient are alike DTensors
+            named = _named_parameters(model)
+            both = full_values({**{("parameter", n): p for n, p in named.items()},
+                                **{("gradient", n): p.grad for n, p in named.items()}})
+            self.initial = {n: both["parameter", n] for n in named}
+            self.gradients = {n: both["gradient", n] for n in named}
 
     def step(self, model, loss) -> None:
         self.add_loss(loss)
