@@ -199,6 +199,27 @@ def test_table_merge_keeps_other_buckets_and_drops_stale_tables(table):
     assert set(fresh["kernels"]["swiglu_fwd"]["entries"]) == {other.key}
 
 
+def test_resweep_after_a_kernel_change_replaces_its_stale_section_and_launches_use_it(table):
+    """A table tuned for an older version of a kernel's source (shared/reviews/test-strength.md): its
+    section goes stale when the kernel changes; the next sweep of that kernel replaces the section (not
+    only adds to it), and the launch then uses what the sweep found. Other kernels' sections stay."""
+    bucket, other = TINY["swiglu_fwd"], TINY["rms_norm_fwd"]
+    _sweep([bucket, other], Clock(lambda c: c["num_warps"]), trials=3, table_path=table)
+    stale = json.loads(table.read_text())
+    section = stale["kernels"][bucket.tunable.name]
+    section["version"] = "0" * 16  # as tuned for the kernel's previous source
+    section["entries"]["rows=old"] = section["entries"][bucket.key]
+    table.write_text(json.dumps(stale))
+    configs.clear_cache()
+    assert configs.tuned_config(bucket.tunable, CPU, bucket.key) is None  # stale: the heuristic runs meanwhile
+    result = _sweep([bucket], Clock(lambda c: 1 / c["num_warps"]), trials=3, table_path=table)  # another best
+    fresh = json.loads(table.read_text())["kernels"]
+    assert fresh[bucket.tunable.name]["version"] == bucket.tunable.version
+    assert set(fresh[bucket.tunable.name]["entries"]) == {bucket.key}  # nothing of the stale section survives
+    assert configs.tuned_config(bucket.tunable, CPU, bucket.key) == result.results[0].best
+    assert configs.tuned_config(other.tunable, CPU, other.key) is not None
+
+
 def test_report_files(tmp_path):
     result = _sweep([TINY["swiglu_fwd"], TINY["rms_norm_fwd"]], Clock(lambda c: 1 + c["num_warps"]), trials=3,
                     write_table=False)
