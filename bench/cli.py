@@ -70,6 +70,20 @@ def _kernels_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report directory (default: reports/kernels-<device>-<timestamp>/)")
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timed repeat (default 2000)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats; the best is kept (default 5)")
+    parser.add_argument("--out", default="reports/launch", help="folder for results.csv, report.md, plot.png")
+
+
+def _bench_launch(args: argparse.Namespace) -> int:
+    from tridist.bench.launch import run_launch_benchmark
+
+    run_launch_benchmark(calls=args.calls, repeats=args.repeats, out_dir=args.out)
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     from tridist.bench.kernels import resolve_device, run_kernel_benchmark
 
@@ -392,6 +406,12 @@ COMMANDS: dict[str, Command] = {
                 help="fused ops vs eager, torch.compile and Liger-Kernel: time, GB/s, share of copy bandwidth",
                 add_arguments=_kernels_arguments,
                 handler=_bench_kernels,
+            ),
+            "launch": Command(
+                help="host time of each fused op's launch path (Triton launch stubbed out) against torch.mul, "
+                     "forward and forward+backward; targets 3x and 2x",
+                add_arguments=_launch_arguments,
+                handler=_bench_launch,
             ),
             "all": Command(
                 help="all GPU evidence in one folder: kernel sweep, correctness, kernel and model benchmarks, "

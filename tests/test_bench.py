@@ -212,3 +212,20 @@ def test_compile_variant_on_the_smallest_case():
                                  progress=False, write_report=False, **FAST_TIMING)
     assert (df["error"] == "").all(), df["error"].tolist()
     assert df["time_ms"].notna().all()
+
+
+def test_launch_benchmark_times_every_op_against_torch_mul_and_restores_the_launcher(tmp_path):
+    """`tridist bench launch`: host time per op with the Triton launch stubbed out, ratios to torch.mul in the
+    same run, report and plot; afterwards launches and the CPU path are as they were."""
+    from triton.runtime.jit import KernelInterface
+
+    from tridist.bench.launch import run_launch_benchmark
+    from tridist.kernels import _common
+
+    getitem, interpret = KernelInterface.__getitem__, _common.TRITON_INTERPRET
+    frame = run_launch_benchmark(calls=20, repeats=1, out_dir=tmp_path)
+    assert list(frame.index) == ["torch.mul", "minimal autograd.Function", "rms_norm", "add_rms_norm", "rotary", "swiglu"]
+    assert (frame[["fwd_us", "fwd_bwd_us"]] > 0).all().all() and frame.loc["torch.mul", "fwd_x_mul"] == 1.0
+    assert {p.name for p in tmp_path.iterdir()} == {"results.csv", "report.md", "plot.png"}
+    assert "| rotary |" in (tmp_path / "report.md").read_text()
+    assert KernelInterface.__getitem__ is getitem and _common.TRITON_INTERPRET == interpret

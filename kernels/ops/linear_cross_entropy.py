@@ -58,6 +58,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .. import configs
 from .._common import (
+    cdiv,
     check_dtype,
     check_same_device,
     eager_autograd,
@@ -252,7 +253,7 @@ def _chunk_stats(logits, labels, stats, *, vocab_start, ignore_index, softcap, s
         stats[STAT_SUM_Z] = torch.where(active, z.sum(1), 0.0) if smoothing else 0.0
         return
     cfg = launch_config("stats", n_rows, n_cols, logits.dtype, logits.device)
-    _stats_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+    _stats_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
         logits, labels, stats,
         n_rows, n_cols, logits.stride(0), labels.stride(0), stats.stride(0), vocab_start, ignore_index,
         float(softcap or 1.0),
@@ -294,7 +295,7 @@ def _chunk_loss_grad(logits, labels, stats, loss, scale, *, vocab_start, n_class
                 logits.copy_(grad)
         return
     cfg = launch_config("grad", n_rows, n_cols, logits.dtype, logits.device)
-    _loss_grad_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+    _loss_grad_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
         logits, labels, stats, loss if loss is not None else stats, scale if scale is not None else stats,
         n_rows, n_cols, logits.stride(0), labels.stride(0), stats.stride(0),
         scale.stride(0) if scale is not None else 0, vocab_start, n_classes, ignore_index,

@@ -17,6 +17,8 @@ Rows longer than what fits in registers (MAX_SINGLE_PASS_COLS) are processed in 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,8 @@ import triton.language as tl
 from .. import configs
 from ..reference import rms_norm_reference
 from .._common import (
+    cdiv,
+    empty_contiguous,
     is_dtensor,
     local_saved_tensors,
     HALF_DTYPES,
@@ -281,12 +285,15 @@ def search_space(kind: str, n_cols: int) -> dict[str, list[int]]:
     return space
 
 
+_cached_heuristic_config = functools.lru_cache(maxsize=4096)(heuristic_config)  # launches share its dicts: read-only
+
+
 def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device, *,
                   residual: bool = False) -> dict:
     """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
     tunable = TUNABLES["add_rms_norm" if residual else "rms_norm", kind]
     tuned = configs.tuned_config(tunable, device, tuning_key(n_rows, n_cols, dtype))
-    return tuned if tuned is not None else heuristic_config(kind, n_cols)
+    return tuned if tuned is not None else _cached_heuristic_config(kind, n_cols)
 
 
 # -------------------------------------------------------------------------------------------- launchers
@@ -313,13 +320,13 @@ def _forward(x, residual, weight, eps, offset, cast_to_input, config=None):
 
     x_rows = RowLayout.of(x)
     res_rows = RowLayout.of(residual) if residual is not None else x_rows
-    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=h_dtype, device=x.device) if residual is not None else y
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    y = empty_contiguous(x, y_dtype)
+    h = empty_contiguous(x, h_dtype) if residual is not None else y
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
     if x_rows.n_rows == 0 or n_cols == 0:
         return y, h, rstd
     cfg = config or launch_config("fwd", x_rows.n_rows, n_cols, x.dtype, x.device, residual=residual is not None)
-    grid = (triton.cdiv(x_rows.n_rows, cfg["BLOCK_M"]),)
+    grid = (cdiv(x_rows.n_rows, cfg["BLOCK_M"]),)
     _rms_norm_fwd_kernel[grid](
         x_rows.tensor, res_rows.tensor, weight, y, h, rstd,
         x_rows.n_rows, n_cols, eps, offset,
@@ -340,10 +347,10 @@ def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_
 
     h_rows, dy_rows = RowLayout.of(h), RowLayout.of(dy)
     dh_rows = RowLayout.of(dh) if dh is not None else dy_rows
-    dx = torch.empty(h.shape, dtype=dx_dtype, device=h.device)
+    dx = empty_contiguous(h, dx_dtype)
     cfg = config or launch_config("bwd", h_rows.n_rows, n_cols, h.dtype, h.device, residual=dh is not None)
     single_pass = cfg["BLOCK_N"] >= n_cols
-    n_tiles = triton.cdiv(h_rows.n_rows, cfg["BLOCK_M"])
+    n_tiles = cdiv(h_rows.n_rows, cfg["BLOCK_M"])
     n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(h.device, cfg["PROGRAMS_PER_SM"])))
     # The multi-pass kernel accumulates into its partial row in memory, so that row must start at zero.
     alloc = torch.zeros if not single_pass else torch.empty

@@ -13,12 +13,14 @@ sigmoid(gate) from the saved inputs instead of storing silu, and computes both g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import (RowLayout, as_dtensor_like, check_dtype, check_same_device, eager_autograd, is_dtensor,
+from .._common import (RowLayout, as_dtensor_like, cdiv, empty_contiguous, check_dtype, check_same_device, eager_autograd, is_dtensor,
                        keeps_whole, local_saved_tensors, next_power_of_2, note_unfused, split_dim,
                        use_triton)
 from ..reference import swiglu_reference
@@ -126,14 +128,17 @@ def search_space(n_cols: int) -> dict[str, list[int]]:
     }
 
 
+_cached_heuristic_config = functools.lru_cache(maxsize=4096)(heuristic_config)  # launches share its dicts: read-only
+
+
 def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
     """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
     tuned = configs.tuned_config(TUNABLES[kind], device, tuning_key(n_rows, n_cols, dtype))
-    return tuned if tuned is not None else heuristic_config(n_cols)
+    return tuned if tuned is not None else _cached_heuristic_config(n_cols)
 
 
 def _grid(n_rows: int, n_cols: int, cfg: dict):
-    return (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_cols, cfg["BLOCK_N"]))
+    return (cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"]))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -144,7 +149,7 @@ def _forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     if not use_triton(gate):  # contiguous, as the Triton path and the fake implementation produce
         return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype).contiguous()
-    out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
+    out = empty_contiguous(gate, out_dtype)
     gate_rows, up_rows = RowLayout.of(gate), RowLayout.of(up)
     n_rows, n_cols = gate_rows.n_rows, gate.shape[-1]
     if n_rows and n_cols:
