@@ -60,11 +60,11 @@ def cases() -> dict[str, Callable[[], object]]:
     """Each op's call on tiny CPU inputs that require grad (the training path: an autograd.Function)."""
     from tridist import kernels
 
-    torch.manual_seed(0)
-    leaf = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731
+    generator = torch.Generator().manual_seed(0)  # not the caller's global random state
+    leaf = lambda *shape: torch.randn(*shape, generator=generator).requires_grad_()  # noqa: E731
     x, y, residual, weight = leaf(4, 64), leaf(4, 64), leaf(4, 64), leaf(64)
     q, k = leaf(1, 4, 8, 16), leaf(1, 2, 8, 16)
-    cos, sin = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+    cos, sin = torch.randn(1, 8, 16, generator=generator), torch.randn(1, 8, 16, generator=generator)
     return {
         "torch.mul": lambda: torch.mul(x, y),
         "minimal autograd.Function": lambda: _Minimal.apply(x),

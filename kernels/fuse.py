@@ -114,13 +114,15 @@ def _kind(module: torch.nn.Module) -> tuple | None:
     such as a shared config object, by identity) and its children's kinds. Modules of one kind compute the
     same function of their input and parameters, so one probe's verdict holds for all of them. None (probe
     it on its own) for a module with buffers or hooks, or a forward replaced on the instance: what those do
-    to a probe is not captured here."""
+    to a probe is not captured here. (State outside the instance, such as class attributes or globals, is
+    the class's code: alike for every instance.)"""
     internals = vars(module)
     if module._buffers or "forward" in internals or any(
             internals[a] for a in _MODULE_INTERNALS if a not in ("_parameters", "_modules") and isinstance(internals.get(a), dict)):
         return None
     attributes = tuple((attr, _by_value(value)) for attr, value in sorted(internals.items()) if attr not in _MODULE_INTERNALS)
-    parameters = tuple((n, tuple(p.shape), p.dtype) for n, p in module._parameters.items() if p is not None)
+    # A parameter registered as None is a name a forward can test for; a subclass (DTensor) probes its own way.
+    parameters = tuple((n, None) if p is None else (n, type(p), tuple(p.shape), p.dtype) for n, p in module._parameters.items())
     children = []
     for child_name, child in module._modules.items():
         child_kind = _kind(child) if child is not None else ()
@@ -130,12 +132,17 @@ def _kind(module: torch.nn.Module) -> tuple | None:
     return type(module), attributes, parameters, tuple(children)
 
 
+_PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
 def _by_value(value):
-    """Plain values (numbers, strings, None, tuples of them) as themselves; any other object by identity."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, tuple) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
-        return value
+    """Plain values (None, bool, int, float, str, tuples of them) with their exact type: Python counts
+    True, 1 and 1.0 equal, and an Enum member equal to its value, while a forward may test which it is.
+    Any other object by identity (the model holds it during the call, so its id is its own)."""
+    if type(value) in _PLAIN_TYPES:
+        return type(value), value
+    if type(value) is tuple and all(type(v) in _PLAIN_TYPES for v in value):
+        return tuple, tuple((type(v), v) for v in value)
     return "object", id(value)
 
 

@@ -66,8 +66,10 @@ def variants():
              **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
             ("offset",), 8,
         )
-    # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 8 tokens per tile of 4 heads x 32 pairs.
-    for interleaved, tokens, block_t, block_h, block_r in ((False, 1, 1, 32, 64), (True, 1, 1, 32, 64), (False, 16, 8, 4, 32)):
+    # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 16 tokens per tile of 4 heads x 32 pairs
+    # (the tile the launcher builds for them: rotary.tokens_per_tile).
+    for interleaved, tokens, block_h, block_r in ((False, 1, 32, 64), (True, 1, 32, 64), (False, 16, 4, 32)):
+        block_t = rotary.tokens_per_tile(tokens, block_h, block_r, 16)
         yield (
             f"rotary[interleaved={interleaved}, BLOCK_T={block_t}]", rotary._rotary_kernel,
             {"q_ptr": BF16, "k_ptr": BF16, "q_out_ptr": BF16, "k_out_ptr": BF16, "cos_ptr": FP32, "sin_ptr": FP32, "pos_ptr": "*i64"},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import enum
 import importlib
 from unittest import mock
 
@@ -434,6 +435,46 @@ def test_one_fuse_call_probes_each_kind_once_and_gives_each_its_own_verdict(monk
                     assert container[name].offset == offset, name
     hooked = sum(1 for kind in CANDIDATES if "hook" in kind)  # refused before any probe
     assert len(probes) == len(CANDIDATES) - hooked, [type(m).__name__ for m in probes]
+
+
+class _Mode(str, enum.Enum):
+    GEMMA = "gemma"
+
+
+class _NormByMode(torch.nn.Module):
+    """An RMSNorm whose offset depends on what `mode` is (its type, not only its value) and on whether a
+    `bias` parameter is registered, even as None: look-alikes that only a type- and None-aware kind tells apart."""
+
+    def __init__(self, mode, *, bias_slot=False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((HIDDEN,), 0.5))
+        self.eps, self.mode = 1e-6, mode
+        if bias_slot:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        gemma = self.mode is _Mode.GEMMA or self.mode is True or "bias" in self._parameters
+        return (_rms(x.float(), self.eps) * ((1.0 if gemma else 0.0) + self.weight.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("plain, other", [
+    (lambda: _NormByMode("gemma"), lambda: _NormByMode(_Mode.GEMMA)),  # equal in Python, a str and an Enum
+    (lambda: _NormByMode(1), lambda: _NormByMode(True)),  # 1 == True
+    (lambda: _NormByMode(0), lambda: _NormByMode(0, bias_slot=True)),  # a parameter registered as None
+])
+def test_modules_alike_only_in_value_get_their_own_probe(plain, other):
+    """Two modules of one class whose attributes compare equal (or differ by a None parameter) but compute
+    different functions: in one fuse call each gets the offset it gets alone (0 and 1), whichever comes first."""
+    for first, second in ((plain, other), (other, plain)):
+        container = torch.nn.ModuleDict({"a": first(), "b": second()})
+        kernels.fuse(container)
+        offsets = [container["a"].offset, container["b"].offset]
+        expected = []
+        for make in (first, second):
+            single = torch.nn.ModuleDict({"m": make()})
+            kernels.fuse(single)
+            expected.append(single["m"].offset)
+        assert sorted(expected) == [0.0, 1.0] and offsets == expected, (offsets, expected)
 
 
 def _rotary_ignoring_positions(q, k, cos, sin, position_ids):

@@ -31,7 +31,7 @@ from .._common import (as_dtensor_like, cdiv, check_dtype, check_same_device, ea
 from ..reference import rotary_reference
 
 LAYOUTS = ("bshd", "bhsd")
-# Heads are processed in tiles of up to this many elements per half (a or b), e.g. 32 heads x 64 pairs.
+# Tiles of tokens x heads hold up to this many elements per half (a or b), e.g. 1 token x 32 heads x 64 pairs.
 TARGET_TILE_ELEMENTS = 2048
 # Tokens per program: enough work per program for short heads, one token when a token is already
 # a large tile. The interpreter runs programs one by one, so it gets the packed setting too.
@@ -205,13 +205,15 @@ def heuristic_config(half_rotary: int, max_heads: int) -> dict:
     return {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 4}
 
 
-def tokens_per_tile(tokens_per_program: int, block_h: int, block_r: int) -> int:
-    """BLOCK_T: the tokens one tile holds, the largest power of two dividing TOKENS_PER_PROGRAM whose tile of
-    BLOCK_T x BLOCK_H x BLOCK_R stays within TARGET_TILE_ELEMENTS per half (1 once a token's heads fill it,
-    as at Llama's 32 heads x 64 pairs). Short heads (few heads, small head_dim) then rotate several tokens
-    per instruction instead of looping over them; the Triton interpreter, which pays per operation, too."""
+def tokens_per_tile(tokens_per_program: int, block_h: int, block_r: int, block_p: int = 1) -> int:
+    """BLOCK_T: the tokens one tile holds, the largest power of two dividing TOKENS_PER_PROGRAM whose tiles of
+    BLOCK_T x BLOCK_H x BLOCK_R (a half of the rotated features) and BLOCK_T x BLOCK_H x BLOCK_P (the
+    pass-through features) stay within TARGET_TILE_ELEMENTS (1 once a token's heads fill it, as at Llama's
+    32 heads x 64 pairs). Short heads (few heads, small head_dim) then rotate several tokens per instruction
+    instead of looping over them; the Triton interpreter, which pays per operation, too."""
+    widest = block_h * max(block_r, block_p)
     block_t = 1
-    while tokens_per_program % (2 * block_t) == 0 and 2 * block_t * block_h * block_r <= TARGET_TILE_ELEMENTS:
+    while tokens_per_program % (2 * block_t) == 0 and 2 * block_t * widest <= TARGET_TILE_ELEMENTS:
         block_t *= 2
     return block_t
 
@@ -273,7 +275,8 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, HALF_TABLE=half_table,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], next_power_of_2(rotary_dim // 2)),
+        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], next_power_of_2(rotary_dim // 2),
+                                max(1, next_power_of_2(n_pass))),
         BLOCK_R=next_power_of_2(rotary_dim // 2), BLOCK_P=max(1, next_power_of_2(n_pass)),
         num_warps=cfg["num_warps"],
     )
