@@ -106,19 +106,20 @@ def _why_not_probeable(module: torch.nn.Module) -> str | None:
 
 # What every fresh nn.Module holds in its __dict__: torch's bookkeeping, not state a forward reads.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+# Of those, the dicts a kind does not capture (buffers and every kind of hook): a module with any is probed alone.
+_UNCAPTURED = frozenset(a for a, v in vars(torch.nn.Module()).items() if isinstance(v, dict)) - {"_parameters", "_modules"}
 
 
 def _kind(module: torch.nn.Module) -> tuple | None:
-    """What a probe of `module` can depend on, hashable: its class, its parameters' names, shapes and dtypes
-    (probes replace their values), its plain attributes (numbers, strings, None by value; anything else,
-    such as a shared config object, by identity) and its children's kinds. Modules of one kind compute the
-    same function of their input and parameters, so one probe's verdict holds for all of them. None (probe
-    it on its own) for a module with buffers or hooks, or a forward replaced on the instance: what those do
-    to a probe is not captured here. (State outside the instance, such as class attributes or globals, is
-    the class's code: alike for every instance.)"""
+    """What a probe of `module` can depend on, hashable: its class, its parameters (name, type, shape and
+    dtype: probes replace their values; one registered as None by its name), its plain attributes by exact
+    type and value (_by_value; anything else, such as a shared config object, by identity) and its
+    children's kinds. Modules of one kind compute the same function of their input and parameters, so one
+    probe's verdict holds for all of them. None (probe it on its own) for a module with buffers or hooks,
+    or a forward replaced on the instance: what those do to a probe is not captured here. (State outside
+    the instance, such as class attributes or globals, is the class's code: alike for every instance.)"""
     internals = vars(module)
-    if module._buffers or "forward" in internals or any(
-            internals[a] for a in _MODULE_INTERNALS if a not in ("_parameters", "_modules") and isinstance(internals.get(a), dict)):
+    if "forward" in internals or any(internals.get(a) for a in _UNCAPTURED):
         return None
     attributes = tuple((attr, _by_value(value)) for attr, value in sorted(internals.items()) if attr not in _MODULE_INTERNALS)
     # A parameter registered as None is a name a forward can test for; a subclass (DTensor) probes its own way.

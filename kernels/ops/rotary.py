@@ -243,9 +243,9 @@ def launch_config(kind: str, n_tokens: int, head_dim: int, half_rotary: int, q_h
 def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate, config=None):
     """Rotated q and k (the inverse rotation with `conjugate`); `config` overrides the launch
     configuration (the kernel sweep times candidates this way)."""
-    q_heads, k_heads = _bshd(q.shape, layout_bhsd)[2], _bshd(k.shape, layout_bhsd)[2]
+    batch, seq_len, q_heads, head_dim = _bshd(q.shape, layout_bhsd)
+    k_heads = _bshd(k.shape, layout_bhsd)[2]
     cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
-    batch, seq_len, _, head_dim = _bshd(q.shape, layout_bhsd)
     half_table = cos3.shape[-1] * 2 == rotary_dim
     positions = _positions_view(position_ids, batch, seq_len) if position_ids is not None else None
     _check_positions_in_table(positions, table_len=cos3.shape[1], seq_len=seq_len)
@@ -257,6 +257,7 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
     if n_tokens == 0:
         return q_out, k_out
     n_pass = head_dim - rotary_dim
+    block_r, block_p = next_power_of_2(rotary_dim // 2), max(1, next_power_of_2(n_pass))
     cfg = config or launch_config("bwd" if conjugate else "fwd", n_tokens, head_dim, rotary_dim // 2,
                                   q_heads, k_heads, q.dtype, q.device)
     if cos3.stride() != sin3.stride():  # one set of table strides serves both (rare: tables built apart)
@@ -275,9 +276,8 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, HALF_TABLE=half_table,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], next_power_of_2(rotary_dim // 2),
-                                max(1, next_power_of_2(n_pass))),
-        BLOCK_R=next_power_of_2(rotary_dim // 2), BLOCK_P=max(1, next_power_of_2(n_pass)),
+        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p),
+        BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=cfg["num_warps"],
     )
     return q_out, k_out
