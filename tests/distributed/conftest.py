@@ -24,9 +24,12 @@ def merged_launches(request, tmp_path_factory) -> dict:
             for nproc in sorted(by_world, reverse=True)}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     # Under pytest-xdist (--dist loadgroup) every test of the merged launches runs on one worker, which
-    # launches them once; each other launch (its own module fixture) keeps its module together.
+    # launches them once; each other launch (its own module fixture) keeps its module together. tryfirst:
+    # xdist's own hook (no order of its own) turns the xdist_group marker into the group, and pluggy may
+    # call it before this conftest's; harness.launch fails a launch started twice in one run.
     for item in items:
         if "merged_launches" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("merged launches"))

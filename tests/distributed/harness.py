@@ -10,6 +10,7 @@ timeout) fails every test of the suite, with torchrun's exit status and the tail
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     separate machines would. Returns {check: {rank: result}}.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    _claim_once_per_run(out_dir, worker_module, nproc, nnodes, extra_env)
     # cwd=ROOT puts the repository root on the workers' sys.path (`-m tests.distributed...`); tridist
     # itself comes from the installation, and tests/__init__.py refuses the root's top-level copies.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
@@ -86,6 +88,30 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
             results.setdefault(record["check"], {})[rank] = record
     results["__launch__"] = {"failure": failure}
     return results
+
+
+def _claim_once_per_run(out_dir: Path, worker_module: str, nproc: int, nnodes: int, extra_env) -> None:
+    """Under pytest-xdist, fail a launch that another worker of the same run already started: the tests of
+    one launch share an xdist_group (tests/distributed/conftest.py), so a second start means the groups
+    were lost (e.g. the markers were added after xdist read them) and the suite does its costliest work twice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    # xdist gives each worker <run's basetemp>/popen-<worker>; the claims live beside them, in the run's
+    # basetemp (pytest rotates it away like the rest).
+    run_root = next((parent.parent for parent in out_dir.parents if parent.name == f"popen-{worker}"), None)
+    if worker is None or run_root is None:
+        return
+    # The same launch on another worker differs only in its scratch directory (a path of its own).
+    env = {name: value for name, value in (extra_env or {}).items() if name != "TRIDIST_SCRATCH"}
+    key = hashlib.sha256(json.dumps([worker_module, nproc, nnodes, env], sort_keys=True).encode()).hexdigest()[:16]
+    claims = run_root / "launch-claims"
+    claims.mkdir(exist_ok=True)
+    try:
+        os.close(os.open(claims / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise RuntimeError(
+            f"{worker_module} on {nnodes}x{nproc} processes was already launched by another xdist worker of "
+            "this run: its tests lost their xdist_group (run with --dist loadgroup, and add the markers in a "
+            "tryfirst pytest_collection_modifyitems, before xdist reads them)") from None
 
 
 def launch_merged(modules: dict, *, nproc: int, out_dir: Path, scratch: Path, timeout_s: float = 1500) -> dict:
