@@ -95,6 +95,10 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP bucket_cap_mb=25
 DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
 ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
 LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
+# tridist's linear_cross_entropy (kernels/ops/linear_cross_entropy.py, chunk_tokens) runs the loss over chunks
+# of about tokens·h/V tokens, clamped to [128, 4096] and evened out; tests/test_cost_terms.py checks that
+# the rules agree.
+FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 4096
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
@@ -433,6 +437,28 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                       head_elementwise, activations, logits_bytes, message / split, message / split)
 
 
+def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> float:
+    """What linear_cross_entropy holds at its peak, the end of the forward (a mean loss's gradients are
+    computed there): one chunk's logits (the input dtype; the kernel writes their gradient in place), the
+    hidden states' gradient (until the backward hands it on) and, for a half-precision head, the fp32
+    accumulator of its weight's gradient (the gradient itself becomes the parameter's .grad, counted with
+    the model state). Its time is eager's: the same three GEMMs (nothing is recomputed for a mean or sum
+    loss), and its elementwise passes read and write the chunks in the input dtype, no more than eager's."""
+    v, h = spec.vocab_size, spec.hidden_size
+    chunk = min(max(-(-tokens * h // v), FUSED_LOSS_MIN_CHUNK), FUSED_LOSS_MAX_CHUNK, tokens)
+    chunk = -(-tokens // -(-tokens // chunk))  # evened out over the chunks
+    accumulator = LOSS_FP32_BYTES * v * h if dtype_bytes < LOSS_FP32_BYTES else 0
+    return chunk * v * dtype_bytes + tokens * h * dtype_bytes + accumulator
+
+
+def _loss_bytes(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost) -> float:
+    """The last stage's loss: the logits (input dtype and fp32 upcast, split by tp), or the fused loss's
+    buffers where the engine runs it (engine.fused_loss says where distcore can)."""
+    if cluster.engine.fused_loss and s.tp == 1 and s.pp == 1 and s.num_micro_batches == 1:
+        return fused_loss_bytes(spec, s.micro_batch_size * spec.seq_len, cluster.dtype_bytes)
+    return c.logits_bytes
+
+
 def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro_batches: int, stage: int) -> float:
     """Layer-micro-batches of activations a stage holds at its peak under 1F1B (Megatron's warm-up:
     p − r micro-batches on rank r; interleaved: 2(p − r − 1) + (v − 1)·p + 1 chunks of L/(p·v) layers)."""
@@ -593,7 +619,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, per_r
         if stage == 0:
             activations += c.embedding_output_bytes * min(s.num_micro_batches, pp)
         if stage == pp - 1:
-            activations += c.logits_bytes
+            activations += _loss_bytes(spec, cluster, s, c)
         candidate = MemoryBreakdown(weights, grads, optimizer, activations, buffers)
         if best is None or candidate.total > best.total:
             best = candidate

@@ -49,6 +49,10 @@ class EngineProfile:
     overlap_with_selective_recompute: bool = True  # distcore: no (its selective recompute bypasses the region)
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
+    # Computes the LM head's loss by tridist's linear_cross_entropy (kernels.fuse's FusedLMHead) where distcore
+    # can: without tensor parallel (a vocabulary-split head) and without pipeline stages or micro-batches
+    # (a stage's forward does not run the model's hooks); the loss holds no [tokens, vocab] logits (cost.py).
+    fused_loss: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -128,6 +132,7 @@ TORCH_FUSED = dataclasses.replace(
     elementwise_traffic=MEGATRON.elementwise_traffic,
     ops_per_layer=30 * 3,
     fused_kernels=True,
+    fused_loss=True,
     source="torch-native (FSDP2, DTensor, SDPA FlashAttention-2) with tridist's fused kernels",
 )
 

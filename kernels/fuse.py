@@ -13,6 +13,17 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   `apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)`. That instance's forward is
   rebound to a copy of itself whose global name points to the fused kernel (other instances and the
   defining module are untouched); calls the kernel cannot take fall back to the original function.
+- LM head + loss: a transformers causal LM (an nn.Linear `lm_head`, PreTrainedModel's settable
+  `loss_function`, a forward taking `labels`). The head becomes a FusedLMHead (an nn.Linear around the same
+  Parameters) and the loss a CausalLMLinearCrossEntropy: in a call with labels the model's own forward
+  runs, the head keeps the hidden states instead of computing the logits, and the loss is
+  `linear_cross_entropy` over token chunks (the [tokens, vocab] logits are never held). As with
+  Liger-Kernel's fused loss, such a call returns `logits=None`; a call without labels returns the
+  logits as before. A probe confirms the tail of the forward (the head, any logit transform, the loss)
+  on a stand-in for the decoder, with a thin head of the vocabulary's width: the same loss, also with
+  `num_items_in_batch`; Gemma-2's final soft-capping is read from the config and confirmed so. Under
+  tensor parallel (a DTensor head) and inside pipeline stages (whose forward does not run the model's
+  hooks) the loss runs unfused.
 Parameters stay the same objects, so an optimizer built before `fuse` keeps working, and parameter
 names are unchanged. Probes run on CPU copies with fresh random values, so a model still on the meta
 device (built under `distcore.LazyGuard` or `torch.device("meta")`) is fused like a materialised one.
@@ -33,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .ops import rotary as rotary_op
+from .ops.linear_cross_entropy import CausalLMLinearCrossEntropy, FusedLMHead
 from .ops.rms_norm import FusedRMSNorm
 from .ops.swiglu import FusedSwiGLUMLP
 from .reference import rms_norm_reference, rotary_reference
@@ -63,8 +75,9 @@ class FuseError(RuntimeError):
 
 
 def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, swiglu: bool = True,
-         strict: bool = False) -> FuseReport:
-    """Replace RMSNorm modules, SwiGLU MLPs and rotary applications of `model` in place.
+         linear_cross_entropy: bool = True, strict: bool = False) -> FuseReport:
+    """Replace RMSNorm modules, SwiGLU MLPs, rotary applications and a causal LM's head + loss of `model`
+    in place.
 
     strict: raise FuseError, before changing anything, when a requested kind has a candidate that
     cannot be replaced (a look-alike computing something else, such as Gemma's GeGLU MLP, a module
@@ -84,11 +97,14 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
             _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
         if rotary:
             _fuse_rotary(name, module, report, changes, verdicts)
+        if linear_cross_entropy and _looks_like_causal_lm(module):
+            _fuse_lm_head_and_loss(model, name, module, report, changes)
     if strict and report.skipped:
         lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
         raise FuseError(
             f"fuse(strict=True): {len(report.skipped)} candidate(s) cannot be fused:\n{lines}\n"
-            "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=False for that kind"
+            "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=/linear_cross_entropy=False "
+            "for that kind"
         )
     for change in changes:
         change()
@@ -510,3 +526,159 @@ def _kernel_accepts(q, k, cos, sin, position_ids, layout) -> bool:
     except (ValueError, TypeError):
         return False
     return True
+
+
+# ---------------------------------------------------------------------------- causal LM: head + loss
+
+_PROBE_WIDTH = 8  # the probe head's input width: the tail's math does not depend on the hidden size
+_PROBE_TOKENS = (2, 6)
+# Probe logits of standard deviation ~17 (weights N(0, 6^2) on 8 inputs of unit scale): soft-capping at
+# Gemma-2's 30 changes them by several percent, any logit scaling by its factor; rounding of the same fp32
+# math differs by ~1e-6 relative, so _close's 1e-4 separates the two.
+_PROBE_LOGIT_SCALE = 6.0
+
+
+def _looks_like_causal_lm(module: torch.nn.Module) -> bool:
+    """A transformers causal LM: an nn.Linear `lm_head`, PreTrainedModel's `loss_function` property (with its
+    setter) and a forward that takes `labels`."""
+    head = module._modules.get("lm_head")
+    loss_property = getattr(type(module), "loss_function", None)
+    if not isinstance(head, torch.nn.Linear) or isinstance(head, FusedLMHead):
+        return False
+    if not isinstance(loss_property, property) or loss_property.fset is None:
+        return False
+    try:
+        return "labels" in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
+    head_name = f"{name}.lm_head" if name else "lm_head"
+    why = _why_not_probeable(module.lm_head)
+    if why:
+        report.skipped.append((head_name, f"LM head + loss candidate: {why}"))
+        return
+    softcap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
+    why_not = _lm_loss_verdict(module, softcap)
+    if why_not:
+        report.skipped.append((head_name, why_not))
+        return
+    head, original = module.lm_head, module.loss_function
+
+    def apply():
+        fused = FusedLMHead(head)
+        _replace(model, head_name, head, fused)
+        module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap)
+        module.register_forward_pre_hook(_capture_hidden_states, with_kwargs=True)
+        module.register_forward_hook(_drop_stand_in_logits, always_call=True)
+
+    changes.append(apply)
+    report.replaced.append((head_name, "linear_cross_entropy: FusedLMHead + the loss over token chunks "
+                                       "(calls with labels return logits=None)"))
+
+
+def _labels_passed(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    if kwargs.get("labels") is not None:
+        return True
+    if not args:
+        return False
+    try:
+        bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return False
+    return bound.arguments.get("labels") is not None
+
+
+def _capture_hidden_states(module, args, kwargs):
+    """Forward pre-hook of a fused causal LM: in a call with labels its head keeps the hidden states."""
+    head = module.lm_head
+    head.capturing, head.stood_in, head.hidden = _labels_passed(module, args, kwargs), False, None
+    return None
+
+
+def _drop_stand_in_logits(module, args, output):
+    """Forward hook: the call is over; a call whose head stood in for the logits returns logits=None."""
+    head = module.lm_head
+    stood_in, head.capturing, head.stood_in, head.hidden = head.stood_in, False, False, None
+    if not stood_in:  # no labels, or a head that computed real logits (tensor parallel)
+        return None
+    if isinstance(output, dict) and "logits" in output:  # a ModelOutput: rebuilt without the stand-in
+        return type(output)(**{key: value for key, value in output.items() if key != "logits"})
+    return None
+
+
+def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
+    """None when the tail of `module`'s forward (its head, any logit transform, its loss function) computes
+    what CausalLMLinearCrossEntropy computes with `softcap`, else why the head and loss are left alone.
+
+    Probed on the model itself for one call each way, with two parts swapped for the call and put back:
+    the decoder (`base_model_prefix`) by a stand-in that returns fixed hidden states of width 8, and the head
+    by a thin fp32 head (vocabulary x 8, seeded): no decoder layer runs and no real weight is read, so a
+    model of any size, or still on the meta device, is probed in a few milliseconds."""
+    head, prefix = module.lm_head, getattr(module, "base_model_prefix", "")
+    base = module._modules.get(prefix) if isinstance(prefix, str) else None
+    if base is None:
+        return f"LM head + loss candidate: no decoder child named by base_model_prefix ({prefix!r}); left as is"
+    try:
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+    except ImportError:  # a look-alike outside transformers
+        return "LM head + loss candidate: transformers is not importable; left as is"
+
+    class _DecoderOutput(BaseModelOutputWithPastAndCrossAttentions):
+        """The stand-in decoder's output: the probe's hidden states; any other field a forward reads is None."""
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return None
+
+    generator = torch.Generator(device="cpu").manual_seed(2468)
+    hidden = torch.randn((*_PROBE_TOKENS, _PROBE_WIDTH), generator=generator)
+    labels = torch.randint(0, head.out_features, _PROBE_TOKENS, generator=generator)
+    labels[0, :2] = -100  # ignored labels (padding), as collators write them
+    thin = torch.nn.Linear(_PROBE_WIDTH, head.out_features, bias=head.bias is not None)
+    with torch.no_grad():
+        thin.weight.copy_(torch.randn(thin.weight.shape, generator=generator) * _PROBE_LOGIT_SCALE)
+        if thin.bias is not None:
+            thin.bias.copy_(torch.randn(thin.bias.shape, generator=generator))
+    fused = FusedLMHead(thin)
+
+    class _StandIn(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return _DecoderOutput(last_hidden_state=hidden)
+
+    saved_loss = vars(module).get("_loss_function", _UNSET)
+    original = module.loss_function
+    losses = {}
+    try:
+        module._modules[prefix] = _StandIn()
+        for variant, lm_head in (("original", thin), ("fused", fused)):
+            module._modules["lm_head"] = lm_head
+            if variant == "fused":
+                module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap)
+            for items in (None, 7.0):
+                fused.capturing, fused.hidden = variant == "fused", None
+                kwargs = {} if items is None else {"num_items_in_batch": items}
+                with torch.no_grad():
+                    output = type(module).forward(module, input_ids=labels, labels=labels, **kwargs)
+                losses[variant, items] = output["loss"] if isinstance(output, dict) else output[0]
+    except Exception as error:  # noqa: BLE001 - reported in the FuseReport
+        return f"LM head + loss candidate: its forward failed on a probe ({type(error).__name__}: {error}); left as is"
+    finally:
+        fused.capturing, fused.hidden = False, None
+        module._modules[prefix], module._modules["lm_head"] = base, head
+        if saved_loss is _UNSET:
+            vars(module).pop("_loss_function", None)
+        else:
+            module._loss_function = saved_loss
+    for items in (None, 7.0):
+        if not _close(losses["fused", items], losses["original", items].float()):
+            return ("LM head + loss candidate: the loss of its forward is not the cross-entropy of "
+                    f"{'softcap(' if softcap else ''}lm_head(hidden){')' if softcap else ''} over shifted labels "
+                    f"(a probe gives {float(losses['original', items]):.6g}, the fused loss "
+                    f"{float(losses['fused', items]):.6g}): another logit transform or loss; left as is")
+    return None
+
+
+_UNSET = object()

@@ -268,6 +268,33 @@ def test_memory_last_stage_logits_and_tied_head_copy(tied):
     assert (m.activations, m.buffers) == (2 * LAYER_ACTIVATIONS + _logits(512), 2 * P2P)
 
 
+@pytest.mark.parametrize("layout", [dict(), dict(tp=2), dict(pp=2, num_micro_batches=2), dict(num_micro_batches=2)])
+def test_fused_loss_holds_a_chunk_and_the_gradients_instead_of_the_logits(layout):
+    """An engine that fuses the loss (to_distributed's default) holds, instead of the logits, one chunk of
+    them, the hidden states' gradient and the head gradient's fp32 accumulator, where distcore fuses it:
+    not under tp (a split head), pp or micro-batches (pipeline stages). By hand, 64 tokens x vocabulary 512
+    x h 8, bf16: the logits 64·512·6 = 196608 bytes; the chunk max(64·8/512, 128) capped at 64 tokens:
+    64·512·2 = 65536, the hidden gradient 64·8·2 = 1024, the accumulator 4·512·8 = 16384: 82944."""
+    spec = replace(TINY, vocab_size=512, seq_len=64)
+    fused_engine = replace(MEGATRON, name="megatron+fused-loss", fused_loss=True)
+    strategy = {"dp": 1, "tp": 1, "pp": 1, **layout}
+    cluster = _cluster(1, strategy["tp"] * strategy["pp"])
+    eager = _run(spec, cluster, **strategy).memory.activations
+    fused = _run(spec, replace(cluster, engine=fused_engine), **strategy).memory.activations
+    logits = 64 * 512 * (E + 4)
+    assert eager - fused == (logits - (64 * 512 * E + 64 * 8 * E + 4 * 512 * 8) if not layout else 0)
+
+
+@pytest.mark.parametrize("tokens, hidden, vocab", [(64, 8, 512), (8192, 4096, 128256), (100_000, 8192, 32000), (3, 16, 8)])
+def test_fused_loss_chunk_rule_is_the_kernels(tokens, hidden, vocab):
+    from tridist.autotune.cost import fused_loss_bytes
+    from tridist.kernels.ops.linear_cross_entropy import chunk_tokens
+
+    spec = replace(TINY, hidden_size=hidden, vocab_size=vocab)
+    held = fused_loss_bytes(spec, tokens, 4)  # fp32: no accumulator
+    assert held == chunk_tokens(tokens, hidden, vocab) * vocab * 4 + tokens * hidden * 4
+
+
 def test_memory_full_recompute_single_stage():
     """pp = 1: one stage is both ends. Full recompute keeps each layer's input (64 bytes) plus the full
     set of the one layer being recomputed, the embedding output and the logits."""

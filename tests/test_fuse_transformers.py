@@ -1,8 +1,9 @@
 """kernels.fuse on real Hugging Face transformers models (tests/hf_models.py): every norm, SwiGLU MLP and
-rotary of the families that have them is replaced and its fused kernel really runs (counted launches);
-loss, logits and every gradient stay within fp32 rounding of the unfused model; Gemma's GeGLU MLP is left
-alone with the reason (never fused as SwiGLU); `strict=True` raises instead; models built on the meta
-device (LazyGuard) are fused like materialised ones."""
+rotary of the families that have them, and the LM head + loss of every causal LM, are replaced and their
+fused kernels really run (counted launches); loss, logits and every gradient stay within fp32 rounding of
+the unfused model (a labelled call returns logits=None, a call without labels the logits); Gemma's GeGLU
+MLP is left alone with the reason (never fused as SwiGLU); `strict=True` raises instead; models built on
+the meta device (LazyGuard) are fused like materialised ones."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from tridist import distcore, kernels
 from tridist.distcore.lazy import materialize
+from tridist.kernels.ops.linear_cross_entropy import FusedLMHead
 from tests.hf_models import HIDDEN, LAYERS, VOCAB, build
 from tests.test_fuse import U_FP32, _assert_within, _kernel_launches
 
@@ -32,12 +34,19 @@ EXPECTED = {
     "gemma2": {"rms_norm": 4 * LAYERS + 1, "rotary": LAYERS},
     "gpt-neox": {"rotary": LAYERS},  # LayerNorm and GELU MLP; partial rotary (rotary_pct 0.5)
 }
+# The LM head + loss of every family: one op in the report; in a labelled forward one chunk of 2 x 8 tokens, two kernels (statistics, then loss and logits'
+# gradient); the backward launches none (a mean loss's gradients are computed in the forward).
+HEAD_AND_LOSS = {family: 1 for family in EXPECTED}
+LOSS_FORWARD_LAUNCHES = {"linear_cross_entropy": 2}
 # Same reasoning as tests/test_fuse.py: each fused op perturbs the residual stream by at most
 # HIDDEN·u of its magnitude (its longest fp32 reduction is over HIDDEN features), summed over the
 # fused ops of a pass; the backward runs each op's backward kernel too (twice the budget).
+# The fused loss adds its longest reduction, the log-sum-exp over VOCAB logits (and the hidden gradient's
+# GEMM over VOCAB), in another order than eager: VOCAB·u more.
 def _budgets(family):
     ops = sum(EXPECTED[family].values())
-    return ops * HIDDEN * U_FP32, 2 * ops * HIDDEN * U_FP32
+    loss = VOCAB if HEAD_AND_LOSS.get(family) else 0
+    return (ops * HIDDEN + loss) * U_FP32, 2 * (ops * HIDDEN + loss) * U_FP32
 
 
 def _batch(seed=0):
@@ -52,10 +61,12 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     report = kernels.fuse(fused)
     for kind, count in EXPECTED[family].items():
         assert report.count(kind) == count, (kind, str(report))
+    assert report.count("linear_cross_entropy") == HEAD_AND_LOSS.get(family, 0), str(report)
     rotaries = [name for name, what in report.replaced if what.startswith("rotary")]
     assert rotaries == [n for n, m in fused.named_modules() if n.endswith(("self_attn", "attention")) and "forward" in vars(m)]
+    assert isinstance(getattr(fused, "lm_head", None), FusedLMHead) == bool(HEAD_AND_LOSS.get(family))
     if family == "gpt-neox":
-        assert all("partial rotary" in what for _, what in report.replaced)
+        assert all("partial rotary" in what for _, what in report.replaced if what.startswith("rotary"))
     if family.startswith("gemma"):
         assert {why for _, why in report.skipped} == {
             "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"}
@@ -75,17 +86,35 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
         out = fused(**kwargs)
     with _kernel_launches() as backward:
         out.loss.backward()
-    assert forward == EXPECTED[family] and backward == EXPECTED[family], (forward, backward)
+    loss_launches = LOSS_FORWARD_LAUNCHES if HEAD_AND_LOSS.get(family) else {}
+    assert forward == {**EXPECTED[family], **loss_launches} and backward == EXPECTED[family], (forward, backward)
     forward_budget, backward_budget = _budgets(family)
-    _assert_within(out.logits, expected.logits, forward_budget, "logits")
+    assert (out.logits is None) == bool(HEAD_AND_LOSS.get(family)), type(out.logits)  # labelled: no logits (as Liger)
     _assert_within(out.loss, expected.loss, forward_budget, "loss")
     for (name, p), q in zip(model.named_parameters(), fused.parameters()):
         _assert_within(q.grad, p.grad, backward_budget, name)
+    del kwargs["labels"]  # without labels: the logits, from the head as before
+    with torch.no_grad(), _kernel_launches() as forward:
+        unlabelled = fused(**kwargs)
+        expected_logits = model(**kwargs).logits
+    assert unlabelled.loss is None and forward == EXPECTED[family], forward
+    _assert_within(unlabelled.logits, expected_logits, forward_budget, "logits")
 
 
-def test_gpt2_has_nothing_to_fuse():
-    report = kernels.fuse(build("gpt2"))  # LayerNorm, GELU MLP, learned positions
-    assert report.replaced == [] and report.skipped == []
+def test_gpt2_fuses_only_its_head_and_loss():
+    model = build("gpt2")  # LayerNorm, GELU MLP, learned positions; the head tied to the embedding
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    assert [what.split(":")[0] for _, what in report.replaced] == ["linear_cross_entropy"] and report.skipped == []
+    assert fused.lm_head.weight is fused.transformer.wte.weight  # still tied
+    ids = _batch()
+    expected = model(input_ids=ids, labels=ids)
+    out = fused(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    out.loss.backward()
+    _assert_within(out.loss, expected.loss, VOCAB * U_FP32, "loss")
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        _assert_within(q.grad, p.grad, 2 * VOCAB * U_FP32 + 2 * HIDDEN * U_FP32, name)
 
 
 def test_strict_raises_naming_each_candidate_and_changes_nothing():
@@ -96,6 +125,7 @@ def test_strict_raises_naming_each_candidate_and_changes_nothing():
     assert [type(m) for m in model.modules()] == before
     report = kernels.fuse(model, strict=True, swiglu=False)  # the MLP left out: nothing else fails
     assert report.count("rms_norm") == 2 * LAYERS + 1 and report.count("rotary") == LAYERS
+    assert report.count("linear_cross_entropy") == 1
 
 
 def test_strict_passes_when_everything_fuses():
@@ -110,6 +140,7 @@ def test_meta_device_model_is_fused_and_trains_like_the_eager_one():
         lazy = build("llama")
     report = kernels.fuse(lazy)
     assert {k: report.count(k) for k in EXPECTED["llama"]} == EXPECTED["llama"] and report.skipped == []
+    assert report.count("linear_cross_entropy") == 1  # probed without reading the (meta) head
     assert all(p.device.type == "meta" for p in lazy.parameters())
     materialize(lazy)
     eager = build("llama")
@@ -120,7 +151,7 @@ def test_meta_device_model_is_fused_and_trains_like_the_eager_one():
     with _kernel_launches() as launches:
         out = lazy(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert launches == EXPECTED["llama"]
+    assert launches == {**EXPECTED["llama"], **LOSS_FORWARD_LAUNCHES}
     forward_budget, backward_budget = _budgets("llama")
     _assert_within(out.loss, expected.loss, forward_budget, "loss")
     for (name, p), q in zip(eager.named_parameters(), lazy.parameters()):
@@ -129,7 +160,8 @@ def test_meta_device_model_is_fused_and_trains_like_the_eager_one():
 
 def test_compiled_fused_transformers_model_is_one_graph_and_matches():
     """torch.compile(fullgraph=True) of a fused transformers Llama: one graph, no recompilation on the
-    next call (the fused rotary's globals are a module torch.compile can guard), same logits."""
+    next call (the fused rotary's globals are a module torch.compile can guard), same logits; a labelled
+    call compiles whole too, with the fused loss."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -146,3 +178,62 @@ def test_compiled_fused_transformers_model_is_one_graph_and_matches():
         forward_budget, _ = _budgets("llama")
         _assert_within(out.logits, model(input_ids=ids).logits, forward_budget, "logits")
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # With labels (another graph, still whole: fullgraph=True raises on a break): the fused loss, no logits.
+    with _kernel_launches() as launches:
+        out = compiled(input_ids=ids, labels=ids)
+    assert out.logits is None and launches["linear_cross_entropy"] == LOSS_FORWARD_LAUNCHES["linear_cross_entropy"]
+    _assert_within(out.loss, model(input_ids=ids, labels=ids).loss, _budgets("llama")[0], "loss")
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def _llama_with_scaled_logits():
+    """Granite's forward divides the logits by config.logits_scaling before its loss (a transform fuse
+    does not reproduce)."""
+    import transformers as hf
+
+    return hf.GraniteForCausalLM(hf.GraniteConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                  logits_scaling=8.0))
+
+
+def _llama_with_a_config_softcap():
+    model = build("llama")
+    model.config.final_logit_softcapping = 30.0  # read by fuse, but Llama's forward does not cap
+    return model
+
+
+def _llama_with_its_own_loss():
+    model = build("llama")
+    original = model.loss_function
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: original(logits, labels, vocab_size, **kwargs) * 2
+    return model
+
+
+@pytest.mark.parametrize("make", [_llama_with_scaled_logits, _llama_with_a_config_softcap, _llama_with_its_own_loss])
+def test_head_and_loss_left_alone_when_the_forward_computes_another_loss(make):
+    """The probe of the forward's tail refuses a logit transform fuse does not reproduce, a soft-capping
+    the config names but the forward does not apply, and a loss function of the user's: the model keeps
+    its own head and loss (and the same loss value), with the reason."""
+    model = make()
+    reference = copy.deepcopy(model)
+    report = kernels.fuse(model, rms_norm=False, swiglu=False, rotary=False)
+    assert report.count("linear_cross_entropy") == 0 and not isinstance(model.lm_head, FusedLMHead), str(report)
+    assert [name for name, why in report.skipped if "is not the cross-entropy of" in why] == ["lm_head"], str(report)
+    ids = _batch()
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+
+
+def test_a_head_with_hooks_computes_its_logits_and_the_loss_runs_unfused():
+    """Tensor parallel puts layout hooks on the head (e.g. gathering its logits): a labelled call then computes
+    the logits, returns them, and the model's own loss runs on them (fused loss only on the whole, plain head)."""
+    model = build("llama")
+    fused = copy.deepcopy(model)
+    kernels.fuse(fused, rms_norm=False, swiglu=False, rotary=False)
+    seen = []
+    fused.lm_head.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    ids = _batch()
+    with _kernel_launches() as launches:
+        out = fused(input_ids=ids, labels=ids)
+    expected = model(input_ids=ids, labels=ids)
+    assert seen == [(2, SEQ_LEN, VOCAB)] and launches["linear_cross_entropy"] == 0
+    assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss)

@@ -51,6 +51,8 @@ TRITON_INTERPRET=1 is set before import.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -676,3 +678,63 @@ def _validate(op, hidden, weight, labels, bias, ignore_index, reduction, label_s
     if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) or not num_items > 0:
         raise ValueError(f"{op}: num_items_in_batch must be a positive number (the count of non-ignored labels), got {num_items!r}")
     return torch.full((), num_items, dtype=torch.float32, device=hidden.device)
+
+
+# ------------------------------------------------------------------------------- a causal LM's head + loss
+
+
+class FusedLMHead(torch.nn.Linear):
+    """An LM head (an nn.Linear around the same weight and bias Parameters) whose logits a causal LM's loss
+    can skip. While a labelled call of its model is in flight (`capturing`, set by `fuse`'s hooks on the
+    model) its forward keeps the hidden states for the model's `CausalLMLinearCrossEntropy` and returns a
+    zero-width stand-in [..., 0] for the logits; at any other time it is nn.Linear. A vocabulary-split head
+    (tensor parallel: DTensors, a local shard of the weight, or layout hooks on the head) always computes
+    ordinary logits: the loss then runs unfused, as it would without fuse."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameters: optimizers holding them stay valid
+        self.register_parameter("bias", linear.bias)
+        self.capturing = False  # set for a labelled call of the model
+        self.stood_in = False  # this call's logits are the stand-in
+        self.hidden: torch.Tensor | None = None  # the captured input, until the loss takes it
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.capturing and self._holds_the_whole_head(hidden):
+            self.hidden, self.stood_in = hidden, True
+            return hidden.new_empty((*hidden.shape[:-1], 0))
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
+
+    def _holds_the_whole_head(self, hidden: torch.Tensor) -> bool:
+        """Plain tensors, every row of the vocabulary, and nothing around the call: DTensors (tensor parallel's
+        global view), a weight holding part of the vocabulary (its local view) or hooks that transform the
+        head's input or output (tensor parallel's layouts, e.g. gathering the logits) need real logits."""
+        return (not (is_dtensor(hidden) or is_dtensor(self.weight)) and self.weight.shape[0] == self.out_features
+                and not (self._forward_hooks or self._forward_pre_hooks))
+
+
+class CausalLMLinearCrossEntropy:
+    """A transformers causal LM's `loss_function` (ForCausalLMLoss's contract: logits, labels, vocab_size,
+    num_items_in_batch=None, ignore_index=-100, shift_labels=None) computed by `linear_cross_entropy` from
+    the hidden states its `FusedLMHead` captured: labels shifted as ForCausalLMLoss shifts them (position t
+    predicts label t + 1) unless `shift_labels` is given, `softcap` the final logit soft-capping the
+    model's forward applies (Gemma-2's `final_logit_softcapping`; fuse's probe confirms it). A call whose
+    head computed ordinary logits goes to `original`, the loss function this one replaced, whose name it
+    keeps (functools.update_wrapper: code that recognises ForCausalLMLoss by name still does)."""
+
+    def __init__(self, head: FusedLMHead, original, softcap: float | None):
+        functools.update_wrapper(self, original)
+        self.head, self.original, self.softcap = head, original, softcap
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                 shift_labels=None, **kwargs):
+        hidden, self.head.hidden = self.head.hidden, None
+        if hidden is None:
+            return self.original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return linear_cross_entropy(hidden, self.head.weight, shift_labels.to(hidden.device), bias=self.head.bias,
+                                    ignore_index=ignore_index, softcap=self.softcap,
+                                    num_items_in_batch=num_items_in_batch)

@@ -119,9 +119,16 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     overlapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("OverlappedEntry")]
     assert bool(overlapped) == model.distributed_strategy.overlap_tp_comm, overlapped  # the rings run, or none
     trace = equivalence.Trace()
+    # The LM head + loss run fused (linear_cross_entropy: no logits returned) where distcore can: fused kernels
+    # on and no tensor parallel (a vocabulary-split head); not in pipeline stages or micro-batches either, whose
+    # training output carries no logits in any case.
+    chosen = model.distributed_strategy
+    pipeline = chosen.pp > 1 or chosen.num_micro_batches > 1
+    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
     for batch in loader():
         out = model(**batch)
         assert isinstance(out, ModelOutput) and "loss" in out, type(out)  # the model's kind of output, on every rank
+        assert pipeline or (out.logits is None) == fused_loss, (chosen, type(out.logits))
         out.loss.backward()
         trace.step(model, out.loss)
         optimizer.step()
