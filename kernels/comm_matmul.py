@@ -84,7 +84,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ._common import SUPPORTED_DTYPES, no_autocast
