@@ -454,7 +454,7 @@ def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> float:
 def _loss_bytes(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost) -> float:
     """The last stage's loss: the logits (input dtype and fp32 upcast, split by tp), or the fused loss's
     buffers where the engine runs it (engine.fused_loss says where distcore can)."""
-    if cluster.engine.fused_loss and s.tp == 1 and s.pp == 1 and s.num_micro_batches == 1:
+    if cluster.engine.fused_loss and s.tp == 1:
         return fused_loss_bytes(spec, s.micro_batch_size * spec.seq_len, cluster.dtype_bytes)
     return c.logits_bytes
 

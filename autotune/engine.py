@@ -50,8 +50,7 @@ class EngineProfile:
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
     # Computes the LM head's loss by tridist's linear_cross_entropy (kernels.fuse's FusedLMHead) where distcore
-    # can: without tensor parallel (a vocabulary-split head) and without pipeline stages or micro-batches
-    # (a stage's forward does not run the model's hooks); the loss holds no [tokens, vocab] logits (cost.py).
+    # can: without tensor parallel (a vocabulary-split head); the loss holds no [tokens, vocab] logits (cost.py).
     fused_loss: bool = False
     source: str = ""
 

@@ -85,6 +85,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
+from ..kernels.fuse import labelled_call
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -593,10 +594,23 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
         args, kwargs = micro_batches[state.micro_batch]
         state.received = None if state.is_first else received[0]
         state.last_output = state.last_placeholder = None
+        if state.is_last:  # a causal LM's fused head + loss (kernels.fuse), armed as the model's hooks would
+            with labelled_call(view, args, kwargs) as finish:
+                return _last_stage_result(finish(run(args, kwargs)), state)
+        output = run(args, kwargs)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if not isinstance(hidden, torch.Tensor) or isinstance(hidden, DTensor):
+            raise TypeError(
+                f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "
+                "tensor a decoder layer returns"
+            )
+        return take_pending_split(view, hidden)  # a SequenceParallelBegin as the stage's last layer
+
+    def run(args, kwargs):
         try:
-            output = model_forward(view, *args, **kwargs)
+            return model_forward(view, *args, **kwargs)
         except _StageExit:
-            output = state.last_output
+            return state.last_output
         except AttributeError as error:
             missing = [name for name in bare_parameters if f"'{name.rpartition('.')[2]}'" in str(error)]
             if not missing:
@@ -608,15 +622,6 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
             ) from error
         finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
             state.received = state.last_output = state.last_placeholder = None
-        if state.is_last:
-            return _last_stage_result(output, state)
-        hidden = output[0] if isinstance(output, tuple) else output
-        if not isinstance(hidden, torch.Tensor) or isinstance(hidden, DTensor):
-            raise TypeError(
-                f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "
-                "tensor a decoder layer returns"
-            )
-        return take_pending_split(view, hidden)  # a SequenceParallelBegin as the stage's last layer
 
     view.forward = forward
 

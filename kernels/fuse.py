@@ -21,9 +21,9 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   Liger-Kernel's fused loss, such a call returns `logits=None`; a call without labels returns the
   logits as before. A probe confirms the tail of the forward (the head, any logit transform, the loss)
   on a stand-in for the decoder, with a thin head of the vocabulary's width: the same loss, also with
-  `num_items_in_batch`; Gemma-2's final soft-capping is read from the config and confirmed so. Under
-  tensor parallel (a DTensor head) and inside pipeline stages (whose forward does not run the model's
-  hooks) the loss runs unfused.
+  `num_items_in_batch`; Gemma-2's final soft-capping is read from the config and confirmed so. Code
+  that runs the forward without the model's hooks (distcore's pipeline stages) arms the head with
+  `labelled_call`. Under tensor parallel (a vocabulary-split head) the loss runs unfused.
 Parameters stay the same objects, so an optimizer built before `fuse` keeps working, and parameter
 names are unchanged. Probes run on CPU copies with fresh random values, so a model still on the meta
 device (built under `distcore.LazyGuard` or `torch.device("meta")`) is fused like a materialised one.
@@ -33,6 +33,7 @@ any candidate left alone into a `FuseError`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import sys
@@ -606,6 +607,24 @@ def _drop_stand_in_logits(module, args, output):
     if isinstance(output, dict) and "logits" in output:  # a ModelOutput: rebuilt without the stand-in
         return type(output)(**{key: value for key, value in output.items() if key != "logits"})
     return None
+
+
+@contextlib.contextmanager
+def labelled_call(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """What fuse's hooks do around a call of a fused causal LM, for code that runs its forward without the
+    module's hooks (distcore's pipeline stages call the forward function on a stage's view of the model):
+    arms the head for a call with labels and yields `finish(output)`, which returns the call's output as the
+    model returns it (logits=None where the head stood in). A model without a fused head: `finish` returns
+    the output unchanged."""
+    head = model._modules.get("lm_head")
+    if not isinstance(head, FusedLMHead):
+        yield lambda output: output
+        return
+    _capture_hidden_states(model, args, kwargs)
+    try:
+        yield lambda output: _drop_stand_in_logits(model, args, output) or output
+    finally:
+        head.capturing, head.stood_in, head.hidden = False, False, None
 
 
 def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:

@@ -73,13 +73,17 @@ def _reference(family: str) -> equivalence.Trace:
     return _run(*_model(family))
 
 
-def _evaluate(model, *, logits: bool = True) -> tuple[float, torch.Tensor | None]:
+def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> tuple[float, torch.Tensor | None]:
     """The first global batch's evaluation, in eval mode under no_grad, as users call it on every rank:
-    its loss (with labels) and, where asked, its logits (a second call, without labels: no loss)."""
+    its loss (with labels) and, where asked, its logits (a second call, without labels: no loss).
+    `fused_loss`: whether the labelled call must have run the fused head + loss (then it returns no logits)."""
     batch = _batches()[0]
     model.eval()
     with torch.no_grad():
-        loss = model(**batch).loss
+        labelled = model(**batch)
+        loss = labelled.loss
+        if fused_loss is not None:
+            assert (labelled.logits is None) == fused_loss, (model.distributed_strategy, type(labelled.logits))
         unlabelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]) if logits else None
     model.train()
     if unlabelled is None:
@@ -105,7 +109,11 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
         assert bool(fused) == config.get("fuse_kernels", True), fused
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
-    loss, logits = _evaluate(model)
+    # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) where distcore
+    # can: fused kernels on and no tensor parallel (a vocabulary-split head); pipeline stages included.
+    chosen = model.distributed_strategy
+    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
+    loss, logits = _evaluate(model, fused_loss=fused_loss)
     expected_loss, expected_logits = _reference_evaluation(family)
     equivalence.assert_losses_close([loss], [expected_loss])
     assert isinstance(logits, torch.Tensor) and logits.shape == expected_logits.shape, getattr(logits, "shape", logits)
@@ -119,12 +127,7 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     overlapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("OverlappedEntry")]
     assert bool(overlapped) == model.distributed_strategy.overlap_tp_comm, overlapped  # the rings run, or none
     trace = equivalence.Trace()
-    # The LM head + loss run fused (linear_cross_entropy: no logits returned) where distcore can: fused kernels
-    # on and no tensor parallel (a vocabulary-split head); not in pipeline stages or micro-batches either, whose
-    # training output carries no logits in any case.
-    chosen = model.distributed_strategy
-    pipeline = chosen.pp > 1 or chosen.num_micro_batches > 1
-    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
+    pipeline = chosen.pp > 1 or chosen.num_micro_batches > 1  # whose training output holds no logits anyway
     for batch in loader():
         out = model(**batch)
         assert isinstance(out, ModelOutput) and "loss" in out, type(out)  # the model's kind of output, on every rank
