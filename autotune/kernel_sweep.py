@@ -30,7 +30,6 @@ import datetime
 import hashlib
 import itertools
 import json
-import math
 import os
 import sys
 import time

@@ -1,6 +1,5 @@
 """`tridist check kernels`: the correctness sweep runs (here on the interpreted kernels) and can fail."""
 
-import pytest
 import torch
 
 from tridist.bench import correctness
