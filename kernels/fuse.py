@@ -593,14 +593,17 @@ def _labels_passed(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
 
 def _capture_hidden_states(module, args, kwargs):
     """Forward pre-hook of a fused causal LM: in a call with labels its head keeps the hidden states."""
-    head = module.lm_head
-    head.capturing, head.stood_in, head.hidden = _labels_passed(module, args, kwargs), False, None
+    head = module._modules.get("lm_head")
+    if isinstance(head, FusedLMHead):  # not a head put in its place since (resize_token_embeddings does)
+        head.capturing, head.stood_in, head.hidden = _labels_passed(module, args, kwargs), False, None
     return None
 
 
 def _drop_stand_in_logits(module, args, output):
     """Forward hook: the call is over; a call whose head stood in for the logits returns logits=None."""
-    head = module.lm_head
+    head = module._modules.get("lm_head")
+    if not isinstance(head, FusedLMHead):
+        return None
     stood_in, head.capturing, head.stood_in, head.hidden = head.stood_in, False, False, None
     if not stood_in:  # no labels, or a head that computed real logits (tensor parallel)
         return None

@@ -237,3 +237,17 @@ def test_a_head_with_hooks_computes_its_logits_and_the_loss_runs_unfused():
     expected = model(input_ids=ids, labels=ids)
     assert seen == [(2, SEQ_LEN, VOCAB)] and launches["linear_cross_entropy"] == 0
     assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss)
+
+
+def test_a_head_replaced_after_fuse_runs_unfused():
+    """resize_token_embeddings puts a new nn.Linear in the head's place: the model's calls keep working, with
+    the new head's logits and the model's own loss on them."""
+    model = build("llama")
+    kernels.fuse(model, rms_norm=False, swiglu=False, rotary=False)
+    model.resize_token_embeddings(VOCAB + 8)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.out_features == VOCAB + 8
+    ids = _batch()
+    out = model(input_ids=ids, labels=ids)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    assert out.logits.shape == (2, SEQ_LEN, VOCAB + 8)
+    torch.testing.assert_close(out.loss, expected)
