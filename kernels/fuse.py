@@ -680,15 +680,14 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
             if variant == "fused":
                 module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap)
             for items in (None, 7.0):
-                fused.capturing, fused.hidden = variant == "fused", None
-                kwargs = {} if items is None else {"num_items_in_batch": items}
-                with torch.no_grad():
-                    output = type(module).forward(module, input_ids=labels, labels=labels, **kwargs)
+                kwargs = {"labels": labels} if items is None else {"labels": labels, "num_items_in_batch": items}
+                # The forward called as a function (the model's own hooks stay out): armed as they would.
+                with torch.no_grad(), labelled_call(module, (), kwargs):
+                    output = type(module).forward(module, input_ids=labels, **kwargs)
                 losses[variant, items] = output["loss"] if isinstance(output, dict) else output[0]
     except Exception as error:  # noqa: BLE001 - reported in the FuseReport
         return f"LM head + loss candidate: its forward failed on a probe ({type(error).__name__}: {error}); left as is"
     finally:
-        fused.capturing, fused.hidden = False, None
         module._modules[prefix], module._modules["lm_head"] = base, head
         if saved_loss is _UNSET:
             vars(module).pop("_loss_function", None)
