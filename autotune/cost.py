@@ -33,6 +33,25 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
 * Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
   master/momentum/variance), ZeRO-1/2/3 dividing the 12, then the grads, then the weights by dp.
 
+Mixtures of experts (ModelSpec.num_experts > 0; its moe_layers priced apart from the dense layers, each
+pipeline rank by the layers it holds):
+
+* compute on the active parameters: the router ([tokens, hidden] x [hidden, experts]), the shared experts
+  on every token, and the routed experts as E/ep local GEMM groups of tokens·k·imbalance/(E/ep) rows each
+  (one grouped GEMM per projection: small groups are priced memory-bound by the roofline, which is what
+  makes many small experts slower than their FLOPs say); their ffn split over tp as the dense MLP's.
+* activations: the experts' gate, up and product for the k·imbalance routed copies of each token and the
+  shared experts' for every token (inside the tensor-parallel region), the dispatched copies of the token
+  and the fp32 router probabilities (outside it).
+* all-to-all over the ep ranks (a pairwise exchange: (ep−1)/ep of the bytes leave the rank, the peers on
+  the node over NVLink and the others over the NIC at once): dispatch and combine of tokens·k·imbalance
+  hidden vectors, forward and backward (4 per MoE layer and micro-batch, 6 with full recompute), exposed.
+* `ModelSpec.expert_load_imbalance`: the busiest ep rank's routed tokens over the mean (1.0: balanced);
+  it scales the experts' compute, activations and all-to-all under expert parallel (ep > 1; with ep = 1
+  every rank runs all the experts on its own tokens, k per token, whatever the routing).
+* weights and gradient reductions: each rank holds E/ep experts; the experts' gradients are reduced (and
+  ZeRO-sharded) over the dp/ep ranks that hold the same experts, the other parameters over dp.
+
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
 achievable matmul rate and bytes at the memory bandwidth), so tiny shapes are memory-bound.
@@ -45,12 +64,13 @@ layer's dispatch floor and FSDP2's buffer copies. A device's measured `step_time
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from .hardware import Cluster
 from .model import ModelSpec
-from .strategy import Strategy, check, rank_layers
+from .strategy import Strategy, check, rank_layer_indices
 
 __all__ = [
     "Estimate",
@@ -64,6 +84,7 @@ __all__ = [
     "all_gather_time",
     "reduce_scatter_time",
     "p2p_time",
+    "all_to_all_time",
     "pipeline_bubble_fraction",
     "activation_bytes_per_layer",
     "model_state_bytes",
@@ -72,7 +93,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 6  # 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 7  # 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -101,6 +122,7 @@ LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 4096
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
+ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
 # Optimizer bytes per parameter: fp32 master weights + Adam m and v (12) when training in 16 bits;
 # pure fp32 training needs no master copy (8). Weights and gradients take the dtype's bytes.
@@ -110,9 +132,12 @@ OPTIMIZER_BYTES = {2: 12, 4: 8}
 # -------------------------------------------------------------------------------------------- FLOPs
 
 
+@functools.lru_cache(maxsize=1024)
 def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
-    """(layer matmuls, attention core, logits) forward FLOPs per token, summed over layers."""
-    matmul = 2.0 * spec.layer_matmul_parameters * spec.num_layers
+    """(layer matmuls, attention core, logits) forward FLOPs per token, summed over layers (an MoE layer's
+    matmuls: attention, router, shared experts and the k routed experts a token runs)."""
+    moe_layer = spec.attention_parameters + spec.moe_active_mlp_parameters
+    matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers)
     core = 4.0 * spec.seq_len * spec.q_size * spec.num_layers  # Q·Kᵀ and P·V, no causal halving (Megatron)
     logits = 2.0 * spec.vocab_size * spec.hidden_size
     return matmul, core, logits
@@ -169,6 +194,21 @@ def reduce_scatter_time(nbytes: float, n: int, bandwidth: float, latency: float)
     return all_gather_time(nbytes, n, bandwidth, latency)
 
 
+def all_to_all_time(nbytes: float, n: int, bandwidth: float, latency: float, *, local_ranks: int | None = None,
+                    inter_bandwidth: float | None = None, inter_latency: float | None = None) -> float:
+    """Pairwise all-to-all in which each rank sends `nbytes` in all, 1/n to every rank (itself included):
+    (n−1)/n·bytes/bw + (n−1)·α inside a node. When only `local_ranks` of the n share a node, the other
+    n − local_ranks are reached over the inter-node link at the same time: the slower of the two parts."""
+    if n <= 1:
+        return 0.0
+    local = n if local_ranks is None else max(1, min(local_ranks, n))
+    intra = (local - 1) / n * nbytes / bandwidth + (local - 1) * latency
+    if local == n:
+        return intra
+    inter = (n - local) / n * nbytes / inter_bandwidth + (n - local) * inter_latency
+    return max(intra, inter)
+
+
 def p2p_time(nbytes: float, bandwidth: float, latency: float) -> float:
     """One point-to-point send: α + bytes/bw."""
     return latency + nbytes / bandwidth
@@ -183,10 +223,12 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 # -------------------------------------------------------------------------------------------- memory
 
 
-def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int) -> tuple[float, float, float]:
+def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
+                      imbalance: float = 1.0) -> tuple[float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
     inside them, the attention core). For Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh and
-    5·a·s²·b (Korthikanti et al. 2022, eq. 1)."""
+    5·a·s²·b (Korthikanti et al. 2022, eq. 1). `moe`: an MoE layer, its busiest rank receiving
+    `imbalance` times the mean of the routed tokens."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
@@ -196,7 +238,12 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int) 
     # Q, K, V for the attention core, the output projection's input; MLP: GELU input and output
     # (2 x ffn) or SwiGLU's gate, up and product (3 x ffn).
     mlp_tensors = 3 if spec.gated_mlp else 2
-    inside = sb * (e * q + e * kv + e * kv + e * q + mlp_tensors * e * f)
+    mlp = mlp_tensors * e * f
+    if moe:  # k·imbalance routed copies of each token through an expert, every token through the shared ones
+        routed = spec.experts_per_token * imbalance
+        mlp = mlp_tensors * e * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size)
+        outside += sb * (routed * e * h + ROUTER_PROB_BYTES * spec.num_experts)  # dispatched copies, router scores
+    inside = sb * (e * q + e * kv + e * kv + e * q + mlp)
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
     else:  # softmax output (+ dropout mask and dropout output)
@@ -205,8 +252,9 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int) 
 
 
 def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute: str = "none", dtype_bytes: int = 2) -> float:
-    """Activation bytes one layer keeps for one micro-batch on one device.
+                               recompute: str = "none", dtype_bytes: int = 2, *, moe: bool = False,
+                               imbalance: float = 1.0) -> float:
+    """Activation bytes one layer (an MoE layer with `moe`) keeps for one micro-batch on one device.
 
     GPT (dropout, no flash): s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t))
     with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
@@ -215,7 +263,7 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
     if recompute == "full":
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
         return layer_input / tp if sequence_parallel else layer_input
-    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes)
+    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance)
     if recompute == "selective":
         core = 0.0
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp
@@ -237,24 +285,54 @@ def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_byt
     return weights, grads, optimizer
 
 
-def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1) -> float:
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1, ep: int = 1) -> float:
     """Parameters held by one device of pipeline rank `stage`: its layers' matrices split by tp (norm
     weights replicated; layers per rank as strategy.rank_layers lays them out, uneven where pp does not
     divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
-    the last (a tied head is a second copy when the two ends are different ranks)."""
-    return _rank_parameters(spec, tp, pp, stage, rank_layers(spec.num_layers, pp, virtual_pp)[stage])
+    the last (a tied head is a second copy when the two ends are different ranks); in MoE layers the
+    router (replicated), the shared experts (split by tp) and E/ep routed experts (split by tp)."""
+    return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep))
 
 
-def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, layers: int) -> float:
-    """stage_parameters for a rank holding `layers` decoder layers."""
-    params = layers * (spec.layer_matmul_parameters / tp + spec.layer_norm_parameters)
+@functools.lru_cache(maxsize=65536)
+def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, int], ...]:
+    """Each pipeline rank's (dense, MoE) layer counts."""
+    return tuple(_layer_kinds(spec, layers) for layers in rank_layer_indices(spec.num_layers, pp, virtual_pp))
+
+
+def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, int]:
+    """(dense, MoE) counts among the layer indices `layers`."""
+    moe = len(set(layers) & set(spec.moe_layer_indices))
+    return len(layers) - moe, moe
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
+    """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device."""
+    norms = spec.layer_norm_parameters
+    if not moe:
+        return spec.layer_matmul_parameters / tp + norms, 0.0
+    shared = (spec.attention_parameters + spec.shared_expert_parameters) / tp + spec.router_parameters + norms
+    return shared, spec.num_experts // ep * spec.expert_parameters / tp
+
+
+def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple[int, int],
+                     ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters of a rank holding `kinds` = (dense, MoE) decoder layers (see stage_parameters)."""
+    dense_layer, _ = _layer_parameters(spec, tp, ep, False)
+    params = kinds[0] * dense_layer
+    experts = 0.0
+    if kinds[1]:
+        moe_layer, expert_layer = _layer_parameters(spec, tp, ep, True)
+        params += kinds[1] * moe_layer
+        experts = kinds[1] * expert_layer
     if stage == 0:
         params += spec.embedding_parameters / tp
     if stage == pp - 1:
         params += spec.hidden_size
         if not spec.tied_embeddings or pp > 1:
             params += spec.embedding_parameters / tp
-    return params
+    return params, experts
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -270,10 +348,12 @@ class TimeBreakdown:
     pp_comm_s: float
     bubble_s: float
     optimizer_s: float
+    ep_comm_s: float = 0.0  # expert parallel's all-to-alls (mixtures of experts)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s + self.optimizer_s
+        return (self.compute_s + self.tp_comm_s + self.dp_comm_s + self.pp_comm_s + self.bubble_s + self.optimizer_s
+                + self.ep_comm_s)
 
 
 @dataclass(frozen=True)
@@ -338,7 +418,7 @@ class Estimate:
         t, m = self.time, self.memory
         return {
             "compute_s": t.compute_s, "tp_comm_s": t.tp_comm_s, "dp_comm_s": t.dp_comm_s,
-            "pp_comm_s": t.pp_comm_s, "bubble_s": t.bubble_s, "optimizer_s": t.optimizer_s,
+            "pp_comm_s": t.pp_comm_s, "ep_comm_s": t.ep_comm_s, "bubble_s": t.bubble_s, "optimizer_s": t.optimizer_s,
             "weights_bytes": m.weights, "gradients_bytes": m.gradients,
             "optimizer_states_bytes": m.optimizer_states, "activations_bytes": m.activations,
             "buffers_bytes": m.buffers, "capacity_bytes": self.capacity_bytes,
@@ -359,6 +439,7 @@ class _LayerCost:
     elementwise_fwd: float
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
+    ep_collective: float  # one all-to-all of the routed tokens (dispatch or combine) over the ep ranks
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
     head_gemm_fwd: float
@@ -374,8 +455,26 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
     return max(2.0 * m * k * n / flops, dtype_bytes * (m * k + k * n + m * n) / bandwidth)
 
 
+def clear_caches() -> None:
+    """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
+    for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings):
+        cached.cache_clear()
+
+
+def _mlp_gemms(rows: float, hidden: int, ffn: float, gated: bool, flops: float, bw: float, e: int) -> float:
+    """One MLP's GEMMs over `rows` tokens (its ffn width as split on this device)."""
+    return (_gemm_time(rows, hidden, (2 if gated else 1) * ffn, flops, bw, e)
+            + _gemm_time(rows, ffn, hidden, flops, bw, e))
+
+
+def _expert_imbalance(spec: ModelSpec, ep: int) -> float:
+    """The busiest rank's routed tokens over the mean: only expert parallel spreads them unevenly."""
+    return spec.expert_load_imbalance if ep > 1 else 1.0
+
+
 @functools.lru_cache(maxsize=65536)
-def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool) -> _LayerCost:
+def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool,
+                moe: bool = False, ep: int = 1) -> _LayerCost:
     p = cluster.profile
     e = cluster.dtype_bytes
     engine = cluster.engine
@@ -384,17 +483,33 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     bw = p.hbm_bandwidth * p.hbm_efficiency
     tokens = micro_batch_size * spec.seq_len
     h, f = spec.hidden_size, spec.ffn_hidden_size
-    mlp_in = (2 if spec.gated_mlp else 1) * f
+    imbalance = _expert_imbalance(spec, ep) if moe else 1.0
     gemm = (_gemm_time(tokens, h, (spec.q_size + 2 * spec.kv_size) / tp, flops, bw, e)
-            + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e)
-            + _gemm_time(tokens, h, mlp_in / tp, flops, bw, e)
-            + _gemm_time(tokens, f / tp, h, flops, bw, e))
+            + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e))
+    ep_collective = 0.0
+    if moe:
+        # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
+        # tokens·k·imbalance/(E/ep) rows each (the roofline prices small groups by their weights' traffic).
+        local = spec.num_experts // ep
+        routed = tokens * spec.experts_per_token * imbalance
+        gemm += _gemm_time(tokens, h, spec.num_experts, flops, bw, e)
+        gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / tp, spec.gated_mlp, flops, bw, e)
+        if spec.shared_ffn_hidden_size:
+            gemm += _mlp_gemms(tokens, h, spec.shared_ffn_hidden_size / tp, spec.gated_mlp, flops, bw, e)
+        # The ep ranks are dp ranks tp apart (ParallelDims: tp innermost): those on one node talk over NVLink.
+        bw_ep, lat_ep = cluster.link(ep, tp)
+        bw_out, lat_out = p.inter_node_bandwidth * p.comm_efficiency, p.inter_node_latency
+        ep_collective = all_to_all_time(e * routed * h, ep, bw_ep, lat_ep,
+                                        local_ranks=max(1, cluster.devices_per_node // tp),
+                                        inter_bandwidth=bw_out, inter_latency=lat_out)
+    else:
+        gemm += _mlp_gemms(tokens, h, f / tp, spec.gated_mlp, flops, bw, e)
     if spec.flash_attention and measured and p.attention_flops:
         core_flops = p.attention_flops
     else:
         core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
-    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e)
+    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
@@ -430,11 +545,12 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
-    activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e)
+    activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
+                                                    imbalance=imbalance)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, packed_qkv, qk_norm, head,
-                      head_elementwise, activations, logits_bytes, message / split, message / split)
+    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, ep_collective, packed_qkv, qk_norm,
+                      head, head_elementwise, activations, logits_bytes, message / split, message / split)
 
 
 def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> float:
@@ -476,6 +592,91 @@ def _hidden_behind(comm: float, window: float, parts: int, interference: float =
     return exposed + interference * (comm - exposed)
 
 
+@dataclass(frozen=True)
+class _LayerTiming:
+    """One micro-batch through one layer on one device: its forward and backward (the windows data-parallel
+    traffic hides behind), its compute with recomputation, its exposed tp and ep communication."""
+
+    fwd: float
+    bwd: float
+    compute: float
+    tp: float
+    ep: float
+
+
+@functools.lru_cache(maxsize=65536)
+def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
+                  recompute: str, overlap_tp_comm: bool, moe: bool, ep: int) -> _LayerTiming:
+    p = cluster.profile
+    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep)
+    backward_core = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * c.core_fwd
+    fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
+    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + backward_core
+    collectives = 4
+    all_to_alls = 4  # dispatch and combine, forward and backward
+    gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
+    if recompute == "full":
+        recompute_s = fwd
+        collectives += 2
+        all_to_alls += 2
+        gemm_total += c.gemm_fwd
+    elif recompute == "selective":
+        recompute_s = c.core_fwd + c.core_elementwise_fwd
+    else:
+        recompute_s = 0.0
+    # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
+    # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
+    floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if recompute == "full" else 1.0)
+    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives
+    chunked_gemms = 0.0
+    if overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
+        # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how
+        # much slower that is and how much the transfers beside them slow them (else OVERLAP_COMPUTE_COST).
+        chunking = p.overlap_chunking_overhead or 0.0
+        interference = OVERLAP_COMPUTE_COST if p.overlap_interference is None else p.overlap_interference
+        chunked_gemms = chunking * gemm_total
+        wire = cluster.engine.overlap_wire_factor if cluster.dtype_bytes < 4 else 1.0  # fp32 sends fp32 sums anyway
+        tp_layer = _hidden_behind(tp_layer * wire, gemm_total, t, interference)
+    compute = max(fwd + bwd + recompute_s + chunked_gemms, floor)
+    return _LayerTiming(fwd, bwd, compute, tp_layer, all_to_alls * c.ep_collective)
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
+                  recompute: str, overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[_LayerTiming, ...]:
+    """Each pipeline rank's layers summed: a micro-batch's forward, backward, compute, tp and ep time."""
+    timings = [_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm,
+                             moe, ep if moe else 1) for moe in ((False, True) if spec.is_moe else (False,))]
+    return tuple(_LayerTiming(*(sum(n * getattr(timing, f.name) for n, timing in zip(kinds, timings))
+                                for f in dataclasses.fields(_LayerTiming)))
+                 for kinds in _rank_kinds(spec, pp, virtual_pp))
+
+
+def _data_parallel_time(cluster: Cluster, nbytes: float, n: int, stride: int, level: int, micro_batches: int,
+                        window_fwd: float, window_bwd: float, parts: int) -> float:
+    """Gradient traffic (and ZeRO's parameter gathers) of `nbytes` of parameters over `n` ranks `stride`
+    apart, hidden behind the forward and backward windows where it can be."""
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    p = cluster.profile
+    bw, lat = cluster.link(n, stride)
+    all_reduce = all_reduce_time(nbytes, n, bw, lat)
+    gather = all_gather_time(nbytes, n, bw, lat)
+    scatter = reduce_scatter_time(nbytes, n, bw, lat)
+    # The engine's copies into and out of the communication buffers (FSDP2's copy-in / copy-out), one per
+    # collective below, at memory bandwidth and not hidden.
+    copy = cluster.engine.fsdp_copy_passes * nbytes / (p.hbm_bandwidth * p.hbm_efficiency)
+    if level == 0:
+        return _hidden_behind(all_reduce, window_bwd, parts) + copy
+    if level == 1:
+        return _hidden_behind(scatter, window_bwd, parts) + _hidden_behind(gather, window_fwd, parts) + 2 * copy
+    if level == 2:
+        return (micro_batches * (_hidden_behind(scatter, window_bwd, parts) + copy)
+                + _hidden_behind(gather, window_fwd, parts) + copy)
+    return micro_batches * (_hidden_behind(gather, window_fwd, parts) + _hidden_behind(gather + scatter, window_bwd, parts)
+                            + 3 * copy)
+
+
 def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_batch_size: int,
              validate: bool = True) -> Estimate:
     """Predict the step time and per-device memory of `strategy` (see the module docstring).
@@ -489,53 +690,27 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     p = cluster.profile
     e = cluster.dtype_bytes
     t, pp, dp, m, v = s.tp, s.pp, s.dp, s.num_micro_batches, s.virtual_pp
-    c = _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel)
-    per_rank = rank_layers(spec.num_layers, pp, v)  # uneven where pp does not divide the layers
-
-    # One micro-batch through one layer: forward, backward, recomputation, tensor-parallel traffic.
-    backward_core = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * c.core_fwd
-    fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
-    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + backward_core
-    collectives = 4
-    gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
-    if s.recompute == "full":
-        recompute = fwd
-        collectives += 2
-        gemm_total += c.gemm_fwd
-    elif s.recompute == "selective":
-        recompute = c.core_fwd + c.core_elementwise_fwd
-    else:
-        recompute = 0.0
-    # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
-    # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
-    floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if s.recompute == "full" else 1.0)
-    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives
-    chunked_gemms = 0.0
-    if s.overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
-        # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how
-        # much slower that is and how much the transfers beside them slow them (else OVERLAP_COMPUTE_COST).
-        chunking = p.overlap_chunking_overhead or 0.0
-        interference = OVERLAP_COMPUTE_COST if p.overlap_interference is None else p.overlap_interference
-        chunked_gemms = chunking * gemm_total
-        wire = cluster.engine.overlap_wire_factor if e < 4 else 1.0  # fp32 training sends fp32 sums anyway
-        tp_layer = _hidden_behind(tp_layer * wire, gemm_total, t, interference)
-    layer_compute = max(fwd + bwd + recompute + chunked_gemms, floor)
+    kinds_of_layer = (False, True) if spec.is_moe else (False,)  # dense layers, MoE layers
+    costs = [_layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, moe, s.ep if moe else 1)
+             for moe in kinds_of_layer]
+    c = costs[0]
+    kinds = _rank_kinds(spec, pp, v)  # each rank's (dense, MoE) layers, uneven where pp does not divide them
+    per_rank = tuple(sum(k) for k in kinds)
+    ranks = _rank_timings(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm,
+                          s.ep, pp, v)
 
     # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss
-    # (its GEMM forward and backward, the cross entropy over the logits, two collectives).
+    # (its GEMM forward and backward, the cross entropy over the logits, two collectives). The slowest rank
+    # sets the pace: the first (embedding), the last (head) or a middle one.
     head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
-    if pp == 1:
-        layers = per_rank[0]
-        stage_compute, stage_tp = layers * layer_compute + head_compute, layers * tp_layer + 3 * c.tp_collective
-    else:  # the slowest rank sets the pace: the first (embedding), the last (head) or a middle one
-        ranks = [(per_rank[r] * layer_compute + (head_compute if r == pp - 1 else 0.0),
-                  per_rank[r] * tp_layer + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), per_rank[r])
-                 for r in range(pp)]
-        stage_compute, stage_tp, layers = max(ranks, key=lambda rank: rank[0] + rank[1])
-    stage_time = stage_compute + stage_tp
+    stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
+               rank.tp + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), rank.ep, r) for r, rank in enumerate(ranks)]
+    stage_compute, stage_tp, stage_ep, slowest = max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])
+    stage_time = stage_compute + stage_tp + stage_ep
 
     compute_s = m * stage_compute
     tp_s = m * stage_tp
+    ep_s = m * stage_ep
     bubble_s = (pp - 1) / v * stage_time
     pp_s = 0.0
     if pp > 1:
@@ -545,35 +720,24 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
             bw_tie, lat_tie = cluster.link(2, (pp - 1) * t * dp)
             pp_s += all_reduce_time(e * spec.vocab_size * spec.hidden_size / t, 2, bw_tie, lat_tie)
 
-    # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters.
-    params = max(_rank_parameters(spec, t, pp, rank, per_rank[rank]) for rank in _peak_ranks(per_rank))
-    dp_s = 0.0
-    if dp > 1:
-        bw_dp, lat_dp = cluster.link(dp, t)
-        nbytes = e * params
-        window_bwd, window_fwd = layers * bwd, layers * fwd
-        all_reduce = all_reduce_time(nbytes, dp, bw_dp, lat_dp)
-        gather = all_gather_time(nbytes, dp, bw_dp, lat_dp)
-        scatter = reduce_scatter_time(nbytes, dp, bw_dp, lat_dp)
-        level = s.sharding_level
-        # The engine's copies into and out of the communication buffers (FSDP2's copy-in / copy-out),
-        # one per collective below, at memory bandwidth and not hidden.
-        copy = cluster.engine.fsdp_copy_passes * nbytes / (p.hbm_bandwidth * p.hbm_efficiency)
-        if level == 0:
-            dp_s = _hidden_behind(all_reduce, window_bwd, layers) + copy
-        elif level == 1:
-            dp_s = _hidden_behind(scatter, window_bwd, layers) + _hidden_behind(gather, window_fwd, layers) + 2 * copy
-        elif level == 2:
-            dp_s = (m * (_hidden_behind(scatter, window_bwd, layers) + copy)
-                    + _hidden_behind(gather, window_fwd, layers) + copy)
-        else:
-            dp_s = m * (_hidden_behind(gather, window_fwd, layers) + _hidden_behind(gather + scatter, window_bwd, layers)
-                        + 3 * copy)
-    optimizer_s = ADAM_BYTES_PER_PARAM * params / (dp if s.sharding_level >= 1 else 1) / (p.hbm_bandwidth * p.hbm_efficiency)
+    # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters; the
+    # routed experts' over the dp / ep ranks holding the same experts (ep ranks are dp ranks tp apart).
+    params, experts = max((_rank_parameters(spec, t, pp, rank, kinds[rank], s.ep) for rank in _peak_ranks(per_rank)),
+                          key=sum)
+    level = s.sharding_level
+    windows = (ranks[slowest].fwd, ranks[slowest].bwd, per_rank[slowest])
+    if s.ep == 1:
+        dp_s = _data_parallel_time(cluster, e * (params + experts), dp, t, level, m, *windows)
+    else:
+        dp_s = (_data_parallel_time(cluster, e * params, dp, t, level, m, *windows)
+                + _data_parallel_time(cluster, e * experts, dp // s.ep, t * s.ep, level, m, *windows))
+    sharded = level >= 1
+    optimizer_s = (ADAM_BYTES_PER_PARAM * (params / (dp if sharded else 1) + experts / (dp // s.ep if sharded else 1))
+                   / (p.hbm_bandwidth * p.hbm_efficiency))
 
     # What runs on this device measured slower or faster than predicted (a measure=True search's factor).
-    time = TimeBreakdown(*(p.step_time_scale * t for t in (compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s)))
-    memory = _memory(spec, cluster, s, c, per_rank)
+    time = TimeBreakdown(*(p.step_time_scale * t for t in (compute_s, tp_s, dp_s, pp_s, bubble_s, optimizer_s, ep_s)))
+    memory = _memory(spec, cluster, s, costs, kinds, per_rank)
     tokens = global_batch_size * spec.seq_len
     return Estimate(
         strategy=s, step_time_s=time.total_s, time=time, memory=memory,
@@ -594,28 +758,37 @@ def _peak_ranks(per_rank: tuple[int, ...]) -> list[int]:
     return sorted({0, middle, pp - 1})
 
 
-def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost, per_rank: tuple[int, ...]) -> MemoryBreakdown:
+def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: list[_LayerCost], kinds: list[tuple[int, int]],
+            per_rank: tuple[int, ...]) -> MemoryBreakdown:
     """Peak memory of the pipeline ranks (the first, the last and the fullest middle one: uneven layouts
-    give middle ranks a layer more); the largest is the device's need."""
+    give middle ranks a layer more); the largest is the device's need. `costs` and `kinds`: the dense and
+    MoE layers' costs and each rank's (dense, MoE) layer counts."""
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
-    per_layer = c.activations[s.recompute]
-    layer_params = spec.layer_matmul_parameters / t + spec.layer_norm_parameters  # as stage_parameters counts
-    buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
-    if s.sharding_level == 2:
-        buffers += e * layer_params  # a layer's full gradients before their reduce-scatter
-    elif s.sharding_level == 3:
-        buffers += (ZERO3_PREFETCH_LAYERS + 1) * e * layer_params  # gathered weights + full grads
-    if pp > 1:
-        buffers += 2 * c.p2p_bytes  # send and receive buffers
+    c = costs[0]
+    layer_params = [sum(_layer_parameters(spec, t, s.ep, moe)) for moe in (False, True)]  # as stage_parameters counts
     best = None
     for stage in _peak_ranks(per_rank):
-        weights, grads, optimizer = model_state_bytes(_rank_parameters(spec, t, pp, stage, per_rank[stage]), s.dp,
-                                                      s.sharding_level, e)
+        params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep)
+        weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e)
+        if experts:
+            states = model_state_bytes(experts, s.dp // s.ep, s.sharding_level, e)
+            weights, grads, optimizer = weights + states[0], grads + states[1], optimizer + states[2]
+        present = [kind for kind in (0, 1) if kinds[stage][kind]]
+        largest_layer = max(layer_params[kind] for kind in present)
+        buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
+        if s.sharding_level == 2:
+            buffers += e * largest_layer  # a layer's full gradients before their reduce-scatter
+        elif s.sharding_level == 3:
+            buffers += (ZERO3_PREFETCH_LAYERS + 1) * e * largest_layer  # gathered weights + full grads
+        if pp > 1:
+            buffers += 2 * c.p2p_bytes  # send and receive buffers
+        # Layer-micro-batches in flight, at the rank's mean activations per layer (its dense and MoE layers).
+        per_layer = sum(kinds[stage][kind] * costs[kind].activations[s.recompute] for kind in present) / per_rank[stage]
         in_flight = _in_flight_layers(per_rank[stage], pp, s.virtual_pp, s.num_micro_batches, stage)
         activations = in_flight * per_layer
-        if s.recompute == "full":
-            activations += c.activations["none"]  # the layer being recomputed holds its full set
+        if s.recompute == "full":  # the layer being recomputed holds its full set
+            activations += max(costs[kind].activations["none"] for kind in present)
         if stage == 0:
             activations += c.embedding_output_bytes * min(s.num_micro_batches, pp)
         if stage == pp - 1:

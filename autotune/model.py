@@ -15,6 +15,14 @@ runs on the meta device (no forward, no memory for the weights):
 * q/k norms (Qwen3's per-head, OLMo2's over the whole projection): norm-like modules (a 1-D `weight`
   and no matrix) under the attention module whose size is head_dim, or the q or kv width; they are
   not layer norms, even when q's width equals the hidden size;
+* mixture-of-experts blocks (every layer is read, since MoE and dense layers mix): experts are either
+  3-D stacked weights ([experts, out, in] or [experts, in, out]: gate_up or gate/up, and down) on one
+  module, or an `nn.ModuleList` of identical MLPs; the router is the 2-D weight of [experts, hidden]
+  (a Linear to the expert count, or a bare parameter) beside them, in the module that holds both (the
+  MoE block); any other MLP in that block is a shared expert (always active; a gate of one output
+  beside it, Qwen2-MoE's, counts as its part); top-k comes from an attribute (top_k,
+  num_experts_per_tok, ...) of the block, the router or a config. The attention group is then found
+  among the layer's other projections;
 * outside the layers: the embedding ([vocab, hidden]), the final norm (a 1-D `weight` of hidden
   entries) and the LM head: a Linear [vocab, hidden], or a bare [hidden, vocab] parameter (Paddle's
   `x @ weight`); tied to the embedding, a Linear whose weight is the embedding's (Hugging Face's
@@ -67,8 +75,8 @@ class ModelStructure:
     num_layers: int
     attention: str
     o: str
-    mlp: str
-    down: str
+    mlp: str | None
+    down: str | None
     q: str | None = None
     k: str | None = None
     v: str | None = None
@@ -85,18 +93,32 @@ class ModelStructure:
     lm_head_param: str | None = None
     lm_head_layout: str | None = None
     tied_embeddings: bool = False
+    moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is a mixture of experts
+    moe: str | None = None  # the MoE block, relative to a layer (e.g. "mlp"); `mlp`/`down`/... name the dense layers' MLP
+    router: str | None = None  # its router's parameter, relative to a layer ("mlp.gate.weight")
+    experts: str | None = None  # the experts' container ("mlp.experts"): stacked 3-D weights or a ModuleList
+    expert_layout: str | None = None  # "stacked" or "list"
+    shared_experts: tuple[str, ...] = ()  # always-active MLPs inside the MoE block ("mlp.shared_expert")
     notes: tuple[str, ...] = ()
 
     def pattern(self, relative: str) -> str:
         """A layer-relative name as a pattern over every layer: 'mlp.up_proj' -> 'model.layers.*.mlp.up_proj'."""
         return f"{self.layers}.*.{relative}" if self.layers else f"*.{relative}"
 
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
     def tp_roles(self) -> dict[str, str]:
         """Tensor-parallel role of each part, keyed by Paddle-style pattern: "colwise" (q, k, v, qkv,
         gate, up, gate_up: split the output), "rowwise" (o, down: split the input), "embedding"
         (vocabulary-parallel), "lm_head" (the head's parameter; its layout says which dim is vocab),
         "norm" (replicated; sequence-parallel regions shard their activations). distcore maps these to
-        its styles; packed projections need their parts split per rank, not the whole matrix."""
+        its styles; packed projections need their parts split per rank, not the whole matrix. A
+        mixture-of-experts model has no tensor-parallel plan yet (its MLP names differ per layer)."""
+        if self.is_moe:
+            raise ValueError("ModelStructure.tp_roles: no tensor-parallel roles for a mixture-of-experts model "
+                             f"(MoE blocks {self.pattern(self.moe)} in layers {list(self.moe_layers)})")
         roles = {}
         for name in (self.q, self.k, self.v, self.qkv, self.gate, self.up, self.gate_up):
             if name:
@@ -121,13 +143,21 @@ class ModelStructure:
         else:
             rows += [("attention q/k/v", ", ".join(self.pattern(n) for n in (self.q, self.k, self.v)))]
         rows.append(("attention out", self.pattern(self.o)))
-        if self.gate_up:
-            rows.append(("mlp gate_up (packed)", self.pattern(self.gate_up)))
-        elif self.gate:
-            rows.append(("mlp gate/up", f"{self.pattern(self.gate)}, {self.pattern(self.up)}"))
-        else:
-            rows.append(("mlp up", self.pattern(self.up)))
-        rows.append(("mlp down", self.pattern(self.down)))
+        if self.is_moe:
+            rows.append(("MoE block", f"{self.pattern(self.moe)} in layers {_ranges(self.moe_layers)}"))
+            rows.append(("router", self.pattern(self.router)))
+            rows.append((f"experts ({self.expert_layout})", self.pattern(self.experts)))
+            if self.shared_experts:
+                rows.append(("shared experts", ", ".join(self.pattern(n) for n in self.shared_experts)))
+        if self.down is not None:  # the dense MLP (of the dense layers, in a mixture-of-experts model)
+            dense = " (dense layers)" if self.is_moe else ""
+            if self.gate_up:
+                rows.append((f"mlp gate_up (packed){dense}", self.pattern(self.gate_up)))
+            elif self.gate:
+                rows.append((f"mlp gate/up{dense}", f"{self.pattern(self.gate)}, {self.pattern(self.up)}"))
+            else:
+                rows.append((f"mlp up{dense}", self.pattern(self.up)))
+            rows.append((f"mlp down{dense}", self.pattern(self.down)))
         rows.append(("layer norms", ", ".join(self.pattern(n) for n in self.layer_norms) or "-"))
         if self.qk_norms:
             rows.append(("q/k norms", ", ".join(self.pattern(n) for n in self.qk_norms)))
@@ -156,6 +186,16 @@ class ModelSpec:
     "projection" for OLMo2-style RMSNorms over all heads' features, whose statistics tensor parallel
     all-reduces; None without; their weights are counted with the layer's norms), and a display `name`.
     `structure` is set by `from_module`.
+
+    Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
+    (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
+    layers of `ffn_hidden_size`), `experts_per_token` of them (top-k) run for each token, and
+    `shared_ffn_hidden_size` the total width of the shared experts every token also runs (0: none;
+    DeepSeek's n shared experts of width w are one MLP of n·w). Experts use the dense MLP's form
+    (`gated_mlp`). The router is a [num_experts, hidden] matrix. `expert_load_imbalance`: under expert
+    parallel, the busiest rank's routed tokens over the mean. 1.2 is an assumption for dropless routing
+    trained with a load-balancing loss, not a measurement; 1.0 is perfectly balanced routing (benchmarks
+    that force it, such as NeMo AutoModel's "fake balanced gate").
     """
 
     num_layers: int
@@ -172,6 +212,12 @@ class ModelSpec:
     dropout: bool = False
     packed_unequal_qkv: bool = False
     qk_norm: str | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_hidden_size: int | None = None
+    shared_ffn_hidden_size: int = 0
+    moe_layers: tuple[int, ...] | None = None
+    expert_load_imbalance: float = 1.2
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -193,6 +239,35 @@ class ModelSpec:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelSpec: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "experts_per_token", "shared_ffn_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec: {name} must be a non-negative integer, got {value!r}")
+        if not (isinstance(self.expert_load_imbalance, (int, float)) and self.expert_load_imbalance >= 1.0):
+            raise ValueError(f"ModelSpec: expert_load_imbalance is the busiest rank's tokens over the mean, at least "
+                             f"1.0, got {self.expert_load_imbalance!r}")
+        if not self.num_experts:
+            if self.experts_per_token or self.shared_ffn_hidden_size or self.moe_layers or self.expert_ffn_hidden_size:
+                raise ValueError("ModelSpec: experts_per_token, expert_ffn_hidden_size, shared_ffn_hidden_size and "
+                                 "moe_layers describe a mixture of experts: set num_experts too (0 is a dense model)")
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"ModelSpec: experts_per_token (top-k) must be between 1 and num_experts="
+                             f"{self.num_experts}, got {self.experts_per_token}")
+        if self.expert_ffn_hidden_size is None:
+            object.__setattr__(self, "expert_ffn_hidden_size", self.ffn_hidden_size)
+        elif not isinstance(self.expert_ffn_hidden_size, int) or self.expert_ffn_hidden_size < 1:
+            raise ValueError(f"ModelSpec: expert_ffn_hidden_size must be a positive integer, got "
+                             f"{self.expert_ffn_hidden_size!r}")
+        if self.moe_layers is not None:  # None stays None (every layer), so that a replaced num_layers follows
+            layers = tuple(self.moe_layers)
+            if not layers or sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"ModelSpec: moe_layers must be increasing layer indices in [0, {self.num_layers}), "
+                                 f"got {self.moe_layers!r}")
+            object.__setattr__(self, "moe_layers", layers)
 
     # ------------------------------------------------------------------------------ derived sizes
 
@@ -212,9 +287,58 @@ class ModelSpec:
         return self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
 
     @property
+    def mlp_matrices(self) -> int:
+        """Matrices of one MLP: gate, up and down (SwiGLU), or up and down (GELU)."""
+        return 3 if self.gated_mlp else 2
+
+    @property
     def mlp_parameters(self) -> int:
-        """gate, up and down (SwiGLU), or up and down (GELU)."""
-        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+        """The dense layers' MLP."""
+        return self.mlp_matrices * self.hidden_size * self.ffn_hidden_size
+
+    # ------------------------------------------------------------------------ mixture of experts
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """The MoE layers' indices (`moe_layers`, or every layer when it is None; none in a dense model)."""
+        if not self.is_moe:
+            return ()
+        return tuple(range(self.num_layers)) if self.moe_layers is None else self.moe_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_indices)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def expert_parameters(self) -> int:
+        """One routed expert's MLP."""
+        return self.mlp_matrices * self.hidden_size * (self.expert_ffn_hidden_size or 0)
+
+    @property
+    def router_parameters(self) -> int:
+        return self.num_experts * self.hidden_size
+
+    @property
+    def shared_expert_parameters(self) -> int:
+        return self.mlp_matrices * self.hidden_size * self.shared_ffn_hidden_size
+
+    @property
+    def moe_mlp_parameters(self) -> int:
+        """An MoE layer's MLP: every routed expert, the router and the shared experts."""
+        return self.num_experts * self.expert_parameters + self.router_parameters + self.shared_expert_parameters
+
+    @property
+    def moe_active_mlp_parameters(self) -> int:
+        """What one token runs in an MoE layer: top-k experts, the router and the shared experts."""
+        return self.experts_per_token * self.expert_parameters + self.router_parameters + self.shared_expert_parameters
 
     @property
     def layer_matmul_parameters(self) -> int:
@@ -244,18 +368,35 @@ class ModelSpec:
         return self.vocab_size * self.hidden_size
 
     @property
+    def moe_layer_parameters(self) -> int:
+        """An MoE layer: attention, the MoE MLP and the norms."""
+        return self.attention_parameters + self.moe_mlp_parameters + self.layer_norm_parameters
+
+    @property
     def num_parameters(self) -> int:
-        """Total parameters: layers + embedding + (untied) LM head + final norm."""
+        """Total parameters: layers (dense and MoE) + embedding + (untied) LM head + final norm."""
         head = 0 if self.tied_embeddings else self.embedding_parameters
-        return self.num_layers * self.layer_parameters + self.embedding_parameters + head + self.hidden_size
+        layers = self.num_dense_layers * self.layer_parameters + self.num_moe_layers * self.moe_layer_parameters
+        return layers + self.embedding_parameters + head + self.hidden_size
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token runs through (the routed experts it is not sent to left out)."""
+        idle = self.num_moe_layers * (self.num_experts - self.experts_per_token) * self.expert_parameters
+        return self.num_parameters - idle
 
     def describe(self) -> str:
         kv = f", kv heads {self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         mlp = "SwiGLU" if self.gated_mlp else "GELU"
         label = f"{self.name}: " if self.name else ""
-        return (f"{label}{self.num_parameters / 1e9:.2f}B params, L={self.num_layers} h={self.hidden_size} "
-                f"heads={self.num_heads}{kv} ffn={self.ffn_hidden_size} ({mlp}) vocab={self.vocab_size} "
-                f"seq={self.seq_len}")
+        size = f"{self.num_parameters / 1e9:.2f}B params"
+        if self.is_moe:
+            shared = f" + shared ffn {self.shared_ffn_hidden_size}" if self.shared_ffn_hidden_size else ""
+            dense = f", {self.num_dense_layers} dense layers" if self.num_dense_layers else ""
+            size += (f" ({self.active_parameters / 1e9:.2f}B active), MoE {self.num_experts} experts top-"
+                     f"{self.experts_per_token} of ffn {self.expert_ffn_hidden_size}{shared}{dense}")
+        return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} heads={self.num_heads}{kv} "
+                f"ffn={self.ffn_hidden_size} ({mlp}) vocab={self.vocab_size} seq={self.seq_len}")
 
     # ---------------------------------------------------------------------------------- recognition
 
@@ -313,6 +454,28 @@ PRESETS: dict[str, ModelSpec] = {
     "megatron-145.6b": _megatron_gpt("megatron-145.6b", 80, 12288, 96),
     "megatron-310.1b": _megatron_gpt("megatron-310.1b", 96, 16384, 128),
     "megatron-1t": _megatron_gpt("megatron-1t", 128, 25600, 160),
+    # Mixtures of experts (the released configs; seq_len as the training benchmarks below use them).
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1): 32 layers, dim 4096, 32 heads, 8 kv heads,
+    # SwiGLU experts of 14336, 8 experts top-2, vocab 32000: 46.7B parameters, 12.9B active.
+    "mixtral-8x7b": ModelSpec(32, 4096, 32, 14336, 32000, num_kv_heads=8, num_experts=8, experts_per_token=2,
+                              seq_len=4096, name="mixtral-8x7b"),
+    # Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 48 layers, hidden 2048, 32 heads of 128, 4 kv heads,
+    # per-head q/k RMSNorms, 128 experts of 768 top-8 in every layer, vocab 151936: 30.5B, 3.3B active.
+    "qwen3-30b-a3b": ModelSpec(48, 2048, 32, 768, 151936, num_kv_heads=4, head_dim=128, qk_norm="head",
+                               num_experts=128, experts_per_token=8, seq_len=4096, name="qwen3-30b-a3b"),
+    # gpt-oss-20b (openai/gpt-oss-20b config.json): 24 layers, hidden 2880, 64 heads of 64, 8 kv heads, 32
+    # experts of 2880 top-4, vocab 201088: 20.9B. Priced as full causal attention in every layer (the model
+    # alternates 128-token sliding windows) and without the experts' biases.
+    "gpt-oss-20b": ModelSpec(24, 2880, 64, 2880, 201088, num_kv_heads=8, head_dim=64, num_experts=32,
+                             experts_per_token=4, seq_len=4096, name="gpt-oss-20b"),
+    # DeepSeek-V3-like (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 4.2): 61 layers, hidden 7168, the
+    # first 3 dense (ffn 18432), then 256 routed experts of 2048 top-8 and 1 shared expert of 2048, vocab
+    # 129280. Its multi-head latent attention is priced as grouped-query attention of 128 heads of 128 with 8
+    # kv heads (1.3x MLA's attention weights, 0.8x its attention-core FLOPs): 675B parameters (the model:
+    # 671B), 41B active counting the embedding and the head (DeepSeek counts 37B); no multi-token prediction.
+    "deepseek-v3-like": ModelSpec(61, 7168, 128, 18432, 129280, num_kv_heads=8, head_dim=128, num_experts=256,
+                                  experts_per_token=8, expert_ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
+                                  moe_layers=tuple(range(3, 61)), seq_len=4096, name="deepseek-v3-like"),
 }
 
 
@@ -468,18 +631,26 @@ _ATTN_WORDS = ("attn", "attention")
 _MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward")
 
 
-def _group_roles(linears: list[_Linear], hidden: int, block) -> tuple[str, str]:
-    """(attention parent, mlp parent): the two groups of projections, by shapes, attributes and names."""
+def _group_roles(linears: list[_Linear], hidden: int, block, moe_block: str | None = None) -> tuple[str, str | None]:
+    """(attention parent, mlp parent): the two groups of projections, by shapes, attributes and names. With
+    `moe_block` (a layer whose MLP is that mixture of experts, its projections left out of `linears`) only
+    the attention group is looked for, and the MLP parent is None."""
     groups: dict[str, list[_Linear]] = {}
     for lin in linears:
         groups.setdefault(lin.parent, []).append(lin)
     outs = {p: [l for l in g if l.out_features == hidden] for p, g in groups.items()}
     candidates = [p for p in groups if outs[p] and any(l.in_features == hidden for l in groups[p])]
-    if len(candidates) < 2:
+    if len(candidates) < (1 if moe_block is not None else 2):
+        found = [f'{l.name} [{l.in_features}->{l.out_features}]' for l in linears]
+        if moe_block is not None:
+            raise UnrecognisedModel(
+                f"could not find the attention block beside the mixture of experts {moe_block} in a decoder layer "
+                f"({type(block).__name__}): projections found {found}; expected q/k/v or qkv + output projection")
         raise UnrecognisedModel(
             f"could not find separate attention and MLP blocks in a decoder layer ({type(block).__name__}): "
-            f"projections found {[f'{l.name} [{l.in_features}->{l.out_features}]' for l in linears]}; expected "
-            "an attention module (q/k/v or qkv + output projection) and an MLP module (gate/up or gate_up + down)")
+            f"projections found {found}; expected an attention module (q/k/v or qkv + output projection) and an "
+            "MLP module (gate/up or gate_up + down), or a mixture of experts (a router to the expert count beside "
+            "3-D stacked expert weights or a list of expert MLPs)")
 
     def attention_score(parent: str) -> int:
         module = block.get_submodule(parent) if parent else block
@@ -499,6 +670,8 @@ def _group_roles(linears: list[_Linear], hidden: int, block) -> tuple[str, str]:
 
     ranked = sorted(candidates, key=lambda p: (-attention_score(p), candidates.index(p)))
     attention = ranked[0]
+    if moe_block is not None:
+        return attention, None
     mlp_candidates = [p for p in candidates if p != attention]
     mlp = max(mlp_candidates, key=lambda p: (_hint(p, _MLP_WORDS), -candidates.index(p)))
     return attention, mlp
@@ -647,50 +820,220 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
                 lm_head_layout=lm_head[2], tied=False)
 
 
+# Attribute names that hold the number of experts each token is sent to (HF, Megatron, torchtitan).
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "moe_router_topk", "topk")
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@dataclass(frozen=True)
+class _MoEBlock:
+    """A mixture-of-experts block found in one layer (names relative to the layer)."""
+
+    block: str
+    router: str
+    experts: str
+    layout: str  # "stacked" or "list"
+    num_experts: int
+    expert_ffn: int
+    gated: bool
+    shared: tuple[str, ...]
+    shared_ffn: int
+    top_k: int | None
+
+    def shape(self) -> tuple:
+        return (self.num_experts, self.expert_ffn, self.gated, self.shared_ffn, self.top_k)
+
+
+def _stacked_experts(module, hidden: int) -> tuple[int, int, bool] | None:
+    """(experts, ffn, gated) of 3-D expert weights held directly by `module` ([E, out, in] as Hugging Face
+    stores them, or [E, in, out]): the output projection maps ffn -> hidden, the input one(s) hidden ->
+    ffn (gate and up), 2·ffn (packed gate_up) or ffn alone (a plain MLP)."""
+    weights = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    if len(weights) < 2 or len({p.shape[0] for _, p in weights}) != 1 or weights[0][1].shape[0] < 2:
+        return None
+    widths = []  # the non-hidden width of each weight
+    for _, p in weights:
+        a, b = int(p.shape[1]), int(p.shape[2])
+        if hidden not in (a, b):
+            return None
+        widths.append(b if a == hidden else a)
+    down = next((i for i, (n, _) in enumerate(weights) if any(_name_matches(n.lower(), w) for w in _DOWN_WORDS)),
+                len(weights) - 1)
+    ffn = widths[down]
+    inputs = sorted(w for i, w in enumerate(widths) if i != down)
+    if inputs == [2 * ffn]:
+        return int(weights[0][1].shape[0]), ffn, True
+    if inputs == [ffn, ffn]:
+        return int(weights[0][1].shape[0]), ffn, True
+    if inputs == [ffn]:
+        return int(weights[0][1].shape[0]), ffn, False
+    return None
+
+
+def _mlp_of(module, hidden: int) -> dict | None:
+    """_mlp_parts of a module that is one MLP (hidden -> ffn -> hidden), else None."""
+    linears = _linears(module)
+    _orient(linears, hidden)
+    if not (any(l.out_features == hidden for l in linears) and any(l.in_features == hidden for l in linears)):
+        return None  # not hidden -> ... -> hidden (e.g. Qwen2-MoE's shared-expert gate, hidden -> 1)
+    try:
+        return _mlp_parts(linears, hidden)
+    except UnrecognisedModel:
+        return None
+
+
+def _listed_experts(module, hidden: int) -> tuple[int, int, bool] | None:
+    """(experts, ffn, gated) of an nn.ModuleList of identical MLPs."""
+    from torch import nn
+
+    if not isinstance(module, nn.ModuleList) or len(module) < 2 or len({type(m) for m in module}) != 1:
+        return None
+    parts = [_mlp_of(m, hidden) for m in module]
+    if any(p is None for p in parts) or len({(p["ffn"], p["gated"]) for p in parts}) != 1:
+        return None
+    return len(module), parts[0]["ffn"], parts[0]["gated"]
+
+
+def _moe_block(layer, hidden: int) -> _MoEBlock | None:
+    """The layer's mixture-of-experts block, if it has one (see the module docstring)."""
+    for name, module in layer.named_modules():
+        found = _stacked_experts(module, hidden)
+        layout = "stacked"
+        if found is None:
+            found, layout = _listed_experts(module, hidden), "list"
+        if found is None:
+            continue
+        num_experts, ffn, gated = found
+        block_name = _parent(name)
+        block = layer.get_submodule(block_name) if block_name else layer
+        inside_experts = name + "."
+        router = None
+        for pname, param in block.named_parameters():
+            full = _join(block_name, pname)
+            if full.startswith(inside_experts) or param.dim() != 2:
+                continue
+            if tuple(param.shape) in ((num_experts, hidden), (hidden, num_experts)) and num_experts != hidden:
+                router = full
+                break
+        if router is None:
+            continue  # stacked weights without a router beside them are not a mixture of experts
+        router_owner = _parent(router)
+        shared, shared_ffn = [], 0
+        for child_name, child in block.named_children():
+            full = _join(block_name, child_name)
+            if full in (name, router_owner):
+                continue
+            parts = _mlp_of(child, hidden)
+            if parts is not None:
+                shared.append(full)
+                shared_ffn += parts["ffn"]
+        objects = [block, layer.get_submodule(router_owner) if router_owner else layer]
+        objects += [getattr(o, "config", None) for o in objects]
+        top_k = _first_attr(objects, _TOP_K_ATTRS)
+        return _MoEBlock(block_name, router, name, layout, num_experts, ffn, gated, tuple(shared), shared_ffn, top_k)
+    return None
+
+
+def _moe_layers(layers, hidden: int, overrides: dict) -> tuple[dict[int, _MoEBlock], dict]:
+    """({layer index: its MoE block}, the spec's expert fields): every MoE layer must have the same shape."""
+    blocks = {i: b for i, layer in enumerate(layers) if (b := _moe_block(layer, hidden)) is not None}
+    if not blocks:
+        return {}, {}
+    shapes = {b.shape() for b in blocks.values()}
+    if len(shapes) != 1 or len({(b.block, b.router, b.experts) for b in blocks.values()}) != 1:
+        raise UnrecognisedModel(
+            "mixture-of-experts layers differ in structure or shape (experts, expert ffn, gated, shared ffn, top-k): "
+            + "; ".join(f"layer {i}: {b.block} {b.shape()}" for i, b in blocks.items()))
+    first = next(iter(blocks.values()))
+    top_k = overrides.get("experts_per_token") or first.top_k
+    if not top_k:
+        raise UnrecognisedModel(
+            f"mixture of experts {first.block} ({first.num_experts} experts): the number of experts per token was "
+            f"not found (an attribute such as {', '.join(_TOP_K_ATTRS[:3])} on the block, its router or a config); "
+            "call ModelSpec.from_module(model, experts_per_token=...)")
+    fields = dict(num_experts=first.num_experts, experts_per_token=top_k, expert_ffn_hidden_size=first.expert_ffn,
+                  shared_ffn_hidden_size=first.shared_ffn,
+                  moe_layers=None if len(blocks) == len(layers) else tuple(blocks))  # None: every layer
+    return blocks, fields
+
+
 def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     from torch import nn
 
     if not isinstance(model, nn.Module):
         raise UnrecognisedModel(f"expected an nn.Module, got {type(model).__name__}")
     layers_name, layers = _find_layer_list(model)
-    block = layers[0]
-    linears = _linears(block)
-    # The hidden size: the embedding width if there is one, else the most common projection input.
     emb_dims = [m.embedding_dim for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    widths = [l.in_features for l in linears] + [l.out_features for l in linears]
-    hidden = overrides.get("hidden_size") or (max(emb_dims, key=widths.count) if emb_dims else
-                                              max(set(widths), key=widths.count) if widths else None)
+    hidden = overrides.get("hidden_size") or _hidden_size(layers[0], emb_dims)
     if not hidden:
-        raise UnrecognisedModel(f"no projections found in the decoder layer {layers_name}.0 ({type(block).__name__})")
+        raise UnrecognisedModel(f"no projections found in the decoder layer {layers_name}.0 ({type(layers[0]).__name__})")
+    moe_blocks, moe_fields = _moe_layers(layers, hidden, overrides)
+    dense = [i for i in range(len(layers)) if i not in moe_blocks]
+    # Attention (and the dense MLP) are read from a dense layer where there is one, else from an MoE layer
+    # without its MoE block's projections.
+    index = dense[0] if dense else 0
+    block = layers[index]
+    moe = moe_blocks.get(index) or (next(iter(moe_blocks.values())) if moe_blocks else None)
+    linears = _linears(block)
+    if moe is not None and not dense:
+        linears = [l for l in linears if not (l.name == moe.block or l.name.startswith(moe.block + "."))]
     _orient(linears, hidden)
-    attention, mlp = _group_roles(linears, hidden, block)
+    attention, mlp = _group_roles(linears, hidden, block, moe_block=None if dense else moe.block)
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)
-    mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden)
+    mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
     attn_module = block.get_submodule(attention) if attention else block
     heads, kv_heads, head_dim = _heads(attn_module, block, model, _rotary_head_dim(block, model),
                                        attn["q_size"], attn["kv_size"], overrides)
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
     norms = tuple(n for n in _norm_names(block, hidden) if n not in qk_norms)  # OLMo2's q norm can be hidden-wide
+    if moe is not None:  # norms inside the experts (none in the families known) are not layer norms
+        norms = tuple(n for n in norms if not n.startswith(moe.block + "."))
     notes = []
     biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
     if biases:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     if len(norms) != 2:
         notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 2)")
+    if moe is not None and moe.gated != mlp_parts.get("gated", moe.gated):
+        notes.append("the experts' MLP form (gated or not) differs from the dense layers'; the cost model prices "
+                     "both as the dense one")
     structure = ModelStructure(
-        layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"], mlp=mlp,
-        down=mlp_parts["down"], q=attn.get("q"), k=attn.get("k"), v=attn.get("v"), qkv=attn.get("qkv"),
+        layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
+        mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
+        v=attn.get("v"), qkv=attn.get("qkv"),
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
         qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
-        tied_embeddings=outer["tied"], notes=tuple(notes),
+        tied_embeddings=outer["tied"], moe_layers=tuple(moe_blocks), moe=moe.block if moe else None,
+        router=moe.router if moe else None, experts=moe.experts if moe else None,
+        expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), notes=tuple(notes),
     )
     fields = dict(
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        ffn_hidden_size=mlp_parts["ffn"], vocab_size=outer["vocab"], gated_mlp=mlp_parts["gated"],
-        tied_embeddings=outer["tied"],
+        ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
+        gated_mlp=mlp_parts.get("gated", moe.gated if moe else True), tied_embeddings=outer["tied"],
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
+        **moe_fields,
     )
     return structure, fields
+
+
+def _hidden_size(block, emb_dims: list[int]) -> int | None:
+    """The hidden size: the embedding width if there is one, else the most common projection width."""
+    linears = _linears(block)
+    widths = [l.in_features for l in linears] + [l.out_features for l in linears]
+    if emb_dims:
+        return max(emb_dims, key=widths.count)
+    return max(set(widths), key=widths.count) if widths else None

@@ -67,7 +67,7 @@ STUDY_FORMAT_VERSION = 1  # bump when what a trial stores changes
 @dataclass(frozen=True)
 class SearchSpace:
     """Which values of each knob the search may choose (the lead can restrict it to what the runtime
-    supports). `tp`/`pp` of None mean every degree the model and cluster allow."""
+    supports). `tp`/`pp`/`ep` of None mean every degree the model and cluster allow."""
 
     sharding_levels: tuple[int, ...] = SHARDING_LEVELS
     recompute: tuple[str, ...] = RECOMPUTE_MODES
@@ -77,6 +77,8 @@ class SearchSpace:
     max_micro_batch_size: int | None = None
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None  # expert-parallel degrees (mixtures of experts); None: every one allowed
+    num_micro_batches: tuple[int, ...] | None = None  # None: any that splits the batch
 
     def signature(self) -> dict:
         return dataclasses.asdict(self)
@@ -202,10 +204,11 @@ def _tp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
     """Tensor-parallel degrees the model allows: divisors of the device count that split heads,
     kv heads, hidden, ffn and vocabulary evenly (the same for every trial of a study)."""
     allowed = set(space.tp) if space.tp is not None else None
+    widths = (spec.num_heads, spec.num_kv_heads, spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size)
+    if spec.is_moe:
+        widths += (spec.expert_ffn_hidden_size, spec.shared_ffn_hidden_size)
     return [t for t in _divisors(cluster.num_devices)
-            if all(q % t == 0 for q in (spec.num_heads, spec.num_kv_heads, spec.hidden_size,
-                                        spec.ffn_hidden_size, spec.vocab_size))
-            and (allowed is None or t in allowed)]
+            if all(q % t == 0 for q in widths) and (allowed is None or t in allowed)]
 
 
 def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[int]:
@@ -217,7 +220,8 @@ def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
 
 
 # Where the runtime cannot apply a knob, the value the search keeps it at.
-KEPT_AT = {"tp": (1,), "pp": (1,), "recompute": ("none",), "overlap_tp_comm": (False,)}
+KEPT_AT = {"tp": (1,), "pp": (1,), "ep": (1,), "num_micro_batches": (1,), "recompute": ("none",),
+           "overlap_tp_comm": (False,)}
 
 
 def engine_space(space: SearchSpace, cluster: Cluster,
@@ -273,18 +277,21 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         tp_modes = [mode for mode in tp_modes if mode[0]]
     if False not in space.overlap_tp_comm:
         tp_modes = [mode for mode in tp_modes if mode[1]]
+    # Expert parallel: degrees that divide dp and the expert count (ep folds into dp).
+    eps = [e for e in _divisors(dp) if spec.num_experts % e == 0 and (space.ep is None or e in space.ep)] \
+        if spec.is_moe else [1]
     for mbs in _divisors(local_batch):
         if space.max_micro_batch_size is not None and mbs > space.max_micro_batch_size:
             break
         m = local_batch // mbs
-        if pp > 1 and m < pp:
+        if (pp > 1 and m < pp) or (space.num_micro_batches is not None and m not in space.num_micro_batches):
             continue
         vpps = [1] if pp == 1 else [v for v in _divisors(layers_per_stage)
                                     if v <= space.max_virtual_pp and (v == 1 or m % pp == 0)]
-        for v, level, (sp, overlap), rc in itertools.product(vpps, levels, tp_modes, recompute):
+        for v, level, (sp, overlap), rc, ep in itertools.product(vpps, levels, tp_modes, recompute, eps):
             if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
                 continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
-            yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v)
+            yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
 
 
 def pareto_front(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -307,7 +314,8 @@ def _pareto_estimates(estimates: list) -> list:
 
 def _solve_layout(spec: ModelSpec, cluster: Cluster, global_batch_size: int, tp: int, pp: int,
                   space: SearchSpace, keep: int) -> LayoutResult:
-    """Score every strategy of the layout; keep its `keep` fastest feasible ones and its Pareto front."""
+    """Score every strategy of the layout; keep its `keep` fastest feasible ones (and the fastest of each
+    expert-parallel degree, for reports) and its Pareto front."""
     feasible = []
     leanest = None
     evaluated = 0
@@ -321,7 +329,10 @@ def _solve_layout(spec: ModelSpec, cluster: Cluster, global_batch_size: int, tp:
         elif leanest is None or est.memory_bytes_per_device < leanest.memory_bytes_per_device:
             leanest = est
     feasible.sort(key=lambda e: (e.step_time_s, e.memory_bytes_per_device, e.strategy.sort_key()))
-    top = [Candidate.from_estimate(e) for e in feasible[:keep]]
+    kept = feasible[:keep]
+    for ep in sorted({e.strategy.ep for e in feasible} - {e.strategy.ep for e in kept}):
+        kept.append(next(e for e in feasible if e.strategy.ep == ep))  # the fastest of every ep degree too
+    top = [Candidate.from_estimate(e) for e in kept]
     pareto = [Candidate.from_estimate(e) for e in _pareto_estimates(feasible)]
     dp = cluster.num_devices // (tp * pp)
     return LayoutResult(tp, pp, dp, top, pareto, evaluated, len(feasible),

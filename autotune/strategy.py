@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .model import ModelSpec
 
 __all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check", "stage_layers",
-           "rank_layers"]
+           "rank_layers", "rank_layer_indices"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
@@ -41,6 +41,15 @@ def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1) -> tuple[int, ...
     return tuple(sum(per_stage[r::pp]) for r in range(pp))
 
 
+def rank_layer_indices(num_layers: int, pp: int, virtual_pp: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The decoder layers each pipeline rank holds, by index (stages as `stage_layers` lays them out, rank r
+    holding stages r, r + pp, ...): which of them are mixture-of-experts layers sets a rank's cost."""
+    per_stage = stage_layers(num_layers, pp * virtual_pp)
+    starts = [sum(per_stage[:i]) for i in range(len(per_stage))]
+    stages = [tuple(range(start, start + n)) for start, n in zip(starts, per_stage)]
+    return tuple(tuple(i for stage in stages[r::pp] for i in stage) for r in range(pp))
+
+
 class InvalidStrategy(ValueError):
     """A strategy breaks one or more validity rules (listed in the message and in `.reasons`)."""
 
@@ -56,7 +65,12 @@ class Strategy:
     a step of `num_micro_batches` micro-batches of `micro_batch_size` sequences per dp rank; activation
     `recompute` ("none", "selective": the attention core, "full": the whole layer); `overlap_tp_comm`
     (tp collectives fused with the neighbouring GEMMs: all-gather+matmul, matmul+reduce-scatter);
-    `virtual_pp` layer chunks per pipeline rank (interleaved 1F1B)."""
+    `virtual_pp` layer chunks per pipeline rank (interleaved 1F1B); `ep` expert-parallel degree (mixtures of
+    experts): the routed experts split over `ep` of the dp ranks (ep divides dp, as torchtitan and
+    Megatron-Core fold expert parallel into data parallel), tokens sent to their experts' ranks and back
+    by all-to-all, each expert's gradients reduced over the dp / ep ranks that hold it. Under tensor
+    parallel the experts' ffn width is split over tp as the dense MLP's (Megatron-Core's default expert
+    tensor parallel = tp)."""
 
     dp: int
     tp: int
@@ -68,6 +82,7 @@ class Strategy:
     recompute: str = "none"
     overlap_tp_comm: bool = False
     virtual_pp: int = 1
+    ep: int = 1
 
     @property
     def num_devices(self) -> int:
@@ -80,7 +95,7 @@ class Strategy:
     def sort_key(self) -> tuple:
         """A total order used to break exact ties in predicted time and memory deterministically:
         fewer moving parts first (smaller tp/pp, less sharding, no recompute)."""
-        return (self.tp, self.pp, self.virtual_pp, self.sharding_level, self.sequence_parallel,
+        return (self.tp, self.pp, self.virtual_pp, self.ep, self.sharding_level, self.sequence_parallel,
                 self.overlap_tp_comm, RECOMPUTE_MODES.index(self.recompute) if self.recompute in RECOMPUTE_MODES else 9,
                 -self.micro_batch_size, self.dp)
 
@@ -89,6 +104,8 @@ class Strategy:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.virtual_pp > 1:
             parts[-1] += f"x{self.virtual_pp}"
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.sharding_level:
             parts.append(f"zero{self.sharding_level}")
         if self.sequence_parallel:
@@ -121,7 +138,7 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     """Every rule `strategy` breaks for this model, cluster and batch, as fix-it sentences ([] = valid)."""
     s = strategy
     reasons: list[str] = []
-    for name in ("dp", "tp", "pp", "micro_batch_size", "num_micro_batches", "virtual_pp"):
+    for name in ("dp", "tp", "pp", "micro_batch_size", "num_micro_batches", "virtual_pp", "ep"):
         if not _is_positive_int(getattr(s, name)):
             reasons.append(f"{name} must be a positive integer, got {getattr(s, name)!r}")
     if reasons:
@@ -139,6 +156,19 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         problem = _divides("tp", s.tp, quantity_name, quantity)
         if problem:
             reasons.append(problem + "; pick a tp that divides it")
+    if spec.is_moe:  # the experts' ffn widths split over tp as the dense MLP's
+        for quantity_name, quantity in (("expert_ffn_hidden_size", spec.expert_ffn_hidden_size),
+                                        ("shared_ffn_hidden_size", spec.shared_ffn_hidden_size)):
+            problem = _divides("tp", s.tp, quantity_name, quantity)
+            if problem:
+                reasons.append(problem + "; pick a tp that divides it")
+    if s.ep > 1:
+        if not spec.is_moe:
+            reasons.append(f"ep={s.ep}: expert parallel needs a mixture-of-experts model; use ep=1")
+        elif spec.num_experts % s.ep:
+            reasons.append(f"ep={s.ep} does not divide num_experts={spec.num_experts}; pick an ep that divides it")
+        if s.dp % s.ep:
+            reasons.append(f"ep={s.ep} must divide dp={s.dp} (the experts are split over data-parallel ranks)")
     # Stages need not hold equal layer counts (stage_layers), but each holds one at least.
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "

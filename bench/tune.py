@@ -37,7 +37,7 @@ from tridist.autotune import (
 )
 
 from tridist.autotune.calibrate import LAYER_SHAPES
-from tridist.autotune.cost import _layer_cost
+from tridist.autotune.cost import clear_caches
 
 from .report import markdown_table
 
@@ -105,7 +105,8 @@ def ranked_frame(result: SearchResult, candidates=None, *, index: str = "rank"):
             "mem_GB": cand.memory_bytes_per_device / GB, "TFLOP/s": cand.tflops_per_device,
             "MFU": b.get("mfu", math.nan),
             "compute_s": b.get("compute_s"), "tp_s": b.get("tp_comm_s"), "dp_s": b.get("dp_comm_s"),
-            "pp_s": b.get("pp_comm_s"), "bubble_s": b.get("bubble_s"), "optim_s": b.get("optimizer_s"),
+            "pp_s": b.get("pp_comm_s"), "ep_s": b.get("ep_comm_s", 0.0), "bubble_s": b.get("bubble_s"),
+            "optim_s": b.get("optimizer_s"),
             "weights_GB": b.get("weights_bytes", 0) / GB, "grads_GB": b.get("gradients_bytes", 0) / GB,
             "optim_GB": b.get("optimizer_states_bytes", 0) / GB, "act_GB": b.get("activations_bytes", 0) / GB,
             "buf_GB": b.get("buffers_bytes", 0) / GB,
@@ -209,6 +210,20 @@ def write_tune_report(result: SearchResult, out_dir: str | Path) -> Path:
         [[l.tp, l.pp, l.dp, l.best.strategy.describe(), f"{l.best.step_time_s:.4g}",
           f"{l.best.memory_bytes_per_device / GB:.1f}", l.evaluated, l.feasible] for l in ordered],
         align=["r", "r", "r", "l", "r", "r", "r", "r"]) if ordered else "(none fits)")
+    if result.spec.is_moe:
+        lines += ["", "## Best strategy per expert-parallel degree", "",
+                  "The fastest strategy found with each ep (the routed experts split over ep of the dp ranks; "
+                  f"busiest rank's routed tokens {result.spec.expert_load_imbalance}x the mean under expert "
+                  "parallel, ModelSpec.expert_load_imbalance).", ""]
+        kept = sorted((c for l in result.layouts for c in l.top), key=lambda c: c.sort_key())
+        best = {}
+        for cand in kept:
+            best.setdefault(cand.strategy.ep, cand)
+        lines.append(markdown_table(
+            ["ep", "best strategy", "step s", "ep comm s", "mem GB"],
+            [[ep, c.strategy.describe(), f"{c.step_time_s:.4g}", f"{c.breakdown.get('ep_comm_s', 0.0):.3g}",
+              f"{c.memory_bytes_per_device / GB:.1f}"] for ep, c in sorted(best.items())],
+            align=["r", "l", "r", "r", "r"]) if best else "(none fits)")
     if result.spec.structure is not None:
         lines += ["", "## Recognised model structure", "", "```", result.spec.structure.describe(), "```"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -454,7 +469,7 @@ def run_tune_benchmark(*, quick: bool = False, storages=("memory", "journal", "s
             for kind in storages:
                 name = label.replace(" ", "_")
                 storage = {"memory": None, "journal": f"{tmp}/{name}.log", "sqlite": f"sqlite:///{tmp}/{name}.db"}[kind]
-                _layer_cost.cache_clear()  # every timed search starts cold, as in a fresh process
+                clear_caches()  # every timed search starts cold, as in a fresh process
                 start = time.perf_counter()
                 result = search(spec, cluster, global_batch_size=batch, storage=storage)
                 seconds = time.perf_counter() - start

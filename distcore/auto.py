@@ -219,12 +219,20 @@ def _device_profile(config: ToDistributedConfig):
 
 
 def unsupported(spec) -> dict[str, str]:
-    """What distcore cannot apply to this model yet: {"tp" or "pp": the reason}. The search leaves those
-    degrees at 1 (and says why), and a given strategy that needs them is refused, so that no strategy
-    to_distributed chooses fails when applied."""
+    """What distcore cannot apply to this model yet: {knob (autotune.search.KEPT_AT's): the reason}. The search
+    keeps those knobs at their defaults (and says why), and a given strategy that needs them is refused, so
+    that no strategy to_distributed chooses fails when applied. A mixture of experts trains data parallel
+    (with sharding) only, and expert parallel is priced by the cost model but not applied yet."""
     structure = getattr(spec, "structure", None)
     limits: dict[str, str] = {}
     if structure is None:
+        return limits
+    if structure.is_moe:
+        why = (f"distcore does not yet apply this to mixtures of experts (MoE blocks {structure.pattern(structure.moe)}"
+               f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data parallel, with "
+               "sharding")
+        for knob in ("tp", "pp", "ep", "num_micro_batches", "recompute"):
+            limits[knob] = why
         return limits
     if structure.tied_embeddings and not structure.lm_head:
         limits["tp"] = limits["pp"] = (
@@ -433,6 +441,17 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "to_distributed: tensor parallel, pipeline parallel and micro-batching need a recognised model structure "
             "(autotune.ModelSpec.from_module); use a data-parallel-only strategy with one micro-batch for this model"
         )
+    if strategy.ep > 1:
+        raise ValueError(f"to_distributed: ep={strategy.ep}: distcore does not apply expert parallel yet (the cost "
+                         "model prices it); use ep=1")
+    if structure is not None and structure.is_moe:
+        needs = [f"{knob}={getattr(strategy, knob)}" for knob in ("tp", "pp", "num_micro_batches")
+                 if getattr(strategy, knob) > 1] + ([f"recompute={strategy.recompute!r}"] if strategy.recompute != "none" else [])
+        if needs:
+            raise ValueError(
+                f"to_distributed: {', '.join(needs)} cannot be applied to this model yet: distcore trains mixtures of "
+                f"experts ({structure.pattern(structure.moe)}) data parallel (with sharding) only; use tp=pp=1, one "
+                "micro-batch and no recompute")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
@@ -465,6 +484,9 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
     when they are tied)."""
+    if structure.is_moe:
+        raise ValueError(f"tensor_parallel_plan: no tensor-parallel plan for a mixture of experts yet (MoE blocks "
+                         f"{structure.pattern(structure.moe)}); train it data parallel")
     plan: dict = {}
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in range(structure.num_layers)]
 

@@ -4,7 +4,8 @@ query attention (4 query heads, 2 key/value heads), Qwen2's q/k/v biases, Phi-3'
 gate_up, Gemma's `1 + w` norms and GeGLU MLP, Gemma2's extra norms and soft-capping, tied embeddings,
 Qwen3's per-head q/k RMSNorms (one weight shared by every head), OLMo2's q/k RMSNorms over the whole
 projection (all heads' features), GPT-NeoX's per-head interleaved query_key_value and partial rotary,
-GPT-2's Conv1D projections."""
+GPT-2's Conv1D projections; and mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, Qwen2-MoE
+with a shared expert), their experts as transformers stores them: 3-D stacked weights beside a router."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
 
 LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2"]
 FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2"]
+# Mixtures of experts (kept out of FAMILIES: distcore trains them data parallel only so far). 4 experts, top-2;
+# Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert beside the routed ones.
+MOE_FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe"]
+EXPERTS, TOP_K = 4, 2
 
 
 def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Module:
@@ -45,10 +50,20 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
         return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
             num_attention_heads=HEADS, max_position_embeddings=64, rotary_pct=0.5, bos_token_id=0, eos_token_id=1))
+    moe = dict(num_experts_per_tok=TOP_K)
+    if family == "mixtral":
+        return hf.MixtralForCausalLM(hf.MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=EXPERTS,
+                                                      **moe))
+    if family == "qwen3-moe":
+        return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
+                                                        num_experts=EXPERTS, mlp_only_layers=[0], **moe))
+    if family == "qwen2-moe":
+        return hf.Qwen2MoeForCausalLM(hf.Qwen2MoeConfig(**common, moe_intermediate_size=32,
+                                                        shared_expert_intermediate_size=48, num_experts=EXPERTS, **moe))
     if family == "gpt2":
         return hf.GPT2LMHeadModel(hf.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=layers, n_head=HEADS,
                                                 n_positions=64, bos_token_id=0, eos_token_id=1,
                                                 # GPT-2 defaults to dropout 0.1: random masks differ between
                                                 # layouts; the other families default to 0
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES}")

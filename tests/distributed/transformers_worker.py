@@ -408,6 +408,18 @@ def check_parallelize_ties_across_stages_with_a_user_plan():
         raise AssertionError("a tied weight split in one of its holders only was accepted")
 
 
+def check_mixtures_of_experts_train_data_parallel():
+    """Mixtral and Qwen3-MoE (a dense first layer) are recognised and searched with the default config: every
+    knob distcore does not apply to a mixture of experts yet (tp, pp, ep, micro-batches, recompute) stays at
+    its default, and the data-parallel strategy chosen trains equal to one process (padding rows, the global
+    token mean, evaluation); a forced tensor-parallel strategy is refused with the reason."""
+    for family in ("mixtral", "qwen3-moe"):
+        chosen = _train(family)
+        assert (chosen.dp, chosen.tp, chosen.pp, chosen.ep, chosen.num_micro_batches, chosen.recompute) == (
+            dist.get_world_size(), 1, 1, 1, 1, "none"), chosen
+    _expect_refused("mixtral", _strategy(2, 2, 1), "mixtures of experts")
+
+
 def _expect_refused(family, strategy, why):
     model, optimizer = _model(family)
     try:

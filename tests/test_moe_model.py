@@ -1,0 +1,179 @@
+"""Mixtures of experts are recognised by structure (transformers' Mixtral, Qwen3-MoE and Qwen2-MoE, and
+hand-written models with listed or [experts, in, out] experts, shared experts and dense layers mixed in),
+searched with an expert-parallel degree, and kept by to_distributed to what distcore applies to them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from tridist.autotune import Cluster, ModelSpec, SearchSpace, Strategy, UnrecognisedModel, preset, search
+from tridist.distcore.auto import apply_strategy, tensor_parallel_plan, unsupported
+
+from tests.hf_models import EXPERTS, LAYERS, MOE_FAMILIES, TOP_K, build
+
+
+def _counted(model: nn.Module) -> int:
+    """The parameters the cost model counts: no bias vectors, no Qwen2-MoE shared-expert gate (hidden -> 1)."""
+    return sum(p.numel() for n, p in model.named_parameters() if not n.endswith("bias") and "shared_expert_gate" not in n)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_transformers_moe_families_are_recognised(family):
+    model = build(family)
+    spec = ModelSpec.from_module(model, seq_len=16)
+    s = spec.structure
+    assert (spec.num_experts, spec.experts_per_token) == (EXPERTS, TOP_K)
+    assert (s.moe, s.router, s.experts, s.expert_layout) == ("mlp", "mlp.gate.weight", "mlp.experts", "stacked")
+    assert spec.expert_ffn_hidden_size == model.config.moe_intermediate_size if family != "mixtral" else 96
+    moe_layers = (1,) if family == "qwen3-moe" else tuple(range(LAYERS))  # Qwen3-MoE: mlp_only_layers=[0]
+    assert s.moe_layers == spec.moe_layer_indices == moe_layers
+    assert spec.num_parameters == _counted(model)
+    assert (s.attention, s.q, s.o) == ("self_attn", "self_attn.q_proj", "self_attn.o_proj")
+    if family == "qwen3-moe":  # the dense layer's MLP is named as before
+        assert (s.gate, s.up, s.down, spec.ffn_hidden_size) == ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                                               model.config.intermediate_size)
+        assert spec.qk_norm == "head"
+    if family == "qwen2-moe":
+        assert s.shared_experts == ("mlp.shared_expert",) and spec.shared_ffn_hidden_size == 48
+    assert "MoE block" in s.describe() and "experts (stacked)" in s.describe()
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+
+class _ListedMoE(nn.Module):
+    """DeepSeek-style: a Linear router, a list of expert MLPs, a shared expert."""
+
+    def __init__(self, hidden, ffn, experts, top_k, shared_ffn):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(_SwiGLU(hidden, ffn) for _ in range(experts))
+        self.shared_experts = _SwiGLU(hidden, shared_ffn)
+        self.top_k = top_k
+
+
+class _StackedMoE(nn.Module):
+    """torchtitan-style: a bare [experts, hidden] router and experts stored [experts, in, out]."""
+
+    def __init__(self, hidden, ffn, experts, top_k):
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(experts, hidden))
+        self.experts = nn.Module()
+        self.experts.w1 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.experts.w2 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.experts.w3 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        if top_k:
+            self.num_experts_per_tok = top_k
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.num_heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.attention, self.attention_norm, self.ffn_norm = _Attention(hidden, 4), nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.feed_forward = ffn
+
+
+class _Decoder(nn.Module):
+    def __init__(self, blocks, hidden=32, vocab=64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(_Block(hidden, ffn) for ffn in blocks)
+        self.norm = nn.RMSNorm(hidden)
+        self.output = nn.Linear(hidden, vocab, bias=False)
+
+
+def test_listed_experts_shared_experts_and_dense_first_layers():
+    with torch.device("meta"):
+        model = _Decoder([_SwiGLU(32, 96)] + [_ListedMoE(32, 16, 6, 2, 24) for _ in range(3)])
+    spec = ModelSpec.from_module(model, seq_len=8)
+    s = spec.structure
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn_hidden_size, spec.shared_ffn_hidden_size) == (6, 2, 16, 24)
+    assert s.moe_layers == (1, 2, 3) and spec.ffn_hidden_size == 96 and spec.num_dense_layers == 1
+    assert (s.router, s.experts, s.expert_layout, s.shared_experts) == (
+        "feed_forward.router.weight", "feed_forward.experts", "list", ("feed_forward.shared_experts",))
+    assert (s.gate, s.up, s.down) == ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+    assert spec.num_parameters == _counted(model)
+
+
+def test_stacked_in_out_experts_with_a_bare_router():
+    with torch.device("meta"):
+        model = _Decoder([_StackedMoE(32, 16, 8, 2) for _ in range(2)])
+    spec = ModelSpec.from_module(model, seq_len=8)
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn_hidden_size) == (8, 2, 16)
+    assert spec.structure.router == "feed_forward.gate" and spec.structure.down is None
+    assert spec.num_parameters == _counted(model)
+
+
+def test_a_structure_it_cannot_read_is_reported_with_what_it_found():
+    with torch.device("meta"):
+        model = _Decoder([_StackedMoE(32, 16, 8, 0) for _ in range(2)])  # no top-k attribute anywhere
+    with pytest.raises(UnrecognisedModel, match=r"feed_forward \(8 experts\).*experts_per_token=\.\.\."):
+        ModelSpec.from_module(model)
+    assert ModelSpec.from_module(model, experts_per_token=2).experts_per_token == 2
+    with torch.device("meta"):  # experts without a router beside them: no MoE, and no MLP either
+        bare = _Decoder([_StackedMoE(32, 16, 8, 2) for _ in range(2)])
+    for block in bare.layers:
+        del block.feed_forward.gate
+    with pytest.raises(UnrecognisedModel, match="could not find separate attention and MLP.*mixture of experts"):
+        ModelSpec.from_module(bare)
+
+
+def test_real_size_mixtral_on_the_meta_device_is_recognised_and_searched():
+    import transformers as hf
+
+    config = hf.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
+    with torch.device("meta"):
+        model = hf.MixtralForCausalLM(config)
+    spec = ModelSpec.from_module(model, seq_len=4096)
+    assert spec == dataclasses.replace(preset("mixtral-8x7b"), name=spec.name)
+    one_node = search(spec, Cluster(1, 8, "h100-sxm"), global_batch_size=256, storage=None)
+    assert one_node.best is None and "no strategy fits" in one_node.message  # 747 GB of Adam states / 8 > 80 GB
+    four_nodes = search(spec, Cluster(4, 8, "h100-sxm"), global_batch_size=256, storage=None)
+    assert four_nodes.best is not None
+    kept = {c.strategy.ep for layout in four_nodes.layouts for c in layout.top}
+    assert kept == {1, 2, 4, 8}  # every layout keeps its fastest of each ep degree for the report
+
+
+def test_search_offers_ep_only_to_moe_models_and_only_where_allowed():
+    cluster = Cluster(1, 8, "h100-sxm")
+    qwen3 = preset("qwen3-30b-a3b")
+    result = search(qwen3, cluster, global_batch_size=64, storage=None, space=SearchSpace(tp=(1,), pp=(1,)))
+    assert {c.strategy.ep for c in result.layouts[0].top} == {1, 2, 4, 8}
+    kept = search(qwen3, cluster, global_batch_size=8, storage=None, space=SearchSpace(tp=(1,), pp=(1,)),
+                  excluded={"ep": "not applied yet", "num_micro_batches": "not applied yet"})
+    assert {c.strategy.ep for c in kept.layouts[0].top} == {1}
+    assert {c.strategy.num_micro_batches for c in kept.layouts[0].top} == {1}
+    dense = search(preset("llama3-8b"), cluster, global_batch_size=64, storage=None, space=SearchSpace(tp=(1,), pp=(1,)))
+    assert {c.strategy.ep for c in dense.layouts[0].top} == {1}
+
+
+def test_to_distributed_keeps_moe_models_to_what_distcore_applies():
+    model = build("mixtral")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    limits = unsupported(spec)
+    assert set(limits) == {"tp", "pp", "ep", "num_micro_batches", "recompute"}
+    assert "mixtures of experts" in limits["tp"]
+    with pytest.raises(ValueError, match="expert parallel"):
+        apply_strategy(model, None, Strategy(dp=2, tp=1, pp=1, ep=2), spec=spec)
+    with pytest.raises(ValueError, match="tp=2 cannot be applied to this model yet"):
+        apply_strategy(model, None, Strategy(dp=1, tp=2, pp=1), spec=spec)
+    with pytest.raises(ValueError, match="no tensor-parallel plan for a mixture of experts"):
+        tensor_parallel_plan(model, spec.structure, sequence_parallel=False)
+    with pytest.raises(ValueError, match="no tensor-parallel roles for a mixture-of-experts model"):
+        spec.structure.tp_roles()
