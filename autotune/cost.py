@@ -29,7 +29,9 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
   from being free.
 * Pipeline (1F1B): bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time with v
   interleaved chunks; the first stage holds p micro-batches of activations (×(1 + (p−1)/(p·v))
-  interleaved); the slowest stage (the last, which also runs the LM head) sets the pace.
+  interleaved); the slowest stage (the last, which also runs the LM head) sets the pace. Where p·v
+  does not divide the layers the stages are uneven (strategy.stage_layers) and each rank is priced by
+  the layers it holds, interleaved or not.
 * Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
   master/momentum/variance), ZeRO-1/2/3 dividing the 12, then the grads, then the weights by dp.
 
@@ -577,7 +579,8 @@ def _loss_bytes(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost) -
 
 def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro_batches: int, stage: int) -> float:
     """Layer-micro-batches of activations a stage holds at its peak under 1F1B (Megatron's warm-up:
-    p − r micro-batches on rank r; interleaved: 2(p − r − 1) + (v − 1)·p + 1 chunks of L/(p·v) layers)."""
+    p − r micro-batches on rank r; interleaved: 2(p − r − 1) + (v − 1)·p + 1 chunks of the rank's layers / v,
+    their mean where the stages are uneven)."""
     if virtual_pp == 1:
         return layers_per_stage * min(num_micro_batches, pp - stage)
     chunks = min(2 * (pp - stage - 1) + (virtual_pp - 1) * pp + 1, num_micro_batches * virtual_pp)

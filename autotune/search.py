@@ -264,8 +264,8 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
     space = space or SearchSpace()
     dp = cluster.num_devices // (tp * pp)
     local_batch = global_batch_size // dp
-    # Interleaving only where the layers split evenly over pp (each rank then holds v equal stages).
-    layers_per_stage = spec.num_layers // pp if spec.num_layers % pp == 0 else 1
+    # Interleaving: v stages per rank, of a layer at least (uneven where pp*v does not divide the layers).
+    max_vpp = spec.num_layers // pp
     levels = [lvl for lvl in space.sharding_levels if lvl == 0 or dp > 1]
     recompute = [r for r in space.recompute if not (r == "selective" and spec.flash_attention)]
     tp_modes = [(False, False)]
@@ -286,8 +286,8 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         m = local_batch // mbs
         if (pp > 1 and m < pp) or (space.num_micro_batches is not None and m not in space.num_micro_batches):
             continue
-        vpps = [1] if pp == 1 else [v for v in _divisors(layers_per_stage)
-                                    if v <= space.max_virtual_pp and (v == 1 or m % pp == 0)]
+        vpps = [1] if pp == 1 else [v for v in range(1, min(max_vpp, space.max_virtual_pp) + 1)
+                                    if v == 1 or m % pp == 0]
         for v, level, (sp, overlap), rc, ep in itertools.product(vpps, levels, tp_modes, recompute, eps):
             if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
                 continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
@@ -382,10 +382,13 @@ def exhaustive_search(spec: ModelSpec, cluster: Cluster, *, global_batch_size: i
             if global_batch_size % (dp * mbs):
                 continue
             m = global_batch_size // (dp * mbs)
-            for v, level, sp, overlap, rc in itertools.product(
+            if space.num_micro_batches is not None and m not in space.num_micro_batches:
+                continue
+            eps = [e for e in degrees if space.ep is None or e in space.ep]
+            for v, level, sp, overlap, rc, ep in itertools.product(
                     range(1, space.max_virtual_pp + 1), space.sharding_levels, space.sequence_parallel,
-                    space.overlap_tp_comm, space.recompute):
-                strategy = Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v)
+                    space.overlap_tp_comm, space.recompute, eps):
+                strategy = Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
                 if validate(spec, cluster, strategy, global_batch_size=global_batch_size):
                     continue
                 est = estimate(spec, cluster, strategy, global_batch_size=global_batch_size, validate=False)

@@ -173,12 +173,9 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "
                        "stage needs one at least); pick fewer stages")
-    elif s.virtual_pp > 1:
+    elif s.virtual_pp > 1:  # the pp*virtual_pp stages may be uneven (stage_layers), as without interleaving
         if s.pp == 1:
             reasons.append("virtual_pp > 1 (interleaved schedule) needs pp > 1")
-        elif spec.num_layers % s.pp or (spec.num_layers // s.pp) % s.virtual_pp:
-            reasons.append(f"virtual_pp={s.virtual_pp} needs equal stages: pp*virtual_pp = {s.pp}*{s.virtual_pp} must "
-                           f"divide the {spec.num_layers} layers (uneven stages run without interleaving)")
         elif s.num_micro_batches % s.pp:
             reasons.append(f"the interleaved schedule needs num_micro_batches ({s.num_micro_batches}) to be a "
                            f"multiple of pp ({s.pp})")

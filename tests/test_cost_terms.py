@@ -29,7 +29,7 @@ from tridist.autotune import (
     stage_parameters,
 )
 from tridist.autotune.cost import OVERLAP_COMPUTE_COST
-from tridist.autotune.engine import MEGATRON
+from tridist.autotune.engine import MEGATRON, TORCH
 
 # The hand counts below use the Megatron engine: no dispatch floor, no FSDP2 buffer copies (the torch
 # engine's terms are counted in test_autotune_engine.py).
@@ -378,6 +378,43 @@ def test_tied_embedding_gradient_is_summed_between_first_and_last_stage():
     untied, tied = (_run(replace(TINY, tied_embeddings=flag), _cluster(1, 2), dp=1, tp=1, pp=2, num_micro_batches=2)
                     for flag in (False, True))
     assert tied.time.pp_comm_s - untied.time.pp_comm_s == pytest.approx(_ring("all-reduce", E * 32 * 8, 2, INTRA), rel=1e-12)
+
+
+def test_tied_embedding_gradient_under_tensor_parallel_is_the_local_shards():
+    """The same under tp 2: each of the tp pairs sums its vocabulary shard, V·h/tp bf16 bytes, between the
+    first and the last stage (tp·dp = 2 ranks apart, one node)."""
+    untied, tied = (_run(replace(TINY, tied_embeddings=flag), _cluster(1, 4), dp=1, tp=2, pp=2, num_micro_batches=2)
+                    for flag in (False, True))
+    assert tied.time.pp_comm_s - untied.time.pp_comm_s == pytest.approx(_ring("all-reduce", E * 32 * 8 / 2, 2, INTRA),
+                                                                        rel=1e-12)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_fsdp_copies_per_collective_on_the_torch_engine(level):
+    """FSDP2 copies each collective's bytes into or out of its buffers (the torch engine's fsdp_copy_passes
+    per copy, at memory bandwidth, not hidden): one copy per collective, so 1 at ZeRO-0 (the all-reduce), 2 at
+    ZeRO-1 (reduce-scatter and all-gather), m + 1 at ZeRO-2 (a reduce-scatter per micro-batch), 3·m at ZeRO-3.
+    dp 2, m 2, TINY whole on each device (2888 parameters); slow matmuls keep every collective hidden but
+    its first chunk, on both engines alike, so the engines differ by the copies alone."""
+    m = 2
+    rates = {"flops": 1e6, "hbm": 1e12}
+    runs = {engine: estimate(TINY, Cluster(1, 2, _cluster(1, 2, **rates).profile, engine=engine),
+                             Strategy(dp=2, tp=1, pp=1, num_micro_batches=m, sharding_level=level),
+                             global_batch_size=2 * m).time.dp_comm_s
+            for engine in ("torch", "megatron")}
+    copy = TORCH.fsdp_copy_passes * E * 2888 / 1e12
+    copies = {0: 1, 1: 2, 2: m + 1, 3: 3 * m}[level]
+    assert runs["torch"] - runs["megatron"] == pytest.approx(copies * copy, rel=1e-9)
+
+
+def test_uneven_stages_memory_peaks_on_the_earliest_fullest_middle_rank():
+    """10 layers on pp 4: (2, 3, 3, 2). 1F1B keeps pp − r micro-batches in flight on rank r (m = 4), so rank 1
+    holds 3 x 3 layer-micro-batches of activations where rank 2 holds 2 x 3; rank 1 (its 3 layers' states,
+    no embedding) is the device's peak."""
+    ten = replace(TINY, num_layers=10)
+    m = _run(ten, _cluster(1, 4), dp=1, tp=1, pp=4, num_micro_batches=4).memory
+    assert m.activations == 9 * LAYER_ACTIVATIONS
+    assert (m.weights, m.gradients, m.optimizer_states) == _states(3 * 592)
 
 
 def test_unequal_packed_qkv_adds_a_reduce_scatter_and_its_gradients_all_gather_per_layer():

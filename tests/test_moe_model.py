@@ -177,3 +177,19 @@ def test_to_distributed_keeps_moe_models_to_what_distcore_applies():
         tensor_parallel_plan(model, spec.structure, sequence_parallel=False)
     with pytest.raises(ValueError, match="no tensor-parallel roles for a mixture-of-experts model"):
         spec.structure.tp_roles()
+
+
+def test_search_equals_exhaustive_enumeration_for_a_mixture_of_experts():
+    """The layout search (ep enumerated inside each layout) and plain enumeration of every raw combination
+    (ep included) rank the same strategies for a small MoE on 8 devices."""
+    from tridist.autotune import exhaustive_search
+
+    spec = ModelSpec(num_layers=4, hidden_size=1024, num_heads=16, ffn_hidden_size=1024, vocab_size=32000,
+                     num_kv_heads=4, seq_len=2048, num_experts=8, experts_per_token=2, moe_layers=(1, 2, 3),
+                     name="small-moe")
+    cluster = Cluster(1, 8, "h100-sxm")
+    space = SearchSpace(max_virtual_pp=2, recompute=("none", "full"))
+    fast = search(spec, cluster, global_batch_size=16, top_k=100, storage=None, space=space)
+    slow = exhaustive_search(spec, cluster, global_batch_size=16, top_k=100, space=space)
+    assert [c.strategy for c in fast.ranked] == [c.strategy for c in slow]
+    assert {c.strategy.ep for c in slow} >= {1, 2}
