@@ -14,7 +14,7 @@ from .fuse import FuseError, FuseReport, fuse
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.rms_norm import FusedRMSNorm, rms_norm
 from .ops.rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
-from .ops.swiglu import FusedSwiGLU, FusedSwiGLUMLP, swiglu
+from .ops.swiglu import FusedSwiGLU, FusedSwiGLUExperts, FusedSwiGLUMLP, swiglu
 
 __all__ = [
     "FuseError",
@@ -22,6 +22,7 @@ __all__ = [
     "FusedRMSNorm",
     "FusedRotaryEmbedding",
     "FusedSwiGLU",
+    "FusedSwiGLUExperts",
     "FusedSwiGLUMLP",
     "all_gather_matmul",
     "apply_rotary_pos_emb",

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from .ops import rotary as rotary_op
 from .ops.linear_cross_entropy import CausalLMLinearCrossEntropy, FusedLMHead
 from .ops.rms_norm import FusedRMSNorm
-from .ops.swiglu import FusedSwiGLUMLP
+from .ops.swiglu import FusedSwiGLUExperts, FusedSwiGLUMLP
 from .reference import rms_norm_reference, rotary_reference
 
 _EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
@@ -77,8 +77,8 @@ class FuseError(RuntimeError):
 
 def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, swiglu: bool = True,
          linear_cross_entropy: bool = True, strict: bool = False) -> FuseReport:
-    """Replace RMSNorm modules, SwiGLU MLPs, rotary applications and a causal LM's head + loss of `model`
-    in place.
+    """Replace RMSNorm modules, SwiGLU MLPs (a mixture of experts' stacked SwiGLU experts too: `swiglu`),
+    rotary applications and a causal LM's head + loss of `model` in place.
 
     strict: raise FuseError, before changing anything, when a requested kind has a candidate that
     cannot be replaced (a look-alike computing something else, such as Gemma's GeGLU MLP, a module
@@ -88,14 +88,17 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
     changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
     verdicts: dict = {}  # one probe per kind of module (_kind) or rotary function: a model's layers are alike
     for name, module in model.named_modules():
-        if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP)):
+        if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP, FusedSwiGLUExperts)):
             continue
-        if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)):
+        if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)
+                         or _looks_like_stacked_experts(module)):
             report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
         elif rms_norm and _looks_like_rms_norm(module):
             _fuse_rms_norm(model, name, module, report, changes, verdicts)
         elif swiglu and _looks_like_swiglu_mlp(module):
             _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
+        elif swiglu and _looks_like_stacked_experts(module):
+            _fuse_stacked_experts(model, name, module, report, changes, verdicts)
         if rotary:
             _fuse_rotary(name, module, report, changes, verdicts)
         if linear_cross_entropy and _looks_like_causal_lm(module):
@@ -345,6 +348,57 @@ def _swiglu_verdict(module: torch.nn.Module, in_features: int) -> str | None:
         expected = probe.down_proj(F.silu(gate) * up)
     if not _close(out, expected):
         return "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
+    return None
+
+
+# ---------------------------------------------------------------------------- Mixture-of-experts experts
+
+
+def _looks_like_stacked_experts(module: torch.nn.Module) -> bool:
+    """Hugging Face's experts layout: 3-D `gate_up_proj` and `down_proj` of the module itself."""
+    params = module._parameters
+    return all(isinstance(params.get(n), torch.Tensor) and params[n].dim() == 3 for n in ("gate_up_proj", "down_proj"))
+
+
+def _fuse_stacked_experts(model, name, module, report, changes, verdicts) -> None:
+    why = _why_not_probeable(module)
+    if why:
+        report.skipped.append((name, f"SwiGLU experts candidate: {why}"))
+        return
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        report.skipped.append((name, f"SwiGLU experts candidate: gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                                     f"{tuple(down.shape)} are not [experts, 2·ffn, hidden] and [experts, hidden, ffn] "
+                                     "(a transposed or biased layout); left as is"))
+        return
+    why_not = _probed(verdicts, "swiglu-experts", _kind(module), partial(_experts_verdict, module))
+    if why_not:
+        report.skipped.append((name, why_not))
+        return
+    changes.append(partial(_replace, model, name, module, FusedSwiGLUExperts(gate_up, down)))
+    report.replaced.append((name, "swiglu: FusedSwiGLUExperts"))
+
+
+def _experts_verdict(module: torch.nn.Module) -> str | None:
+    """None when a probe shows `module(x, top_k_index, top_k_weights)` is each token's k experts,
+    down(silu(gate) * up), weighted and summed (Hugging Face's experts interface), else why it is left."""
+    probe = _probe_copy(module)
+    experts, hidden = probe.gate_up_proj.shape[0], probe.gate_up_proj.shape[2]
+    generator = torch.Generator(device="cpu").manual_seed(99)
+    tokens, k = 7, min(2, experts)
+    x = _probe_input((tokens, hidden))
+    index = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=generator)
+    try:
+        with torch.no_grad():
+            out = probe(x, index, weights)
+    except Exception as error:  # noqa: BLE001 - reported in the FuseReport
+        return f"SwiGLU experts candidate: its forward failed on a probe ({type(error).__name__}: {error}); left as is"
+    with torch.no_grad():
+        expected = FusedSwiGLUExperts(probe.gate_up_proj, probe.down_proj, grouped_mm=False)(x, index, weights)
+    if not _close(out, expected):
+        return ("has 3-D gate_up_proj/down_proj experts but its output is not each token's experts' "
+                "down(silu(gate) * up), weighted and summed; left as is")
     return None
 
 

@@ -251,3 +251,111 @@ def test_a_head_replaced_after_fuse_runs_unfused():
     expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
     assert out.logits.shape == (2, SEQ_LEN, VOCAB + 8)
     torch.testing.assert_close(out.loss, expected)
+
+
+# Mixtures of experts: the experts' SwiGLU (3-D stacked weights) runs the fused activation once per expert
+# that received tokens; Qwen3-MoE's dense first layer and Qwen2-MoE's shared expert are SwiGLU MLPs.
+MOE_EXPECTED = {  # family -> (FusedSwiGLUExperts, FusedSwiGLUMLP, fused norms) replaced
+    "mixtral": (LAYERS, 0, 2 * LAYERS + 1),
+    "qwen3-moe": (LAYERS - 1, 1, 4 * LAYERS + 1),
+    "qwen2-moe": (LAYERS, LAYERS, 2 * LAYERS + 1),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE_EXPECTED))
+def test_fuse_runs_the_experts_swiglu_and_matches_every_gradient(family):
+    from tests.hf_models import EXPERTS
+
+    model = build(family)
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    experts, mlps, norms = MOE_EXPECTED[family]
+    replaced = [what for _, what in report.replaced]
+    assert (replaced.count("swiglu: FusedSwiGLUExperts"), replaced.count("swiglu: FusedSwiGLUMLP"),
+            report.count("rms_norm")) == (experts, mlps, norms), str(report)
+    assert report.skipped == [] and list(fused.state_dict()) == list(model.state_dict())
+    ids = _batch()
+    expected = model(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    with _kernel_launches() as forward:
+        out = fused(input_ids=ids, labels=ids)
+    with _kernel_launches() as backward:
+        out.loss.backward()
+    # One launch per expert that received tokens (at most EXPERTS per MoE layer) and per dense MLP, forward and
+    # backward alike: the fused activation really ran in every MoE layer.
+    assert experts + mlps <= forward["swiglu"] <= experts * EXPERTS + mlps and backward["swiglu"] == forward["swiglu"]
+    # The _budgets reasoning, with each fused experts' activation counted once per expert (EXPERTS per layer).
+    ops = norms + experts * EXPERTS + mlps + LAYERS  # + rotaries
+    budget = (ops * HIDDEN + VOCAB) * U_FP32
+    _assert_within(out.loss, expected.loss, budget, "loss")
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        _assert_within(q.grad, p.grad, 2 * budget, name)
+
+
+def _experts_reference(gate_up, down, x, index, weights):
+    """Hugging Face's eager loop (MixtralExperts.forward), sentinel slots (index >= experts) skipped."""
+    out = torch.zeros_like(x)
+    for expert in range(gate_up.shape[0]):
+        token, slot = torch.where(index == expert)
+        gate, up = torch.nn.functional.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_equal_the_eager_loop_with_idle_experts_and_sentinels(dtype):
+    """6 experts, top-2 of 11 tokens routed to 4 of them (2 idle), 3 slots marked for another rank (index 6);
+    output and the gradients of the input, both weights and the routing weights. Tolerance: fp32 differs by
+    the order of the hidden-width sums (HIDDEN·u); bf16 rounds the activation once where eager rounds silu and
+    the product apart (two bf16 roundings of the ffn-wide intermediate, then a sum over ffn = 12 terms)."""
+    from tridist.kernels import FusedSwiGLUExperts
+
+    generator = torch.Generator().manual_seed(3)
+    experts, hidden, ffn, tokens = 6, 16, 12, 11
+    gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=generator) / 4).to(dtype).requires_grad_()
+    down = (torch.randn(experts, hidden, ffn, generator=generator) / 4).to(dtype).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_()
+    index = torch.tensor([[0, 2], [3, 5], [2, 0], [5, 3], [0, 6], [2, 3], [6, 5], [3, 0], [5, 2], [0, 6], [3, 2]])
+    weights = torch.rand(tokens, 2, generator=generator).to(dtype).requires_grad_()
+    leaves = (x, gate_up, down, weights)
+    grad = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    with _kernel_launches() as launches:
+        out = FusedSwiGLUExperts(gate_up, down)(x, index, weights)
+    fused_grads = torch.autograd.grad(out, leaves, grad)
+    assert launches["swiglu"] in (0, 4)  # the interpreted kernels, or the CPU path (no launches)
+    reference = _experts_reference(gate_up, down, x, index, weights)
+    reference_grads = torch.autograd.grad(reference, leaves, grad)
+    budget = HIDDEN * U_FP32 * 4 if dtype == torch.float32 else 4 * 2.0**-8
+    _assert_within(out, reference, budget, "output")
+    for name, a, b in zip(("x", "gate_up_proj", "down_proj", "weights"), fused_grads, reference_grads):
+        _assert_within(a, b, 2 * budget, name)
+    assert fused_grads[1][[1, 4]].abs().max() == 0  # idle experts get no gradient
+
+
+def test_fused_experts_grouped_mm_path_forward_on_cpu():
+    """The grouped-GEMM path (Hopper's; torch's CPU kernel runs its forward) equals the loop: the offsets
+    from the per-expert counts, idle experts included, route every row to its expert."""
+    from tridist.kernels import FusedSwiGLUExperts
+
+    generator = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(4, 32, 16, generator=generator, dtype=torch.bfloat16)
+    down = torch.randn(4, 16, 16, generator=generator, dtype=torch.bfloat16)
+    x = torch.randn(9, 16, generator=generator, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 3], [3, 0], [0, 3], [3, 0], [0, 3], [1, 3], [0, 1], [3, 4], [1, 0]])
+    weights = torch.rand(9, 2, generator=generator, dtype=torch.bfloat16)
+    with torch.no_grad():
+        grouped = FusedSwiGLUExperts(gate_up, down, grouped_mm=True)(x, index, weights)
+        loop = FusedSwiGLUExperts(gate_up, down, grouped_mm=False)(x, index, weights)
+    _assert_within(grouped.float(), loop.float(), 4 * 2.0**-8, "grouped vs loop")
+
+
+def test_experts_of_another_activation_or_layout_are_left_alone():
+    model = build("mixtral")
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn = torch.nn.GELU()  # a look-alike: GeGLU experts
+    report = kernels.fuse(model)
+    assert not any("Experts" in what for _, what in report.replaced)
+    assert {why for name, why in report.skipped if name.endswith("experts")} == {
+        "has 3-D gate_up_proj/down_proj experts but its output is not each token's experts' down(silu(gate) * up), "
+        "weighted and summed; left as is"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -372,3 +373,64 @@ class FusedSwiGLUMLP(torch.nn.Module):
         if "gate_up_proj" in self._modules:
             return self.down_proj(swiglu(self.gate_up_proj(x)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class FusedSwiGLUExperts(torch.nn.Module):
+    """A mixture of experts' routed SwiGLU MLPs stored as 3-D weights (Hugging Face's layout: `gate_up_proj`
+    [experts, 2·ffn, hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]), with the fused
+    activation. `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`
+    is Hugging Face's experts interface: each token's k experts, weighted, summed (an index of `num_experts`
+    or more marks a slot to skip, as expert parallel's sentinels do).
+
+    The token-expert pairs are sorted by expert; each projection then runs as one grouped GEMM where the
+    device has one (`torch.nn.functional.grouped_mm` on CUDA devices of compute capability 9.0 and up,
+    `grouped_mm=None`: chosen so), else as a loop over the experts that received tokens. The parameters are
+    the replaced module's own (same objects, same names), so state dicts and optimizers still apply.
+    """
+
+    def __init__(self, gate_up_proj: torch.nn.Parameter, down_proj: torch.nn.Parameter, *,
+                 grouped_mm: bool | None = None):
+        super().__init__()
+        if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[0] != down_proj.shape[0] \
+                or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[2] != down_proj.shape[1]:
+            raise ValueError(
+                f"FusedSwiGLUExperts: expected gate_up_proj [experts, 2·ffn, hidden] and down_proj [experts, hidden, "
+                f"ffn], got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.num_experts = gate_up_proj.shape[0]
+        self.grouped_mm = grouped_mm
+
+    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.grouped_mm is not None:
+            return self.grouped_mm
+        # Hopper's grouped GEMM; it needs 16-byte aligned rows (hidden and ffn widths in elements).
+        aligned = all(n * x.element_size() % 16 == 0 for n in (self.down_proj.shape[1], self.down_proj.shape[2]))
+        return (x.device.type == "cuda" and hasattr(F, "grouped_mm") and aligned
+                and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        with torch.no_grad():
+            order = torch.argsort(experts, stable=True)  # pairs sorted by expert, in token order within one
+            sorted_experts = experts[order]
+            kept = int(torch.searchsorted(sorted_experts, self.num_experts))  # sentinels (>= num_experts) sort last
+            order = order[:kept]
+            counts = torch.bincount(sorted_experts[:kept], minlength=self.num_experts)
+        tokens = order // k
+        x = hidden_states[tokens]
+        if self._use_grouped_mm(x):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            gate_up = F.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+            out = F.grouped_mm(swiglu(gate_up), self.down_proj.transpose(-2, -1), offs=offsets)
+        else:
+            parts, start = [], 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    rows = x[start:start + count]
+                    parts.append(F.linear(swiglu(F.linear(rows, self.gate_up_proj[expert])), self.down_proj[expert]))
+                    start += count
+            out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
+        out = out * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))

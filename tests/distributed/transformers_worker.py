@@ -25,7 +25,7 @@ from transformers.utils import ModelOutput
 from tridist import autotune, distcore
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import LLAMA_LIKE, VOCAB, build
+from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, VOCAB, build
 
 BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 2, 8, 4
 
@@ -107,6 +107,9 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
     if family in LLAMA_LIKE:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
+    if family in MOE_FAMILIES:  # the experts' SwiGLU too
+        experts = [n for n, m in model.named_modules() if type(m).__name__ == "FusedSwiGLUExperts"]
+        assert bool(experts) == config.get("fuse_kernels", True), fused
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
     # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) where distcore
