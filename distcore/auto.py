@@ -230,8 +230,8 @@ def unsupported(spec) -> dict[str, str]:
     if structure.is_moe:
         why = (f"distcore does not yet apply this to mixtures of experts (MoE blocks {structure.pattern(structure.moe)}"
                f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data parallel, with "
-               "sharding")
-        for knob in ("tp", "pp", "ep", "num_micro_batches", "recompute"):
+               "sharding and expert parallel")
+        for knob in ("tp", "pp", "num_micro_batches", "recompute"):
             limits[knob] = why
         return limits
     if structure.tied_embeddings and not structure.lm_head:
@@ -441,17 +441,16 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "to_distributed: tensor parallel, pipeline parallel and micro-batching need a recognised model structure "
             "(autotune.ModelSpec.from_module); use a data-parallel-only strategy with one micro-batch for this model"
         )
-    if strategy.ep > 1:
-        raise ValueError(f"to_distributed: ep={strategy.ep}: distcore does not apply expert parallel yet (the cost "
-                         "model prices it); use ep=1")
+    if strategy.ep > 1 and (structure is None or not structure.is_moe):
+        raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
     if structure is not None and structure.is_moe:
         needs = [f"{knob}={getattr(strategy, knob)}" for knob in ("tp", "pp", "num_micro_batches")
                  if getattr(strategy, knob) > 1] + ([f"recompute={strategy.recompute!r}"] if strategy.recompute != "none" else [])
         if needs:
             raise ValueError(
                 f"to_distributed: {', '.join(needs)} cannot be applied to this model yet: distcore trains mixtures of "
-                f"experts ({structure.pattern(structure.moe)}) data parallel (with sharding) only; use tp=pp=1, one "
-                "micro-batch and no recompute")
+                f"experts ({structure.pattern(structure.moe)}) data parallel (with sharding and expert parallel) "
+                "only; use tp=pp=1, one micro-batch and no recompute")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
@@ -464,6 +463,10 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
+    if strategy.ep > 1:
+        parallel_config["ep_config"] = {
+            "degree": strategy.ep, "fused_activation": config.fuse_kernels,
+            "experts": [f"{structure.layers}.{i}.{structure.experts}" for i in structure.moe_layers]}
     if strategy.tp > 1:
         parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel),
                                         "overlap_comm": strategy.overlap_tp_comm and config.overlap_backend}

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_map
 from . import env, pipeline
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
+from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_meshes
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
@@ -49,7 +50,7 @@ from .tensor_parallel import TensorParallelPlan, apply_local_view, check_overlap
 
 log = logging.getLogger(__name__)
 
-_CONFIG_KEYS = ("dp_config", "mp_config", "pp_config")
+_CONFIG_KEYS = ("dp_config", "mp_config", "pp_config", "ep_config")
 _DP_KEYS = ("sharding_level", "param_dtype", "reduce_dtype")
 _MP_KEYS = ("parallelize_plan", "strict", "overlap_comm")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -68,6 +69,12 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mesh = mesh if mesh is not None else get_mesh()
     if mesh is None or not any(key in config for key in _CONFIG_KEYS):
         return model, optimizer
+    ep_config = _sub_config(config, "ep_config", EP_KEYS)
+    if ep_config is not None:
+        if "mp_config" in config or "pp_config" in config:
+            raise NotImplementedError("parallelize: ep_config composes with dp_config only so far (no mp_config or "
+                                      "pp_config): train the mixture of experts data parallel with expert parallel")
+        config.setdefault("dp_config", {})  # expert parallel folds into data parallel
     if "dp_config" not in config and "dp" in mesh.dim_names and mesh.get_dim_size("dp") > 1:
         # Paddle keeps parameters replicated over a "dp" dimension and reduces their gradients without a
         # dp_config; left out, each replica would train on its own rows only.
@@ -102,7 +109,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         )
         micro_batches = runner.config.micro_batches
     else:
-        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config)
+        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config, ep_config=ep_config)
         if dp_config is not None:
             _report_global_mean_loss(model, group=dims.group("dp"))
         micro_batches = 1
@@ -130,8 +137,13 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
-                                    dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None) -> None:
-    """Tensor parallel over "mp" first, then data parallel over "dp" on the resulting DTensor parameters."""
+                                    dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None,
+                                    ep_config: dict | None = None) -> None:
+    """Tensor parallel over "mp" first (or expert parallel within "dp"), then data parallel over "dp" on the
+    resulting DTensor parameters."""
+    expert_mesh = None
+    if ep_config is not None:
+        expert_mesh = _apply_expert_parallel(model, dims.device_mesh("dp"), ep_config)
     if mp_config is not None:
         with warnings.catch_warnings():
             if not warn_unmatched:  # pipeline stages: keys were checked against the whole model already
@@ -145,8 +157,29 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
     if dp_config is not None:
         apply_data_parallel(
             model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
-            mp_policy=_mixed_precision(dp_config),
+            mp_policy=_mixed_precision(dp_config), expert_mesh=expert_mesh,
         )
+
+
+def _apply_expert_parallel(model: torch.nn.Module, dp_mesh, ep_config: dict):
+    """Split the experts named in ep_config (default: every MoE layer's, recognised by structure) over
+    `degree` ranks of dp; returns the [dp / ep, ep] mesh (expert_parallel.py)."""
+    degree = ep_config.get("degree")
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+        raise ValueError(f"parallelize: ep_config['degree'] must be a positive integer, got {degree!r}")
+    names = ep_config.get("experts")
+    if names is None:
+        from tridist import autotune
+
+        structure = autotune.recognise(model)
+        if not structure.is_moe:
+            raise ValueError("parallelize: ep_config on a model without a mixture of experts (none recognised); "
+                             "name the experts modules with ep_config['experts']")
+        names = [f"{structure.layers}.{i}.{structure.experts}" for i in structure.moe_layers]
+    mesh, ep_mesh, _ = expert_meshes(dp_mesh, degree)
+    apply_expert_parallel(model, list(names), ep_mesh, fused_activation=ep_config.get("fused_activation", True))
+    log.info("parallelize: expert parallel over %d ranks: %d experts modules split", degree, len(names))
+    return mesh
 
 
 def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,
@@ -185,14 +218,24 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
 # --------------------------------------------------------------------------------------- data parallel
 
 
-def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int, mp_policy: MixedPrecisionPolicy) -> None:
+def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int, mp_policy: MixedPrecisionPolicy,
+                        expert_mesh=None) -> None:
     """Replicate (level 0) or shard (levels 1-3) `model` over `dp_mesh`, block by block, then the root.
 
     Why per block: each block's all-gather / reduce-scatter then overlaps the neighbouring blocks'
-    compute, and at level 3 only one block's parameters are unsharded at a time.
+    compute, and at level 3 only one block's parameters are unsharded at a time. Expert-parallel experts
+    (`expert_mesh`: the [dp / ep, ep] mesh) go first, over its "edp" dimension (expert_parallel.py says how
+    their gradients come out the dp average).
     """
     if sharding_level not in (0, 1, 2, 3):
         raise ValueError(f"parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {sharding_level!r}")
+    if expert_mesh is not None:
+        for experts in (m for m in model.modules() if isinstance(m, ExpertParallelExperts)):
+            if sharding_level == 0:
+                replicate(experts, mesh=expert_mesh["edp"], mp_policy=mp_policy)
+            else:
+                fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=sharding_level == 3,
+                            mp_policy=mp_policy)
     blocks = [block for _, block in decoder_blocks(model)]
     if sharding_level == 0:
         for block in blocks:

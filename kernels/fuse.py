@@ -365,23 +365,25 @@ def _fuse_stacked_experts(model, name, module, report, changes, verdicts) -> Non
     if why:
         report.skipped.append((name, f"SwiGLU experts candidate: {why}"))
         return
-    gate_up, down = module.gate_up_proj, module.down_proj
-    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
-        report.skipped.append((name, f"SwiGLU experts candidate: gate_up_proj {tuple(gate_up.shape)} and down_proj "
-                                     f"{tuple(down.shape)} are not [experts, 2·ffn, hidden] and [experts, hidden, ffn] "
-                                     "(a transposed or biased layout); left as is"))
-        return
-    why_not = _probed(verdicts, "swiglu-experts", _kind(module), partial(_experts_verdict, module))
+    why_not = _probed(verdicts, "swiglu-experts", _kind(module), partial(experts_verdict, module))
     if why_not:
         report.skipped.append((name, why_not))
         return
-    changes.append(partial(_replace, model, name, module, FusedSwiGLUExperts(gate_up, down)))
+    changes.append(partial(_replace, model, name, module, FusedSwiGLUExperts(module.gate_up_proj, module.down_proj)))
     report.replaced.append((name, "swiglu: FusedSwiGLUExperts"))
 
 
-def _experts_verdict(module: torch.nn.Module) -> str | None:
-    """None when a probe shows `module(x, top_k_index, top_k_weights)` is each token's k experts,
-    down(silu(gate) * up), weighted and summed (Hugging Face's experts interface), else why it is left."""
+def experts_verdict(module: torch.nn.Module) -> str | None:
+    """None when `module` holds stacked SwiGLU experts (3-D gate_up_proj [experts, 2·ffn, hidden] and
+    down_proj [experts, hidden, ffn]) and a probe shows `module(x, top_k_index, top_k_weights)` is each
+    token's k experts, down(silu(gate) * up), weighted and summed (Hugging Face's experts interface);
+    else why not (fuse leaves such a module alone; distcore's expert parallel refuses it)."""
+    if not _looks_like_stacked_experts(module):
+        return "SwiGLU experts candidate: no 3-D gate_up_proj and down_proj parameters of its own"
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
+        return (f"SwiGLU experts candidate: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
+                "not [experts, 2·ffn, hidden] and [experts, hidden, ffn] (a transposed layout); left as is")
     probe = _probe_copy(module)
     experts, hidden = probe.gate_up_proj.shape[0], probe.gate_up_proj.shape[2]
     generator = torch.Generator(device="cpu").manual_seed(99)

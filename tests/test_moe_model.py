@@ -1,6 +1,7 @@
 """Mixtures of experts are recognised by structure (transformers' Mixtral, Qwen3-MoE and Qwen2-MoE, and
 hand-written models with listed or [experts, in, out] experts, shared experts and dense layers mixed in),
-searched with an expert-parallel degree, and kept by to_distributed to what distcore applies to them."""
+searched with an expert-parallel degree, and kept by to_distributed to what distcore applies to them
+(data parallel with sharding and expert parallel: tests/distributed/transformers_worker.py trains them)."""
 
 from __future__ import annotations
 
@@ -167,10 +168,13 @@ def test_to_distributed_keeps_moe_models_to_what_distcore_applies():
     model = build("mixtral")
     spec = ModelSpec.from_module(model, seq_len=16)
     limits = unsupported(spec)
-    assert set(limits) == {"tp", "pp", "ep", "num_micro_batches", "recompute"}
+    assert set(limits) == {"tp", "pp", "num_micro_batches", "recompute"}  # expert parallel is applied
     assert "mixtures of experts" in limits["tp"]
-    with pytest.raises(ValueError, match="expert parallel"):
-        apply_strategy(model, None, Strategy(dp=2, tp=1, pp=1, ep=2), spec=spec)
+    dense = build("qwen3-moe")
+    for layer in dense.model.layers:  # the same model with its MoE block swapped for its first layer's dense MLP
+        layer.mlp = dense.model.layers[0].mlp
+    with pytest.raises(ValueError, match="ep=2 needs a recognised mixture of experts"):
+        apply_strategy(dense, None, Strategy(dp=2, tp=1, pp=1, ep=2), spec=ModelSpec.from_module(dense, seq_len=16))
     with pytest.raises(ValueError, match="tp=2 cannot be applied to this model yet"):
         apply_strategy(model, None, Strategy(dp=1, tp=2, pp=1), spec=spec)
     with pytest.raises(ValueError, match="no tensor-parallel plan for a mixture of experts"):

@@ -375,17 +375,59 @@ class FusedSwiGLUMLP(torch.nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, grouped_mm: bool | None = None,
+                  activation=swiglu) -> torch.Tensor:
+    """Each token's k experts, `down(activation(x @ gate_upᵀ))` weighted by `top_k_weights` and summed, with
+    `gate_up_proj` [experts, 2·ffn, hidden] and `down_proj` [experts, hidden, ffn] (Hugging Face's layout); an
+    index of `experts` or more is a slot to skip. The pairs are sorted by expert; each projection runs as
+    one grouped GEMM where the device has one (`grouped_mm=None`: CUDA capability 9.0+, 16-byte aligned
+    rows), else as a loop over the experts that received tokens. `activation(x)` takes the packed
+    [gate | up] rows: the fused `swiglu`, or an eager one."""
+    num_experts = gate_up_proj.shape[0]
+    k = top_k_index.shape[-1]
+    experts = top_k_index.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(experts, stable=True)  # pairs sorted by expert, in token order within one
+        sorted_experts = experts[order]
+        kept = int(torch.searchsorted(sorted_experts, num_experts))  # sentinels (>= num_experts) sort last
+        order = order[:kept]
+        counts = torch.bincount(sorted_experts[:kept], minlength=num_experts)
+    tokens = order // k
+    x = hidden_states[tokens]
+    if grouped_mm is None:
+        aligned = all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:])
+        grouped_mm = (x.device.type == "cuda" and hasattr(F, "grouped_mm") and aligned
+                      and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    if grouped_mm:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate_up = F.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
+        out = F.grouped_mm(activation(gate_up), down_proj.transpose(-2, -1), offs=offsets)
+    else:
+        parts, start = [], 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                rows = x[start:start + count]
+                parts.append(F.linear(activation(F.linear(rows, gate_up_proj[expert])), down_proj[expert]))
+                start += count
+        out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
+    out = out * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+
+
+def eager_swiglu(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of packed [gate | up] rows, in eager PyTorch ops (Hugging Face's experts' math)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class FusedSwiGLUExperts(torch.nn.Module):
     """A mixture of experts' routed SwiGLU MLPs stored as 3-D weights (Hugging Face's layout: `gate_up_proj`
     [experts, 2·ffn, hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]), with the fused
     activation. `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`
-    is Hugging Face's experts interface: each token's k experts, weighted, summed (an index of `num_experts`
-    or more marks a slot to skip, as expert parallel's sentinels do).
-
-    The token-expert pairs are sorted by expert; each projection then runs as one grouped GEMM where the
-    device has one (`torch.nn.functional.grouped_mm` on CUDA devices of compute capability 9.0 and up,
-    `grouped_mm=None`: chosen so), else as a loop over the experts that received tokens. The parameters are
-    the replaced module's own (same objects, same names), so state dicts and optimizers still apply.
+    is Hugging Face's experts interface: each token's k experts, weighted, summed (`routed_swiglu`: grouped
+    GEMMs on Hopper, a loop over the experts hit elsewhere). The parameters are the replaced module's own
+    (same objects, same names), so state dicts and optimizers still apply.
     """
 
     def __init__(self, gate_up_proj: torch.nn.Parameter, down_proj: torch.nn.Parameter, *,
@@ -401,36 +443,6 @@ class FusedSwiGLUExperts(torch.nn.Module):
         self.num_experts = gate_up_proj.shape[0]
         self.grouped_mm = grouped_mm
 
-    def _use_grouped_mm(self, x: torch.Tensor) -> bool:
-        if self.grouped_mm is not None:
-            return self.grouped_mm
-        # Hopper's grouped GEMM; it needs 16-byte aligned rows (hidden and ffn widths in elements).
-        aligned = all(n * x.element_size() % 16 == 0 for n in (self.down_proj.shape[1], self.down_proj.shape[2]))
-        return (x.device.type == "cuda" and hasattr(F, "grouped_mm") and aligned
-                and torch.cuda.get_device_capability(x.device) >= (9, 0))
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        k = top_k_index.shape[-1]
-        experts = top_k_index.reshape(-1)
-        with torch.no_grad():
-            order = torch.argsort(experts, stable=True)  # pairs sorted by expert, in token order within one
-            sorted_experts = experts[order]
-            kept = int(torch.searchsorted(sorted_experts, self.num_experts))  # sentinels (>= num_experts) sort last
-            order = order[:kept]
-            counts = torch.bincount(sorted_experts[:kept], minlength=self.num_experts)
-        tokens = order // k
-        x = hidden_states[tokens]
-        if self._use_grouped_mm(x):
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            gate_up = F.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-            out = F.grouped_mm(swiglu(gate_up), self.down_proj.transpose(-2, -1), offs=offsets)
-        else:
-            parts, start = [], 0
-            for expert, count in enumerate(counts.tolist()):
-                if count:
-                    rows = x[start:start + count]
-                    parts.append(F.linear(swiglu(F.linear(rows, self.gate_up_proj[expert])), self.down_proj[expert]))
-                    start += count
-            out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
-        out = out * top_k_weights.reshape(-1)[order, None]
-        return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+        return routed_swiglu(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             grouped_mm=self.grouped_mm)

@@ -108,7 +108,8 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     if family in LLAMA_LIKE:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
     if family in MOE_FAMILIES:  # the experts' SwiGLU too
-        experts = [n for n, m in model.named_modules() if type(m).__name__ == "FusedSwiGLUExperts"]
+        experts = [n for n, m in model.named_modules() if type(m).__name__ == "FusedSwiGLUExperts"
+                   or getattr(m, "fused_activation", False)]  # ExpertParallelExperts runs the fused activation
         assert bool(experts) == config.get("fuse_kernels", True), fused
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
@@ -418,9 +419,30 @@ def check_mixtures_of_experts_train_data_parallel():
     token mean, evaluation); a forced tensor-parallel strategy is refused with the reason."""
     for family in ("mixtral", "qwen3-moe"):
         chosen = _train(family)
-        assert (chosen.dp, chosen.tp, chosen.pp, chosen.ep, chosen.num_micro_batches, chosen.recompute) == (
-            dist.get_world_size(), 1, 1, 1, 1, "none"), chosen
+        assert (chosen.dp, chosen.tp, chosen.pp, chosen.num_micro_batches, chosen.recompute) == (
+            dist.get_world_size(), 1, 1, 1, "none"), chosen
     _expect_refused("mixtral", _strategy(2, 2, 1), "mixtures of experts")
+
+
+def check_expert_parallel_trains_like_one_process():
+    """Expert parallel (the experts split over ep of the dp ranks, tokens sent to them and back by
+    all-to-all): ep 4 with the experts replicated nowhere, and ep 2 on 4 ranks with ZeRO-3 over both groups
+    (the experts sharded over the 2 ranks that hold them, the rest over all 4), fused and unfused."""
+    world = dist.get_world_size()
+    if world < 4:
+        return
+    _train("mixtral", _strategy(4, 1, 1, ep=4))
+    _train("qwen3-moe", _strategy(4, 1, 1, ep=2, sharding_level=3))
+    _train("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=1), fuse_kernels=False)
+    mesh = distcore.ProcessMesh(list(range(world)), dim_names=["dp"])
+    for config, error, why in (({"ep_config": {"degree": 3}}, ValueError, "ep=3 must divide the data-parallel degree 4"),
+                               ({"ep_config": {"degree": 2}, "mp_config": {}}, NotImplementedError, "no mp_config")):
+        try:
+            distcore.parallelize(_model("mixtral")[0], None, mesh, config)
+        except error as raised:
+            assert why in str(raised), raised
+        else:
+            raise AssertionError(f"{config} was accepted")
 
 
 def _expect_refused(family, strategy, why):
