@@ -229,9 +229,9 @@ def unsupported(spec) -> dict[str, str]:
         return limits
     if structure.is_moe:
         why = (f"distcore does not yet apply this to mixtures of experts (MoE blocks {structure.pattern(structure.moe)}"
-               f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data parallel, with "
-               "sharding and expert parallel")
-        for knob in ("tp", "pp", "num_micro_batches", "recompute"):
+               f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data, expert and "
+               "pipeline parallel, with sharding and micro-batches")
+        for knob in ("tp", "recompute"):
             limits[knob] = why
         return limits
     if structure.tied_embeddings and not structure.lm_head:
@@ -444,13 +444,12 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if strategy.ep > 1 and (structure is None or not structure.is_moe):
         raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
     if structure is not None and structure.is_moe:
-        needs = [f"{knob}={getattr(strategy, knob)}" for knob in ("tp", "pp", "num_micro_batches")
-                 if getattr(strategy, knob) > 1] + ([f"recompute={strategy.recompute!r}"] if strategy.recompute != "none" else [])
+        needs = [f"tp={strategy.tp}"] * (strategy.tp > 1) + [f"recompute={strategy.recompute!r}"] * (strategy.recompute != "none")
         if needs:
             raise ValueError(
                 f"to_distributed: {', '.join(needs)} cannot be applied to this model yet: distcore trains mixtures of "
-                f"experts ({structure.pattern(structure.moe)}) data parallel (with sharding and expert parallel) "
-                "only; use tp=pp=1, one micro-batch and no recompute")
+                f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1 and no "
+                "recompute")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:

@@ -17,19 +17,21 @@ levels shard the experts over "edp" and the rest over all of dp.
 The experts module must be Hugging Face's stacked SwiGLU experts (3-D `gate_up_proj` [experts, 2·ffn,
 hidden] and `down_proj` [experts, hidden, ffn], `forward(hidden_states, top_k_index, top_k_weights)`), as
 Mixtral, Qwen3-MoE and Qwen2-MoE hold them, or tridist's FusedSwiGLUExperts; a probe (kernels.fuse's)
-checks that it computes that before it is split. Composition with tensor and pipeline parallel is not
-built yet: parallelize refuses ep_config with mp_config or pp_config.
+checks that it computes that before it is split. Pipeline stages split their own MoE layers (the
+[pp, dp / ep, ep] mesh); composition with tensor parallel is not built yet: parallelize refuses
+ep_config with mp_config.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-__all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_meshes"]
+__all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh"]
 
 EP_KEYS = ("degree", "experts", "fused_activation")
 
@@ -100,29 +102,41 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """(the [dp / ep, ep] mesh, its "ep" dimension, its "edp" dimension) over the ranks of the 1-D `dp_mesh`
-    (the whole job: expert parallel does not compose with tensor or pipeline parallel yet)."""
-    dp = dp_mesh.size()
+def expert_mesh(mesh, ep: int, device_type: str) -> DeviceMesh:
+    """The job's mesh (a ProcessMesh with a "dp" dimension, and "pp" or not) with "dp" split into
+    ("edp", "ep"), ep innermost: its "ep" dimension holds the experts' shards, "edp" the ranks that share
+    them. Every rank builds it alike (DeviceMesh creation is collective). Tensor parallel ("mp") does not
+    compose with expert parallel yet."""
+    names = list(mesh.dim_names)
+    if "mp" in names and mesh.get_dim_size("mp") > 1:
+        raise NotImplementedError("expert parallel: tensor parallel does not compose with it yet; use mp = 1")
+    if "dp" not in names:
+        raise ValueError(f"expert parallel folds into data parallel: the mesh {names} has no 'dp' dimension")
+    ranks = np.asarray(mesh.mesh)
+    axis = names.index("dp")
+    dp = ranks.shape[axis]
     if ep < 1 or dp % ep:
         raise ValueError(f"expert parallel: ep={ep} must divide the data-parallel degree {dp} (ep folds into dp)")
-    if dp != dist.get_world_size():
-        raise NotImplementedError("expert parallel: only data parallel over every rank composes with it so far "
-                                  "(no tensor or pipeline parallel); use dp = the world size")
-    ranks = dp_mesh.mesh.reshape(dp // ep, ep)
-    mesh = DeviceMesh(dp_mesh.device_type, ranks, mesh_dim_names=("edp", "ep"))
-    return mesh, mesh["ep"], mesh["edp"]
+    shape = ranks.shape[:axis] + (dp // ep, ep) + ranks.shape[axis + 1:]
+    return DeviceMesh(device_type, torch.as_tensor(ranks.reshape(shape)),
+                      mesh_dim_names=tuple(names[:axis] + ["edp", "ep"] + names[axis + 1:]))
 
 
 def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: DeviceMesh, *,
                           fused_activation: bool = True) -> list[ExpertParallelExperts]:
     """Replace each named experts module of `model` by its expert-parallel split (in place); returns them.
-    Each must compute Hugging Face's stacked SwiGLU experts (checked by kernels.fuse's probe)."""
+    Each must compute Hugging Face's stacked SwiGLU experts (checked by kernels.fuse's probe). Names that
+    `model` does not hold (a pipeline stage holds some layers only) are passed over."""
     from tridist.kernels.fuse import experts_verdict
 
     replaced = []
     for name in experts:
-        module = model.get_submodule(name)
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue  # another pipeline stage's layer
+        if "gate_up_proj" not in module._parameters and not isinstance(module, ExpertParallelExperts):
+            continue  # a stand-in for another stage's module
         if isinstance(module, ExpertParallelExperts):
             raise ValueError(f"expert parallel: {name} is split already")
         why = experts_verdict(module)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -36,7 +37,7 @@ from torch.utils._pytree import tree_map
 from . import env, pipeline
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
-from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_meshes
+from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
@@ -71,9 +72,9 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         return model, optimizer
     ep_config = _sub_config(config, "ep_config", EP_KEYS)
     if ep_config is not None:
-        if "mp_config" in config or "pp_config" in config:
-            raise NotImplementedError("parallelize: ep_config composes with dp_config only so far (no mp_config or "
-                                      "pp_config): train the mixture of experts data parallel with expert parallel")
+        if "mp_config" in config:
+            raise NotImplementedError("parallelize: ep_config composes with dp_config and pp_config so far (no "
+                                      "mp_config): train the mixture of experts without tensor parallel")
         config.setdefault("dp_config", {})  # expert parallel folds into data parallel
     if "dp_config" not in config and "dp" in mesh.dim_names and mesh.get_dim_size("dp") > 1:
         # Paddle keeps parameters replicated over a "dp" dimension and reduces their gradients without a
@@ -87,6 +88,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     for name, param in model.named_parameters(remove_duplicate=False):
         names_before.setdefault(id(param), []).append(name)
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
+    experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
         views = None
         if mp_config is not None:
@@ -105,11 +107,12 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             dp_group=dims.group("dp"),
             parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
+                experts=experts,
             ),
         )
         micro_batches = runner.config.micro_batches
     else:
-        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config, ep_config=ep_config)
+        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config, experts=experts)
         if dp_config is not None:
             _report_global_mean_loss(model, group=dims.group("dp"))
         micro_batches = 1
@@ -138,12 +141,13 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
                                     dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None,
-                                    ep_config: dict | None = None) -> None:
+                                    experts: "_ExpertPlan | None" = None) -> None:
     """Tensor parallel over "mp" first (or expert parallel within "dp"), then data parallel over "dp" on the
     resulting DTensor parameters."""
     expert_mesh = None
-    if ep_config is not None:
-        expert_mesh = _apply_expert_parallel(model, dims.device_mesh("dp"), ep_config)
+    if experts is not None:
+        apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
+        expert_mesh = experts.mesh
     if mp_config is not None:
         with warnings.catch_warnings():
             if not warn_unmatched:  # pipeline stages: keys were checked against the whole model already
@@ -161,9 +165,18 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
         )
 
 
-def _apply_expert_parallel(model: torch.nn.Module, dp_mesh, ep_config: dict):
-    """Split the experts named in ep_config (default: every MoE layer's, recognised by structure) over
-    `degree` ranks of dp; returns the [dp / ep, ep] mesh (expert_parallel.py)."""
+@dataclass(frozen=True)
+class _ExpertPlan:
+    """What expert parallel splits: the experts modules by name, over the [..., dp / ep, ep] mesh."""
+
+    names: tuple[str, ...]
+    mesh: object  # DeviceMesh with "edp" and "ep" dimensions
+    fused_activation: bool
+
+
+def _expert_parallel_plan(model: torch.nn.Module, mesh: ProcessMesh, ep_config: dict) -> _ExpertPlan:
+    """ep_config's experts (default: every MoE layer's, recognised by structure on the whole model, before
+    pipeline stages are cut) and the expert mesh (expert_parallel.py), built once on every rank."""
     degree = ep_config.get("degree")
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise ValueError(f"parallelize: ep_config['degree'] must be a positive integer, got {degree!r}")
@@ -176,10 +189,10 @@ def _apply_expert_parallel(model: torch.nn.Module, dp_mesh, ep_config: dict):
             raise ValueError("parallelize: ep_config on a model without a mixture of experts (none recognised); "
                              "name the experts modules with ep_config['experts']")
         names = [f"{structure.layers}.{i}.{structure.experts}" for i in structure.moe_layers]
-    mesh, ep_mesh, _ = expert_meshes(dp_mesh, degree)
-    apply_expert_parallel(model, list(names), ep_mesh, fused_activation=ep_config.get("fused_activation", True))
-    log.info("parallelize: expert parallel over %d ranks: %d experts modules split", degree, len(names))
-    return mesh
+    plan = _ExpertPlan(tuple(names), expert_mesh(mesh, degree, env.device().type),
+                       ep_config.get("fused_activation", True))
+    log.info("parallelize: expert parallel over %d ranks: %d experts modules", degree, len(plan.names))
+    return plan
 
 
 def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParallelPlan", tp_mesh, process_mesh, strict: bool = False,

@@ -347,12 +347,27 @@ def _to_meta(x):
 
 
 def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `module` whose parameters and buffers live on the meta device (no memory)."""
+    """A copy of `module` whose parameters and buffers live on the meta device (no memory). A mixture of
+    experts' routed experts (Hugging Face's stacked experts: their routing loops read token indices, which
+    meta tensors do not hold) become `_MetaExperts`, which give the output's shape only."""
     memo = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         meta = torch.empty_like(tensor.to_local() if isinstance(tensor, DTensor) else tensor, device="meta")
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)
+    for name, child in list(copied.named_modules()):
+        if name and all(getattr(child._parameters.get(p), "dim", lambda: 0)() == 3 for p in ("gate_up_proj", "down_proj")):
+            parent, _, leaf = name.rpartition(".")
+            (copied.get_submodule(parent) if parent else copied)._modules[leaf] = _MetaExperts()
+    return copied
+
+
+class _MetaExperts(torch.nn.Module):
+    """Routed experts on the meta device, for the shape of an earlier stage's output: Hugging Face's experts
+    interface, `forward(hidden_states, top_k_index, top_k_weights)`, returns a tensor shaped like its input."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.empty_like(hidden_states)
 
 
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:

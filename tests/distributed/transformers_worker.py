@@ -426,14 +426,17 @@ def check_mixtures_of_experts_train_data_parallel():
 
 def check_expert_parallel_trains_like_one_process():
     """Expert parallel (the experts split over ep of the dp ranks, tokens sent to them and back by
-    all-to-all): ep 4 with the experts replicated nowhere, and ep 2 on 4 ranks with ZeRO-3 over both groups
-    (the experts sharded over the 2 ranks that hold them, the rest over all 4), fused and unfused."""
+    all-to-all): ep 4 with the experts replicated nowhere, ep 2 on 4 ranks with ZeRO-3 over both groups
+    (the experts sharded over the 2 ranks that hold them, the rest over all 4), fused and unfused; dp 2 x
+    pp 2 with ep 2 (each stage's MoE layers split over its 2 dp ranks) and micro-batches."""
     world = dist.get_world_size()
     if world < 4:
         return
     _train("mixtral", _strategy(4, 1, 1, ep=4))
     _train("qwen3-moe", _strategy(4, 1, 1, ep=2, sharding_level=3))
     _train("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=1), fuse_kernels=False)
+    _train("mixtral", _strategy(2, 1, 2, ep=2, num_micro_batches=2, sharding_level=2))  # MoE layers in stages
+    _train("qwen3-moe", _strategy(2, 1, 2, ep=2, num_micro_batches=2))  # its dense first layer in stage 0
     mesh = distcore.ProcessMesh(list(range(world)), dim_names=["dp"])
     for config, error, why in (({"ep_config": {"degree": 3}}, ValueError, "ep=3 must divide the data-parallel degree 4"),
                                ({"ep_config": {"degree": 2}, "mp_config": {}}, NotImplementedError, "no mp_config")):
