@@ -459,7 +459,8 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 
 def clear_caches() -> None:
     """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
-    for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings):
+    for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings,
+                   _pace, _rank_layer_counts, _peak_ranks):
         cached.cache_clear()
 
 
@@ -650,9 +651,32 @@ def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
     """Each pipeline rank's layers summed: a micro-batch's forward, backward, compute, tp and ep time."""
     timings = [_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm,
                              moe, ep if moe else 1) for moe in ((False, True) if spec.is_moe else (False,))]
-    return tuple(_LayerTiming(*(sum(n * getattr(timing, f.name) for n, timing in zip(kinds, timings))
-                                for f in dataclasses.fields(_LayerTiming)))
-                 for kinds in _rank_kinds(spec, pp, virtual_pp))
+    columns = [dataclasses.astuple(timing) for timing in timings]
+    summed: dict = {}  # ranks holding the same (dense, MoE) layer counts cost the same
+    for kinds in set(_rank_kinds(spec, pp, virtual_pp)):
+        summed[kinds] = _LayerTiming(*(sum(n * column[i] for n, column in zip(kinds, columns))
+                                       for i in range(len(columns[0]))))
+    return tuple(summed[kinds] for kinds in _rank_kinds(spec, pp, virtual_pp))
+
+
+@functools.lru_cache(maxsize=65536)
+def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool, recompute: str,
+          overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[float, float, float, int]:
+    """(compute, tp, ep seconds of one micro-batch, rank) of the slowest pipeline rank. The ends of the pipeline:
+    embedding (one collective in the forward, with tp) and LM head + loss (its GEMM forward and backward,
+    the cross entropy over the logits, two collectives): the first, the last or a middle rank sets the pace."""
+    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel)
+    ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
+                          virtual_pp)
+    head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
+    stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
+               rank.tp + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), rank.ep, r) for r, rank in enumerate(ranks)]
+    return max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])
+
+
+@functools.lru_cache(maxsize=65536)
+def _rank_layer_counts(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[int, ...]:
+    return tuple(sum(k) for k in _rank_kinds(spec, pp, virtual_pp))
 
 
 def _data_parallel_time(cluster: Cluster, nbytes: float, n: int, stride: int, level: int, micro_batches: int,
@@ -698,17 +722,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
              for moe in kinds_of_layer]
     c = costs[0]
     kinds = _rank_kinds(spec, pp, v)  # each rank's (dense, MoE) layers, uneven where pp does not divide them
-    per_rank = tuple(sum(k) for k in kinds)
-    ranks = _rank_timings(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm,
-                          s.ep, pp, v)
-
-    # The ends of the pipeline: embedding (one collective in the forward, with tp) and LM head + loss
-    # (its GEMM forward and backward, the cross entropy over the logits, two collectives). The slowest rank
-    # sets the pace: the first (embedding), the last (head) or a middle one.
-    head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
-    stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
-               rank.tp + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), rank.ep, r) for r, rank in enumerate(ranks)]
-    stage_compute, stage_tp, stage_ep, slowest = max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])
+    per_rank = _rank_layer_counts(spec, pp, v)
+    knobs = (spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm, s.ep, pp, v)
+    ranks = _rank_timings(*knobs)
+    stage_compute, stage_tp, stage_ep, slowest = _pace(*knobs)
     stage_time = stage_compute + stage_tp + stage_ep
 
     compute_s = m * stage_compute
@@ -752,6 +769,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     )
 
 
+@functools.lru_cache(maxsize=65536)
 def _peak_ranks(per_rank: tuple[int, ...]) -> list[int]:
     """The pipeline ranks that can hold the most: the first (embedding, most micro-batches in flight),
     the last (LM head, logits) and the fullest middle one (uneven layouts give middle ranks a layer
