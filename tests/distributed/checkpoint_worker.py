@@ -10,7 +10,12 @@ step's gradients come from another layout).
 Layout "packed-tensor-parallel": paddle-llama (packed qkv_proj/gate_up_proj split per part, a
 vocabulary-parallel bare LM head) under the parallelize seed's plan on dp2 x mp2, SGD with momentum (so
 optimizer states are packed too); loaded under mp4 or on one process, the next step must equal an
-uninterrupted single-process run."""
+uninterrupted single-process run.
+
+Layout "expert-parallel": transformers' Mixtral (tests/hf_models.py) under dp 4 with ep 2 (each rank holds
+2 of every layer's 4 experts, ZeRO-1 over the 2 ranks that share them), SGD with momentum; loaded under
+dp 2 with ep 2 (each rank holds 2 of 4 experts, now without ranks that share them) and on one process
+(every expert whole)."""
 
 from __future__ import annotations
 
@@ -29,9 +34,9 @@ from tests.distributed.harness import run_checks
 from tests.distributed import tensor_parallel_worker
 from tests.distributed.parallelize_worker import _batches, _model_and_optimizer
 
-LAYOUTS = ("zero3", "tensor-parallel", "packed-tensor-parallel")
+LAYOUTS = ("zero3", "tensor-parallel", "packed-tensor-parallel", "expert-parallel")
 # The world sizes each layout is loaded under (saved under 4 processes): see the module docstring.
-LOADED_UNDER = {"zero3": (2, 1), "tensor-parallel": (2, 1), "packed-tensor-parallel": (4, 1)}
+LOADED_UNDER = {"zero3": (2, 1), "tensor-parallel": (2, 1), "packed-tensor-parallel": (4, 1), "expert-parallel": (2, 1)}
 
 
 def _directory(layout: str) -> Path:
@@ -47,6 +52,11 @@ def _model_for_layout(layout: str):
         torch.manual_seed(0)
         model = build_model("paddle-llama")
         return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # momentum: optimizer state
+    if layout == "expert-parallel":
+        from tests.hf_models import build
+
+        model = build("mixtral")
+        return model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     return _model_and_optimizer()
 
 
@@ -65,6 +75,9 @@ def _parallel_model(layout: str, phase: str):
     elif packed:  # loaded under mp4: another tensor-parallel degree than the saving run's mp2
         mesh = ProcessMesh(list(range(world)), ["mp"])
         config = {"mp_config": {"parallelize_plan": tensor_parallel_worker.PADDLE_SEED_PLAN}}
+    elif layout == "expert-parallel":
+        mesh = ProcessMesh(list(range(world)), ["dp"])
+        config = {"dp_config": {"sharding_level": 1}, "ep_config": {"degree": 2}}
     else:
         mesh = ProcessMesh(list(range(world)), ["dp"])
         config = {"dp_config": {"sharding_level": 3 if phase == "save" else 1}}
@@ -76,7 +89,8 @@ def _step(model, optimizer, mesh, inputs, labels) -> float:
     if mesh is not None:  # split over dp, the same on mp
         placements = [Shard(0) if name == "dp" else distcore.Replicate() for name in mesh.dim_names]
         inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
-    loss, _ = model(inputs, labels=labels)
+    out = model(inputs, labels=labels)
+    loss = out.loss if hasattr(out, "loss") else out[0]  # a transformers ModelOutput, or the seeds' tuple
     loss.backward()
     optimizer.step()
     optimizer.clear_grad()
