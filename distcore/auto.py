@@ -140,8 +140,11 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     except autotune.UnrecognisedModel as error:
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
-    strategy, searched = _choose(spec, cluster, global_batch, config, world)
     limits: dict[str, str] = {}
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
+                        "which pipeline stages do not hold together")
+    strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
         found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()
                  if dim not in limits}

@@ -90,6 +90,11 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
+        if getattr(getattr(model, "config", None), "output_router_logits", False):
+            raise NotImplementedError(
+                "parallelize: the model adds its router's load-balancing loss, computed from every layer's router "
+                "logits, which pipeline stages do not hold together (the last stage would see its own layers' only); "
+                "set model.config.output_router_logits = False, or train without pp_config")
         views = None
         if mp_config is not None:
             # Keys are matched (warnings, or errors with strict) and blocks checked on the whole model,

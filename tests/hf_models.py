@@ -54,6 +54,9 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
     if family == "mixtral":
         return hf.MixtralForCausalLM(hf.MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=EXPERTS,
                                                       **moe))
+    if family == "mixtral-aux":  # the router's load-balancing loss added to the loss (coefficient raised from 0.001)
+        return hf.MixtralForCausalLM(hf.MixtralConfig(**{**common, "intermediate_size": 96}, num_local_experts=EXPERTS,
+                                                      output_router_logits=True, router_aux_loss_coef=0.05, **moe))
     if family == "qwen3-moe":
         return hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
                                                         num_experts=EXPERTS, mlp_only_layers=[0], **moe))

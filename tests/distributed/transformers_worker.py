@@ -97,7 +97,7 @@ def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
     return _evaluate(_model(family)[0])
 
 
-def _train(family, strategy=None, *, global_view: bool = False, **config):
+def _train(family, strategy=None, *, global_view: bool = False, reference=None, **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view). The config
     is the users' default (fused kernels on) unless `config` says otherwise."""
     model, optimizer = _model(family)
@@ -116,7 +116,9 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) where distcore
     # can: fused kernels on and no tensor parallel (a vocabulary-split head); pipeline stages included.
     chosen = model.distributed_strategy
-    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
+    # A model adding its router's load-balancing loss keeps its head and loss (fuse's probe of the forward's tail
+    # fails on its stand-in decoder, which returns no router logits: left alone with the reason).
+    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1 and not getattr(model.config, "output_router_logits", False)
     loss, logits = _evaluate(model, fused_loss=fused_loss)
     expected_loss, expected_logits = _reference_evaluation(family)
     equivalence.assert_losses_close([loss], [expected_loss])
@@ -144,7 +146,7 @@ def _train(family, strategy=None, *, global_view: bool = False, **config):
     # After training the losses of single rows differ more: an evaluation weighing micro-batches
     # instead of tokens shows (at initialisation every token's loss is about log(vocab)).
     trace.add_loss(_evaluate(model, logits=False)[0])
-    equivalence.assert_same_training(trace.end(model), _reference(family))
+    equivalence.assert_same_training(trace.end(model), reference or _reference(family))
     return model.distributed_strategy
 
 
@@ -446,6 +448,62 @@ def check_expert_parallel_trains_like_one_process():
             assert why in str(raised), raised
         else:
             raise AssertionError(f"{config} was accepted")
+
+
+def _per_part_auxiliary_reference(parts: int) -> equivalence.Trace:
+    """One process training Mixtral with its router loss on the objective data parallel computes over `parts`
+    ranks: the cross entropy's global token mean plus the coefficient times the mean, over the parts (each
+    rank's rows of the batch), of each part's load-balancing loss (transformers' load_balancing_loss_func on
+    that part's router logits and attention mask)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model, optimizer = _model("mixtral-aux")
+    config = model.config
+    trace = equivalence.Trace()
+    for batch in _batches():
+        out = model(**batch)
+        rows = batch["input_ids"].shape[0] // parts
+        per_part = []
+        for part in range(parts):
+            tokens = slice(part * rows * SEQ_LEN, (part + 1) * rows * SEQ_LEN)
+            per_part.append(load_balancing_loss_func(
+                tuple(layer[tokens] for layer in out.router_logits), config.num_local_experts,
+                config.num_experts_per_tok, batch["attention_mask"][part * rows:(part + 1) * rows]))
+        loss = out.loss - config.router_aux_loss_coef * out.aux_loss + config.router_aux_loss_coef * torch.stack(per_part).mean()
+        loss.backward()
+        trace.step(model, loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    trace.add_loss(_evaluate(model, logits=False)[0])
+    return trace.end(model)
+
+
+def check_router_auxiliary_loss_is_the_mean_of_each_ranks():
+    """The router's load-balancing loss (Mixtral with output_router_logits): each data-parallel rank computes it
+    over its own rows, and data parallel averages: the objective is the cross entropy's global token mean plus
+    the coefficient times the mean over the ranks of their load-balancing losses (per micro-batch and rank, not
+    the global batch's). One process computing that quantity trains the same (ep 2 on 4 ranks); the global
+    batch's load-balancing loss is another quantity, and training on it differs. Pipeline stages, which do not
+    hold every layer's router logits together, are refused with the reason."""
+    if dist.get_world_size() != 4:
+        return
+    per_rank = _per_part_auxiliary_reference(4)
+    _train("mixtral-aux", _strategy(4, 1, 1, ep=2), reference=per_rank)
+    try:
+        equivalence.assert_same_training(per_rank, _reference("mixtral-aux"))
+    except AssertionError:
+        pass
+    else:
+        raise AssertionError("the per-rank and the global load-balancing losses trained alike: the test cannot tell them")
+    _expect_refused("mixtral-aux", _strategy(2, 1, 2, num_micro_batches=2), "router's load-balancing loss")
+    model = _model("mixtral-aux")[0]
+    mesh = distcore.ProcessMesh([[0, 1], [2, 3]], dim_names=["pp", "dp"])
+    try:  # parallelize itself refuses too
+        distcore.parallelize(model, None, mesh, {"dp_config": {}, "pp_config": {"split_spec": "model.layers"}})
+    except NotImplementedError as error:
+        assert "router's load-balancing loss" in str(error), error
+    else:
+        raise AssertionError("parallelize accepted pipeline stages of a model computing its router loss")
 
 
 def _expect_refused(family, strategy, why):
