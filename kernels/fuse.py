@@ -726,6 +726,10 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
         def forward(self, *args, **kwargs):
             return _DecoderOutput(last_hidden_state=hidden)
 
+    # A mixture of experts' router load-balancing loss, which the forward adds from the decoder's router logits
+    # (the head plays no part in it), is left out of the probe: the stand-in decoder has no router logits.
+    no_router_loss = ({"output_router_logits": False}
+                      if "output_router_logits" in inspect.signature(type(module).forward).parameters else {})
     saved_loss = vars(module).get("_loss_function", _UNSET)
     original = module.loss_function
     losses = {}
@@ -739,7 +743,7 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
                 kwargs = {"labels": labels} if items is None else {"labels": labels, "num_items_in_batch": items}
                 # The forward called as a function (the model's own hooks stay out): armed as they would.
                 with torch.no_grad(), labelled_call(module, (), kwargs):
-                    output = type(module).forward(module, input_ids=labels, **kwargs)
+                    output = type(module).forward(module, input_ids=labels, **kwargs, **no_router_loss)
                 losses[variant, items] = output["loss"] if isinstance(output, dict) else output[0]
     except Exception as error:  # noqa: BLE001 - reported in the FuseReport
         return f"LM head + loss candidate: its forward failed on a probe ({type(error).__name__}: {error}); left as is"

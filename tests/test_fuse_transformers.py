@@ -359,3 +359,23 @@ def test_experts_of_another_activation_or_layout_are_left_alone():
     assert {why for name, why in report.skipped if name.endswith("experts")} == {
         "has 3-D gate_up_proj/down_proj experts but its output is not each token's experts' down(silu(gate) * up), "
         "weighted and summed; left as is"}
+
+
+def test_fused_loss_keeps_the_router_load_balancing_loss():
+    """Mixtral with output_router_logits adds its router's load-balancing loss to the loss; the fused head + loss
+    replaces the cross entropy only (the probe leaves the router loss out: its stand-in decoder has no router
+    logits), so loss, aux_loss and every gradient stay the model's within the fp32 budget."""
+    model = build("mixtral-aux")
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    assert report.count("linear_cross_entropy") == 1 and report.skipped == [], str(report)
+    ids = _batch()
+    expected, out = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert out.logits is None and out.aux_loss is not None
+    budget = (VOCAB + 8 * HIDDEN) * U_FP32  # the fused loss's reduction over VOCAB and the fused norms and experts
+    _assert_within(out.aux_loss, expected.aux_loss, budget, "aux_loss")
+    _assert_within(out.loss, expected.loss, budget, "loss")
+    expected.loss.backward()
+    out.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        _assert_within(q.grad, p.grad, 2 * budget, name)

@@ -116,9 +116,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) where distcore
     # can: fused kernels on and no tensor parallel (a vocabulary-split head); pipeline stages included.
     chosen = model.distributed_strategy
-    # A model adding its router's load-balancing loss keeps its head and loss (fuse's probe of the forward's tail
-    # fails on its stand-in decoder, which returns no router logits: left alone with the reason).
-    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1 and not getattr(model.config, "output_router_logits", False)
+    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
     loss, logits = _evaluate(model, fused_loss=fused_loss)
     expected_loss, expected_logits = _reference_evaluation(family)
     equivalence.assert_losses_close([loss], [expected_loss])
