@@ -233,9 +233,8 @@ def unsupported(spec) -> dict[str, str]:
     if structure.is_moe:
         why = (f"distcore does not yet apply this to mixtures of experts (MoE blocks {structure.pattern(structure.moe)}"
                f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data, expert and "
-               "pipeline parallel, with sharding and micro-batches")
-        for knob in ("tp", "recompute"):
-            limits[knob] = why
+               "pipeline parallel, with sharding, micro-batches and recompute")
+        limits["tp"] = why
         return limits
     if structure.tied_embeddings and not structure.lm_head:
         limits["tp"] = limits["pp"] = (
@@ -447,12 +446,10 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if strategy.ep > 1 and (structure is None or not structure.is_moe):
         raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
     if structure is not None and structure.is_moe:
-        needs = [f"tp={strategy.tp}"] * (strategy.tp > 1) + [f"recompute={strategy.recompute!r}"] * (strategy.recompute != "none")
-        if needs:
+        if strategy.tp > 1:
             raise ValueError(
-                f"to_distributed: {', '.join(needs)} cannot be applied to this model yet: distcore trains mixtures of "
-                f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1 and no "
-                "recompute")
+                f"to_distributed: tp={strategy.tp} cannot be applied to this model yet: distcore trains mixtures of "
+                f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
