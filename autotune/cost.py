@@ -318,6 +318,7 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[flo
     return shared, spec.num_experts // ep * spec.expert_parameters / tp
 
 
+@functools.lru_cache(maxsize=65536)
 def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple[int, int],
                      ep: int = 1) -> tuple[float, float]:
     """(dense, expert) parameters of a rank holding `kinds` = (dense, MoE) decoder layers (see stage_parameters)."""
@@ -460,7 +461,7 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 def clear_caches() -> None:
     """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
     for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings,
-                   _pace, _rank_layer_counts, _peak_ranks):
+                   _pace, _rank_layer_counts, _peak_ranks, _rank_parameters):
         cached.cache_clear()
 
 
