@@ -109,6 +109,10 @@ class ModelStructure:
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
 
+    def experts_modules(self) -> list[str]:
+        """The qualified name of every MoE layer's experts module."""
+        return [f"{self.layers}.{i}.{self.experts}" if self.layers else f"{i}.{self.experts}" for i in self.moe_layers]
+
     def tp_roles(self) -> dict[str, str]:
         """Tensor-parallel role of each part, keyed by Paddle-style pattern: "colwise" (q, k, v, qkv,
         gate, up, gate_up: split the output), "rowwise" (o, down: split the input), "embedding"

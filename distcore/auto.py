@@ -224,8 +224,8 @@ def _device_profile(config: ToDistributedConfig):
 def unsupported(spec) -> dict[str, str]:
     """What distcore cannot apply to this model yet: {knob (autotune.search.KEPT_AT's): the reason}. The search
     keeps those knobs at their defaults (and says why), and a given strategy that needs them is refused, so
-    that no strategy to_distributed chooses fails when applied. A mixture of experts trains data parallel
-    (with sharding) only, and expert parallel is priced by the cost model but not applied yet."""
+    that no strategy to_distributed chooses fails when applied. A mixture of experts trains without tensor
+    parallel (data, expert and pipeline parallel, sharding, micro-batches and recompute apply)."""
     structure = getattr(spec, "structure", None)
     limits: dict[str, str] = {}
     if structure is None:
@@ -445,11 +445,10 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         )
     if strategy.ep > 1 and (structure is None or not structure.is_moe):
         raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
-    if structure is not None and structure.is_moe:
-        if strategy.tp > 1:
-            raise ValueError(
-                f"to_distributed: tp={strategy.tp} cannot be applied to this model yet: distcore trains mixtures of "
-                f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1")
+    if strategy.tp > 1 and structure is not None and structure.is_moe:
+        raise ValueError(
+            f"to_distributed: tp={strategy.tp} cannot be applied to this model yet: distcore trains mixtures of "
+            f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
@@ -465,7 +464,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     if strategy.ep > 1:
         parallel_config["ep_config"] = {
             "degree": strategy.ep, "fused_activation": config.fuse_kernels,
-            "experts": [f"{structure.layers}.{i}.{structure.experts}" for i in structure.moe_layers]}
+            "experts": structure.experts_modules()}
     if strategy.tp > 1:
         parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel),
                                         "overlap_comm": strategy.overlap_tp_comm and config.overlap_backend}

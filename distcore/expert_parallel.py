@@ -31,6 +31,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from .tensor_parallel import _elsewhere
+
 __all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh"]
 
 EP_KEYS = ("degree", "experts", "fused_activation")
@@ -52,7 +54,6 @@ class ExpertParallelExperts(torch.nn.Module):
                              "pick an ep degree that divides the expert count")
         self.ep_mesh = ep_mesh
         self.local_experts = self.num_experts // self.ep
-        self.first_expert = ep_mesh.get_local_rank() * self.local_experts
         for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
             sharded = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)])  # rank 0's experts, scattered
             self.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=weight.requires_grad))
@@ -60,17 +61,12 @@ class ExpertParallelExperts(torch.nn.Module):
         self.activation = swiglu if fused_activation else eager_swiglu
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        from tridist.kernels.ops.swiglu import routed_swiglu
+        from tridist.kernels.ops.swiglu import routed_swiglu, sort_by_expert
 
         k = top_k_index.shape[-1]
         group = self.ep_mesh.get_group()
+        order, counts = sort_by_expert(top_k_index, self.num_experts)  # by expert: by destination rank too
         with torch.no_grad():
-            experts = top_k_index.reshape(-1)
-            order = torch.argsort(experts, stable=True)  # pairs sorted by expert: by destination rank too
-            sorted_experts = experts[order]
-            kept = int(torch.searchsorted(sorted_experts, self.num_experts))  # slots marked for no expert sort last
-            order, sorted_experts = order[:kept], sorted_experts[:kept]
-            counts = torch.bincount(sorted_experts, minlength=self.num_experts)
             received = torch.empty_like(counts)  # [source rank, local expert]: rows each rank sends here
             dist.all_to_all_single(received, counts, group=group)
             send = counts.view(self.ep, self.local_experts).sum(1).tolist()
@@ -125,18 +121,18 @@ def expert_mesh(mesh, ep: int, device_type: str) -> DeviceMesh:
 def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: DeviceMesh, *,
                           fused_activation: bool = True) -> list[ExpertParallelExperts]:
     """Replace each named experts module of `model` by its expert-parallel split (in place); returns them.
-    Each must compute Hugging Face's stacked SwiGLU experts (checked by kernels.fuse's probe). Names that
-    `model` does not hold (a pipeline stage holds some layers only) are passed over."""
+    Each must compute Hugging Face's stacked SwiGLU experts (checked by kernels.fuse's probe). Another pipeline
+    stage's modules (a stage holds some layers only) are passed over."""
     from tridist.kernels.fuse import experts_verdict
 
+    modules = dict(model.named_modules())
     replaced = []
     for name in experts:
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            continue  # another pipeline stage's layer
-        if "gate_up_proj" not in module._parameters and not isinstance(module, ExpertParallelExperts):
-            continue  # a stand-in for another stage's module
+        if _elsewhere(name, modules):
+            continue  # another pipeline stage's module
+        if name not in modules:
+            raise ValueError(f"expert parallel: the model has no module {name!r} (ep_config['experts'])")
+        module = modules[name]
         if isinstance(module, ExpertParallelExperts):
             raise ValueError(f"expert parallel: {name} is split already")
         why = experts_verdict(module)

@@ -193,7 +193,7 @@ def _expert_parallel_plan(model: torch.nn.Module, mesh: ProcessMesh, ep_config: 
         if not structure.is_moe:
             raise ValueError("parallelize: ep_config on a model without a mixture of experts (none recognised); "
                              "name the experts modules with ep_config['experts']")
-        names = [f"{structure.layers}.{i}.{structure.experts}" for i in structure.moe_layers]
+        names = structure.experts_modules()
     plan = _ExpertPlan(tuple(names), expert_mesh(mesh, degree, env.device().type),
                        ep_config.get("fused_activation", True))
     log.info("parallelize: expert parallel over %d ranks: %d experts modules", degree, len(plan.names))

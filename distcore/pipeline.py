@@ -85,7 +85,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
-from ..kernels.fuse import labelled_call
+from ..kernels.fuse import labelled_call, looks_like_stacked_experts
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -356,7 +356,7 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(module, memo)
     for name, child in list(copied.named_modules()):
-        if name and all(getattr(child._parameters.get(p), "dim", lambda: 0)() == 3 for p in ("gate_up_proj", "down_proj")):
+        if name and looks_like_stacked_experts(child):
             parent, _, leaf = name.rpartition(".")
             (copied.get_submodule(parent) if parent else copied)._modules[leaf] = _MetaExperts()
     return copied

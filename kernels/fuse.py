@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from .ops import rotary as rotary_op
 from .ops.linear_cross_entropy import CausalLMLinearCrossEntropy, FusedLMHead
 from .ops.rms_norm import FusedRMSNorm
-from .ops.swiglu import FusedSwiGLUExperts, FusedSwiGLUMLP
+from .ops.swiglu import FusedSwiGLUExperts, FusedSwiGLUMLP, stacked_experts_layout_error
 from .reference import rms_norm_reference, rotary_reference
 
 _EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
@@ -91,13 +91,13 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
         if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP, FusedSwiGLUExperts)):
             continue
         if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)
-                         or _looks_like_stacked_experts(module)):
+                         or looks_like_stacked_experts(module)):
             report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
         elif rms_norm and _looks_like_rms_norm(module):
             _fuse_rms_norm(model, name, module, report, changes, verdicts)
         elif swiglu and _looks_like_swiglu_mlp(module):
             _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
-        elif swiglu and _looks_like_stacked_experts(module):
+        elif swiglu and looks_like_stacked_experts(module):
             _fuse_stacked_experts(model, name, module, report, changes, verdicts)
         if rotary:
             _fuse_rotary(name, module, report, changes, verdicts)
@@ -354,7 +354,7 @@ def _swiglu_verdict(module: torch.nn.Module, in_features: int) -> str | None:
 # ---------------------------------------------------------------------------- Mixture-of-experts experts
 
 
-def _looks_like_stacked_experts(module: torch.nn.Module) -> bool:
+def looks_like_stacked_experts(module: torch.nn.Module) -> bool:
     """Hugging Face's experts layout: 3-D `gate_up_proj` and `down_proj` of the module itself."""
     params = module._parameters
     return all(isinstance(params.get(n), torch.Tensor) and params[n].dim() == 3 for n in ("gate_up_proj", "down_proj"))
@@ -378,12 +378,11 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
     down_proj [experts, hidden, ffn]) and a probe shows `module(x, top_k_index, top_k_weights)` is each
     token's k experts, down(silu(gate) * up), weighted and summed (Hugging Face's experts interface);
     else why not (fuse leaves such a module alone; distcore's expert parallel refuses it)."""
-    if not _looks_like_stacked_experts(module):
+    if not looks_like_stacked_experts(module):
         return "SwiGLU experts candidate: no 3-D gate_up_proj and down_proj parameters of its own"
-    gate_up, down = module.gate_up_proj, module.down_proj
-    if gate_up.shape[0] != down.shape[0] or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]:
-        return (f"SwiGLU experts candidate: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are "
-                "not [experts, 2·ffn, hidden] and [experts, hidden, ffn] (a transposed layout); left as is")
+    problem = stacked_experts_layout_error(module.gate_up_proj, module.down_proj)
+    if problem:
+        return f"SwiGLU experts candidate: {problem} (a transposed layout); left as is"
     probe = _probe_copy(module)
     experts, hidden = probe.gate_up_proj.shape[0], probe.gate_up_proj.shape[2]
     generator = torch.Generator(device="cpu").manual_seed(99)

@@ -375,6 +375,27 @@ class FusedSwiGLUMLP(torch.nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token-expert pairs of `top_k_index` [tokens, k] as flat indices, sorted by expert and in token order
+    within one, slots of `num_experts` or more left out; the pairs per expert [num_experts])."""
+    with torch.no_grad():
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        sorted_experts = experts[order]
+        kept = int(torch.searchsorted(sorted_experts, num_experts))  # sentinels (>= num_experts) sort last
+        return order[:kept], torch.bincount(sorted_experts[:kept], minlength=num_experts)
+
+
+def stacked_experts_layout_error(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> str | None:
+    """None for stacked SwiGLU experts in Hugging Face's layout (`gate_up_proj` [experts, 2·ffn, hidden],
+    `down_proj` [experts, hidden, ffn]), else what differs."""
+    if (gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[0] != down_proj.shape[0]
+            or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[2] != down_proj.shape[1]):
+        return (f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} are not [experts, "
+                "2·ffn, hidden] and [experts, hidden, ffn]")
+    return None
+
+
 def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, grouped_mm: bool | None = None,
                   activation=swiglu) -> torch.Tensor:
@@ -384,16 +405,8 @@ def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     one grouped GEMM where the device has one (`grouped_mm=None`: CUDA capability 9.0+, 16-byte aligned
     rows), else as a loop over the experts that received tokens. `activation(x)` takes the packed
     [gate | up] rows: the fused `swiglu`, or an eager one."""
-    num_experts = gate_up_proj.shape[0]
-    k = top_k_index.shape[-1]
-    experts = top_k_index.reshape(-1)
-    with torch.no_grad():
-        order = torch.argsort(experts, stable=True)  # pairs sorted by expert, in token order within one
-        sorted_experts = experts[order]
-        kept = int(torch.searchsorted(sorted_experts, num_experts))  # sentinels (>= num_experts) sort last
-        order = order[:kept]
-        counts = torch.bincount(sorted_experts[:kept], minlength=num_experts)
-    tokens = order // k
+    order, counts = sort_by_expert(top_k_index, gate_up_proj.shape[0])
+    tokens = order // top_k_index.shape[-1]
     x = hidden_states[tokens]
     if grouped_mm is None:
         aligned = all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:])
@@ -433,11 +446,9 @@ class FusedSwiGLUExperts(torch.nn.Module):
     def __init__(self, gate_up_proj: torch.nn.Parameter, down_proj: torch.nn.Parameter, *,
                  grouped_mm: bool | None = None):
         super().__init__()
-        if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[0] != down_proj.shape[0] \
-                or gate_up_proj.shape[1] != 2 * down_proj.shape[2] or gate_up_proj.shape[2] != down_proj.shape[1]:
-            raise ValueError(
-                f"FusedSwiGLUExperts: expected gate_up_proj [experts, 2·ffn, hidden] and down_proj [experts, hidden, "
-                f"ffn], got {tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+        problem = stacked_experts_layout_error(gate_up_proj, down_proj)
+        if problem:
+            raise ValueError(f"FusedSwiGLUExperts: {problem}")
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.num_experts = gate_up_proj.shape[0]

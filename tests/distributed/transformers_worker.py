@@ -439,7 +439,9 @@ def check_expert_parallel_trains_like_one_process():
     _train("mixtral", _strategy(4, 1, 1, ep=2, recompute="full"))  # the all-to-alls run again in the backward
     mesh = distcore.ProcessMesh(list(range(world)), dim_names=["dp"])
     for config, error, why in (({"ep_config": {"degree": 3}}, ValueError, "ep=3 must divide the data-parallel degree 4"),
-                               ({"ep_config": {"degree": 2}, "mp_config": {}}, NotImplementedError, "no mp_config")):
+                               ({"ep_config": {"degree": 2}, "mp_config": {}}, NotImplementedError, "no mp_config"),
+                               ({"ep_config": {"degree": 2, "experts": ["model.layers.0.mlp.expertz"]}}, ValueError,
+                                "has no module 'model.layers.0.mlp.expertz'")):
         try:
             distcore.parallelize(_model("mixtral")[0], None, mesh, config)
         except error as raised:
