@@ -95,7 +95,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 7  # 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 8  # 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -557,25 +557,33 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                       head, head_elementwise, activations, logits_bytes, message / split, message / split)
 
 
-def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> float:
+def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1) -> float:
     """What linear_cross_entropy holds at its peak, the end of the forward (a mean loss's gradients are
     computed there): one chunk's logits (the input dtype; the kernel writes their gradient in place), the
     hidden states' gradient (until the backward hands it on) and, for a half-precision head, the fp32
     accumulator of its weight's gradient (the gradient itself becomes the parameter's .grad, counted with
-    the model state). Its time is eager's: the same three GEMMs (nothing is recomputed for a mean or sum
-    loss), and its elementwise passes read and write the chunks in the input dtype, no more than eager's."""
-    v, h = spec.vocab_size, spec.hidden_size
-    chunk = min(max(-(-tokens * h // v), FUSED_LOSS_MIN_CHUNK), FUSED_LOSS_MAX_CHUNK, tokens)
-    chunk = -(-tokens // -(-tokens // chunk))  # evened out over the chunks
+    the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
+    ceil(V / tp) rows, the hidden gradient is whole (summed over the ranks). Its time is eager's: the same
+    three GEMMs (nothing is recomputed for a mean or sum loss), and its elementwise passes read and write the
+    chunks in the input dtype, no more than eager's; under tp each chunk adds two small all-reduces of its
+    statistics (`_pace`)."""
+    v, h = -(-spec.vocab_size // tp), spec.hidden_size
+    chunk = fused_loss_chunk(tokens, h, v)
     accumulator = LOSS_FP32_BYTES * v * h if dtype_bytes < LOSS_FP32_BYTES else 0
     return chunk * v * dtype_bytes + tokens * h * dtype_bytes + accumulator
+
+
+def fused_loss_chunk(tokens: int, hidden_size: int, vocab_rows: int) -> int:
+    """linear_cross_entropy's tokens per chunk over `vocab_rows` rows of the head (kernels' chunk_tokens)."""
+    chunk = min(max(-(-tokens * hidden_size // vocab_rows), FUSED_LOSS_MIN_CHUNK), FUSED_LOSS_MAX_CHUNK, tokens)
+    return -(-tokens // -(-tokens // chunk))  # evened out over the chunks
 
 
 def _loss_bytes(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost) -> float:
     """The last stage's loss: the logits (input dtype and fp32 upcast, split by tp), or the fused loss's
     buffers where the engine runs it (engine.fused_loss says where distcore can)."""
-    if cluster.engine.fused_loss and s.tp == 1:
-        return fused_loss_bytes(spec, s.micro_batch_size * spec.seq_len, cluster.dtype_bytes)
+    if cluster.engine.fused_loss:
+        return fused_loss_bytes(spec, s.micro_batch_size * spec.seq_len, cluster.dtype_bytes, s.tp)
     return c.logits_bytes
 
 
@@ -670,9 +678,22 @@ def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequ
     ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
                           virtual_pp)
     head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
+    head_tp = 2 * c.tp_collective + _fused_loss_statistics_time(spec, cluster, t, micro_batch_size)
     stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
-               rank.tp + c.tp_collective * ((r == 0) + 2 * (r == pp - 1)), rank.ep, r) for r, rank in enumerate(ranks)]
+               rank.tp + c.tp_collective * (r == 0) + head_tp * (r == pp - 1), rank.ep, r) for r, rank in enumerate(ranks)]
     return max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])
+
+
+def _fused_loss_statistics_time(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int) -> float:
+    """A vocabulary-parallel fused loss (tp > 1) all-reduces each chunk's row statistics: the max, then three
+    fp32 sums per token (linear_cross_entropy's _reduce_stats), latency-bound messages."""
+    if tp == 1 or not cluster.engine.fused_loss:
+        return 0.0
+    tokens = micro_batch_size * spec.seq_len
+    chunk = fused_loss_chunk(tokens, spec.hidden_size, -(-spec.vocab_size // tp))
+    bw, lat = cluster.link(tp, 1)
+    chunks = -(-tokens // chunk)
+    return chunks * (all_reduce_time(LOSS_FP32_BYTES * chunk, tp, bw, lat) + all_reduce_time(3 * LOSS_FP32_BYTES * chunk, tp, bw, lat))
 
 
 @functools.lru_cache(maxsize=65536)

@@ -49,8 +49,8 @@ class EngineProfile:
     overlap_with_selective_recompute: bool = True  # distcore: no (its selective recompute bypasses the region)
     torch_kernels: bool = False  # runs torch's GEMMs and SDPA: a calibrated profile's measured rates apply
     fused_kernels: bool = False  # runs tridist's fused norm/rotary/SwiGLU: their measured bandwidth applies
-    # Computes the LM head's loss by tridist's linear_cross_entropy (kernels.fuse's FusedLMHead) where distcore
-    # can: without tensor parallel (a vocabulary-split head); the loss holds no [tokens, vocab] logits (cost.py).
+    # Computes the LM head's loss by tridist's linear_cross_entropy (kernels.fuse's FusedLMHead), under tensor
+    # parallel vocabulary-parallel: the loss holds no [tokens, vocab] logits (cost.py).
     fused_loss: bool = False
     source: str = ""
 

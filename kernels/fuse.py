@@ -23,7 +23,8 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   on a stand-in for the decoder, with a thin head of the vocabulary's width: the same loss, also with
   `num_items_in_batch`; Gemma-2's final soft-capping is read from the config and confirmed so. Code
   that runs the forward without the model's hooks (distcore's pipeline stages) arms the head with
-  `labelled_call`. Under tensor parallel (a vocabulary-split head) the loss runs unfused.
+  `labelled_call`. Under tensor parallel (ColwiseParallel: the head's weight a DTensor split on the
+  vocabulary) the loss runs vocabulary-parallel (linear_cross_entropy on DTensors).
 Parameters stay the same objects, so an optimizer built before `fuse` keeps working, and parameter
 names are unchanged. Probes run on CPU copies with fresh random values, so a model still on the meta
 device (built under `distcore.LazyGuard` or `torch.device("meta")`) is fused like a materialised one.

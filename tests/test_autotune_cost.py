@@ -105,7 +105,9 @@ def test_cluster_links_intra_vs_inter_node():
 
 
 def test_tensor_parallel_traffic_counts_and_cross_node_pricing():
-    """4 collectives of b·s·h per layer per micro-batch (6 with full recompute), 3 more at the ends."""
+    """4 collectives of b·s·h per layer per micro-batch (6 with full recompute), 3 more at the ends, and the
+    default engine's vocabulary-parallel fused loss: one chunk of the 64 tokens (vocabulary 128 / 8 rows),
+    its statistics all-reduced, 64 fp32 maxima then 3 x 64 fp32 sums."""
     spec = ModelSpec(num_layers=8, hidden_size=64, num_heads=8, ffn_hidden_size=176, vocab_size=128, seq_len=32)
     cluster = Cluster(1, 8, "h100-sxm")
     for recompute, per_layer in (("none", 4), ("full", 6)):
@@ -113,7 +115,8 @@ def test_tensor_parallel_traffic_counts_and_cross_node_pricing():
         est = estimate(spec, cluster, s, global_batch_size=6)
         bw, lat = cluster.link(8, 1)
         one = all_reduce_time(2 * 2 * spec.seq_len * spec.hidden_size, 8, bw, lat)
-        assert est.time.tp_comm_s == pytest.approx(3 * (spec.num_layers * per_layer + 3) * one, rel=1e-12)
+        statistics = all_reduce_time(4 * 64, 8, bw, lat) + all_reduce_time(12 * 64, 8, bw, lat)
+        assert est.time.tp_comm_s == pytest.approx(3 * ((spec.num_layers * per_layer + 3) * one + statistics), rel=1e-12)
     # tp=8 over two 4-device nodes is priced at the inter-node link: 450 vs 50 GB/s for large messages
     s = Strategy(dp=1, tp=8, pp=1, micro_batch_size=2, num_micro_batches=3)
     inside = estimate(preset("llama2-7b"), Cluster(1, 8), s, global_batch_size=6).time.tp_comm_s

@@ -271,18 +271,19 @@ def test_memory_last_stage_logits_and_tied_head_copy(tied):
 @pytest.mark.parametrize("layout", [dict(), dict(tp=2), dict(pp=2, num_micro_batches=2), dict(num_micro_batches=2)])
 def test_fused_loss_holds_a_chunk_and_the_gradients_instead_of_the_logits(layout):
     """An engine that fuses the loss (to_distributed's default) holds, instead of the logits, one chunk of
-    them, the hidden states' gradient and the head gradient's fp32 accumulator, where distcore fuses it:
-    not under tp (a split head); on the last pipeline stage too, per micro-batch. By hand, 64 tokens x
-    vocabulary 512 x h 8, bf16: the logits 64·512·6 = 196608 bytes; the chunk max(64·8/512, 128) capped at
-    64 tokens: 64·512·2 = 65536, the hidden gradient 64·8·2 = 1024, the accumulator 4·512·8 = 16384: 82944."""
+    them, the hidden states' gradient and the head gradient's fp32 accumulator; on the last pipeline stage
+    too, per micro-batch; under tp over the rank's half of the vocabulary (vocabulary-parallel). By hand, 64
+    tokens x vocabulary 512 x h 8, bf16: the logits 64·512·6 = 196608 bytes; the chunk max(64·8/512, 128)
+    capped at 64 tokens: 64·512·2 = 65536, the hidden gradient 64·8·2 = 1024, the accumulator 4·512·8 = 16384:
+    82944. Under tp 2 the vocabulary terms halve (256 rows), the hidden gradient stays whole."""
     spec = replace(TINY, vocab_size=512, seq_len=64)
     fused_engine = replace(MEGATRON, name="megatron+fused-loss", fused_loss=True)
     strategy = {"dp": 1, "tp": 1, "pp": 1, **layout}
     cluster = _cluster(1, strategy["tp"] * strategy["pp"])
     eager = _run(spec, cluster, **strategy).memory.activations
     fused = _run(spec, replace(cluster, engine=fused_engine), **strategy).memory.activations
-    logits = 64 * 512 * (E + 4)
-    assert eager - fused == (logits - (64 * 512 * E + 64 * 8 * E + 4 * 512 * 8) if strategy["tp"] == 1 else 0)
+    rows = 512 // strategy["tp"]
+    assert eager - fused == 64 * rows * (E + 4) - (64 * rows * E + 64 * 8 * E + 4 * rows * 8)
 
 
 @pytest.mark.parametrize("tokens, hidden, vocab", [(64, 8, 512), (8192, 4096, 128256), (100_000, 8192, 32000), (3, 16, 8)])
@@ -293,6 +294,8 @@ def test_fused_loss_chunk_rule_is_the_kernels(tokens, hidden, vocab):
     spec = replace(TINY, hidden_size=hidden, vocab_size=vocab)
     held = fused_loss_bytes(spec, tokens, 4)  # fp32: no accumulator
     assert held == chunk_tokens(tokens, hidden, vocab) * vocab * 4 + tokens * hidden * 4
+    rows = -(-vocab // 4)  # tp 4: the largest shard, which sizes every rank's chunks (VocabShard)
+    assert fused_loss_bytes(spec, tokens, 4, tp=4) == chunk_tokens(tokens, hidden, rows) * rows * 4 + tokens * hidden * 4
 
 
 def test_memory_full_recompute_single_stage():
@@ -467,9 +470,11 @@ def test_overlap_on_the_torch_engine_and_a_calibrated_profile():
     the overlapped traffic 1.5x the plain volume in bf16 (1x in fp32); a profile's measured interference
     replaces RC, and its chunking overhead adds that share of the layer's GEMM time to compute:
     m x layers x (1 + 2) x gemm_fwd x overhead, the GEMM forward of one layer a known quantity (the
-    difference between chunking 0 and 0.1 over 0.1)."""
+    difference between chunking 0 and 0.1 over 0.1). The engine's vocabulary-parallel fused loss adds, per
+    micro-batch, its one chunk's (4 tokens) statistics: all-reduces of 4 maxima and of 3 x 4 sums, fp32."""
     m, layers, ends, per_layer = 2, 4, 3, 4
     one = _ring("all-reduce", 64, 2, INTRA)
+    loss_statistics = _ring("all-reduce", 4 * 4, 2, INTRA) + _ring("all-reduce", 12 * 4, 2, INTRA)
     base = dict(dp=4, tp=2, pp=1, num_micro_batches=m, sequence_parallel=True, overlap_tp_comm=True)
 
     def cluster(engine="torch+tridist", dtype="bf16", **profile):
@@ -480,12 +485,12 @@ def test_overlap_on_the_torch_engine_and_a_calibrated_profile():
         return 1 / parts + interference * (1 - 1 / parts)
 
     torch_bf16 = _run(TINY, cluster(), **base).time.tp_comm_s
-    assert torch_bf16 == pytest.approx(m * (layers * per_layer * one * 1.5 * _exposed_share(2) + ends * one), rel=1e-12)
+    assert torch_bf16 == pytest.approx(m * (layers * per_layer * one * 1.5 * _exposed_share(2) + ends * one + loss_statistics), rel=1e-12)
     quiet = _run(TINY, cluster(overlap_interference=0.02), **base).time.tp_comm_s
-    assert quiet == pytest.approx(m * (layers * per_layer * one * 1.5 * exposed(2, 0.02) + ends * one), rel=1e-12)
+    assert quiet == pytest.approx(m * (layers * per_layer * one * 1.5 * exposed(2, 0.02) + ends * one + loss_statistics), rel=1e-12)
     fp32 = cluster(dtype="fp32")
     one_fp32 = _ring("all-reduce", 128, 2, INTRA)
     assert _run(TINY, fp32, **base).time.tp_comm_s == pytest.approx(
-        m * (layers * per_layer * one_fp32 * _exposed_share(2) + ends * one_fp32), rel=1e-12)
+        m * (layers * per_layer * one_fp32 * _exposed_share(2) + ends * one_fp32 + loss_statistics), rel=1e-12)
     compute = [_run(TINY, cluster(overlap_chunking_overhead=x), **base).time.compute_s for x in (0.0, 0.1, 0.2)]
     assert compute[2] - compute[0] == pytest.approx(2 * (compute[1] - compute[0]), rel=1e-9) and compute[1] > compute[0]

@@ -433,17 +433,17 @@ def test_ops_are_registered_and_pass_opcheck(torch_path):
     labels = torch.randint(0, 37, (3, 8))
     labels[0, :3] = -100
     op, backward = torch.ops.tridist.linear_cross_entropy.default, torch.ops.tridist.linear_cross_entropy_backward.default
-    torch.library.opcheck(op, (hidden, weight, labels, bias, None, -100, 0.1, 2.0, "mean", True, True, True))
+    torch.library.opcheck(op, (hidden, weight, labels, bias, None, -100, 0.1, 2.0, "mean", 0, 37, None, True, True, True))
     # The other signatures without the AOT-dispatch checks (seconds each); test_torch_compile_fullgraph
     # compiles the recomputing backward.
     cheap = ("test_schema", "test_autograd_registration", "test_faketensor")
-    torch.library.opcheck(op, (hidden, weight, labels, None, torch.tensor(9), -100, 0.0, None, "mean", True, False, False),
+    torch.library.opcheck(op, (hidden, weight, labels, None, torch.tensor(9), -100, 0.0, None, "mean", 0, 37, None, True, False, False),
                           test_utils=cheap)
-    torch.library.opcheck(op, (hidden, weight, labels, bias, None, -100, 0.0, None, "none", False, False, False),
+    torch.library.opcheck(op, (hidden, weight, labels, bias, None, -100, 0.0, None, "none", 0, 37, None, False, False, False),
                           test_utils=cheap)
     grad = torch.randn(3, 8)
     torch.library.opcheck(backward, (grad, hidden.detach(), weight.detach(), labels, bias.detach(), -100, 0.0, 3.0,
-                                     True, True, True), test_utils=cheap)
+                                     0, 37, None, True, True, True), test_utils=cheap)
 
 
 def test_torch_compile_fullgraph(torch_path):
@@ -504,7 +504,8 @@ def _call(hidden=None, weight=None, labels=None, **options):
         (lambda: _call(hidden=torch.randn(2, 3, 8).double(), weight=torch.randn(37, 8).double()), "float64"),
         (lambda: _call(weight=torch.randn(37, 8, device="meta")), "one device"),
         (lambda: _call(hidden=torch.tensor(1.0)), "scalar"),
-        (lambda: _call(weight=torch.randn(37, 8).as_subclass(DTensor)), "DTensor inputs .* not supported yet"),
+        # (real DTensors: tests/distributed/linear_cross_entropy_worker.py)
+        (lambda: _call(hidden=torch.randn(2, 3, 8).as_subclass(DTensor)), "taken as a vocabulary-parallel LM head"),
         (lambda: _call(reduction="avg"), "reduction must be one of"),
         (lambda: _call(softcap=0.0), "softcap must be a positive number"),
         (lambda: _call(softcap=-30.0), "softcap must be a positive number"),

@@ -39,11 +39,14 @@ Memory (CPU, torch's MemTracker, forward + backward of the loss alone, inputs in
 hidden 512, vocabulary 32000, fp32: 164 MiB against eager F.linear + F.cross_entropy's 817 MiB; 8192 tokens,
 hidden 4096, vocabulary 128256, bf16 (under FakeTensorMode): 4.0 GiB against 12.8 GiB.
 
-The statistics (step 2) and the loss/gradient (step 3) are separate kernels on purpose: a
-vocabulary-parallel head, whose rank holds columns vocab_start .. vocab_start + n_cols of the
-vocabulary, all-reduces the [4, rows] statistics between the two (max with MAX; the sums of exp rescaled
-to the global max, the label's z and the sum of z with SUM) and runs the same step-3 kernel with
-n_classes = the full vocabulary. Both kernels already take vocab_start and n_classes.
+Vocabulary parallel (a DTensor weight split on its rows, `_local_inputs`; a VocabShard inside). The
+statistics (step 2) and the loss/gradient (step 3) are separate kernels for it: a rank holding rows
+vocab_start .. vocab_start + n_cols of the vocabulary all-reduces each chunk's [4, rows] statistics
+between the two (`_reduce_stats`: the max with MAX; the sums of exp rescaled to the global max, the
+label's z and the sum of z with SUM) and runs the step-3 kernel with n_classes = the whole vocabulary.
+Every rank then has the same losses; its grad_hidden is a partial sum over its rows, all-reduced once at
+the end (Megatron's column-parallel head), and its weight's gradient is its shard's. All ranks cut the
+same chunks (sized by the largest shard), so their collectives pair up.
 
 CUDA tensors run the Triton kernels; CPU tensors run the same chunked steps in plain PyTorch unless
 TRITON_INTERPRET=1 is set before import.
@@ -52,8 +55,10 @@ TRITON_INTERPRET=1 is set before import.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
@@ -340,10 +345,14 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: 
 
 
 def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, softcap, scale, loss,
-                grad_hidden, grad_weight, grad_bias):
+                grad_hidden, grad_weight, grad_bias, shard: "VocabShard | None" = None):
     """Steps 1-4 over every chunk of tokens. `labels` and `scale` (row_scale: None, or [tokens] with any
     stride, 0 for one scale) are 1-D; `loss` is None or the [tokens] fp32 output. Returns the requested
-    gradients (grad_hidden [tokens, H] in hidden's dtype; grad_weight and grad_bias in fp32)."""
+    gradients (grad_hidden [tokens, H] in hidden's dtype; grad_weight and grad_bias in fp32).
+
+    With `shard` (vocabulary parallel) `weight` and `bias` hold the rows shard.start .. of the vocabulary: each
+    chunk's statistics are reduced over shard.group before step 3, and grad_hidden, a partial sum over the
+    vocabulary, is summed over the group at the end; losses and grad_hidden come out equal on every rank."""
     n_tokens, (vocab, hidden_size) = labels.shape[0], weight.shape
     compute_grad = grad_hidden or grad_weight or grad_bias
     device, dtype = hidden.device, hidden.dtype
@@ -352,7 +361,10 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
         return gh, gw, gb
-    chunk = chunk_tokens(n_tokens, hidden_size, vocab)
+    vocab_start, n_classes = (shard.start, shard.vocab_size) if shard is not None else (0, vocab)
+    # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
+    # the largest shard (uneven splits differ by a row or so).
+    chunk = chunk_tokens(n_tokens, hidden_size, shard.largest_rows if shard is not None else vocab)
     buffer = torch.empty((chunk, vocab), dtype=dtype, device=device)
     stats = torch.empty((4, chunk), dtype=torch.float32, device=device)
     rows_of = _token_rows(hidden, n_tokens)
@@ -365,11 +377,13 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
         else:
             torch.addmm(bias, rows, weight_t, out=logits)
         chunk_stats = stats[:, : end - start]
-        _chunk_stats(logits, chunk_labels, chunk_stats, vocab_start=0, ignore_index=ignore_index, softcap=softcap,
-                     smoothing=label_smoothing != 0.0)
+        _chunk_stats(logits, chunk_labels, chunk_stats, vocab_start=vocab_start, ignore_index=ignore_index,
+                     softcap=softcap, smoothing=label_smoothing != 0.0)
+        if shard is not None:
+            _reduce_stats(chunk_stats, shard.group)
         _chunk_loss_grad(
             logits, chunk_labels, chunk_stats, loss[start:end] if loss is not None else None,
-            scale[start:end] if scale is not None else None, vocab_start=0, n_classes=vocab,
+            scale[start:end] if scale is not None else None, vocab_start=vocab_start, n_classes=n_classes,
             ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, compute_grad=compute_grad,
         )
         if grad_hidden:
@@ -378,7 +392,45 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
             _accumulate_weight_grad(gw, logits, rows)
         if grad_bias:
             gb += logits.sum(0, dtype=torch.float32)
+    if gh is not None and shard is not None:
+        # Each rank's grad_hidden covers its vocabulary rows only (Megatron's column-parallel head: the input's
+        # gradient is all-reduced). Summed in hidden's dtype, as eager tensor parallel sums its partial gradients.
+        dist.all_reduce(gh, group=shard.group)
     return gh, gw, gb
+
+
+def _reduce_stats(stats: torch.Tensor, group) -> None:
+    """One chunk's [4, rows] statistics of this rank's vocabulary rows made the whole vocabulary's, in place:
+    the max by MAX; this rank's sum of exp(z - its max) rescaled to the global max, then the sums (of exp, the
+    label's z, held by one rank, and of z) by SUM: two collectives of `rows` and 3 x `rows` fp32 values."""
+    local_max = stats[STAT_MAX].clone()
+    dist.all_reduce(stats[STAT_MAX], op=dist.ReduceOp.MAX, group=group)  # a row of a contiguous [4, n]: contiguous
+    global_max = stats[STAT_MAX]
+    # Ignored rows hold -inf everywhere and a sum of 0: keep it (exp(-inf - (-inf)) would be nan).
+    stats[STAT_SUM_EXP].mul_(torch.where(global_max.isneginf(), 0.0, (local_max - global_max).exp()))
+    sums = stats[STAT_SUM_EXP:].contiguous()  # the rows of a chunk narrower than the buffer are strided
+    dist.all_reduce(sums, group=group)
+    stats[STAT_SUM_EXP:].copy_(sums)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Vocabulary parallel: this rank's weight (and bias) hold the vocabulary rows start .. start + rows of
+    vocab_size, split over `group` as DTensor's Shard(0) splits them (torch.chunk: shards of ceil(vocab_size /
+    group size) rows, the last ones shorter)."""
+
+    start: int
+    vocab_size: int
+    group: object  # a torch.distributed ProcessGroup
+    largest_rows: int
+
+    @classmethod
+    def of(cls, start: int, vocab_size: int, group_name: str | None) -> "VocabShard | None":
+        """From the op's arguments (a custom op takes the group by name, as torch's functional collectives do)."""
+        if group_name is None:
+            return None
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+        return cls(start, vocab_size, group, -(-vocab_size // group.size()))
 
 
 def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -410,15 +462,20 @@ def _linear_cross_entropy_impl(
     label_smoothing: float,
     softcap: float | None,
     reduction: str,
+    vocab_start: int,
+    vocab_size: int,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, grad_hidden, grad_weight, grad_bias): the gradients of the loss itself (grad_output 1), each
     an empty tensor unless requested. With reduction="none" the caller requests none: its gradients come
-    from the backward op (see the module docstring)."""
+    from the backward op (see the module docstring). `group_name` (a process group's name, or None): weight
+    and bias are the vocabulary rows vocab_start .. of vocab_size, split over that group (VocabShard)."""
+    shard = VocabShard.of(vocab_start, vocab_size, group_name)
     with no_autocast(hidden.device):
-        _check_labels(labels, weight.shape[0], ignore_index)
+        _check_labels(labels, vocab_size, ignore_index)
         flat_labels = labels.reshape(-1)  # a copy of the labels only if they are strided
         n_tokens = flat_labels.shape[0]
         denominator = scale = None
@@ -430,7 +487,7 @@ def _linear_cross_entropy_impl(
         gh, gw, gb = _run_chunks(
             hidden, weight, flat_labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             softcap=softcap, scale=scale, loss=loss_rows,
-            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
+            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias, shard=shard,
         )
         if reduction == "none":
             loss = loss_rows.view(labels.shape)
@@ -455,6 +512,9 @@ def _linear_cross_entropy_backward_impl(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    vocab_start: int,
+    vocab_size: int,
+    group_name: str | None,
     grad_hidden: bool,
     grad_weight: bool,
     grad_bias: bool,
@@ -465,6 +525,7 @@ def _linear_cross_entropy_backward_impl(
             hidden, weight, labels.reshape(-1), bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             softcap=softcap, scale=grad_loss.reshape(-1), loss=None,
             grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias,
+            shard=VocabShard.of(vocab_start, vocab_size, group_name),
         )
         return (
             gh.view(hidden.shape) if grad_hidden else _empty(hidden),
@@ -489,19 +550,20 @@ def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
 
 @_lce_op.register_fake
 def _(hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoothing, softcap, reduction,
-      grad_hidden, grad_weight, grad_bias):
+      vocab_start, vocab_size, group_name, grad_hidden, grad_weight, grad_bias):
     loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
     return (loss, *_fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias))
 
 
 @_lce_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, grad_hidden, grad_weight,
-      grad_bias):
+def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, vocab_start, vocab_size,
+      group_name, grad_hidden, grad_weight, grad_bias):
     return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
 
 
 def _setup_linear_cross_entropy(ctx, inputs, output):
-    hidden, weight, labels, bias, _, ignore_index, label_smoothing, softcap, reduction, *grad_flags = inputs
+    (hidden, weight, labels, bias, _, ignore_index, label_smoothing, softcap, reduction,
+     vocab_start, vocab_size, group_name, *grad_flags) = inputs
     # The gradient outputs are carried to the backward, never differentiated: no zero gradients are
     # materialised for them (one would be weight-sized).
     ctx.set_materialize_grads(False)
@@ -509,7 +571,7 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
     ctx.recompute = reduction == "none"
     if ctx.recompute:
         ctx.save_for_backward(hidden, weight, labels, bias)
-        ctx.options = (ignore_index, label_smoothing, softcap)
+        ctx.options = (ignore_index, label_smoothing, softcap, vocab_start, vocab_size, group_name)
     else:
         ctx.save_for_backward(*output[1:])
         ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
@@ -536,7 +598,7 @@ def _backward_linear_cross_entropy(ctx, grad_loss, *_):
             # New tensors, the saved gradients unchanged for a second backward; a grad_loss other than 1 or
             # a power of two rounds each gradient a second time in a half dtype.
             gh, gw, gb = (g * grad_loss if g is not None else None for g in saved)
-    return (gh if needs[0] else None, gw if needs[1] else None, None, gb if needs[3] else None) + (None,) * 8
+    return (gh if needs[0] else None, gw if needs[1] else None, None, gb if needs[3] else None) + (None,) * 11
 
 
 def _is_one(grad_loss: torch.Tensor) -> bool:
@@ -584,21 +646,81 @@ def linear_cross_entropy(
     fp32; the gradients of hidden and weight come from the logits' gradient rounded to the input dtype,
     through fp32-accumulated GEMMs. For mean/sum the gradients are computed in this call (the module
     docstring says what that costs in memory); `loss.backward()` may hand back those very tensors.
+
+    Vocabulary-parallel (tensor parallel's LM head): `weight` (and `bias`) a DTensor on a 1-D mesh split on
+    its rows, Shard(0); `hidden` and `labels` replicated on that mesh, or plain tensors equal on every rank of
+    it. The loss is a plain tensor, the same on every rank; the weight's gradient comes back as its shard,
+    hidden's whole (summed over the mesh). Other DTensor layouts are errors naming the fix.
     """
     op = "linear_cross_entropy"
     hidden, weight, bias = _apply_autocast(hidden, weight, bias)
     num_items_in_batch = _validate(
         op, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, num_items_in_batch
     )
+    (hidden, weight, labels, bias), shard = _local_inputs(op, hidden, weight, labels, bias)
     grad_enabled = torch.is_grad_enabled() and reduction != "none"  # "none": gradients in the backward
     args = (
         hidden, weight, labels, bias, num_items_in_batch, int(ignore_index), float(label_smoothing),
-        None if softcap is None else float(softcap), reduction,
+        None if softcap is None else float(softcap), reduction, *shard,
         grad_enabled and hidden.requires_grad, grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
     loss, *_ = (_lce_op if torch.compiler.is_compiling() else _lce_eager)(*args)
     return loss
+
+
+def _local_inputs(op, hidden, weight, labels, bias):
+    """(hidden, weight, labels, bias) as the op takes them, plain tensors, and the vocabulary's split
+    (vocab_start, vocab_size, process group name or None). DTensors come from tensor parallel's global view:
+    a weight on a 1-D mesh split on its rows (ColwiseParallel's Shard(0) of an nn.Linear head) with bias
+    split alike, or replicated; hidden and labels replicated on that mesh, or plain tensors that are the same
+    on every rank of it. The local tensors keep autograd: the weight's gradient comes back as its shard and
+    hidden's as the whole gradient, summed over the ranks by the op."""
+    vocab = weight.shape[0]
+    if not any(is_dtensor(t) for t in (hidden, weight, labels, bias)):
+        return (hidden, weight, labels, bias), (0, vocab, None)
+
+    def describe(t):
+        if not is_dtensor(t):
+            return "a plain tensor"
+        return f"a DTensor {list(getattr(t, 'placements', []))} on {getattr(t, 'device_mesh', 'its mesh')}"
+
+    if not is_dtensor(weight) or weight.device_mesh.ndim != 1:
+        raise TypeError(
+            f"{op}: DTensor inputs are taken as a vocabulary-parallel LM head: weight a DTensor on a 1-D mesh (the "
+            "tensor-parallel group) split on its rows, Shard(0), or replicated; hidden and labels replicated on that "
+            f"mesh or plain. Got weight {describe(weight)}, hidden {describe(hidden)}, labels {describe(labels)}; "
+            "redistribute them so, or pass local tensors"
+        )
+    mesh, (placement,) = weight.device_mesh, weight.placements
+
+    def whole(name, t):
+        if t is None or not is_dtensor(t):
+            return t
+        if t.device_mesh != mesh or not all(p.is_replicate() for p in t.placements):
+            raise ValueError(
+                f"{op}: {name} is {describe(t)}; with the weight on {mesh} it must be whole on every rank of that mesh "
+                f"(Replicate): gather it first, e.g. {name}.redistribute({name}.device_mesh, [Replicate()]) (a "
+                "sequence-parallel hidden state is gathered before the LM head)"
+            )
+        return t.to_local()
+
+    hidden, labels = whole("hidden", hidden), whole("labels", labels)
+    if placement.is_replicate():
+        return (hidden, weight.to_local(), labels, whole("bias", bias)), (0, vocab, None)
+    if not placement.is_shard(0):
+        raise ValueError(
+            f"{op}: weight is {describe(weight)}: split on its hidden dim, a vocabulary-parallel loss cannot use it; "
+            "split the head on its rows (the vocabulary: ColwiseParallel on an nn.Linear head gives Shard(0))"
+        )
+    if bias is not None and not (is_dtensor(bias) and bias.device_mesh == mesh and bias.placements == weight.placements):
+        raise ValueError(f"{op}: bias is {describe(bias)}; with a vocabulary-split weight it must be split alike "
+                         f"(a DTensor [Shard(dim=0)] on {mesh}), as ColwiseParallel splits an nn.Linear's bias")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    local_bias = bias.to_local() if bias is not None else None
+    return (hidden, weight.to_local(), labels, local_bias), (vocab_start, vocab, mesh.get_group().group_name)
 
 
 def _apply_autocast(hidden, weight, bias):
@@ -616,12 +738,6 @@ def _validate(op, hidden, weight, labels, bias, ignore_index, reduction, label_s
     tensor on hidden's device (or None)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if any(is_dtensor(t) for t in (hidden, weight, labels, bias)):
-        raise TypeError(
-            f"{op}: DTensor inputs (tensor parallel) are not supported yet: the vocabulary-parallel variant is to "
-            "come (issue 23, part 2). Compute this loss unfused (F.linear + F.cross_entropy) on DTensors, or pass "
-            "local tensors when each rank holds whole rows of the vocabulary"
-        )
     check_dtype(op, "hidden", hidden)
     check_dtype(op, "weight", weight)
     if bias is not None:
@@ -687,9 +803,11 @@ class FusedLMHead(torch.nn.Linear):
     """An LM head (an nn.Linear around the same weight and bias Parameters) whose logits a causal LM's loss
     can skip. While a labelled call of its model is in flight (`capturing`, set by `fuse`'s hooks on the
     model) its forward keeps the hidden states for the model's `CausalLMLinearCrossEntropy` and returns a
-    zero-width stand-in [..., 0] for the logits; at any other time it is nn.Linear. A vocabulary-split head
-    (tensor parallel: DTensors, a local shard of the weight, or layout hooks on the head) always computes
-    ordinary logits: the loss then runs unfused, as it would without fuse."""
+    zero-width stand-in [..., 0] for the logits; at any other time it is nn.Linear. Under tensor parallel
+    (ColwiseParallel on the head: its weight a DTensor split on the vocabulary, its input replicated by the
+    style's hook) the loss runs vocabulary-parallel and the stand-in is a DTensor, which the style's output
+    hook passes on. A head the call cannot skip (a local shard of the weight, hooks around a plain head, any
+    other DTensor layout) computes ordinary logits and the loss runs unfused, as it would without fuse."""
 
     def __init__(self, linear: torch.nn.Linear):
         torch.nn.Module.__init__(self)
@@ -701,17 +819,23 @@ class FusedLMHead(torch.nn.Linear):
         self.hidden: torch.Tensor | None = None  # the captured input, until the loss takes it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.capturing and self._holds_the_whole_head(hidden):
+        if self.capturing and self._can_skip_logits(hidden):
             self.hidden, self.stood_in = hidden, True
             return hidden.new_empty((*hidden.shape[:-1], 0))
         return torch.nn.functional.linear(hidden, self.weight, self.bias)
 
-    def _holds_the_whole_head(self, hidden: torch.Tensor) -> bool:
-        """Plain tensors, every row of the vocabulary, and nothing around the call: DTensors (tensor parallel's
-        global view), a weight holding part of the vocabulary (its local view) or hooks that transform the
-        head's input or output (tensor parallel's layouts, e.g. gathering the logits) need real logits."""
-        return (not (is_dtensor(hidden) or is_dtensor(self.weight)) and self.weight.shape[0] == self.out_features
-                and not (self._forward_hooks or self._forward_pre_hooks))
+    def _can_skip_logits(self, hidden: torch.Tensor) -> bool:
+        """Plain tensors, every row of the vocabulary and nothing around the call; or the vocabulary-parallel
+        layout linear_cross_entropy takes (`_local_inputs`): a weight (and bias) split on its rows over a
+        1-D mesh, hidden replicated on it. A weight holding part of the vocabulary as a plain tensor, or
+        hooks that transform a plain head's input or output, need real logits."""
+        weight, bias = self.weight, self.bias
+        if is_dtensor(weight) or is_dtensor(hidden):
+            return (is_dtensor(weight) and is_dtensor(hidden) and weight.device_mesh.ndim == 1
+                    and hidden.device_mesh == weight.device_mesh and all(p.is_replicate() for p in hidden.placements)
+                    and weight.placements[0].is_shard(0)
+                    and (bias is None or (is_dtensor(bias) and bias.placements == weight.placements)))
+        return weight.shape[0] == self.out_features and not (self._forward_hooks or self._forward_pre_hooks)
 
 
 class CausalLMLinearCrossEntropy:

@@ -3,7 +3,8 @@ call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)
 mask, its labels -100) and a `ModelOutput` back. For every Llama-like family (tests/hf_models.py) and
 every strategy of MATRIX (searched; dp levels 0 and 3; dp x tp without and with overlapped sequence parallel; dp x
 pp and tp x pp with micro-batches) the loss returned at every step is the single-device loss of the same
-global batch (its token mean, on every rank), and first-step gradients and parameters after SGD steps
+global batch (its token mean, on every rank; with fused kernels on, the LM head and loss fused, under tp
+vocabulary-parallel), and first-step gradients and parameters after SGD steps
 equal one process (tests/distributed/equivalence.py), and so does an evaluation first (model.eval(),
 no_grad, with labels: the loss; without: the logits of the whole batch, on every rank). Tied embeddings also through a checkpoint and a
 user's pp_config; strategies distcore cannot apply to a model are never chosen, and refused with the
@@ -113,10 +114,10 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         assert bool(experts) == config.get("fuse_kernels", True), fused
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
-    # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) where distcore
-    # can: fused kernels on and no tensor parallel (a vocabulary-split head); pipeline stages included.
+    # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) with fused kernels
+    # on: under tp vocabulary-parallel (the head split on the vocabulary); pipeline stages included.
     chosen = model.distributed_strategy
-    fused_loss = config.get("fuse_kernels", True) and chosen.tp == 1
+    fused_loss = config.get("fuse_kernels", True)
     loss, logits = _evaluate(model, fused_loss=fused_loss)
     expected_loss, expected_logits = _reference_evaluation(family)
     equivalence.assert_losses_close([loss], [expected_loss])
