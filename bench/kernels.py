@@ -1,8 +1,13 @@
 """Kernel benchmark: the fused ops against eager PyTorch, torch.compile and Liger-Kernel.
 
-The ops are memory-bound, so the figure of merit is achieved bandwidth: the minimum number of bytes
-an op must move (each input read once, each output written once) divided by its time, and that as a
-percentage of the device's measured copy bandwidth, the practical ceiling for a streaming kernel.
+The elementwise ops are memory-bound, so their figure of merit is achieved bandwidth: the minimum number
+of bytes an op must move (each input read once, each output written once) divided by its time, and that
+as a percentage of the device's measured copy bandwidth, the practical ceiling for a streaming kernel.
+linear_cross_entropy (an LM head and its loss) is GEMM-bound: its limit is the rate of torch.mm at the
+head's shape, measured in the same run (`pct_matmul`), and its point is memory, so its rows also carry
+the peak memory a call adds above its inputs (`peak_mib`: CUDA's allocator peak, torch's MemTracker on
+the CPU). It runs in fwd (the loss alone) and fwd+bwd: a fused loss computes its gradients in the forward
+(as Liger's does), so a backward-only time would compare nothing alike.
 
 Every variant is checked once against the eager reference before it is timed; a mismatch or an
 exception lands in the `error` column of the results instead of disappearing.
@@ -29,7 +34,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "linear_cross_entropy")
+LOSS_OP = "linear_cross_entropy"
+LOSS_MODES = ("fwd", "fwd+bwd")  # see the module docstring
 # Report order: baselines first, ours last.
 VARIANTS = ("eager", "compile", "liger", "tridist")
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -58,8 +65,9 @@ CPU_COPY_BYTES = 256 << 20  # 256 MiB
 
 RESULT_COLUMNS = (
     "op", "shape", "dtype", "variant", "mode", "time_ms", "gbps", "pct_copy_bw", "bytes",
-    "tridist_speedup", "error", "tokens", "width", "device",
+    "tridist_speedup", "error", "tokens", "width", "device", "vocab", "tflops", "pct_matmul", "peak_mib",
 )
+IGNORED_LABEL_SHARE = 0.1  # linear_cross_entropy's cases: padding labelled -100
 
 
 class VariantUnavailable(RuntimeError):
@@ -73,9 +81,9 @@ class VariantUnavailable(RuntimeError):
 class Case:
     """One benchmark shape.
 
-    `width` is the hidden size for the norms and rotary (query heads = width / head_dim, key/value
-    heads = query heads / GQA_GROUP) and the intermediate size for SwiGLU. Rotary splits `tokens`
-    into batch x `seq_len`.
+    `width` is the hidden size for the norms, rotary (query heads = width / head_dim, key/value
+    heads = query heads / GQA_GROUP) and linear_cross_entropy (with its `vocab`), and the
+    intermediate size for SwiGLU. Rotary splits `tokens` into batch x `seq_len`.
     """
 
     op: str
@@ -84,6 +92,7 @@ class Case:
     dtype: str = "bf16"
     head_dim: int = 128
     seq_len: int | None = None
+    vocab: int | None = None
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -92,6 +101,8 @@ class Case:
             raise ValueError(f"unknown dtype {self.dtype!r}; valid dtypes: {', '.join(DTYPES)}")
         if self.op == "rotary" and (self.width % self.head_dim or self.tokens % self.rotary_seq_len):
             raise ValueError(f"rotary case needs width % head_dim == 0 and tokens % seq_len == 0: {self}")
+        if (self.op == LOSS_OP) != (self.vocab is not None):
+            raise ValueError(f"a {LOSS_OP} case needs a vocab (the head's rows), and only it takes one: {self}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -116,6 +127,8 @@ class Case:
             return f"B={batch} S={self.rotary_seq_len} Hq={q_heads} Hk={kv_heads} D={self.head_dim}"
         if self.op == "swiglu":
             return f"T={self.tokens} I={self.width}"
+        if self.op == LOSS_OP:
+            return f"T={self.tokens} H={self.width} V={self.vocab}"
         return f"T={self.tokens} H={self.width}"
 
 
@@ -130,6 +143,11 @@ CUDA_SEQ_LEN = 4096
 CPU_SHAPES = ((512, 256), (2048, 1024))  # (tokens, hidden)
 CPU_HEAD_DIM = 64
 CPU_SEQ_LEN = 1024
+# linear_cross_entropy (tokens, hidden, vocab): Llama-2's head on 4096 tokens, Llama-3-8B's (128,256 entries)
+# on 8192 and 16384 (the issue's 8192 x 128,256: 4.2 GB of fp32 logits in eager). CPU: vocab 8 x hidden,
+# a second or two per fwd+bwd on one thread.
+CUDA_LOSS_SHAPES = ((4096, 2048, 32000), (8192, 4096, 128256), (16384, 4096, 128256))
+CPU_LOSS_SHAPES = ((512, 256, 2048), (2048, 1024, 8192))
 
 
 def _case(op: str, *, tokens: int, hidden: int, dtype: str, head_dim: int, seq_len: int,
@@ -151,6 +169,13 @@ def default_cases(*, device_type: str, ops: Iterable[str] | None = None, dtype: 
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"unknown op(s) {', '.join(unknown)}; valid ops: {', '.join(OPS)}")
+    loss_cases = []
+    if LOSS_OP in ops:
+        ops.remove(LOSS_OP)
+        grid = CUDA_LOSS_SHAPES if device_type == "cuda" else CPU_LOSS_SHAPES
+        grid = grid[1:2] if quick and device_type == "cuda" else grid[:1] if quick else grid
+        loss_dtype = dtype or ("bf16" if device_type == "cuda" else "fp32")
+        loss_cases = [Case(LOSS_OP, t, h, loss_dtype, vocab=v) for t, h, v in grid]
     if device_type == "cuda":
         dtype = dtype or "bf16"
         shapes = [(16384, 4096)] if quick else [(t, h) for h in CUDA_HIDDEN for t in CUDA_TOKENS]
@@ -166,7 +191,7 @@ def default_cases(*, device_type: str, ops: Iterable[str] | None = None, dtype: 
               intermediate=intermediate[h])
         for op in ops
         for t, h in shapes
-    ]
+    ] + loss_cases
 
 
 # ------------------------------------------------------------------------------------------ bytes moved
@@ -229,9 +254,32 @@ def swiglu_bytes(*, tokens: int, intermediate: int, elem_size: int, mode: str) -
     return {"fwd": 3 * n, "bwd": 5 * n, "fwd+bwd": 8 * n}[mode]
 
 
+def linear_cross_entropy_bytes(*, tokens: int, hidden: int, vocab: int, elem_size: int, mode: str) -> int:
+    """Minimum traffic of an LM head + loss (no logits held): read hidden [T, H], weight [V, H] and the
+    int64 labels; fwd writes the fp32 loss, the backward the gradients of hidden and weight."""
+    _check_mode(mode)
+    reads = (tokens * hidden + vocab * hidden) * elem_size + 8 * tokens
+    grads = (tokens * hidden + vocab * hidden) * elem_size
+    return {"fwd": reads + 4, "bwd": reads + grads, "fwd+bwd": reads + 4 + grads}[mode]
+
+
+def linear_cross_entropy_flops(case: Case, mode: str) -> float:
+    """GEMM FLOPs: the logits (2·T·H·V) in fwd; with the gradients of hidden and weight, 3x that."""
+    one = 2.0 * case.tokens * case.width * case.vocab
+    return {"fwd": one, "bwd": 2 * one, "fwd+bwd": 3 * one}[mode]
+
+
+def modes_for(case: Case, modes: Sequence[str] = MODES) -> list[str]:
+    """The modes of `modes` that `case` is timed in (linear_cross_entropy: LOSS_MODES, see the module docstring)."""
+    return [m for m in modes if case.op != LOSS_OP or m in LOSS_MODES]
+
+
 def bytes_moved(case: Case, mode: str) -> int:
     """Minimum bytes `case` must move in `mode` (see the per-op functions for the formulas)."""
     elem_size = torch.empty((), dtype=case.torch_dtype).element_size()
+    if case.op == LOSS_OP:
+        return linear_cross_entropy_bytes(tokens=case.tokens, hidden=case.width, vocab=case.vocab,
+                                          elem_size=elem_size, mode=mode)
     if case.op == "rms_norm":
         return rms_norm_bytes(tokens=case.tokens, hidden=case.width, elem_size=elem_size, mode=mode)
     if case.op == "add_rms_norm":
@@ -286,6 +334,12 @@ def make_inputs(case: Case, device, *, requires_grad: bool, seed: int = 0) -> Op
             return OpInputs((x, weight), {"eps": EPS}, [x, weight])
         residual = randn(case.tokens, case.width)
         return OpInputs((x, weight), {"eps": EPS, "residual": residual}, [x, residual, weight])
+    if case.op == LOSS_OP:
+        hidden = randn(case.tokens, case.width)
+        weight = randn(case.vocab, case.width, scale=case.width ** -0.5)  # logits of unit scale
+        labels = torch.randint(0, case.vocab, (case.tokens,), generator=gen, device=device)
+        labels[torch.rand(case.tokens, generator=gen, device=device) < IGNORED_LABEL_SHARE] = -100
+        return OpInputs((hidden, weight, labels), {}, [hidden, weight])
     if case.op == "rotary":
         q_heads, kv_heads = case.rotary_heads
         seq_len = case.rotary_seq_len
@@ -313,16 +367,21 @@ def _output_grads(outputs: Sequence[torch.Tensor], *, seed: int) -> list[torch.T
 
 
 def _reference(op: str) -> Callable:
-    from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+    from tridist.kernels.reference import (
+        linear_cross_entropy_reference,
+        rms_norm_reference,
+        rotary_reference,
+        swiglu_reference,
+    )
 
     return {"rms_norm": rms_norm_reference, "add_rms_norm": rms_norm_reference,
-            "rotary": rotary_reference, "swiglu": swiglu_reference}[op]
+            "rotary": rotary_reference, "swiglu": swiglu_reference, LOSS_OP: linear_cross_entropy_reference}[op]
 
 
 def _tridist(op: str) -> Callable:
     """The fused op from `kernels`, imported here so that the benchmark runs while kernels/ is in progress."""
     name = {"rms_norm": "rms_norm", "add_rms_norm": "rms_norm",
-            "rotary": "apply_rotary_pos_emb", "swiglu": "swiglu"}[op]
+            "rotary": "apply_rotary_pos_emb", "swiglu": "swiglu", LOSS_OP: LOSS_OP}[op]
     try:
         from tridist import kernels
     except Exception as exc:  # noqa: BLE001 - any import failure makes the variant unavailable
@@ -363,6 +422,8 @@ def _liger(op: str, device: torch.device) -> Callable:
             return _liger_add_rms_norm()
         if op == "rotary":
             return _liger_rotary()
+        if op == LOSS_OP:
+            return _liger_linear_cross_entropy()
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
         return lambda gate, up: LigerSiLUMulFunction.apply(gate, up)
@@ -403,6 +464,18 @@ def _liger_rotary() -> Callable:
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
     return rotary
+
+
+def _liger_linear_cross_entropy() -> Callable:
+    # forward(ctx, _input, weight, target, bias=None, ce_weight=None, ignore_index=-100, ...): the loss, or
+    # (loss, z_loss, ...) in releases that can return the z-loss too.
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+    def linear_cross_entropy(hidden, weight, labels):
+        out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+        return out[0] if isinstance(out, tuple) else out
+
+    return linear_cross_entropy
 
 
 def build_variant(op: str, variant: str, *, device: torch.device) -> Callable:
@@ -657,6 +730,37 @@ def _time_mode(fn: Callable, case: Case, mode: str, *, device: torch.device, war
     return time_ms(timed, device=device, grad_to_none=grad_to_none, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
+def peak_mib(fn: Callable, case: Case, mode: str, *, device: torch.device) -> float:
+    """The memory one call of `mode` adds at its peak above what exists before it (its inputs; gradients
+    are written during the call), in MiB: CUDA's allocator peak, torch's MemTracker on the CPU."""
+    inputs = make_inputs(case, device, requires_grad=mode != "fwd")
+    timed, grad_to_none = make_timed_fn(fn, inputs, mode)  # one untimed call: compilation, allocator
+    reset_grads(grad_to_none)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        timed()
+        torch.cuda.synchronize(device)
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        timed()
+    return tracker.get_tracker_snapshot("peak")[device]["Total"] / 2**20
+
+
+def matmul_tflops(case: Case, *, device: torch.device, warmup_ms=None, rep_ms=None) -> float:
+    """The rate of torch.mm at the head's shape, [T, H] x [H, V] in the case's dtype: the limit of a GEMM-bound
+    op (its % in `pct_matmul`), measured like the ops."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(case.tokens, case.width, generator=gen, device=device).to(case.torch_dtype)
+    b = torch.randn(case.width, case.vocab, generator=gen, device=device).to(case.torch_dtype)
+    ms = time_ms(lambda: torch.mm(a, b), device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return 2.0 * case.tokens * case.width * case.vocab / (ms * 1e-3) / 1e12
+
+
 def _run_case(case: Case, *, device: torch.device, variants: Sequence[str], modes: Sequence[str],
               copy_bw_gbps: float, skipped: dict, warmup_ms, rep_ms) -> list[dict]:
     """All variants and modes of one case: check each variant once against eager, then time each mode.
@@ -664,7 +768,9 @@ def _run_case(case: Case, *, device: torch.device, variants: Sequence[str], mode
     A variant that fails its check with an exception is not timed; one whose numbers mismatch is
     timed, and the mismatch stays in its rows' `error` column.
     """
-    base = {"op": case.op, "shape": case.shape, "dtype": case.dtype, "tokens": case.tokens, "width": case.width}
+    base = {"op": case.op, "shape": case.shape, "dtype": case.dtype, "tokens": case.tokens, "width": case.width,
+            "vocab": case.vocab}
+    modes = modes_for(case, modes)
     rows = []
     try:
         expected = reference_results(case, device)
@@ -688,16 +794,22 @@ def _run_case(case: Case, *, device: torch.device, variants: Sequence[str], mode
             if not error.startswith("failed"):
                 try:
                     row["time_ms"] = _time_mode(fn, case, mode, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+                    if case.op == LOSS_OP:  # the loss's point is memory (module docstring)
+                        row["peak_mib"] = peak_mib(fn, case, mode, device=device)
                 except Exception as exc:  # noqa: BLE001 - recorded in the table
                     row["error"] = _error_text(exc, context=f" ({mode})")
             rows.append(row)
     del expected
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    matmul = matmul_tflops(case, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms) if case.op == LOSS_OP else math.nan
     for row in rows:
         seconds = row["time_ms"] * 1e-3
         row["gbps"] = row["bytes"] / seconds / 1e9 if seconds > 0 else math.nan
         row["pct_copy_bw"] = 100.0 * row["gbps"] / copy_bw_gbps
+        if case.op == LOSS_OP:
+            row["tflops"] = linear_cross_entropy_flops(case, row["mode"]) / seconds / 1e12 if seconds > 0 else math.nan
+            row["pct_matmul"] = 100.0 * row["tflops"] / matmul
     return rows
 
 
@@ -710,7 +822,11 @@ def _summary(rows: list[dict]) -> str:
     parts = []
     for variant, row in by_variant.items():
         flag = " (!)" if row["error"] else ""
-        parts.append(f"{variant} {row['time_ms']:.4g} ms {row['pct_copy_bw']:.0f}%{flag}")
+        if row["op"] == LOSS_OP:
+            parts.append(f"{variant} {row['time_ms']:.4g} ms {row.get('pct_matmul', math.nan):.0f}% of mm "
+                         f"{row.get('peak_mib', math.nan):.0f} MiB{flag}")
+        else:
+            parts.append(f"{variant} {row['time_ms']:.4g} ms {row['pct_copy_bw']:.0f}%{flag}")
     mode = "fwd+bwd" if any(r["mode"] == "fwd+bwd" for r in rows) else (rows[-1]["mode"] if rows else "")
     return f"[{mode}] " + ", ".join(parts)
 

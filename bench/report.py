@@ -74,25 +74,37 @@ def focus_variant(variants: Sequence[str]) -> str | None:
     return variants[0] if variants else None
 
 
+def _gemm_bound(sub) -> bool:
+    """An op measured against the matmul rate (linear_cross_entropy), not the copy bandwidth."""
+    return "pct_matmul" in sub and sub["pct_matmul"].notna().any()
+
+
 def op_table(df, op: str) -> str:
-    """The markdown pivot for one op: rows (shape, dtype, mode), time per variant, bandwidth, speedups."""
+    """The markdown pivot for one op: rows (shape, dtype, mode), time per variant, bandwidth (or, for a
+    GEMM-bound op, TFLOP/s and each variant's peak memory), speedups."""
     sub = df[df["op"] == op]
     variants = _ordered(sub["variant"], VARIANT_ORDER)
     focus = focus_variant(variants)
     baselines = [b for b in BASELINES if b in variants and b != focus]
+    gemm = _gemm_bound(sub)
     headers = ["shape", "dtype", "mode"] + [f"{v} ms" for v in variants]
-    headers += [f"{focus} GB/s", f"{focus} % copy BW"] + [f"{focus} vs {b}" for b in baselines]
+    headers += [f"{focus} TFLOP/s", f"{focus} % matmul"] if gemm else [f"{focus} GB/s", f"{focus} % copy BW"]
+    headers += [f"{focus} vs {b}" for b in baselines] + ([f"{v} peak MiB" for v in variants] if gemm else [])
     rows = []
     for (shape, dtype), case_rows in sub.groupby(["shape", "dtype"], sort=False):
         for mode in _ordered(case_rows["mode"], MODE_ORDER):
             by_variant = {r["variant"]: r for _, r in case_rows[case_rows["mode"] == mode].iterrows()}
-            rows.append([shape, dtype, mode] + _table_cells(by_variant, variants=variants, focus=focus,
-                                                            baselines=baselines))
+            cells = _table_cells(by_variant, variants=variants, focus=focus, baselines=baselines, gemm=gemm)
+            if gemm:
+                cells += ["-" if v not in by_variant else format_value(by_variant[v]["peak_mib"], ".0f") for v in variants]
+            rows.append([shape, dtype, mode] + cells)
     return markdown_table(headers, rows, align=["l"] * 3 + ["r"] * (len(headers) - 3))
 
 
-def _table_cells(by_variant: dict, *, variants: Sequence[str], focus: str, baselines: Sequence[str]) -> list[str]:
-    """Times per variant (flagged when the variant failed its check), then focus's GB/s, % and speedups."""
+def _table_cells(by_variant: dict, *, variants: Sequence[str], focus: str, baselines: Sequence[str],
+                 gemm: bool = False) -> list[str]:
+    """Times per variant (flagged when the variant failed its check), then focus's GB/s and % (TFLOP/s and
+    % of the matmul rate for a GEMM-bound op) and speedups."""
     cells = []
     for variant in variants:
         row = by_variant.get(variant)
@@ -100,7 +112,10 @@ def _table_cells(by_variant: dict, *, variants: Sequence[str], focus: str, basel
     ours = by_variant.get(focus)
     if ours is None:
         return cells + ["-"] * (2 + len(baselines))
-    cells += [format_value(ours["gbps"], ".1f"), format_value(ours["pct_copy_bw"], ".1f", "%")]
+    if gemm:
+        cells += [format_value(ours["tflops"], ".2f"), format_value(ours["pct_matmul"], ".1f", "%")]
+    else:
+        cells += [format_value(ours["gbps"], ".1f"), format_value(ours["pct_copy_bw"], ".1f", "%")]
     for baseline in baselines:
         base = by_variant.get(baseline)
         cells.append("-" if base is None else format_value(base["time_ms"] / ours["time_ms"], ".2f", "x"))
@@ -136,6 +151,10 @@ def render_kernel_markdown(df, meta: dict) -> str:
         "CPU: wall clock.",
         "- GB/s: minimum bytes moved (each input read once, each output written once) / time; "
         "% copy BW: that against the copy bandwidth above.",
+        "- linear_cross_entropy (GEMM-bound): TFLOP/s of its GEMMs (2·T·H·V for the logits; 3x with the "
+        "gradients) / time; % matmul: that against `torch.mm` at the head's shape, timed in this run; peak MiB: "
+        "the memory one call adds above its inputs at its peak (CUDA allocator peak; MemTracker on the CPU). "
+        "Modes fwd and fwd+bwd only: a fused loss computes its gradients in the forward.",
         "- `A vs B`: B's time / A's time, both measured in this run (> 1: A is faster).",
         "- Modes: `fwd`; `bwd` = backward only (forward done once, `retain_graph=True`); `fwd+bwd`.",
         f"- `{ERROR_MARK.strip()}`: the variant failed its check against the eager reference (see Errors).",
@@ -186,18 +205,21 @@ def plot_kernel_results(df, path: str | Path, *, copy_bw_gbps: float | None = No
         several_dtypes = len({d for _, d in groups}) > 1
         op_variants = [v for v in variants if (sub["variant"] == v).any()]
         width = 0.8 / max(1, len(op_variants))
+        gemm = _gemm_bound(sub)  # its panel: peak memory, the fused loss's point
+        column = "peak_mib" if gemm else "pct_copy_bw"
         for j, variant in enumerate(op_variants):
             values = []
             for shape, dtype in groups:
                 hit = sub[(sub["shape"] == shape) & (sub["dtype"] == dtype) & (sub["variant"] == variant)]
-                values.append(float(hit["pct_copy_bw"].iloc[0]) if len(hit) else math.nan)
+                values.append(float(hit[column].iloc[0]) if len(hit) else math.nan)
             xs = [i + (j - (len(op_variants) - 1) / 2) * width for i in range(len(groups))]
             ax.bar(xs, [0 if math.isnan(v) else v for v in values], width, label=variant, color=colors[variant])
-        ax.axhline(100, color="gray", linestyle="--", linewidth=0.8)
+        if not gemm:
+            ax.axhline(100, color="gray", linestyle="--", linewidth=0.8)
         ax.set_xticks(range(len(groups)))
         labels = [f"{s}\n{d}" if several_dtypes else s for s, d in groups]
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=7)
-        ax.set_ylabel("% of copy bandwidth")
+        ax.set_ylabel("peak MiB above the inputs" if gemm else "% of copy bandwidth")
         ax.set_title(f"{op} ({mode})")
         ax.legend(fontsize=8, loc="best")
     for ax in list(axes.flat)[len(ops):]:

@@ -111,6 +111,13 @@ def _table_as_bsd(table: torch.Tensor, layout: str) -> torch.Tensor:
     return table.unsqueeze(0)
 
 
+def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                   ignore_index: int = -100) -> torch.Tensor:
+    """An LM head and its loss as causal-LM code writes them: the [tokens, vocab] logits, upcast to fp32."""
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.float().reshape(-1, weight.shape[0]), labels.reshape(-1), ignore_index=ignore_index)
+
+
 def swiglu_reference(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(x) * y`; with `y=None` the last dimension of x is split in half (Paddle's swiglu)."""
     if y is None:
