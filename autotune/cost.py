@@ -53,6 +53,10 @@ pipeline rank by the layers it holds):
   every rank runs all the experts on its own tokens, k per token, whatever the routing).
 * weights and gradient reductions: each rank holds E/ep experts; the experts' gradients are reduced (and
   ZeRO-sharded) over the dp/ep ranks that hold the same experts, the other parameters over dp.
+* expert tensor parallel (`EngineProfile.expert_tensor_parallel`, "etp" below): Megatron splits the routed
+  and shared experts' ffn over tp like the dense MLP; the torch engines (distcore) keep the MoE blocks whole
+  on every tp rank, each running the same tokens: their GEMMs, weights and activations are not divided by
+  tp (etp = 1), and their tokens are never split over tp (no sequence parallel: search excludes it).
 
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
@@ -255,12 +259,13 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
 
 def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", dtype_bytes: int = 2, *, moe: bool = False,
-                               imbalance: float = 1.0) -> float:
+                               imbalance: float = 1.0, etp: int | None = None) -> float:
     """Activation bytes one layer (an MoE layer with `moe`) keeps for one micro-batch on one device.
 
     GPT (dropout, no flash): s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t))
     with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
-    recompute; selective recompute drops the attention-core term.
+    recompute; selective recompute drops the attention-core term. `etp` (an MoE layer; default tp): the
+    experts' tensor-parallel split, 1 where they run whole on every tp rank.
     """
     if recompute == "full":
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
@@ -268,7 +273,20 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
     outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance)
     if recompute == "selective":
         core = 0.0
+    outside, inside = _experts_whole(spec, micro_batch_size, dtype_bytes, moe, imbalance, tp, etp, outside, inside)
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp
+
+
+def _experts_whole(spec, micro_batch_size, dtype_bytes, moe, imbalance, tp, etp, outside, inside):
+    """(outside, inside) with an MoE layer's expert activations moved out of the tp-split terms where the
+    experts run whole on every tp rank (etp = 1): held whole (no sequence parallel splits them then)."""
+    etp = tp if etp is None else etp
+    if not moe or etp == tp:
+        return outside, inside
+    routed = spec.experts_per_token * imbalance
+    experts = (spec.seq_len * micro_batch_size * (3 if spec.gated_mlp else 2) * dtype_bytes
+               * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size))
+    return outside + experts / etp, inside - experts
 
 
 def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -287,13 +305,16 @@ def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_byt
     return weights, grads, optimizer
 
 
-def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1, ep: int = 1) -> float:
+def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1, ep: int = 1,
+                     etp: int | None = None) -> float:
     """Parameters held by one device of pipeline rank `stage`: its layers' matrices split by tp (norm
     weights replicated; layers per rank as strategy.rank_layers lays them out, uneven where pp does not
     divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
     the last (a tied head is a second copy when the two ends are different ranks); in MoE layers the
-    router (replicated), the shared experts (split by tp) and E/ep routed experts (split by tp)."""
-    return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep))
+    router (replicated), the shared experts and E/ep routed experts (split by etp: tp by default, 1 where
+    the experts run whole on every tp rank)."""
+    etp = tp if etp is None else etp
+    return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep, etp))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -309,24 +330,24 @@ def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool) -> tuple[float, float]:
+def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int) -> tuple[float, float]:
     """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device."""
     norms = spec.layer_norm_parameters
     if not moe:
         return spec.layer_matmul_parameters / tp + norms, 0.0
-    shared = (spec.attention_parameters + spec.shared_expert_parameters) / tp + spec.router_parameters + norms
-    return shared, spec.num_experts // ep * spec.expert_parameters / tp
+    shared = spec.attention_parameters / tp + spec.shared_expert_parameters / etp + spec.router_parameters + norms
+    return shared, spec.num_experts // ep * spec.expert_parameters / etp
 
 
 @functools.lru_cache(maxsize=65536)
 def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple[int, int],
-                     ep: int = 1) -> tuple[float, float]:
+                     ep: int, etp: int) -> tuple[float, float]:
     """(dense, expert) parameters of a rank holding `kinds` = (dense, MoE) decoder layers (see stage_parameters)."""
-    dense_layer, _ = _layer_parameters(spec, tp, ep, False)
+    dense_layer, _ = _layer_parameters(spec, tp, ep, False, etp)
     params = kinds[0] * dense_layer
     experts = 0.0
     if kinds[1]:
-        moe_layer, expert_layer = _layer_parameters(spec, tp, ep, True)
+        moe_layer, expert_layer = _layer_parameters(spec, tp, ep, True, etp)
         params += kinds[1] * moe_layer
         experts = kinds[1] * expert_layer
     if stage == 0:
@@ -471,6 +492,11 @@ def _mlp_gemms(rows: float, hidden: int, ffn: float, gated: bool, flops: float, 
             + _gemm_time(rows, ffn, hidden, flops, bw, e))
 
 
+def _expert_tp(cluster: Cluster, tp: int) -> int:
+    """The experts' tensor-parallel split under the cluster's engine (EngineProfile.expert_tensor_parallel)."""
+    return tp if cluster.engine.expert_tensor_parallel else 1
+
+
 def _expert_imbalance(spec: ModelSpec, ep: int) -> float:
     """The busiest rank's routed tokens over the mean: only expert parallel spreads them unevenly."""
     return spec.expert_load_imbalance if ep > 1 else 1.0
@@ -497,9 +523,10 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         local = spec.num_experts // ep
         routed = tokens * spec.experts_per_token * imbalance
         gemm += _gemm_time(tokens, h, spec.num_experts, flops, bw, e)
-        gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / tp, spec.gated_mlp, flops, bw, e)
+        etp = _expert_tp(cluster, tp)
+        gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         if spec.shared_ffn_hidden_size:
-            gemm += _mlp_gemms(tokens, h, spec.shared_ffn_hidden_size / tp, spec.gated_mlp, flops, bw, e)
+            gemm += _mlp_gemms(tokens, h, spec.shared_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         # The ep ranks are dp ranks tp apart (ParallelDims: tp innermost): those on one node talk over NVLink.
         bw_ep, lat_ep = cluster.link(ep, tp)
         bw_out, lat_out = p.inter_node_bandwidth * p.comm_efficiency, p.inter_node_latency
@@ -514,6 +541,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
     outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance)
+    outside, inside = _experts_whole(spec, micro_batch_size, e, moe, imbalance, tp, _expert_tp(cluster, tp),
+                                     outside, inside)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
@@ -550,6 +579,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
+                                                    etp=_expert_tp(cluster, tp),
                                                     imbalance=imbalance)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
@@ -764,7 +794,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
 
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters; the
     # routed experts' over the dp / ep ranks holding the same experts (ep ranks are dp ranks tp apart).
-    params, experts = max((_rank_parameters(spec, t, pp, rank, kinds[rank], s.ep) for rank in _peak_ranks(per_rank)),
+    params, experts = max((_rank_parameters(spec, t, pp, rank, kinds[rank], s.ep, _expert_tp(cluster, t))
+                           for rank in _peak_ranks(per_rank)),
                           key=sum)
     level = s.sharding_level
     windows = (ranks[slowest].fwd, ranks[slowest].bwd, per_rank[slowest])
@@ -809,10 +840,11 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: list[_LayerCo
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
     c = costs[0]
-    layer_params = [sum(_layer_parameters(spec, t, s.ep, moe)) for moe in (False, True)]  # as stage_parameters counts
+    etp = _expert_tp(cluster, t)
+    layer_params = [sum(_layer_parameters(spec, t, s.ep, moe, etp)) for moe in (False, True)]  # as stage_parameters counts
     best = None
     for stage in _peak_ranks(per_rank):
-        params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep)
+        params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
         weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e)
         if experts:
             states = model_state_bytes(experts, s.dp // s.ep, s.sharding_level, e)

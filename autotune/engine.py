@@ -52,6 +52,10 @@ class EngineProfile:
     # Computes the LM head's loss by tridist's linear_cross_entropy (kernels.fuse's FusedLMHead), under tensor
     # parallel vocabulary-parallel: the loss holds no [tokens, vocab] logits (cost.py).
     fused_loss: bool = False
+    # The routed and shared experts split over tp like the dense MLP (Megatron-Core's default: expert tensor
+    # parallel = tp); False: whole on every tp rank, which runs the same tokens through them (distcore's
+    # tensor_parallel_plan; Megatron's expert_tensor_parallel_size=1), so no sequence parallel on MoE models.
+    expert_tensor_parallel: bool = True
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -108,6 +112,7 @@ MEGATRON = EngineProfile(
 # runs (autotune/data/torch_native_runs.json, tests/test_autotune_engine.py).
 TORCH = EngineProfile(
     name="torch",
+    expert_tensor_parallel=False,
     attention_efficiency=(("hopper", 0.35 / 0.8), ("ampere", 0.6 / 0.8), ("default", 0.75)),
     elementwise_traffic=1.5 * 633 / 221,
     op_overhead_s=10e-6,

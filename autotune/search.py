@@ -221,15 +221,19 @@ def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
 
 # Where the runtime cannot apply a knob, the value the search keeps it at.
 KEPT_AT = {"tp": (1,), "pp": (1,), "ep": (1,), "num_micro_batches": (1,), "recompute": ("none",),
-           "overlap_tp_comm": (False,)}
+           "sequence_parallel": (False,), "overlap_tp_comm": (False,)}
 
 
-def engine_space(space: SearchSpace, cluster: Cluster,
-                 excluded: dict[str, str] | None = None) -> tuple[SearchSpace, tuple[str, ...]]:
+def engine_space(space: SearchSpace, cluster: Cluster, excluded: dict[str, str] | None = None, *,
+                 spec: ModelSpec | None = None) -> tuple[SearchSpace, tuple[str, ...]]:
     """`space` without what the runtime cannot apply, and the reasons (shown in reports): `excluded`,
     {knob: why} from the caller (distcore's limits for a model, `distcore.auto.unsupported`), and what
-    the cluster's engine cannot run."""
+    the cluster's engine cannot run (for `spec`'s model)."""
     limits = dict(excluded or {})
+    if spec is not None and spec.is_moe and not cluster.engine.expert_tensor_parallel:
+        for knob in ("sequence_parallel", "overlap_tp_comm"):
+            limits.setdefault(knob, f"the {cluster.engine.name} engine runs the MoE blocks whole on every tp rank, on "
+                                    "the whole sequence (EngineProfile.expert_tensor_parallel)")
     unknown = sorted(set(limits) - set(KEPT_AT))
     if unknown:
         raise ValueError(f"search: cannot exclude {unknown}; excludable knobs: {sorted(KEPT_AT)}")
@@ -364,7 +368,7 @@ def exhaustive_search(spec: ModelSpec, cluster: Cluster, *, global_batch_size: i
                       space: SearchSpace | None = None, top_k: int = 10) -> list[Candidate]:
     """The reference answer: every raw combination of the knobs, kept if `validate` accepts it and
     it fits in memory, sorted fastest first (no Optuna, no layout decomposition)."""
-    space = space or SearchSpace()
+    space, _ = engine_space(space or SearchSpace(), cluster, spec=spec)  # what search() prunes, pruned alike
     n = cluster.num_devices
     found = []
     degrees = _divisors(n)
@@ -521,7 +525,7 @@ def search(model_spec: ModelSpec, cluster: Cluster, *, global_batch_size: int, s
             "itself: measure on your model with distcore.to_distributed(config=ToDistributedConfig(measure=True)) "
             "or `tridist tune --measure`")
     started = time.perf_counter()
-    space, pruned = engine_space(space or SearchSpace(), cluster, excluded)
+    space, pruned = engine_space(space or SearchSpace(), cluster, excluded, spec=spec)
     keep = max(top_k, STORED_CANDIDATES_PER_LAYOUT)
     layouts = enumerate_layouts(spec, cluster, global_batch_size, space)
     if method == "auto":

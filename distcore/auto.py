@@ -224,18 +224,17 @@ def _device_profile(config: ToDistributedConfig):
 def unsupported(spec) -> dict[str, str]:
     """What distcore cannot apply to this model yet: {knob (autotune.search.KEPT_AT's): the reason}. The search
     keeps those knobs at their defaults (and says why), and a given strategy that needs them is refused, so
-    that no strategy to_distributed chooses fails when applied. A mixture of experts trains without tensor
-    parallel (data, expert and pipeline parallel, sharding, micro-batches and recompute apply)."""
+    that no strategy to_distributed chooses fails when applied. A mixture of experts trains with every knob but
+    sequence parallel (its MoE blocks run whole on every tensor-parallel rank: `tensor_parallel_plan`)."""
     structure = getattr(spec, "structure", None)
     limits: dict[str, str] = {}
     if structure is None:
         return limits
     if structure.is_moe:
-        why = (f"distcore does not yet apply this to mixtures of experts (MoE blocks {structure.pattern(structure.moe)}"
-               f" in {len(structure.moe_layers)} of {structure.num_layers} layers): they train data, expert and "
-               "pipeline parallel, with sharding, micro-batches and recompute")
-        limits["tp"] = why
-        return limits
+        limits["sequence_parallel"] = limits["overlap_tp_comm"] = (
+            f"the MoE blocks ({structure.pattern(structure.moe)} in {len(structure.moe_layers)} of "
+            f"{structure.num_layers} layers) run whole on every tensor-parallel rank, on the whole sequence: "
+            "distcore does not split their tokens over tp yet")
     if structure.tied_embeddings and not structure.lm_head:
         limits["tp"] = limits["pp"] = (
             "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
@@ -445,10 +444,6 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         )
     if strategy.ep > 1 and (structure is None or not structure.is_moe):
         raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
-    if strategy.tp > 1 and structure is not None and structure.is_moe:
-        raise ValueError(
-            f"to_distributed: tp={strategy.tp} cannot be applied to this model yet: distcore trains mixtures of "
-            f"experts ({structure.pattern(structure.moe)}) data, expert and pipeline parallel; use tp=1")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
     if config.fuse_kernels:
@@ -484,28 +479,38 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
-    when they are tied)."""
-    if structure.is_moe:
-        raise ValueError(f"tensor_parallel_plan: no tensor-parallel plan for a mixture of experts yet (MoE blocks "
-                         f"{structure.pattern(structure.moe)}); train it data parallel")
+    when they are tied).
+
+    A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
+    (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1:
+    each tp rank routes the same tokens and runs the same experts, or its expert-parallel share of them, so
+    their gradients come out equal on the tp ranks and need no reduction over tp). Their tokens are not split
+    over tp, so no sequence parallel."""
+    if structure.is_moe and sequence_parallel:
+        raise ValueError(f"tensor_parallel_plan: sequence parallel on a mixture of experts: its MoE blocks "
+                         f"({structure.pattern(structure.moe)}) run whole on every tp rank; use tp without it")
     plan: dict = {}
-    layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in range(structure.num_layers)]
+    indices = range(structure.num_layers)
+    layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
+    dense_layers = [layer for i, layer in zip(indices, layers) if i not in set(structure.moe_layers)]
 
     def add(name, *styles):
         if name:
             plan.setdefault(name, []).extend(styles)
 
-    def add_per_layer(relative, *styles):
+    def add_per_layer(relative, *styles, among=layers):
         if relative:
-            for layer in layers:
+            for layer in among:
                 add(f"{layer}.{relative}", *styles)
 
-    for projection in (structure.q, structure.k, structure.v, structure.gate, structure.up):
+    for projection in (structure.q, structure.k, structure.v):
         add_per_layer(projection, ColWiseParallel())
     add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes))  # each part split on its own
-    add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2))
     add_per_layer(structure.o, RowWiseParallel())
-    add_per_layer(structure.down, RowWiseParallel())
+    for projection in (structure.gate, structure.up):
+        add_per_layer(projection, ColWiseParallel(), among=dense_layers)
+    add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2), among=dense_layers)
+    add_per_layer(structure.down, RowWiseParallel(), among=dense_layers)
     add(structure.embedding, RowWiseParallel())  # vocabulary-split embedding, full outputs
     if structure.lm_head_param and (structure.lm_head or not structure.tied_embeddings):
         # An nn.Linear head gathers its logits (the model's loss sees full logits); a bare weight used as

@@ -18,8 +18,11 @@ The experts module must be Hugging Face's stacked SwiGLU experts (3-D `gate_up_p
 hidden] and `down_proj` [experts, hidden, ffn], `forward(hidden_states, top_k_index, top_k_weights)`), as
 Mixtral, Qwen3-MoE and Qwen2-MoE hold them, or tridist's FusedSwiGLUExperts; a probe (kernels.fuse's)
 checks that it computes that before it is split. Pipeline stages split their own MoE layers (the
-[pp, dp / ep, ep] mesh); composition with tensor parallel is not built yet: parallelize refuses
-ep_config with mp_config.
+[pp, dp / ep, ep] mesh). Under tensor parallel (attention split over "mp") the MoE blocks stay whole on
+every mp rank, as Megatron's expert tensor parallel of 1: the mp ranks hold the same tokens, route them
+alike and each sends them to the experts' ranks of its own ep group (the dp ranks at its mp coordinate,
+the [dp / ep, ep, mp] mesh), so each mp rank computes the same expert gradients and none is reduced over
+mp.
 """
 
 from __future__ import annotations
@@ -99,13 +102,11 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 def expert_mesh(mesh, ep: int, device_type: str) -> DeviceMesh:
-    """The job's mesh (a ProcessMesh with a "dp" dimension, and "pp" or not) with "dp" split into
-    ("edp", "ep"), ep innermost: its "ep" dimension holds the experts' shards, "edp" the ranks that share
-    them. Every rank builds it alike (DeviceMesh creation is collective). Tensor parallel ("mp") does not
-    compose with expert parallel yet."""
+    """The job's mesh (a ProcessMesh with a "dp" dimension, and "pp" and "mp" or not) with "dp" split into
+    ("edp", "ep"), ep innermost within dp: its "ep" dimension holds the experts' shards, "edp" the ranks that
+    share them; the "mp" ranks each hold the same experts (expert_parallel's docstring). Every rank builds it
+    alike (DeviceMesh creation is collective)."""
     names = list(mesh.dim_names)
-    if "mp" in names and mesh.get_dim_size("mp") > 1:
-        raise NotImplementedError("expert parallel: tensor parallel does not compose with it yet; use mp = 1")
     if "dp" not in names:
         raise ValueError(f"expert parallel folds into data parallel: the mesh {names} has no 'dp' dimension")
     ranks = np.asarray(mesh.mesh)

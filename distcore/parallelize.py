@@ -72,9 +72,6 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         return model, optimizer
     ep_config = _sub_config(config, "ep_config", EP_KEYS)
     if ep_config is not None:
-        if "mp_config" in config:
-            raise NotImplementedError("parallelize: ep_config composes with dp_config and pp_config so far (no "
-                                      "mp_config): train the mixture of experts without tensor parallel")
         config.setdefault("dp_config", {})  # expert parallel folds into data parallel
     if "dp_config" not in config and "dp" in mesh.dim_names and mesh.get_dim_size("dp") > 1:
         # Paddle keeps parameters replicated over a "dp" dimension and reduces their gradients without a
@@ -147,12 +144,9 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
                                     dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None,
                                     experts: "_ExpertPlan | None" = None) -> None:
-    """Tensor parallel over "mp" first (or expert parallel within "dp"), then data parallel over "dp" on the
-    resulting DTensor parameters."""
-    expert_mesh = None
-    if experts is not None:
-        apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
-        expert_mesh = experts.mesh
+    """Tensor parallel over "mp" first (its block check runs the blocks whole), then expert parallel within
+    "dp" (the MoE blocks, which tensor parallel leaves whole), then data parallel over "dp" on the resulting
+    DTensor parameters."""
     if mp_config is not None:
         with warnings.catch_warnings():
             if not warn_unmatched:  # pipeline stages: keys were checked against the whole model already
@@ -163,6 +157,10 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
                 overlap_comm=mp_config.get("overlap_comm", False),
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
+    expert_mesh = None
+    if experts is not None:
+        apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
+        expert_mesh = experts.mesh
     if dp_config is not None:
         apply_data_parallel(
             model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),

@@ -20,6 +20,8 @@ from tridist.autotune import (
     stage_parameters,
 )
 from tridist.autotune.cost import _layer_cost, all_to_all_time
+from tridist.autotune.engine import ENGINES
+from tridist.autotune.search import search
 from tridist.autotune.published_runs import MOE_RUNS, TOLERANCE
 from tridist.autotune.strategy import rank_layer_indices
 
@@ -165,3 +167,26 @@ def test_published_moe_runs(run):
     result = estimate(run.spec(), cluster, run.strategy, global_batch_size=run.strategy.global_batch_size)
     ratio = result.tokens_per_second / cluster.num_devices / run.tokens_per_second_per_device
     assert 1 / (1 + TOLERANCE) <= ratio <= 1 + TOLERANCE, f"{run.label}: predicted / published = {ratio:.2f} ({run.source})"
+
+
+def test_experts_whole_on_every_tp_rank_under_the_torch_engines():
+    """The torch engines (distcore) keep the MoE blocks whole on every tp rank (expert tensor parallel 1),
+    Megatron splits the experts' ffn over tp like the dense MLP. tp 2, ep 2, TINY_MOE: the experts' weights
+    2 x 192 per layer whole instead of 2 x 96; their GEMMs (FLOP-bound: 4 groups of 2 rows of 768 FLOPs at ep
+    1) beside attention split in two (1536 / 2) and the router (256); their activations (3 SwiGLU tensors of
+    the expert ffn for k copies of 4 tokens, 4·96 bytes) held whole; and no sequence parallel for them."""
+    assert stage_parameters(TINY_MOE, 2, 1, 0, ep=2, etp=1) == (288 + 16) + 3 * (96 + 32 + 16 + 2 * 192) + 128 + 128 + 8
+    megatron = _cluster(1, 2, **COMPUTE_ONLY)
+    torch_engine = replace(megatron, engine=ENGINES["torch+tridist"])
+    assert not torch_engine.engine.expert_tensor_parallel and megatron.engine.expert_tensor_parallel
+    assert _layer_cost(TINY_MOE, torch_engine, 2, 1, False, True, 1).gemm_fwd == pytest.approx((1536 / 2 + 256 + 4 * 768) / 1e12)
+    assert _layer_cost(TINY_MOE, megatron, 2, 1, False, True, 1).gemm_fwd == pytest.approx((1536 / 2 + 256 + 4 * 768 / 2) / 1e12)
+    outside, inside, core, experts = 4 * (64 + 32 + 16), 4 * (48 + 96), 4 * 4 * 4, 4 * 96
+    assert activation_bytes_per_layer(TINY_MOE, 1, tp=2, moe=True, etp=1) == pytest.approx(
+        outside + experts + (inside - experts + core) / 2)
+    assert activation_bytes_per_layer(TINY_MOE, 1, tp=2, moe=True, etp=2) == pytest.approx(outside + (inside + core) / 2)
+    spec = replace(TINY_MOE, seq_len=8)
+    ranked = search(spec, Cluster(1, 4, megatron.profile, engine="torch+tridist"), global_batch_size=4, storage=None,
+                    top_k=1000)
+    assert ranked.ranked and not any(c.strategy.sequence_parallel for c in ranked.ranked)
+    assert any("sequence_parallel kept at False" in line for line in ranked.pruned), ranked.pruned

@@ -168,17 +168,20 @@ def test_to_distributed_keeps_moe_models_to_what_distcore_applies():
     model = build("mixtral")
     spec = ModelSpec.from_module(model, seq_len=16)
     limits = unsupported(spec)
-    assert set(limits) == {"tp"}  # expert, pipeline and data parallel with micro-batches and recompute are applied
-    assert "mixtures of experts" in limits["tp"]
+    # tensor, expert, pipeline and data parallel with micro-batches and recompute are applied; the MoE blocks
+    # run whole on every tp rank, so their tokens are not split over it
+    assert set(limits) == {"sequence_parallel", "overlap_tp_comm"}
+    assert "run whole on every tensor-parallel rank" in limits["sequence_parallel"]
     dense = build("qwen3-moe")
     for layer in dense.model.layers:  # the same model with its MoE block swapped for its first layer's dense MLP
         layer.mlp = dense.model.layers[0].mlp
     with pytest.raises(ValueError, match="ep=2 needs a recognised mixture of experts"):
         apply_strategy(dense, None, Strategy(dp=2, tp=1, pp=1, ep=2), spec=ModelSpec.from_module(dense, seq_len=16))
-    with pytest.raises(ValueError, match="tp=2 cannot be applied to this model yet"):
-        apply_strategy(model, None, Strategy(dp=1, tp=2, pp=1), spec=spec)
-    with pytest.raises(ValueError, match="no tensor-parallel plan for a mixture of experts"):
-        tensor_parallel_plan(model, spec.structure, sequence_parallel=False)
+    with pytest.raises(ValueError, match="sequence parallel on a mixture of experts"):
+        tensor_parallel_plan(model, spec.structure, sequence_parallel=True)
+    plan = tensor_parallel_plan(model, spec.structure, sequence_parallel=False)  # attention only: every layer is MoE
+    split = {name.rpartition(".")[2] for name in plan.styles}
+    assert split >= {"q_proj", "k_proj", "v_proj", "o_proj"} and not any(".mlp." in name for name in plan.styles), split
     with pytest.raises(ValueError, match="no tensor-parallel roles for a mixture-of-experts model"):
         spec.structure.tp_roles()
 

@@ -414,21 +414,23 @@ def check_parallelize_ties_across_stages_with_a_user_plan():
 
 
 def check_mixtures_of_experts_train_data_parallel():
-    """Mixtral and Qwen3-MoE (a dense first layer) are recognised and searched with the default config: tensor
-    parallel, which distcore does not apply to a mixture of experts yet, stays at 1, and the strategy chosen
-    trains equal to one process (padding rows, the global token mean, evaluation); a forced tensor-parallel
-    strategy is refused with the reason."""
+    """Mixtral and Qwen3-MoE (a dense first layer) are recognised and searched with the default config: the
+    strategy chosen trains equal to one process (padding rows, the global token mean, evaluation), and never
+    splits the MoE blocks' tokens over tp (sequence parallel, which distcore does not apply to them); a forced
+    sequence-parallel strategy is refused with the reason."""
     for family in ("mixtral", "qwen3-moe"):
         chosen = _train(family)
-        assert chosen.tp == 1, chosen
-    _expect_refused("mixtral", _strategy(2, 2, 1), "mixtures of experts")
+        assert not chosen.sequence_parallel, chosen
+    _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True), "run whole on every tensor-parallel rank")
 
 
 def check_expert_parallel_trains_like_one_process():
     """Expert parallel (the experts split over ep of the dp ranks, tokens sent to them and back by
     all-to-all): ep 4 with the experts replicated nowhere, ep 2 on 4 ranks with ZeRO-3 over both groups
     (the experts sharded over the 2 ranks that hold them, the rest over all 4), fused and unfused; dp 2 x
-    pp 2 with ep 2 (each stage's MoE layers split over its 2 dp ranks) and micro-batches."""
+    pp 2 with ep 2 (each stage's MoE layers split over its 2 dp ranks) and micro-batches; dp 2 x tp 2 with
+    ep 2 (attention split over tp, each tp rank's MoE blocks whole, their experts split over its 2 dp ranks),
+    and tp 2 alone (the experts whole on every rank)."""
     world = dist.get_world_size()
     if world < 4:
         return
@@ -438,9 +440,11 @@ def check_expert_parallel_trains_like_one_process():
     _train("mixtral", _strategy(2, 1, 2, ep=2, num_micro_batches=2, sharding_level=2))  # MoE layers in stages
     _train("qwen3-moe", _strategy(2, 1, 2, ep=2, num_micro_batches=2))  # its dense first layer in stage 0
     _train("mixtral", _strategy(4, 1, 1, ep=2, recompute="full"))  # the all-to-alls run again in the backward
+    _train("mixtral", _strategy(2, 2, 1, ep=2))
+    _train("qwen3-moe", _strategy(2, 2, 1, ep=2, sharding_level=3))  # its dense first layer's MLP split over tp
+    _train("mixtral", _strategy(2, 2, 1, sharding_level=1))
     mesh = distcore.ProcessMesh(list(range(world)), dim_names=["dp"])
     for config, error, why in (({"ep_config": {"degree": 3}}, ValueError, "ep=3 must divide the data-parallel degree 4"),
-                               ({"ep_config": {"degree": 2}, "mp_config": {}}, NotImplementedError, "no mp_config"),
                                ({"ep_config": {"degree": 2, "experts": ["model.layers.0.mlp.expertz"]}}, ValueError,
                                 "has no module 'model.layers.0.mlp.expertz'")):
         try:
