@@ -81,8 +81,11 @@ class ExpertParallelExperts(torch.nn.Module):
         gate_up, down = (_ScaleGradient.apply(w.to_local(), 1.0 / self.ep) for w in (self.gate_up_proj, self.down_proj))
         out = routed_swiglu(rows, local_ids[:, None], rows.new_ones(rows.shape[0], 1), gate_up, down,
                             activation=self.activation)
-        if rows.shape[0] == 0:  # no tokens here this step: the weights still get their (zero) gradient
-            out = out + 0 * (gate_up.sum() + down.sum())
+        if rows.shape[0] == 0:
+            # No tokens here this step. The weights still get their (zero) gradient, and the output still
+            # depends on `rows`: autograd runs only the nodes on a path to the loss, and the dispatch's
+            # backward all-to-all is a collective the ep peers run (a rank skipping it hangs them all).
+            out = out + 0 * (gate_up.sum() + down.sum() + rows.sum())
         out = all_to_all_single_autograd(out, send, receive, group)
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))

@@ -1,0 +1,83 @@
+"""ExpertParallelExperts on 2 gloo processes (run by test_expert_parallel.py): the routed experts split over
+an ep group of 2, each rank's tokens dispatched to their experts' rank and back. Output, the input's gradient
+and the experts' gradients equal one process running both ranks' tokens through the whole experts, also
+when a rank receives no tokens at all (every token routed to the other rank's experts): its backward must
+still run the dispatch's all-to-all, or its peer waits forever (a hang found when pipeline stages' shape
+inference ran MoE layers on uninitialised inputs, which routed every token to one rank).
+
+Tolerance: both sides compute each token's expert outputs with the same fp32 GEMMs on the same rows; only
+the order of sums differs (an expert's weight gradient adds the two ranks' tokens in another order, 1/ep
+scaled): rtol 1e-5, atol 1e-6 (values of order 1, sums of under 20 terms: ~20 u32 = 1.2e-6 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from tridist.distcore.expert_parallel import ExpertParallelExperts
+from tridist.kernels.ops.swiglu import eager_swiglu, routed_swiglu
+from tests.distributed.harness import run_checks
+
+EXPERTS, HIDDEN, FFN, TOKENS, K = 4, 8, 6, 5, 2
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+class _StackedExperts(torch.nn.Module):
+    """Hugging Face's stacked SwiGLU experts' parameters (what ExpertParallelExperts splits)."""
+
+    def __init__(self, generator):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=generator) / HIDDEN**0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN, generator=generator) / FFN**0.5)
+
+
+def _compare(route):
+    """`route(rank)`: each rank's [TOKENS, K] expert indices."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    experts = _StackedExperts(torch.Generator().manual_seed(0))  # the same weights on every rank
+    split = ExpertParallelExperts(experts, mesh, fused_activation=False)
+    inputs = []
+    for rank in range(world):  # every rank's tokens, known everywhere for the single-process reference
+        generator = torch.Generator().manual_seed(100 + rank)
+        inputs.append((torch.randn(TOKENS, HIDDEN, generator=generator), route(rank),
+                       torch.rand(TOKENS, K, generator=generator)))
+    upstream = [torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
+
+    rank = dist.get_rank()
+    hidden, index, weights = inputs[rank]
+    hidden = hidden.clone().requires_grad_()
+    out = split(hidden, index, weights)
+    (out * upstream[rank]).sum().backward()
+
+    whole = [t.detach().clone().requires_grad_() for t in (experts.gate_up_proj, experts.down_proj)]
+    leaves = [h.clone().requires_grad_() for h, _, _ in inputs]
+    outs = [routed_swiglu(h, i, w, *whole, activation=eager_swiglu) for h, (_, i, w) in zip(leaves, inputs)]
+    sum((o * g).sum() for o, g in zip(outs, upstream)).backward()
+
+    torch.testing.assert_close(out, outs[rank].detach(), **TOLERANCE)
+    torch.testing.assert_close(hidden.grad, leaves[rank].grad, **TOLERANCE)
+    # Data parallel averages the gradients over ranks; expert parallel's 1/ep scale gives that average here.
+    for name, reference in zip(("gate_up_proj", "down_proj"), whole):
+        got = getattr(split, name).grad.full_tensor()
+        torch.testing.assert_close(got, reference.grad / world, msg=lambda m: f"{name}: {m}", **TOLERANCE)
+
+
+def check_tokens_dispatched_and_combined_equal_one_process():
+    _compare(lambda rank: torch.randint(0, EXPERTS, (TOKENS, K), generator=torch.Generator().manual_seed(rank)))
+
+
+def check_a_rank_that_receives_no_tokens_still_runs_the_backward_all_to_all():
+    """Every token of both ranks routed to experts 0 and 1, which rank 0 holds: rank 1 receives none."""
+    _compare(lambda rank: torch.tensor([[0, 1]] * TOKENS))
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    from tridist import distcore
+
+    distcore.init_parallel_env()
+    run_checks(CHECKS)  # ends the process group
