@@ -1,14 +1,22 @@
 """Compile every kernel variant for an H100 (sm_90) with Triton's real compiler, on a machine with no GPU.
 
 Run as a script (without TRITON_INTERPRET, so the kernels are JIT functions). Prints one JSON line per
-kernel variant: whether it compiled to a cubin and which global load/store widths its PTX uses.
-Integer arguments and pointers get the 16-divisibility attribute the JIT infers at a real launch for
-aligned buffers and hidden sizes like 4096; unit strides are constexpr 1, as the JIT specialises them.
+kernel variant: whether it compiled to a cubin, which global load/store widths its PTX uses, and its
+registers per thread and spill stack (bytes of local memory per thread; `cuobjdump -res-usage` of the
+cubin), from which `occupancy` derives the warps an SM holds. Integer arguments and pointers get the
+16-divisibility attribute the JIT infers at a real launch for aligned buffers and hidden sizes like 4096;
+unit strides are constexpr 1, as the JIT specialises them.
+
+`python -m tests._gpu_codegen --study` prints instead the RMSNorm / add_rms_norm backward's grid of
+launch configurations at hidden 4096 and 8192 (issue 23's medium shapes), with the heuristic's own marked.
 """
 
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -45,7 +53,49 @@ def compile_variant(label, fn, pointers, constexprs, floats=(), num_warps=4):
     result["cubin_bytes"] = len(compiled.asm["cubin"])
     result["loads"] = sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)))
     result["stores"] = sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
+    result.update(resource_usage(compiled.asm["cubin"]))
+    result["warps_per_sm"] = occupancy(result["registers"], num_warps)
     return result
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and the spill stack (bytes per thread) of a cubin, by Triton's bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([tool, "-res-usage", file.name], capture_output=True, text=True, check=True).stdout
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return {"registers": int(registers), "spill_stack_bytes": int(stack)}
+
+
+def occupancy(registers: int, num_warps: int) -> int:
+    """Warps an sm_90 SM holds of a kernel using `registers` per thread: 65,536 registers per SM, allocated
+    per warp in units of 256, at most 64 warps and 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    programs = min(65536 // per_warp // num_warps, 64 // num_warps, 32)
+    return programs * num_warps
+
+
+def backward_study():
+    """The RMSNorm backward (without and with the residual's gradient, add_rms_norm's) over launch
+    configurations at hidden 4096 and 8192: registers, spills and warps per SM, the heuristic's marked."""
+    bwd_ptrs = {"dy_ptr": BF16, "dh_ptr": BF16, "h_ptr": BF16, "w_ptr": BF16, "rstd_ptr": FP32, "dx_ptr": BF16,
+                "dw_partial_ptr": FP32}
+    units = {n: 1 for n in ("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")}
+    for hidden in (4096, 8192):
+        chosen = rms_norm.heuristic_config("bwd", hidden)
+        for has_dh in (False, True):
+            for block_n in (b for b in (2048, 4096, 8192) if b <= hidden):
+                for block_m in (1, 2, 4):
+                    for num_warps in (4, 8, 16):
+                        result = compile_variant(
+                            f"{'add_rms_norm' if has_dh else 'rms_norm'}_bwd[H={hidden}]", rms_norm._rms_norm_bwd_kernel,
+                            bwd_ptrs, {"HAS_DH": has_dh, "ROUND": 2, "SINGLE_PASS": block_n >= hidden, "COMPUTE_DW": True,
+                                       "BLOCK_M": block_m, "BLOCK_N": block_n, **units}, ("offset",), num_warps)
+                        heuristic = (block_n, block_m, num_warps) == (chosen["BLOCK_N"], chosen["BLOCK_M"], chosen["num_warps"])
+                        yield {**result, "BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps,
+                               "heuristic": heuristic}
 
 
 def variants():
@@ -86,6 +136,10 @@ def variants():
 
 
 if __name__ == "__main__":
-    for label, fn, pointers, constexprs, floats, num_warps in variants():
-        print(json.dumps(compile_variant(label, fn, pointers, constexprs, floats, num_warps)))
+    if "--study" in sys.argv:
+        for row in backward_study():
+            print(json.dumps({k: v for k, v in row.items() if k not in ("loads", "stores")}), flush=True)
+    else:
+        for label, fn, pointers, constexprs, floats, num_warps in variants():
+            print(json.dumps(compile_variant(label, fn, pointers, constexprs, floats, num_warps)))
     sys.stdout.flush()

@@ -51,6 +51,11 @@ MULTI_PASS_BLOCK_N = 4096
 # (hidden 64-1024) still give each program enough bytes in flight.
 TARGET_TILE_ELEMENTS = 4096
 # Persistent backward grid: two programs per SM hide the latency of the reductions.
+# Occupancy on sm_90 (`python -m tests._gpu_codegen --study`: ptxas registers, no spills at either): the
+# heuristic's backward holds 24 warps per SM at hidden 4096 (80 registers; 16 for add_rms_norm's 112) and 16
+# at 8192 (82 / 112 registers: one 16-warp program per SM, not the two the grid asks for). 16 warps at
+# BLOCK_N 4096 would hold 32 (59 / 63 registers, single pass at 4096, two passes at 8192); both are in
+# search_space, so a sweep on an H100 decides between them (the heuristic stays until one has measured it).
 BACKWARD_PROGRAMS_PER_SM = 2
 
 ROUND_NONE, ROUND_TO_WEIGHT, ROUND_TO_INPUT = 0, 1, 2
