@@ -230,11 +230,12 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 
 
 def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
-                      imbalance: float = 1.0) -> tuple[float, float, float]:
+                      imbalance: float = 1.0, experts_split: bool = True) -> tuple[float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
     inside them, the attention core). For Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh and
     5·a·s²·b (Korthikanti et al. 2022, eq. 1). `moe`: an MoE layer, its busiest rank receiving
-    `imbalance` times the mean of the routed tokens."""
+    `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
+    rank (etp = 1), their activations outside the split regions (no sequence parallel splits them then)."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
     h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
@@ -249,6 +250,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
         routed = spec.experts_per_token * imbalance
         mlp = mlp_tensors * e * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size)
         outside += sb * (routed * e * h + ROUTER_PROB_BYTES * spec.num_experts)  # dispatched copies, router scores
+        if not experts_split:
+            outside, mlp = outside + sb * mlp, 0.0
     inside = sb * (e * q + e * kv + e * kv + e * q + mlp)
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
@@ -270,23 +273,11 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
     if recompute == "full":
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
         return layer_input / tp if sequence_parallel else layer_input
-    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance)
+    experts_split = etp is None or etp == tp
+    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split)
     if recompute == "selective":
         core = 0.0
-    outside, inside = _experts_whole(spec, micro_batch_size, dtype_bytes, moe, imbalance, tp, etp, outside, inside)
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp
-
-
-def _experts_whole(spec, micro_batch_size, dtype_bytes, moe, imbalance, tp, etp, outside, inside):
-    """(outside, inside) with an MoE layer's expert activations moved out of the tp-split terms where the
-    experts run whole on every tp rank (etp = 1): held whole (no sequence parallel splits them then)."""
-    etp = tp if etp is None else etp
-    if not moe or etp == tp:
-        return outside, inside
-    routed = spec.experts_per_token * imbalance
-    experts = (spec.seq_len * micro_batch_size * (3 if spec.gated_mlp else 2) * dtype_bytes
-               * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size))
-    return outside + experts / etp, inside - experts
 
 
 def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -514,6 +505,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     tokens = micro_batch_size * spec.seq_len
     h, f = spec.hidden_size, spec.ffn_hidden_size
     imbalance = _expert_imbalance(spec, ep) if moe else 1.0
+    etp = _expert_tp(cluster, tp)
     gemm = (_gemm_time(tokens, h, (spec.q_size + 2 * spec.kv_size) / tp, flops, bw, e)
             + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e))
     ep_collective = 0.0
@@ -523,7 +515,6 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         local = spec.num_experts // ep
         routed = tokens * spec.experts_per_token * imbalance
         gemm += _gemm_time(tokens, h, spec.num_experts, flops, bw, e)
-        etp = _expert_tp(cluster, tp)
         gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         if spec.shared_ffn_hidden_size:
             gemm += _mlp_gemms(tokens, h, spec.shared_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
@@ -540,9 +531,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     else:
         core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
-    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance)
-    outside, inside = _experts_whole(spec, micro_batch_size, e, moe, imbalance, tp, _expert_tp(cluster, tp),
-                                     outside, inside)
+    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
@@ -579,7 +568,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
-                                                    etp=_expert_tp(cluster, tp),
+                                                    etp=etp,
                                                     imbalance=imbalance)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1

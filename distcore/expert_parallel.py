@@ -144,7 +144,8 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
             raise ValueError(f"expert parallel: {name} ({type(module).__name__}) {why}: distcore splits stacked "
                              "SwiGLU experts only (Hugging Face's gate_up_proj / down_proj layout)")
         if any(isinstance(p, DTensor) for p in module.parameters()):
-            raise ValueError(f"expert parallel: {name} is already distributed; apply expert parallel first")
+            raise ValueError(f"expert parallel: {name}'s parameters are already DTensors (split by a tensor-parallel "
+                             "plan?); leave the experts out of mp_config's plan: expert parallel splits them")
         split = ExpertParallelExperts(module, ep_mesh, fused_activation=fused_activation)
         split.training = module.training
         parent_name, _, child = name.rpartition(".")

@@ -157,14 +157,12 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
                 overlap_comm=mp_config.get("overlap_comm", False),
             )
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
-    expert_mesh = None
     if experts is not None:
         apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
-        expert_mesh = experts.mesh
     if dp_config is not None:
         apply_data_parallel(
             model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
-            mp_policy=_mixed_precision(dp_config), expert_mesh=expert_mesh,
+            mp_policy=_mixed_precision(dp_config), expert_mesh=experts.mesh if experts is not None else None,
         )
 
 

@@ -671,14 +671,32 @@ def linear_cross_entropy(
 
 def _local_inputs(op, hidden, weight, labels, bias):
     """(hidden, weight, labels, bias) as the op takes them, plain tensors, and the vocabulary's split
-    (vocab_start, vocab_size, process group name or None). DTensors come from tensor parallel's global view:
-    a weight on a 1-D mesh split on its rows (ColwiseParallel's Shard(0) of an nn.Linear head) with bias
-    split alike, or replicated; hidden and labels replicated on that mesh, or plain tensors that are the same
-    on every rank of it. The local tensors keep autograd: the weight's gradient comes back as its shard and
-    hidden's as the whole gradient, summed over the ranks by the op."""
+    (vocab_start, vocab_size, process group name or None), for the layouts `_vocabulary_layout` accepts.
+    The local tensors keep autograd: the weight's gradient comes back as its shard and hidden's as the whole
+    gradient, summed over the ranks by the op."""
     vocab = weight.shape[0]
     if not any(is_dtensor(t) for t in (hidden, weight, labels, bias)):
         return (hidden, weight, labels, bias), (0, vocab, None)
+    layout = _vocabulary_layout(op, hidden, weight, labels, bias)
+
+    def local(t):
+        return t.to_local() if is_dtensor(t) else t
+
+    hidden, labels = local(hidden), local(labels)
+    if layout == "replicated":
+        return (hidden, weight.to_local(), labels, local(bias)), (0, vocab, None)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return (hidden, weight.to_local(), labels, local(bias)), (vocab_start, vocab, mesh.get_group().group_name)
+
+
+def _vocabulary_layout(op, hidden, weight, labels, bias) -> str:
+    """How DTensor inputs (tensor parallel's global view) hold the vocabulary: "sharded" (a weight on a 1-D mesh
+    split on its rows, ColwiseParallel's Shard(0) of an nn.Linear head, with bias split alike) or "replicated"
+    (the whole weight on every rank); hidden and labels replicated on that mesh, or plain tensors that are the
+    same on every rank of it. Any other layout raises the error naming the fix."""
 
     def describe(t):
         if not is_dtensor(t):
@@ -694,20 +712,19 @@ def _local_inputs(op, hidden, weight, labels, bias):
         )
     mesh, (placement,) = weight.device_mesh, weight.placements
 
-    def whole(name, t):
-        if t is None or not is_dtensor(t):
-            return t
-        if t.device_mesh != mesh or not all(p.is_replicate() for p in t.placements):
+    def check_whole(name, t):
+        if is_dtensor(t) and (t.device_mesh != mesh or not all(p.is_replicate() for p in t.placements)):
             raise ValueError(
                 f"{op}: {name} is {describe(t)}; with the weight on {mesh} it must be whole on every rank of that mesh "
                 f"(Replicate): gather it first, e.g. {name}.redistribute({name}.device_mesh, [Replicate()]) (a "
                 "sequence-parallel hidden state is gathered before the LM head)"
             )
-        return t.to_local()
 
-    hidden, labels = whole("hidden", hidden), whole("labels", labels)
+    check_whole("hidden", hidden)
+    check_whole("labels", labels)
     if placement.is_replicate():
-        return (hidden, weight.to_local(), labels, whole("bias", bias)), (0, vocab, None)
+        check_whole("bias", bias)
+        return "replicated"
     if not placement.is_shard(0):
         raise ValueError(
             f"{op}: weight is {describe(weight)}: split on its hidden dim, a vocabulary-parallel loss cannot use it; "
@@ -716,11 +733,7 @@ def _local_inputs(op, hidden, weight, labels, bias):
     if bias is not None and not (is_dtensor(bias) and bias.device_mesh == mesh and bias.placements == weight.placements):
         raise ValueError(f"{op}: bias is {describe(bias)}; with a vocabulary-split weight it must be split alike "
                          f"(a DTensor [Shard(dim=0)] on {mesh}), as ColwiseParallel splits an nn.Linear's bias")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-    local_bias = bias.to_local() if bias is not None else None
-    return (hidden, weight.to_local(), labels, local_bias), (vocab_start, vocab, mesh.get_group().group_name)
+    return "sharded"
 
 
 def _apply_autocast(hidden, weight, bias):
@@ -825,17 +838,17 @@ class FusedLMHead(torch.nn.Linear):
         return torch.nn.functional.linear(hidden, self.weight, self.bias)
 
     def _can_skip_logits(self, hidden: torch.Tensor) -> bool:
-        """Plain tensors, every row of the vocabulary and nothing around the call; or the vocabulary-parallel
-        layout linear_cross_entropy takes (`_local_inputs`): a weight (and bias) split on its rows over a
-        1-D mesh, hidden replicated on it. A weight holding part of the vocabulary as a plain tensor, or
-        hooks that transform a plain head's input or output, need real logits."""
-        weight, bias = self.weight, self.bias
-        if is_dtensor(weight) or is_dtensor(hidden):
-            return (is_dtensor(weight) and is_dtensor(hidden) and weight.device_mesh.ndim == 1
-                    and hidden.device_mesh == weight.device_mesh and all(p.is_replicate() for p in hidden.placements)
-                    and weight.placements[0].is_shard(0)
-                    and (bias is None or (is_dtensor(bias) and bias.placements == weight.placements)))
-        return weight.shape[0] == self.out_features and not (self._forward_hooks or self._forward_pre_hooks)
+        """Plain tensors, every row of the vocabulary and nothing around the call; or a DTensor hidden state
+        in the vocabulary-split layout linear_cross_entropy takes (`_vocabulary_layout`'s "sharded"). A weight
+        holding part of the vocabulary as a plain tensor, or hooks that transform a plain head's input or
+        output, need real logits."""
+        if is_dtensor(self.weight) or is_dtensor(hidden):
+            try:
+                return is_dtensor(hidden) and _vocabulary_layout("FusedLMHead", hidden, self.weight, None,
+                                                                 self.bias) == "sharded"
+            except (TypeError, ValueError):  # a layout the fused loss cannot take: ordinary logits
+                return False
+        return self.weight.shape[0] == self.out_features and not (self._forward_hooks or self._forward_pre_hooks)
 
 
 class CausalLMLinearCrossEntropy:
