@@ -34,7 +34,6 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Sequence
 
 import torch
 

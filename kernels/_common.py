@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -112,40 +112,30 @@ def num_programs_for_persistent_grid(device: torch.device, programs_per_sm: int)
     return 4
 
 
-@dataclass(frozen=True)
-class RowLayout:
-    """Addresses of the rows of a [*leading, n_cols] tensor without copying it.
+class Launch(NamedTuple):
+    """One kernel launch worked out ahead by an op's cached launch plan (`configs.launch_plan`): the grid and
+    every argument that is neither a tensor nor a per-call scalar (sizes, strides, constexprs, num_warps)."""
 
-    Row r sits at `(r // inner_rows) * stride_outer + (r % inner_rows) * stride_inner`, and column c of
-    it at `+ c * stride_col`. Two row strides cover every 2-D and 3-D view (slices, [S, B, H] transposes)
-    and any leading dims that merge; only a view whose leading dims cannot be merged into two is copied.
+    grid: tuple
+    kwargs: dict  # shared by every launch of the plan: read-only
+
+
+def row_args(prefix: str, shape: tuple, strides: tuple) -> dict | None:
+    """How a kernel addresses the rows of a [*leading, n_cols] tensor of this shape and strides without a copy,
+    as its `{prefix}_inner_rows`, `_stride_outer`, `_stride_inner` and `_stride_col` arguments; None when
+    the leading dims do not merge into two row strides (rare: a 4-D view with three non-mergeable leading
+    dims), which the caller copies first.
+
+    Row r sits at `(r // inner_rows) * stride_outer + (r % inner_rows) * stride_inner`, and column c of it
+    at `+ c * stride_col`. Two row strides cover every 2-D and 3-D view (slices, [S, B, H] transposes) and
+    any leading dims that merge.
     """
-
-    tensor: torch.Tensor
-    n_rows: int
-    inner_rows: int
-    stride_outer: int
-    stride_inner: int
-    stride_col: int
-
-    @staticmethod
-    def of(tensor: torch.Tensor, *, allow_copy: bool = True) -> "RowLayout":
-        """The layout of `tensor`; an output buffer (allow_copy=False) must never be silently copied."""
-        geometry = _row_geometry(tuple(tensor.shape), tuple(tensor.stride()))
-        if geometry is None:
-            if not allow_copy:
-                raise ValueError(f"tridist: output buffer with strides {tensor.stride()} needs more than two row strides")
-            # Rare (a 4-D view with three non-mergeable leading dims): one copy, then two strides suffice.
-            return RowLayout.of(tensor.contiguous())
-        return RowLayout(tensor, *geometry)
-
-    def kernel_args(self, prefix: str) -> dict:
-        return {
-            f"{prefix}_inner_rows": self.inner_rows,
-            f"{prefix}_stride_outer": self.stride_outer,
-            f"{prefix}_stride_inner": self.stride_inner,
-            f"{prefix}_stride_col": self.stride_col,
-        }
+    geometry = _row_geometry(tuple(shape), tuple(strides))
+    if geometry is None:
+        return None
+    _, inner_rows, stride_outer, stride_inner, stride_col = geometry
+    return {f"{prefix}_inner_rows": inner_rows, f"{prefix}_stride_outer": stride_outer,
+            f"{prefix}_stride_inner": stride_inner, f"{prefix}_stride_col": stride_col}
 
 
 @functools.lru_cache(maxsize=4096)  # pure, and asked for every tensor of every launch
@@ -178,6 +168,11 @@ def empty_contiguous(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor.to(dtype)` without its host cost (~5 us amid a backward) when the dtype already matches."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -191,27 +186,45 @@ def wait_for_collective(value):
     return value
 
 
-def eager_autograd(forward, setup_context, backward):
+# The types of an op's arguments that are never an AsyncCollectiveTensor: one set lookup each instead of a wait check.
+_NOT_COLLECTIVE = frozenset({torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None)})
+
+
+def waited(values: tuple) -> tuple:
+    """`values` with each AsyncCollectiveTensor waited for (`wait_for_collective`)."""
+    if all(type(value) in _NOT_COLLECTIVE for value in values):
+        return values
+    return tuple(map(wait_for_collective, values))
+
+
+def eager_autograd(forward, setup_context, backward, *, returns: int | None = None):
     """An autograd.Function running an op's own forward, setup_context and backward directly.
 
     A torch.library custom op costs ~15-20 us of Python dispatch per call in eager mode, as long as a
     memory-bound kernel on 16M elements runs on an H100, so eager calls would be CPU-bound. The public
     functions therefore call this in eager mode and the registered op under torch.compile (one graph
     node). Both share the same code; `ctx.eager` tells the backward to call implementations directly.
+
+    `returns`: how many of the forward's outputs the caller gets (the first ones); the rest (RMSNorm's
+    1/rms) are only for `setup_context` to save. Each output of an autograd.Function costs ~4 us of host
+    time. The backward is then called with the returned outputs' gradients only (it takes the others as
+    parameters defaulting to None).
     """
 
     class EagerFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            inputs = tuple(map(wait_for_collective, inputs))
+            inputs = waited(inputs)
             output = forward(*inputs)
             ctx.eager = True
             setup_context(ctx, inputs, output)
-            return output
+            if returns is None:
+                return output
+            return output[0] if returns == 1 else output[:returns]
 
         @staticmethod
         def backward(ctx, *grads):
-            grads = tuple(map(wait_for_collective, grads))
+            grads = waited(grads)
             with torch.no_grad():
                 input_grads = backward(ctx, *grads)
             if not torch.is_grad_enabled():
@@ -226,7 +239,20 @@ def eager_autograd(forward, setup_context, backward):
             )
             return wrapped[0] if single else wrapped
 
-    return EagerFunction.apply
+    checked_apply = EagerFunction.apply
+    # Function.apply's Python wrapper (~2.5 us a call) binds default arguments (these forwards take none),
+    # routes functorch transforms (vmap, grad) and unwraps tensors escaped from a finished transform; the
+    # C entry point under it does the rest. Outside transforms, the wrapper's remaining step is done here.
+    fast_apply = super(torch.autograd.Function, EagerFunction).apply
+    unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(*inputs):
+        if transforms_active():
+            return checked_apply(*inputs)
+        return fast_apply(*[unwrap_if_dead(t) if isinstance(t, torch.Tensor) else t for t in inputs])
+
+    return apply
 
 
 def _raise_on_differentiation(tensors, anchors, *, op: str):

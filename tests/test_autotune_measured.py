@@ -43,7 +43,7 @@ def test_refitted_profile_is_saved_and_predicts_the_measured_time(predicted, tmp
     """Saved as <name>-measured; a search on it predicts what was measured (the same factor on every term)."""
     monkeypatch.setenv("TRIDIST_CACHE_DIR", str(tmp_path))
     best = predicted.ranked[0]
-    ranking = rerank(predicted, {best.strategy: 2.5 * best.step_time_s}, save=True)
+    rerank(predicted, {best.strategy: 2.5 * best.step_time_s}, save=True)
     assert (tmp_path / "device-profiles" / "h100-sxm-measured.json").is_file()
     profile = get_profile("h100-sxm-measured")
     assert profile.step_time_scale == pytest.approx(2.5) and profile.measured_steps == 1

@@ -8,7 +8,6 @@ hand-computed values.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -5,7 +5,6 @@ overlap terms a GPU calibration stores in the device profile."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch

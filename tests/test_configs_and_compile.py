@@ -51,6 +51,26 @@ def test_heuristic_without_a_table(tuned_table):
     assert swiglu_module.launch_config("fwd", 64, 11008, torch.bfloat16, CPU)["BLOCK_N"] == swiglu_module.MAX_BLOCK_N
 
 
+def test_launches_follow_a_new_table_after_clear_cache(tuned_table, monkeypatch):
+    """Launch plans are cached per shape; a table written after the first launch (a sweep in this process)
+    reaches the next launch once clear_cache() runs, as autotune's sweep calls it."""
+    from tridist.kernels import _common
+
+    monkeypatch.setattr(_common, "TRITON_INTERPRET", True)
+    launched = []
+
+    class Recorder:  # the kernel, recording each launch's configuration instead of running
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, kwargs["BLOCK_N"]))
+
+    monkeypatch.setattr(rms_norm_module, "_rms_norm_fwd_kernel", Recorder())
+    x, w = torch.randn(5, 40), torch.rand(40)
+    kernels.rms_norm(x, w)
+    tuned_table({FWD: {rms_norm_module.tuning_key(5, 40, torch.float32): {"BLOCK_N": 16, "BLOCK_M": 2, "num_warps": 1}}})
+    kernels.rms_norm(x, w)
+    assert launched == [((1,), 64), ((3,), 16)]
+
+
 def test_buckets():
     assert [configs.rows_bucket(n) for n in (1, 1024, 1025, 4096, 5000, 65536, 10**7)] == [
         1024, 1024, 4096, 4096, 16384, 65536, 65536]
@@ -251,7 +271,6 @@ def test_double_backward_through_rotary_is_exact(backend):
 def test_double_backward_raises_instead_of_dropping_terms(backend, op):
     x = torch.randn(2, 3, 4, 8, requires_grad=True)
     w = torch.rand(8, requires_grad=True)
-    cos, sin = torch.rand(3, 8), torch.rand(3, 8)
     out = {
         "rms_norm": lambda: kernels.rms_norm(x, w),
         "add_rms_norm": lambda: kernels.rms_norm(x, w, residual=x)[0],

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tridist import kernels
+from tridist.kernels import configs
 from tridist.kernels.ops import rms_norm as rms_norm_module
 from tridist.kernels.ops.rms_norm import MAX_SINGLE_PASS_COLS
 from tridist.kernels.reference import rms_norm_reference
@@ -127,6 +128,16 @@ def test_non_contiguous_views(backend):
     _check(x, w, residual, grads=[grad_y, grad_h])
 
 
+def test_views_whose_rows_need_more_than_two_strides(backend):
+    """x, residual and the gradients with four dims stored in reverse order: their three leading dims merge
+    into no fewer than three row strides, so the launcher copies them once (and only them)."""
+    x = _transposed(_rows((2, 3, 4, 24), torch.float32)).requires_grad_()
+    w = (torch.rand(24) + 0.5).requires_grad_()
+    r = _transposed(torch.randn(2, 3, 4, 24)).requires_grad_()
+    _check(x, w, grads=[_transposed(torch.randn(x.shape))])
+    _check(x, w, r, grads=[_transposed(torch.randn(x.shape)), _transposed(torch.randn(x.shape))])
+
+
 def test_expanded_gradient(backend):
     """`y.sum().backward()` hands the backward a stride-0 (expanded) gradient."""
     x, w, _ = _inputs((5, 33), torch.float32, residual=False)
@@ -146,6 +157,14 @@ def small_blocks(monkeypatch):
         ("MULTI_PASS_BLOCK_N", 8), ("TARGET_TILE_ELEMENTS", 32),
     ]:
         monkeypatch.setattr(rms_norm_module, name, value)
+    forget_launch_plans()  # made under the real limits: the heuristic and the plans are cached
+    yield
+    forget_launch_plans()  # ... and those made under the shrunk ones must not outlive them
+
+
+def forget_launch_plans():
+    configs.clear_cache()
+    rms_norm_module._cached_heuristic_config.cache_clear()
 
 
 # 12: single pass both ways (padded to 16); 24: single-pass forward, multi-pass backward (3 blocks);
@@ -178,13 +197,14 @@ def _documented_forward(x, w, r, rstd, *, offset, cast_to):
 def _check_documented(x, w, r, *, dy, dh=None, eps=1e-6, offset=0.0, cast_to="weight"):
     """Forward bit for bit, 1/rms and every gradient within stated fp32 error bounds, rounded once.
     dy (and dh) are converted to the dtype of y (and h)."""
-    # The autograd functions behind rms_norm: they also return the fp32 1/rms.
+    # The fp32 1/rms is the last tensor the autograd function saved for its backward.
     if r is None:
-        y, rstd = rms_norm_module._rms_norm_eager(x, w, eps, offset, cast_to == "input")
+        y = rms_norm_module.rms_norm(x, w, eps, offset=offset, cast_to=cast_to)
         outs, out_grads, leaves = (y,), (dy.to(y.dtype),), (x, w)
     else:
-        y, h, rstd = rms_norm_module._add_rms_norm_eager(x, r, w, eps, offset, cast_to == "input")
+        y, h = rms_norm_module.rms_norm(x, w, eps, offset=offset, residual=r, cast_to=cast_to)
         outs, out_grads, leaves = (y, h), (dy.to(y.dtype), dh.to(h.dtype)), (x, w, r)
+    rstd = y.grad_fn.saved_tensors[-1]
     y_doc, h_doc, normed_doc = _documented_forward(x, w, r, rstd, offset=offset, cast_to=cast_to)
     assert y.dtype == y_doc.dtype and torch.equal(y, y_doc), f"y: {int((y != y_doc).sum())} elements differ"
     if r is not None:

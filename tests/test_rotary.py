@@ -231,6 +231,15 @@ def test_layer_beyond_its_table_and_after_a_bf16_cast(backend):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_tables_with_different_strides(backend):
+    """cos contiguous and sin a transposed copy: one set of table strides serves both in the kernel, so the
+    launcher copies them (the rare case of tables built apart)."""
+    cos, sin = llama_tables(6, 8)
+    sin = sin.t().contiguous().t()
+    q, k = qk(2, 5, 4, 2, 8, layout="bshd", dtype=torch.float32)
+    check(q, k, cos, sin)
+
+
 def test_empty_batch(backend):
     q, k = qk(0, 4, 2, 2, 8, layout="bshd", dtype=torch.float32)
     check(q, k, *llama_tables(4, 8))

@@ -94,6 +94,19 @@ def test_mixed_dtypes(backend, x_dtype, y_dtype):
     _check([x, y])
 
 
+def test_views_whose_rows_need_more_than_two_strides(backend):
+    """Four dims stored in reverse order merge into no fewer than three row strides: the launcher copies the
+    inputs and the gradient once; the gradient buffers it writes are its own, contiguous."""
+    def reversed_dims(*shape):
+        return torch.randn(*reversed(shape)).permute(3, 2, 1, 0)
+
+    x, y, grad = reversed_dims(2, 3, 4, 10).requires_grad_(), reversed_dims(2, 3, 4, 10).requires_grad_(), reversed_dims(2, 3, 4, 10)
+    out, ref = kernels.swiglu(x, y), swiglu_reference(x, y)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (x, y), grad), torch.autograd.grad(ref, (x, y), grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_strided_inputs_and_gradients(backend):
     """Transposed inputs, a packed input that is itself a slice, and a non-contiguous gradient."""
     x = torch.randn(40, 3, 7).transpose(0, 1).requires_grad_()  # [3, 40, 7] view

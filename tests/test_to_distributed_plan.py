@@ -2,7 +2,6 @@
 structure, and the batch shape it prices."""
 
 import pytest
-import torch
 
 from tridist import autotune
 from tridist.bench.models import build_model, make_seed_dataloader

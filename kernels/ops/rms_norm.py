@@ -18,6 +18,8 @@ Rows longer than what fits in registers (MAX_SINGLE_PASS_COLS) are processed in 
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,12 +28,13 @@ import triton.language as tl
 from .. import configs
 from ..reference import rms_norm_reference
 from .._common import (
+    cast,
     cdiv,
-    empty_contiguous,
     is_dtensor,
     local_saved_tensors,
     HALF_DTYPES,
-    RowLayout,
+    Launch,
+    row_args,
     check_dtype,
     check_same_device,
     eager_autograd,
@@ -314,65 +317,108 @@ def _output_dtypes(h_dtype: torch.dtype, w_dtype: torch.dtype, cast_to_input: bo
     return ROUND_NONE, torch.promote_types(torch.float32, w_dtype)
 
 
+class _ForwardPlan(NamedTuple):
+    h_dtype: torch.dtype  # x + residual's
+    y_dtype: torch.dtype
+    stats_shape: tuple  # 1/rms: one per row
+    launch: Launch | None  # None: no rows or no columns, nothing to launch
+
+
+@configs.launch_plan
+def _forward_plan(shape, x_strides, res_strides, x_dtype, res_dtype, w_dtype, w_stride, device, cast_to_input,
+                  config=None) -> _ForwardPlan | None:
+    """The forward's outputs and launch for inputs of these shapes, strides and dtypes (`res_*` None without a
+    residual); None when an input must be copied first (`row_args`)."""
+    n_cols, n_rows = shape[-1], math.prod(shape[:-1])
+    h_dtype = torch.promote_types(x_dtype, res_dtype) if res_dtype is not None else x_dtype
+    round_mode, y_dtype = _output_dtypes(h_dtype, w_dtype, cast_to_input)
+    x_args = row_args("x", shape, x_strides)
+    res_args = row_args("res", shape, x_strides if res_strides is None else res_strides)
+    if x_args is None or res_args is None:
+        return None
+    launch = None
+    if n_rows and n_cols:
+        cfg = config or launch_config("fwd", n_rows, n_cols, x_dtype, device, residual=res_dtype is not None)
+        launch = Launch((cdiv(n_rows, cfg["BLOCK_M"]),), dict(
+            n_rows=n_rows, n_cols=n_cols, **x_args, **res_args, w_stride=w_stride,
+            HAS_RESIDUAL=res_dtype is not None, ROUND=round_mode, SINGLE_PASS=cfg["BLOCK_N"] >= n_cols,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        ))
+    return _ForwardPlan(h_dtype, y_dtype, tuple(shape[:-1]), launch)
+
+
 def _forward(x, residual, weight, eps, offset, cast_to_input, config=None):
     """y, h (x + residual, or y itself) and the fp32 1/rms per row; `config` overrides the launch
     configuration (the kernel sweep times candidates this way)."""
-    n_cols = x.shape[-1]
-    h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    round_mode, y_dtype = _output_dtypes(h_dtype, weight.dtype, cast_to_input)
+    plan_of = _forward_plan if config is None else _forward_plan.__wrapped__
+    plan = plan_of(x.shape, x.stride(), None if residual is None else residual.stride(), x.dtype,
+                   None if residual is None else residual.dtype, weight.dtype, weight.stride(0), x.device,
+                   cast_to_input, config)
+    if plan is None:
+        return _forward(x.contiguous(), None if residual is None else residual.contiguous(), weight, eps, offset,
+                        cast_to_input, config)
     if not use_triton(x):
-        return _forward_torch(x, residual, weight, eps, offset, h_dtype, round_mode, y_dtype)
-
-    x_rows = RowLayout.of(x)
-    res_rows = RowLayout.of(residual) if residual is not None else x_rows
-    y = empty_contiguous(x, y_dtype)
-    h = empty_contiguous(x, h_dtype) if residual is not None else y
-    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    if x_rows.n_rows == 0 or n_cols == 0:
-        return y, h, rstd
-    cfg = config or launch_config("fwd", x_rows.n_rows, n_cols, x.dtype, x.device, residual=residual is not None)
-    grid = (cdiv(x_rows.n_rows, cfg["BLOCK_M"]),)
-    _rms_norm_fwd_kernel[grid](
-        x_rows.tensor, res_rows.tensor, weight, y, h, rstd,
-        x_rows.n_rows, n_cols, eps, offset,
-        **x_rows.kernel_args("x"), **res_rows.kernel_args("res"),
-        w_stride=weight.stride(0),
-        HAS_RESIDUAL=residual is not None, ROUND=round_mode,
-        SINGLE_PASS=cfg["BLOCK_N"] >= n_cols,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-    )
+        round_mode, _ = _output_dtypes(plan.h_dtype, weight.dtype, cast_to_input)
+        return _forward_torch(x, residual, weight, eps, offset, plan.h_dtype, round_mode, plan.y_dtype)
+    y = torch.empty_like(x, dtype=plan.y_dtype, memory_format=torch.contiguous_format)
+    h = y if residual is None else torch.empty_like(x, dtype=plan.h_dtype, memory_format=torch.contiguous_format)
+    rstd = x.new_empty(plan.stats_shape, dtype=torch.float32)
+    if plan.launch is not None:
+        _rms_norm_fwd_kernel[plan.launch.grid](x, x if residual is None else residual, weight, y, h, rstd,
+                                               eps=eps, offset=offset, **plan.launch.kwargs)
     return y, h, rstd
 
 
-def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_dw, config=None):
-    n_cols = h.shape[-1]
-    round_mode, _ = _output_dtypes(h.dtype, weight.dtype, cast_to_input)
-    if not use_triton(h):
-        return _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compute_dw)
+class _BackwardPlan(NamedTuple):
+    partial_shape: tuple  # the weight gradient's fp32 partial sums: one row per program
+    zero_partial: bool  # the partial rows must start at zero (the multi-pass kernel accumulates into them)
+    launch: Launch | None  # None: no rows or no columns, nothing to launch
 
-    h_rows, dy_rows = RowLayout.of(h), RowLayout.of(dy)
-    dh_rows = RowLayout.of(dh) if dh is not None else dy_rows
-    dx = empty_contiguous(h, dx_dtype)
-    cfg = config or launch_config("bwd", h_rows.n_rows, n_cols, h.dtype, h.device, residual=dh is not None)
+
+@configs.launch_plan
+def _backward_plan(shape, h_strides, dy_strides, dh_strides, h_dtype, w_dtype, w_stride, device, cast_to_input,
+                   compute_dw, config=None) -> _BackwardPlan | None:
+    """The backward's launch for gradients and saved inputs of these shapes, strides and dtypes (`dh_strides`
+    None without the residual stream's gradient); None when an input must be copied first (`row_args`)."""
+    n_cols, n_rows = shape[-1], math.prod(shape[:-1])
+    round_mode, _ = _output_dtypes(h_dtype, w_dtype, cast_to_input)
+    h_args, dy_args = row_args("h", shape, h_strides), row_args("dy", shape, dy_strides)
+    dh_args = row_args("dh", shape, dy_strides if dh_strides is None else dh_strides)
+    if h_args is None or dy_args is None or dh_args is None:
+        return None
+    cfg = config or launch_config("bwd", n_rows, n_cols, h_dtype, device, residual=dh_strides is not None)
     single_pass = cfg["BLOCK_N"] >= n_cols
-    n_tiles = cdiv(h_rows.n_rows, cfg["BLOCK_M"])
-    n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(h.device, cfg["PROGRAMS_PER_SM"])))
-    # The multi-pass kernel accumulates into its partial row in memory, so that row must start at zero.
-    alloc = torch.zeros if not single_pass else torch.empty
-    dw_partial = alloc((n_programs, n_cols) if compute_dw else (0,), dtype=torch.float32, device=h.device)
-    if h_rows.n_rows and n_cols:
-        _rms_norm_bwd_kernel[(n_programs,)](
-            dy_rows.tensor, dh_rows.tensor, h_rows.tensor, weight, rstd, dx, dw_partial,
-            h_rows.n_rows, n_cols, offset,
-            **dy_rows.kernel_args("dy"), **dh_rows.kernel_args("dh"), **h_rows.kernel_args("h"),
-            w_stride=weight.stride(0),
-            HAS_DH=dh is not None, ROUND=round_mode, SINGLE_PASS=single_pass, COMPUTE_DW=compute_dw,
+    n_tiles = cdiv(n_rows, cfg["BLOCK_M"])
+    n_programs = max(1, min(n_tiles, num_programs_for_persistent_grid(device, cfg["PROGRAMS_PER_SM"])))
+    launch = None
+    if n_rows and n_cols:
+        launch = Launch((n_programs,), dict(
+            n_rows=n_rows, n_cols=n_cols, **dy_args, **dh_args, **h_args, w_stride=w_stride,
+            HAS_DH=dh_strides is not None, ROUND=round_mode, SINGLE_PASS=single_pass, COMPUTE_DW=compute_dw,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
-    elif compute_dw:
-        dw_partial.zero_()
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else weight.new_empty(0)
-    return dx, dw
+        ))
+    return _BackwardPlan((n_programs, n_cols) if compute_dw else (0,), launch is None or not single_pass, launch)
+
+
+def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_dw, config=None):
+    if not use_triton(h):
+        round_mode, _ = _output_dtypes(h.dtype, weight.dtype, cast_to_input)
+        return _backward_torch(dy, dh, h, weight, rstd, offset, round_mode, dx_dtype, compute_dw)
+    plan_of = _backward_plan if config is None else _backward_plan.__wrapped__
+    plan = plan_of(h.shape, h.stride(), dy.stride(), None if dh is None else dh.stride(), h.dtype, weight.dtype,
+                   weight.stride(0), h.device, cast_to_input, compute_dw, config)
+    if plan is None:
+        return _backward(dy.contiguous(), None if dh is None else dh.contiguous(), h.contiguous(), weight, rstd,
+                         offset, cast_to_input, dx_dtype, compute_dw, config)
+    dx = torch.empty_like(h, dtype=dx_dtype, memory_format=torch.contiguous_format)
+    dw_partial = (torch.zeros if plan.zero_partial else torch.empty)(
+        plan.partial_shape, dtype=torch.float32, device=h.device)
+    if plan.launch is not None:
+        _rms_norm_bwd_kernel[plan.launch.grid](dy, dy if dh is None else dh, h, weight, rstd, dx, dw_partial,
+                                               offset=offset, **plan.launch.kwargs)
+    if not compute_dw:
+        return dx, weight.new_empty(0)
+    return dx, cast(dw_partial.sum(0), weight.dtype)
 
 
 def _round_torch(normed, round_mode, weight_dtype, h_dtype):
@@ -475,7 +521,7 @@ def _setup_rms_norm(ctx, inputs, output):
     ctx.offset, ctx.cast_to_input = offset, cast_to_input
 
 
-def _backward_rms_norm(ctx, grad_y, grad_rstd):
+def _backward_rms_norm(ctx, grad_y, grad_rstd=None):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = _backward_fn(ctx)(
         grad_y, None, x, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[1]
@@ -491,19 +537,20 @@ def _setup_add_rms_norm(ctx, inputs, output):
     ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
 
 
-def _backward_add_rms_norm(ctx, grad_y, grad_h, grad_rstd):
+def _backward_add_rms_norm(ctx, grad_y, grad_h, grad_rstd=None):
     h, weight, rstd = ctx.saved_tensors
     dh, dw = _backward_fn(ctx)(
         grad_y, grad_h, h, weight, rstd, ctx.offset, ctx.cast_to_input, ctx.needs_input_grad[2]
     )
     # h = x + residual: both receive the gradient of h (cast back to their own dtype if they differ).
-    return dh.to(ctx.x_dtype), dh.to(ctx.residual_dtype), (dw if ctx.needs_input_grad[2] else None), None, None, None
+    return cast(dh, ctx.x_dtype), cast(dh, ctx.residual_dtype), (dw if ctx.needs_input_grad[2] else None), None, None, None
 
 
 torch.library.register_autograd("tridist::rms_norm", _backward_rms_norm, setup_context=_setup_rms_norm)
 torch.library.register_autograd("tridist::add_rms_norm", _backward_add_rms_norm, setup_context=_setup_add_rms_norm)
-_rms_norm_eager = eager_autograd(_rms_norm_impl, _setup_rms_norm, _backward_rms_norm)
-_add_rms_norm_eager = eager_autograd(_add_rms_norm_impl, _setup_add_rms_norm, _backward_add_rms_norm)
+# In eager mode the caller gets y (and h), not the 1/rms the backward keeps.
+_rms_norm_eager = eager_autograd(_rms_norm_impl, _setup_rms_norm, _backward_rms_norm, returns=1)
+_add_rms_norm_eager = eager_autograd(_add_rms_norm_impl, _setup_add_rms_norm, _backward_add_rms_norm, returns=2)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -540,17 +587,17 @@ def rms_norm(
             f"the weight must be 1-D of size {x.shape[-1]}"
         )
     if residual is None:
-        op = _rms_norm_op if torch.compiler.is_compiling() else _rms_norm_eager
-        y, _ = op(x, weight, float(eps), float(offset), cast_to == "input")
-        return y
+        if torch.compiler.is_compiling():
+            return _rms_norm_op(x, weight, float(eps), float(offset), cast_to == "input")[0]
+        return _rms_norm_eager(x, weight, float(eps), float(offset), cast_to == "input")
     check_dtype(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(
             f"{op}: residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they must match"
         )
-    op = _add_rms_norm_op if torch.compiler.is_compiling() else _add_rms_norm_eager
-    y, h, _ = op(x, residual, weight, float(eps), float(offset), cast_to == "input")
-    return y, h
+    if torch.compiler.is_compiling():
+        return _add_rms_norm_op(x, residual, weight, float(eps), float(offset), cast_to == "input")[:2]
+    return _add_rms_norm_eager(x, residual, weight, float(eps), float(offset), cast_to == "input")
 
 
 def _rms_norm_on_shards(x, weight, eps, *, offset, residual, cast_to):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import (as_dtensor_like, cdiv, check_dtype, check_same_device, eager_autograd, is_dtensor, keeps_whole,
+from .._common import (Launch, as_dtensor_like, cdiv, check_dtype, check_same_device, eager_autograd, is_dtensor, keeps_whole,
                        local_saved_tensors, next_power_of_2, note_unfused, use_triton)
 from ..reference import rotary_reference
 
@@ -170,11 +170,6 @@ def _bshd(sizes_or_strides, layout_bhsd: bool) -> tuple:
     return (a, c, b, d) if layout_bhsd else (a, b, c, d)
 
 
-def _strides4(t: torch.Tensor, prefix: str, layout_bhsd: bool) -> dict:
-    sb, ss, sh, sd = _bshd(t.stride(), layout_bhsd)
-    return {f"{prefix}_stride_b": sb, f"{prefix}_stride_s": ss, f"{prefix}_stride_h": sh, f"{prefix}_stride_d": sd}
-
-
 # ------------------------------------------------------------------------------- launch configurations
 
 # One kernel serves both directions, but CONJUGATE compiles a different binary: each has its entries.
@@ -240,46 +235,82 @@ def launch_config(kind: str, n_tokens: int, head_dim: int, half_rotary: int, q_h
 # ------------------------------------------------------------------------------------------- launchers
 
 
-def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate, config=None):
-    """Rotated q and k (the inverse rotation with `conjugate`); `config` overrides the launch
-    configuration (the kernel sweep times candidates this way)."""
-    batch, seq_len, q_heads, head_dim = _bshd(q.shape, layout_bhsd)
-    k_heads = _bshd(k.shape, layout_bhsd)[2]
-    cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
-    half_table = cos3.shape[-1] * 2 == rotary_dim
-    positions = _positions_view(position_ids, batch, seq_len) if position_ids is not None else None
-    _check_positions_in_table(positions, table_len=cos3.shape[1], seq_len=seq_len)
-    if not use_triton(q):
-        return _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim, half_table, conjugate)
+def _table_geometry(shape: tuple, strides: tuple, layout_bhsd: bool) -> tuple[tuple, tuple]:
+    """The sizes and strides of `_table_view(table)` ([Bt, T, Dt]), read off the table's own without making the view."""
+    if len(shape) == 4:
+        kept = (0, 2, 3) if layout_bhsd else (0, 1, 3)
+        return tuple(shape[i] for i in kept), tuple(strides[i] for i in kept)
+    if len(shape) == 3:
+        return tuple(shape), tuple(strides)
+    return (1, *shape), (0, *strides)
 
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+
+@configs.launch_plan
+def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, table_shape, cos_strides, sin_strides,
+          pos_shape, pos_strides, dtype, device, layout_bhsd, interleaved, rotary_dim, conjugate,
+          config=None) -> Launch | None | bool:
+    """The launch rotating q and k (`pos_*` None without position_ids) with tables and tensors of these shapes
+    and strides; False when cos and sin differ in strides (copy them first), None when there are no tokens."""
+    batch, seq_len, q_heads, head_dim = _bshd(q_shape, layout_bhsd)
+    k_heads = _bshd(k_shape, layout_bhsd)[2]
+    (table_batch, table_len, table_dim), table_strides = _table_geometry(table_shape, cos_strides, layout_bhsd)
+    if table_strides != _table_geometry(table_shape, sin_strides, layout_bhsd)[1]:
+        return False  # one set of table strides serves both (rare: tables built apart)
+    if pos_shape is None:
+        _check_positions_in_table(None, table_len=table_len, seq_len=seq_len)
     n_tokens = batch * seq_len
     if n_tokens == 0:
-        return q_out, k_out
+        return None
     n_pass = head_dim - rotary_dim
     block_r, block_p = next_power_of_2(rotary_dim // 2), max(1, next_power_of_2(n_pass))
     cfg = config or launch_config("bwd" if conjugate else "fwd", n_tokens, head_dim, rotary_dim // 2,
-                                  q_heads, k_heads, q.dtype, q.device)
-    if cos3.stride() != sin3.stride():  # one set of table strides serves both (rare: tables built apart)
-        cos3, sin3 = cos3.contiguous(), sin3.contiguous()
-    # A table without a batch dimension (or with batch 1) is shared by every sequence.
-    table_stride_b = cos3.stride(0) if cos3.shape[0] > 1 else 0
-    grid = (cdiv(n_tokens, cfg["TOKENS_PER_PROGRAM"]),)
-    _rotary_kernel[grid](
-        q, k, q_out, k_out, cos3, sin3, positions if positions is not None else cos3,  # addressed in bshd order
-        n_tokens, seq_len, q_heads, k_heads, rotary_dim // 2, n_pass,
-        **_strides4(q, "q", layout_bhsd), **_strides4(k, "k", layout_bhsd),
-        **_strides4(q_out, "qo", layout_bhsd), **_strides4(k_out, "ko", layout_bhsd),
-        table_stride_b=table_stride_b, table_stride_t=cos3.stride(1), table_stride_d=cos3.stride(2),
-        pos_stride_b=positions.stride(0) if positions is not None else 0,
-        pos_stride_s=positions.stride(1) if positions is not None else 0,
-        HAS_POSITIONS=positions is not None, INTERLEAVED=interleaved, HALF_TABLE=half_table,
+                                  q_heads, k_heads, dtype, device)
+    strides = {}
+    for prefix, tensor_strides in (("q", q_strides), ("k", k_strides), ("qo", q_out_strides), ("ko", k_out_strides)):
+        strides.update(zip((f"{prefix}_stride_{d}" for d in "bshd"), _bshd(tensor_strides, layout_bhsd)))
+    return Launch((cdiv(n_tokens, cfg["TOKENS_PER_PROGRAM"]),), dict(
+        n_tokens=n_tokens, seq_len=seq_len, n_q_heads=q_heads, n_k_heads=k_heads, half_rotary=rotary_dim // 2,
+        n_pass=n_pass, **strides,
+        # A table without a batch dimension (or with batch 1) is shared by every sequence.
+        table_stride_b=table_strides[0] if table_batch > 1 else 0, table_stride_t=table_strides[1],
+        table_stride_d=table_strides[2],
+        # position_ids [S], [1, S] or [B, S] read as [B, S] (`_positions_view`: a batch of one is broadcast).
+        pos_stride_b=pos_strides[0] if pos_shape is not None and len(pos_shape) == 2 and pos_shape[0] > 1 else 0,
+        pos_stride_s=pos_strides[-1] if pos_shape is not None else 0,
+        HAS_POSITIONS=pos_shape is not None, INTERLEAVED=interleaved, HALF_TABLE=table_dim * 2 == rotary_dim,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
         BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p),
         BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=cfg["num_warps"],
-    )
+    ))
+
+
+def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate, config=None):
+    """Rotated q and k (the inverse rotation with `conjugate`); `config` overrides the launch
+    configuration (the kernel sweep times candidates this way)."""
+    if not use_triton(q):
+        batch, seq_len = _bshd(q.shape, layout_bhsd)[:2]
+        cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
+        positions = _positions_view(position_ids, batch, seq_len) if position_ids is not None else None
+        _check_positions_in_table(positions, table_len=cos3.shape[1], seq_len=seq_len)
+        return _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim,
+                             cos3.shape[-1] * 2 == rotary_dim, conjugate)
+    if position_ids is not None:
+        table_len = _table_geometry(cos.shape, cos.stride(), layout_bhsd)[0][1]
+        _check_positions_in_table(position_ids, table_len=table_len, seq_len=_bshd(q.shape, layout_bhsd)[1])
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    launch = (_plan if config is None else _plan.__wrapped__)(
+        q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), cos.shape, cos.stride(),
+        sin.stride(), None if position_ids is None else position_ids.shape,
+        None if position_ids is None else position_ids.stride(), q.dtype, q.device, layout_bhsd, interleaved,
+        rotary_dim, conjugate, config)
+    if launch is False:
+        return _rotary(q, k, cos.contiguous(), sin.contiguous(), position_ids, layout_bhsd, interleaved, rotary_dim,
+                       conjugate, config)
+    if launch is not None:  # the kernel addresses the tables and positions in [B, T, D] and [B, S] order
+        _rotary_kernel[launch.grid](q, k, q_out, k_out, cos, sin, cos if position_ids is None else position_ids,
+                                    **launch.kwargs)
     return q_out, k_out
 
 

@@ -14,6 +14,7 @@ sigmoid(gate) from the saved inputs instead of storing silu, and computes both g
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,9 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import (RowLayout, as_dtensor_like, cdiv, empty_contiguous, check_dtype, check_same_device, eager_autograd, is_dtensor,
-                       keeps_whole, local_saved_tensors, next_power_of_2, note_unfused, split_dim,
-                       use_triton)
+from .._common import (Launch, as_dtensor_like, cdiv, check_dtype, check_same_device, eager_autograd, is_dtensor,
+                       keeps_whole, local_saved_tensors, next_power_of_2, note_unfused, row_args,
+                       split_dim, use_triton)
 from ..reference import swiglu_reference
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
@@ -138,8 +139,23 @@ def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, devic
     return tuned if tuned is not None else _cached_heuristic_config(n_cols)
 
 
-def _grid(n_rows: int, n_cols: int, cfg: dict):
-    return (cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"]))
+@configs.launch_plan
+def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launch | None | bool:
+    """The launch of `kind` ("fwd": reads gate, up; "bwd": grad, gate, up, writes dgate, dup) over tensors of this shape
+    with these strides (one tuple per tensor, in that order); False when an input must be copied first
+    (`row_args`), None when there is nothing to launch."""
+    names = ("gate", "up") if kind == "fwd" else ("grad", "gate", "up", "dgate", "dup")
+    args = [row_args(name, shape, tensor_strides) for name, tensor_strides in zip(names, strides)]
+    if None in args:
+        return False
+    n_rows, n_cols = math.prod(shape[:-1]), shape[-1]
+    if not (n_rows and n_cols):
+        return None
+    cfg = config or launch_config(kind, n_rows, n_cols, dtype, device)
+    return Launch((cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"])), dict(
+        n_rows=n_rows, n_cols=n_cols, **{k: v for named in args for k, v in named.items()},
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+    ))
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -150,16 +166,13 @@ def _forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     if not use_triton(gate):  # contiguous, as the Triton path and the fake implementation produce
         return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype).contiguous()
-    out = empty_contiguous(gate, out_dtype)
-    gate_rows, up_rows = RowLayout.of(gate), RowLayout.of(up)
-    n_rows, n_cols = gate_rows.n_rows, gate.shape[-1]
-    if n_rows and n_cols:
-        cfg = config or launch_config("fwd", n_rows, n_cols, gate.dtype, gate.device)
-        _swiglu_fwd_kernel[_grid(n_rows, n_cols, cfg)](
-            gate_rows.tensor, up_rows.tensor, out, n_rows, n_cols,
-            **gate_rows.kernel_args("gate"), **up_rows.kernel_args("up"),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
+    launch = (_plan if config is None else _plan.__wrapped__)(
+        "fwd", gate.shape, (gate.stride(), up.stride()), gate.dtype, gate.device, config)
+    if launch is False:
+        return _forward(gate.contiguous(), up.contiguous(), config)
+    out = torch.empty_like(gate, dtype=out_dtype, memory_format=torch.contiguous_format)
+    if launch is not None:
+        _swiglu_fwd_kernel[launch.grid](gate, up, out, **launch.kwargs)
     return out
 
 
@@ -170,16 +183,16 @@ def _backward_into(grad, gate, up, dgate, dup, config=None) -> None:
         dgate.copy_(torch_dgate)
         dup.copy_(torch_dup)
         return
-    layouts = {name: RowLayout.of(t) for name, t in (("grad", grad), ("gate", gate), ("up", up))}
-    layouts.update(dgate=RowLayout.of(dgate, allow_copy=False), dup=RowLayout.of(dup, allow_copy=False))
-    n_rows, n_cols = layouts["gate"].n_rows, gate.shape[-1]
-    if n_rows and n_cols:
-        cfg = config or launch_config("bwd", n_rows, n_cols, gate.dtype, gate.device)
-        _swiglu_bwd_kernel[_grid(n_rows, n_cols, cfg)](
-            *(layout.tensor for layout in layouts.values()), n_rows, n_cols,
-            **{k: v for name, layout in layouts.items() for k, v in layout.kernel_args(name).items()},
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-        )
+    launch = (_plan if config is None else _plan.__wrapped__)(
+        "bwd", gate.shape, (grad.stride(), gate.stride(), up.stride(), dgate.stride(), dup.stride()), gate.dtype,
+        gate.device, config)
+    if launch is False:
+        if row_args("dgate", dgate.shape, dgate.stride()) is None or row_args("dup", dup.shape, dup.stride()) is None:
+            raise ValueError(f"swiglu: output buffers with strides {dgate.stride()} and {dup.stride()} need more "
+                             "than two row strides")  # outputs are written in place, never copied
+        return _backward_into(grad.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, config)
+    if launch is not None:
+        _swiglu_bwd_kernel[launch.grid](grad, gate, up, dgate, dup, **launch.kwargs)
 
 
 def _backward_torch(grad, gate, up):
