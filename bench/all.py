@@ -7,7 +7,7 @@ others' results; its output is also kept in DIR/logs/<step>.log):
                                                              DIR/kernel-configs.json is used by the steps below
     check      tridist check kernels --dtype bf16,fp16,fp32   compiled kernels vs eager and fp64, tuned configs
     kernels    tridist bench kernels                          vs eager, torch.compile and Liger-Kernel (if installed)
-    model      tridist bench model                            a decoder layer and a small Llama's training step
+    model      tridist bench model                            a decoder layer and small Llamas' training steps
     overlap    tridist bench overlap                          the overlapped ring emulated on one GPU
     calibrate  tridist calibrate                              the device profile the cost model uses
 
@@ -149,7 +149,7 @@ def _model_headlines(frame) -> list[str]:
                          format_value(times["compile"] / t, ".2f", "x") if "compile" in times else "-"])
     if not rows:
         return []
-    return ["Decoder layer (forward + backward) and small model (training step):", "",
+    return ["Decoder layer (forward + backward), small model and transformers' Llama (training step):", "",
             markdown_table(["target", "shape", "variant", "ms", "tokens/s", "peak GiB", "vs eager", "vs compile"], rows,
                            align=["l", "l", "l", "r", "r", "r", "r", "r"]), ""]
 

@@ -4,7 +4,7 @@
     tridist bench tune [--quick] [--no-sqlite]
     tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
     tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
-    tridist bench model [--targets layer,model] [--variants ...] [--quick] [--no-compile] [--out DIR]
+    tridist bench model [--targets layer,model,hf-model] [--variants ...] [--quick] [--no-compile] [--out DIR]
     tridist bench overlap [--quick] [--device auto] [--out DIR]
     tridist bench all [--out DIR] [--steps sweep,check,kernels,model,calibrate] [--sweep-minutes 4]
     tridist autotune kernels [--ops ...] [--dtype bf16] [--trials 32] [--minutes M] [--quick] [--storage URL] [--out DIR]
@@ -251,12 +251,15 @@ def _bench_tune(args: argparse.Namespace) -> int:
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     # The names of bench.model_bench's TARGETS and VARIANTS (which imports torch): argument checking
     # stays import-free; tests/test_model_bench.py checks that they agree.
-    targets, variants = ("layer", "model"), ("eager", "compile", "liger", "fused", "fused+compile")
+    targets = ("layer", "model", "hf-model")
+    variants = ("eager", "compile", "liger", "fused-no-lce", "fused", "fused+compile")
     parser.add_argument("--targets", type=choice_list(targets, "target"), default=None,
-                        help=f"comma-separated of {','.join(targets)} (default: both): one decoder layer's "
-                             "forward+backward, a small Llama's training step")
+                        help=f"comma-separated of {','.join(targets)} (default: all): one decoder layer's "
+                             "forward+backward, a small Llama's training step, the same step on transformers' Llama "
+                             "(needs transformers)")
     parser.add_argument("--variants", type=choice_list(variants, "variant"), default=None,
-                        help=f"comma-separated of {','.join(variants)} (default: all; liger needs a GPU and liger_kernel)")
+                        help=f"comma-separated of {','.join(variants)} (default: all; liger needs a GPU and liger_kernel; "
+                             "fused-no-lce is fuse without the fused LM head + loss, hf-model only)")
     parser.add_argument("--dtype", choices=KERNEL_DTYPES, default=None,
                         help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -269,7 +272,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bench_model(args: argparse.Namespace) -> int:
     from tridist.bench.kernels import resolve_device
-    from tridist.bench.model_bench import COMPILED_VARIANTS, VARIANTS, exit_status, run_model_benchmark
+    from tridist.bench.model_bench import COMPILED_VARIANTS, TARGETS, VARIANTS, exit_status, run_model_benchmark
 
     try:
         device = resolve_device(args.device)
@@ -280,7 +283,7 @@ def _bench_model(args: argparse.Namespace) -> int:
     if not variants:
         print("tridist bench model: error: --no-compile leaves no variant to run", file=sys.stderr)
         return 2
-    df = run_model_benchmark(targets=args.targets or ("layer", "model"), variants=variants, device=device,
+    df = run_model_benchmark(targets=args.targets or TARGETS, variants=variants, device=device,
                              dtype=args.dtype, quick=args.quick, out_dir=args.out, progress=True)
     report_dir = df.attrs["report_dir"]
     print((Path(report_dir) / "report.md").read_text())

@@ -1,18 +1,25 @@
 """Model benchmark: one decoder layer's forward + backward and a small Llama's training step, per variant.
 
-Targets (`bench.models.hf_llama`, our replica of Hugging Face's Llama; transformers is not needed):
+Targets ("layer" and "model" on `bench.models.hf_llama`, our replica of Hugging Face's Llama, which needs no
+transformers; "hf-model" on transformers' own):
 
 - "layer": one `LlamaDecoderLayer`, forward and backward: input hidden states that require grad, a
   fixed random gradient of the output, the rotary tables and causal mask computed once outside (as
   the model shares them across layers).
 - "model": `LlamaForCausalLM`'s whole training step: forward with labels (HF's shifted causal-LM
   loss), backward, `AdamW(foreach=True).step()` and `zero_grad(set_to_none=True)`.
+- "hf-model": the same step and sizes on transformers' `LlamaForCausalLM` (its default attention), the model
+  users bring: `fuse` also replaces its LM head and loss by the fused linear cross-entropy there, so its
+  "fused" and "fused-no-lce" rows give the step's peak memory with and without the [tokens, vocab] logits.
+  Without transformers its rows say so.
 
 Variants: "eager" (the model as built), "compile" (`torch.compile(model)`: forward and backward;
 the optimizer step stays eager in every variant), "liger" (Liger-Kernel's RMSNorm, SwiGLU MLP and
-rope swapped into the same modules: CUDA and liger_kernel only), "fused" (`tridist.kernels.fuse`) and
-"fused+compile". Every variant starts from a deep copy of one built model (same initial weights) and
-runs the same batch.
+rope swapped into the same modules: CUDA and liger_kernel only), "fused-no-lce" (`tridist.kernels.fuse` with
+`linear_cross_entropy=False`: the head computes the logits; only for a target whose loss fuse can fuse),
+"fused" (`tridist.kernels.fuse`) and "fused+compile". Every variant starts from a deep copy of one built model
+(same initial weights) and runs the same batch. Peak memory: CUDA's allocator peak over one step after the
+timing; on a CPU torch's MemTracker over that step, the module and the optimizer's state included.
 
 Before a variant is timed, one forward + backward of it is checked against eager on the same batch:
 the output (the model's first-step loss; the layer's residual update `out - x`) and every gradient
@@ -41,6 +48,7 @@ import math
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -50,9 +58,9 @@ from torch import nn
 from .kernels import DTYPES, VariantUnavailable, _log_progress, device_name, environment, resolve_device, time_ms
 from .report import device_slug, format_value, markdown_table, stamp_provenance
 
-TARGETS = ("layer", "model")
+TARGETS = ("layer", "model", "hf-model")
 # Report order: baselines first, ours last.
-VARIANTS = ("eager", "compile", "liger", "fused", "fused+compile")
+VARIANTS = ("eager", "compile", "liger", "fused-no-lce", "fused", "fused+compile")
 COMPILED_VARIANTS = ("compile", "fused+compile")
 
 # Correctness check (see the module docstring): tolerance = max(NOISE_FACTOR x eager's own error
@@ -127,19 +135,26 @@ CUDA_SIZES = {
     "model": ModelSize(hidden=2048, heads=16, kv_heads=8, intermediate=5632, layers=8, vocab=32000,
                        batch=4, seq=2048),
 }
+CUDA_SIZES["hf-model"] = CUDA_SIZES["model"]
 CUDA_QUICK_SIZES = {
     "layer": dataclasses.replace(CUDA_SIZES["layer"], seq=2048),
     "model": dataclasses.replace(CUDA_SIZES["model"], layers=2, batch=2, seq=1024),
 }
-# CPU (fp32): a few ms per step, so that the pipeline (and the tests) run in seconds.
+CUDA_QUICK_SIZES["hf-model"] = CUDA_QUICK_SIZES["model"]
+# CPU (fp32): a few ms per step, so that the pipeline (and the tests) run in seconds. hf-model keeps a real
+# vocabulary (Llama-2's 32,000) and 1,024 tokens, since the logits it holds or not are what its fused rows
+# are about: 1,024 x 32,000 fp32 logits are 125 MiB, above the 131 MiB of weights, gradients and AdamW
+# states that every variant holds (~1 s a step).
 CPU_SIZES = {
     "layer": ModelSize(hidden=128, heads=4, kv_heads=2, intermediate=352, layers=1, vocab=256, batch=2, seq=64),
     "model": ModelSize(hidden=128, heads=4, kv_heads=2, intermediate=352, layers=2, vocab=512, batch=2, seq=64),
 }
+CPU_SIZES["hf-model"] = dataclasses.replace(CPU_SIZES["model"], vocab=32000, batch=4, seq=256)
 CPU_QUICK_SIZES = {
     "layer": ModelSize(hidden=64, heads=4, kv_heads=2, intermediate=176, layers=1, vocab=128, batch=2, seq=16),
     "model": ModelSize(hidden=64, heads=4, kv_heads=2, intermediate=176, layers=2, vocab=128, batch=2, seq=16),
 }
+CPU_QUICK_SIZES["hf-model"] = dataclasses.replace(CPU_QUICK_SIZES["model"], vocab=8192)
 
 
 def default_sizes(device_type: str, *, quick: bool = False) -> dict[str, ModelSize]:
@@ -199,7 +214,21 @@ def _grads(module: nn.Module, extra: dict | None = None) -> dict[str, torch.Tens
     return grads
 
 
-class LayerTarget:
+class Target:
+    """A benchmark target: `build(device, dtype)` the module, `batch(device, dtype, seed=)` its inputs,
+    `cast_batch(batch, dtype)` them for the fp32 reference, `check_run(fn, module, batch)` one checked forward +
+    backward, `make_step(fn, module, batch)` the timed step."""
+
+    name: str
+    fusable_loss = False  # fuse() replaces a head + loss here: "fused-no-lce" differs from "fused"
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why this target cannot be built here (a missing library), or None."""
+        return None
+
+
+class LayerTarget(Target):
     """One decoder layer, forward + backward with a fixed output gradient."""
 
     name = "layer"
@@ -252,15 +281,18 @@ class LayerTarget:
         module.zero_grad(set_to_none=True)
         return run
 
-    def make_step(self, fn, module: nn.Module, batch: dict) -> tuple[Callable, list]:
+    def make_step(self, fn, module: nn.Module, batch: dict) -> tuple[Callable, list, list]:
+        """(one step, the tensors whose .grad the timing resets, what holds state across steps)."""
+
         def step():
             self._forward(fn, batch).backward(batch["dy"])
 
-        return step, [batch["x"], *module.parameters()]
+        return step, [batch["x"], *module.parameters()], [module]
 
 
-class ModelTarget:
-    """The causal LM's training step: loss, backward, AdamW (foreach) step, zero_grad."""
+class ModelTarget(Target):
+    """The causal LM's training step: loss, backward, AdamW (foreach) step, zero_grad. (The replica computes its
+    loss itself: fuse() leaves it and the head alone.)"""
 
     name = "model"
 
@@ -288,32 +320,60 @@ class ModelTarget:
 
     def check_run(self, fn, module: nn.Module, batch: dict) -> CheckRun:
         ids = batch["input_ids"]
-        loss, _ = fn(ids, labels=ids)
+        loss = fn(ids, labels=ids)[0]  # (loss, logits), or a ModelOutput whose first field is the loss
         loss.backward()
         value = loss.detach().float().cpu()
         run = CheckRun(value, _grads(module), loss=float(value))
         module.zero_grad(set_to_none=True)
         return run
 
-    def make_step(self, fn, module: nn.Module, batch: dict) -> tuple[Callable, list]:
+    def make_step(self, fn, module: nn.Module, batch: dict) -> tuple[Callable, list, list]:
         ids = batch["input_ids"]
         optimizer = torch.optim.AdamW(module.parameters(), lr=LEARNING_RATE, foreach=True)
 
         def step():
-            loss, _ = fn(ids, labels=ids)
-            loss.backward()
+            fn(ids, labels=ids)[0].backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        return step, []
+        return step, [], [module, optimizer]
+
+
+class HFModelTarget(ModelTarget):
+    """ModelTarget's step on transformers' LlamaForCausalLM of the same sizes (its init, its default attention,
+    no key/value cache): a model `fuse` fuses whole, its LM head and loss included."""
+
+    name = "hf-model"
+    fusable_loss = True
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if importlib.util.find_spec("transformers") is None:
+            return "transformers is not installed (pip install transformers)"
+        return None
+
+    def build(self, device, dtype) -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        s = self.size
+        config = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                             num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                             max_position_embeddings=s.seq, rope_theta=s.rope_theta, use_cache=False)
+        model = LlamaForCausalLM(config)
+        rotary = model.model.rotary_emb
+        inv_freq = rotary.inv_freq  # stays fp32, as in ModelTarget
+        model.to(dtype)
+        rotary.inv_freq = inv_freq
+        return model
+
+
+TARGET_CLASSES = {target.name: target for target in (LayerTarget, ModelTarget, HFModelTarget)}
 
 
 def make_target(name: str, size: ModelSize):
-    if name == "layer":
-        return LayerTarget(size)
-    if name == "model":
-        return ModelTarget(size)
-    raise ValueError(f"unknown target {name!r}; valid targets: {', '.join(TARGETS)}")
+    if name not in TARGET_CLASSES:
+        raise ValueError(f"unknown target {name!r}; valid targets: {', '.join(TARGETS)}")
+    return TARGET_CLASSES[name](size)
 
 
 # ----------------------------------------------------------------------------------------------- variants
@@ -337,13 +397,13 @@ def _compile(module: nn.Module, *, device) -> Built:
     return Built(torch.compile(module), module)
 
 
-def _fuse(module: nn.Module) -> str:
+def _fuse(module: nn.Module, **options) -> str:
     from tridist.kernels import fuse
 
-    report = fuse(module)
+    report = fuse(module, **options)
     if not report.replaced:
         raise RuntimeError(f"fuse() replaced nothing: {report}")
-    kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "rotary")}
+    kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "rotary", "linear_cross_entropy")}
     detail = "fused " + ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
     if report.skipped:
         detail += f"; left {len(report.skipped)} alone"
@@ -352,6 +412,10 @@ def _fuse(module: nn.Module) -> str:
 
 def _fused(module: nn.Module, *, device) -> Built:
     return Built(module, module, _fuse(module))
+
+
+def _fused_no_lce(module: nn.Module, *, device) -> Built:
+    return Built(module, module, _fuse(module, linear_cross_entropy=False))
 
 
 def _fused_compile(module: nn.Module, *, device) -> Built:
@@ -384,9 +448,12 @@ VARIANT_BUILDERS: dict[str, Callable[..., Built]] = {
     "eager": _eager,
     "compile": _compile,
     "liger": _liger,
+    "fused-no-lce": _fused_no_lce,
     "fused": _fused,
     "fused+compile": _fused_compile,
 }
+# Variants that differ from "fused" only where fuse() fuses a head + loss (`fusable_loss` targets).
+LOSS_VARIANTS = ("fused-no-lce",)
 
 
 def swap_liger_modules(model: nn.Module, *, rms_norm_cls, swiglu_mlp_cls, rotary_fn) -> dict[str, int]:
@@ -528,25 +595,36 @@ def _error_text(exc: BaseException, context: str = "") -> str:
 
 
 def _time_variant(target, built: Built, batch: dict, *, device, warmup_ms, rep_ms) -> tuple[float, float]:
-    """(median step time in ms, peak memory in GiB of one more step; NaN on a CPU)."""
-    step, grad_to_none = target.make_step(built.fn, built.module, batch)
+    """(median step time in ms, peak memory in GiB of one more step: CUDA's allocator peak; on a CPU torch's
+    MemTracker, counting the module's and the optimizer's tensors with the step's own)."""
+    step, grad_to_none, state = target.make_step(built.fn, built.module, batch)
     ms = time_ms(step, device=device, grad_to_none=grad_to_none, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    peak = math.nan
+    for t in grad_to_none:
+        t.grad = None
     if device.type == "cuda":
-        for t in grad_to_none:
-            t.grad = None
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
-    return ms, peak
+        return ms, torch.cuda.max_memory_allocated(device) / 2**30
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*state)
+    with tracker, warnings.catch_warnings():
+        # MemTracker attributes memory to modules through global module hooks, which a compiled module's
+        # wrapper fires once more (torch warns): the tensors, and so the peak, are counted once.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        step()
+    return ms, tracker.get_tracker_snapshot("peak")[device]["Total"] / 2**30
 
 
 def _run_variant(target, variant: str, base: nn.Module, batch: dict, reference: Reference, *, device,
                  warmup_ms, rep_ms) -> dict:
     """One row: build the variant on a copy of `base`, check it against eager, and time it if it agrees."""
     row = {"variant": variant, "status": "failed", "error": ""}
+    if variant in LOSS_VARIANTS and not target.fusable_loss:
+        return {**row, "status": "unavailable", "error": f"the same as fused here: fuse() fuses no loss in {target.name}"}
     start = time.perf_counter()
     try:
         built = VARIANT_BUILDERS[variant](_copy_to(base, device), device=device)
@@ -562,7 +640,7 @@ def _run_variant(target, variant: str, base: nn.Module, batch: dict, reference: 
         out_err, grad_err, worst = compare(run, reference.run)
         row.update(out_err=out_err, grad_err=grad_err, worst_grad=worst)
         if not (out_err <= reference.out_tol and grad_err <= reference.grad_tol):  # NaN fails too
-            what = "loss" if target.name == "model" else "output"
+            what = "output" if target.name == "layer" else "loss"
             error = (f"mismatch: {what} error {out_err:.3g} (tolerance {reference.out_tol:.2g}), gradient error "
                      f"{grad_err:.3g} at {worst or '-'} (tolerance {reference.grad_tol:.2g})")
             return {**row, "status": "mismatch", "error": error}  # not timed
@@ -586,6 +664,11 @@ def _variant_summary(row: dict) -> str:
 def _run_target(name: str, size: ModelSize, *, variants: Sequence[str], device, dtype, progress: bool,
                 warmup_ms, rep_ms, seed: int) -> list[dict]:
     target = make_target(name, size)
+    why = target.unavailable()
+    if why:
+        _log_progress(progress, f"[{name}] unavailable: {why}")
+        return [{"target": name, "shape": size.label(name), "dtype": _dtype_name(dtype), "tokens": size.tokens,
+                 "variant": v, "status": "unavailable", "error": why} for v in variants]
     start = time.perf_counter()
     _log_progress(progress, f"[{name}] {size.label(name)} {_dtype_name(dtype)}: building on {device} ...")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -704,7 +787,7 @@ def run_model_benchmark(*, targets: Sequence[str] = TARGETS, variants: Sequence[
     df = pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
     df["device"] = meta["device"]
     for column in ("error", "detail", "worst_grad"):
-        df[column] = df[column].fillna("").astype(str)
+        df[column] = df[column].astype(object).fillna("").astype(str)
     df = _add_speedups(df, peak)
     df = stamp_provenance(df, meta)  # every row says where it was taken
     df.attrs["meta"] = meta
@@ -742,7 +825,7 @@ def target_table(df, target: str) -> str:
         if r["detail"]:
             status += f" ({r['detail']})"
         rows.append([r["variant"], format_value(r["time_ms"], ".2f"), format_value(r["tokens_per_s"], ",.0f"),
-                     format_value(r["peak_mem_gib"], ".2f"), format_value(r["speedup_vs_eager"], ".2f", "x"),
+                     format_value(r["peak_mem_gib"], ".3g"), format_value(r["speedup_vs_eager"], ".2f", "x"),
                      format_value(r["speedup_vs_compile"], ".2f", "x"), format_value(r["tflops"], ".3g"),
                      format_value(r["mfu_pct"], ".1f", "%"), format_value(r["out_err"], ".2g"), format_value(r["grad_err"], ".2g"), status])
     return markdown_table(headers, rows, align=["l"] + ["r"] * 9 + ["l"])
@@ -761,9 +844,12 @@ def render_model_markdown(df, meta: dict) -> str:
         f"lr {LEARNING_RATE:g}",
         "",
         "- layer: one Llama decoder layer, forward + backward (input requires grad, fixed output gradient). "
-        "model: the causal LM's training step (forward with labels, backward, AdamW step, zero_grad).",
+        "model: the causal LM's training step (forward with labels, backward, AdamW step, zero_grad); hf-model: "
+        "that step on transformers' LlamaForCausalLM, whose LM head and loss `fuse` fuses (fused-no-lce: "
+        "`fuse(model, linear_cross_entropy=False)`, the logits kept).",
         "- Time: median ms per step; CUDA: `triton.testing.do_bench` (CUDA events); CPU: wall clock. "
-        "Peak GiB: `torch.cuda.max_memory_allocated` over one step after the timing (CUDA only).",
+        "Peak GiB: one step after the timing, `torch.cuda.max_memory_allocated` (CUDA) or torch's MemTracker "
+        "with the module's and the optimizer's tensors (CPU).",
         "- `vs X`: X's time / this variant's time (> 1: faster). TFLOP/s: model FLOPs (6 x matmul weights x "
         "tokens + attention's S x S matmuls) / time; MFU against the datasheet dense peak"
         + (f" ({meta['peak_tflops']:.0f} TFLOP/s)." if _finite(meta.get("peak_tflops")) else " (unknown here)."),
@@ -789,16 +875,29 @@ def render_model_markdown(df, meta: dict) -> str:
 
 
 def plot_model_results(df, path) -> Path:
-    """One panel per target: tokens/s per variant; a variant that did not run shows its status instead."""
+    """One column per target: tokens/s per variant (a variant that did not run shows its status instead) and,
+    below, each variant's peak memory where one was measured."""
     import matplotlib
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure state is touched
 
     targets = list(dict.fromkeys(df["target"])) or ["-"]
-    fig = Figure(figsize=(5.5 * len(targets), 4.2))
-    axes = fig.subplots(1, len(targets), squeeze=False)[0]
+    memory = len(df) and bool((df["peak_mem_gib"].astype(float) > 0).any())
+    fig = Figure(figsize=(5.5 * len(targets), 4.2 * (2 if memory else 1)))
+    grid = fig.subplots(2 if memory else 1, len(targets), squeeze=False)
     palette = matplotlib.colormaps["tab10"]
     colors = {v: palette(i) for i, v in enumerate(VARIANTS)}
-    for ax, target in zip(axes, targets):
+    if memory:
+        for ax, target in zip(grid[1], targets):
+            sub = df[(df["target"] == target) & (df["peak_mem_gib"].astype(float) > 0)]
+            names, values = list(sub["variant"]), [float(v) for v in sub["peak_mem_gib"]]
+            ax.bar(range(len(names)), values, color=[colors.get(v, "gray") for v in names])
+            for i, value in enumerate(values):
+                ax.text(i, value, f"{value:.3g}", ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
+            ax.set_ylabel("peak memory (GiB)")
+            ax.set_title(f"{target}: peak memory of a step", fontsize=8)
+    for ax, target in zip(grid[0], targets):
         sub = df[df["target"] == target]
         names = list(sub["variant"])
         values = [float(v) if v == v else 0.0 for v in sub["tokens_per_s"]]
@@ -813,7 +912,7 @@ def plot_model_results(df, path) -> Path:
         ax.set_ylim(0, top * 1.15)
         shape = sub["shape"].iloc[0] if len(sub) else ""
         ax.set_title(f"{target}: {shape}", fontsize=8)
-    fig.suptitle("Throughput per variant (labels: speedup vs eager)")
+    fig.suptitle("Throughput per variant (labels: speedup vs eager)" + ("\nand peak memory" if memory else ""), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)  # PNG through matplotlib's Agg renderer

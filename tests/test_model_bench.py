@@ -26,7 +26,7 @@ from tridist.kernels import _common
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAST_TIMING = {"warmup_ms": 1, "rep_ms": 1}  # the minimum of 5 timed steps per row
 TINY = mb.ModelSize(hidden=32, heads=2, kv_heads=1, intermediate=64, layers=1, vocab=64, batch=1, seq=8)
-SIZES = {"layer": TINY, "model": mb.dataclasses.replace(TINY, layers=2)}
+SIZES = {"layer": TINY, "model": mb.dataclasses.replace(TINY, layers=2), "hf-model": mb.dataclasses.replace(TINY, layers=2)}
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def torch_path(monkeypatch):
 
 
 def _run(**kwargs):
-    kwargs = {"device": "cpu", "sizes": SIZES, "progress": False, **FAST_TIMING, **kwargs}
+    kwargs = {"device": "cpu", "sizes": SIZES, "targets": ("layer", "model"), "progress": False, **FAST_TIMING, **kwargs}
     kwargs.setdefault("write_report", "out_dir" in kwargs)
     return mb.run_model_benchmark(**kwargs)
 
@@ -68,14 +68,14 @@ def _perturbing(factor, *, gradient_only=False):
 
 
 def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
-    df = _run(variants=["eager", "liger", "fused"], out_dir=tmp_path, progress=True)
+    df = _run(targets=mb.TARGETS, variants=["eager", "liger", "fused"], out_dir=tmp_path, progress=True)
 
     import pandas as pd
 
     saved = pd.read_csv(tmp_path / "results.csv")
     assert list(saved.columns) == [*mb.RESULT_COLUMNS, *(c for c in ROW_PROVENANCE if c not in mb.RESULT_COLUMNS)]
-    assert len(saved) == len(df) == 2 * 3
-    assert list(saved["target"]) == ["layer"] * 3 + ["model"] * 3
+    assert len(saved) == len(df) == 3 * 3
+    assert list(saved["target"]) == ["layer"] * 3 + ["model"] * 3 + ["hf-model"] * 3
     stamps = saved[list(ROW_PROVENANCE)].astype(object).fillna("").astype(str)
     assert (stamps["torch"] == torch.__version__).all() and (stamps["date"].str.len() > 0).all()
     assert (stamps["commit"].str.len() == 40).all() and (stamps["tridist"].str.len() > 0).all()
@@ -85,7 +85,11 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     assert (ran["status"] == "ok").all(), ran[["target", "variant", "error"]]
     assert (ran["time_ms"] > 0).all() and (ran["tokens_per_s"] > 0).all() and (ran["tflops"] > 0).all()
     assert (ran["tokens"] == 8).all() and (ran["params"] > 0).all()
-    assert ran["peak_mem_gib"].isna().all() and ran["mfu_pct"].isna().all()  # a CPU has neither: not faked
+    # MemTracker's on a CPU, the module's and the optimizer's tensors included: at the peak every fp32 weight
+    # has its gradient (the layer's step), and in a model's AdamW step also its two states.
+    states = ran["target"].map({"layer": 2, "model": 4, "hf-model": 4})
+    assert (ran["peak_mem_gib"] * 2**30 >= states * ran["params"] * 4).all(), ran[["target", "variant", "peak_mem_gib"]]
+    assert ran["mfu_pct"].isna().all()  # a CPU has no datasheet peak: not faked
     assert (ran["grad_err"] <= ran["grad_tol"]).all() and (ran["out_err"] <= ran["out_tol"]).all()
     assert (saved.loc[saved["variant"] == "eager", "speedup_vs_eager"] == 1.0).all()
     assert saved["speedup_vs_compile"].isna().all()  # compile did not run
@@ -94,6 +98,9 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     model_eager = _row(saved, "model", "eager")
     assert math.isclose(fused["loss"], model_eager["loss"], rel_tol=1e-5) and model_eager["loss"] > 0
     assert math.isnan(_row(saved, "layer", "eager")["loss"])
+    hf_fused, hf_eager = _row(saved, "hf-model", "fused"), _row(saved, "hf-model", "eager")
+    assert "linear_cross_entropy" in hf_fused["detail"] and "linear_cross_entropy" not in fused["detail"]
+    assert math.isclose(hf_fused["loss"], hf_eager["loss"], rel_tol=1e-5) and hf_eager["loss"] > 0
 
     liger = saved[saved["variant"] == "liger"]  # unavailable here: a row with the reason, not timed
     assert (liger["status"] == "unavailable").all() and liger["time_ms"].isna().all()
@@ -102,11 +109,59 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert report.startswith("# Model benchmark") and "- Device: CPU" in report
     assert f"torch {torch.__version__}" in report and "## layer" in report and "## model" in report
+    assert "## hf-model" in report
     assert "| variant" in report and "tokens/s" in report and "unavailable: Liger-Kernel runs on GPUs only" in report
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_MAGIC
     assert df.attrs["report_dir"] == str(tmp_path)
     progress = capsys.readouterr().err
     assert "[layer] fused:" in progress and "[model] liger: unavailable" in progress
+
+
+def test_hf_model_gives_the_peak_memory_with_and_without_the_fused_loss(torch_path):
+    """transformers' Llama, fused with and without its LM head + loss: 2 x 256 tokens x vocabulary 4096 (fp32),
+    so the logits L are 8 MiB. Without the fused loss the step holds the logits and their gradient (2 L) on
+    top of what every variant holds (weights, gradients, AdamW states: 4 x ~1.1 MiB, plus small activations);
+    the fused loss holds one chunk of 128 tokens (L / 4) and its gradient, so its peak is at least L below.
+    Where fuse fuses no loss (the replica's `model`), fused-no-lce is a row that says so."""
+    size = mb.ModelSize(hidden=32, heads=2, kv_heads=1, intermediate=64, layers=1, vocab=4096, batch=2, seq=256)
+    df = _run(targets=["hf-model", "model"], variants=["eager", "fused-no-lce", "fused"],
+              sizes={**SIZES, "hf-model": size})
+    hf = df[df["target"] == "hf-model"].set_index("variant")
+    assert (hf["status"] == "ok").all(), hf["error"]
+    assert "linear_cross_entropy" not in hf.loc["fused-no-lce", "detail"] and "rms_norm" in hf.loc["fused-no-lce", "detail"]
+    assert "linear_cross_entropy" in hf.loc["fused", "detail"]
+    logits_gib = size.tokens * size.vocab * 4 / 2**30
+    assert hf.loc["fused", "peak_mem_gib"] < hf.loc["fused-no-lce", "peak_mem_gib"] - logits_gib, hf["peak_mem_gib"]
+    assert hf.loc["fused-no-lce", "peak_mem_gib"] > hf.loc["eager", "peak_mem_gib"] - logits_gib / 2
+    replica = _row(df, "model", "fused-no-lce")
+    assert replica["status"] == "unavailable" and "fuses no loss in model" in replica["error"]
+
+
+def test_cpu_peak_memory_counts_the_module_and_the_optimizer_state():
+    """An AdamW step on a 256 x 256 linear layer whose gradient is set: at its peak the weight, its gradient and
+    both AdamW states (4 x 256 KiB) exist, while the step itself allocates about one more weight-sized
+    temporary (foreach AdamW's square root; its other updates are in place). MemTracker counts the four only
+    when told of the module and the optimizer."""
+
+    class OptimizerStep(mb.Target):
+        name = "optimizer-step"
+
+        def make_step(self, fn, module, batch):
+            module.weight.grad = torch.ones_like(module.weight)
+            optimizer = torch.optim.AdamW(module.parameters(), foreach=True)
+            return optimizer.step, [], [module, optimizer]
+
+    module = torch.nn.Linear(256, 256, bias=False)
+    _, peak_gib = mb._time_variant(OptimizerStep(), mb.Built(module, module), {}, device=torch.device("cpu"),
+                                   **FAST_TIMING)
+    assert peak_gib * 2**30 >= 4 * module.weight.numel() * 4, peak_gib * 2**20
+
+
+def test_hf_model_without_transformers_is_a_row_with_the_reason(monkeypatch, torch_path):
+    monkeypatch.setattr(mb.HFModelTarget, "unavailable", staticmethod(lambda: "transformers is not installed"))
+    df = _run(targets=["hf-model"], variants=["eager", "fused"])
+    assert (df["status"] == "unavailable").all() and (df["error"] == "transformers is not installed").all()
+    assert mb.exit_status(df) == 1  # nothing ran
 
 
 def test_a_wrong_variant_is_an_error_row_and_not_timed(monkeypatch, torch_path):
@@ -238,9 +293,8 @@ def test_cli_runs_and_writes_files(tmp_path, torch_path, capsys):
     import pandas as pd
 
     saved = pd.read_csv(tmp_path / "results.csv")
-    assert list(saved["variant"]) == ["eager", "liger", "fused"] * 2  # --no-compile dropped compile
-    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES["layer"].label("layer"),
-                                             mb.CPU_QUICK_SIZES["model"].label("model")]
+    assert list(saved["variant"]) == ["eager", "liger", "fused"] * 3  # --no-compile dropped compile
+    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES[t].label(t) for t in ("layer", "model", "hf-model")]
 
 
 def test_cli_exits_1_when_a_variant_disagrees(tmp_path, monkeypatch, torch_path):
@@ -260,8 +314,8 @@ def test_cli_names_agree_with_the_module():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variants", "eager,triton"], "valid variants: eager, compile, liger, fused, fused+compile"),
-    (["--targets", "block"], "valid targets: layer, model"),
+    (["--variants", "eager,triton"], "valid variants: eager, compile, liger, fused-no-lce, fused, fused+compile"),
+    (["--targets", "block"], "valid targets: layer, model, hf-model"),
 ])
 def test_cli_rejects_unknown_names(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
