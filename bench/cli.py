@@ -4,7 +4,7 @@
     tridist bench tune [--quick] [--no-sqlite]
     tridist tune --model llama2-70b --nodes 16 --devices-per-node 8 --device h100-sxm --global-batch 1024 [--report DIR]
     tridist calibrate [--device auto] [--quick] [--name NAME] [--out PATH]
-    tridist bench model [--targets layer,model,hf-model] [--variants ...] [--quick] [--no-compile] [--out DIR]
+    tridist bench model [--targets layer,model,hf-model,hf-moe] [--variants ...] [--quick] [--no-compile] [--out DIR]
     tridist bench overlap [--quick] [--device auto] [--out DIR]
     tridist bench all [--out DIR] [--steps sweep,check,kernels,model,calibrate] [--sweep-minutes 4]
     tridist autotune kernels [--ops ...] [--dtype bf16] [--trials 32] [--minutes M] [--quick] [--storage URL] [--out DIR]
@@ -251,15 +251,16 @@ def _bench_tune(args: argparse.Namespace) -> int:
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     # The names of bench.model_bench's TARGETS and VARIANTS (which imports torch): argument checking
     # stays import-free; tests/test_model_bench.py checks that they agree.
-    targets = ("layer", "model", "hf-model")
-    variants = ("eager", "compile", "liger", "fused-no-lce", "fused", "fused+compile")
+    targets = ("layer", "model", "hf-model", "hf-moe")
+    variants = ("eager", "compile", "liger", "fused-no-lce", "fused-experts-loop", "fused", "fused+compile")
     parser.add_argument("--targets", type=choice_list(targets, "target"), default=None,
                         help=f"comma-separated of {','.join(targets)} (default: all): one decoder layer's "
                              "forward+backward, a small Llama's training step, the same step on transformers' Llama "
-                             "(needs transformers)")
+                             "and Mixtral (needs transformers)")
     parser.add_argument("--variants", type=choice_list(variants, "variant"), default=None,
                         help=f"comma-separated of {','.join(variants)} (default: all; liger needs a GPU and liger_kernel; "
-                             "fused-no-lce is fuse without the fused LM head + loss, hf-model only)")
+                             "fused-no-lce is fuse without the fused LM head + loss, hf-model only; fused-experts-loop "
+                             "runs hf-moe's experts as a loop where fused runs grouped GEMMs)")
     parser.add_argument("--dtype", choices=KERNEL_DTYPES, default=None,
                         help="parameter dtype (default: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")

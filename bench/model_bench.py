@@ -12,12 +12,16 @@ transformers; "hf-model" on transformers' own):
   users bring: `fuse` also replaces its LM head and loss by the fused linear cross-entropy there, so its
   "fused" and "fused-no-lce" rows give the step's peak memory with and without the [tokens, vocab] logits.
   Without transformers its rows say so.
+- "hf-moe": the same step on transformers' `MixtralForCausalLM` (stacked SwiGLU experts, `top_k` per token),
+  whose experts `fuse` runs as grouped GEMMs on Hopper and as a loop elsewhere ("fused-experts-loop" forces
+  the loop: on an H100 the two rows measure the choice).
 
 Variants: "eager" (the model as built), "compile" (`torch.compile(model)`: forward and backward;
 the optimizer step stays eager in every variant), "liger" (Liger-Kernel's RMSNorm, SwiGLU MLP and
 rope swapped into the same modules: CUDA and liger_kernel only), "fused-no-lce" (`tridist.kernels.fuse` with
 `linear_cross_entropy=False`: the head computes the logits; only for a target whose loss fuse can fuse),
-"fused" (`tridist.kernels.fuse`) and "fused+compile". Every variant starts from a deep copy of one built model
+"fused-experts-loop" (fuse, the experts as a loop; only where fused would run grouped GEMMs), "fused"
+(`tridist.kernels.fuse`) and "fused+compile". Every variant starts from a deep copy of one built model
 (same initial weights) and runs the same batch. Peak memory: CUDA's allocator peak over one step after the
 timing; on a CPU torch's MemTracker over that step, the module and the optimizer's state included.
 
@@ -58,9 +62,9 @@ from torch import nn
 from .kernels import DTYPES, VariantUnavailable, _log_progress, device_name, environment, resolve_device, time_ms
 from .report import device_slug, format_value, markdown_table, stamp_provenance
 
-TARGETS = ("layer", "model", "hf-model")
+TARGETS = ("layer", "model", "hf-model", "hf-moe")
 # Report order: baselines first, ours last.
-VARIANTS = ("eager", "compile", "liger", "fused-no-lce", "fused", "fused+compile")
+VARIANTS = ("eager", "compile", "liger", "fused-no-lce", "fused-experts-loop", "fused", "fused+compile")
 COMPILED_VARIANTS = ("compile", "fused+compile")
 
 # Correctness check (see the module docstring): tolerance = max(NOISE_FACTOR x eager's own error
@@ -92,7 +96,8 @@ RESULT_COLUMNS = (
 
 @dataclasses.dataclass(frozen=True)
 class ModelSize:
-    """Sizes of one target: an hf-llama config (heads of head_dim hidden // heads) and the batch."""
+    """Sizes of one target: an hf-llama config (heads of head_dim hidden // heads) and the batch; for a mixture
+    of experts `experts` experts of width `intermediate`, `top_k` per token."""
 
     hidden: int
     heads: int
@@ -103,6 +108,8 @@ class ModelSize:
     batch: int
     seq: int
     rope_theta: float = 10000.0
+    experts: int = 0
+    top_k: int = 0
 
     @property
     def tokens(self) -> int:
@@ -121,6 +128,8 @@ class ModelSize:
 
     def label(self, target: str) -> str:
         common = f"B={self.batch} S={self.seq} H={self.hidden} Hq={self.heads} Hkv={self.kv_heads} I={self.intermediate}"
+        if self.experts:
+            common += f" E={self.experts} k={self.top_k}"
         return common if target == "layer" else f"L={self.layers} {common} V={self.vocab}"
 
 
@@ -141,6 +150,11 @@ CUDA_QUICK_SIZES = {
     "model": dataclasses.replace(CUDA_SIZES["model"], layers=2, batch=2, seq=1024),
 }
 CUDA_QUICK_SIZES["hf-model"] = CUDA_QUICK_SIZES["model"]
+# hf-moe: Qwen3-30B-A3B's expert layout (64 of its 128 experts of width 768, 8 per token) at the model's
+# width and batch, 4 layers: ~1,000 tokens per expert, so the experts' grouped GEMMs and the loop over them
+# (2 GEMMs per expert and direction) are both fed.
+CUDA_SIZES["hf-moe"] = dataclasses.replace(CUDA_SIZES["model"], intermediate=768, layers=4, experts=64, top_k=8)
+CUDA_QUICK_SIZES["hf-moe"] = dataclasses.replace(CUDA_SIZES["hf-moe"], layers=2, batch=2, seq=1024)
 # CPU (fp32): a few ms per step, so that the pipeline (and the tests) run in seconds. hf-model keeps a real
 # vocabulary (Llama-2's 32,000) and 1,024 tokens, since the logits it holds or not are what its fused rows
 # are about: 1,024 x 32,000 fp32 logits are 125 MiB, above the 131 MiB of weights, gradients and AdamW
@@ -155,6 +169,8 @@ CPU_QUICK_SIZES = {
     "model": ModelSize(hidden=64, heads=4, kv_heads=2, intermediate=176, layers=2, vocab=128, batch=2, seq=16),
 }
 CPU_QUICK_SIZES["hf-model"] = dataclasses.replace(CPU_QUICK_SIZES["model"], vocab=8192)
+CPU_SIZES["hf-moe"] = dataclasses.replace(CPU_SIZES["model"], intermediate=176, experts=8, top_k=2)
+CPU_QUICK_SIZES["hf-moe"] = dataclasses.replace(CPU_QUICK_SIZES["model"], intermediate=96, experts=4, top_k=2)
 
 
 def default_sizes(device_type: str, *, quick: bool = False) -> dict[str, ModelSize]:
@@ -171,9 +187,12 @@ def step_flops(target: str, size: ModelSize, matmul_params: int) -> float:
     return 6.0 * matmul_params * size.tokens + attention
 
 
-def _matmul_params(module: nn.Module) -> int:
-    """Weights that multiply activations: every nn.Linear (embedding lookups and norms are not matmuls)."""
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+def _matmul_params(module: nn.Module, size: ModelSize) -> int:
+    """Weights that multiply activations: every nn.Linear (embedding lookups and norms are not matmuls) and
+    the active share (top_k / experts) of stacked experts' 3-D weights."""
+    linear = sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+    stacked = sum(p.numel() for p in module.parameters() if p.dim() == 3) if size.experts else 0
+    return linear + stacked * size.top_k // max(size.experts, 1)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
@@ -221,6 +240,7 @@ class Target:
 
     name: str
     fusable_loss = False  # fuse() replaces a head + loss here: "fused-no-lce" differs from "fused"
+    has_experts = False  # stacked experts: "fused-experts-loop" can differ from "fused"
 
     @staticmethod
     def unavailable() -> str | None:
@@ -345,6 +365,10 @@ class HFModelTarget(ModelTarget):
 
     name = "hf-model"
     fusable_loss = True
+    architecture = ("LlamaConfig", "LlamaForCausalLM")  # transformers' names
+
+    def extra_config(self) -> dict:
+        return {}
 
     @staticmethod
     def unavailable() -> str | None:
@@ -353,13 +377,15 @@ class HFModelTarget(ModelTarget):
         return None
 
     def build(self, device, dtype) -> nn.Module:
-        from transformers import LlamaConfig, LlamaForCausalLM
+        import transformers
 
+        config_class, model_class = (getattr(transformers, name) for name in self.architecture)
         s = self.size
-        config = LlamaConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
-                             num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                             max_position_embeddings=s.seq, rope_theta=s.rope_theta, use_cache=False)
-        model = LlamaForCausalLM(config)
+        config = config_class(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                              num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                              max_position_embeddings=s.seq, rope_theta=s.rope_theta, use_cache=False,
+                              **self.extra_config())
+        model = model_class(config)
         rotary = model.model.rotary_emb
         inv_freq = rotary.inv_freq  # stays fp32, as in ModelTarget
         model.to(dtype)
@@ -367,7 +393,21 @@ class HFModelTarget(ModelTarget):
         return model
 
 
-TARGET_CLASSES = {target.name: target for target in (LayerTarget, ModelTarget, HFModelTarget)}
+class HFMoETarget(HFModelTarget):
+    """HFModelTarget's step on transformers' MixtralForCausalLM: `size.experts` SwiGLU experts of width
+    `size.intermediate` stacked in 3-D weights, `size.top_k` per token, no router auxiliary loss. fuse runs them
+    as grouped GEMMs where the device has them (Hopper) and as a loop over the experts hit elsewhere;
+    "fused-experts-loop" forces the loop, so a GPU run measures the choice."""
+
+    name = "hf-moe"
+    has_experts = True
+    architecture = ("MixtralConfig", "MixtralForCausalLM")
+
+    def extra_config(self) -> dict:
+        return {"num_local_experts": self.size.experts, "num_experts_per_tok": self.size.top_k}
+
+
+TARGET_CLASSES = {target.name: target for target in (LayerTarget, ModelTarget, HFModelTarget, HFMoETarget)}
 
 
 def make_target(name: str, size: ModelSize):
@@ -404,6 +444,9 @@ def _fuse(module: nn.Module, **options) -> str:
     if not report.replaced:
         raise RuntimeError(f"fuse() replaced nothing: {report}")
     kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "rotary", "linear_cross_entropy")}
+    experts = sum(1 for _, what in report.replaced if what.endswith("FusedSwiGLUExperts"))
+    kinds["swiglu"] -= experts
+    kinds["swiglu experts"] = experts
     detail = "fused " + ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
     if report.skipped:
         detail += f"; left {len(report.skipped)} alone"
@@ -416,6 +459,32 @@ def _fused(module: nn.Module, *, device) -> Built:
 
 def _fused_no_lce(module: nn.Module, *, device) -> Built:
     return Built(module, module, _fuse(module, linear_cross_entropy=False))
+
+
+def _fused_experts_loop(module: nn.Module, *, device) -> Built:
+    from tridist.kernels import FusedSwiGLUExperts
+
+    detail = _fuse(module)
+    experts = [m for m in module.modules() if isinstance(m, FusedSwiGLUExperts)]
+    if not experts:
+        raise VariantUnavailable("fuse() fused no stacked experts here")
+    for m in experts:
+        m.grouped_mm = False  # a loop over the experts that received tokens, whatever the device offers
+    return Built(module, module, detail + "; experts as a loop")
+
+
+def _same_as_fused(variant: str, target, device: torch.device) -> str | None:
+    """Why `variant` would run exactly what "fused" runs on this target and device (its row says so instead of
+    repeating fused's), or None."""
+    if variant == "fused-no-lce" and not target.fusable_loss:
+        return f"the same as fused here: fuse() fuses no loss in {target.name}"
+    if variant == "fused-experts-loop":
+        if not target.has_experts:
+            return f"the same as fused here: {target.name} has no experts"
+        if not (device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm")
+                and torch.cuda.get_device_capability(device) >= (9, 0)):
+            return "the same as fused here: grouped GEMMs need CUDA capability 9.0, so fused loops over the experts too"
+    return None
 
 
 def _fused_compile(module: nn.Module, *, device) -> Built:
@@ -449,11 +518,10 @@ VARIANT_BUILDERS: dict[str, Callable[..., Built]] = {
     "compile": _compile,
     "liger": _liger,
     "fused-no-lce": _fused_no_lce,
+    "fused-experts-loop": _fused_experts_loop,
     "fused": _fused,
     "fused+compile": _fused_compile,
 }
-# Variants that differ from "fused" only where fuse() fuses a head + loss (`fusable_loss` targets).
-LOSS_VARIANTS = ("fused-no-lce",)
 
 
 def swap_liger_modules(model: nn.Module, *, rms_norm_cls, swiglu_mlp_cls, rotary_fn) -> dict[str, int]:
@@ -623,8 +691,9 @@ def _run_variant(target, variant: str, base: nn.Module, batch: dict, reference: 
                  warmup_ms, rep_ms) -> dict:
     """One row: build the variant on a copy of `base`, check it against eager, and time it if it agrees."""
     row = {"variant": variant, "status": "failed", "error": ""}
-    if variant in LOSS_VARIANTS and not target.fusable_loss:
-        return {**row, "status": "unavailable", "error": f"the same as fused here: fuse() fuses no loss in {target.name}"}
+    same = _same_as_fused(variant, target, device)
+    if same:
+        return {**row, "status": "unavailable", "error": same}
     start = time.perf_counter()
     try:
         built = VARIANT_BUILDERS[variant](_copy_to(base, device), device=device)
@@ -678,7 +747,7 @@ def _run_target(name: str, size: ModelSize, *, variants: Sequence[str], device, 
     batch = target.batch(device, dtype, seed=seed)
     base = base.to("cpu")  # between variants only the variant's own copy lives on the device
     params = sum(p.numel() for p in base.parameters())
-    flops = step_flops(name, size, _matmul_params(base))
+    flops = step_flops(name, size, _matmul_params(base, size))
     common = {"target": name, "shape": size.label(name), "dtype": _dtype_name(dtype), "params": params,
               "tokens": size.tokens}
     try:

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from tridist import kernels
 from tridist.bench import cli
 from tridist.bench import model_bench as mb
 from tridist.bench.models import hf_llama
@@ -26,7 +27,8 @@ from tridist.kernels import _common
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 FAST_TIMING = {"warmup_ms": 1, "rep_ms": 1}  # the minimum of 5 timed steps per row
 TINY = mb.ModelSize(hidden=32, heads=2, kv_heads=1, intermediate=64, layers=1, vocab=64, batch=1, seq=8)
-SIZES = {"layer": TINY, "model": mb.dataclasses.replace(TINY, layers=2), "hf-model": mb.dataclasses.replace(TINY, layers=2)}
+SIZES = {"layer": TINY, "model": mb.dataclasses.replace(TINY, layers=2), "hf-model": mb.dataclasses.replace(TINY, layers=2),
+         "hf-moe": mb.dataclasses.replace(TINY, layers=2, experts=4, top_k=2)}
 
 
 @pytest.fixture
@@ -74,8 +76,8 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
 
     saved = pd.read_csv(tmp_path / "results.csv")
     assert list(saved.columns) == [*mb.RESULT_COLUMNS, *(c for c in ROW_PROVENANCE if c not in mb.RESULT_COLUMNS)]
-    assert len(saved) == len(df) == 3 * 3
-    assert list(saved["target"]) == ["layer"] * 3 + ["model"] * 3 + ["hf-model"] * 3
+    assert len(saved) == len(df) == 4 * 3
+    assert list(saved["target"]) == ["layer"] * 3 + ["model"] * 3 + ["hf-model"] * 3 + ["hf-moe"] * 3
     stamps = saved[list(ROW_PROVENANCE)].astype(object).fillna("").astype(str)
     assert (stamps["torch"] == torch.__version__).all() and (stamps["date"].str.len() > 0).all()
     assert (stamps["commit"].str.len() == 40).all() and (stamps["tridist"].str.len() > 0).all()
@@ -87,7 +89,7 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     assert (ran["tokens"] == 8).all() and (ran["params"] > 0).all()
     # MemTracker's on a CPU, the module's and the optimizer's tensors included: at the peak every fp32 weight
     # has its gradient (the layer's step), and in a model's AdamW step also its two states.
-    states = ran["target"].map({"layer": 2, "model": 4, "hf-model": 4})
+    states = ran["target"].map({"layer": 2, "model": 4, "hf-model": 4, "hf-moe": 4})
     assert (ran["peak_mem_gib"] * 2**30 >= states * ran["params"] * 4).all(), ran[["target", "variant", "peak_mem_gib"]]
     assert ran["mfu_pct"].isna().all()  # a CPU has no datasheet peak: not faked
     assert (ran["grad_err"] <= ran["grad_tol"]).all() and (ran["out_err"] <= ran["out_tol"]).all()
@@ -101,6 +103,9 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     hf_fused, hf_eager = _row(saved, "hf-model", "fused"), _row(saved, "hf-model", "eager")
     assert "linear_cross_entropy" in hf_fused["detail"] and "linear_cross_entropy" not in fused["detail"]
     assert math.isclose(hf_fused["loss"], hf_eager["loss"], rel_tol=1e-5) and hf_eager["loss"] > 0
+    moe_fused = _row(saved, "hf-moe", "fused")
+    assert "2 swiglu experts" in moe_fused["detail"] and "linear_cross_entropy" in moe_fused["detail"]
+    assert "E=4 k=2" in moe_fused["shape"]
 
     liger = saved[saved["variant"] == "liger"]  # unavailable here: a row with the reason, not timed
     assert (liger["status"] == "unavailable").all() and liger["time_ms"].isna().all()
@@ -109,7 +114,7 @@ def test_run_writes_rows_report_and_plot(tmp_path, torch_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert report.startswith("# Model benchmark") and "- Device: CPU" in report
     assert f"torch {torch.__version__}" in report and "## layer" in report and "## model" in report
-    assert "## hf-model" in report
+    assert "## hf-model" in report and "## hf-moe" in report
     assert "| variant" in report and "tokens/s" in report and "unavailable: Liger-Kernel runs on GPUs only" in report
     assert (tmp_path / "plot.png").read_bytes()[:8] == PNG_MAGIC
     assert df.attrs["report_dir"] == str(tmp_path)
@@ -155,6 +160,29 @@ def test_cpu_peak_memory_counts_the_module_and_the_optimizer_state():
     _, peak_gib = mb._time_variant(OptimizerStep(), mb.Built(module, module), {}, device=torch.device("cpu"),
                                    **FAST_TIMING)
     assert peak_gib * 2**30 >= 4 * module.weight.numel() * 4, peak_gib * 2**20
+
+
+def test_experts_loop_variant_runs_the_experts_as_a_loop_and_equals_eager(torch_path):
+    """fused-experts-loop on transformers' Mixtral: fuse, then every fused experts module loops (where fused
+    would run grouped GEMMs: a Hopper GPU); it computes eager's loss and gradients. Where it would equal fused
+    (this CPU; a target without experts) its row says so."""
+    target = mb.make_target("hf-moe", SIZES["hf-moe"])
+    torch.manual_seed(0)
+    base = target.build("cpu", torch.float32)
+    batch = target.batch("cpu", torch.float32)
+    reference = mb._reference(target, base, batch, device=torch.device("cpu"), dtype=torch.float32)
+    built = mb.VARIANT_BUILDERS["fused-experts-loop"](copy.deepcopy(base), device=torch.device("cpu"))
+    experts = [m for m in built.module.modules() if isinstance(m, kernels.FusedSwiGLUExperts)]
+    assert len(experts) == 2 and all(m.grouped_mm is False for m in experts) and "experts as a loop" in built.detail
+    out_err, grad_err, worst = mb.compare(target.check_run(built.fn, built.module, batch), reference.run)
+    assert out_err <= reference.out_tol and grad_err <= reference.grad_tol, (out_err, grad_err, worst)
+
+    cpu = torch.device("cpu")
+    assert "CUDA capability 9.0" in mb._same_as_fused("fused-experts-loop", target, cpu)
+    assert "layer has no experts" in mb._same_as_fused("fused-experts-loop", mb.make_target("layer", TINY), cpu)
+    with pytest.raises(mb.VariantUnavailable, match="no stacked experts"):
+        mb.VARIANT_BUILDERS["fused-experts-loop"](mb.make_target("hf-model", SIZES["hf-model"]).build("cpu", torch.float32),
+                                                  device=cpu)
 
 
 def test_hf_model_without_transformers_is_a_row_with_the_reason(monkeypatch, torch_path):
@@ -293,8 +321,8 @@ def test_cli_runs_and_writes_files(tmp_path, torch_path, capsys):
     import pandas as pd
 
     saved = pd.read_csv(tmp_path / "results.csv")
-    assert list(saved["variant"]) == ["eager", "liger", "fused"] * 3  # --no-compile dropped compile
-    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES[t].label(t) for t in ("layer", "model", "hf-model")]
+    assert list(saved["variant"]) == ["eager", "liger", "fused"] * 4  # --no-compile dropped compile
+    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES[t].label(t) for t in mb.TARGETS]
 
 
 def test_cli_exits_1_when_a_variant_disagrees(tmp_path, monkeypatch, torch_path):
@@ -314,8 +342,9 @@ def test_cli_names_agree_with_the_module():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--variants", "eager,triton"], "valid variants: eager, compile, liger, fused-no-lce, fused, fused+compile"),
-    (["--targets", "block"], "valid targets: layer, model, hf-model"),
+    (["--variants", "eager,triton"], "valid variants: eager, compile, liger, fused-no-lce, fused-experts-loop, fused, "
+                                     "fused+compile"),
+    (["--targets", "block"], "valid targets: layer, model, hf-model, hf-moe"),
 ])
 def test_cli_rejects_unknown_names(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
