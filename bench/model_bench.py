@@ -13,14 +13,14 @@ transformers; "hf-model" on transformers' own):
   "fused" and "fused-no-lce" rows give the step's peak memory with and without the [tokens, vocab] logits.
   Without transformers its rows say so.
 - "hf-moe": the same step on transformers' `MixtralForCausalLM` (stacked SwiGLU experts, `top_k` per token),
-  whose experts `fuse` runs as grouped GEMMs on Hopper and as a loop elsewhere ("fused-experts-loop" forces
-  the loop: on an H100 the two rows measure the choice).
+  whose experts `fuse` runs as grouped GEMMs where torch has them (a CPU, Hopper) and as a loop elsewhere
+  ("fused-experts-loop" forces the loop: the two rows measure the choice).
 
 Variants: "eager" (the model as built), "compile" (`torch.compile(model)`: forward and backward;
 the optimizer step stays eager in every variant), "liger" (Liger-Kernel's RMSNorm, SwiGLU MLP and
 rope swapped into the same modules: CUDA and liger_kernel only), "fused-no-lce" (`tridist.kernels.fuse` with
 `linear_cross_entropy=False`: the head computes the logits; only for a target whose loss fuse can fuse),
-"fused-experts-loop" (fuse, the experts as a loop; only where fused would run grouped GEMMs), "fused"
+"fused-experts-loop" (fuse, the experts as a loop; where fused would run grouped GEMMs), "fused"
 (`tridist.kernels.fuse`) and "fused+compile". Every variant starts from a deep copy of one built model
 (same initial weights) and runs the same batch. Peak memory: CUDA's allocator peak over one step after the
 timing; on a CPU torch's MemTracker over that step, the module and the optimizer's state included.
@@ -396,8 +396,8 @@ class HFModelTarget(ModelTarget):
 class HFMoETarget(HFModelTarget):
     """HFModelTarget's step on transformers' MixtralForCausalLM: `size.experts` SwiGLU experts of width
     `size.intermediate` stacked in 3-D weights, `size.top_k` per token, no router auxiliary loss. fuse runs them
-    as grouped GEMMs where the device has them (Hopper) and as a loop over the experts hit elsewhere;
-    "fused-experts-loop" forces the loop, so a GPU run measures the choice."""
+    as grouped GEMMs where torch has them (a CPU, Hopper) and as a loop over the experts hit elsewhere;
+    "fused-experts-loop" forces the loop, so a run measures the choice."""
 
     name = "hf-moe"
     has_experts = True
@@ -463,11 +463,15 @@ def _fused_no_lce(module: nn.Module, *, device) -> Built:
 
 def _fused_experts_loop(module: nn.Module, *, device) -> Built:
     from tridist.kernels import FusedSwiGLUExperts
+    from tridist.kernels.ops.swiglu import grouped_mm_supported
 
     detail = _fuse(module)
     experts = [m for m in module.modules() if isinstance(m, FusedSwiGLUExperts)]
     if not experts:
         raise VariantUnavailable("fuse() fused no stacked experts here")
+    if not any(m.grouped_mm is None and grouped_mm_supported(m.down_proj, m.down_proj) for m in experts):
+        raise VariantUnavailable("the same as fused here: fused loops over the experts too (grouped GEMMs need a CPU "
+                                 "or CUDA capability 9.0, and rows of 16-byte multiples)")
     for m in experts:
         m.grouped_mm = False  # a loop over the experts that received tokens, whatever the device offers
     return Built(module, module, detail + "; experts as a loop")
@@ -478,12 +482,8 @@ def _same_as_fused(variant: str, target, device: torch.device) -> str | None:
     repeating fused's), or None."""
     if variant == "fused-no-lce" and not target.fusable_loss:
         return f"the same as fused here: fuse() fuses no loss in {target.name}"
-    if variant == "fused-experts-loop":
-        if not target.has_experts:
-            return f"the same as fused here: {target.name} has no experts"
-        if not (device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm")
-                and torch.cuda.get_device_capability(device) >= (9, 0)):
-            return "the same as fused here: grouped GEMMs need CUDA capability 9.0, so fused loops over the experts too"
+    if variant == "fused-experts-loop" and not target.has_experts:
+        return f"the same as fused here: {target.name} has no experts"
     return None
 
 

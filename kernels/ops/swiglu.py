@@ -409,34 +409,64 @@ def stacked_experts_layout_error(gate_up_proj: torch.Tensor, down_proj: torch.Te
     return None
 
 
+def grouped_mm_supported(x: torch.Tensor, down_proj: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs the experts of rows like `x`: a CPU, or CUDA capability 9.0+ (Hopper),
+    with rows of 16-byte multiples (the kernels' stride requirement, for the hidden and ffn widths)."""
+    if not hasattr(F, "grouped_mm") or not all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:]):
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
 def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor, *, grouped_mm: bool | None = None,
                   activation=swiglu) -> torch.Tensor:
     """Each token's k experts, `down(activation(x @ gate_upᵀ))` weighted by `top_k_weights` and summed, with
     `gate_up_proj` [experts, 2·ffn, hidden] and `down_proj` [experts, hidden, ffn] (Hugging Face's layout); an
     index of `experts` or more is a slot to skip. The pairs are sorted by expert; each projection runs as
-    one grouped GEMM where the device has one (`grouped_mm=None`: CUDA capability 9.0+, 16-byte aligned
-    rows), else as a loop over the experts that received tokens. `activation(x)` takes the packed
-    [gate | up] rows: the fused `swiglu`, or an eager one."""
+    one grouped GEMM where the device has one (`grouped_mm=None`: `grouped_mm_supported`), with no host sync,
+    else as a loop over the experts that received tokens (which reads their counts on the host).
+    `activation(x)` takes the packed [gate | up] rows: the fused `swiglu`, or an eager one."""
+    if grouped_mm is None:
+        grouped_mm = grouped_mm_supported(hidden_states, down_proj)
+    if grouped_mm:
+        return _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     order, counts = sort_by_expert(top_k_index, gate_up_proj.shape[0])
     tokens = order // top_k_index.shape[-1]
     x = hidden_states[tokens]
-    if grouped_mm is None:
-        aligned = all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:])
-        grouped_mm = (x.device.type == "cuda" and hasattr(F, "grouped_mm") and aligned
-                      and torch.cuda.get_device_capability(x.device) >= (9, 0))
-    if grouped_mm:
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate_up = F.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
-        out = F.grouped_mm(activation(gate_up), down_proj.transpose(-2, -1), offs=offsets)
-    else:
-        parts, start = [], 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                rows = x[start:start + count]
-                parts.append(F.linear(activation(F.linear(rows, gate_up_proj[expert])), down_proj[expert]))
-                start += count
-        out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
+    parts, start = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            rows = x[start:start + count]
+            parts.append(F.linear(activation(F.linear(rows, gate_up_proj[expert])), down_proj[expert]))
+            start += count
+    out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
+    out = out * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+
+
+def _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    """routed_swiglu by two grouped GEMMs over every token-expert pair, sorted by expert, without a host sync.
+
+    Slots to skip (index >= experts) sort last, beyond the last offset: the grouped GEMM leaves those rows of
+    its output, and of its input's gradient, uninitialised. Rows between the two GEMMs only reach the second,
+    which reads none past the offset; masking the gathered rows (whose backward zeroes the gradient rows the
+    first GEMM left so) and the second GEMM's output keeps them out of every sum (transformers does the same)."""
+    num_experts = gate_up_proj.shape[0]
+    experts = top_k_index.reshape(-1)
+    with torch.no_grad():
+        order = torch.argsort(experts, stable=True)
+        sorted_experts = experts[order]
+        # Counts per expert by a fixed-size histogram (bincount's size would depend on the values, a sync);
+        # slots to skip fall outside [0, experts - 1]. Under deterministic algorithms the CPU kernel takes
+        # floats only (exact counts up to 2**24) and the CUDA kernel integers only, as transformers does.
+        values = sorted_experts.float() if sorted_experts.device.type == "cpu" else sorted_experts.int()
+        counts = torch.histc(values, bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        skipped = (sorted_experts >= num_experts)[:, None]
+    tokens = order // top_k_index.shape[-1]
+    x = hidden_states[tokens].masked_fill(skipped, 0)
+    gate_up = F.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
+    out = F.grouped_mm(activation(gate_up), down_proj.transpose(-2, -1), offs=offsets).masked_fill(skipped, 0)
     out = out * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
 
@@ -452,7 +482,7 @@ class FusedSwiGLUExperts(torch.nn.Module):
     [experts, 2·ffn, hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]), with the fused
     activation. `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`
     is Hugging Face's experts interface: each token's k experts, weighted, summed (`routed_swiglu`: grouped
-    GEMMs on Hopper, a loop over the experts hit elsewhere). The parameters are the replaced module's own
+    GEMMs where torch has them, a CPU or Hopper, a loop over the experts hit elsewhere). The parameters are the replaced module's own
     (same objects, same names), so state dicts and optimizers still apply.
     """
 
