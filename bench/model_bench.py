@@ -13,7 +13,7 @@ transformers; "hf-model" on transformers' own):
   "fused" and "fused-no-lce" rows give the step's peak memory with and without the [tokens, vocab] logits.
   Without transformers its rows say so.
 - "hf-moe": the same step on transformers' `MixtralForCausalLM` (stacked SwiGLU experts, `top_k` per token),
-  whose experts `fuse` runs as grouped GEMMs where torch has them (a CPU, Hopper) and as a loop elsewhere
+  whose experts `fuse` runs as grouped GEMMs where torch has them (bf16 on a CPU or an Ampere+ GPU) and as a loop elsewhere
   ("fused-experts-loop" forces the loop: the two rows measure the choice).
 
 Variants: "eager" (the model as built), "compile" (`torch.compile(model)`: forward and backward;
@@ -396,7 +396,7 @@ class HFModelTarget(ModelTarget):
 class HFMoETarget(HFModelTarget):
     """HFModelTarget's step on transformers' MixtralForCausalLM: `size.experts` SwiGLU experts of width
     `size.intermediate` stacked in 3-D weights, `size.top_k` per token, no router auxiliary loss. fuse runs them
-    as grouped GEMMs where torch has them (a CPU, Hopper) and as a loop over the experts hit elsewhere;
+    as grouped GEMMs where torch has them (bf16 on a CPU or an Ampere+ GPU) and as a loop over the experts hit elsewhere;
     "fused-experts-loop" forces the loop, so a run measures the choice."""
 
     name = "hf-moe"
@@ -470,8 +470,8 @@ def _fused_experts_loop(module: nn.Module, *, device) -> Built:
     if not experts:
         raise VariantUnavailable("fuse() fused no stacked experts here")
     if not any(m.grouped_mm is None and grouped_mm_supported(m.down_proj, m.down_proj) for m in experts):
-        raise VariantUnavailable("the same as fused here: fused loops over the experts too (grouped GEMMs need a CPU "
-                                 "or CUDA capability 9.0, and rows of 16-byte multiples)")
+        raise VariantUnavailable("the same as fused here: fused loops over the experts too (grouped GEMMs need bf16 on a CPU "
+                                 "or a CUDA capability 8.0+ GPU, and rows of 16-byte multiples)")
     for m in experts:
         m.grouped_mm = False  # a loop over the experts that received tokens, whatever the device offers
     return Built(module, module, detail + "; experts as a loop")

@@ -363,6 +363,33 @@ def test_fused_experts_grouped_mm_path_forward_on_cpu():
     _assert_within(grouped.float(), loop.float(), 4 * 2.0**-8, "grouped vs loop")
 
 
+def test_grouped_experts_compile_to_one_graph_and_match():
+    """In bf16 the experts run as grouped GEMMs with no host sync, so torch.compile(fullgraph=True) captures the
+    layer whole (a data-dependent count would break the graph), forward and backward, equal to eager's."""
+    from tridist.kernels import FusedSwiGLUExperts
+    from tridist.kernels.ops.swiglu import grouped_mm_supported
+
+    generator = torch.Generator().manual_seed(7)
+    gate_up = torch.nn.Parameter((torch.randn(4, 32, 16, generator=generator) / 4).bfloat16())
+    down = torch.nn.Parameter((torch.randn(4, 16, 16, generator=generator) / 4).bfloat16())
+    layer = FusedSwiGLUExperts(gate_up, down)
+    x = torch.randn(9, 16, generator=generator).bfloat16().requires_grad_()
+    index = torch.tensor([[0, 3], [3, 0], [0, 3], [3, 4], [0, 3], [1, 3], [0, 1], [3, 4], [1, 0]])  # 4: skipped
+    weights = torch.rand(9, 2, generator=generator).bfloat16()
+    assert grouped_mm_supported(x, down)
+    grad = torch.randn(9, 16, generator=generator).bfloat16()
+    eager_out = layer(x, index, weights)
+    eager_grads = torch.autograd.grad(eager_out, (x, gate_up, down), grad)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x, index, weights)
+    grads = torch.autograd.grad(out, (x, gate_up, down), grad)
+    # aot_eager runs the same ATen ops: equal up to the order autograd accumulates the gathered rows' gradient.
+    _assert_within(out.float(), eager_out.float(), 2.0**-8, "output")
+    for name, a, b in zip(("x", "gate_up_proj", "down_proj"), grads, eager_grads):
+        _assert_within(a.float(), b.float(), 2.0**-7, name)
+
+
 def test_experts_of_another_activation_or_layout_are_left_alone():
     model = build("mixtral")
     for layer in model.model.layers:

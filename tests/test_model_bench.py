@@ -163,15 +163,16 @@ def test_cpu_peak_memory_counts_the_module_and_the_optimizer_state():
 
 
 def test_experts_loop_variant_runs_the_experts_as_a_loop_and_equals_eager(torch_path):
-    """fused-experts-loop on transformers' Mixtral: fuse, then every fused experts module loops where fused runs
-    grouped GEMMs (here torch's CPU kernel: fp32 rows of 32 and 64 are 16-byte multiples); it computes eager's
-    loss and gradients. Where it would equal fused (bf16 rows of 12 x 2 bytes, no experts) its row says so."""
+    """fused-experts-loop on transformers' Mixtral in bf16: fuse, then every fused experts module loops where fused
+    runs grouped GEMMs (here torch's CPU kernel: bf16 rows of 32 and 64 are 16-byte multiples); it computes
+    eager's loss and gradients within the bf16 tolerance. Where it would equal fused (fp32; bf16 rows of 12 x 2
+    bytes; no experts) it says so."""
     cpu = torch.device("cpu")
     target = mb.make_target("hf-moe", SIZES["hf-moe"])
     torch.manual_seed(0)
-    base = target.build("cpu", torch.float32)
-    batch = target.batch("cpu", torch.float32)
-    reference = mb._reference(target, base, batch, device=cpu, dtype=torch.float32)
+    base = target.build("cpu", torch.bfloat16)
+    batch = target.batch("cpu", torch.bfloat16)
+    reference = mb._reference(target, base, batch, device=cpu, dtype=torch.bfloat16)
     built = mb.VARIANT_BUILDERS["fused-experts-loop"](copy.deepcopy(base), device=cpu)
     experts = [m for m in built.module.modules() if isinstance(m, kernels.FusedSwiGLUExperts)]
     assert len(experts) == 2 and all(m.grouped_mm is False for m in experts) and "experts as a loop" in built.detail
@@ -179,8 +180,9 @@ def test_experts_loop_variant_runs_the_experts_as_a_loop_and_equals_eager(torch_
     assert out_err <= reference.out_tol and grad_err <= reference.grad_tol, (out_err, grad_err, worst)
 
     unaligned = mb.make_target("hf-moe", mb.dataclasses.replace(SIZES["hf-moe"], intermediate=12)).build("cpu", torch.bfloat16)
-    with pytest.raises(mb.VariantUnavailable, match="the same as fused here: fused loops over the experts too"):
-        mb.VARIANT_BUILDERS["fused-experts-loop"](unaligned, device=cpu)
+    for model in (unaligned, target.build("cpu", torch.float32)):
+        with pytest.raises(mb.VariantUnavailable, match="the same as fused here: fused loops over the experts too"):
+            mb.VARIANT_BUILDERS["fused-experts-loop"](model, device=cpu)
     assert "layer has no experts" in mb._same_as_fused("fused-experts-loop", mb.make_target("layer", TINY), cpu)
     with pytest.raises(mb.VariantUnavailable, match="no stacked experts"):
         mb.VARIANT_BUILDERS["fused-experts-loop"](mb.make_target("hf-model", SIZES["hf-model"]).build("cpu", torch.float32),

@@ -410,11 +410,14 @@ def stacked_experts_layout_error(gate_up_proj: torch.Tensor, down_proj: torch.Te
 
 
 def grouped_mm_supported(x: torch.Tensor, down_proj: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM runs the experts of rows like `x`: a CPU, or CUDA capability 9.0+ (Hopper),
-    with rows of 16-byte multiples (the kernels' stride requirement, for the hidden and ffn widths)."""
-    if not hasattr(F, "grouped_mm") or not all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:]):
+    """Whether torch's grouped GEMM runs the experts of rows like `x`: bf16 (its documented input dtype; what
+    torch.compile's shape function accepts) on a CPU or a CUDA device of compute capability 8.0+, with rows of
+    16-byte multiples (the kernels' stride requirement, for the hidden and ffn widths)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != torch.bfloat16 or down_proj.dtype != torch.bfloat16:
         return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    if not all(n * x.element_size() % 16 == 0 for n in down_proj.shape[1:]):
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0))
 
 
 def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -482,7 +485,7 @@ class FusedSwiGLUExperts(torch.nn.Module):
     [experts, 2·ffn, hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]), with the fused
     activation. `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`
     is Hugging Face's experts interface: each token's k experts, weighted, summed (`routed_swiglu`: grouped
-    GEMMs where torch has them, a CPU or Hopper, a loop over the experts hit elsewhere). The parameters are the replaced module's own
+    GEMMs where torch has them, bf16 on a CPU or an Ampere+ GPU, a loop over the experts hit elsewhere). The parameters are the replaced module's own
     (same objects, same names), so state dicts and optimizers still apply.
     """
 
