@@ -69,8 +69,10 @@ class Strategy:
     experts): the routed experts split over `ep` of the dp ranks (ep divides dp, as torchtitan and
     Megatron-Core fold expert parallel into data parallel), tokens sent to their experts' ranks and back
     by all-to-all, each expert's gradients reduced over the dp / ep ranks that hold it. Under tensor
-    parallel the experts' ffn width is split over tp as the dense MLP's (Megatron-Core's default expert
-    tensor parallel = tp)."""
+    parallel the engine decides the experts' split (`EngineProfile.expert_tensor_parallel`): Megatron-Core
+    splits their ffn width over tp as the dense MLP's (its default expert tensor parallel = tp), the torch
+    engines (distcore) keep each expert whole on every tp rank (expert tensor parallel 1), so only the
+    former needs tp to divide the experts' widths."""
 
     dp: int
     tp: int
@@ -156,7 +158,7 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         problem = _divides("tp", s.tp, quantity_name, quantity)
         if problem:
             reasons.append(problem + "; pick a tp that divides it")
-    if spec.is_moe:  # the experts' ffn widths split over tp as the dense MLP's
+    if spec.is_moe and cluster.engine.expert_tensor_parallel:  # the experts' ffn split over tp as the dense MLP's
         for quantity_name, quantity in (("expert_ffn_hidden_size", spec.expert_ffn_hidden_size),
                                         ("shared_ffn_hidden_size", spec.shared_ffn_hidden_size)):
             problem = _divides("tp", s.tp, quantity_name, quantity)

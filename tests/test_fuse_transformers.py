@@ -303,6 +303,9 @@ def _experts_reference(gate_up, down, x, index, weights):
     return out
 
 
+# The grouped kernel's rows past the last offset hold whatever memory held (here NaN on purpose): the interpreted
+# activation between the GEMMs computes on them (numpy warns) and the layer never reads them back.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("dtype, grouped_mm", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                                (torch.bfloat16, None)], ids=str)
 def test_fused_experts_equal_the_eager_loop_with_idle_experts_and_sentinels(dtype, grouped_mm, monkeypatch):
@@ -363,6 +366,7 @@ def test_fused_experts_grouped_mm_path_forward_on_cpu():
     _assert_within(grouped.float(), loop.float(), 4 * 2.0**-8, "grouped vs loop")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning", "ignore:overflow encountered:RuntimeWarning")
 def test_grouped_experts_compile_to_one_graph_and_match():
     """In bf16 the experts run as grouped GEMMs with no host sync, so torch.compile(fullgraph=True) captures the
     layer whole (a data-dependent count would break the graph), forward and backward, equal to eager's."""

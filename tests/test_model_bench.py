@@ -314,7 +314,8 @@ def test_liger_variant_is_unavailable_on_cpu():
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-def test_cli_runs_and_writes_files(tmp_path, torch_path, capsys):
+def test_cli_runs_and_writes_files(tmp_path, monkeypatch, torch_path, capsys):
+    monkeypatch.setattr(mb, "CPU_QUICK_SIZES", SIZES)  # the CLI's defaults (every target), at the tests' sizes
     status = cli.main(["bench", "model", "--device", "cpu", "--quick", "--no-compile",
                        "--variants", "eager,compile,liger,fused", "--out", str(tmp_path)])
     assert status == 0
@@ -326,7 +327,8 @@ def test_cli_runs_and_writes_files(tmp_path, torch_path, capsys):
 
     saved = pd.read_csv(tmp_path / "results.csv")
     assert list(saved["variant"]) == ["eager", "liger", "fused"] * 4  # --no-compile dropped compile
-    assert list(saved["shape"].unique()) == [mb.CPU_QUICK_SIZES[t].label(t) for t in mb.TARGETS]
+    assert list(saved["target"].unique()) == list(mb.TARGETS)
+    assert list(saved.groupby("target", sort=False)["shape"].first()) == [SIZES[t].label(t) for t in mb.TARGETS]
 
 
 def test_cli_exits_1_when_a_variant_disagrees(tmp_path, monkeypatch, torch_path):

@@ -136,6 +136,12 @@ def test_strategy_rules_for_expert_parallel():
                  cluster, Strategy(dp=4, tp=1, pp=1, ep=2), global_batch_size=4)
     with pytest.raises(InvalidStrategy, match="expert_ffn_hidden_size=6"):
         estimate(replace(TINY_MOE, expert_ffn_hidden_size=6), cluster, Strategy(dp=1, tp=4, pp=1), global_batch_size=1)
+    # The torch engines keep each expert whole on every tp rank: tp need not divide its width (7 here).
+    odd = replace(TINY_MOE, expert_ffn_hidden_size=7)
+    with pytest.raises(InvalidStrategy, match="expert_ffn_hidden_size=7"):
+        estimate(odd, _cluster(1, 2), Strategy(dp=1, tp=2, pp=1), global_batch_size=1)
+    torch_engine = replace(_cluster(1, 2), engine=ENGINES["torch+tridist"])
+    assert estimate(odd, torch_engine, Strategy(dp=1, tp=2, pp=1), global_batch_size=1).step_time_s > 0
 
 
 def test_spec_rules_for_experts():
