@@ -5,8 +5,11 @@ its launch (argument checks, the autograd.Function, output allocation, the launc
 launch's arguments) decides the time at common shapes. This benchmark times that path alone: the Triton
 launch is stubbed out (`KernelInterface.__getitem__` returns a no-op) and the ops take their Triton path
 on tiny CPU tensors, so any machine measures it, with or without a GPU or the interpreter. The baseline
-is `torch.mul` on the same tensors, forward and forward+backward, in the same process; a minimal
-autograd.Function (forward returns a view) is shown for the floor every fused op pays.
+is `torch.mul` on the same tensors, forward and forward+backward, in the same process. Two floors are shown
+beside the ops: a minimal autograd.Function (forward returns a view), and "torch's part of rms_norm": a Function
+entered as the ops enter theirs (the C entry point) with rms_norm's five arguments, which allocates its output
+and 1/rms, saves three tensors and returns one output, and launches nothing (no checks, no plan): what an op
+of that shape costs before any code of ours runs.
 
 Targets (kernels issue): forward at most 3x `torch.mul`'s forward, forward+backward at most 2x its
 forward+backward. Each row is the best of `repeats` means over `calls` calls (perf_counter); Triton's own
@@ -56,6 +59,25 @@ class _Minimal(torch.autograd.Function):
         return grad
 
 
+class _RMSNormShape(torch.autograd.Function):
+    """rms_norm's autograd.Function with nothing of ours in it: its arguments, allocations, saves and output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, cast_to_input):
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), None, None, None
+
+
+_rms_norm_shape = super(torch.autograd.Function, _RMSNormShape).apply  # the C entry point, as eager_autograd's
+
+
 def cases() -> dict[str, Callable[[], object]]:
     """Each op's call on tiny CPU inputs that require grad (the training path: an autograd.Function)."""
     from tridist import kernels
@@ -68,6 +90,7 @@ def cases() -> dict[str, Callable[[], object]]:
     return {
         "torch.mul": lambda: torch.mul(x, y),
         "minimal autograd.Function": lambda: _Minimal.apply(x),
+        "torch's part of rms_norm": lambda: _rms_norm_shape(x, weight, 1e-6, 0.0, False),
         "rms_norm": lambda: kernels.rms_norm(x, weight, 1e-6),
         "add_rms_norm": lambda: kernels.rms_norm(x, weight, 1e-6, residual=residual),
         "rotary": lambda: kernels.apply_rotary_pos_emb(q, k, cos, sin, layout="bhsd"),
