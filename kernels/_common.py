@@ -138,10 +138,9 @@ def row_args(prefix: str, shape: tuple, strides: tuple) -> dict | None:
             f"{prefix}_stride_inner": stride_inner, f"{prefix}_stride_col": stride_col}
 
 
-@functools.lru_cache(maxsize=4096)  # pure, and asked for every tensor of every launch
 def _row_geometry(shape: tuple, strides: tuple) -> tuple[int, int, int, int, int] | None:
-    """RowLayout's numbers (n_rows, inner_rows, stride_outer, stride_inner, stride_col) for a tensor of this
-    shape and strides, or None when its leading dims do not merge into two row strides."""
+    """(n_rows, inner_rows, stride_outer, stride_inner, stride_col) of a tensor of this shape and strides (see
+    row_args), or None when its leading dims do not merge into two row strides. Asked when a plan is built."""
     groups: list[list[int]] = []  # [size, stride] of merged leading dims, innermost first
     for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
         if size == 1:
@@ -160,12 +159,6 @@ def _row_geometry(shape: tuple, strides: tuple) -> tuple[int, int, int, int, int
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of ints: triton.cdiv is a constexpr function whose call from Python costs ~3 us."""
     return -(-a // b)
-
-
-def empty_contiguous(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous output of `like`'s shape and device: empty_like is ~4 us faster per call on the host
-    than torch.empty(shape, dtype=, device=)."""
-    return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -394,6 +394,20 @@ def test_grouped_experts_compile_to_one_graph_and_match():
         _assert_within(a.float(), b.float(), 2.0**-7, name)
 
 
+def test_negative_expert_indices_are_refused():
+    """A negative index would sort before every expert's rows and shift each group onto the wrong expert: both
+    paths refuse it (the grouped one on the device, without a host sync)."""
+    from tridist.kernels import FusedSwiGLUExperts
+
+    layer = FusedSwiGLUExperts(torch.nn.Parameter(torch.randn(2, 32, 16).bfloat16()),
+                               torch.nn.Parameter(torch.randn(2, 16, 16).bfloat16()))
+    x, index, weights = torch.randn(3, 16).bfloat16(), torch.tensor([[-1], [0], [1]]), torch.ones(3, 1).bfloat16()
+    for grouped_mm in (True, False):
+        layer.grouped_mm = grouped_mm
+        with pytest.raises(RuntimeError, match=">= 0|non-negative"):
+            layer(x, index, weights)
+
+
 def test_experts_of_another_activation_or_layout_are_left_alone():
     model = build("mixtral")
     for layer in model.model.layers:

@@ -233,11 +233,13 @@ def test_layer_beyond_its_table_and_after_a_bf16_cast(backend):
 
 def test_tables_with_different_strides(backend):
     """cos contiguous and sin a transposed copy: one set of table strides serves both in the kernel, so the
-    launcher copies them (the rare case of tables built apart)."""
+    launcher copies them (the rare case of tables built apart). Strides of size-1 dims differ freely (torch's
+    contiguous() keeps them): a [1, T, D] view of a [T, 1, D] table, and one with stride 0 on its batch."""
     cos, sin = llama_tables(6, 8)
-    sin = sin.t().contiguous().t()
     q, k = qk(2, 5, 4, 2, 8, layout="bshd", dtype=torch.float32)
-    check(q, k, cos, sin)
+    check(q, k, cos, sin.t().contiguous().t())
+    check(q, k, cos[None], sin[:, None].transpose(0, 1))
+    check(q, k, cos[None], sin.as_strided((1, 6, 8), (0, 8, 1)))
 
 
 def test_empty_batch(backend):

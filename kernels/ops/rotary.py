@@ -236,13 +236,15 @@ def launch_config(kind: str, n_tokens: int, head_dim: int, half_rotary: int, q_h
 
 
 def _table_geometry(shape: tuple, strides: tuple, layout_bhsd: bool) -> tuple[tuple, tuple]:
-    """The sizes and strides of `_table_view(table)` ([Bt, T, Dt]), read off the table's own without making the view."""
+    """The sizes and strides of `_table_view(table)` ([Bt, T, Dt]), read off the table's own without making the
+    view; a dim of size 1 gets stride 0 (it never moves the address, and tables equal in every other stride
+    share one set: torch's `.contiguous()` keeps any stride on such a dim)."""
     if len(shape) == 4:
         kept = (0, 2, 3) if layout_bhsd else (0, 1, 3)
-        return tuple(shape[i] for i in kept), tuple(strides[i] for i in kept)
-    if len(shape) == 3:
-        return tuple(shape), tuple(strides)
-    return (1, *shape), (0, *strides)
+        shape, strides = tuple(shape[i] for i in kept), tuple(strides[i] for i in kept)
+    elif len(shape) == 2:
+        shape, strides = (1, *shape), (0, *strides)
+    return tuple(shape), tuple(stride if size > 1 else 0 for size, stride in zip(shape, strides))
 
 
 @configs.launch_plan
@@ -253,7 +255,7 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
     and strides; False when cos and sin differ in strides (copy them first), None when there are no tokens."""
     batch, seq_len, q_heads, head_dim = _bshd(q_shape, layout_bhsd)
     k_heads = _bshd(k_shape, layout_bhsd)[2]
-    (table_batch, table_len, table_dim), table_strides = _table_geometry(table_shape, cos_strides, layout_bhsd)
+    (_, table_len, table_dim), table_strides = _table_geometry(table_shape, cos_strides, layout_bhsd)
     if table_strides != _table_geometry(table_shape, sin_strides, layout_bhsd)[1]:
         return False  # one set of table strides serves both (rare: tables built apart)
     if pos_shape is None:
@@ -271,8 +273,8 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
     return Launch((cdiv(n_tokens, cfg["TOKENS_PER_PROGRAM"]),), dict(
         n_tokens=n_tokens, seq_len=seq_len, n_q_heads=q_heads, n_k_heads=k_heads, half_rotary=rotary_dim // 2,
         n_pass=n_pass, **strides,
-        # A table without a batch dimension (or with batch 1) is shared by every sequence.
-        table_stride_b=table_strides[0] if table_batch > 1 else 0, table_stride_t=table_strides[1],
+        # A table without a batch dimension (or with batch 1: stride 0) is shared by every sequence.
+        table_stride_b=table_strides[0], table_stride_t=table_strides[1],
         table_stride_d=table_strides[2],
         # position_ids [S], [1, S] or [B, S] read as [B, S] (`_positions_view`: a batch of one is broadcast).
         pos_stride_b=pos_strides[0] if pos_shape is not None and len(pos_shape) == 2 and pos_shape[0] > 1 else 0,

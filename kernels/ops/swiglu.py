@@ -457,14 +457,15 @@ def _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     num_experts = gate_up_proj.shape[0]
     experts = top_k_index.reshape(-1)
     with torch.no_grad():
+        # A negative index would sort first and shift every group: refused, on the device (no host sync).
+        torch._assert_async(experts.min() >= 0 if experts.numel() else torch.tensor(True, device=experts.device),
+                            "routed_swiglu: expert indices must be >= 0 (an index of experts or more is a slot to skip)")
         order = torch.argsort(experts, stable=True)
         sorted_experts = experts[order]
-        # Counts per expert by a fixed-size histogram (bincount's size would depend on the values, a sync);
-        # slots to skip fall outside [0, experts - 1]. Under deterministic algorithms the CPU kernel takes
-        # floats only (exact counts up to 2**24) and the CUDA kernel integers only, as transformers does.
-        values = sorted_experts.float() if sorted_experts.device.type == "cpu" else sorted_experts.int()
-        counts = torch.histc(values, bins=num_experts, min=0, max=num_experts - 1)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        # Where each expert's rows end: the sorted pairs below the next expert's index. A fixed-size answer
+        # (bincount's size would depend on the values, a sync); slots to skip sort past the last offset.
+        ends = torch.arange(1, num_experts + 1, dtype=sorted_experts.dtype, device=sorted_experts.device)
+        offsets = torch.searchsorted(sorted_experts, ends).to(torch.int32)
         skipped = (sorted_experts >= num_experts)[:, None]
     tokens = order // top_k_index.shape[-1]
     x = hidden_states[tokens].masked_fill(skipped, 0)
