@@ -444,9 +444,8 @@ def _fuse(module: nn.Module, **options) -> str:
     if not report.replaced:
         raise RuntimeError(f"fuse() replaced nothing: {report}")
     kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "rotary", "linear_cross_entropy")}
-    experts = sum(1 for _, what in report.replaced if what.endswith("FusedSwiGLUExperts"))
-    kinds["swiglu"] -= experts
-    kinds["swiglu experts"] = experts
+    kinds["swiglu experts"] = report.count("swiglu: FusedSwiGLUExperts")
+    kinds["swiglu"] -= kinds["swiglu experts"]
     detail = "fused " + ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)
     if report.skipped:
         detail += f"; left {len(report.skipped)} alone"
@@ -469,6 +468,7 @@ def _fused_experts_loop(module: nn.Module, *, device) -> Built:
     experts = [m for m in module.modules() if isinstance(m, FusedSwiGLUExperts)]
     if not experts:
         raise VariantUnavailable("fuse() fused no stacked experts here")
+    # The activations have the weights' dtype and device here: down_proj stands in for the hidden states.
     if not any(m.grouped_mm is None and grouped_mm_supported(m.down_proj, m.down_proj) for m in experts):
         raise VariantUnavailable("the same as fused here: fused loops over the experts too (grouped GEMMs need bf16 on a CPU "
                                  "or a CUDA capability 8.0+ GPU, and rows of 16-byte multiples)")
@@ -955,32 +955,29 @@ def plot_model_results(df, path) -> Path:
     grid = fig.subplots(2 if memory else 1, len(targets), squeeze=False)
     palette = matplotlib.colormaps["tab10"]
     colors = {v: palette(i) for i, v in enumerate(VARIANTS)}
-    if memory:
-        for ax, target in zip(grid[1], targets):
-            sub = df[(df["target"] == target) & (df["peak_mem_gib"].astype(float) > 0)]
-            names, values = list(sub["variant"]), [float(v) for v in sub["peak_mem_gib"]]
-            ax.bar(range(len(names)), values, color=[colors.get(v, "gray") for v in names])
-            for i, value in enumerate(values):
-                ax.text(i, value, f"{value:.3g}", ha="center", va="bottom", fontsize=8)
-            ax.set_xticks(range(len(names)))
-            ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
-            ax.set_ylabel("peak memory (GiB)")
-            ax.set_title(f"{target}: peak memory of a step", fontsize=8)
-    for ax, target in zip(grid[0], targets):
-        sub = df[df["target"] == target]
-        names = list(sub["variant"])
-        values = [float(v) if v == v else 0.0 for v in sub["tokens_per_s"]]
+
+    def bars(ax, names, values, labels, ylabel, title):
         ax.bar(range(len(names)), values, color=[colors.get(v, "gray") for v in names])
         top = max(values, default=0.0) or 1.0
-        for i, (_, r) in enumerate(sub.iterrows()):
-            label = format_value(r["speedup_vs_eager"], ".2f", "x") if r["status"] == "ok" else r["status"]
-            ax.text(i, values[i] + 0.01 * top, label, ha="center", va="bottom", fontsize=8)
+        for i, (value, label) in enumerate(zip(values, labels)):
+            ax.text(i, value + 0.01 * top, label, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("tokens / s")
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, top * 1.15)
-        shape = sub["shape"].iloc[0] if len(sub) else ""
-        ax.set_title(f"{target}: {shape}", fontsize=8)
+        ax.set_title(title, fontsize=8)
+
+    for ax, target in zip(grid[0], targets):
+        sub = df[df["target"] == target]
+        labels = [format_value(r["speedup_vs_eager"], ".2f", "x") if r["status"] == "ok" else r["status"]
+                  for _, r in sub.iterrows()]
+        bars(ax, list(sub["variant"]), [float(v) if v == v else 0.0 for v in sub["tokens_per_s"]], labels,
+             "tokens / s", f"{target}: {sub['shape'].iloc[0] if len(sub) else ''}")
+    for ax, target in zip(grid[1] if memory else (), targets):
+        sub = df[(df["target"] == target) & (df["peak_mem_gib"].astype(float) > 0)]
+        values = [float(v) for v in sub["peak_mem_gib"]]
+        bars(ax, list(sub["variant"]), values, [f"{v:.3g}" for v in values], "peak memory (GiB)",
+             f"{target}: peak memory of a step")
     fig.suptitle("Throughput per variant (labels: speedup vs eager)" + ("\nand peak memory" if memory else ""), fontsize=10)
     fig.tight_layout()
     path = Path(path)

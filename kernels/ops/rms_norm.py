@@ -324,14 +324,20 @@ class _ForwardPlan(NamedTuple):
     launch: Launch | None  # None: no rows or no columns, nothing to launch
 
 
+def _forward_dtypes(x_dtype, res_dtype, w_dtype, cast_to_input: bool):
+    """(h's dtype: x + residual's, the rounding mode of the normalised row, y's dtype); `res_dtype` None
+    without a residual."""
+    h_dtype = torch.promote_types(x_dtype, res_dtype) if res_dtype is not None else x_dtype
+    return (h_dtype, *_output_dtypes(h_dtype, w_dtype, cast_to_input))
+
+
 @configs.launch_plan
 def _forward_plan(shape, x_strides, res_strides, x_dtype, res_dtype, w_dtype, w_stride, device, cast_to_input,
                   config=None) -> _ForwardPlan | None:
     """The forward's outputs and launch for inputs of these shapes, strides and dtypes (`res_*` None without a
     residual); None when an input must be copied first (`row_args`)."""
     n_cols, n_rows = shape[-1], math.prod(shape[:-1])
-    h_dtype = torch.promote_types(x_dtype, res_dtype) if res_dtype is not None else x_dtype
-    round_mode, y_dtype = _output_dtypes(h_dtype, w_dtype, cast_to_input)
+    h_dtype, round_mode, y_dtype = _forward_dtypes(x_dtype, res_dtype, w_dtype, cast_to_input)
     x_args = row_args("x", shape, x_strides)
     res_args = row_args("res", shape, x_strides if res_strides is None else res_strides)
     if x_args is None or res_args is None:
@@ -350,16 +356,16 @@ def _forward_plan(shape, x_strides, res_strides, x_dtype, res_dtype, w_dtype, w_
 def _forward(x, residual, weight, eps, offset, cast_to_input, config=None):
     """y, h (x + residual, or y itself) and the fp32 1/rms per row; `config` overrides the launch
     configuration (the kernel sweep times candidates this way)."""
+    res_dtype = None if residual is None else residual.dtype
+    if not use_triton(x):
+        return _forward_torch(x, residual, weight, eps, offset,
+                              *_forward_dtypes(x.dtype, res_dtype, weight.dtype, cast_to_input))
     plan_of = _forward_plan if config is None else _forward_plan.__wrapped__
-    plan = plan_of(x.shape, x.stride(), None if residual is None else residual.stride(), x.dtype,
-                   None if residual is None else residual.dtype, weight.dtype, weight.stride(0), x.device,
-                   cast_to_input, config)
+    plan = plan_of(x.shape, x.stride(), None if residual is None else residual.stride(), x.dtype, res_dtype,
+                   weight.dtype, weight.stride(0), x.device, cast_to_input, config)
     if plan is None:
         return _forward(x.contiguous(), None if residual is None else residual.contiguous(), weight, eps, offset,
                         cast_to_input, config)
-    if not use_triton(x):
-        round_mode, _ = _output_dtypes(plan.h_dtype, weight.dtype, cast_to_input)
-        return _forward_torch(x, residual, weight, eps, offset, plan.h_dtype, round_mode, plan.y_dtype)
     y = torch.empty_like(x, dtype=plan.y_dtype, memory_format=torch.contiguous_format)
     h = y if residual is None else torch.empty_like(x, dtype=plan.h_dtype, memory_format=torch.contiguous_format)
     rstd = x.new_empty(plan.stats_shape, dtype=torch.float32)

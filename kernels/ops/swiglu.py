@@ -431,8 +431,15 @@ def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     `activation(x)` takes the packed [gate | up] rows: the fused `swiglu`, or an eager one."""
     if grouped_mm is None:
         grouped_mm = grouped_mm_supported(hidden_states, down_proj)
-    if grouped_mm:
-        return _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    experts = _experts_grouped if grouped_mm else _experts_loop
+    out, order, tokens = experts(hidden_states, top_k_index, gate_up_proj, down_proj, activation)
+    out = out * top_k_weights.reshape(-1)[order, None]
+    return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+
+
+def _experts_loop(hidden_states, top_k_index, gate_up_proj, down_proj, activation):
+    """(each routed pair's expert output, the pairs' flat indices in that order, their tokens): a loop over the
+    experts that received tokens, slots to skip left out (sort_by_expert reads the counts on the host)."""
     order, counts = sort_by_expert(top_k_index, gate_up_proj.shape[0])
     tokens = order // top_k_index.shape[-1]
     x = hidden_states[tokens]
@@ -442,13 +449,12 @@ def routed_swiglu(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
             rows = x[start:start + count]
             parts.append(F.linear(activation(F.linear(rows, gate_up_proj[expert])), down_proj[expert]))
             start += count
-    out = torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])
-    out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+    return (torch.cat(parts) if parts else x.new_zeros(0, hidden_states.shape[-1])), order, tokens
 
 
-def _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-    """routed_swiglu by two grouped GEMMs over every token-expert pair, sorted by expert, without a host sync.
+def _experts_grouped(hidden_states, top_k_index, gate_up_proj, down_proj, activation):
+    """_experts_loop's answer by two grouped GEMMs over every token-expert pair, sorted by expert, without a host
+    sync (slots to skip included, as zero rows).
 
     Slots to skip (index >= experts) sort last, beyond the last offset: the grouped GEMM leaves those rows of
     its output, and of its input's gradient, uninitialised. Rows between the two GEMMs only reach the second,
@@ -458,7 +464,7 @@ def _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     experts = top_k_index.reshape(-1)
     with torch.no_grad():
         # A negative index would sort first and shift every group: refused, on the device (no host sync).
-        torch._assert_async(experts.min() >= 0 if experts.numel() else torch.tensor(True, device=experts.device),
+        torch._assert_async((experts >= 0).all(),
                             "routed_swiglu: expert indices must be >= 0 (an index of experts or more is a slot to skip)")
         order = torch.argsort(experts, stable=True)
         sorted_experts = experts[order]
@@ -471,8 +477,7 @@ def _routed_grouped(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
     x = hidden_states[tokens].masked_fill(skipped, 0)
     gate_up = F.grouped_mm(x, gate_up_proj.transpose(-2, -1), offs=offsets)
     out = F.grouped_mm(activation(gate_up), down_proj.transpose(-2, -1), offs=offsets).masked_fill(skipped, 0)
-    out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+    return out, order, tokens
 
 
 def eager_swiglu(x: torch.Tensor) -> torch.Tensor:
