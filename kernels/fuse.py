@@ -21,7 +21,8 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   Liger-Kernel's fused loss, such a call returns `logits=None`; a call without labels returns the
   logits as before. A probe confirms the tail of the forward (the head, any logit transform, the loss)
   on a stand-in for the decoder, with a thin head of the vocabulary's width: the same loss, also with
-  `num_items_in_batch`; Gemma-2's final soft-capping is read from the config and confirmed so. Code
+  `num_items_in_batch`; Gemma-2's final soft-capping and Cohere's and Granite's logit scales are read
+  from the config and confirmed so. Code
   that runs the forward without the model's hooks (distcore's pipeline stages) arms the head with
   `labelled_call`. Under tensor parallel (ColwiseParallel: the head's weight a DTensor split on the
   vocabulary) the loss runs vocabulary-parallel (linear_cross_entropy on DTensors).
@@ -616,8 +617,12 @@ def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
     if why:
         report.skipped.append((head_name, f"LM head + loss candidate: {why}"))
         return
-    softcap = getattr(getattr(module, "config", None), "final_logit_softcapping", None)
-    why_not = _lm_loss_verdict(module, softcap)
+    softcap, scale = _logit_transform(module)
+    if scale != 1.0 and module.lm_head.bias is not None:
+        report.skipped.append((head_name, "LM head + loss candidate: its logits are scaled and its head has a bias "
+                                          "(the fused loss scales the hidden states); left as is"))
+        return
+    why_not = _lm_loss_verdict(module, softcap, scale)
     if why_not:
         report.skipped.append((head_name, why_not))
         return
@@ -626,13 +631,27 @@ def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
     def apply():
         fused = FusedLMHead(head)
         _replace(model, head_name, head, fused)
-        module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap)
+        module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap, scale)
         module.register_forward_pre_hook(_capture_hidden_states, with_kwargs=True)
         module.register_forward_hook(_drop_stand_in_logits, always_call=True)
 
     changes.append(apply)
     report.replaced.append((head_name, "linear_cross_entropy: FusedLMHead + the loss over token chunks "
                                        "(calls with labels return logits=None)"))
+
+
+def _logit_transform(module: torch.nn.Module) -> tuple[float | None, float]:
+    """(soft-capping, scale) of the logits that a causal LM's config names, as transformers' forwards apply
+    them: Gemma-2's `final_logit_softcapping`, Cohere's `logit_scale` (logits * s), Granite's `logits_scaling`
+    (logits / s). Only candidates: the probe (`_lm_loss_verdict`) confirms that the forward applies them."""
+    config = getattr(module, "config", None)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = 1.0
+    if isinstance(getattr(config, "logit_scale", None), (int, float)):
+        scale = float(config.logit_scale)
+    elif isinstance(getattr(config, "logits_scaling", None), (int, float)) and config.logits_scaling:
+        scale = 1.0 / config.logits_scaling
+    return softcap, scale
 
 
 def _labels_passed(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -686,9 +705,10 @@ def labelled_call(model: torch.nn.Module, args: tuple, kwargs: dict):
         head.capturing, head.stood_in, head.hidden = False, False, None
 
 
-def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
+def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | None:
     """None when the tail of `module`'s forward (its head, any logit transform, its loss function) computes
-    what CausalLMLinearCrossEntropy computes with `softcap`, else why the head and loss are left alone.
+    what CausalLMLinearCrossEntropy computes with `softcap` and `scale`, else why the head and loss are left
+    alone.
 
     Probed on the model itself for one call each way, with two parts swapped for the call and put back:
     the decoder (`base_model_prefix`) by a stand-in that returns fixed hidden states of width 8, and the head
@@ -738,7 +758,7 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
         for variant, lm_head in (("original", thin), ("fused", fused)):
             module._modules["lm_head"] = lm_head
             if variant == "fused":
-                module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap)
+                module.loss_function = CausalLMLinearCrossEntropy(fused, original, softcap, scale)
             for items in (None, 7.0):
                 kwargs = {"labels": labels} if items is None else {"labels": labels, "num_items_in_batch": items}
                 # The forward called as a function (the model's own hooks stay out): armed as they would.
@@ -755,8 +775,9 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap) -> str | None:
             module._loss_function = saved_loss
     for items in (None, 7.0):
         if not _close(losses["fused", items], losses["original", items].float()):
+            logits = "lm_head(hidden)" if scale == 1.0 else f"{scale:g} * lm_head(hidden)"
             return ("LM head + loss candidate: the loss of its forward is not the cross-entropy of "
-                    f"{'softcap(' if softcap else ''}lm_head(hidden){')' if softcap else ''} over shifted labels "
+                    f"{f'softcap({logits})' if softcap else logits} over shifted labels "
                     f"(a probe gives {float(losses['original', items]):.6g}, the fused loss "
                     f"{float(losses['fused', items]):.6g}): another logit transform or loss; left as is")
     return None

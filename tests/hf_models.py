@@ -4,7 +4,8 @@ query attention (4 query heads, 2 key/value heads), Qwen2's q/k/v biases, Phi-3'
 gate_up, Gemma's `1 + w` norms and GeGLU MLP, Gemma2's extra norms and soft-capping, tied embeddings,
 Qwen3's per-head q/k RMSNorms (one weight shared by every head), OLMo2's q/k RMSNorms over the whole
 projection (all heads' features), GPT-NeoX's per-head interleaved query_key_value and partial rotary,
-GPT-2's Conv1D projections; and mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, Qwen2-MoE
+GPT-2's Conv1D projections; Granite's and Cohere's scaled logits (and Granite's embedding, residual and
+attention multipliers, Cohere's LayerNorms and interleaved rotary, which fuse leaves alone); and mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, Qwen2-MoE
 with a shared expert), their experts as transformers stores them: 3-D stacked weights beside a router."""
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import torch
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
 
 LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2"]
-FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2"]
+# Causal LMs whose forward scales the logits before the loss (the fused loss takes the scale from the config);
+# the tiny configs' scales are not powers of two, so the scaled hidden states are rounded.
+SCALED_LOGITS = ["granite", "cohere"]
+FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2", *SCALED_LOGITS]
 # Mixtures of experts (kept out of FAMILIES: distcore trains them data parallel only so far). 4 experts, top-2;
 # Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert beside the routed ones.
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe"]
@@ -46,6 +50,11 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
         return hf.GemmaForCausalLM(hf.GemmaConfig(**common, head_dim=16))
     if family == "gemma2":
         return hf.Gemma2ForCausalLM(hf.Gemma2Config(**common, head_dim=16))
+    if family == "granite":  # logits / logits_scaling; the embedding, residual branches and attention scores scaled too
+        return hf.GraniteForCausalLM(hf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                      attention_multiplier=0.2, logits_scaling=3.0))
+    if family == "cohere":  # logits * logit_scale; LayerNorms, interleaved rotary, attention and MLP in parallel
+        return hf.CohereForCausalLM(hf.CohereConfig(**common, logit_scale=0.3))
     if family == "gpt-neox":
         return hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,

@@ -15,7 +15,7 @@ import torch
 from tridist import distcore, kernels
 from tridist.distcore.lazy import materialize
 from tridist.kernels.ops.linear_cross_entropy import FusedLMHead
-from tests.hf_models import HIDDEN, LAYERS, VOCAB, build
+from tests.hf_models import HIDDEN, LAYERS, SCALED_LOGITS, VOCAB, build
 from tests.test_fuse import U_FP32, _assert_within, _kernel_launches
 
 pytest.importorskip("transformers")
@@ -33,6 +33,16 @@ EXPECTED = {
     "gemma": {"rms_norm": 2 * LAYERS + 1, "rotary": LAYERS},  # GeGLU MLP: not SwiGLU
     "gemma2": {"rms_norm": 4 * LAYERS + 1, "rotary": LAYERS},
     "gpt-neox": {"rotary": LAYERS},  # LayerNorm and GELU MLP; partial rotary (rotary_pct 0.5)
+    "granite": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # logits / logits_scaling
+    "cohere": {"swiglu": LAYERS},  # logits * logit_scale; LayerNorms and an interleaved rotary, left alone
+}
+# What fuse leaves alone, with its reason, where a family has modules that look like candidates.
+GEGLU = "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
+SKIPPED = {
+    "gemma": {GEGLU},
+    "gemma2": {GEGLU},
+    "cohere": {"calls apply_rotary_pos_emb, which does not behave like the seed's or Hugging Face's rotary",
+               "has a 1-D weight and eps=1e-05 but its output is not RMSNorm(x) * (w or 1 + w); left as is"},
 }
 # The LM head + loss of every family: one op in the report; in a labelled forward one chunk of 2 x 8 tokens, two kernels (statistics, then loss and logits'
 # gradient); the backward launches none (a mean loss's gradients are computed in the forward).
@@ -42,10 +52,13 @@ LOSS_FORWARD_LAUNCHES = {"linear_cross_entropy": 2}
 # HIDDEN·u of its magnitude (its longest fp32 reduction is over HIDDEN features), summed over the
 # fused ops of a pass; the backward runs each op's backward kernel too (twice the budget).
 # The fused loss adds its longest reduction, the log-sum-exp over VOCAB logits (and the hidden gradient's
-# GEMM over VOCAB), in another order than eager: VOCAB·u more.
+# GEMM over VOCAB), in another order than eager: VOCAB·u more. A scaled family's fused loss rounds each
+# hidden state times the scale once (eager rounds each logit times the scale instead): each logit moves by
+# at most u of the sum of its HIDDEN products' magnitudes, HIDDEN·u more.
 def _budgets(family):
     ops = sum(EXPECTED[family].values())
     loss = VOCAB if HEAD_AND_LOSS.get(family) else 0
+    loss += HIDDEN if family in SCALED_LOGITS else 0
     return (ops * HIDDEN + loss) * U_FP32, 2 * (ops * HIDDEN + loss) * U_FP32
 
 
@@ -67,11 +80,7 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     assert isinstance(getattr(fused, "lm_head", None), FusedLMHead) == bool(HEAD_AND_LOSS.get(family))
     if family == "gpt-neox":
         assert all("partial rotary" in what for _, what in report.replaced if what.startswith("rotary"))
-    if family.startswith("gemma"):
-        assert {why for _, why in report.skipped} == {
-            "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"}
-    else:
-        assert report.skipped == [], str(report)
+    assert {why for _, why in report.skipped} == SKIPPED.get(family, set()), str(report)
     assert list(fused.state_dict()) == list(model.state_dict())
 
     ids = _batch()
@@ -186,14 +195,18 @@ def test_compiled_fused_transformers_model_is_one_graph_and_matches():
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
-def _llama_with_scaled_logits():
-    """Granite's forward divides the logits by config.logits_scaling before its loss (a transform fuse
-    does not reproduce)."""
-    import transformers as hf
+def _cohere_with_an_unnamed_scale():
+    """Cohere's forward multiplies the logits by the scale it read from its config at construction; a config
+    that no longer names it leaves a logit transform fuse does not know of."""
+    model = build("cohere")
+    del model.config.logit_scale
+    return model
 
-    return hf.GraniteForCausalLM(hf.GraniteConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                                  logits_scaling=8.0))
+
+def _llama_with_a_config_logit_scale():
+    model = build("llama")
+    model.config.logit_scale = 0.5  # read by fuse, but Llama's forward does not scale
+    return model
 
 
 def _llama_with_a_config_softcap():
@@ -209,10 +222,11 @@ def _llama_with_its_own_loss():
     return model
 
 
-@pytest.mark.parametrize("make", [_llama_with_scaled_logits, _llama_with_a_config_softcap, _llama_with_its_own_loss])
+@pytest.mark.parametrize("make", [_cohere_with_an_unnamed_scale, _llama_with_a_config_logit_scale,
+                                  _llama_with_a_config_softcap, _llama_with_its_own_loss])
 def test_head_and_loss_left_alone_when_the_forward_computes_another_loss(make):
-    """The probe of the forward's tail refuses a logit transform fuse does not reproduce, a soft-capping
-    the config names but the forward does not apply, and a loss function of the user's: the model keeps
+    """The probe of the forward's tail refuses a logit transform fuse does not reproduce, a scale or a
+    soft-capping the config names but the forward does not apply, and a loss function of the user's: the model keeps
     its own head and loss (and the same loss value), with the reason."""
     model = make()
     reference = copy.deepcopy(model)
@@ -221,6 +235,18 @@ def test_head_and_loss_left_alone_when_the_forward_computes_another_loss(make):
     assert [name for name, why in report.skipped if "is not the cross-entropy of" in why] == ["lm_head"], str(report)
     ids = _batch()
     assert torch.equal(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss)
+
+
+def test_a_scaled_head_with_a_bias_is_left_alone():
+    """The fused loss scales the hidden states, which equals scaling the logits only without a bias: a Granite
+    whose head has one keeps its own head and loss, with the reason."""
+    model = build("granite")
+    head = model.lm_head
+    model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    report = kernels.fuse(model, rms_norm=False, swiglu=False, rotary=False)
+    assert not isinstance(model.lm_head, FusedLMHead)
+    assert report.skipped == [("lm_head", "LM head + loss candidate: its logits are scaled and its head has a bias "
+                                          "(the fused loss scales the hidden states); left as is")], str(report)
 
 
 def test_a_head_with_hooks_computes_its_logits_and_the_loss_runs_unfused():

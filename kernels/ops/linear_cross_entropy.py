@@ -856,13 +856,18 @@ class CausalLMLinearCrossEntropy:
     num_items_in_batch=None, ignore_index=-100, shift_labels=None) computed by `linear_cross_entropy` from
     the hidden states its `FusedLMHead` captured: labels shifted as ForCausalLMLoss shifts them (position t
     predicts label t + 1) unless `shift_labels` is given, `softcap` the final logit soft-capping the
-    model's forward applies (Gemma-2's `final_logit_softcapping`; fuse's probe confirms it). A call whose
-    head computed ordinary logits goes to `original`, the loss function this one replaced, whose name it
-    keeps (functools.update_wrapper: code that recognises ForCausalLMLoss by name still does)."""
+    model's forward applies (Gemma-2's `final_logit_softcapping`) and `logit_scale` the factor it multiplies
+    the logits by before (Cohere's `logit_scale`; Granite's 1 / `logits_scaling`); fuse's probe confirms
+    both. A call whose head computed ordinary logits goes to `original`, the loss function this one replaced,
+    whose name it keeps (functools.update_wrapper: code that recognises ForCausalLMLoss by name still does).
 
-    def __init__(self, head: FusedLMHead, original, softcap: float | None):
+    The scale multiplies the hidden states (s * (h W^T) = (s * h) W^T without a bias; fuse refuses a head
+    with a bias and a scale): one rounding of h to its dtype where eager rounds the logits once more, so
+    the loss stays within the same bounds as eager's (exact for powers of two, in any dtype)."""
+
+    def __init__(self, head: FusedLMHead, original, softcap: float | None, logit_scale: float = 1.0):
         functools.update_wrapper(self, original)
-        self.head, self.original, self.softcap = head, original, softcap
+        self.head, self.original, self.softcap, self.logit_scale = head, original, softcap, logit_scale
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                  shift_labels=None, **kwargs):
@@ -872,6 +877,8 @@ class CausalLMLinearCrossEntropy:
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         if shift_labels is None:
             shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if self.logit_scale != 1.0:
+            hidden = hidden * self.logit_scale
         return linear_cross_entropy(hidden, self.head.weight, shift_labels.to(hidden.device), bias=self.head.bias,
                                     ignore_index=ignore_index, softcap=self.softcap,
                                     num_items_in_batch=num_items_in_batch)

@@ -26,7 +26,7 @@ from transformers.utils import ModelOutput
 from tridist import autotune, distcore
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, VOCAB, build
+from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, build
 
 BATCH, BATCHES, SEQ_LEN, LAYERS = 4, 2, 8, 4
 
@@ -208,6 +208,14 @@ def _check_family(family: str) -> None:
 
 for _family in LLAMA_LIKE:
     globals()[f"check_{_family.replace('-', '_')}_under_every_strategy"] = functools.partial(_check_family, _family)
+
+
+def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
+    """Granite (logits / logits_scaling, with embedding, residual and attention multipliers) and Cohere (logits *
+    logit_scale; LayerNorms, parallel attention and MLP) under dp 2 x tp 2 with overlapped sequence parallel:
+    the fused loss (vocabulary-parallel, its hidden states scaled) trains equal to one process."""
+    for family in SCALED_LOGITS:
+        _train(family, MATRIX[UNFUSED])
 
 
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
