@@ -413,7 +413,9 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
 #         (q, k, cos, sin, position_ids=None, unsqueeze_dim=1): cos [B, S, D] already per position
 #         (position_ids unused); unsqueeze_dim=1 means bhsd, 2 means bshd. GPT-NeoX's and Phi's version
 #         rotates the first cos.shape[-1] features and passes the rest (partial rotary): told apart by a
-#         probe with a half-width table, and only then are narrower tables given to the kernel.
+#         probe with a half-width table, and only then are narrower tables given to the kernel. Cohere's
+#         pairs adjacent features (GPT-J's interleaved rotation, tables repeat_interleave'd): told apart
+#         by probes with such tables.
 
 
 @dataclass(frozen=True)
@@ -422,9 +424,11 @@ class _RotaryConvention:
     signature: inspect.Signature
     layouts: tuple[int, ...] = ()  # hf: the unsqueeze_dim values the function was seen to handle
     partial: bool = False  # hf: features past the table's width pass through
+    interleaved: bool = False  # hf: pairs (2j, 2j + 1) rotate together (else (j, j + D/2))
 
     def __str__(self) -> str:
-        return f"{self.name} convention" + (", partial rotary" if self.partial else "")
+        return (f"{self.name} convention" + (", interleaved pairs" if self.interleaved else "")
+                + (", partial rotary" if self.partial else ""))
 
 
 def _rotary_function_names(module: torch.nn.Module) -> list[str]:
@@ -498,10 +502,11 @@ def _rotary_convention(function) -> _RotaryConvention | None:
     q = torch.randn(batch, seq_len, heads, head_dim, generator=generator)
     k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator)
 
-    def tables(width):
+    def tables(width, interleaved=False):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
         freqs = torch.outer(torch.arange(seq_len).float(), inv_freq)
-        return torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+        emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat([freqs, freqs], -1)
+        return emb.cos(), emb.sin()
 
     def agrees(call, want, bhsd=False) -> bool:
         try:  # each probe on its own: a function of another convention raises on the other's arguments
@@ -522,26 +527,34 @@ def _rotary_convention(function) -> _RotaryConvention | None:
     if "unsqueeze_dim" not in signature.parameters:  # HF's, old or new, names it; anything else is unknown
         return None
     qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-    layouts = tuple(
-        dim for dim, call in (
-            (1, lambda: function(qt, kt, cos[positions], sin[positions], unsqueeze_dim=1)),  # [B, S, D] per position
-            (2, lambda: function(q, k, cos[positions], sin[positions], unsqueeze_dim=2)),
-        ) if agrees(call, expected, bhsd=dim == 1)
-    )
-    if 1 not in layouts:  # the default layout must work: calls rarely pass unsqueeze_dim
-        return None
-    half_cos, half_sin = tables(head_dim // 2)
-    partial_expected = rotary_reference(q, k, half_cos, half_sin, positions, rotary_dim=head_dim // 2)
-    partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
-                     partial_expected, bhsd=True)
-    return _RotaryConvention("hf", signature, layouts=layouts, partial=partial)
+
+    def hf_layouts(cos, sin, expected) -> tuple[int, ...]:
+        return tuple(
+            dim for dim, call in (
+                (1, lambda: function(qt, kt, cos[positions], sin[positions], unsqueeze_dim=1)),  # [B, S, D] per position
+                (2, lambda: function(q, k, cos[positions], sin[positions], unsqueeze_dim=2)),
+            ) if agrees(call, expected, bhsd=dim == 1)
+        )
+
+    layouts = hf_layouts(cos, sin, expected)
+    if 1 in layouts:  # the default layout must work: calls rarely pass unsqueeze_dim
+        half_cos, half_sin = tables(head_dim // 2)
+        partial_expected = rotary_reference(q, k, half_cos, half_sin, positions, rotary_dim=head_dim // 2)
+        partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
+                         partial_expected, bhsd=True)
+        return _RotaryConvention("hf", signature, layouts=layouts, partial=partial)
+    cos, sin = tables(head_dim, interleaved=True)
+    layouts = hf_layouts(cos, sin, rotary_reference(q, k, cos, sin, positions, interleaved=True))
+    if 1 in layouts:  # interleaved pairs over the whole head (no partial variant is known to transformers)
+        return _RotaryConvention("hf", signature, layouts=layouts, interleaved=True)
+    return None
 
 
 def _rotary_adapter(original, convention: _RotaryConvention):
     """A drop-in for `original` that runs the fused kernel and falls back to `original` when it can't.
 
     Written out per signature (no `inspect` at call time: torch.compile traces this function)."""
-    partial, layouts = convention.partial, convention.layouts
+    partial, layouts, interleaved = convention.partial, convention.layouts, convention.interleaved
 
     if convention.name == "seed":
 
@@ -555,7 +568,7 @@ def _rotary_adapter(original, convention: _RotaryConvention):
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *args, **kwargs):
             layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
             if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
-                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout)
+                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout, interleaved=interleaved)
             return original(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
 
     else:
@@ -563,7 +576,7 @@ def _rotary_adapter(original, convention: _RotaryConvention):
         def fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
             layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
             if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
-                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout)
+                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout, interleaved=interleaved)
             return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
 
     fused_apply_rotary_pos_emb.__wrapped__ = original

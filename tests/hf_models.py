@@ -5,7 +5,7 @@ gate_up, Gemma's `1 + w` norms and GeGLU MLP, Gemma2's extra norms and soft-capp
 Qwen3's per-head q/k RMSNorms (one weight shared by every head), OLMo2's q/k RMSNorms over the whole
 projection (all heads' features), GPT-NeoX's per-head interleaved query_key_value and partial rotary,
 GPT-2's Conv1D projections; Granite's and Cohere's scaled logits (and Granite's embedding, residual and
-attention multipliers, Cohere's LayerNorms and interleaved rotary, which fuse leaves alone); and mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, Qwen2-MoE
+attention multipliers; Cohere's interleaved rotary, and its LayerNorms, which fuse leaves alone); and mixtures of experts (Mixtral, Qwen3-MoE with a dense first layer, Qwen2-MoE
 with a shared expert), their experts as transformers stores them: 3-D stacked weights beside a router."""
 
 from __future__ import annotations

@@ -511,6 +511,72 @@ def test_rotary_look_alikes_are_left_alone(attention):
     assert "forward" not in vars(container["attention"])
 
 
+def _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """Cohere's rotary (Hugging Face's signature, adjacent features paired, tables repeat_interleave'd)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate_pairs(x):
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+
+
+def _hf_rotary_swapping_pairs(q, k, cos, sin, unsqueeze_dim=1):
+    """The same pairs with the sign of a rotation lost: no rotation at all."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def swap_pairs(x):
+        return torch.stack([x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+    return q * cos + swap_pairs(q) * sin, k * cos + swap_pairs(k) * sin
+
+
+class _HFAttention(torch.nn.Module):
+    def __init__(self, rotary):
+        super().__init__()
+        self.rotary = rotary
+
+    def forward(self, q, k, cos, sin):
+        return self.rotary(q, k, cos, sin)
+
+
+def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
+    """Hugging Face's signature with GPT-J's pairing (Cohere) runs the kernel's interleaved path in both layouts;
+    q, k and their gradients within fp32 rounding of the function's own. Each output is x_a c - x_b s (two
+    products and a sum, each way): within 2u (|x_a| + |x_b|) <= 2u·√2·|(x_a, x_b)| of exact, and a rotation
+    keeps the pair's norm, which is at most √2 max|output|: 4u of the largest output."""
+    attention = type("CohereLikeAttention", (torch.nn.Module,), {
+        "forward": lambda self, q, k, cos, sin, unsqueeze_dim=1: _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)})()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
+    generator = torch.Generator().manual_seed(3)
+    batch, seq, heads, kv_heads, dim = 2, 6, 4, 2, 16
+    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(batch, seq, dim) for f in (torch.cos, torch.sin))
+    for unsqueeze_dim, q_shape, k_shape in ((1, (batch, heads, seq, dim), (batch, kv_heads, seq, dim)),
+                                            (2, (batch, seq, heads, dim), (batch, seq, kv_heads, dim))):
+        q, k = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
+        grads = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
+        results = []
+        for call in (attention, lambda *a, **kw: _hf_interleaved_rotary(*a, **kw)):
+            qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
+            with _kernel_launches() as launches:
+                outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            torch.autograd.backward(outs, grads)
+            results.append((launches["rotary"], *outs, qi.grad, ki.grad))
+        (fused_launches, *fused), (eager_launches, *eager) = results
+        assert (fused_launches, eager_launches) == (1, 0)
+        for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
+            _assert_within(a, b, 4 * U_FP32, name)
+
+
+def test_interleaved_pairs_that_do_not_rotate_are_left_alone():
+    attention = type("SwappingAttention", (torch.nn.Module,), {
+        "forward": lambda self, q, k, cos, sin: _hf_rotary_swapping_pairs(q, k, cos, sin)})()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    assert report.replaced == [] and "does not behave like" in dict(report.skipped)["attention"], str(report)
+
+
 class _BiasFreeLayerNorm(torch.nn.Module):
     """A hand-written LayerNorm without bias: at large hidden sizes in bf16 its row means are tiny."""
 

@@ -34,15 +34,14 @@ EXPECTED = {
     "gemma2": {"rms_norm": 4 * LAYERS + 1, "rotary": LAYERS},
     "gpt-neox": {"rotary": LAYERS},  # LayerNorm and GELU MLP; partial rotary (rotary_pct 0.5)
     "granite": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # logits / logits_scaling
-    "cohere": {"swiglu": LAYERS},  # logits * logit_scale; LayerNorms and an interleaved rotary, left alone
+    "cohere": {"swiglu": LAYERS, "rotary": LAYERS},  # logits * logit_scale; interleaved rotary; LayerNorms left alone
 }
 # What fuse leaves alone, with its reason, where a family has modules that look like candidates.
 GEGLU = "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
 SKIPPED = {
     "gemma": {GEGLU},
     "gemma2": {GEGLU},
-    "cohere": {"calls apply_rotary_pos_emb, which does not behave like the seed's or Hugging Face's rotary",
-               "has a 1-D weight and eps=1e-05 but its output is not RMSNorm(x) * (w or 1 + w); left as is"},
+    "cohere": {"has a 1-D weight and eps=1e-05 but its output is not RMSNorm(x) * (w or 1 + w); left as is"},
 }
 # The LM head + loss of every family: one op in the report; in a labelled forward one chunk of 2 x 8 tokens, two kernels (statistics, then loss and logits'
 # gradient); the backward launches none (a mean loss's gradients are computed in the forward).
@@ -80,6 +79,8 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     assert isinstance(getattr(fused, "lm_head", None), FusedLMHead) == bool(HEAD_AND_LOSS.get(family))
     if family == "gpt-neox":
         assert all("partial rotary" in what for _, what in report.replaced if what.startswith("rotary"))
+    if family == "cohere":  # adjacent features paired (GPT-J's rotation), the kernel's INTERLEAVED path
+        assert all("interleaved pairs" in what for _, what in report.replaced if what.startswith("rotary"))
     assert {why for _, why in report.skipped} == SKIPPED.get(family, set()), str(report)
     assert list(fused.state_dict()) == list(model.state_dict())
 
