@@ -13,7 +13,6 @@ from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .lazy import LazyGuard
 from .mesh import ProcessMesh, get_mesh, set_mesh
 from .parallelize import parallelize
-from .pipeline import SplitPoint
 from .auto import ToDistributedConfig, apply_strategy, to_distributed
 from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_optimizer
 from .tensor_parallel import (
@@ -29,6 +28,18 @@ from .tensor_parallel import (
     ShardLocalParameters,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
+
+
+
+def __getattr__(name: str):
+    # SplitPoint lives with the pipeline (pipeline.py), whose torch.distributed.pipelining imports torch._dynamo
+    # (~0.9 s): imported when first used, not with distcore.
+    if name == "SplitPoint":
+        from .pipeline import SplitPoint
+
+        return SplitPoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ColWiseParallel",

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map
 
-from . import env, pipeline
+from . import env
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
 from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
@@ -103,6 +103,10 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
             refuse_recompute(model, views.global_view)
             if plan.overlap_comm:
                 refuse_overlap(views.global_view)
+        # Imported here: torch.distributed.pipelining imports torch._dynamo (~0.9 s), which a job without
+        # pipeline stages never needs.
+        from . import pipeline
+
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_rank_groups=dims.rank_groups("pp"),
             pp_config=dict(config["pp_config"] or {}), device=env.device(),
