@@ -30,7 +30,6 @@ from .tensor_parallel import (
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
 
-
 def __getattr__(name: str):
     # SplitPoint lives with the pipeline (pipeline.py), whose torch.distributed.pipelining imports torch._dynamo
     # (~0.9 s): imported when first used, not with distcore.
