@@ -195,7 +195,7 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
     # stops scanning them at every full collection (measured: 6% of a transformers check's CPU time).
     gc.collect()
     gc.freeze()
-    gc.enable()  # the worker modules pause the collector while they import
+    gc.enable()  # paused while the worker imported (tests/distributed/__init__.py)
     for name, check in checks.items():
         _common.TRITON_INTERPRET = interpreter and getattr(check, "interprets_kernels", False)
         equivalence.MEASURED.clear()

@@ -6,11 +6,6 @@ named "<module>.<check>" (harness.module_results reads one module's back)."""
 
 from __future__ import annotations
 
-import gc
-
-if __name__ == "__main__":  # a worker process: no collections while it imports torch and transformers (~16% of
-    gc.disable()  # the import's CPU time); harness.run_checks collects once, freezes the survivors, re-enables
-
 import importlib
 import json
 import os

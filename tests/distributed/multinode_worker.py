@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-
-if __name__ == "__main__":  # a worker process: no collections while it imports torch and transformers (~16% of
-    gc.disable()  # the import's CPU time); harness.run_checks collects once, freezes the survivors, re-enables
-
 import os
 
 from tridist import distcore
