@@ -482,14 +482,15 @@ def _rotary_ignoring_positions(q, k, cos, sin, position_ids):
     return seed_llama.apply_rotary_pos_emb(q, k, cos, sin, None)
 
 
+def _rotate_pairs(x):
+    """GPT-J's rotation by 90 degrees of adjacent features: (x_2j, x_2j+1) -> (-x_2j+1, x_2j)."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
 def _rotary_interleaved(q, k, cos, sin, position_ids):
     """GPT-J's pairing (adjacent features) with the seed's signature: another rotation."""
     cos, sin = (table[0, :, 0][position_ids].unsqueeze(2) for table in (cos, sin))  # [B, S, 1, D]
-
-    def rotate_pairs(x):
-        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-
-    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+    return q * cos + _rotate_pairs(q) * sin, k * cos + _rotate_pairs(k) * sin
 
 
 class _AttentionIgnoringPositions(torch.nn.Module):
@@ -514,11 +515,7 @@ def test_rotary_look_alikes_are_left_alone(attention):
 def _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
     """Cohere's rotary (Hugging Face's signature, adjacent features paired, tables repeat_interleave'd)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-
-    def rotate_pairs(x):
-        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
-
-    return q * cos + rotate_pairs(q) * sin, k * cos + rotate_pairs(k) * sin
+    return q * cos + _rotate_pairs(q) * sin, k * cos + _rotate_pairs(k) * sin
 
 
 def _hf_rotary_swapping_pairs(q, k, cos, sin, unsqueeze_dim=1):
@@ -531,13 +528,14 @@ def _hf_rotary_swapping_pairs(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + swap_pairs(q) * sin, k * cos + swap_pairs(k) * sin
 
 
-class _HFAttention(torch.nn.Module):
-    def __init__(self, rotary):
-        super().__init__()
-        self.rotary = rotary
+class _CohereLikeAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
 
+
+class _SwappingAttention(torch.nn.Module):
     def forward(self, q, k, cos, sin):
-        return self.rotary(q, k, cos, sin)
+        return _hf_rotary_swapping_pairs(q, k, cos, sin)
 
 
 def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
@@ -545,8 +543,7 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
     q, k and their gradients within fp32 rounding of the function's own. Each output is x_a c - x_b s (two
     products and a sum, each way): within 2u (|x_a| + |x_b|) <= 2u·√2·|(x_a, x_b)| of exact, and a rotation
     keeps the pair's norm, which is at most √2 max|output|: 4u of the largest output."""
-    attention = type("CohereLikeAttention", (torch.nn.Module,), {
-        "forward": lambda self, q, k, cos, sin, unsqueeze_dim=1: _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)})()
+    attention = _CohereLikeAttention()
     report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
     assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
     generator = torch.Generator().manual_seed(3)
@@ -558,7 +555,7 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
         q, k = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
         grads = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
         results = []
-        for call in (attention, lambda *a, **kw: _hf_interleaved_rotary(*a, **kw)):
+        for call in (attention, _hf_interleaved_rotary):
             qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
             with _kernel_launches() as launches:
                 outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
@@ -571,9 +568,7 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
 
 
 def test_interleaved_pairs_that_do_not_rotate_are_left_alone():
-    attention = type("SwappingAttention", (torch.nn.Module,), {
-        "forward": lambda self, q, k, cos, sin: _hf_rotary_swapping_pairs(q, k, cos, sin)})()
-    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": _SwappingAttention()}))
     assert report.replaced == [] and "does not behave like" in dict(report.skipped)["attention"], str(report)
 
 

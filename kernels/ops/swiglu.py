@@ -388,13 +388,19 @@ class FusedSwiGLUMLP(torch.nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def _sorted_pairs(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the token-expert pairs of `top_k_index` [tokens, k] as flat indices, sorted by expert and in token order
+    within one; their experts in that order)."""
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    return order, experts[order]
+
+
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the token-expert pairs of `top_k_index` [tokens, k] as flat indices, sorted by expert and in token order
     within one, slots of `num_experts` or more left out; the pairs per expert [num_experts])."""
     with torch.no_grad():
-        experts = top_k_index.reshape(-1)
-        order = torch.argsort(experts, stable=True)
-        sorted_experts = experts[order]
+        order, sorted_experts = _sorted_pairs(top_k_index)
         kept = int(torch.searchsorted(sorted_experts, num_experts))  # sentinels (>= num_experts) sort last
         return order[:kept], torch.bincount(sorted_experts[:kept], minlength=num_experts)
 
@@ -461,13 +467,11 @@ def _experts_grouped(hidden_states, top_k_index, gate_up_proj, down_proj, activa
     which reads none past the offset; masking the gathered rows (whose backward zeroes the gradient rows the
     first GEMM left so) and the second GEMM's output keeps them out of every sum (transformers does the same)."""
     num_experts = gate_up_proj.shape[0]
-    experts = top_k_index.reshape(-1)
     with torch.no_grad():
         # A negative index would sort first and shift every group: refused, on the device (no host sync).
-        torch._assert_async((experts >= 0).all(),
+        torch._assert_async((top_k_index >= 0).all(),
                             "routed_swiglu: expert indices must be >= 0 (an index of experts or more is a slot to skip)")
-        order = torch.argsort(experts, stable=True)
-        sorted_experts = experts[order]
+        order, sorted_experts = _sorted_pairs(top_k_index)
         # Where each expert's rows end: the sorted pairs below the next expert's index. A fixed-size answer
         # (bincount's size would depend on the values, a sync); slots to skip sort past the last offset.
         ends = torch.arange(1, num_experts + 1, dtype=sorted_experts.dtype, device=sorted_experts.device)
@@ -491,8 +495,9 @@ class FusedSwiGLUExperts(torch.nn.Module):
     [experts, 2·ffn, hidden], gate rows then up rows; `down_proj` [experts, hidden, ffn]), with the fused
     activation. `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights [tokens, k])`
     is Hugging Face's experts interface: each token's k experts, weighted, summed (`routed_swiglu`: grouped
-    GEMMs where torch has them, bf16 on a CPU or an Ampere+ GPU, a loop over the experts hit elsewhere). The parameters are the replaced module's own
-    (same objects, same names), so state dicts and optimizers still apply.
+    GEMMs where torch has them, bf16 on a CPU or an Ampere+ GPU, a loop over the experts hit elsewhere). The
+    parameters are the replaced module's own (same objects, same names), so state dicts and optimizers still
+    apply.
     """
 
     def __init__(self, gate_up_proj: torch.nn.Parameter, down_proj: torch.nn.Parameter, *,
