@@ -1,9 +1,9 @@
-"""The session's merged launches: one torchrun per world size (4, then 2, then 1 processes) runs the checks of
-every worker module whose test module declares it (MERGED = {worker module: {world size: its checks, or None
-for all}}): see merged_worker.py. Only the test modules collected are launched, so running one test file
-still runs only its own checks. The larger worlds go first: a smaller world may read what a larger one
-wrote in the session's scratch directory (TRIDIST_SCRATCH: checkpoints saved on 4 processes, loaded on 2
-and on 1)."""
+"""The session's merged launches: one world per world size (8, 4, 2, then 1 processes), all forked from one
+process that imported their modules once (harness.launch_merged, forked_launch.py), runs the checks of every
+worker module whose test module declares it (MERGED = {worker module: {world size: its checks, or None for
+all}}): see merged_worker.py. Only the test modules collected are launched, so running one test file still
+runs only its own checks. The larger worlds go first: a smaller world may read what a larger one wrote in the
+session's scratch directory (TRIDIST_SCRATCH: checkpoints saved on 4 processes, loaded on 2 and on 1)."""
 
 import pytest
 
@@ -18,10 +18,7 @@ def merged_launches(request, tmp_path_factory) -> dict:
         for worker, worlds in getattr(item.module, "MERGED", {}).items():
             for nproc, checks in worlds.items():
                 by_world.setdefault(nproc, {})[worker] = None if checks is None else list(checks)
-    scratch = tmp_path_factory.mktemp("scratch")
-    return {nproc: launch_merged(by_world[nproc], nproc=nproc, out_dir=tmp_path_factory.mktemp(f"merged{nproc}"),
-                                 scratch=scratch)
-            for nproc in sorted(by_world, reverse=True)}
+    return launch_merged(by_world, out_root=tmp_path_factory.mktemp("merged"), scratch=tmp_path_factory.mktemp("scratch"))
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,14 +1,18 @@
-"""Run distributed checks under torchrun (gloo, CPU) once per worker module; assert them per test.
+"""Run distributed checks (gloo, CPU) on several processes; assert them per test.
 
-Launching processes costs seconds (each imports torch), so a worker module holds many checks: every
-rank runs all of them in the same order (collectives require it) and appends each result to its own
-JSON-lines file as it goes. A check that hangs is reported by name: the last one without a result.
-A launch that ends badly (a worker crashed or aborted, even after writing all its results, or a
-timeout) fails every test of the suite, with torchrun's exit status and the tail of its stderr.
+Starting processes costs seconds (each imports torch), so a worker module holds many checks, the modules
+of one world size run together (merged_worker.py), and those worlds are forked from one process that
+imported them (launch_merged, forked_launch.py); torchrun (`launch`) starts the launches that test
+launching itself (simulated nodes). Every rank runs all of its checks in the same order (collectives
+require it) and appends each result to its own JSON-lines file as it goes. A check that hangs is reported
+by name: the last one without a result. A launch that ends badly (a worker crashed or aborted, even after
+writing all its results, or a timeout) fails every test of that launch, with the exit status and the tail
+of the output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import json
@@ -79,7 +83,11 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
             os.killpg(agent.pid, signal.SIGKILL)
             _kill(workers)
             failures.append(f"timed out after {timeout_s}s:\n{agent.communicate()[1][-4000:]}")
-    failure = "\n".join(failures) or None
+    return _results(out_dir, "\n".join(failures) or None)
+
+
+def _results(out_dir: Path, failure: str | None) -> dict:
+    """{check: {rank: its record}} from the ranks' JSON-lines files, and the launch's failure (or None)."""
     results: dict = {}
     for path in sorted(out_dir.glob("rank*.jsonl")):
         rank = int(path.stem.removeprefix("rank"))
@@ -114,12 +122,69 @@ def _claim_once_per_run(out_dir: Path, worker_module: str, nproc: int, nnodes: i
             "tryfirst pytest_collection_modifyitems, before xdist reads them)") from None
 
 
-def launch_merged(modules: dict, *, nproc: int, out_dir: Path, scratch: Path, timeout_s: float = 1500) -> dict:
-    """One torchrun of merged_worker.py running `modules` ({worker module: its checks to run, or None for
-    all}) in turn, with `scratch` as TRIDIST_SCRATCH (a directory the session's launches share); read each
-    module's results with `module_results`."""
-    return launch("tests.distributed.merged_worker", nproc=nproc, out_dir=out_dir, timeout_s=timeout_s,
-                  extra_env={"TRIDIST_MERGED": json.dumps(modules), "TRIDIST_SCRATCH": str(scratch)})
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One world of a forked launch: `nproc` workers running `module` (as `python -m module out_dir` would),
+    with `env` added to their environment."""
+
+    nproc: int
+    module: str
+    out_dir: Path
+    env: dict = dataclasses.field(default_factory=dict)
+
+
+def launch_forked(phases: list[Phase], *, timeout_s: float) -> list[dict]:
+    """Run `phases` in turn, each world forked from one process that imported every phase's modules once
+    (forked_launch.py says why and what stays under torchrun). Returns each phase's results, as `launch`
+    does: a phase whose worker failed, crashed at exit or did not finish has its `__launch__` failure."""
+    for phase in phases:
+        phase.out_dir.mkdir(parents=True, exist_ok=True)
+    spec = json.dumps([{"nproc": p.nproc, "module": p.module, "out_dir": str(p.out_dir), "env": p.env} for p in phases])
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tests.distributed.forked_launch", spec], cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # the workers are forked into its process group: a timeout kills them all
+    )
+    try:
+        _, stderr = launcher.communicate(timeout=timeout_s)
+        unfinished = f"the launcher exited {launcher.returncode} before this phase ended"
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        stderr = launcher.communicate()[1]
+        unfinished = f"timed out after {timeout_s}s"
+    return [_results(phase.out_dir, _phase_failure(phase, unfinished, stderr)) for phase in phases]
+
+
+def _phase_failure(phase: Phase, unfinished: str, launcher_stderr: str) -> str | None:
+    """None when every worker of the phase exited 0; else which did not, with the tail of its output."""
+    def tail(rank: int) -> str:
+        log = phase.out_dir / f"rank{rank}.log"
+        return log.read_text(errors="replace")[-3000:] if log.exists() else "(no output)"
+
+    status_file = phase.out_dir / "launch.json"
+    if not status_file.exists():
+        logs = "\n".join(f"rank {rank}:\n{tail(rank)}" for rank in range(phase.nproc))
+        return f"{unfinished}:\n{launcher_stderr[-3000:]}\n{logs}"
+    statuses = {int(rank): status for rank, status in json.loads(status_file.read_text())["exit"].items()}
+    failed = {rank: status for rank, status in sorted(statuses.items()) if status != 0}
+    if not failed:
+        return None
+    described = {rank: f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited {status}"
+                 for rank, status in failed.items()}
+    return "\n".join(f"worker rank {rank} {described[rank]}:\n{tail(rank)}" for rank in failed)
+
+
+def launch_merged(worlds: dict[int, dict], *, out_root: Path, scratch: Path, timeout_s: float = 1800) -> dict[int, dict]:
+    """The merged launches ({world size: {worker module: its checks to run, or None for all}}), largest world
+    first, each a phase of one forked launch running merged_worker.py with `scratch` as TRIDIST_SCRATCH (a
+    directory the phases share); returns {world size: its results} (read one module's with `module_results`)."""
+    phases = [Phase(nproc, "tests.distributed.merged_worker", out_root / f"merged{nproc}",
+                    {"TRIDIST_MERGED": json.dumps(worlds[nproc]), "TRIDIST_SCRATCH": str(scratch)})
+              for nproc in sorted(worlds, reverse=True)]
+    for phase in phases:
+        phase.out_dir.mkdir(parents=True)
+        _claim_once_per_run(phase.out_dir, phase.module, phase.nproc, 1, phase.env)
+    return {phase.nproc: results for phase, results in zip(phases, launch_forked(phases, timeout_s=timeout_s))}
 
 
 def module_results(merged: dict, module: str) -> dict:

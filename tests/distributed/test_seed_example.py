@@ -3,14 +3,17 @@
 import pytest
 
 from tests.distributed import seed_example_worker
-from tests.distributed.harness import assert_check, launch
+from tests.distributed.harness import assert_check, module_results
 
 NPROC = 8
 
+# The session's merged launch of NPROC (conftest.py): its only module.
+MERGED = {"seed_example_worker": {NPROC: None}}
+
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return launch("tests.distributed.seed_example_worker", nproc=NPROC, out_dir=tmp_path_factory.mktemp("seed_example"))
+def results(merged_launches):
+    return module_results(merged_launches[NPROC], "seed_example_worker")
 
 
 @pytest.mark.parametrize("check", list(seed_example_worker.CHECKS))
