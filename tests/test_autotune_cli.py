@@ -24,13 +24,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIDIST_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_import_autotune_is_light():
-    code = ("import sys, tridist.autotune; heavy = [m for m in ('torch', 'optuna', 'pandas', 'matplotlib') if m in sys.modules];"
-            "print(','.join(heavy))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
-
-
 def test_public_names():
     from tridist import autotune
 
