@@ -7,12 +7,12 @@ session's scratch directory (TRIDIST_SCRATCH: checkpoints saved on 4 processes, 
 
 import pytest
 
-from tests.distributed.harness import launch_merged
-
 
 @pytest.fixture(scope="session")
 def merged_launches(request, tmp_path_factory) -> dict:
     """{world size: that launch's results}; read one module's with harness.module_results."""
+    from tests.distributed.harness import launch_merged  # here: xdist's controller loads this file too (torch)
+
     by_world: dict[int, dict] = {}
     for item in request.session.items:
         for worker, worlds in getattr(item.module, "MERGED", {}).items():
