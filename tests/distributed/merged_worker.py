@@ -1,6 +1,7 @@
-"""Several worker modules' checks in one torchrun launch: the processes start, import torch and tridist and
-join the process group once instead of once per module (on a 2-core machine a 4-process launch costs tens
-of CPU-seconds before its first check). Which modules, and which of their checks, come in the environment
+"""Several worker modules' checks in one world: its processes start and join the process group once instead of
+once per module (harness.launch_merged forks them from one process that imported the modules once:
+forked_launch.py; on a 2-core machine starting a 4-process torchrun launch cost tens of CPU-seconds before
+its first check). Which modules, and which of their checks, come in the environment
 (TRIDIST_MERGED: {"data_worker": null, "overlap_worker": ["check_a", ...]}, null for all); each result is
 named "<module>.<check>" (harness.module_results reads one module's back)."""
 
