@@ -134,8 +134,8 @@ class Phase:
 
 
 def launch_forked(phases: list[Phase], *, timeout_s: float) -> list[dict]:
-    """Run `phases` in turn, each world forked from one process that imported every phase's modules once
-    (forked_launch.py says why and what stays under torchrun). Returns each phase's results, as `launch`
+    """Run `phases` in turn, each world forked from one process that imported once the worker modules the
+    phases' TRIDIST_MERGED name (forked_launch.py says why and what stays under torchrun). Returns each phase's results, as `launch`
     does: a phase whose worker failed, crashed at exit or did not finish has its `__launch__` failure."""
     for phase in phases:
         phase.out_dir.mkdir(parents=True, exist_ok=True)
