@@ -41,7 +41,8 @@ PRELOAD = {"transformers": "transformers.modeling_utils", "tridist.distcore": "t
 GRACE_S = 10
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (the rendezvous of a world; harness.launch's nodes too)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -100,8 +101,8 @@ def _status(wait_status: int) -> int:
 
 
 def _run_phase(phase: dict, index: int) -> bool:
-    port, run_id = _free_port(), f"forked-{os.getpid()}-{index}"
-    Path(phase["out_dir"]).mkdir(parents=True, exist_ok=True)
+    port, run_id = free_port(), f"forked-{os.getpid()}-{index}"
+    Path(phase["out_dir"]).mkdir(parents=True, exist_ok=True)  # where the workers log and report
     ranks = {}
     for rank in range(phase["nproc"]):
         pid = os.fork()

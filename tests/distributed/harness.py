@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,14 +30,9 @@ import torch.distributed as dist
 from tridist.distcore.env import destroy_parallel_env
 from tridist.kernels import _common
 from tests.distributed import equivalence
+from tests.distributed.forked_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, timeout_s: float = 300, extra_env=None) -> dict:
@@ -55,7 +49,7 @@ def launch(worker_module: str, *, nproc: int, out_dir: Path, nnodes: int = 1, ti
     if nnodes == 1:
         topology = [["--standalone"]]
     else:
-        endpoint, run_id = f"127.0.0.1:{_free_port()}", out_dir.name
+        endpoint, run_id = f"127.0.0.1:{free_port()}", out_dir.name
         topology = [
             [f"--nnodes={nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
             for node in range(nnodes)
@@ -137,8 +131,6 @@ def launch_forked(phases: list[Phase], *, timeout_s: float) -> list[dict]:
     """Run `phases` in turn, each world forked from one process that imported once the worker modules the
     phases' TRIDIST_MERGED name (forked_launch.py says why and what stays under torchrun). Returns each phase's results, as `launch`
     does: a phase whose worker failed, crashed at exit or did not finish has its `__launch__` failure."""
-    for phase in phases:
-        phase.out_dir.mkdir(parents=True, exist_ok=True)
     spec = json.dumps([{"nproc": p.nproc, "module": p.module, "out_dir": str(p.out_dir), "env": p.env} for p in phases])
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tests.distributed.forked_launch", spec], cwd=ROOT,
@@ -182,7 +174,6 @@ def launch_merged(worlds: dict[int, dict], *, out_root: Path, scratch: Path, tim
                     {"TRIDIST_MERGED": json.dumps(worlds[nproc]), "TRIDIST_SCRATCH": str(scratch)})
               for nproc in sorted(worlds, reverse=True)]
     for phase in phases:
-        phase.out_dir.mkdir(parents=True)
         _claim_once_per_run(phase.out_dir, phase.module, phase.nproc, 1, phase.env)
     return {phase.nproc: results for phase, results in zip(phases, launch_forked(phases, timeout_s=timeout_s))}
 
