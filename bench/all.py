@@ -66,7 +66,7 @@ STEP_NAMES = tuple(step.name for step in STEPS)
 def run_step_process(argv: Sequence[str], *, env: dict, log_path: Path, echo) -> int:
     """`python -m tridist ARGV` with its output copied line by line to the log and to `echo`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
+    with open(log_path, "w", buffering=1) as log:  # line-buffered: a step killed at a time limit keeps its log
         process = subprocess.Popen([sys.executable, "-m", "tridist", *argv], env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
         for line in process.stdout:

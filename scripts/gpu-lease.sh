@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU evidence inside one 15-minute lease (device tool): install the carried wheels (scripts/gpu-wheels.sh),
+# profile the small-shape launch path (scripts/profile_launch_path.py), then `tridist bench all` one step at a
+# time while BUDGET seconds last, and tar the results folder into $OUT (at most 8 files come back).
+# Run there as:  BUDGET=560 bash scripts/gpu-lease.sh   (carry .whl; STEPS="overlap calibrate" for a subset)
+# 2026-11-26 on an H100: profile 25 s, sweep (1 min) 68 s, check 29 s, kernels 180 s, model > 223 s
+# (cut), overlap 100 s, calibrate 9 s.
+BUDGET=${BUDGET:-570}
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 9
+python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 9; }
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
+D=bench/results/${GPU}-$(date -u +%F)
+echo "results -> $D at ${SECONDS}s"
+[ -n "${NO_PROFILE:-}" ] || timeout 80 python3 scripts/profile_launch_path.py /tmp/prof > $OUT/prof.log 2>&1; echo "profile exit $? at ${SECONDS}s"
+for s in ${STEPS:-sweep check kernels model overlap calibrate}; do
+  left=$((BUDGET - SECONDS - 15))
+  if [ $left -lt 30 ]; then echo "skip $s: ${left}s left"; continue; fi
+  timeout $left python3 -m tridist bench all --out $D --steps $s --sweep-minutes ${SWEEP_MIN:-1} >> $OUT/steps.log 2>&1
+  echo "step $s exit $? at ${SECONDS}s"; tail -3 $OUT/steps.log
+  tar czf $OUT/results.tgz $D
+done
+tar czf $OUT/prof.tgz -C /tmp prof 2>/dev/null
+echo "done at ${SECONDS}s"
