@@ -123,9 +123,9 @@ DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
 ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
 LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 # tridist's linear_cross_entropy (kernels/ops/linear_cross_entropy.py, chunk_tokens) runs the loss over chunks
-# of about tokens·h/V tokens, clamped to [128, 4096] and evened out; tests/test_cost_terms.py checks that
-# the rules agree.
-FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 4096
+# of about tokens·h/V tokens, raised to min(2048, h), clamped to [128, 4096] and evened out;
+# tests/test_cost_terms.py checks that the rules agree.
+FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_SPEED_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 2048, 4096
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
@@ -594,7 +594,8 @@ def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1
 
 def fused_loss_chunk(tokens: int, hidden_size: int, vocab_rows: int) -> int:
     """linear_cross_entropy's tokens per chunk over `vocab_rows` rows of the head (kernels' chunk_tokens)."""
-    chunk = min(max(-(-tokens * hidden_size // vocab_rows), FUSED_LOSS_MIN_CHUNK), FUSED_LOSS_MAX_CHUNK, tokens)
+    floor = max(FUSED_LOSS_MIN_CHUNK, min(FUSED_LOSS_SPEED_CHUNK, hidden_size))
+    chunk = min(max(-(-tokens * hidden_size // vocab_rows), floor), FUSED_LOSS_MAX_CHUNK, tokens)
     return -(-tokens // -(-tokens // chunk))  # evened out over the chunks
 
 

@@ -28,9 +28,11 @@ U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff: one fp32 operati
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 8 tokens (39 tokens: 8, 8, 8, 8, 7): gradients accumulate over chunks, the last one short."""
+    """Chunks of 8 tokens (39 tokens: 8, 8, 8, 8, 7): gradients accumulate over chunks, the last one short;
+    the CPU path's slices of a chunk 3 tokens (8 = 3 + 3 + 2, 7 = 3 + 3 + 1)."""
     monkeypatch.setattr(lce_module, "MIN_CHUNK_TOKENS", 8)
     monkeypatch.setattr(lce_module, "MAX_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(lce_module, "UPCAST_TOKENS", 3)
 
 
 @pytest.fixture
@@ -333,15 +335,31 @@ def test_strided_inputs(torch_path, small_chunks):
 
 
 def test_chunk_rule():
-    """Liger's rule (chunk logits about hidden's size), floor and ceiling, chunks evened out."""
+    """Liger's rule (chunk logits about hidden's size), raised to min(2048, hidden) so that the weight
+    gradient's fp32 accumulator is read and written in a few chunks, floor and ceiling, chunks evened out."""
     rule = lce_module.chunk_tokens
-    assert rule(8192, 4096, 128256) == 256  # target 262 tokens: 32 chunks, evened out to 256
-    assert rule(8000, 4096, 128256) == 250  # target 256: 32 chunks of 250
-    assert rule(2048, 512, 32000) == lce_module.MIN_CHUNK_TOKENS  # target 33: the floor
+    assert rule(8192, 4096, 128256) == 2048  # Liger's target 262 (32 chunks): raised to 2048, 4 chunks
+    assert rule(16384, 4096, 128256) == 2048  # 8 chunks where Liger's rule cuts 32 (the H100's 45 ms)
+    assert rule(8000, 4096, 128256) == 2000  # 4 chunks of 2048 evened out
+    assert rule(2048, 512, 32000) == 512  # target 33: raised to the hidden size, not 2048
+    assert rule(4096, 64, 32000) == lce_module.MIN_CHUNK_TOKENS  # a toy head narrower than the floor
     assert rule(100, 512, 32000) == 100  # fewer tokens than the floor: one chunk
     assert rule(65536, 8192, 32000) == 4096  # target 16777: the ceiling
     assert rule(5000, 4096, 1000) == 2500  # two chunks of the ceiling's 4096 evened out to 2500
     assert rule(0, 16, 10) == 1
+
+
+@pytest.mark.parametrize("hidden", [8, 64, 512, 2048, 4096, 8192])
+@pytest.mark.parametrize("vocab", [1000, 32000, 128256, 262144])
+def test_chunk_logits_never_outgrow_the_weight_or_the_hidden_input(hidden, vocab):
+    """The memory bound the rule promises: one chunk's logits (chunk x vocab elements) are at most the
+    weight's (vocab x hidden), Liger's hidden-sized buffer (tokens x hidden, plus one row of rounding up), or
+    the 128-token floor's, at every token count; and it cuts no more chunks than the floor would."""
+    for tokens in (1, 127, 1000, 2047, 2048, 4096, 8192, 16384, 65536, 131072):
+        chunk = lce_module.chunk_tokens(tokens, hidden, vocab)
+        assert chunk * vocab <= max(hidden * vocab, tokens * hidden + vocab, lce_module.MIN_CHUNK_TOKENS * vocab)
+        floor = max(lce_module.MIN_CHUNK_TOKENS, min(lce_module.SPEED_CHUNK_TOKENS, hidden))
+        assert -(-tokens // chunk) <= -(-tokens // floor)  # no more chunks than the floor's
 
 
 class _LargestTensor(TorchDispatchMode):

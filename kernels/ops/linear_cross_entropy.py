@@ -35,9 +35,11 @@ With reduction="none" each token's gradient is scaled by its own grad_output, un
 forward computes only the losses and saves the inputs, and the backward recomputes each chunk's logits
 (four GEMMs in all) with grad_output as row_scale; nothing is held between the two but the inputs.
 
-Memory (CPU, torch's MemTracker, forward + backward of the loss alone, inputs included): 2 x 1024 tokens,
-hidden 512, vocabulary 32000, fp32: 164 MiB against eager F.linear + F.cross_entropy's 817 MiB; 8192 tokens,
-hidden 4096, vocabulary 128256, bf16 (under FakeTensorMode): 4.0 GiB against 12.8 GiB.
+Memory (CPU, torch's MemTracker, forward + backward of the loss alone, above its inputs; `bench.kernels.
+peak_mib`): 2,048 tokens, hidden 512, vocabulary 32,000, fp32: 227 MiB against eager F.linear +
+F.cross_entropy's 813 MiB; with the inputs, 8,192 tokens, hidden 4,096, vocabulary 128,256, bf16 (under
+FakeTensorMode): 4.0 GiB against 12.7 GiB. On an H100 (2026-11-26, before the chunk rule's floor) the
+second case's CUDA peak above the inputs was 3,070 MiB against eager's 12,024.
 
 Vocabulary parallel (a DTensor weight split on its rows, `_local_inputs`; a VocabShard inside). The
 statistics (step 2) and the loss/gradient (step 3) are separate kernels for it: a rank holding rows
@@ -75,12 +77,29 @@ from .._common import (
     use_triton,
 )
 
-# Tokens per chunk (`chunk_tokens`): Liger's rule sizes a chunk's logits like the hidden input
-# (tokens x hidden elements), so the loss adds about one hidden-sized buffer to the step. The floor keeps
-# the GEMM's M dimension one full 128-row tensor-core tile when the vocabulary dwarfs the hidden size
-# (a 128 x 128k bf16 buffer is 32 MiB); above the ceiling a GEMM runs no faster, it only takes more memory.
+# Tokens per chunk (`chunk_tokens`). Liger's rule sizes a chunk's logits like the hidden input (tokens x
+# hidden elements), so the loss adds about one hidden-sized buffer to the step; it cuts about vocab / hidden
+# chunks (31 for Llama 3) whatever the token count. That is too many for the weight's gradient: each chunk's
+# GEMM reads and writes the whole fp32 [vocab, hidden] accumulator, 8 V H bytes against 2 c V H flops, an
+# intensity of c / 4 flop per byte for c tokens, while an H100 needs ~260 (~780 bf16 TFLOP/s over ~3 TB/s)
+# to stay compute-bound. Measured there (2026-11-26, bench/results/h100-2026-11-26/NOTES.md): 16,384 tokens
+# x 128,256 vocabulary in 31 chunks took 122 ms fwd+bwd, 45 ms of it that traffic, slower than eager. Hence
+# the floor SPEED_CHUNK_TOKENS = 2048 (8x fewer chunks, twice the ridge; it also keeps small shapes off the
+# per-chunk host cost, ~0.1 ms of launches per chunk), but never above hidden_size: then the chunk's logits
+# (c x V) stay at most the weight's size (V x H). With a half-precision head the step's peak does not grow:
+# it is the fp32 accumulator plus the weight-sized gradient result, which the chunk's logits (freed before
+# it) stay under; with an fp32 head it grows by at most the weight's size. MIN_CHUNK_TOKENS
+# keeps the GEMM's M dimension one full 128-row tensor-core tile for narrow toy heads; above
+# MAX_CHUNK_TOKENS a GEMM runs no faster, it only takes more memory.
 MIN_CHUNK_TOKENS = 128
+SPEED_CHUNK_TOKENS = 2048
 MAX_CHUNK_TOKENS = 4096
+# The plain-PyTorch steps 2 and 3 (CPU) and the weight gradient's fp32 upcast where no fp32-output GEMM of
+# half-precision inputs exists (CPU; CUDA before sm_80 or torch 2.8) work on this many of a chunk's tokens at
+# a time: their fp32 temporaries are then 256 x 128,256 x 4 bytes = 125 MiB each, where a 2,048-token
+# chunk's would be 1 GiB, more than the chunk itself. On a CPU a GEMM 256 deep is compute-bound (a CPU's
+# ridge is tens of flop per byte), so the slices cost no speed there.
+UPCAST_TOKENS = 256
 
 # Vocabulary columns per block (a 128k row is streamed in 32 blocks); short rows (small vocabularies)
 # are packed until a tile holds TARGET_TILE_ELEMENTS, one warp per 512 elements of the tile.
@@ -96,13 +115,15 @@ _ADDMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Tokens per chunk: about n_tokens * hidden_size / vocab_size (the chunk's logits as large as the
-    hidden input), clamped to [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] and to n_tokens, then evened out so
-    that the chunks differ by at most one token (no thin last GEMM)."""
+    """Tokens per chunk: Liger's n_tokens * hidden_size / vocab_size (the chunk's logits as large as the
+    hidden input), raised to min(SPEED_CHUNK_TOKENS, hidden_size) (the weight gradient's traffic; the logits
+    then no larger than the weight), clamped to [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] and to n_tokens, then
+    evened out so that the chunks differ by at most one token (no thin last GEMM)."""
     if n_tokens <= 0:
         return 1
     target = -(-n_tokens * hidden_size // max(vocab_size, 1))
-    chunk = min(max(target, MIN_CHUNK_TOKENS), MAX_CHUNK_TOKENS, n_tokens)
+    floor = max(MIN_CHUNK_TOKENS, min(SPEED_CHUNK_TOKENS, hidden_size))
+    chunk = min(max(target, floor), MAX_CHUNK_TOKENS, n_tokens)
     return -(-n_tokens // -(-n_tokens // chunk))
 
 
@@ -249,15 +270,9 @@ def _chunk_stats(logits, labels, stats, *, vocab_start, ignore_index, softcap, s
     """Step 2 into stats ([4, rows] fp32): max, sum of exp(z - max), the label's z, sum of z."""
     n_rows, n_cols = logits.shape
     if not use_triton(logits):
-        z = _softcap_torch(logits.float(), softcap)
-        active = labels != ignore_index
-        target = labels - vocab_start
-        in_shard = active & (target >= 0) & (target < n_cols)
-        m = z.amax(1)
-        stats[STAT_MAX] = torch.where(active, m, float("-inf"))
-        stats[STAT_SUM_EXP] = torch.where(active, (z - m[:, None]).exp_().sum(1), 0.0)  # one temporary
-        stats[STAT_TARGET] = torch.where(in_shard, z.gather(1, target.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)
-        stats[STAT_SUM_Z] = torch.where(active, z.sum(1), 0.0) if smoothing else 0.0
+        for part in _token_slices(n_rows):
+            _chunk_stats_torch(logits[part], labels[part], stats[:, part], vocab_start=vocab_start,
+                               ignore_index=ignore_index, softcap=softcap, smoothing=smoothing)
         return
     cfg = launch_config("stats", n_rows, n_cols, logits.dtype, logits.device)
     _stats_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
@@ -274,32 +289,12 @@ def _chunk_loss_grad(logits, labels, stats, loss, scale, *, vocab_start, n_class
     """Step 3: per-row losses into `loss` (if given) and, with compute_grad, the gradient over `logits`."""
     n_rows, n_cols = logits.shape
     if not use_triton(logits):
-        active = labels != ignore_index
-        lse = torch.where(active, stats[STAT_MAX] + torch.log(stats[STAT_SUM_EXP]), 0.0)
-        if loss is not None:
-            rows_loss = lse - (1.0 - label_smoothing) * stats[STAT_TARGET]
-            if label_smoothing:
-                rows_loss = rows_loss - label_smoothing / n_classes * stats[STAT_SUM_Z]
-            loss.copy_(torch.where(active, rows_loss, 0.0))
-        if compute_grad:
-            grad = logits.float() if logits.dtype != torch.float32 else logits  # fp32: in place
-            if softcap is not None:
-                t = torch.tanh(grad / softcap)
-                grad = torch.mul(t, softcap, out=grad)
-            grad = grad.sub_(lse[:, None]).exp_()
-            target = labels - vocab_start
-            in_shard = active & (target >= 0) & (target < n_cols)
-            label_term = torch.where(in_shard, label_smoothing - 1.0, 0.0)[:, None]  # - (1 - eps) at the label
-            grad.scatter_add_(1, target.clamp(0, n_cols - 1)[:, None], label_term)
-            if label_smoothing:
-                grad.sub_(label_smoothing / n_classes)
-            if softcap is not None:
-                grad.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap(x) / dx = 1 - tanh^2
-            if scale is not None:
-                grad.mul_(scale.float()[:, None])
-            grad.masked_fill_(~active[:, None], 0.0)  # after the product, as in the kernel
-            if grad is not logits:
-                logits.copy_(grad)
+        for part in _token_slices(n_rows):
+            _chunk_loss_grad_torch(
+                logits[part], labels[part], stats[:, part], loss[part] if loss is not None else None,
+                scale[part] if scale is not None else None, vocab_start=vocab_start, n_classes=n_classes,
+                ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, compute_grad=compute_grad,
+            )
         return
     cfg = launch_config("grad", n_rows, n_cols, logits.dtype, logits.device)
     _loss_grad_kernel[(cdiv(n_rows, cfg["BLOCK_M"]),)](
@@ -311,6 +306,57 @@ def _chunk_loss_grad(logits, labels, stats, loss, scale, *, vocab_start, n_class
         WRITE_LOSS=loss is not None, COMPUTE_GRAD=compute_grad,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
     )
+
+
+def _token_slices(n_rows: int):
+    """Row slices of UPCAST_TOKENS: the plain-PyTorch steps and the weight gradient's upcast work on these."""
+    return [slice(start, start + UPCAST_TOKENS) for start in range(0, n_rows, UPCAST_TOKENS)]
+
+
+def _chunk_stats_torch(logits, labels, stats, *, vocab_start, ignore_index, softcap, smoothing):
+    """_chunk_stats in plain PyTorch (CPU), for a few rows (its fp32 temporaries are rows x vocab)."""
+    n_cols = logits.shape[1]
+    z = _softcap_torch(logits.float(), softcap)
+    active = labels != ignore_index
+    target = labels - vocab_start
+    in_shard = active & (target >= 0) & (target < n_cols)
+    m = z.amax(1)
+    stats[STAT_MAX] = torch.where(active, m, float("-inf"))
+    stats[STAT_SUM_EXP] = torch.where(active, (z - m[:, None]).exp_().sum(1), 0.0)  # one temporary
+    stats[STAT_TARGET] = torch.where(in_shard, z.gather(1, target.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)
+    stats[STAT_SUM_Z] = torch.where(active, z.sum(1), 0.0) if smoothing else 0.0
+
+
+def _chunk_loss_grad_torch(logits, labels, stats, loss, scale, *, vocab_start, n_classes, ignore_index, softcap,
+                           label_smoothing, compute_grad):
+    """_chunk_loss_grad in plain PyTorch (CPU), for a few rows (its fp32 temporaries are rows x vocab)."""
+    n_cols = logits.shape[1]
+    active = labels != ignore_index
+    lse = torch.where(active, stats[STAT_MAX] + torch.log(stats[STAT_SUM_EXP]), 0.0)
+    if loss is not None:
+        rows_loss = lse - (1.0 - label_smoothing) * stats[STAT_TARGET]
+        if label_smoothing:
+            rows_loss = rows_loss - label_smoothing / n_classes * stats[STAT_SUM_Z]
+        loss.copy_(torch.where(active, rows_loss, 0.0))
+    if compute_grad:
+        grad = logits.float() if logits.dtype != torch.float32 else logits  # fp32: in place
+        if softcap is not None:
+            t = torch.tanh(grad / softcap)
+            grad = torch.mul(t, softcap, out=grad)
+        grad = grad.sub_(lse[:, None]).exp_()
+        target = labels - vocab_start
+        in_shard = active & (target >= 0) & (target < n_cols)
+        label_term = torch.where(in_shard, label_smoothing - 1.0, 0.0)[:, None]  # - (1 - eps) at the label
+        grad.scatter_add_(1, target.clamp(0, n_cols - 1)[:, None], label_term)
+        if label_smoothing:
+            grad.sub_(label_smoothing / n_classes)
+        if softcap is not None:
+            grad.mul_(t.mul_(t).neg_().add_(1.0))  # d softcap(x) / dx = 1 - tanh^2
+        if scale is not None:
+            grad.mul_(scale.float()[:, None])
+        grad.masked_fill_(~active[:, None], 0.0)  # after the product, as in the kernel
+        if grad is not logits:
+            logits.copy_(grad)
 
 
 def _softcap_torch(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -340,8 +386,9 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: 
         acc.addmm_(grad_logits.t(), rows)
     elif acc.device.type == "cuda" and _ADDMM_HAS_OUT_DTYPE and torch.cuda.get_device_capability(acc.device)[0] >= 8:
         torch.addmm(acc, grad_logits.t(), rows, out_dtype=torch.float32, out=acc)
-    else:  # an fp32 copy of the chunk (chunk-sized, not weight-sized)
-        acc.addmm_(grad_logits.t().float(), rows.float())
+    else:  # fp32 copies of UPCAST_TOKENS of the chunk's tokens at a time (never weight-sized)
+        for part in _token_slices(rows.shape[0]):
+            acc.addmm_(grad_logits[part].t().float(), rows[part].float())
 
 
 def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, softcap, scale, loss,
