@@ -289,6 +289,7 @@ class _StageState:
     keep_logits: bool = False  # this call is an evaluation whose logits are returned (last stage)
     logits: dict = field(default_factory=dict)  # micro-batch -> its logits, detached (last stage, evaluation)
     missing_loss: bool = False  # a micro-batch's output held no loss (last stage)
+    device: torch.device | None = None  # where this stage's parameters live (what another stage's reads as)
 
 
 class _StandIn(torch.nn.Module):
@@ -331,8 +332,53 @@ class _StandIn(torch.nn.Module):
             )
         return output
 
+    def __getattr__(self, attribute: str):
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            pass
+        meta = self.__dict__.get("_meta_module")
+        state = self.__dict__.get("_state")
+        held = None
+        if meta is not None:
+            held = meta._parameters.get(attribute)
+            held = meta._buffers.get(attribute) if held is None else held
+        if held is not None and state is not None and state.device is not None:
+            return _ForeignTensor(f"{self.name}.{attribute}", self.owner, held, state.device)
+        raise AttributeError(
+            f"pipeline parallel: {self.name!r} lives on pipeline stage {self.owner}; its {attribute!r} is not on this "
+            "rank. Model code that reads it outside that module's own forward cannot run on another stage: use a "
+            "strategy without pipeline parallel for this model (pp=1)"
+        )
+
     def extra_repr(self) -> str:
         return f"{self.name!r} on stage {self.owner}"
+
+
+class _ForeignTensor:
+    """What another stage's parameter or buffer reads as in model code that runs on this stage (Llama 4:
+    `input_ids.to(self.embed_tokens.weight.device)`): its shape and dtype, and this stage's device. Its values
+    are not here: anything but those reads raises, naming the tensor."""
+
+    def __init__(self, name: str, owner: int, meta: torch.Tensor, device: torch.device):
+        self.name, self.owner, self.shape, self.dtype, self.device = name, owner, meta.shape, meta.dtype, device
+        self.ndim = meta.dim()
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def __getattr__(self, attribute: str):
+        raise AttributeError(
+            f"pipeline parallel: model code on this stage uses {self.name!r} ({attribute!r}), a tensor of pipeline stage "
+            f"{self.owner}; only its shape, dtype and device can be read here. Use a strategy without pipeline "
+            "parallel for this model (pp=1)"
+        )
+
+    def __repr__(self) -> str:
+        return f"_ForeignTensor({self.name!r} of stage {self.owner}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _device_of(args, kwargs) -> torch.device:
@@ -560,7 +606,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
     tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_rank_groups=pp_rank_groups)
     last = config.num_stages - 1
     micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
-    states = [_StageState(stage=s, is_first=s == 0, is_last=s == last) for s in stage_ids]
+    states = [_StageState(stage=s, is_first=s == 0, is_last=s == last, device=device) for s in stage_ids]
     views = [build_stage_view(model, config, placement, state) for state in states]
     strip_to_rank(model, placement, stage_ids, last)
     for view, state in zip(views, states):

@@ -729,8 +729,12 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | No
     model of any size, or still on the meta device, is probed in a few milliseconds."""
     head, prefix = module.lm_head, getattr(module, "base_model_prefix", "")
     base = module._modules.get(prefix) if isinstance(prefix, str) else None
+    if base is None and isinstance(module._modules.get("model"), torch.nn.Module):
+        # transformers' causal LMs keep their decoder as `model`; a class shared with a multimodal model can
+        # name another prefix (Llama4ForCausalLM: "language_model"). The probe below shows whether it is that.
+        prefix, base = "model", module._modules["model"]
     if base is None:
-        return f"LM head + loss candidate: no decoder child named by base_model_prefix ({prefix!r}); left as is"
+        return f"LM head + loss candidate: no decoder child named by base_model_prefix ({prefix!r}) or `model`; left as is"
     try:
         from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
     except ImportError:  # a look-alike outside transformers

@@ -23,6 +23,37 @@ FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2", *SCALED_LOGITS]
 # Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert beside the routed ones.
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe"]
 EXPERTS, TOP_K = 4, 2
+# More families users bring, each built from its own transformers config class (AutoConfig.for_model) at the
+# sizes above; the comment says what it adds. Kept apart from FAMILIES: tests/test_fuse_transformers.py checks
+# fuse on all of them, tests/distributed/transformers_worker.py trains some under to_distributed.
+_MOE = dict(num_experts_per_tok=TOP_K)
+MORE_FAMILIES = {
+    "phi": ("phi", {}),  # LayerNorm, partial rotary, GELU MLP beside the attention (one norm per block)
+    "starcoder2": ("starcoder2", {}),  # LayerNorm, biases everywhere, GELU MLP
+    "falcon": ("falcon", dict(num_kv_heads=KV_HEADS, new_decoder_architecture=True)),  # one query_key_value
+    # Multi-head latent attention (low-rank q and kv, a decoupled rotary part), a dense first layer, then
+    # routed experts with a shared one and group-limited routing.
+    "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=32,
+                                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                        head_dim=8, **_MOE)),
+    # Attention sinks, sliding and full layers, clamped SwiGLU experts stored [experts, hidden, 2 x ffn].
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=EXPERTS, head_dim=16, sliding_window=8, **_MOE)),
+    # Every layer a routed expert (top-1) plus a shared one, chunked attention, L2 q/k norms, layers without
+    # rotary; its causal LM's base_model_prefix names another child than its decoder.
+    "llama4": ("llama4_text", dict(num_local_experts=EXPERTS, num_experts_per_tok=1, intermediate_size_mlp=2 * HIDDEN,
+                                   head_dim=16)),
+    # Gated DeltaNet linear attention beside gated full attention, experts with a gated shared expert.
+    "qwen3-next": ("qwen3_next", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                                      linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_MOE)),
+    "gemma3": ("gemma3_text", dict(head_dim=16)),  # local and global layers, q/k norms, 1 + w norms, GeGLU
+    "glm4": ("glm4", {}),  # partial interleaved rotary, norms after each sublayer too, packed gate_up
+    "olmoe": ("olmoe", dict(num_experts=EXPERTS, **_MOE)),  # q/k norms over the projection, experts as modules
+    "cohere2": ("cohere2", dict(head_dim=16)),  # LayerNorm without bias, sliding layers without rotary
+    "exaone4": ("exaone4", {}),  # norms after each sublayer, q/k norms
+    "smollm3": ("smollm3", {}),  # every fourth layer without rotary
+}
 
 
 def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Module:
@@ -78,4 +109,10 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
                                                 # GPT-2 defaults to dropout 0.1: random masks differ between
                                                 # layouts; the other families default to 0
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES}")
+    if family in MORE_FAMILIES:
+        model_type, extra = MORE_FAMILIES[family]
+        config = hf.AutoConfig.for_model(model_type, **{**common, **extra})
+        if family == "qwen3-next":  # linear-attention and full-attention layers alternate
+            config.layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+        return hf.AutoModelForCausalLM.from_config(config)
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")

@@ -15,7 +15,7 @@ import torch
 from tridist import distcore, kernels
 from tridist.distcore.lazy import materialize
 from tridist.kernels.ops.linear_cross_entropy import FusedLMHead
-from tests.hf_models import HIDDEN, LAYERS, SCALED_LOGITS, VOCAB, build
+from tests.hf_models import HIDDEN, LAYERS, MORE_FAMILIES, SCALED_LOGITS, VOCAB, build
 from tests.test_fuse import U_FP32, _assert_within, _kernel_launches
 
 pytest.importorskip("transformers")
@@ -109,6 +109,46 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
         expected_logits = model(**kwargs).logits
     assert unlabelled.loss is None and forward == EXPECTED[family], forward
     _assert_within(unlabelled.logits, expected_logits, forward_budget, "logits")
+
+
+@pytest.mark.parametrize("family", list(MORE_FAMILIES))
+def test_fuse_keeps_loss_logits_and_every_gradient_of_more_families(family):
+    """More families users bring (tests/hf_models.py MORE_FAMILIES: latent attention, attention sinks, linear
+    and chunked attention, LayerNorm models, experts in several layouts): fuse replaces what it recognises
+    (the LM head + loss of every one, Llama 4's too, whose base_model_prefix names no child), gives a reason
+    for what it leaves alone, and the loss, the logits and every gradient stay within the rounding budget of
+    the fused kernels that ran (counted, as above). Both models draw the same random numbers (routers' jitter,
+    dropout)."""
+    model = build(family)
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    assert report.count("linear_cross_entropy") == 1 and isinstance(fused.lm_head, FusedLMHead), str(report)
+    assert all(why for _, why in report.skipped), str(report)
+    mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
+    mask[0, :2] = 0
+    kwargs = dict(input_ids=_batch(), attention_mask=mask, labels=_batch())
+    torch.manual_seed(1)
+    expected = model(**kwargs)
+    expected.loss.backward()
+    torch.manual_seed(1)
+    with _kernel_launches() as forward:
+        out = fused(**kwargs)
+    out.loss.backward()
+    ops = sum(count for op, count in forward.items() if op != "linear_cross_entropy")
+    assert ops > 0 and forward["linear_cross_entropy"] == LOSS_FORWARD_LAUNCHES["linear_cross_entropy"], forward
+    budget = (ops * HIDDEN + VOCAB) * U_FP32  # as _budgets: each fused op's reduction, and the loss's
+    _assert_within(out.loss, expected.loss, budget, "loss")
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            _assert_within(q.grad, p.grad, 2 * budget, name)
+    del kwargs["labels"]
+    with torch.no_grad():
+        torch.manual_seed(1)
+        logits = fused(**kwargs).logits
+        torch.manual_seed(1)
+        expected_logits = model(**kwargs).logits
+    _assert_within(logits, expected_logits, budget, "logits")
 
 
 def test_gpt2_fuses_only_its_head_and_loss():

@@ -66,3 +66,26 @@ def test_earlier_module_with_several_outputs_warns_that_later_stages_see_zeros()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         single(torch.ones(2, 3, dtype=torch.long))  # one output: nothing to warn about
+
+
+def test_a_later_stage_reads_an_earlier_modules_weight_device_shape_and_dtype_only():
+    """Llama 4's decoder runs `input_ids.to(self.embed_tokens.weight.device)` before the embedding: on a later
+    stage the embedding is a stand-in, whose weight reads as this stage's device with the real shape and
+    dtype; using its values, or reading what the module does not have, is an error naming the fix."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    state = _StageState(stage=1, is_first=False, is_last=True, device=torch.device("cpu"))
+    stand_in = _StandIn("model.embed_tokens", 0, _meta_copy(torch.nn.Embedding(10, 4, dtype=torch.bfloat16)), state,
+                        "earlier")
+    weight = stand_in.weight
+    assert (weight.device, weight.dtype, tuple(weight.shape), weight.dim(), weight.size(-1)) == (
+        torch.device("cpu"), torch.bfloat16, (10, 4), 2, 4)
+    torch.ones(2, dtype=torch.long).to(weight.device)  # the Llama 4 read
+    with pytest.raises(AttributeError, match=r"'model.embed_tokens.weight'.*stage 0.*pp=1"):
+        weight.sum()
+    with pytest.raises(AttributeError, match=r"'model.embed_tokens' lives on pipeline stage 0.*'scale'.*pp=1"):
+        stand_in.scale
+    elsewhere = _StandIn("model.embed_tokens", 0, None, None, "elsewhere")  # in the user's model, no stage running
+    with pytest.raises(AttributeError, match="lives on pipeline stage 0"):
+        elsewhere.weight
+    assert not hasattr(elsewhere, "weight")

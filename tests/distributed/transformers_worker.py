@@ -218,6 +218,17 @@ def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
         _train(family, MATRIX[UNFUSED])
 
 
+def check_llama4_trains_under_tensor_and_pipeline_parallel():
+    """Llama 4's text model (tests/hf_models.py MORE_FAMILIES: a routed and a shared expert in every layer,
+    chunked attention, L2 q/k norms, layers without rotary). Its causal LM's base_model_prefix
+    ("language_model") names no child, so fuse finds the decoder as `model`; its decoder reads
+    `self.embed_tokens.weight.device` before embedding, which a later pipeline stage reads from a stand-in
+    (this stage's device; the weight is elsewhere). Under dp 2 x tp 2 (the fused head and loss,
+    vocabulary-parallel) and dp 2 x pp 2 with micro-batches it trains equal to one process."""
+    for strategy in (_strategy(2, 2, 1, sharding_level=2), _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2)):
+        _train("llama4", strategy)
+
+
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
