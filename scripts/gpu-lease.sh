@@ -4,7 +4,8 @@
 # time while BUDGET seconds last, and tar the results folder into $OUT (at most 8 files come back).
 # Run there as:  BUDGET=560 bash scripts/gpu-lease.sh   (carry .whl; STEPS="overlap calibrate" for a subset)
 # 2026-11-26 on an H100: profile 25 s, sweep (1 min) 68 s, check 29 s, kernels 180 s, model > 223 s
-# (cut), overlap 100 s, calibrate 9 s.
+# (cut), overlap 100 s, calibrate 9 s. Next lease, first: FIRST="bench model --targets hf-moe --out {D}/model-moe;
+# bench kernels --ops linear_cross_entropy --out {D}/lce" (the evidence 2026-11-26 could not fit).
 BUDGET=${BUDGET:-570}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -15,6 +16,15 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print 
 D=bench/results/${GPU}-$(date -u +%F)
 echo "results -> $D at ${SECONDS}s"
 [ -n "${NO_PROFILE:-}" ] || timeout 80 python3 scripts/profile_launch_path.py /tmp/prof > $OUT/prof.log 2>&1; echo "profile exit $? at ${SECONDS}s"
+# FIRST: tridist commands (';'-separated, {D} for the results folder) run before the steps, for the evidence a
+# lease most needs, e.g. FIRST="bench model --targets hf-moe --out {D}/model-moe;bench kernels --ops linear_cross_entropy --out {D}/lce"
+IFS=';' read -ra FIRST_COMMANDS <<< "${FIRST:-}"
+for c in "${FIRST_COMMANDS[@]}"; do
+  [ -n "$c" ] || continue
+  left=$((BUDGET - SECONDS - 15))
+  timeout $left python3 -m tridist ${c//\{D\}/$D} >> $OUT/steps.log 2>&1
+  echo "first '$c' exit $? at ${SECONDS}s"; tail -3 $OUT/steps.log
+done
 for s in ${STEPS:-sweep check kernels model overlap calibrate}; do
   left=$((BUDGET - SECONDS - 15))
   if [ $left -lt 30 ]; then echo "skip $s: ${left}s left"; continue; fi
