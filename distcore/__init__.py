@@ -25,6 +25,7 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    ShardHeadParameters,
     ShardLocalParameters,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
@@ -43,6 +44,7 @@ def __getattr__(name: str):
 __all__ = [
     "ColWiseParallel",
     "DistributedNorm",
+    "ShardHeadParameters",
     "ShardLocalParameters",
     "PrepareLayerInput",
     "PrepareLayerOutput",

@@ -34,7 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
-from .tensor_parallel import DistributedNorm, ShardLocalParameters, apply_local_view, install_lazy_split
+from .tensor_parallel import (DistributedNorm, ShardHeadParameters, ShardLocalParameters, apply_local_view,
+                              install_lazy_split, per_head_parameter_owners)
 
 log = logging.getLogger(__name__)
 
@@ -375,13 +376,16 @@ class _Check:
         else (how it differs, {}). Repairs are found by rule, from what one run shows, then checked by the
         next run: a module whose 1-D parameters are tp times as wide as its local input normalises over a
         split dim (DistributedNorm); a parameter kept whole whose gradients summed over the mp ranks equal
-        one device's while a rank's own does not saw only its shard (ShardLocalParameters)."""
+        one device's while a rank's own does not saw only its shard (ShardLocalParameters); a failed run whose
+        attention module holds a parameter with one row per query head (gpt-oss's sinks) splits it with the
+        heads (ShardHeadParameters)."""
         repairs: dict = {}
         while True:
             run = self._run(reference, view="local", repairs=repairs)
             found = {}
             if run.failure is not None:
                 found = {name: [DistributedNorm()] for name in run.split_dim_norms if name not in repairs}
+                found.update({name: [ShardHeadParameters()] for name in run.head_parameter_owners if name not in repairs})
             elif run.partial_grads:
                 owners = {name.rpartition(".")[0] for name in run.partial_grads}
                 found = {owner: [ShardLocalParameters()] for owner in owners if owner not in repairs}
@@ -431,6 +435,8 @@ class _Check:
         except Exception as error:  # noqa: BLE001 - reported with the block's name by the caller
             run.failure = f"fails: {type(error).__name__}: {str(error).splitlines()[0].rstrip('.') if str(error) else ''}"
             run.split_dim_norms = [name for name, (width, size) in widths.items() if size == tp * width]
+            if view == "local":
+                run.head_parameter_owners = per_head_parameter_owners(parallel, reference.block)
         return run
 
     def _partial_grads(self, reference: _Reference, run: "_Run", params: dict) -> list[str]:
@@ -474,6 +480,7 @@ class _Run:
     grads: dict = dataclasses.field(default_factory=dict)
     partial_grads: list = dataclasses.field(default_factory=list)
     split_dim_norms: list = dataclasses.field(default_factory=list)
+    head_parameter_owners: list = dataclasses.field(default_factory=list)  # failed run: ShardHeadParameters candidates
 
 
 def _record_input_widths(block: torch.nn.Module) -> dict[str, tuple[int, int]]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
 from tridist.kernels.comm_matmul import BACKENDS, check_backend_available
@@ -198,6 +198,48 @@ class ShardLocalParameters(_Style):
         return f"{target.name}: {self!r} (gradients summed over the mp ranks)"
 
 
+@dataclass(repr=False)
+class ShardHeadParameters(_Style):
+    """Parameters with one row per query head of an attention module whose heads are split (gpt-oss's
+    attention sinks: a logit per head, joined to the local heads' scores): each becomes a Shard(0) DTensor on
+    the mp mesh, so a rank holds and trains its own heads' rows, and the module's code sees those rows as a
+    plain tensor. The block check adds this style where a local-view run fails and the module has such
+    parameters (`per_head_parameter_owners`); its next run shows whether that was the cause."""
+
+    def apply(self, target: StyleTarget) -> str:
+        module, tp = target.module, target.tp_mesh.size()
+        heads = _head_count(module, _Q_HEADS)  # still the whole count: heads are localised after every style
+        split = []
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if heads and not isinstance(param, DTensor) and param.dim() >= 1 and param.shape[0] == heads:
+                if heads % tp:
+                    raise ValueError(f"parallelize: {target.name}.{pname} has {heads} head rows, which {tp} "
+                                     "tensor-parallel ranks cannot split; use a degree that divides the heads")
+                rows = distribute_tensor(param.detach(), target.tp_mesh, [Shard(0)])
+                module.register_parameter(pname, torch.nn.Parameter(rows, requires_grad=param.requires_grad))
+                split.append(pname)
+        if not split:
+            raise ValueError(f"parallelize: {target.name} has no parameter with one row per query head ({heads})")
+        module.register_forward_pre_hook(_swap_in_local_parameters)
+        module.register_forward_hook(_swap_back_parameters, always_call=True)
+        return f"{target.name}: {', '.join(split)} split by query head"
+
+
+def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module) -> list[str]:
+    """Modules of `parallel` (a block in local view) whose query projection outputs local heads and that hold a
+    plain parameter with one row per query head of their `whole` counterpart: ShardHeadParameters' candidates."""
+    whole_modules = dict(whole.named_modules())
+    owners = []
+    for name, module in parallel.named_modules():
+        heads = _head_count(whole_modules.get(name), _Q_HEADS)
+        local_heads = any(getattr(getattr(module, p, None), "_tridist_local_heads", False) for p in _Q_PROJECTIONS)
+        if heads and local_heads and any(
+                v is not None and not isinstance(v, DTensor) and v.dim() >= 1 and v.shape[0] == heads
+                for v in module._parameters.values()):
+            owners.append(name)
+    return owners
+
+
 def _swap_in_local_parameters(module, args) -> None:
     """For the forward only: each DTensor parameter as its local value whose gradient is Partial on the mesh
     dims where the parameter is replicated. FSDP2 swaps its unsharded parameters in the same way, around
@@ -259,7 +301,8 @@ class SequenceParallelDisable(_SequenceParallelStyle):
     pass
 
 
-STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, DistributedNorm,
+STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
+          DistributedNorm,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 

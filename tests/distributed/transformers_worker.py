@@ -229,6 +229,21 @@ def check_llama4_trains_under_tensor_and_pipeline_parallel():
         _train("llama4", strategy)
 
 
+def check_gpt_oss_attention_sinks_are_split_with_the_heads():
+    """gpt-oss's attention joins a learnt sink logit per query head to the scores: under tp its `sinks` must
+    follow the local heads. The block check's first local-view run fails on the shapes, finds the per-head
+    parameter and splits it by head (ShardHeadParameters); the block then runs in local view, and the model
+    (its experts whole on every tp rank) trains equal to one process under dp 2 x tp 2 and tp 2 x pp 2."""
+    for strategy in (_strategy(2, 2, 1, sharding_level=2), _strategy(1, 2, 2, num_micro_batches=2)):
+        model, optimizer = _model("gpt-oss")
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=strategy))
+        sinks = [m.sinks for m in model.modules() if type(m).__name__ == "GptOssAttention"]
+        assert sinks and all(s.placements[s.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(0)
+                             for s in sinks), [s.placements for s in sinks]
+        _train("gpt-oss", strategy)
+
+
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
