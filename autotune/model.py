@@ -85,6 +85,12 @@ class ModelStructure:
     up: str | None = None
     gate_up: str | None = None
     qkv_sizes: tuple[int, ...] | None = None  # the packed qkv's [q, k, v] widths (unequal with grouped-query heads)
+    # Multi-head latent attention (DeepSeek-V2/V3): the projection from the compressed key/value latent to
+    # every head's keys and values ("self_attn.kv_b_proj"); `q` is then the query's per-head projection
+    # (q_b_proj, or q_proj without a query latent) and `k`/`v` are None.
+    latent_kv: str | None = None
+    latent_kv_down: str | None = None  # its down-projection ("self_attn.kv_a_proj_with_mqa"): latent + rotary key
+    latent_rotary_features: int = 0  # that projection's last outputs: the rotary key every head uses
     layer_norms: tuple[str, ...] = ()
     qk_norms: tuple[str, ...] = ()  # norms of the queries/keys inside attention (ModelSpec.qk_norm says which kind)
     embedding: str | None = None
@@ -124,7 +130,7 @@ class ModelStructure:
             raise ValueError("ModelStructure.tp_roles: no tensor-parallel roles for a mixture-of-experts model "
                              f"(MoE blocks {self.pattern(self.moe)} in layers {list(self.moe_layers)})")
         roles = {}
-        for name in (self.q, self.k, self.v, self.qkv, self.gate, self.up, self.gate_up):
+        for name in (self.q, self.k, self.v, self.qkv, self.latent_kv, self.gate, self.up, self.gate_up):
             if name:
                 roles[self.pattern(name)] = "colwise"
         roles[self.pattern(self.o)] = "rowwise"
@@ -144,6 +150,8 @@ class ModelStructure:
         rows = [("decoder layers", f"{self.layers} ({self.num_layers})")]
         if self.qkv:
             rows.append(("attention qkv (fused)", self.pattern(self.qkv)))
+        elif self.latent_kv:
+            rows.append(("attention q / latent kv", ", ".join(self.pattern(n) for n in (self.q, self.latent_kv))))
         else:
             rows += [("attention q/k/v", ", ".join(self.pattern(n) for n in (self.q, self.k, self.v)))]
         rows.append(("attention out", self.pattern(self.o)))
@@ -712,6 +720,9 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
     o = _output_projection(group, hidden, _O_WORDS)
     ins = [l for l in group if l.in_features == hidden and l is not o]
     q_size = o.in_features
+    latent = [l for l in group if l.in_features != hidden and l is not o]
+    if latent:
+        return _latent_attention_parts(ins, latent, o)
     if len(ins) >= 3:
         by_name = {}
         for lin in ins:
@@ -738,6 +749,31 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
         return dict(qkv=qkv.name, o=o.name, q_size=q_size, kv_size=rest // 2)
     raise UnrecognisedModel(
         f"attention block has {len(ins)} input projection(s) {[l.name for l in ins]}; expected q/k/v or a fused qkv")
+
+
+def _latent_attention_parts(ins: list[_Linear], latent: list[_Linear], o: _Linear) -> dict:
+    """Multi-head latent attention (DeepSeek-V2/V3): the hidden state goes down to a key/value latent (with a
+    rotary key shared by the heads: kv_a_proj_with_mqa) and, optionally, a query latent (q_a_proj); second
+    projections take the latents up to every head (kv_b_proj, q_b_proj). Recognised by its names, the
+    DeepSeek ones: a second-stage projection of another naming is not guessed at. q_size is the query heads'
+    width; the keys and values are priced as that many heads of that width (kv_size = q_size: the cost model
+    has no latent terms; see the note `_recognise` adds)."""
+    def leaf_of(lin):
+        return lin.leaf.lower()
+
+    kv_b = [l for l in latent if leaf_of(l).startswith("kv_b")]
+    q_b = [l for l in latent if leaf_of(l).startswith("q_b")]
+    kv_a = [l for l in ins if leaf_of(l).startswith("kv_a")]
+    q_a = [l for l in ins if leaf_of(l).startswith("q_a")]
+    q_whole = [l for l in ins if leaf_of(l) in ("q_proj", "q")]
+    q = q_b[0] if q_b and q_a else (q_whole[0] if q_whole and not q_b else None)
+    if len(kv_b) != 1 or len(kv_a) != 1 or q is None or len(latent) != len(kv_b) + len(q_b):
+        raise UnrecognisedModel(
+            f"attention block has projections from inside the block ({[l.name for l in latent]}) beside "
+            f"{[l.name for l in ins]}: expected q/k/v, a fused qkv, or DeepSeek's latent attention (kv_a_proj*, "
+            "kv_b_proj, and q_a_proj + q_b_proj or q_proj)")
+    return dict(q=q.name, latent_kv=kv_b[0].name, latent_kv_down=kv_a[0].name, o=o.name, q_size=q.out_features,
+                kv_size=q.out_features)
 
 
 def _mlp_parts(group: list[_Linear], hidden: int) -> dict:
@@ -1004,10 +1040,16 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)
     mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
     attn_module = block.get_submodule(attention) if attention else block
+    head_overrides = overrides
+    if attn.get("latent_kv") and "head_dim" not in overrides and getattr(attn_module, "qk_head_dim", None):
+        # DeepSeek's config head_dim is the rotary part alone; a query head is qk_head_dim wide.
+        head_overrides = {**overrides, "head_dim": attn_module.qk_head_dim}
     heads, kv_heads, head_dim = _heads(attn_module, block, model, _rotary_head_dim(block, model),
-                                       attn["q_size"], attn["kv_size"], overrides)
+                                       attn["q_size"], attn["kv_size"], head_overrides)
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
+    if attn.get("latent_kv"):  # the latents' norms (q_a_layernorm, kv_a_layernorm) are not q/k norms
+        qk_norm, qk_norms = None, ()
     norms = tuple(n for n in _norm_names(block, hidden) if n not in qk_norms)  # OLMo2's q norm can be hidden-wide
     if moe is not None:  # norms inside the experts (none in the families known) are not layer norms
         norms = tuple(n for n in norms if not n.startswith(moe.block + "."))
@@ -1017,13 +1059,17 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     if len(norms) != 2:
         notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 2)")
+    if attn.get("latent_kv"):
+        notes.append("multi-head latent attention is priced as multi-head attention with its query heads' width "
+                     "(its projections, through the low-rank latents, cost less; its key/value cache is smaller)")
     if moe is not None and moe.gated != mlp_parts.get("gated", moe.gated):
         notes.append("the experts' MLP form (gated or not) differs from the dense layers'; the cost model prices "
                      "both as the dense one")
     structure = ModelStructure(
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
         mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
-        v=attn.get("v"), qkv=attn.get("qkv"),
+        v=attn.get("v"), qkv=attn.get("qkv"), latent_kv=attn.get("latent_kv"), latent_kv_down=attn.get("latent_kv_down"),
+        latent_rotary_features=getattr(attn_module, "qk_rope_head_dim", 0) if attn.get("latent_kv") else 0,
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
         qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],

@@ -25,6 +25,7 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnable,
     SequenceParallelEnd,
+    ReduceSharedOutputGradient,
     ShardHeadParameters,
     ShardLocalParameters,
 )
@@ -44,6 +45,7 @@ def __getattr__(name: str):
 __all__ = [
     "ColWiseParallel",
     "DistributedNorm",
+    "ReduceSharedOutputGradient",
     "ShardHeadParameters",
     "ShardLocalParameters",
     "PrepareLayerInput",

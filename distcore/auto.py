@@ -38,6 +38,7 @@ from .parallelize import parallelize
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
+    ReduceSharedOutputGradient,
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelDisable,
@@ -243,6 +244,10 @@ def unsupported(spec) -> dict[str, str]:
     if structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
         limits.setdefault("tp", f"{structure.qkv} may pack q/k/v per head (GPT-NeoX, Bloom) or contiguously; "
                                 "its layout cannot be told from the structure")
+    if structure.latent_kv:
+        limits["overlap_tp_comm"] = (
+            f"multi-head latent attention: its column-parallel projections ({structure.q}, {structure.latent_kv}) "
+            "take the low-rank latents, not the attention's input, which the overlapped all-gather ring gathers")
     if getattr(spec, "packed_unequal_qkv", False):
         limits["overlap_tp_comm"] = (f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query heads): split on "
                                      "its input features, it reduce-scatters its output, which the overlapped "
@@ -503,10 +508,12 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             for layer in among:
                 add(f"{layer}.{relative}", *styles)
 
-    for projection in (structure.q, structure.k, structure.v):
+    for projection in (structure.q, structure.k, structure.v, structure.latent_kv):  # latent_kv: DeepSeek's kv_b_proj
         add_per_layer(projection, ColWiseParallel())
     add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes))  # each part split on its own
     add_per_layer(structure.o, RowWiseParallel())
+    if structure.latent_kv_down and structure.latent_rotary_features:  # DeepSeek's rotary key, one for every head
+        add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features))
     for projection in (structure.gate, structure.up):
         add_per_layer(projection, ColWiseParallel(), among=dense_layers)
     add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2), among=dense_layers)

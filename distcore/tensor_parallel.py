@@ -181,6 +181,46 @@ class PrepareLayerOutput(_Style):
 
 
 @dataclass(repr=False)
+class ReduceSharedOutputGradient(_Style):
+    """The last `features` outputs of a module kept whole on every mp rank feed every local head unsplit
+    (the rotary key of DeepSeek's latent attention: kv_a_proj_with_mqa's last qk_rope_head_dim outputs, one key
+    for all heads): each rank's gradient of them covers its own heads only, so the backward sums it over the
+    mp ranks (Megatron's copy-to-region, on those features alone; the others reach a column-parallel
+    projection, whose input gradient is summed there). The forward is unchanged."""
+
+    features: int
+
+    def __post_init__(self):
+        if not isinstance(self.features, int) or self.features <= 0:
+            raise ValueError(f"ReduceSharedOutputGradient: features must be a positive count of trailing outputs, "
+                             f"got {self.features!r}")
+
+    def apply(self, target: StyleTarget) -> str:
+        group, features = target.tp_mesh.get_group(), self.features
+
+        def hook(module, args, output):
+            return _SumTrailingGradient.apply(output, features, group)
+
+        target.module.register_forward_hook(hook)
+        return f"{target.name}: gradient of its last {features} outputs summed over the mp ranks"
+
+
+class _SumTrailingGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output, features, group):
+        ctx.features, ctx.group = features, group
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        shared = grad[..., -ctx.features:].contiguous()
+        torch.distributed.all_reduce(shared, group=ctx.group)
+        grad[..., -ctx.features:] = shared
+        return grad, None, None
+
+
+@dataclass(repr=False)
 class ShardLocalParameters(_Style):
     """A module kept whole on every mp rank that runs on this rank's shard of the activations: a per-head
     q/k RMSNorm of Qwen3-style attention normalises each local head with one weight shared by all heads.
@@ -302,6 +342,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
+          ReduceSharedOutputGradient,
           DistributedNorm,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 

@@ -35,8 +35,8 @@ MORE_FAMILIES = {
     # routed experts with a shared one and group-limited routing.
     "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=32,
                                         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
-                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                                        head_dim=8, **_MOE)),
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16,
+                                        head_dim=8, **_MOE)),  # query heads 4 x 20 wide: not the hidden size
     # Attention sinks, sliding and full layers, clamped SwiGLU experts stored [experts, hidden, 2 x ffn].
     "gpt-oss": ("gpt_oss", dict(num_local_experts=EXPERTS, head_dim=16, sliding_window=8, **_MOE)),
     # Every layer a routed expert (top-1) plus a shared one, chunked attention, L2 q/k norms, layers without

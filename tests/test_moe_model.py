@@ -200,3 +200,39 @@ def test_search_equals_exhaustive_enumeration_for_a_mixture_of_experts():
     slow = exhaustive_search(spec, cluster, global_batch_size=16, top_k=100, space=space)
     assert [c.strategy for c in fast.ranked] == [c.strategy for c in slow]
     assert {c.strategy.ep for c in slow} >= {1, 2}
+
+
+@pytest.mark.parametrize("query_latent", [True, False])
+def test_deepseek_latent_attention_is_recognised_with_its_experts(query_latent):
+    """transformers' DeepSeek-V3 (tests/hf_models.py MORE_FAMILIES): multi-head latent attention (kv_a_proj_with_mqa
+    down to a latent and one rotary key, kv_b_proj up to every head; the query through q_a_proj/q_b_proj, or
+    q_proj without a query latent, as DeepSeek-V2-Lite), a dense first layer, then routed experts with a
+    shared one. Its tensor-parallel plan splits q and kv_b by head, o by input, and sums the rotary key's
+    gradient over the tp ranks; overlap is refused (the split projections take the latents)."""
+    import transformers as hf
+
+    from tridist.distcore import ColWiseParallel, ReduceSharedOutputGradient, RowWiseParallel
+
+    model = build("deepseek-v3", layers=3)
+    if not query_latent:
+        config = model.config
+        config.q_lora_rank = None
+        torch.manual_seed(0)
+        model = hf.DeepseekV3ForCausalLM(config)
+    spec = ModelSpec.from_module(model, seq_len=16)
+    s = spec.structure
+    assert (s.q, s.latent_kv, s.latent_kv_down, s.latent_rotary_features, s.k, s.v, s.qkv) == (
+        "self_attn.q_b_proj" if query_latent else "self_attn.q_proj", "self_attn.kv_b_proj",
+        "self_attn.kv_a_proj_with_mqa", 8, None, None, None)
+    assert (spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.qk_norm) == (4, 20, 4, None)  # 12 + 8 wide
+    assert (spec.num_experts, spec.experts_per_token, s.moe_layers, s.shared_experts) == (EXPERTS, TOP_K, (1, 2),
+                                                                                        ("mlp.shared_experts",))
+    assert any("latent attention" in note for note in s.notes)
+    assert "multi-head latent attention" in unsupported(spec)["overlap_tp_comm"]
+    plan = tensor_parallel_plan(model, s, sequence_parallel=False)
+    styles = {name: [type(st) for st in sts] for name, sts in plan.styles.items() if name.startswith("model.layers.1.self_attn")}
+    assert styles == {f"model.layers.1.self_attn.{s.q.rpartition('.')[2]}": [ColWiseParallel],
+                      "model.layers.1.self_attn.kv_b_proj": [ColWiseParallel],
+                      "model.layers.1.self_attn.o_proj": [RowWiseParallel],
+                      "model.layers.1.self_attn.kv_a_proj_with_mqa": [ReduceSharedOutputGradient]}, styles
+    assert plan.styles["model.layers.1.self_attn.kv_a_proj_with_mqa"][0].features == 8

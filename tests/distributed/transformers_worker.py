@@ -244,6 +244,16 @@ def check_gpt_oss_attention_sinks_are_split_with_the_heads():
         _train("gpt-oss", strategy)
 
 
+def check_deepseek_v3_trains_under_tensor_expert_and_pipeline_parallel():
+    """DeepSeek-V3 (tests/hf_models.py MORE_FAMILIES): multi-head latent attention, a dense first layer, routed
+    experts with a shared one. Under tp its q and kv_b projections split by head and the rotary key, one for
+    every head, has its gradient summed over the tp ranks (ReduceSharedOutputGradient): its blocks run in
+    local view (`_train` asserts it), and it trains equal to one process under dp 2 x tp 2 with ep 2 and
+    tp 2 x pp 2 with micro-batches."""
+    for strategy in (_strategy(2, 2, 1, ep=2, sharding_level=2), _strategy(1, 2, 2, num_micro_batches=2)):
+        _train("deepseek-v3", strategy)
+
+
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
