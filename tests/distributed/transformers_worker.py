@@ -254,6 +254,36 @@ def check_deepseek_v3_trains_under_tensor_expert_and_pipeline_parallel():
         _train("deepseek-v3", strategy)
 
 
+def check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas():
+    """A mixture of experts whose decoder blocks fall back to global view (forced here for Mixtral, fused kernels
+    on): the MoE block gets replicated DTensors, and the fused experts run on their local values (every tp rank
+    holds every token and expert); it trains equal to one process under dp 2 x tp 2. Before, torch's DTensor
+    dispatch failed inside the experts (no sharding rule for searchsorted)."""
+    from tridist.distcore import block_check
+
+    local_view = block_check._Check.local_view
+    block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
+    try:
+        _train("mixtral", _strategy(2, 2, 1, sharding_level=2), global_view=True)
+    finally:
+        block_check._Check.local_view = local_view
+    # Tokens split over the ranks cannot be routed on local values: refused, naming the placement.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tridist.kernels import FusedSwiGLUExperts
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    experts = FusedSwiGLUExperts(torch.nn.Parameter(torch.randn(2, 8, 4)), torch.nn.Parameter(torch.randn(2, 4, 4)))
+    tokens = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    try:
+        experts(tokens, torch.zeros(8, 1, dtype=torch.long), torch.ones(8, 1))
+    except ValueError as error:
+        assert "must be replicated" in str(error) and "Shard(dim=0)" in str(error), error
+    else:
+        raise AssertionError("FusedSwiGLUExperts ran on tokens split over the ranks")
+
+
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
