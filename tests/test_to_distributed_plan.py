@@ -58,3 +58,13 @@ def test_batch_shape_from_input_spec_loader_or_default():
     assert td._input_shape(td.ToDistributedConfig(), object()) == td.DEFAULT_INPUT_SHAPE
     with pytest.raises(ValueError, match="batch, seq"):
         td._input_shape(td.ToDistributedConfig(input_spec=[[None, 8]]), None)
+
+
+@pytest.mark.parametrize("features", [0, -3, 2.5])
+def test_a_shared_output_gradient_needs_a_positive_count_of_trailing_outputs(features):
+    """ReduceSharedOutputGradient(0) would sum the whole output's gradient (`grad[..., -0:]` is all of it):
+    refused when the plan is written, naming the value."""
+    from tridist.distcore import ReduceSharedOutputGradient
+
+    with pytest.raises(ValueError, match=f"positive count of trailing outputs, got {features!r}"):
+        ReduceSharedOutputGradient(features)
