@@ -251,7 +251,7 @@ class ShardHeadParameters(_Style):
         heads = _head_count(module, _Q_HEADS)  # still the whole count: heads are localised after every style
         split = []
         for pname, param in list(module.named_parameters(recurse=False)):
-            if heads and not isinstance(param, DTensor) and param.dim() >= 1 and param.shape[0] == heads:
+            if _per_head(param, heads):
                 if heads % tp:
                     raise ValueError(f"parallelize: {target.name}.{pname} has {heads} head rows, which {tp} "
                                      "tensor-parallel ranks cannot split; use a degree that divides the heads")
@@ -273,11 +273,15 @@ def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module)
     for name, module in parallel.named_modules():
         heads = _head_count(whole_modules.get(name), _Q_HEADS)
         local_heads = any(getattr(getattr(module, p, None), "_tridist_local_heads", False) for p in _Q_PROJECTIONS)
-        if heads and local_heads and any(
-                v is not None and not isinstance(v, DTensor) and v.dim() >= 1 and v.shape[0] == heads
-                for v in module._parameters.values()):
+        if local_heads and any(_per_head(v, heads) for v in module._parameters.values()):
             owners.append(name)
     return owners
+
+
+def _per_head(param: torch.Tensor | None, heads: int | None) -> bool:
+    """A plain (not yet distributed) parameter with one row per query head."""
+    return (bool(heads) and param is not None and not isinstance(param, DTensor) and param.dim() >= 1
+            and param.shape[0] == heads)
 
 
 def _swap_in_local_parameters(module, args) -> None:

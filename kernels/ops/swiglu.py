@@ -514,24 +514,23 @@ class FusedSwiGLUExperts(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         inputs = (hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
         if any(is_dtensor(t) for t in inputs):
-            return self._on_replicas(*inputs)
+            return self._on_replicas(inputs)
         return routed_swiglu(*inputs, grouped_mm=self.grouped_mm)
 
-    def _on_replicas(self, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
-        """DTensors (an MoE block in tensor parallel's global view, which runs whole on every tp rank): every
-        rank holds every token and every expert, so the experts run on the local values, and each rank's
-        gradients are already the whole ones (Replicate, no reduction). Any other placement is refused: the
-        token routing does not split."""
-        dtensors = [t for t in (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj) if is_dtensor(t)]
+    def _on_replicas(self, inputs):
+        """`forward`'s inputs (hidden states, top-k index and weights, the two weights) with DTensors among them
+        (an MoE block in tensor parallel's global view, which runs whole on every tp rank): every rank holds every
+        token and every expert, so the experts run on the local values, and each rank's gradients are already
+        the whole ones (Replicate, no reduction). Any other placement is refused: the token routing does not
+        split."""
+        dtensors = [t for t in inputs if is_dtensor(t)]
         split = sorted({repr(p) for t in dtensors for p in t.placements if not p.is_replicate()})
         if split or len({t.device_mesh for t in dtensors}) > 1:
             raise ValueError(
                 f"FusedSwiGLUExperts: DTensor inputs must be replicated on one mesh (an MoE block runs whole on every "
                 f"tensor-parallel rank), got placements {split or 'on several meshes'}; run the block in local "
                 "view, or unfused (fuse(..., swiglu=False))")
-        local = [t.to_local() if is_dtensor(t) else t for t in (hidden_states, top_k_index, top_k_weights,
-                                                                gate_up_proj, down_proj)]
         with local_saved_tensors():
-            out = routed_swiglu(*local, grouped_mm=self.grouped_mm)
-        like = hidden_states if is_dtensor(hidden_states) else dtensors[0]
+            out = routed_swiglu(*(t.to_local() if is_dtensor(t) else t for t in inputs), grouped_mm=self.grouped_mm)
+        like = inputs[0] if is_dtensor(inputs[0]) else dtensors[0]
         return as_dtensor_like(out, like, shape=out.shape)

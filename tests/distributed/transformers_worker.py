@@ -254,19 +254,25 @@ def check_deepseek_v3_trains_under_tensor_expert_and_pipeline_parallel():
         _train("deepseek-v3", strategy)
 
 
-def check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas():
-    """A mixture of experts whose decoder blocks fall back to global view (forced here for Mixtral, fused kernels
-    on): the MoE block gets replicated DTensors, and the fused experts run on their local values (every tp rank
-    holds every token and expert); it trains equal to one process under dp 2 x tp 2. Before, torch's DTensor
-    dispatch failed inside the experts (no sharding rule for searchsorted)."""
+def _train_in_forced_global_view(family, strategy):
+    """`_train` with every decoder block's local view refused by the block check (the fallback forced), so
+    every block of the family runs in global view (`_train` asserts it)."""
     from tridist.distcore import block_check
 
     local_view = block_check._Check.local_view
     block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
     try:
-        _train("mixtral", _strategy(2, 2, 1, sharding_level=2), global_view=True)
+        _train(family, strategy, global_view=True)
     finally:
         block_check._Check.local_view = local_view
+
+
+def check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas():
+    """A mixture of experts whose decoder blocks fall back to global view (forced here for Mixtral, fused kernels
+    on): the MoE block gets replicated DTensors, and the fused experts run on their local values (every tp rank
+    holds every token and expert); it trains equal to one process under dp 2 x tp 2. Before, torch's DTensor
+    dispatch failed inside the experts (no sharding rule for searchsorted)."""
+    _train_in_forced_global_view("mixtral", _strategy(2, 2, 1, sharding_level=2))
     # Tokens split over the ranks cannot be routed on local values: refused, naming the placement.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -289,14 +295,7 @@ def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
     fused kernels on), it trains equal to one process under dp 2 x tp 2 (the cache stores whole keys and
     values; before, torch.cat of its empty start with a DTensor raised)."""
-    from tridist.distcore import block_check
-
-    local_view = block_check._Check.local_view
-    block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
-    try:
-        _train("qwen3", _strategy(2, 2, 1, sharding_level=2), global_view=True)
-    finally:
-        block_check._Check.local_view = local_view
+    _train_in_forced_global_view("qwen3", _strategy(2, 2, 1, sharding_level=2))
 
 
 def check_phi3_packed_qkv_is_split_part_by_part():
