@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
-from typing import NamedTuple
-
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 # Triton decides at decoration time whether `@triton.jit` functions run in its CPU interpreter, so the
 # variable is read once, at import, like Triton does.
@@ -112,12 +113,114 @@ def num_programs_for_persistent_grid(device: torch.device, programs_per_sm: int)
     return 4
 
 
-class Launch(NamedTuple):
+class Launch:
     """One kernel launch worked out ahead by an op's cached launch plan (`configs.launch_plan`): the grid and
-    every argument that is neither a tensor nor a per-call scalar (sizes, strides, constexprs, num_warps)."""
+    every argument that is neither a tensor nor a per-call scalar (sizes, strides, constexprs, num_warps).
 
-    grid: tuple
-    kwargs: dict  # shared by every launch of the plan: read-only
+    `launch(kernel, *tensors, **scalars)` runs `kernel[grid](*tensors, **scalars, **kwargs)`. Triton's JIT
+    launch binds and specialises every argument on every call: 15.7 us of host time for 8 arguments and
+    36.8 us for RMSNorm's 19 on an H100's host (2026-11-26), as long as the kernel runs at common shapes. A
+    plan's launches differ only in their tensors and per-call scalars, so after the first launch of each of
+    their specialisations (`_specialisation`) the compiled kernel that launch returned is called straight,
+    as Inductor's launchers do (6.1 us for the 8 arguments). Triton's interpreter, a kernel with pre-run
+    hooks and launch hooks (a profiler's) keep the JIT launch.
+    """
+
+    __slots__ = ("grid", "kwargs", "_compiled")
+
+    def __init__(self, grid: tuple, kwargs: dict):
+        self.grid = grid
+        self.kwargs = kwargs  # shared by every launch of the plan: read-only
+        self._compiled: dict = {}  # _specialisation -> _CompiledLaunch, or None: this one keeps the JIT launch
+
+    def __repr__(self) -> str:
+        return f"Launch(grid={self.grid}, kwargs={self.kwargs})"
+
+    def launch(self, kernel, *tensors: torch.Tensor, **scalars) -> None:
+        if TRITON_INTERPRET or _launch_hooks():
+            kernel[self.grid](*tensors, **scalars, **self.kwargs)
+            return
+        device = _current_device()
+        key = _specialisation(device, tensors, scalars)
+        compiled = self._compiled.get(key, _UNSEEN)
+        if compiled is _UNSEEN:  # Triton's JIT compiles or finds the kernel and launches it once
+            returned = kernel[self.grid](*tensors, **scalars, **self.kwargs)
+            self._compiled[key] = _CompiledLaunch.of(kernel, returned, self, tensors, scalars)
+        elif compiled is None:
+            kernel[self.grid](*tensors, **scalars, **self.kwargs)
+        else:
+            compiled(device, tensors, scalars.values())
+
+
+_UNSEEN = object()
+
+
+def _current_device() -> int:
+    """The device Triton's JIT launches on: the current CUDA device (not the tensors')."""
+    return driver.active.get_current_device()
+
+
+def _current_stream(device: int):
+    return driver.active.get_current_stream(device)
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch hook is set (a profiler's, e.g. Proton): only Triton's JIT launch calls it. Triton <= 3.6
+    keeps None when none is set, later versions an empty HookChain."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _specialisation(device: int, tensors: tuple, scalars: dict) -> tuple:
+    """What Triton's JIT specialises a kernel on among a plan's per-call arguments, or finer: each tensor's
+    dtype and whether its address is a multiple of 16 bytes; each scalar's type, and an int's value (Triton
+    specialises ints equal to 1 and multiples of 16, and picks i32 or i64 by range)."""
+    return (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+            *[float if type(v) is float else (type(v), v) for v in scalars.values()])
+
+
+class _CompiledLaunch:
+    """A compiled kernel launched straight: its argument list in the kernel's order with the plan's values
+    filled in, the per-call tensors and scalars written into their slots at each launch."""
+
+    __slots__ = ("run", "function", "metadata", "grid", "template", "n_tensors", "scalar_slots")
+
+    @classmethod
+    def of(cls, kernel, returned, launch: Launch, tensors: tuple, scalars: dict) -> "_CompiledLaunch | None":
+        """The direct launch of what `kernel[grid](...)` returned, or None where only the JIT launch will do:
+        the interpreter's kernels, pre-run hooks, arguments the kernel does not list in order."""
+        if getattr(kernel, "pre_run_hooks", None) or not all(hasattr(returned, a) for a in (
+                "run", "function", "packed_metadata")):
+            return None
+        names = list(getattr(kernel, "arg_names", ()))
+        given = dict(zip(names, tensors), **scalars, **launch.kwargs)
+        if len(tensors) > len(names) or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        defaults = {p.name: p.default for p in getattr(kernel, "params", ())}
+        template = []
+        for name in names:
+            value = given.get(name, defaults.get(name, inspect.Parameter.empty))
+            if value is inspect.Parameter.empty:
+                return None
+            template.append(value)
+        self = cls()
+        self.run, self.function, self.metadata = returned.run, returned.function, returned.packed_metadata
+        self.grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+        self.n_tensors = len(tensors)
+        self.scalar_slots = tuple(names.index(name) for name in scalars)
+        # The plan outlives this launch: its template must not keep this launch's tensors (their memory) alive.
+        for slot in (*range(self.n_tensors), *self.scalar_slots):
+            template[slot] = None
+        self.template = template
+        return self
+
+    def __call__(self, device: int, tensors: tuple, scalars) -> None:
+        args = self.template.copy()
+        args[:self.n_tensors] = tensors
+        for slot, value in zip(self.scalar_slots, scalars):
+            args[slot] = value
+        # launch_metadata and the enter/exit hooks are None: Launch.launch took the JIT path if a hook was set
+        self.run(*self.grid, _current_stream(device), self.function, self.metadata, None, None, None, *args)
 
 
 def row_args(prefix: str, shape: tuple, strides: tuple) -> dict | None:

@@ -3,9 +3,8 @@
 # profile the small-shape launch path (scripts/profile_launch_path.py), then `tridist bench all` one step at a
 # time while BUDGET seconds last, and tar the results folder into $OUT (at most 8 files come back).
 # Run there as:  BUDGET=560 bash scripts/gpu-lease.sh   (carry .whl; STEPS="overlap calibrate" for a subset)
-# 2026-11-26 on an H100: profile 25 s, sweep (1 min) 68 s, check 29 s, kernels 180 s, model > 223 s
-# (cut), overlap 100 s, calibrate 9 s. Next lease, first: FIRST="bench model --targets hf-moe --out {D}/model-moe;
-# bench kernels --ops linear_cross_entropy --out {D}/lce" (the evidence 2026-11-26 could not fit).
+# 2026-11-26 on an H100: profile 25 s, sweep (1 min) 68 s, check 29-38 s, kernels 152-180 s, model 345 s,
+# overlap 100 s, calibrate 9 s; a machine's start and transfers ~45 s a call. D=... names another folder.
 BUDGET=${BUDGET:-570}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -13,8 +12,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 9; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee $OUT/gpu.txt
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
-D=bench/results/${GPU}-$(date -u +%F)
+D=${D:-bench/results/${GPU}-$(date -u +%F)}
 echo "results -> $D at ${SECONDS}s"
+# PRECHECK: a shell command (e.g. the GPU-only tests) that must pass before any bench runs
+if [ -n "${PRECHECK:-}" ]; then bash -c "$PRECHECK" > $OUT/precheck.log 2>&1; rc=$?; tail -5 $OUT/precheck.log
+  echo "precheck exit $rc at ${SECONDS}s"; [ $rc -eq 0 ] || exit 8; fi
 [ -n "${NO_PROFILE:-}" ] || timeout 80 python3 scripts/profile_launch_path.py /tmp/prof > $OUT/prof.log 2>&1; echo "profile exit $? at ${SECONDS}s"
 # FIRST: tridist commands (';'-separated, {D} for the results folder) run before the steps, for the evidence a
 # lease most needs, e.g. FIRST="bench model --targets hf-moe --out {D}/model-moe;bench kernels --ops linear_cross_entropy --out {D}/lce"

@@ -98,6 +98,8 @@ kern = rms_mod._rms_norm_fwd_kernel
 layers = {
     "raw Triton launch": lambda: kern[plan.launch.grid](xd, xd, wd, y, h, rstd, eps=1e-6, offset=0.0,
                                                         **plan.launch.kwargs),
+    "Launch.launch (compiled kernel called straight)": lambda: plan.launch.launch(kern, xd, xd, wd, y, h, rstd,
+                                                                                  eps=1e-6, offset=0.0),
     "three torch.empty": lambda: (torch.empty_like(xd), xd.new_empty((T,), dtype=torch.float32)),
     "_forward_plan (cached)": lambda: rms_mod._forward_plan(xd.shape, xd.stride(), None, xd.dtype, None, wd.dtype,
                                                             wd.stride(0), xd.device, False, None),

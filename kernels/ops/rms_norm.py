@@ -370,8 +370,8 @@ def _forward(x, residual, weight, eps, offset, cast_to_input, config=None):
     h = y if residual is None else torch.empty_like(x, dtype=plan.h_dtype, memory_format=torch.contiguous_format)
     rstd = x.new_empty(plan.stats_shape, dtype=torch.float32)
     if plan.launch is not None:
-        _rms_norm_fwd_kernel[plan.launch.grid](x, x if residual is None else residual, weight, y, h, rstd,
-                                               eps=eps, offset=offset, **plan.launch.kwargs)
+        plan.launch.launch(_rms_norm_fwd_kernel, x, x if residual is None else residual, weight, y, h, rstd,
+                           eps=eps, offset=offset)
     return y, h, rstd
 
 
@@ -420,8 +420,8 @@ def _backward(dy, dh, h, weight, rstd, offset, cast_to_input, dx_dtype, compute_
     dw_partial = (torch.zeros if plan.zero_partial else torch.empty)(
         plan.partial_shape, dtype=torch.float32, device=h.device)
     if plan.launch is not None:
-        _rms_norm_bwd_kernel[plan.launch.grid](dy, dy if dh is None else dh, h, weight, rstd, dx, dw_partial,
-                                               offset=offset, **plan.launch.kwargs)
+        plan.launch.launch(_rms_norm_bwd_kernel, dy, dy if dh is None else dh, h, weight, rstd, dx, dw_partial,
+                           offset=offset)
     if not compute_dw:
         return dx, weight.new_empty(0)
     return dx, cast(dw_partial.sum(0), weight.dtype)

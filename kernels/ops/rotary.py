@@ -311,8 +311,7 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         return _rotary(q, k, cos.contiguous(), sin.contiguous(), position_ids, layout_bhsd, interleaved, rotary_dim,
                        conjugate, config)
     if launch is not None:  # the kernel addresses the tables and positions in [B, T, D] and [B, S] order
-        _rotary_kernel[launch.grid](q, k, q_out, k_out, cos, sin, cos if position_ids is None else position_ids,
-                                    **launch.kwargs)
+        launch.launch(_rotary_kernel, q, k, q_out, k_out, cos, sin, cos if position_ids is None else position_ids)
     return q_out, k_out
 
 

@@ -172,7 +172,7 @@ def _forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -
         return _forward(gate.contiguous(), up.contiguous(), config)
     out = torch.empty_like(gate, dtype=out_dtype, memory_format=torch.contiguous_format)
     if launch is not None:
-        _swiglu_fwd_kernel[launch.grid](gate, up, out, **launch.kwargs)
+        launch.launch(_swiglu_fwd_kernel, gate, up, out)
     return out
 
 
@@ -192,7 +192,7 @@ def _backward_into(grad, gate, up, dgate, dup, config=None) -> None:
                              "than two row strides")  # outputs are written in place, never copied
         return _backward_into(grad.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, config)
     if launch is not None:
-        _swiglu_bwd_kernel[launch.grid](grad, gate, up, dgate, dup, **launch.kwargs)
+        launch.launch(_swiglu_bwd_kernel, grad, gate, up, dgate, dup)
 
 
 def _backward_torch(grad, gate, up):
