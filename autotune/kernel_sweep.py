@@ -158,7 +158,7 @@ def default_buckets(dtypes: Sequence[torch.dtype] = (torch.bfloat16,), *, ops: S
 
 
 @dataclasses.dataclass
-class Launch:
+class BucketRun:
     """A bucket's inputs on the device: `run(config)` launches the kernel, `check(outputs)` says what is wrong."""
 
     run: Callable[[dict], tuple[torch.Tensor, ...]]
@@ -190,7 +190,7 @@ def _both(fn, *tensors):
     return fn(*tensors), fn(*(t.double() if t is not None else None for t in tensors))
 
 
-def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> Launch:
+def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> BucketRun:
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def randn(*shape, scale=1.0, shift=0.0):
@@ -212,7 +212,7 @@ def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> Launch:
                 return out if residual else (out,)
 
             ref, gold = _both(reference, x, w, res)
-            return Launch(run, ("y", "h") if residual else ("y",), ref, gold)
+            return BucketRun(run, ("y", "h") if residual else ("y",), ref, gold)
         _, _, rstd = rms_norm_ops._forward(x, None, w, 1e-6, 0.0, False)
         dy, dh = randn(rows, width), (randn(rows, width) if residual else None)
 
@@ -224,13 +224,13 @@ def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> Launch:
             return (dx + dh_ if dh_ is not None else dx), dw
 
         ref, gold = _both(reference, x, w, dy, dh)
-        return Launch(run, ("dx", "dw"), ref, gold)
+        return BucketRun(run, ("dx", "dw"), ref, gold)
 
     if bucket.op == "swiglu":
         gate, up = randn(rows, width), randn(rows, width)
         if bucket.kind == "fwd":
             ref, gold = _both(lambda g, u: (swiglu_reference(g, u),), gate, up)
-            return Launch(lambda config: (swiglu_ops._forward(gate, up, config=config),), ("out",), ref, gold)
+            return BucketRun(lambda config: (swiglu_ops._forward(gate, up, config=config),), ("out",), ref, gold)
         grad = randn(rows, width)
 
         def run(config):
@@ -239,7 +239,7 @@ def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> Launch:
             return dgate, dup
 
         ref, gold = _both(lambda g, u, d: _grads(swiglu_reference, (g, u), (d,)), gate, up, grad)
-        return Launch(run, ("dgate", "dup"), ref, gold)
+        return BucketRun(run, ("dgate", "dup"), ref, gold)
 
     # rotary: one sequence of `tokens` positions, q/k in [batch, seq, heads, head_dim], an HF-style [T, D] table
     q, k = randn(1, rows, bucket.heads, width), randn(1, rows, bucket.kv_heads, width)
@@ -258,7 +258,7 @@ def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> Launch:
         ref, gold = _both(reference, q, k, a, b, cos, sin)
     else:
         ref, gold = _both(lambda q_, k_, c, s: rotary_reference(q_, k_, c, s), q, k, cos, sin)
-    return Launch(run, ("dq", "dk") if conjugate else ("q", "k"), tuple(ref), tuple(gold))
+    return BucketRun(run, ("dq", "dk") if conjugate else ("q", "k"), tuple(ref), tuple(gold))
 
 
 # ----------------------------------------------------------------------------------------------- timing
