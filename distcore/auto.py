@@ -31,6 +31,7 @@ from tridist.kernels.comm_matmul import check_backend_available
 
 from . import env
 from .dataloader import shard_dataloader
+from .expert_parallel import expert_parallel_refusal
 from .measure import measure_strategies
 from .mesh import ProcessMesh
 from .parallel_dims import ParallelDims
@@ -145,6 +146,10 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
                         "which pipeline stages do not hold together")
+    if spec is not None and spec.structure.is_moe:
+        why = expert_parallel_refusal(model, spec.structure.experts_modules())
+        if why:  # e.g. Llama 4's experts, which run every token
+            limits["ep"] = why
     strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
         found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()

@@ -14,10 +14,14 @@ the same experts ("edp"), averaging over those, and the forward scales the exper
 reduction, which gloo lacks): the result equals the average over dp that the other parameters get. ZeRO
 levels shard the experts over "edp" and the rest over all of dp.
 
-The experts module must be Hugging Face's stacked SwiGLU experts (3-D `gate_up_proj` [experts, 2·ffn,
-hidden] and `down_proj` [experts, hidden, ffn], `forward(hidden_states, top_k_index, top_k_weights)`), as
-Mixtral, Qwen3-MoE and Qwen2-MoE hold them, or tridist's FusedSwiGLUExperts; a probe (kernels.fuse's)
-checks that it computes that before it is split. Pipeline stages split their own MoE layers (the
+Two kinds of experts module split (`split_kind`): Hugging Face's stacked SwiGLU experts (3-D `gate_up_proj`
+[experts, 2·ffn, hidden] and `down_proj` [experts, hidden, ffn], as Mixtral, Qwen3-MoE and Qwen2-MoE hold them,
+or tridist's FusedSwiGLUExperts) run as the kernels' routed SwiGLU; any other module of Hugging Face's experts
+interface, `forward(hidden_states, top_k_index, top_k_weights)`, whose parameters are all stacked on the
+expert count (gpt-oss: transposed, with biases and a clamped activation) runs its own forward on the rank's
+experts, with expert indices local to the rank. A probe checks either before anything is split. Llama 4's
+experts (every expert runs every token, `forward(hidden_states)`) are neither: refused, and `to_distributed`'s
+search keeps ep at 1 for them. Pipeline stages split their own MoE layers (the
 [pp, dp / ep, ep] mesh). Under tensor parallel (attention split over "mp") the MoE blocks stay whole on
 every mp rank, as Megatron's expert tensor parallel of 1: the mp ranks hold the same tokens, route them
 alike and each sends them to the experts' ranks of its own ep group (the dp ranks at its mp coordinate,
@@ -26,6 +30,9 @@ mp.
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
 
 import numpy as np
 import torch
@@ -36,32 +43,125 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .tensor_parallel import _elsewhere
 
-__all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh"]
+__all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh", "split_kind"]
 
 EP_KEYS = ("degree", "experts", "fused_activation")
 
 
+ROUTED_SWIGLU = "stacked SwiGLU experts (the fused routed SwiGLU)"
+OWN_FORWARD = "stacked experts run by their own forward"
+
+
+def split_kind(experts: torch.nn.Module) -> tuple[str | None, str]:
+    """How expert parallel runs a rank's share of `experts`: (ROUTED_SWIGLU or OWN_FORWARD, "") or (None, why
+    neither applies)."""
+    from tridist.kernels.fuse import experts_verdict
+
+    why_not_swiglu = experts_verdict(experts)
+    if why_not_swiglu is None:
+        return ROUTED_SWIGLU, ""
+    why_not_own = own_forward_verdict(experts)
+    if why_not_own is None:
+        return OWN_FORWARD, ""
+    return None, f"{why_not_swiglu}; and as stacked experts run by their own forward: {why_not_own}"
+
+
+def own_forward_verdict(experts: torch.nn.Module) -> str | None:
+    """None when each ep rank can run `experts`' own forward on its experts alone; else why not. That needs
+    Hugging Face's experts interface `forward(hidden_states, top_k_index, top_k_weights)`, parameters all of
+    the module itself, stacked on a first dim of the expert count, no buffers, and a probe: the experts split
+    in two groups, each group's forward on its rows with indices local to the group and unit weights, then
+    weighted and summed, gives the whole module's output (fresh fp32 parameters, a few experts)."""
+    from tridist.kernels.fuse import _close, _probe_input
+
+    params = dict(experts.named_parameters(recurse=False))
+    if not params or len(params) != len(list(experts.parameters())) or list(experts.buffers()):
+        return "its parameters are not all its own (or it holds buffers)"
+    num_experts = {p.shape[0] if p.dim() >= 2 else None for p in params.values()}
+    if len(num_experts) != 1 or None in num_experts or next(iter(num_experts)) < 2:
+        return f"its parameters are not all stacked on one expert count (shapes {[tuple(p.shape) for p in params.values()]})"
+    try:
+        inspect.signature(experts.forward).bind(None, None, None)
+    except TypeError:
+        return "its forward does not take (hidden_states, top_k_index, top_k_weights)"
+    if experts._forward_hooks or experts._forward_pre_hooks:
+        return "it has forward hooks"
+    probe_experts = 4 if next(iter(num_experts)) >= 4 else 2
+    generator = torch.Generator(device="cpu").manual_seed(77)
+    weights = {name: torch.randn((probe_experts, *p.shape[1:]), generator=generator) / p.shape[-1] ** 0.5
+               for name, p in params.items()}
+    whole, group = _local_template(experts, probe_experts), _local_template(experts, probe_experts // 2)
+    tokens, k = 6, 2
+    index = torch.stack([torch.randperm(probe_experts, generator=generator)[:k] for _ in range(tokens)])
+    routing = torch.rand(tokens, k, generator=generator)
+    failures = []
+    for hidden in sorted({d for p in params.values() for d in p.shape[1:]}):  # the input's width is one of them
+        x = _probe_input((tokens, hidden))
+        try:
+            with torch.no_grad():
+                expected = torch.func.functional_call(whole, weights, (x, index, routing))
+                split = torch.zeros_like(x)
+                for first in (0, probe_experts // 2):
+                    token, slot = torch.nonzero((index >= first) & (index < first + probe_experts // 2), as_tuple=True)
+                    local = {name: w[first:first + probe_experts // 2] for name, w in weights.items()}
+                    out = torch.func.functional_call(group, local, (x[token], index[token, slot, None] - first,
+                                                                    x.new_ones(len(token), 1)))
+                    split.index_add_(0, token, out * routing[token, slot, None])
+        except Exception as error:  # noqa: BLE001 - a wrong width fails; the reasons are reported if all do
+            failures.append(f"{hidden}: {type(error).__name__}")
+            continue
+        if _close(split, expected):
+            return None
+        return "its output is not the sum of its experts' outputs on their routed rows, weighted (a probe)"
+    return f"its forward failed on a probe at every candidate width ({', '.join(failures)})"
+
+
+def _local_template(experts: torch.nn.Module, count: int) -> torch.nn.Module:
+    """A copy of `experts` for `count` of its experts, its parameters meta placeholders (a call passes the real
+    ones: torch.func.functional_call), `num_experts` (Hugging Face's attribute) set to `count`."""
+    memo = {id(p): torch.nn.Parameter(torch.empty((count, *p.shape[1:]), dtype=p.dtype, device="meta"),
+                                      requires_grad=p.requires_grad)
+            for p in experts.parameters(recurse=False)}
+    template = copy.deepcopy(experts, memo)
+    if isinstance(getattr(template, "num_experts", None), int):
+        template.num_experts = count
+    return template
+
+
 class ExpertParallelExperts(torch.nn.Module):
     """One MoE layer's routed experts, this rank holding `num_experts / ep` of them. The parameters keep the
-    replaced module's names (`gate_up_proj`, `down_proj`) as DTensors sharded on the expert dimension over
-    `ep_mesh`; `forward` is Hugging Face's experts interface."""
+    replaced module's names (`gate_up_proj`, `down_proj`, biases) as DTensors sharded on the expert dimension
+    over `ep_mesh`; `forward` is Hugging Face's experts interface. `kind` (`split_kind`): the kernels' routed
+    SwiGLU, or the replaced module's own forward on this rank's experts (probed here when not given)."""
 
-    def __init__(self, experts: torch.nn.Module, ep_mesh: DeviceMesh, *, fused_activation: bool):
+    def __init__(self, experts: torch.nn.Module, ep_mesh: DeviceMesh, *, fused_activation: bool,
+                 kind: str | None = None):
         super().__init__()
         from tridist.kernels.ops.swiglu import eager_swiglu, swiglu
 
-        gate_up, down = experts.gate_up_proj, experts.down_proj
-        self.num_experts, self.ep = gate_up.shape[0], ep_mesh.size()
+        if kind is None:
+            kind, why = split_kind(experts)
+            if kind is None:
+                raise ValueError(f"expert parallel: {type(experts).__name__} cannot be split: {why}")
+        params = dict(experts.named_parameters(recurse=False))
+        self.num_experts, self.ep = next(iter(params.values())).shape[0], ep_mesh.size()
         if self.num_experts % self.ep:
             raise ValueError(f"expert parallel: {self.num_experts} experts do not split over ep={self.ep} ranks; "
                              "pick an ep degree that divides the expert count")
         self.ep_mesh = ep_mesh
         self.local_experts = self.num_experts // self.ep
-        for name, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+        for name, weight in params.items():
             sharded = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)])  # rank 0's experts, scattered
             self.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=weight.requires_grad))
-        self.fused_activation = fused_activation
+        self.kind = kind
+        self.fused_activation = fused_activation and kind == ROUTED_SWIGLU
         self.activation = swiglu if fused_activation else eager_swiglu
+        # The replaced module, for this rank's experts: kept out of the submodules (its parameters are
+        # placeholders, the shards above are passed in at each call).
+        self.__dict__["own"] = _local_template(experts, self.local_experts) if kind == OWN_FORWARD else None
+
+    def extra_repr(self) -> str:
+        return f"{self.local_experts} of {self.num_experts} experts, {self.kind}"
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from tridist.kernels.ops.swiglu import routed_swiglu, sort_by_expert
@@ -78,14 +178,18 @@ class ExpertParallelExperts(torch.nn.Module):
             local_ids = local_ids.repeat_interleave(received)  # each received row's local expert
         tokens = order // k
         rows = all_to_all_single_autograd(hidden_states[tokens], receive, send, group)
-        gate_up, down = (_ScaleGradient.apply(w.to_local(), 1.0 / self.ep) for w in (self.gate_up_proj, self.down_proj))
-        out = routed_swiglu(rows, local_ids[:, None], rows.new_ones(rows.shape[0], 1), gate_up, down,
-                            activation=self.activation)
+        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
+        unit = rows.new_ones(rows.shape[0], 1)
+        if self.own is None:
+            out = routed_swiglu(rows, local_ids[:, None], unit, local["gate_up_proj"], local["down_proj"],
+                                activation=self.activation)
+        else:
+            out = torch.func.functional_call(self.own, local, (rows, local_ids[:, None], unit))
         if rows.shape[0] == 0:
             # No tokens here this step. The weights still get their (zero) gradient, and the output still
             # depends on `rows`: autograd runs only the nodes on a path to the loss, and the dispatch's
             # backward all-to-all is a collective the ep peers run (a rank skipping it hangs them all).
-            out = out + 0 * (gate_up.sum() + down.sum() + rows.sum())
+            out = out + 0 * (sum(w.sum() for w in local.values()) + rows.sum())
         out = all_to_all_single_autograd(out, send, receive, group)
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
@@ -125,10 +229,8 @@ def expert_mesh(mesh, ep: int, device_type: str) -> DeviceMesh:
 def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: DeviceMesh, *,
                           fused_activation: bool = True) -> list[ExpertParallelExperts]:
     """Replace each named experts module of `model` by its expert-parallel split (in place); returns them.
-    Each must compute Hugging Face's stacked SwiGLU experts (checked by kernels.fuse's probe). Another pipeline
-    stage's modules (a stage holds some layers only) are passed over."""
-    from tridist.kernels.fuse import experts_verdict
-
+    Each must be of a kind `split_kind` knows (checked by its probes). Another pipeline stage's modules (a stage
+    holds some layers only) are passed over."""
     modules = dict(model.named_modules())
     replaced = []
     for name in experts:
@@ -139,16 +241,31 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
         module = modules[name]
         if isinstance(module, ExpertParallelExperts):
             raise ValueError(f"expert parallel: {name} is split already")
-        why = experts_verdict(module)
-        if why:
-            raise ValueError(f"expert parallel: {name} ({type(module).__name__}) {why}: distcore splits stacked "
-                             "SwiGLU experts only (Hugging Face's gate_up_proj / down_proj layout)")
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise ValueError(f"expert parallel: {name}'s parameters are already DTensors (split by a tensor-parallel "
                              "plan?); leave the experts out of mp_config's plan: expert parallel splits them")
-        split = ExpertParallelExperts(module, ep_mesh, fused_activation=fused_activation)
+        kind, why = split_kind(module)
+        if kind is None:
+            raise ValueError(f"expert parallel: {name} ({type(module).__name__}) cannot be split: {why}. distcore "
+                             "splits stacked experts of Hugging Face's interface forward(hidden_states, "
+                             "top_k_index, top_k_weights); keep ep=1 for this model")
+        split = ExpertParallelExperts(module, ep_mesh, fused_activation=fused_activation, kind=kind)
         split.training = module.training
         parent_name, _, child = name.rpartition(".")
         (model.get_submodule(parent_name) if parent_name else model)._modules[child] = split
         replaced.append(split)
     return replaced
+
+
+def expert_parallel_refusal(model: torch.nn.Module, experts: list[str]) -> str | None:
+    """Why expert parallel cannot split the named experts modules of `model` (each kind probed once), or None."""
+    seen = set()
+    for name in experts:
+        module = model.get_submodule(name)
+        if type(module) in seen:
+            continue
+        seen.add(type(module))
+        kind, why = split_kind(module)
+        if kind is None:
+            return f"{name} ({type(module).__name__}) cannot be split: {why}"
+    return None

@@ -236,3 +236,40 @@ def test_deepseek_latent_attention_is_recognised_with_its_experts(query_latent):
                       "model.layers.1.self_attn.o_proj": [RowWiseParallel],
                       "model.layers.1.self_attn.kv_a_proj_with_mqa": [ReduceSharedOutputGradient]}, styles
     assert plan.styles["model.layers.1.self_attn.kv_a_proj_with_mqa"][0].features == 8
+
+
+def test_expert_parallel_splits_swiglu_experts_and_other_stacked_experts_by_their_own_forward():
+    """How expert parallel runs a rank's experts: Mixtral's stacked SwiGLU as the fused routed SwiGLU; gpt-oss's
+    (transposed, biased, a clamped activation) by their own forward on the rank's experts, after a probe that
+    the experts split into groups with local indices sum to the whole; Llama 4's (every expert runs every token,
+    forward(hidden_states)) not at all, with the reason. Experts whose output mixes experts fail the probe."""
+    from tridist.distcore.expert_parallel import OWN_FORWARD, ROUTED_SWIGLU, expert_parallel_refusal, split_kind
+
+    experts = {family: build(family).get_submodule(name) for family, name in (
+        ("mixtral", "model.layers.0.mlp.experts"), ("gpt-oss", "model.layers.0.mlp.experts"),
+        ("llama4", "model.layers.0.feed_forward.experts"))}
+    assert split_kind(experts["mixtral"]) == (ROUTED_SWIGLU, "")
+    assert split_kind(experts["gpt-oss"]) == (OWN_FORWARD, "")
+    kind, why = split_kind(experts["llama4"])
+    assert kind is None and "its forward does not take (hidden_states, top_k_index, top_k_weights)" in why, why
+    llama4 = build("llama4")
+    assert "Llama4TextExperts" in expert_parallel_refusal(llama4, ModelSpec.from_module(llama4, seq_len=8)
+                                                          .structure.experts_modules())
+
+    gpt_oss = type(experts["gpt-oss"])
+
+    class GlobalIndexScaled(gpt_oss):  # each expert's output scaled by its global index: no split can keep it
+        def forward(self, hidden_states, router_indices=None, routing_weights=None):
+            scaled = routing_weights * (router_indices + 1)
+            return super().forward(hidden_states, router_indices, scaled)
+
+    class Buffered(gpt_oss):
+        def __init__(self, config):
+            super().__init__(config)
+            self.register_buffer("scale", torch.ones(1))
+
+    config = build("gpt-oss").config
+    kind, why = split_kind(GlobalIndexScaled(config))
+    assert kind is None and "not the sum of its experts' outputs" in why, why
+    kind, why = split_kind(Buffered(config))
+    assert kind is None and "buffers" in why, why

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tridist.distcore.expert_parallel import ExpertParallelExperts
+from tridist.distcore.expert_parallel import OWN_FORWARD, ROUTED_SWIGLU, ExpertParallelExperts
 from tridist.kernels.ops.swiglu import eager_swiglu, routed_swiglu
 from tests.distributed.harness import run_checks
 
@@ -25,12 +25,16 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 class _StackedExperts(torch.nn.Module):
-    """Hugging Face's stacked SwiGLU experts' parameters (what ExpertParallelExperts splits)."""
+    """Hugging Face's stacked SwiGLU experts (what ExpertParallelExperts splits, after its probe)."""
 
     def __init__(self, generator):
         super().__init__()
         self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=generator) / HIDDEN**0.5)
         self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN, generator=generator) / FFN**0.5)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # Hugging Face's experts' math and interface
+        return routed_swiglu(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             activation=eager_swiglu)
 
 
 def _compare(route):
@@ -38,7 +42,12 @@ def _compare(route):
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     experts = _StackedExperts(torch.Generator().manual_seed(0))  # the same weights on every rank
-    split = ExpertParallelExperts(experts, mesh, fused_activation=False)
+    for kind in (ROUTED_SWIGLU, OWN_FORWARD):  # the fused routed SwiGLU; the module's own forward on local experts
+        _compare_kind(experts, ExpertParallelExperts(experts, mesh, fused_activation=False, kind=kind), route)
+
+
+def _compare_kind(experts, split, route):
+    world = dist.get_world_size()
     inputs = []
     for rank in range(world):  # every rank's tokens, known everywhere for the single-process reference
         generator = torch.Generator().manual_seed(100 + rank)
@@ -62,7 +71,7 @@ def _compare(route):
     # Data parallel averages the gradients over ranks; expert parallel's 1/ep scale gives that average here.
     for name, reference in zip(("gate_up_proj", "down_proj"), whole):
         got = getattr(split, name).grad.full_tensor()
-        torch.testing.assert_close(got, reference.grad / world, msg=lambda m: f"{name}: {m}", **TOLERANCE)
+        torch.testing.assert_close(got, reference.grad / world, msg=lambda m: f"{split.kind}, {name}: {m}", **TOLERANCE)
 
 
 def check_tokens_dispatched_and_combined_equal_one_process():

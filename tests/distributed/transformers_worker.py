@@ -227,20 +227,34 @@ def check_llama4_trains_under_tensor_and_pipeline_parallel():
     vocabulary-parallel) and dp 2 x pp 2 with micro-batches it trains equal to one process."""
     for strategy in (_strategy(2, 2, 1, sharding_level=2), _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2)):
         _train("llama4", strategy)
+    # Its experts run every token (forward(hidden_states)): expert parallel cannot split them, and says so.
+    try:
+        distcore.to_distributed(*_model("llama4"), _Loader(), device_num=dist.get_world_size(),
+                                config=distcore.ToDistributedConfig(strategy=_strategy(4, 1, 1, ep=2)))
+    except autotune.InvalidStrategy as error:
+        assert "ep=2 cannot be applied" in str(error) and "Llama4TextExperts" in str(error), error
+    else:
+        raise AssertionError("ep=2 was applied to Llama 4's experts")
 
 
 def check_gpt_oss_attention_sinks_are_split_with_the_heads():
     """gpt-oss's attention joins a learnt sink logit per query head to the scores: under tp its `sinks` must
     follow the local heads. The block check's first local-view run fails on the shapes, finds the per-head
     parameter and splits it by head (ShardHeadParameters); the block then runs in local view, and the model
-    (its experts whole on every tp rank) trains equal to one process under dp 2 x tp 2 and tp 2 x pp 2."""
-    for strategy in (_strategy(2, 2, 1, sharding_level=2), _strategy(1, 2, 2, num_micro_batches=2)):
+    (its experts whole on every tp rank) trains equal to one process under tp 2 x pp 2, and under dp 2 x tp 2
+    with its experts split over ep 2: they are not SwiGLU (transposed, biased, a clamped activation), so each
+    rank runs their own forward on its experts (expert_parallel.OWN_FORWARD)."""
+    from tridist.distcore.expert_parallel import OWN_FORWARD, ExpertParallelExperts
+
+    for strategy in (_strategy(2, 2, 1, ep=2, sharding_level=2), _strategy(1, 2, 2, num_micro_batches=2)):
         model, optimizer = _model("gpt-oss")
         model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
                                               config=distcore.ToDistributedConfig(strategy=strategy))
         sinks = [m.sinks for m in model.modules() if type(m).__name__ == "GptOssAttention"]
         assert sinks and all(s.placements[s.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(0)
                              for s in sinks), [s.placements for s in sinks]
+        split = [m.kind for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        assert split == ([OWN_FORWARD] * len(split) if strategy.ep > 1 else []) and (split or strategy.ep == 1), split
         _train("gpt-oss", strategy)
 
 
