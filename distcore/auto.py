@@ -146,7 +146,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
                         "which pipeline stages do not hold together")
-    if spec is not None and spec.structure.is_moe:
+    if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
         why = expert_parallel_refusal(model, spec.structure.experts_modules())
         if why:  # e.g. Llama 4's experts, which run every token
             limits["ep"] = why

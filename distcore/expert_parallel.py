@@ -58,8 +58,9 @@ def split_kind(experts: torch.nn.Module) -> tuple[str | None, str]:
     from tridist.kernels.fuse import experts_verdict
 
     why_not_swiglu = experts_verdict(experts)
-    if why_not_swiglu is None:
+    if why_not_swiglu is None and set(experts._parameters) == {"gate_up_proj", "down_proj"}:
         return ROUTED_SWIGLU, ""
+    why_not_swiglu = why_not_swiglu or "SwiGLU experts candidate: parameters beyond gate_up_proj and down_proj"
     why_not_own = own_forward_verdict(experts)
     if why_not_own is None:
         return OWN_FORWARD, ""
@@ -71,7 +72,9 @@ def own_forward_verdict(experts: torch.nn.Module) -> str | None:
     Hugging Face's experts interface `forward(hidden_states, top_k_index, top_k_weights)`, parameters all of
     the module itself, stacked on a first dim of the expert count, no buffers, and a probe: the experts split
     in two groups, each group's forward on its rows with indices local to the group and unit weights, then
-    weighted and summed, gives the whole module's output (fresh fp32 parameters, a few experts)."""
+    weighted and summed, gives the whole module's output (fresh fp32 parameters, a few experts). The probe
+    sees forward values in the module's current mode: a forward whose experts interact only through a
+    custom backward, token counts (capacity dropping) or more experts than it probes could still pass."""
     from tridist.kernels.fuse import _close, _probe_input
 
     params = dict(experts.named_parameters(recurse=False))
@@ -90,7 +93,10 @@ def own_forward_verdict(experts: torch.nn.Module) -> str | None:
     generator = torch.Generator(device="cpu").manual_seed(77)
     weights = {name: torch.randn((probe_experts, *p.shape[1:]), generator=generator) / p.shape[-1] ** 0.5
                for name, p in params.items()}
-    whole, group = _local_template(experts, probe_experts), _local_template(experts, probe_experts // 2)
+    try:
+        whole, group = _local_template(experts, probe_experts), _local_template(experts, probe_experts // 2)
+    except Exception as error:  # noqa: BLE001 - a module that cannot be copied this way is refused, with why
+        return f"it cannot be copied for a share of its experts ({type(error).__name__}: {error})"
     tokens, k = 6, 2
     index = torch.stack([torch.randperm(probe_experts, generator=generator)[:k] for _ in range(tokens)])
     routing = torch.rand(tokens, k, generator=generator)
@@ -122,8 +128,11 @@ def _local_template(experts: torch.nn.Module, count: int) -> torch.nn.Module:
     memo = {id(p): torch.nn.Parameter(torch.empty((count, *p.shape[1:]), dtype=p.dtype, device="meta"),
                                       requires_grad=p.requires_grad)
             for p in experts.parameters(recurse=False)}
+    config = getattr(experts, "config", None)
+    if config is not None:  # shared, not copied: transformers picks the experts' implementation from it per call
+        memo[id(config)] = config
     template = copy.deepcopy(experts, memo)
-    if isinstance(getattr(template, "num_experts", None), int):
+    if isinstance(vars(template).get("num_experts"), int):
         template.num_experts = count
     return template
 
@@ -160,6 +169,12 @@ class ExpertParallelExperts(torch.nn.Module):
         # placeholders, the shards above are passed in at each call).
         self.__dict__["own"] = _local_template(experts, self.local_experts) if kind == OWN_FORWARD else None
 
+    def train(self, mode: bool = True) -> "ExpertParallelExperts":
+        super().train(mode)
+        if self.own is not None:  # not a submodule: its mode follows this module's by hand
+            self.own.train(mode)
+        return self
+
     def extra_repr(self) -> str:
         return f"{self.local_experts} of {self.num_experts} experts, {self.kind}"
 
@@ -183,8 +198,10 @@ class ExpertParallelExperts(torch.nn.Module):
         if self.own is None:
             out = routed_swiglu(rows, local_ids[:, None], unit, local["gate_up_proj"], local["down_proj"],
                                 activation=self.activation)
-        else:
+        elif rows.shape[0]:
             out = torch.func.functional_call(self.own, local, (rows, local_ids[:, None], unit))
+        else:  # the interface's output is the input's shape; a module's own forward may not take zero rows
+            out = rows.new_zeros(rows.shape)
         if rows.shape[0] == 0:
             # No tokens here this step. The weights still get their (zero) gradient, and the output still
             # depends on `rows`: autograd runs only the nodes on a path to the loss, and the dispatch's
@@ -232,7 +249,7 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
     Each must be of a kind `split_kind` knows (checked by its probes). Another pipeline stage's modules (a stage
     holds some layers only) are passed over."""
     modules = dict(model.named_modules())
-    replaced = []
+    replaced, kinds = [], {}  # kinds: split_kind's verdict per module type and parameter shapes, probed once
     for name in experts:
         if _elsewhere(name, modules):
             continue  # another pipeline stage's module
@@ -244,7 +261,10 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise ValueError(f"expert parallel: {name}'s parameters are already DTensors (split by a tensor-parallel "
                              "plan?); leave the experts out of mp_config's plan: expert parallel splits them")
-        kind, why = split_kind(module)
+        shapes = (type(module), *[(n, tuple(p.shape)) for n, p in module.named_parameters()])
+        if shapes not in kinds:
+            kinds[shapes] = split_kind(module)
+        kind, why = kinds[shapes]
         if kind is None:
             raise ValueError(f"expert parallel: {name} ({type(module).__name__}) cannot be split: {why}. distcore "
                              "splits stacked experts of Hugging Face's interface forward(hidden_states, "

@@ -122,8 +122,9 @@ class Launch:
     36.8 us for RMSNorm's 19 on an H100's host (2026-11-26), as long as the kernel runs at common shapes. A
     plan's launches differ only in their tensors and per-call scalars, so after the first launch of each of
     their specialisations (`_specialisation`) the compiled kernel that launch returned is called straight,
-    as Inductor's launchers do (6.1 us for the 8 arguments). Triton's interpreter, a kernel with pre-run
-    hooks and launch hooks (a profiler's) keep the JIT launch.
+    as Inductor's launchers do (6.1 us for the 8 arguments). Triton's interpreter, and whatever only the JIT
+    honours (`_jit_launch_needed`: launch and pre-run hooks, debug and instrumentation modes) keep the JIT
+    launch.
     """
 
     __slots__ = ("grid", "kwargs", "_compiled")
@@ -137,7 +138,7 @@ class Launch:
         return f"Launch(grid={self.grid}, kwargs={self.kwargs})"
 
     def launch(self, kernel, *tensors: torch.Tensor, **scalars) -> None:
-        if TRITON_INTERPRET or _launch_hooks():
+        if TRITON_INTERPRET or _jit_launch_needed(kernel):
             kernel[self.grid](*tensors, **scalars, **self.kwargs)
             return
         device = _current_device()
@@ -164,18 +165,28 @@ def _current_stream(device: int):
     return driver.active.get_current_stream(device)
 
 
-def _launch_hooks() -> bool:
-    """Whether a launch hook is set (a profiler's, e.g. Proton): only Triton's JIT launch calls it. Triton <= 3.6
-    keeps None when none is set, later versions an empty HookChain."""
-    hook = knobs.runtime.launch_enter_hook
+def _jit_launch_needed(kernel) -> bool:
+    """Whether a launch must go through Triton's JIT, which alone honours them: a launch hook (a profiler's,
+    e.g. Proton), Triton's debug or instrumentation mode, a stages-inspection hook, the kernel's pre-run hooks.
+    Read at every launch: they may be set after the first. Triton <= 3.6 keeps None for an unset hook, later
+    versions an empty HookChain."""
+    runtime = knobs.runtime
+    return (_hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook) or bool(runtime.debug)
+            or bool(getattr(knobs.compilation, "instrumentation_mode", ""))
+            or getattr(runtime, "add_stages_inspection_hook", None) is not None
+            or bool(getattr(kernel, "pre_run_hooks", None)))
+
+
+def _hook_set(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _specialisation(device: int, tensors: tuple, scalars: dict) -> tuple:
     """What Triton's JIT specialises a kernel on among a plan's per-call arguments, or finer: each tensor's
     dtype and whether its address is a multiple of 16 bytes; each scalar's type, and an int's value (Triton
-    specialises ints equal to 1 and multiples of 16, and picks i32 or i64 by range)."""
-    return (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors],
+    specialises ints equal to 1 and multiples of 16, and picks i32 or i64 by range); the scalars' names, whose
+    slots a launch writes."""
+    return (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors], tuple(scalars),
             *[float if type(v) is float else (type(v), v) for v in scalars.values()])
 
 
@@ -183,16 +194,21 @@ class _CompiledLaunch:
     """A compiled kernel launched straight: its argument list in the kernel's order with the plan's values
     filled in, the per-call tensors and scalars written into their slots at each launch."""
 
-    __slots__ = ("run", "function", "metadata", "grid", "template", "n_tensors", "scalar_slots")
+    __slots__ = ("compiled", "run", "function", "metadata", "grid", "template", "n_tensors", "scalar_slots")
 
     @classmethod
     def of(cls, kernel, returned, launch: Launch, tensors: tuple, scalars: dict) -> "_CompiledLaunch | None":
         """The direct launch of what `kernel[grid](...)` returned, or None where only the JIT launch will do:
-        the interpreter's kernels, pre-run hooks, arguments the kernel does not list in order."""
-        if getattr(kernel, "pre_run_hooks", None) or not all(hasattr(returned, a) for a in (
+        the interpreter's kernels, a kernel that is no plain JITFunction (an autotuner picks its constexprs
+        per call), a per-call scalar that is a constexpr (compiled in: its value is not in the key), arguments
+        the kernel does not list."""
+        if type(kernel).__name__ != "JITFunction" or not all(hasattr(returned, a) for a in (
                 "run", "function", "packed_metadata")):
             return None
         names = list(getattr(kernel, "arg_names", ()))
+        constexprs = {p.name for p in getattr(kernel, "params", ()) if getattr(p, "is_constexpr", False)}
+        if constexprs & set(scalars):
+            return None
         given = dict(zip(names, tensors), **scalars, **launch.kwargs)
         if len(tensors) > len(names) or not all(isinstance(t, torch.Tensor) for t in tensors):
             return None
@@ -204,6 +220,7 @@ class _CompiledLaunch:
                 return None
             template.append(value)
         self = cls()
+        self.compiled = returned  # holds the loaded module: the function handle below lives as long as it
         self.run, self.function, self.metadata = returned.run, returned.function, returned.packed_metadata
         self.grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
         self.n_tensors = len(tensors)
@@ -219,7 +236,7 @@ class _CompiledLaunch:
         args[:self.n_tensors] = tensors
         for slot, value in zip(self.scalar_slots, scalars):
             args[slot] = value
-        # launch_metadata and the enter/exit hooks are None: Launch.launch took the JIT path if a hook was set
+        # launch_metadata and the enter/exit hooks are None: Launch.launch takes the JIT path when a hook is set
         self.run(*self.grid, _current_stream(device), self.function, self.metadata, None, None, None, *args)
 
 

@@ -22,12 +22,12 @@ class _FakeCompiled:
         self.log.append(("direct", args))
 
 
-class _FakeKernel:
-    """Like a JITFunction: `kernel[grid](*args, **kwargs)` launches and returns the compiled kernel."""
+class JITFunction:
+    """Like Triton's: `kernel[grid](*args, **kwargs)` launches and returns the compiled kernel."""
 
     arg_names = ["x_ptr", "y_ptr", "n_rows", "eps", "offset", "stride", "BLOCK"]
-    params = [types.SimpleNamespace(name=n, default=1.0 if n == "offset" else _common.inspect.Parameter.empty)
-              for n in arg_names]
+    params = [types.SimpleNamespace(name=n, default=1.0 if n == "offset" else _common.inspect.Parameter.empty,
+                                    is_constexpr=n == "BLOCK") for n in arg_names]
     pre_run_hooks = []
 
     def __init__(self, interpreted=False):
@@ -47,7 +47,7 @@ def compiled_launches(monkeypatch):
     monkeypatch.setattr(_common, "TRITON_INTERPRET", False)
     monkeypatch.setattr(_common, "_current_device", lambda: 0)
     monkeypatch.setattr(_common, "_current_stream", lambda device: f"stream{device}")
-    monkeypatch.setattr(_common, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(_common, "_jit_launch_needed", lambda kernel: False)
 
 
 def _paths(kernel):
@@ -55,7 +55,7 @@ def _paths(kernel):
 
 
 def test_after_the_first_launch_the_compiled_kernel_runs_with_every_argument_in_order(compiled_launches):
-    kernel, plan = _FakeKernel(), Launch((5, 2), dict(n_rows=7, stride=3, BLOCK=64, num_warps=4))
+    kernel, plan = JITFunction(), Launch((5, 2), dict(n_rows=7, stride=3, BLOCK=64, num_warps=4))
     x, y = torch.zeros(8), torch.zeros(8)
     plan.launch(kernel, x, y, eps=1e-5)
     plan.launch(kernel, y, x, eps=1e-6)
@@ -69,7 +69,7 @@ def test_after_the_first_launch_the_compiled_kernel_runs_with_every_argument_in_
 
 def test_a_plan_keeps_no_launch_s_tensors_alive(compiled_launches):
     """Plans stay cached (up to 4,096): a tensor of the launch that compiled one must not live on with it."""
-    kernel, plan = _FakeKernel(), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
+    kernel, plan = JITFunction(), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
     x = torch.zeros(8)
     plan.launch(kernel, x, x.clone(), eps=1e-5)
     kernel.log.clear()  # the fake's own record of the launches
@@ -79,7 +79,7 @@ def test_a_plan_keeps_no_launch_s_tensors_alive(compiled_launches):
 
 
 def test_a_new_specialisation_goes_through_the_jit_once(compiled_launches):
-    kernel, plan = _FakeKernel(), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
+    kernel, plan = JITFunction(), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
     x = torch.zeros(64)
     plan.launch(kernel, x, x, eps=1e-5)
     plan.launch(kernel, x[1:], x, eps=1e-5)  # 4 bytes past a 16-byte boundary: Triton compiles another kernel
@@ -88,21 +88,53 @@ def test_a_new_specialisation_goes_through_the_jit_once(compiled_launches):
     plan.launch(kernel, x, x, eps=1e-5, offset=0)  # an int where a float was: another argument type
     plan.launch(kernel, x, x, eps=1e-5, offset=1)  # Triton specialises ints equal to 1
     plan.launch(kernel, x, x, eps=1e-5, offset=1)
-    assert _paths(kernel) == ["jit", "jit", "direct", "jit", "jit", "jit", "direct"]
+    plan.launch(kernel, x, x, eps=1e-5, offset=1.0)
+    plan.launch(kernel, x, x, offset=1.0, eps=1e-5)  # the same types in the other order: other slots
+    plan.launch(kernel, x, x, offset=2.0, eps=1e-6)
+    assert _paths(kernel) == ["jit", "jit", "direct", "jit", "jit", "jit", "direct", "jit", "jit", "direct"]
+    assert kernel.log[-1][1][12:14] == (1e-6, 2.0)  # eps, offset: each in its own slot
     direct = kernel.log[2][1][9:]
     assert [t.data_ptr() for t in direct[:2]] == [x.data_ptr() + 4, x.data_ptr()]
     assert direct[2:] == (7, 2e-5, 1.0, 3, 64)
 
 
+def test_a_constexpr_scalar_and_a_kernel_other_than_a_jit_function_keep_the_jit_launch(compiled_launches):
+    """A per-call constexpr is compiled into the kernel (its value is not in the key); an autotuner picks its
+    constexprs per call."""
+    kernel, plan = JITFunction(), Launch((1,), dict(n_rows=7, stride=3, eps=1e-5))
+    x = torch.zeros(8)
+    for _ in range(2):
+        plan.launch(kernel, x, x, BLOCK=64)
+    tuned = type("Autotuner", (JITFunction,), {})()
+    for _ in range(2):
+        plan.launch(tuned, x, x, BLOCK=64)
+    assert _paths(kernel) == _paths(tuned) == ["jit", "jit"]
+
+
+def test_what_only_the_jit_honours_is_read_at_every_launch(monkeypatch):
+    """Launch and pre-run hooks, debug and instrumentation modes, set after a kernel's first launch."""
+    from triton import knobs
+
+    kernel = JITFunction()
+    assert not _common._jit_launch_needed(kernel)
+    for setting, value in ((knobs.runtime, "debug"), True), ((knobs.compilation, "instrumentation_mode"), "gsan"), \
+            ((knobs.runtime, "launch_exit_hook"), lambda *a: None):
+        with monkeypatch.context() as patch:
+            patch.setattr(*setting, value)
+            assert _common._jit_launch_needed(kernel), setting
+    kernel.pre_run_hooks = [lambda *a, **k: None]
+    assert _common._jit_launch_needed(kernel)
+
+
 def test_the_interpreter_and_launch_hooks_keep_the_jit_launch(compiled_launches, monkeypatch):
-    interpreted, plan = _FakeKernel(interpreted=True), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
+    interpreted, plan = JITFunction(interpreted=True), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
     x = torch.zeros(8)
     for _ in range(3):
         plan.launch(interpreted, x, x, eps=1e-5)
     assert _paths(interpreted) == ["jit"] * 3
-    kernel = _FakeKernel()
+    kernel = JITFunction()
     plan.launch(kernel, x, x, eps=1e-5)
-    monkeypatch.setattr(_common, "_launch_hooks", lambda: True)  # a profiler's hook: only the JIT calls it
+    monkeypatch.setattr(_common, "_jit_launch_needed", lambda kernel: True)  # e.g. a profiler's hook
     plan.launch(kernel, x, x, eps=1e-5)
     assert _paths(kernel) == ["jit", "jit"]
 

@@ -273,3 +273,27 @@ def test_expert_parallel_splits_swiglu_experts_and_other_stacked_experts_by_thei
     assert kind is None and "not the sum of its experts' outputs" in why, why
     kind, why = split_kind(Buffered(config))
     assert kind is None and "buffers" in why, why
+
+
+def test_a_rank_s_own_experts_follow_train_and_eval_and_share_the_model_config():
+    """The split's copy of the replaced experts module (kind OWN_FORWARD) is no submodule: train()/eval() reach it
+    by hand, and it shares the model's config (transformers picks the experts' implementation from it per call)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tridist.distcore.expert_parallel import OWN_FORWARD, ExpertParallelExperts
+
+    experts = build("gpt-oss").get_submodule("model.layers.0.mlp.experts")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        split = ExpertParallelExperts(experts, init_device_mesh("cpu", (1,)), fused_activation=True)
+        assert split.kind == OWN_FORWARD and not split.fused_activation
+        assert getattr(split.own, "config", None) is getattr(experts, "config", None)
+        split.train()
+        assert split.own.training
+        split.eval()
+        assert not split.own.training
+        assert not any(n.startswith("own") for n, _ in split.named_parameters())  # its placeholders are not parameters
+    finally:
+        dist.destroy_process_group()
