@@ -170,8 +170,9 @@ def _jit_launch_needed(kernel) -> bool:
     e.g. Proton), Triton's debug or instrumentation mode, a stages-inspection hook, the kernel's pre-run hooks.
     Read at every launch: they may be set after the first. Triton <= 3.6 keeps None for an unset hook, later
     versions an empty HookChain."""
-    runtime = knobs.runtime
-    return (_hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook) or bool(runtime.debug)
+    runtime = knobs.runtime  # getattr: not every Triton version has every knob
+    return (_hook_set(getattr(runtime, "launch_enter_hook", None)) or _hook_set(getattr(runtime, "launch_exit_hook", None))
+            or bool(getattr(runtime, "debug", False))
             or bool(getattr(knobs.compilation, "instrumentation_mode", ""))
             or getattr(runtime, "add_stages_inspection_hook", None) is not None
             or bool(getattr(kernel, "pre_run_hooks", None)))
