@@ -19,9 +19,11 @@ Two kinds of experts module split (`split_kind`): Hugging Face's stacked SwiGLU 
 or tridist's FusedSwiGLUExperts) run as the kernels' routed SwiGLU; any other module of Hugging Face's experts
 interface, `forward(hidden_states, top_k_index, top_k_weights)`, whose parameters are all stacked on the
 expert count (gpt-oss: transposed, with biases and a clamped activation) runs its own forward on the rank's
-experts, with expert indices local to the rank. A probe checks either before anything is split. Llama 4's
-experts (every expert runs every token, `forward(hidden_states)`) are neither: refused, and `to_distributed`'s
-search keeps ep at 1 for them. Pipeline stages split their own MoE layers (the
+experts, with expert indices local to the rank. Experts that run every token (Llama 4: `forward(hidden_states)`
+on [experts x tokens] rows, each expert's block pre-weighted by the router) get each rank's rows of their
+experts from every ep rank by one all-to-all of equal blocks, run their own forward on them and send the
+outputs back (`ExpertParallelDenseExperts`). A probe checks each kind before anything is split; a module of no
+kind is refused, and `to_distributed`'s search keeps ep at 1 for it. Pipeline stages split their own MoE layers (the
 [pp, dp / ep, ep] mesh). Under tensor parallel (attention split over "mp") the MoE blocks stay whole on
 every mp rank, as Megatron's expert tensor parallel of 1: the mp ranks hold the same tokens, route them
 alike and each sends them to the experts' ranks of its own ep group (the dp ranks at its mp coordinate,
@@ -43,18 +45,20 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .tensor_parallel import _elsewhere
 
-__all__ = ["ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh", "split_kind"]
+__all__ = ["ExpertParallelDenseExperts", "ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh",
+           "split_kind"]
 
 EP_KEYS = ("degree", "experts", "fused_activation")
 
 
 ROUTED_SWIGLU = "stacked SwiGLU experts (the fused routed SwiGLU)"
 OWN_FORWARD = "stacked experts run by their own forward"
+EVERY_TOKEN = "stacked experts that run every token, by their own forward"
 
 
 def split_kind(experts: torch.nn.Module) -> tuple[str | None, str]:
-    """How expert parallel runs a rank's share of `experts`: (ROUTED_SWIGLU or OWN_FORWARD, "") or (None, why
-    neither applies)."""
+    """How expert parallel runs a rank's share of `experts`: (ROUTED_SWIGLU, OWN_FORWARD or EVERY_TOKEN, "") or
+    (None, why none applies)."""
     from tridist.kernels.fuse import experts_verdict
 
     why_not_swiglu = experts_verdict(experts)
@@ -64,7 +68,11 @@ def split_kind(experts: torch.nn.Module) -> tuple[str | None, str]:
     why_not_own = own_forward_verdict(experts)
     if why_not_own is None:
         return OWN_FORWARD, ""
-    return None, f"{why_not_swiglu}; and as stacked experts run by their own forward: {why_not_own}"
+    why_not_every_token = every_token_verdict(experts)
+    if why_not_every_token is None:
+        return EVERY_TOKEN, ""
+    return None, (f"{why_not_swiglu}; as stacked experts run by their own forward: {why_not_own}; as experts that "
+                  f"run every token: {why_not_every_token}")
 
 
 def own_forward_verdict(experts: torch.nn.Module) -> str | None:
@@ -75,7 +83,56 @@ def own_forward_verdict(experts: torch.nn.Module) -> str | None:
     weighted and summed, gives the whole module's output (fresh fp32 parameters, a few experts). The probe
     sees forward values in the module's current mode: a forward whose experts interact only through a
     custom backward, token counts (capacity dropping) or more experts than it probes could still pass."""
-    from tridist.kernels.fuse import _close, _probe_input
+    from tridist.kernels.fuse import _probe_input
+
+    def split_equals_whole(whole, group, weights, half, hidden):
+        tokens, k = 6, 2
+        generator = torch.Generator(device="cpu").manual_seed(78)
+        index = torch.stack([torch.randperm(2 * half, generator=generator)[:k] for _ in range(tokens)])
+        routing = torch.rand(tokens, k, generator=generator)
+        x = _probe_input((tokens, hidden))
+        expected = torch.func.functional_call(whole, weights, (x, index, routing))
+        split = torch.zeros_like(x)
+        for first in (0, half):
+            token, slot = torch.nonzero((index >= first) & (index < first + half), as_tuple=True)
+            local = {name: w[first:first + half] for name, w in weights.items()}
+            out = torch.func.functional_call(group, local, (x[token], index[token, slot, None] - first,
+                                                            x.new_ones(len(token), 1)))
+            split.index_add_(0, token, out * routing[token, slot, None])
+        return expected, split
+
+    return _probe_split(experts, 3, split_equals_whole,
+                        "its forward does not take (hidden_states, top_k_index, top_k_weights)",
+                        "its output is not the sum of its experts' outputs on their routed rows, weighted (a probe)")
+
+
+def every_token_verdict(experts: torch.nn.Module) -> str | None:
+    """None when `experts` runs every expert on its own block of rows, so that each ep rank can run its own
+    forward on its experts' blocks alone (Llama 4: `forward(hidden_states)` with [experts x tokens, hidden]
+    rows, expert e's block the e-th); else why not. Parameters and probe as `own_forward_verdict`'s: the two
+    groups' blocks through their experts, concatenated, give the whole module's output."""
+    from tridist.kernels.fuse import _probe_input
+
+    def split_equals_whole(whole, group, weights, half, hidden):
+        x = _probe_input((2 * half * 3, hidden))  # 3 tokens per expert
+        expected = torch.func.functional_call(whole, weights, (x,))
+        blocks = x.view(2 * half, 3, hidden)
+        split = torch.cat([torch.func.functional_call(group, {n: w[first:first + half] for n, w in weights.items()},
+                                                      (blocks[first:first + half].reshape(-1, hidden),))
+                           for first in (0, half)])
+        return expected, split
+
+    return _probe_split(experts, 1, split_equals_whole, "its forward does not take (hidden_states) alone",
+                        "its output is not each expert's block of rows through that expert (a probe)")
+
+
+def _probe_split(experts: torch.nn.Module, n_inputs: int, split_equals_whole, wrong_signature: str,
+                 wrong_output: str) -> str | None:
+    """The checks two kinds share: parameters all the module's own and stacked on the expert count, no buffers,
+    no hooks, a forward taking `n_inputs` inputs; then `split_equals_whole(whole, group, weights, half, hidden)`
+    (the probe's two results, with the module copied for 2·half and half experts: fresh fp32 parameters) must
+    agree at one of the parameters' widths (the input's is one of them)."""
+    from tridist.kernels.fuse import _close
 
     params = dict(experts.named_parameters(recurse=False))
     if not params or len(params) != len(list(experts.parameters())) or list(experts.buffers()):
@@ -84,41 +141,28 @@ def own_forward_verdict(experts: torch.nn.Module) -> str | None:
     if len(num_experts) != 1 or None in num_experts or next(iter(num_experts)) < 2:
         return f"its parameters are not all stacked on one expert count (shapes {[tuple(p.shape) for p in params.values()]})"
     try:
-        inspect.signature(experts.forward).bind(None, None, None)
+        inspect.signature(experts.forward).bind(*[None] * n_inputs)
     except TypeError:
-        return "its forward does not take (hidden_states, top_k_index, top_k_weights)"
+        return wrong_signature
     if experts._forward_hooks or experts._forward_pre_hooks:
         return "it has forward hooks"
-    probe_experts = 4 if next(iter(num_experts)) >= 4 else 2
+    half = 2 if next(iter(num_experts)) >= 4 else 1
     generator = torch.Generator(device="cpu").manual_seed(77)
-    weights = {name: torch.randn((probe_experts, *p.shape[1:]), generator=generator) / p.shape[-1] ** 0.5
+    weights = {name: torch.randn((2 * half, *p.shape[1:]), generator=generator) / p.shape[-1] ** 0.5
                for name, p in params.items()}
     try:
-        whole, group = _local_template(experts, probe_experts), _local_template(experts, probe_experts // 2)
+        whole, group = _local_template(experts, 2 * half), _local_template(experts, half)
     except Exception as error:  # noqa: BLE001 - a module that cannot be copied this way is refused, with why
         return f"it cannot be copied for a share of its experts ({type(error).__name__}: {error})"
-    tokens, k = 6, 2
-    index = torch.stack([torch.randperm(probe_experts, generator=generator)[:k] for _ in range(tokens)])
-    routing = torch.rand(tokens, k, generator=generator)
     failures = []
     for hidden in sorted({d for p in params.values() for d in p.shape[1:]}):  # the input's width is one of them
-        x = _probe_input((tokens, hidden))
         try:
             with torch.no_grad():
-                expected = torch.func.functional_call(whole, weights, (x, index, routing))
-                split = torch.zeros_like(x)
-                for first in (0, probe_experts // 2):
-                    token, slot = torch.nonzero((index >= first) & (index < first + probe_experts // 2), as_tuple=True)
-                    local = {name: w[first:first + probe_experts // 2] for name, w in weights.items()}
-                    out = torch.func.functional_call(group, local, (x[token], index[token, slot, None] - first,
-                                                                    x.new_ones(len(token), 1)))
-                    split.index_add_(0, token, out * routing[token, slot, None])
+                expected, split = split_equals_whole(whole, group, weights, half, hidden)
         except Exception as error:  # noqa: BLE001 - a wrong width fails; the reasons are reported if all do
             failures.append(f"{hidden}: {type(error).__name__}")
             continue
-        if _close(split, expected):
-            return None
-        return "its output is not the sum of its experts' outputs on their routed rows, weighted (a probe)"
+        return None if _close(split, expected) else wrong_output
     return f"its forward failed on a probe at every candidate width ({', '.join(failures)})"
 
 
@@ -152,6 +196,9 @@ class ExpertParallelExperts(torch.nn.Module):
             kind, why = split_kind(experts)
             if kind is None:
                 raise ValueError(f"expert parallel: {type(experts).__name__} cannot be split: {why}")
+        if (kind == EVERY_TOKEN) != isinstance(self, ExpertParallelDenseExperts):
+            raise ValueError(f"expert parallel: {kind} split as {type(self).__name__}; experts that run every token "
+                             "split as ExpertParallelDenseExperts, the others as ExpertParallelExperts")
         params = dict(experts.named_parameters(recurse=False))
         self.num_experts, self.ep = next(iter(params.values())).shape[0], ep_mesh.size()
         if self.num_experts % self.ep:
@@ -167,7 +214,7 @@ class ExpertParallelExperts(torch.nn.Module):
         self.activation = swiglu if fused_activation else eager_swiglu
         # The replaced module, for this rank's experts: kept out of the submodules (its parameters are
         # placeholders, the shards above are passed in at each call).
-        self.__dict__["own"] = _local_template(experts, self.local_experts) if kind == OWN_FORWARD else None
+        self.__dict__["own"] = _local_template(experts, self.local_experts) if kind != ROUTED_SWIGLU else None
 
     def train(self, mode: bool = True) -> "ExpertParallelExperts":
         super().train(mode)
@@ -210,6 +257,30 @@ class ExpertParallelExperts(torch.nn.Module):
         out = all_to_all_single_autograd(out, send, receive, group)
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tokens, out.to(hidden_states.dtype))
+
+
+class ExpertParallelDenseExperts(ExpertParallelExperts):
+    """Experts that run every token (kind EVERY_TOKEN: Llama 4's), this rank holding `num_experts / ep` of them.
+    `forward(hidden_states)` takes [experts x tokens, hidden] rows, expert e's block of this rank's tokens the
+    e-th (the MoE block repeats and weighs them). Block j of experts belongs to ep rank j: one all-to-all sends
+    each rank's blocks of rank j's experts there, every rank runs its experts on all its group's tokens, and a
+    second all-to-all brings the outputs back in the same order."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        group, width, held = self.ep_mesh.get_group(), hidden_states.shape[-1], self.local_experts
+        tokens = hidden_states.shape[0] // self.num_experts
+        with torch.no_grad():  # each ep rank's token count (its micro-batch's)
+            counts = torch.full((self.ep,), tokens, dtype=torch.int64, device=hidden_states.device)
+            theirs = torch.empty_like(counts)
+            dist.all_to_all_single(theirs, counts, group=group)
+            theirs = theirs.tolist()
+        send, receive = [held * tokens] * self.ep, [held * t for t in theirs]
+        rows = all_to_all_single_autograd(hidden_states, receive, send, group)  # rank r's blocks of my experts
+        rows = torch.cat([block.view(held, t, width) for block, t in zip(rows.split(receive), theirs)], dim=1)
+        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
+        out = torch.func.functional_call(self.own, local, (rows.reshape(-1, width),)).view(held, -1, width)
+        out = torch.cat([block.reshape(-1, width) for block in out.split(theirs, dim=1)])
+        return all_to_all_single_autograd(out, send, receive, group)
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -268,8 +339,10 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
         if kind is None:
             raise ValueError(f"expert parallel: {name} ({type(module).__name__}) cannot be split: {why}. distcore "
                              "splits stacked experts of Hugging Face's interface forward(hidden_states, "
-                             "top_k_index, top_k_weights); keep ep=1 for this model")
-        split = ExpertParallelExperts(module, ep_mesh, fused_activation=fused_activation, kind=kind)
+                             "top_k_index, top_k_weights) and experts that run every token (forward(hidden_states) "
+                             "on [experts x tokens] rows); keep ep=1 for this model")
+        split = (ExpertParallelDenseExperts if kind == EVERY_TOKEN else ExpertParallelExperts)(
+            module, ep_mesh, fused_activation=fused_activation, kind=kind)
         split.training = module.training
         parent_name, _, child = name.rpartition(".")
         (model.get_submodule(parent_name) if parent_name else model)._modules[child] = split

@@ -241,22 +241,22 @@ def test_deepseek_latent_attention_is_recognised_with_its_experts(query_latent):
 def test_expert_parallel_splits_swiglu_experts_and_other_stacked_experts_by_their_own_forward():
     """How expert parallel runs a rank's experts: Mixtral's stacked SwiGLU as the fused routed SwiGLU; gpt-oss's
     (transposed, biased, a clamped activation) by their own forward on the rank's experts, after a probe that
-    the experts split into groups with local indices sum to the whole; Llama 4's (every expert runs every token,
-    forward(hidden_states)) not at all, with the reason. Experts whose output mixes experts fail the probe."""
-    from tridist.distcore.expert_parallel import OWN_FORWARD, ROUTED_SWIGLU, expert_parallel_refusal, split_kind
+    the experts split into groups with local indices sum to the whole; Llama 4's, which run every token on
+    [experts x tokens] rows, by their own forward on the rank's experts' blocks. Experts whose output mixes
+    experts fail the probes and are refused, with the reasons."""
+    from tridist.distcore.expert_parallel import (EVERY_TOKEN, OWN_FORWARD, ROUTED_SWIGLU, expert_parallel_refusal,
+                                                  split_kind)
 
     experts = {family: build(family).get_submodule(name) for family, name in (
         ("mixtral", "model.layers.0.mlp.experts"), ("gpt-oss", "model.layers.0.mlp.experts"),
         ("llama4", "model.layers.0.feed_forward.experts"))}
     assert split_kind(experts["mixtral"]) == (ROUTED_SWIGLU, "")
     assert split_kind(experts["gpt-oss"]) == (OWN_FORWARD, "")
-    kind, why = split_kind(experts["llama4"])
-    assert kind is None and "its forward does not take (hidden_states, top_k_index, top_k_weights)" in why, why
+    assert split_kind(experts["llama4"]) == (EVERY_TOKEN, "")
     llama4 = build("llama4")
-    assert "Llama4TextExperts" in expert_parallel_refusal(llama4, ModelSpec.from_module(llama4, seq_len=8)
-                                                          .structure.experts_modules())
+    assert expert_parallel_refusal(llama4, ModelSpec.from_module(llama4, seq_len=8).structure.experts_modules()) is None
 
-    gpt_oss = type(experts["gpt-oss"])
+    gpt_oss, every_token = type(experts["gpt-oss"]), type(experts["llama4"])
 
     class GlobalIndexScaled(gpt_oss):  # each expert's output scaled by its global index: no split can keep it
         def forward(self, hidden_states, router_indices=None, routing_weights=None):
@@ -268,11 +268,21 @@ def test_expert_parallel_splits_swiglu_experts_and_other_stacked_experts_by_thei
             super().__init__(config)
             self.register_buffer("scale", torch.ones(1))
 
+    class BlocksMixed(every_token):  # every expert's block sees the mean of all blocks: no split can keep it
+        def forward(self, hidden_states):
+            blocks = hidden_states.view(self.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
+            return super().forward((blocks + blocks.mean(0)).reshape(hidden_states.shape))
+
     config = build("gpt-oss").config
     kind, why = split_kind(GlobalIndexScaled(config))
     assert kind is None and "not the sum of its experts' outputs" in why, why
     kind, why = split_kind(Buffered(config))
     assert kind is None and "buffers" in why, why
+    mixed = BlocksMixed(build("llama4").config.get_text_config())
+    torch.nn.init.normal_(mixed.gate_up_proj)
+    kind, why = split_kind(mixed)
+    assert kind is None and "not each expert's block of rows through that expert" in why, why
+    assert "BlocksMixed" in expert_parallel_refusal(torch.nn.ModuleDict({"experts": mixed}), ["experts"])
 
 
 def test_a_rank_s_own_experts_follow_train_and_eval_and_share_the_model_config():

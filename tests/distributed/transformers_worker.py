@@ -98,13 +98,16 @@ def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
     return _evaluate(_model(family)[0])
 
 
-def _train(family, strategy=None, *, global_view: bool = False, reference=None, **config):
-    """`global_view`: every decoder block runs in global view under tp (else all in local view). The config
-    is the users' default (fused kernels on) unless `config` says otherwise."""
+def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, **config):
+    """`global_view`: every decoder block runs in global view under tp (else all in local view); `inspect`
+    asserts what it must of the distributed model before training. The config is the users' default (fused
+    kernels on) unless `config` says otherwise."""
     model, optimizer = _model(family)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
         config=distcore.ToDistributedConfig(strategy=strategy, **config))
+    if inspect is not None:
+        inspect(model)
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
     if family in LLAMA_LIKE:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
@@ -224,17 +227,17 @@ def check_llama4_trains_under_tensor_and_pipeline_parallel():
     ("language_model") names no child, so fuse finds the decoder as `model`; its decoder reads
     `self.embed_tokens.weight.device` before embedding, which a later pipeline stage reads from a stand-in
     (this stage's device; the weight is elsewhere). Under dp 2 x tp 2 (the fused head and loss,
-    vocabulary-parallel) and dp 2 x pp 2 with micro-batches it trains equal to one process."""
-    for strategy in (_strategy(2, 2, 1, sharding_level=2), _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2)):
-        _train("llama4", strategy)
-    # Its experts run every token (forward(hidden_states)): expert parallel cannot split them, and says so.
-    try:
-        distcore.to_distributed(*_model("llama4"), _Loader(), device_num=dist.get_world_size(),
-                                config=distcore.ToDistributedConfig(strategy=_strategy(4, 1, 1, ep=2)))
-    except autotune.InvalidStrategy as error:
-        assert "ep=2 cannot be applied" in str(error) and "Llama4TextExperts" in str(error), error
-    else:
-        raise AssertionError("ep=2 was applied to Llama 4's experts")
+    vocabulary-parallel) with its experts split over ep 2 (they run every token: each rank gets its experts'
+    blocks of its group's tokens, ExpertParallelDenseExperts) and dp 2 x pp 2 with micro-batches it trains
+    equal to one process."""
+    from tridist.distcore.expert_parallel import EVERY_TOKEN, ExpertParallelDenseExperts
+
+    def experts_split(model):
+        split = [m.kind for m in model.modules() if isinstance(m, ExpertParallelDenseExperts)]
+        assert split and set(split) == {EVERY_TOKEN}, split
+
+    _train("llama4", _strategy(2, 2, 1, ep=2, sharding_level=2), inspect=experts_split)
+    _train("llama4", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2))
 
 
 def check_gpt_oss_attention_sinks_are_split_with_the_heads():
@@ -247,15 +250,13 @@ def check_gpt_oss_attention_sinks_are_split_with_the_heads():
     from tridist.distcore.expert_parallel import OWN_FORWARD, ExpertParallelExperts
 
     for strategy in (_strategy(2, 2, 1, ep=2, sharding_level=2), _strategy(1, 2, 2, num_micro_batches=2)):
-        model, optimizer = _model("gpt-oss")
-        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                              config=distcore.ToDistributedConfig(strategy=strategy))
-        sinks = [m.sinks for m in model.modules() if type(m).__name__ == "GptOssAttention"]
-        assert sinks and all(s.placements[s.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(0)
-                             for s in sinks), [s.placements for s in sinks]
-        split = [m.kind for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-        assert split == ([OWN_FORWARD] * len(split) if strategy.ep > 1 else []) and (split or strategy.ep == 1), split
-        _train("gpt-oss", strategy)
+        def inspect(model, ep=strategy.ep):
+            sinks = [m.sinks for m in model.modules() if type(m).__name__ == "GptOssAttention"]
+            assert sinks and all(s.placements[s.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(0)
+                                 for s in sinks), [s.placements for s in sinks]
+            split = [m.kind for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+            assert split == [OWN_FORWARD] * len(split) and bool(split) == (ep > 1), split
+        _train("gpt-oss", strategy, inspect=inspect)
 
 
 def check_deepseek_v3_trains_under_tensor_expert_and_pipeline_parallel():
