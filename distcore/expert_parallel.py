@@ -33,7 +33,6 @@ mp.
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import numpy as np
@@ -168,17 +167,10 @@ def _probe_split(experts: torch.nn.Module, n_inputs: int, split_equals_whole, wr
 
 def _local_template(experts: torch.nn.Module, count: int) -> torch.nn.Module:
     """A copy of `experts` for `count` of its experts, its parameters meta placeholders (a call passes the real
-    ones: torch.func.functional_call), `num_experts` (Hugging Face's attribute) set to `count`."""
-    memo = {id(p): torch.nn.Parameter(torch.empty((count, *p.shape[1:]), dtype=p.dtype, device="meta"),
-                                      requires_grad=p.requires_grad)
-            for p in experts.parameters(recurse=False)}
-    config = getattr(experts, "config", None)
-    if config is not None:  # shared, not copied: transformers picks the experts' implementation from it per call
-        memo[id(config)] = config
-    template = copy.deepcopy(experts, memo)
-    if isinstance(vars(template).get("num_experts"), int):
-        template.num_experts = count
-    return template
+    ones: torch.func.functional_call), sharing its config, `num_experts` set to `count`."""
+    from tridist.kernels.fuse import stacked_experts_copy
+
+    return stacked_experts_copy(experts, count)
 
 
 class ExpertParallelExperts(torch.nn.Module):

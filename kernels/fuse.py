@@ -375,6 +375,30 @@ def _fuse_stacked_experts(model, name, module, report, changes, verdicts) -> Non
     report.replaced.append((name, "swiglu: FusedSwiGLUExperts"))
 
 
+def stacked_experts_copy(module: torch.nn.Module, count: int, fill=None) -> torch.nn.Module:
+    """A copy of experts `module` for `count` of its experts, none of its weights copied: each parameter of its
+    own stacked on the expert count (a first dim equal to gate_up_proj's, or to the first parameter's) becomes
+    [count, ...], the others keep their shape; `fill(shape, dtype)` makes them (None: meta placeholders, for a
+    caller passing real ones through torch.func.functional_call). Its `config` is shared (transformers picks the
+    experts' implementation from it at each call) and an int `num_experts` of its own set to `count`. Probing a
+    few experts instead of a copy of all of them keeps a real-size model's probe small."""
+    own = dict(module.named_parameters(recurse=False))
+    stacked = own.get("gate_up_proj", next(iter(own.values()), None))
+    experts = stacked.shape[0] if stacked is not None and stacked.dim() >= 2 else None
+    memo = {}
+    for param in own.values():
+        shape = (count, *param.shape[1:]) if param.dim() >= 2 and param.shape[0] == experts else tuple(param.shape)
+        value = fill(shape, param.dtype) if fill is not None else torch.empty(shape, dtype=param.dtype, device="meta")
+        memo[id(param)] = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+    config = getattr(module, "config", None)
+    if config is not None:
+        memo[id(config)] = config
+    copied = copy.deepcopy(module, memo)
+    if isinstance(vars(copied).get("num_experts"), int):
+        copied.num_experts = count
+    return copied
+
+
 def experts_verdict(module: torch.nn.Module) -> str | None:
     """None when `module` holds stacked SwiGLU experts (3-D gate_up_proj [experts, 2·ffn, hidden] and
     down_proj [experts, hidden, ffn]) and a probe shows `module(x, top_k_index, top_k_weights)` is each
@@ -385,7 +409,9 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
     problem = stacked_experts_layout_error(module.gate_up_proj, module.down_proj)
     if problem:
         return f"SwiGLU experts candidate: {problem} (a transposed layout); left as is"
-    probe = _probe_copy(module)
+    fresh = torch.Generator(device="cpu").manual_seed(4321)
+    probe = stacked_experts_copy(module, min(4, module.gate_up_proj.shape[0]),  # fresh fp32 values, as _probe_copy's
+                                 lambda shape, _: torch.randn(shape, generator=fresh) / shape[-1] ** 0.5)
     experts, hidden = probe.gate_up_proj.shape[0], probe.gate_up_proj.shape[2]
     generator = torch.Generator(device="cpu").manual_seed(99)
     tokens, k = 7, min(2, experts)

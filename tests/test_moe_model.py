@@ -307,3 +307,17 @@ def test_a_rank_s_own_experts_follow_train_and_eval_and_share_the_model_config()
         assert not any(n.startswith("own") for n, _ in split.named_parameters())  # its placeholders are not parameters
     finally:
         dist.destroy_process_group()
+
+
+def test_experts_that_run_every_token_are_priced_as_they_run():
+    """Llama 4's experts run every expert on every token (weighted by the router): to_distributed prices all of
+    them per token, not the router's top-1; routed experts (Mixtral, gpt-oss) keep their top-k."""
+    from tridist.distcore.auto import _priced_as_run
+
+    for family, priced_k in (("llama4", EXPERTS), ("mixtral", TOP_K), ("gpt-oss", None)):
+        model = build(family)
+        spec = ModelSpec.from_module(model, seq_len=16)
+        priced = _priced_as_run(model, spec)
+        assert priced.experts_per_token == (priced_k or spec.experts_per_token), (family, priced.experts_per_token)
+        more = priced.experts_per_token - spec.experts_per_token
+        assert priced.active_parameters == spec.active_parameters + more * spec.num_moe_layers * spec.expert_parameters
