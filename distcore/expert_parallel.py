@@ -14,7 +14,7 @@ the same experts ("edp"), averaging over those, and the forward scales the exper
 reduction, which gloo lacks): the result equals the average over dp that the other parameters get. ZeRO
 levels shard the experts over "edp" and the rest over all of dp.
 
-Two kinds of experts module split (`split_kind`): Hugging Face's stacked SwiGLU experts (3-D `gate_up_proj`
+Three kinds of experts module split (`split_kind`): Hugging Face's stacked SwiGLU experts (3-D `gate_up_proj`
 [experts, 2·ffn, hidden] and `down_proj` [experts, hidden, ffn], as Mixtral, Qwen3-MoE and Qwen2-MoE hold them,
 or tridist's FusedSwiGLUExperts) run as the kernels' routed SwiGLU; any other module of Hugging Face's experts
 interface, `forward(hidden_states, top_k_index, top_k_weights)`, whose parameters are all stacked on the
