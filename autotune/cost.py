@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 8  # 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 9  # 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -144,7 +144,8 @@ def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
     matmuls: attention, router, shared experts and the k routed experts a token runs)."""
     moe_layer = spec.attention_parameters + spec.moe_active_mlp_parameters
     matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers)
-    core = 4.0 * spec.seq_len * spec.q_size * spec.num_layers  # Q·Kᵀ and P·V, no causal halving (Megatron)
+    # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
+    core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * spec.num_layers
     logits = 2.0 * spec.vocab_size * spec.hidden_size
     return matmul, core, logits
 
@@ -238,7 +239,7 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     rank (etp = 1), their activations outside the split regions (no sequence parallel splits them then)."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    h, q, f = spec.hidden_size, spec.q_size, spec.ffn_hidden_size
     mask = DROPOUT_MASK_BYTES if spec.dropout else 0
     # Two norm inputs, the qkv input and the MLP input; the dropout masks after attention and MLP.
     outside = sb * (2 * e * h + e * h + e * h + 2 * mask * h)
@@ -252,7 +253,10 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
         outside += sb * (routed * e * h + ROUTER_PROB_BYTES * spec.num_experts)  # dispatched copies, router scores
         if not experts_split:
             outside, mlp = outside + sb * mlp, 0.0
-    inside = sb * (e * q + e * kv + e * kv + e * q + mlp)
+    inside = sb * (e * q + e * spec.key_size + e * spec.value_size + e * spec.attention_output_size + mlp)
+    latent = spec.latent_attention
+    if latent:  # the latents (and their norms' inputs), whole on every tensor-parallel rank
+        outside += sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim)
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
     else:  # softmax output (+ dropout mask and dropout output)
@@ -323,10 +327,11 @@ def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, int]:
 @functools.lru_cache(maxsize=65536)
 def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int) -> tuple[float, float]:
     """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device."""
-    norms = spec.layer_norm_parameters
+    norms, unsplit = spec.layer_norm_parameters, spec.attention_unsplit_parameters  # unsplit: latent down-projections
     if not moe:
-        return spec.layer_matmul_parameters / tp + norms, 0.0
-    shared = spec.attention_parameters / tp + spec.shared_expert_parameters / etp + spec.router_parameters + norms
+        return (spec.layer_matmul_parameters - unsplit) / tp + unsplit + norms, 0.0
+    shared = ((spec.attention_parameters - unsplit) / tp + unsplit + spec.shared_expert_parameters / etp
+              + spec.router_parameters + norms)
     return shared, spec.num_experts // ep * spec.expert_parameters / etp
 
 
@@ -506,8 +511,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     h, f = spec.hidden_size, spec.ffn_hidden_size
     imbalance = _expert_imbalance(spec, ep) if moe else 1.0
     etp = _expert_tp(cluster, tp)
-    gemm = (_gemm_time(tokens, h, (spec.q_size + 2 * spec.kv_size) / tp, flops, bw, e)
-            + _gemm_time(tokens, spec.q_size / tp, h, flops, bw, e))
+    gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
+                          flops, bw, e) for n_in, n_out, split in spec.attention_projections)
     ep_collective = 0.0
     if moe:
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
@@ -530,7 +535,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         core_flops = p.attention_flops
     else:
         core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
-    core = 4.0 * micro_batch_size * spec.seq_len**2 * spec.q_size / tp / core_flops
+    core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
     outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).

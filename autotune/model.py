@@ -185,6 +185,26 @@ class ModelStructure:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention's widths (DeepSeek-V2/V3): the query through a `q_lora_rank` latent (0: a
+    straight projection, as DeepSeek-V2-Lite), keys and values through one `kv_lora_rank` latent that the same
+    down-projection joins to a `rope_head_dim` rotary key shared by every head, and value heads `v_head_dim`
+    wide. A query or key head is ModelSpec.head_dim wide: `head_dim - rope_head_dim` from the latent, then the
+    rotary part."""
+
+    kv_lora_rank: int
+    rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "q_lora_rank" else 1):
+                raise ValueError(f"LatentAttention: {name} must be a positive integer (q_lora_rank: or 0), got {value!r}")
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes of a decoder-only transformer: everything the cost model reads.
 
@@ -196,8 +216,10 @@ class ModelSpec:
     `qk_norm` (norms of the queries and keys inside attention: "head" for Qwen3-style RMSNorms over
     head_dim applied to every head, whose weights' gradients tensor parallel sums over its ranks;
     "projection" for OLMo2-style RMSNorms over all heads' features, whose statistics tensor parallel
-    all-reduces; None without; their weights are counted with the layer's norms), and a display `name`.
-    `structure` is set by `from_module`.
+    all-reduces; None without; their weights are counted with the layer's norms), `latent_attention`
+    (DeepSeek's multi-head latent attention: its projections and attention core priced as they run, the
+    down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections), and a
+    display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -224,6 +246,7 @@ class ModelSpec:
     dropout: bool = False
     packed_unequal_qkv: bool = False
     qk_norm: str | None = None
+    latent_attention: LatentAttention | None = None
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
@@ -259,6 +282,10 @@ class ModelSpec:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelSpec: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        latent = self.latent_attention
+        if latent is not None and not latent.rope_head_dim < self.head_dim:
+            raise ValueError(f"ModelSpec: latent attention's rotary part ({latent.rope_head_dim}) must be narrower "
+                             f"than a query head (head_dim={self.head_dim})")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -302,9 +329,46 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def key_size(self) -> int:
+        """Width of the keys the attention core reads per token: kv_size, or every head's under latent attention."""
+        return self.q_size if self.latent_attention else self.kv_size
+
+    @property
+    def value_size(self) -> int:
+        """Width of the values the attention core reads per token: kv_size, or every value head's."""
+        latent = self.latent_attention
+        return self.num_heads * latent.v_head_dim if latent else self.kv_size
+
+    @property
+    def attention_output_size(self) -> int:
+        """Width of the attention core's output (the output projection's input): q_size, or the value heads'."""
+        latent = self.latent_attention
+        return self.num_heads * latent.v_head_dim if latent else self.q_size
+
+    @property
+    def attention_projections(self) -> tuple[tuple[int, int, str | None], ...]:
+        """Each attention projection as (in features, out features, what tensor parallel splits: "out" for a
+        column-parallel one, "in" for a row-parallel one, None for one kept whole on every rank): q/k/v in
+        one and the output; under latent attention the latents' down-projections (whole) and up-projections
+        (split by head)."""
+        h, latent = self.hidden_size, self.latent_attention
+        if latent is None:
+            return (h, self.q_size + 2 * self.kv_size, "out"), (self.q_size, h, "in")
+        query = (((h, latent.q_lora_rank, None), (latent.q_lora_rank, self.q_size, "out")) if latent.q_lora_rank
+                 else ((h, self.q_size, "out"),))
+        up = self.num_heads * (self.head_dim - latent.rope_head_dim + latent.v_head_dim)  # keys' latent part, values
+        return (*query, (h, latent.kv_lora_rank + latent.rope_head_dim, None), (latent.kv_lora_rank, up, "out"),
+                (self.attention_output_size, h, "in"))
+
+    @property
     def attention_parameters(self) -> int:
-        """q, k, v and output projections (no biases)."""
-        return self.hidden_size * (2 * self.q_size + 2 * self.kv_size)
+        """The attention projections' weights (no biases)."""
+        return sum(n_in * n_out for n_in, n_out, _ in self.attention_projections)
+
+    @property
+    def attention_unsplit_parameters(self) -> int:
+        """Of those, the weights tensor parallel keeps whole on every rank (latent attention's down-projections)."""
+        return sum(n_in * n_out for n_in, n_out, split in self.attention_projections if split is None)
 
     @property
     def mlp_matrices(self) -> int:
@@ -772,8 +836,22 @@ def _latent_attention_parts(ins: list[_Linear], latent: list[_Linear], o: _Linea
             f"attention block has projections from inside the block ({[l.name for l in latent]}) beside "
             f"{[l.name for l in ins]}: expected q/k/v, a fused qkv, or DeepSeek's latent attention (kv_a_proj*, "
             "kv_b_proj, and q_a_proj + q_b_proj or q_proj)")
+    # The latents' widths (query latent, key/value latent, rotary key) and the up-projection's and output's
+    # widths: LatentAttention once the heads are known (`_latent_attention`).
+    widths = (q_a[0].out_features if q_b else 0, kv_b[0].in_features, kv_a[0].out_features - kv_b[0].in_features,
+              kv_b[0].out_features, o.in_features)
     return dict(q=q.name, latent_kv=kv_b[0].name, latent_kv_down=kv_a[0].name, o=o.name, q_size=q.out_features,
-                kv_size=q.out_features)
+                kv_size=q.out_features, latent_widths=widths)
+
+
+def _latent_attention(widths: tuple[int, ...], heads: int, head_dim: int) -> LatentAttention | None:
+    """LatentAttention from `_latent_attention_parts`' widths and the query heads, or None when they do not fit
+    together as DeepSeek's do (the up-projection: every head's key part from the latent and its value)."""
+    q_lora, kv_lora, rope, up, output = widths
+    value_dim = output // heads
+    if output % heads or not 0 < rope < head_dim or up != heads * (head_dim - rope + value_dim):
+        return None
+    return LatentAttention(kv_lora_rank=kv_lora, rope_head_dim=rope, v_head_dim=value_dim, q_lora_rank=q_lora)
 
 
 def _mlp_parts(group: list[_Linear], hidden: int) -> dict:
@@ -1059,9 +1137,13 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     if len(norms) != 2:
         notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 2)")
-    if attn.get("latent_kv"):
-        notes.append("multi-head latent attention is priced as multi-head attention with its query heads' width "
-                     "(its projections, through the low-rank latents, cost less; its key/value cache is smaller)")
+    latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
+    if latent:
+        notes.append(f"multi-head latent attention priced as it runs ({latent}); the rotary key's gradient "
+                     "all-reduce under tensor parallel (one rope_head_dim value per token) is not priced")
+    elif attn.get("latent_kv"):
+        notes.append("multi-head latent attention whose widths do not fit DeepSeek's is priced as multi-head "
+                     "attention with its query heads' width")
     if moe is not None and moe.gated != mlp_parts.get("gated", moe.gated):
         notes.append("the experts' MLP form (gated or not) differs from the dense layers'; the cost model prices "
                      "both as the dense one")
@@ -1083,7 +1165,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
         gated_mlp=mlp_parts.get("gated", moe.gated if moe else True), tied_embeddings=outer["tied"],
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        **moe_fields,
+        latent_attention=latent, **moe_fields,
     )
     return structure, fields
 

@@ -227,8 +227,17 @@ def test_deepseek_latent_attention_is_recognised_with_its_experts(query_latent):
     assert (spec.num_heads, spec.head_dim, spec.num_kv_heads, spec.qk_norm) == (4, 20, 4, None)  # 12 + 8 wide
     assert (spec.num_experts, spec.experts_per_token, s.moe_layers, s.shared_experts) == (EXPERTS, TOP_K, (1, 2),
                                                                                         ("mlp.shared_experts",))
-    assert any("latent attention" in note for note in s.notes)
+    assert any("latent attention priced as it runs" in note for note in s.notes), s.notes
     assert "multi-head latent attention" in unsupported(spec)["overlap_tp_comm"]
+    # Priced as it runs: every attention projection's weights, the latents' down-projections whole under tp.
+    latent = spec.latent_attention
+    assert (latent.q_lora_rank, latent.kv_lora_rank, latent.rope_head_dim, latent.v_head_dim) == (
+        32 if query_latent else 0, 16, 8, 16)
+    attention = model.model.layers[1].self_attn
+    weights = {n: m.weight.numel() for n, m in attention.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert spec.attention_parameters == sum(weights.values()), (spec.attention_parameters, weights)
+    assert spec.attention_unsplit_parameters == weights["kv_a_proj_with_mqa"] + weights.get("q_a_proj", 0)
+    assert (spec.key_size, spec.value_size, spec.attention_output_size) == (4 * 20, 4 * 16, 4 * 16)
     plan = tensor_parallel_plan(model, s, sequence_parallel=False)
     styles = {name: [type(st) for st in sts] for name, sts in plan.styles.items() if name.startswith("model.layers.1.self_attn")}
     assert styles == {f"model.layers.1.self_attn.{s.q.rpartition('.')[2]}": [ColWiseParallel],
@@ -321,3 +330,28 @@ def test_experts_that_run_every_token_are_priced_as_they_run():
         assert priced.experts_per_token == (priced_k or spec.experts_per_token), (family, priced.experts_per_token)
         more = priced.experts_per_token - spec.experts_per_token
         assert priced.active_parameters == spec.active_parameters + more * spec.num_moe_layers * spec.expert_parameters
+
+
+def test_latent_attention_is_priced_as_it_runs():
+    """The cost model's terms for DeepSeek's latent attention: the attention core's FLOPs (Q·Kᵀ over the query
+    heads' width, P·V over the value heads'), and under tensor parallel the down-projections to the latents
+    whole on every rank (their weights and GEMMs not divided by tp), the rest split."""
+    from tridist.autotune import LatentAttention
+    from tridist.autotune.cost import _forward_flops_per_token, _layer_parameters
+
+    latent = LatentAttention(kv_lora_rank=512, rope_head_dim=64, v_head_dim=128, q_lora_rank=1536)
+    mla = ModelSpec(num_layers=2, hidden_size=7168, num_heads=128, head_dim=192, ffn_hidden_size=18432,
+                    vocab_size=129280, seq_len=4096, latent_attention=latent)
+    # DeepSeek-V3's per layer: q_a, q_b, kv_a (latent + rotary key), kv_b (keys' latent part + values), o.
+    assert mla.attention_parameters == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
+                                        + 128 * 128 * 7168) == 187_105_280
+    assert mla.attention_unsplit_parameters == 7168 * 1536 + 7168 * 576
+    _, core, _ = _forward_flops_per_token(mla)
+    assert core == 2.0 * 4096 * (128 * 192 + 128 * 128) * 2
+    split, _ = _layer_parameters(mla, 4, 1, False, 1)
+    unsplit = mla.attention_unsplit_parameters
+    assert split == (mla.layer_matmul_parameters - unsplit) / 4 + unsplit + mla.layer_norm_parameters
+    mha = dataclasses.replace(mla, latent_attention=None)  # what it was priced as before: 3.8x the weights
+    assert mha.attention_parameters == 4 * 7168 * 128 * 192 and mha.attention_unsplit_parameters == 0
+    with pytest.raises(ValueError, match="rotary part"):
+        dataclasses.replace(mla, latent_attention=dataclasses.replace(latent, rope_head_dim=192))
