@@ -462,6 +462,7 @@ class _LayerCost:
     ep_collective: float  # one all-to-all of the routed tokens (dispatch or combine) over the ep ranks
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
+    latent_collectives: float  # latent attention: its backward all-reduces in place of the attention's of b·s·h
     head_gemm_fwd: float
     head_elementwise_fwd: float
     activations: dict  # recompute mode -> bytes per layer
@@ -569,6 +570,15 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         qk_norm = 2 * all_reduce_time(e * spec.head_dim, tp, bw_tp, lat_tp)
     else:
         qk_norm = 0.0
+    # Latent attention under tp: its split projections take the latents, so the backward all-reduces the
+    # gradients of the query latent (the hidden state without one), of the key/value latent and of the rotary
+    # key every head uses (ReduceSharedOutputGradient) instead of the hidden state's: three smaller messages,
+    # each paying the latency. (Priced alike under sequence parallel, whose pair per collective has the same size.)
+    latent = spec.latent_attention
+    latent_collectives = 0.0
+    if latent and tp > 1:
+        widths = (latent.q_lora_rank or h, latent.kv_lora_rank, latent.rope_head_dim)
+        latent_collectives = sum(all_reduce_time(e * tokens * w, tp, bw_tp, lat_tp) for w in widths) - tp_collective
     head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
     logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
@@ -578,7 +588,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
     return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, ep_collective, packed_qkv, qk_norm,
-                      head, head_elementwise, activations, logits_bytes, message / split, message / split)
+                      latent_collectives, head, head_elementwise, activations, logits_bytes, message / split, message / split)
 
 
 def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1) -> float:
@@ -665,7 +675,7 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
     # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
     # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
     floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if recompute == "full" else 1.0)
-    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives
+    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives + c.latent_collectives
     chunked_gemms = 0.0
     if overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how

@@ -35,13 +35,14 @@ use); what is missing raises `UnrecognisedModel`, whose message says what and ho
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise"]
+__all__ = ["LatentAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
 
@@ -554,10 +555,12 @@ PRESETS: dict[str, ModelSpec] = {
                              experts_per_token=4, seq_len=4096, name="gpt-oss-20b"),
     # DeepSeek-V3-like (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", Sec. 4.2): 61 layers, hidden 7168, the
     # first 3 dense (ffn 18432), then 256 routed experts of 2048 top-8 and 1 shared expert of 2048, vocab
-    # 129280. Its multi-head latent attention is priced as grouped-query attention of 128 heads of 128 with 8
-    # kv heads (1.3x MLA's attention weights, 0.8x its attention-core FLOPs): 675B parameters (the model:
-    # 671B), 41B active counting the embedding and the head (DeepSeek counts 37B); no multi-token prediction.
-    "deepseek-v3-like": ModelSpec(61, 7168, 128, 18432, 129280, num_kv_heads=8, head_dim=128, num_experts=256,
+    # 129280; multi-head latent attention of 128 heads (query latent 1536, key/value latent 512, rotary key 64,
+    # query heads 192 wide, value heads 128): 671B parameters (the model: 671B), 37.6B active counting the
+    # embedding and the head (DeepSeek counts 37B); no multi-token prediction.
+    "deepseek-v3-like": ModelSpec(61, 7168, 128, 18432, 129280, head_dim=192, num_experts=256,
+                                  latent_attention=LatentAttention(kv_lora_rank=512, rope_head_dim=64, v_head_dim=128,
+                                                                   q_lora_rank=1536),
                                   experts_per_token=8, expert_ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
                                   moe_layers=tuple(range(3, 61)), seq_len=4096, name="deepseek-v3-like"),
 }
@@ -1090,7 +1093,28 @@ def _moe_layers(layers, hidden: int, overrides: dict) -> tuple[dict[int, _MoEBlo
     fields = dict(num_experts=first.num_experts, experts_per_token=top_k, expert_ffn_hidden_size=first.expert_ffn,
                   shared_ffn_hidden_size=first.shared_ffn,
                   moe_layers=None if len(blocks) == len(layers) else tuple(blocks))  # None: every layer
+    experts = layers[next(iter(blocks))].get_submodule(first.experts)
+    if first.layout == "stacked" and runs_every_token(experts) and "experts_per_token" not in overrides:
+        # Llama 4's experts: every expert runs every token (the router's weights zero the others' outputs), so
+        # all of them cost per token, and under expert parallel every rank gets the same rows (no imbalance).
+        fields.update(experts_per_token=first.num_experts, expert_load_imbalance=1.0)
     return blocks, fields
+
+
+def runs_every_token(experts: "nn.Module") -> bool:
+    """Whether stacked experts run every expert on every token: their forward takes the hidden states alone
+    (Llama 4's, on [experts x tokens] rows), not Hugging Face's routed (hidden_states, top_k_index,
+    top_k_weights). distcore's expert parallel probes the rest before it splits them."""
+    signature = inspect.signature(experts.forward)
+
+    def takes(n: int) -> bool:
+        try:
+            signature.bind(*[None] * n)
+        except TypeError:
+            return False
+        return True
+
+    return takes(1) and not takes(3)
 
 
 def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
@@ -1137,6 +1161,9 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     if len(norms) != 2:
         notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 2)")
+    if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
+        notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
+                     f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
         notes.append(f"multi-head latent attention priced as it runs ({latent}); the rotary key's gradient "

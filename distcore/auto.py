@@ -142,8 +142,6 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     except autotune.UnrecognisedModel as error:
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
-    if spec is not None and spec.structure.is_moe:
-        spec = _priced_as_run(model, spec)
     limits: dict[str, str] = {}
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
@@ -171,32 +169,6 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if measurements is not None:
         model.distributed_measurements = measurements
     return model, optimizer, loader
-
-
-def _priced_as_run(model: torch.nn.Module, spec):
-    """`spec` with what the model's code runs where its structure alone would mislead the cost model: experts
-    that run every token (Llama 4's `forward(hidden_states)` on [experts x tokens] rows, each expert's block
-    weighted by the router, zeros for the experts not chosen) compute and, under ep, exchange all
-    `num_experts` experts per token, not the router's top-k. Told by the experts' interface (the hidden states
-    alone, not Hugging Face's routed (hidden_states, top_k_index, top_k_weights)); expert parallel's probe
-    checks the rest before it splits them."""
-    import inspect
-
-    experts = model.get_submodule(spec.structure.experts_modules()[0])
-    signature = inspect.signature(experts.forward)
-
-    def takes(n: int) -> bool:
-        try:
-            signature.bind(*[None] * n)
-        except TypeError:
-            return False
-        return True
-
-    if not takes(1) or takes(3) or spec.experts_per_token == spec.num_experts:  # takes(3): the routed interface
-        return spec
-    log.info("to_distributed: %s runs every expert on every token (weighted by its router): priced as %d experts "
-             "per token, not the top-%d", type(experts).__name__, spec.num_experts, spec.experts_per_token)
-    return dataclasses.replace(spec, experts_per_token=spec.num_experts)
 
 
 _KNOB_NAMES = {"tp": "tensor parallel", "recompute": "activation recompute",

@@ -399,6 +399,21 @@ def stacked_experts_copy(module: torch.nn.Module, count: int, fill=None) -> torc
     return copied
 
 
+def _few_experts_probe(module: torch.nn.Module, few: int = 4) -> torch.nn.Module:
+    """A probe copy of stacked experts `module` (fresh fp32 parameters, as `_probe_copy`'s) holding `few` of its
+    experts where that shows what a copy of all of them would: its parameters are all its own and stacked, and
+    its forward reads the expert count from its own `num_experts` (Hugging Face's experts do). Else (a
+    submodule or buffer, which a few-expert copy keeps live; a count read from elsewhere) a copy of all."""
+    own = dict(module.named_parameters(recurse=False))
+    experts = module.gate_up_proj.shape[0]
+    stacked_only = (len(own) == len(list(module.parameters())) and not list(module.buffers())
+                    and all(p.dim() >= 2 and p.shape[0] == experts for p in own.values()))
+    if experts <= few or not stacked_only or vars(module).get("num_experts") != experts:
+        return _probe_copy(module)
+    fresh = torch.Generator(device="cpu").manual_seed(4321)
+    return stacked_experts_copy(module, few, lambda shape, _: torch.randn(shape, generator=fresh) / shape[-1] ** 0.5)
+
+
 def experts_verdict(module: torch.nn.Module) -> str | None:
     """None when `module` holds stacked SwiGLU experts (3-D gate_up_proj [experts, 2·ffn, hidden] and
     down_proj [experts, hidden, ffn]) and a probe shows `module(x, top_k_index, top_k_weights)` is each
@@ -409,9 +424,7 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
     problem = stacked_experts_layout_error(module.gate_up_proj, module.down_proj)
     if problem:
         return f"SwiGLU experts candidate: {problem} (a transposed layout); left as is"
-    fresh = torch.Generator(device="cpu").manual_seed(4321)
-    probe = stacked_experts_copy(module, min(4, module.gate_up_proj.shape[0]),  # fresh fp32 values, as _probe_copy's
-                                 lambda shape, _: torch.randn(shape, generator=fresh) / shape[-1] ** 0.5)
+    probe = _few_experts_probe(module)
     experts, hidden = probe.gate_up_proj.shape[0], probe.gate_up_proj.shape[2]
     generator = torch.Generator(device="cpu").manual_seed(99)
     tokens, k = 7, min(2, experts)

@@ -319,17 +319,16 @@ def test_a_rank_s_own_experts_follow_train_and_eval_and_share_the_model_config()
 
 
 def test_experts_that_run_every_token_are_priced_as_they_run():
-    """Llama 4's experts run every expert on every token (weighted by the router): to_distributed prices all of
-    them per token, not the router's top-1; routed experts (Mixtral, gpt-oss) keep their top-k."""
-    from tridist.distcore.auto import _priced_as_run
-
-    for family, priced_k in (("llama4", EXPERTS), ("mixtral", TOP_K), ("gpt-oss", None)):
-        model = build(family)
-        spec = ModelSpec.from_module(model, seq_len=16)
-        priced = _priced_as_run(model, spec)
-        assert priced.experts_per_token == (priced_k or spec.experts_per_token), (family, priced.experts_per_token)
-        more = priced.experts_per_token - spec.experts_per_token
-        assert priced.active_parameters == spec.active_parameters + more * spec.num_moe_layers * spec.expert_parameters
+    """Llama 4's experts run every expert on every token (weighted by the router): ModelSpec.from_module (which
+    to_distributed and `tridist tune` read) prices all of them per token, not the router's top-1, with no
+    imbalance under ep (every rank gets the same rows), and says so; routed experts keep their top-k, and an
+    explicit experts_per_token wins."""
+    for family, k in (("llama4", EXPERTS), ("mixtral", TOP_K), ("gpt-oss", TOP_K)):
+        spec = ModelSpec.from_module(build(family), seq_len=16)
+        assert spec.experts_per_token == k, (family, spec.experts_per_token)
+        assert (spec.expert_load_imbalance == 1.0) == (family == "llama4")
+        assert any("runs every expert on every token" in n for n in spec.structure.notes) == (family == "llama4")
+    assert ModelSpec.from_module(build("llama4"), seq_len=16, experts_per_token=1).experts_per_token == 1
 
 
 def test_latent_attention_is_priced_as_it_runs():
@@ -351,7 +350,69 @@ def test_latent_attention_is_priced_as_it_runs():
     split, _ = _layer_parameters(mla, 4, 1, False, 1)
     unsplit = mla.attention_unsplit_parameters
     assert split == (mla.layer_matmul_parameters - unsplit) / 4 + unsplit + mla.layer_norm_parameters
+    # Under tp the backward all-reduces the gradients of the latents (query 1536, key/value 512, rotary key 64)
+    # in place of the hidden state's (7168).
+    from tridist.autotune import Cluster
+    from tridist.autotune.cost import _layer_cost, all_reduce_time
+
+    cluster = Cluster(1, 8, "h100-sxm")
+    cost = _layer_cost(mla, cluster, 4, 1, False)
+    bw, latency = cluster.link(4, 1)
+    message = cluster.dtype_bytes * 4096
+    assert cost.latent_collectives == pytest.approx(
+        sum(all_reduce_time(message * w, 4, bw, latency) for w in (1536, 512, 64)) - cost.tp_collective, rel=1e-12)
+    assert _layer_cost(mla, cluster, 1, 1, False).latent_collectives == 0.0
+    from tridist.autotune.cost import _layer_timing
+
+    timing = _layer_timing(mla, cluster, 4, 1, False, "none", False, False, 1)
+    assert timing.tp == pytest.approx(4 * cost.tp_collective + cost.latent_collectives, rel=1e-12)
     mha = dataclasses.replace(mla, latent_attention=None)  # what it was priced as before: 3.8x the weights
     assert mha.attention_parameters == 4 * 7168 * 128 * 192 and mha.attention_unsplit_parameters == 0
     with pytest.raises(ValueError, match="rotary part"):
         dataclasses.replace(mla, latent_attention=dataclasses.replace(latent, rope_head_dim=192))
+
+
+def test_the_swiglu_experts_probe_copies_a_few_experts_only_where_that_shows_the_same():
+    """`experts_verdict` probes a copy holding 4 of Mixtral's experts (its parameters are all its own and
+    stacked, its forward reads `num_experts`); a module with a submodule (which such a copy would keep live: a
+    zero-initialised adapter looks absent), a scalar parameter, or an expert count read from elsewhere is probed
+    whole, as before: the adapter is found, the scalar does not crash the probe, the other count is no refusal."""
+    import copy
+
+    from tridist.kernels.fuse import _few_experts_probe, experts_verdict
+
+    mixtral = build("mixtral").get_submodule("model.layers.0.mlp.experts")
+    experts = type(mixtral)
+    config = copy.deepcopy(mixtral.config)
+    config.num_local_experts = 8
+    assert experts_verdict(experts(config)) is None
+    assert _few_experts_probe(experts(config)).gate_up_proj.shape[0] == 4
+
+    class Adapted(experts):  # a zero-initialised adapter after the experts: SwiGLU only until it trains
+        def __init__(self, config):
+            super().__init__(config)
+            self.adapter = torch.nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+            torch.nn.init.zeros_(self.adapter.weight)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = super().forward(hidden_states, top_k_index, top_k_weights)
+            return out + self.adapter(out)
+
+    class Scaled(experts):  # a scalar parameter of its own
+        def __init__(self, config):
+            super().__init__(config)
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    class CountedElsewhere(experts):  # the expert count kept in another attribute
+        @property
+        def num_experts(self):
+            return self.n_routed_experts
+
+        @num_experts.setter
+        def num_experts(self, value):
+            self.n_routed_experts = value
+
+    assert "not each token's experts'" in experts_verdict(Adapted(config))
+    assert experts_verdict(Scaled(config)) is None  # probed whole: the scalar gets a fresh value, no crash
+    assert experts_verdict(CountedElsewhere(config)) is None
+    assert _few_experts_probe(CountedElsewhere(config)).gate_up_proj.shape[0] == 8
