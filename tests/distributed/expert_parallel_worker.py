@@ -1,4 +1,5 @@
-"""ExpertParallelExperts on 2 gloo processes (run by test_expert_parallel.py): the routed experts split over
+"""ExpertParallelExperts on 2 gloo processes (run by test_expert_parallel.py; experts that run every token, as
+Llama 4's, by ExpertParallelDenseExperts, with uneven tokens per rank): the routed experts split over
 an ep group of 2, each rank's tokens dispatched to their experts' rank and back. Output, the input's gradient
 and the experts' gradients equal one process running both ranks' tokens through the whole experts, also
 when a rank receives no tokens at all (every token routed to the other rank's experts): its backward must
@@ -81,6 +82,48 @@ def check_tokens_dispatched_and_combined_equal_one_process():
 def check_a_rank_that_receives_no_tokens_still_runs_the_backward_all_to_all():
     """Every token of both ranks routed to experts 0 and 1, which rank 0 holds: rank 1 receives none."""
     _compare(lambda rank: torch.tensor([[0, 1]] * TOKENS))
+
+
+class _EveryTokenExperts(torch.nn.Module):
+    """Experts that run every token, as Llama 4's: [experts x tokens, hidden] rows, expert e's block the e-th,
+    weights stored [experts, hidden, 2·ffn] and [experts, ffn, hidden]."""
+
+    def __init__(self, generator):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, 2 * FFN, generator=generator) / HIDDEN**0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, FFN, HIDDEN, generator=generator) / FFN**0.5)
+
+    def forward(self, hidden_states):
+        blocks = hidden_states.view(self.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
+        return torch.bmm(eager_swiglu(torch.bmm(blocks, self.gate_up_proj)), self.down_proj).view(-1, HIDDEN)
+
+
+def check_experts_that_run_every_token_with_uneven_tokens_equal_one_process():
+    """ExpertParallelDenseExperts with 5 tokens on rank 0 and 3 on rank 1 (uneven micro-batches): each rank's
+    output and input gradient equal the whole module's on its own rows, and the experts' gradients (1/ep
+    scaled) the data-parallel average of one process running both ranks' rows."""
+    from tridist.distcore.expert_parallel import EVERY_TOKEN, ExpertParallelDenseExperts
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    experts = _EveryTokenExperts(torch.Generator().manual_seed(0))
+    split = ExpertParallelDenseExperts(experts, init_device_mesh("cpu", (world,)), fused_activation=False)
+    assert split.kind == EVERY_TOKEN
+    tokens = [5, 3][:world] + [4] * max(0, world - 2)
+    rows = [torch.randn(EXPERTS * t, HIDDEN, generator=torch.Generator().manual_seed(300 + r)) for r, t in enumerate(tokens)]
+    upstream = [torch.randn(EXPERTS * t, HIDDEN, generator=torch.Generator().manual_seed(400 + r)) for r, t in enumerate(tokens)]
+    mine = rows[rank].clone().requires_grad_()
+    out = split(mine)
+    (out * upstream[rank]).sum().backward()
+
+    reference = _EveryTokenExperts(torch.Generator().manual_seed(0))
+    leaves = [r.clone().requires_grad_() for r in rows]
+    outs = [reference(leaf) for leaf in leaves]
+    sum((o * g).sum() for o, g in zip(outs, upstream)).backward()
+    torch.testing.assert_close(out, outs[rank].detach(), **TOLERANCE)
+    torch.testing.assert_close(mine.grad, leaves[rank].grad, **TOLERANCE)
+    for name in ("gate_up_proj", "down_proj"):
+        got = getattr(split, name).grad.full_tensor()
+        torch.testing.assert_close(got, getattr(reference, name).grad / world, msg=lambda m: f"{name}: {m}", **TOLERANCE)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
