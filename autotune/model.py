@@ -823,8 +823,8 @@ def _latent_attention_parts(ins: list[_Linear], latent: list[_Linear], o: _Linea
     rotary key shared by the heads: kv_a_proj_with_mqa) and, optionally, a query latent (q_a_proj); second
     projections take the latents up to every head (kv_b_proj, q_b_proj). Recognised by its names, the
     DeepSeek ones: a second-stage projection of another naming is not guessed at. q_size is the query heads'
-    width; the keys and values are priced as that many heads of that width (kv_size = q_size: the cost model
-    has no latent terms; see the note `_recognise` adds)."""
+    width, and kv_size too (every head has its own key); `latent_widths` become the spec's LatentAttention
+    (`_latent_attention`), which the cost model prices."""
     def leaf_of(lin):
         return lin.leaf.lower()
 
@@ -1166,8 +1166,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
-        notes.append(f"multi-head latent attention priced as it runs ({latent}); the rotary key's gradient "
-                     "all-reduce under tensor parallel (one rope_head_dim value per token) is not priced")
+        notes.append(f"multi-head latent attention priced as it runs ({latent})")
     elif attn.get("latent_kv"):
         notes.append("multi-head latent attention whose widths do not fit DeepSeek's is priced as multi-head "
                      "attention with its query heads' width")
@@ -1178,7 +1177,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
         mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
         v=attn.get("v"), qkv=attn.get("qkv"), latent_kv=attn.get("latent_kv"), latent_kv_down=attn.get("latent_kv_down"),
-        latent_rotary_features=getattr(attn_module, "qk_rope_head_dim", 0) if attn.get("latent_kv") else 0,
+        latent_rotary_features=attn["latent_widths"][2] if attn.get("latent_kv") else 0,  # the down-projection's rotary key
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
         qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],

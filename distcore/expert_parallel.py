@@ -131,24 +131,21 @@ def _probe_split(experts: torch.nn.Module, n_inputs: int, split_equals_whole, wr
     no hooks, a forward taking `n_inputs` inputs; then `split_equals_whole(whole, group, weights, half, hidden)`
     (the probe's two results, with the module copied for 2·half and half experts: fresh fp32 parameters) must
     agree at one of the parameters' widths (the input's is one of them)."""
-    from tridist.kernels.fuse import _close
+    from tridist.kernels.fuse import _close, fresh_probe_values, stacked_expert_count
 
+    num_experts, why_not = stacked_expert_count(experts)
+    if num_experts is None:
+        return why_not
     params = dict(experts.named_parameters(recurse=False))
-    if not params or len(params) != len(list(experts.parameters())) or list(experts.buffers()):
-        return "its parameters are not all its own (or it holds buffers)"
-    num_experts = {p.shape[0] if p.dim() >= 2 else None for p in params.values()}
-    if len(num_experts) != 1 or None in num_experts or next(iter(num_experts)) < 2:
-        return f"its parameters are not all stacked on one expert count (shapes {[tuple(p.shape) for p in params.values()]})"
     try:
         inspect.signature(experts.forward).bind(*[None] * n_inputs)
     except TypeError:
         return wrong_signature
     if experts._forward_hooks or experts._forward_pre_hooks:
         return "it has forward hooks"
-    half = 2 if next(iter(num_experts)) >= 4 else 1
+    half = 2 if num_experts >= 4 else 1
     generator = torch.Generator(device="cpu").manual_seed(77)
-    weights = {name: torch.randn((2 * half, *p.shape[1:]), generator=generator) / p.shape[-1] ** 0.5
-               for name, p in params.items()}
+    weights = {name: fresh_probe_values((2 * half, *p.shape[1:]), generator) for name, p in params.items()}
     try:
         whole, group = _local_template(experts, 2 * half), _local_template(experts, half)
     except Exception as error:  # noqa: BLE001 - a module that cannot be copied this way is refused, with why
@@ -312,7 +309,7 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
     Each must be of a kind `split_kind` knows (checked by its probes). Another pipeline stage's modules (a stage
     holds some layers only) are passed over."""
     modules = dict(model.named_modules())
-    replaced, kinds = [], {}  # kinds: split_kind's verdict per module type and parameter shapes, probed once
+    replaced, kinds = [], {}  # split_kind's verdict per _probe_key, probed once
     for name in experts:
         if _elsewhere(name, modules):
             continue  # another pipeline stage's module
@@ -324,10 +321,10 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise ValueError(f"expert parallel: {name}'s parameters are already DTensors (split by a tensor-parallel "
                              "plan?); leave the experts out of mp_config's plan: expert parallel splits them")
-        shapes = (type(module), *[(n, tuple(p.shape)) for n, p in module.named_parameters()])
-        if shapes not in kinds:
-            kinds[shapes] = split_kind(module)
-        kind, why = kinds[shapes]
+        key = _probe_key(module)
+        if key not in kinds:
+            kinds[key] = split_kind(module)
+        kind, why = kinds[key]
         if kind is None:
             raise ValueError(f"expert parallel: {name} ({type(module).__name__}) cannot be split: {why}. distcore "
                              "splits stacked experts of Hugging Face's interface forward(hidden_states, "
@@ -342,14 +339,19 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
     return replaced
 
 
+def _probe_key(module: torch.nn.Module) -> tuple:
+    """What split_kind's verdict depends on: the module's type and its parameters' names and shapes."""
+    return (type(module), *[(n, tuple(p.shape)) for n, p in module.named_parameters()])
+
+
 def expert_parallel_refusal(model: torch.nn.Module, experts: list[str]) -> str | None:
-    """Why expert parallel cannot split the named experts modules of `model` (each kind probed once), or None."""
+    """Why expert parallel cannot split the named experts modules of `model` (each _probe_key probed once), or None."""
     seen = set()
     for name in experts:
         module = model.get_submodule(name)
-        if type(module) in seen:
+        if _probe_key(module) in seen:
             continue
-        seen.add(type(module))
+        seen.add(_probe_key(module))
         kind, why = split_kind(module)
         if kind is None:
             return f"{name} ({type(module).__name__}) cannot be split: {why}"

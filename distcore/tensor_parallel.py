@@ -48,7 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
-from tridist.kernels.comm_matmul import BACKENDS, check_backend_available
+from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_available
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
@@ -196,26 +196,30 @@ class ReduceSharedOutputGradient(_Style):
                              f"got {self.features!r}")
 
     def apply(self, target: StyleTarget) -> str:
-        group, features = target.tp_mesh.get_group(), self.features
+        group_name, features = target.tp_mesh.get_group().group_name, self.features
 
         def hook(module, args, output):
-            return _SumTrailingGradient.apply(output, features, group)
+            return _SumTrailingGradient.apply(output, features, group_name)
 
         target.module.register_forward_hook(hook)
         return f"{target.name}: gradient of its last {features} outputs summed over the mp ranks"
 
 
 class _SumTrailingGradient(torch.autograd.Function):
+    """Identity forward; the backward sums the last `features` columns of the gradient over the group. It keeps
+    the group's name, not the group: an output kept alive (a script's, until exit) holds its graph, and a
+    graph holding the ProcessGroup keeps gloo running past destroy_process_group (the rings' teardown bug)."""
+
     @staticmethod
-    def forward(ctx, output, features, group):
-        ctx.features, ctx.group = features, group
+    def forward(ctx, output, features, group_name):
+        ctx.features, ctx.group_name = features, group_name
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.clone()
         shared = grad[..., -ctx.features:].contiguous()
-        torch.distributed.all_reduce(shared, group=ctx.group)
+        torch.distributed.all_reduce(shared, group=_group_by_name(ctx.group_name))
         grad[..., -ctx.features:] = shared
         return grad, None, None
 

@@ -206,14 +206,14 @@ class _CompiledLaunch:
         if type(kernel).__name__ != "JITFunction" or not all(hasattr(returned, a) for a in (
                 "run", "function", "packed_metadata")):
             return None
-        names = list(getattr(kernel, "arg_names", ()))
-        constexprs = {p.name for p in getattr(kernel, "params", ()) if getattr(p, "is_constexpr", False)}
+        names, params = list(getattr(kernel, "arg_names", ())), getattr(kernel, "params", ())
+        constexprs = {p.name for p in params if getattr(p, "is_constexpr", False)}
         if constexprs & set(scalars):
             return None
         given = dict(zip(names, tensors), **scalars, **launch.kwargs)
         if len(tensors) > len(names) or not all(isinstance(t, torch.Tensor) for t in tensors):
             return None
-        defaults = {p.name: p.default for p in getattr(kernel, "params", ())}
+        defaults = {p.name: p.default for p in params}
         template = []
         for name in names:
             value = given.get(name, defaults.get(name, inspect.Parameter.empty))

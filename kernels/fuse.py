@@ -210,10 +210,16 @@ def _probe_copy(module: torch.nn.Module) -> torch.nn.Module:
     generator = torch.Generator(device="cpu").manual_seed(4321)
     with torch.no_grad():
         for param in probe.parameters():
-            fan_in = param.shape[-1] if param.dim() > 1 else 1
-            fresh = torch.randn(param.shape, generator=generator) / fan_in**0.5 + (0.0 if param.dim() > 1 else 0.5)
-            param.copy_(fresh)
+            param.copy_(fresh_probe_values(param.shape, generator))
     return probe
+
+
+def fresh_probe_values(shape, generator: torch.Generator) -> torch.Tensor:
+    """A probe's fresh fp32 values for a parameter of `shape`: matrices scaled by 1/sqrt(fan-in), vectors around
+    0.5 (a zero-mean norm weight or bias would hide what it scales or shifts)."""
+    if len(shape) > 1:
+        return torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    return torch.randn(shape, generator=generator) + 0.5
 
 
 def _cpu_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -399,19 +405,29 @@ def stacked_experts_copy(module: torch.nn.Module, count: int, fill=None) -> torc
     return copied
 
 
+def stacked_expert_count(module: torch.nn.Module) -> tuple[int | None, str]:
+    """(the expert count, "") when every parameter of `module` is its own and stacked on one expert count (a
+    first dim of at least 2 shared by all) and it holds no buffers, else (None, why not): what a copy holding
+    some of its experts (`stacked_experts_copy`) can stand for the whole of."""
+    own = dict(module.named_parameters(recurse=False))
+    if not own or len(own) != len(list(module.parameters())) or list(module.buffers()):
+        return None, "its parameters are not all its own (or it holds buffers)"
+    counts = {p.shape[0] if p.dim() >= 2 else None for p in own.values()}
+    if len(counts) != 1 or None in counts or next(iter(counts)) < 2:
+        return None, f"its parameters are not all stacked on one expert count (shapes {[tuple(p.shape) for p in own.values()]})"
+    return next(iter(counts)), ""
+
+
 def _few_experts_probe(module: torch.nn.Module, few: int = 4) -> torch.nn.Module:
     """A probe copy of stacked experts `module` (fresh fp32 parameters, as `_probe_copy`'s) holding `few` of its
     experts where that shows what a copy of all of them would: its parameters are all its own and stacked, and
     its forward reads the expert count from its own `num_experts` (Hugging Face's experts do). Else (a
     submodule or buffer, which a few-expert copy keeps live; a count read from elsewhere) a copy of all."""
-    own = dict(module.named_parameters(recurse=False))
-    experts = module.gate_up_proj.shape[0]
-    stacked_only = (len(own) == len(list(module.parameters())) and not list(module.buffers())
-                    and all(p.dim() >= 2 and p.shape[0] == experts for p in own.values()))
-    if experts <= few or not stacked_only or vars(module).get("num_experts") != experts:
+    experts, _ = stacked_expert_count(module)
+    if experts is None or experts <= few or vars(module).get("num_experts") != experts:
         return _probe_copy(module)
     fresh = torch.Generator(device="cpu").manual_seed(4321)
-    return stacked_experts_copy(module, few, lambda shape, _: torch.randn(shape, generator=fresh) / shape[-1] ** 0.5)
+    return stacked_experts_copy(module, few, lambda shape, _: fresh_probe_values(shape, fresh))
 
 
 def experts_verdict(module: torch.nn.Module) -> str | None:
