@@ -94,7 +94,16 @@ def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
+def check_same_device(op: str, first: torch.Tensor, *others: torch.Tensor | None, names: tuple[str, ...]) -> None:
+    """Raise naming each tensor's device unless `first` and the `others` given (not None) share one; `names`
+    names them in order."""
+    device = first.device
+    for other in others:
+        if other is not None and other.device != device:
+            _raise_on_devices(op, **dict(zip(names, (first, *others))))
+
+
+def _raise_on_devices(op: str, **tensors: torch.Tensor | None) -> None:
     present = {name: t for name, t in tensors.items() if t is not None}
     devices = {t.device for t in present.values()}
     if len(devices) > 1:
@@ -138,7 +147,7 @@ class Launch:
         return f"Launch(grid={self.grid}, kwargs={self.kwargs})"
 
     def launch(self, kernel, *tensors: torch.Tensor, **scalars) -> None:
-        if TRITON_INTERPRET or _jit_launch_needed(kernel):
+        if type(kernel).__name__ == "InterpretedFunction" or _jit_launch_needed(kernel):  # Triton's interpreter
             kernel[self.grid](*tensors, **scalars, **self.kwargs)
             return
         device = _current_device()
@@ -339,10 +348,10 @@ def eager_autograd(forward, setup_context, backward, *, returns: int | None = No
         @staticmethod
         def backward(ctx, *grads):
             grads = waited(grads)
+            if not torch.is_grad_enabled():  # the usual backward (create_graph=False): no graph to keep out of
+                return backward(ctx, *grads)
             with torch.no_grad():
                 input_grads = backward(ctx, *grads)
-            if not torch.is_grad_enabled():
-                return input_grads
             # create_graph=True: the backward kernels are not differentiable. Like the registered op,
             # raise if anyone differentiates these gradients, rather than silently dropping their
             # second-order terms (torch's once_differentiable only does so when `grads` require grad).

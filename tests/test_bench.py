@@ -227,14 +227,42 @@ def test_launch_benchmark_times_every_op_against_torch_mul_and_restores_the_laun
     from tridist.bench.launch import run_launch_benchmark
     from tridist.kernels import _common
 
-    getitem, interpret = KernelInterface.__getitem__, _common.TRITON_INTERPRET
+    saved = KernelInterface.__getitem__, _common.TRITON_INTERPRET, _common._current_device, _common._current_stream
     frame = run_launch_benchmark(calls=20, repeats=1, out_dir=tmp_path)
-    assert list(frame.index) == ["torch.mul", "minimal autograd.Function", "torch's part of rms_norm", "rms_norm",
-                                 "add_rms_norm", "rotary", "swiglu"]
+    ops = ["rms_norm", "add_rms_norm", "rotary", "swiglu"]
+    assert list(frame.index) == ["torch.mul", "minimal autograd.Function", *ops]
     assert (frame[["fwd_us", "fwd_bwd_us"]] > 0).all().all() and frame.loc["torch.mul", "fwd_x_mul"] == 1.0
+    # Each op beside its torch part (what its autograd.Function costs torch), which launches nothing.
+    floors = frame.loc[ops, ["floor_fwd_x_mul", "floor_fwd_bwd_x_mul", "ours_fwd_us", "ours_fwd_bwd_us"]]
+    assert floors.notna().all().all() and (floors[["floor_fwd_x_mul", "floor_fwd_bwd_x_mul"]] > 0).all().all()
     assert {p.name for p in tmp_path.iterdir()} == {"results.csv", "report.md", "plot.png"}
     assert "| rotary |" in (tmp_path / "report.md").read_text()
-    assert KernelInterface.__getitem__ is getitem and _common.TRITON_INTERPRET == interpret
+    assert (KernelInterface.__getitem__, _common.TRITON_INTERPRET, _common._current_device,
+            _common._current_stream) == saved
+
+
+def test_stubbed_launches_run_the_direct_launch_as_on_a_gpu():
+    """Inside `stubbed_launches` a compiled (JIT) kernel's launches reach Triton's launcher, stubbed, as on a GPU:
+    the first through the JIT (`kernel[grid]`, stubbed), the next ones by the direct launch
+    (Launch.launch's `_CompiledLaunch`), so the benchmark times the launch path a GPU runs."""
+    import types
+
+    from triton.runtime.jit import KernelInterface
+
+    from tridist.bench import launch as bench_launch
+    from tridist.kernels._common import Launch
+
+    names = ["x_ptr", "n_rows", "BLOCK"]
+    kernel = type("JITFunction", (KernelInterface,), {  # what `triton.jit` makes outside the interpreter
+        "arg_names": names, "pre_run_hooks": [],
+        "params": [types.SimpleNamespace(name=n, default=None, is_constexpr=n == "BLOCK") for n in names]})()
+    runs = []
+    with bench_launch.stubbed_launches(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench_launch._NoLaunch, "run", staticmethod(lambda *args: runs.append(args)))
+        plan, x = Launch((3,), dict(n_rows=4, BLOCK=64)), torch.zeros(8)
+        for _ in range(3):
+            plan.launch(kernel, x)
+    assert len(runs) == 2 and runs[0][:3] == (3, 1, 1) and runs[0][-3:] == (x, 4, 64), runs
 
 
 def test_linear_cross_entropy_rows_carry_peak_memory_and_the_matmul_share(tmp_path, monkeypatch):

@@ -30,9 +30,9 @@ class JITFunction:
                                     is_constexpr=n == "BLOCK") for n in arg_names]
     pre_run_hooks = []
 
-    def __init__(self, interpreted=False):
+    def __init__(self):
         self.log = []
-        self.compiled = None if interpreted else _FakeCompiled(self.log)
+        self.compiled = _FakeCompiled(self.log)
 
     def __getitem__(self, grid):
         def jit(*args, **kwargs):
@@ -44,7 +44,6 @@ class JITFunction:
 @pytest.fixture
 def compiled_launches(monkeypatch):
     """Launch.launch as on a GPU without launch hooks."""
-    monkeypatch.setattr(_common, "TRITON_INTERPRET", False)
     monkeypatch.setattr(_common, "_current_device", lambda: 0)
     monkeypatch.setattr(_common, "_current_stream", lambda device: f"stream{device}")
     monkeypatch.setattr(_common, "_jit_launch_needed", lambda kernel: False)
@@ -127,7 +126,10 @@ def test_what_only_the_jit_honours_is_read_at_every_launch(monkeypatch):
 
 
 def test_the_interpreter_and_launch_hooks_keep_the_jit_launch(compiled_launches, monkeypatch):
-    interpreted, plan = JITFunction(interpreted=True), Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
+    """Triton's interpreter's kernels (what `triton.jit` makes under TRITON_INTERPRET=1), whatever they return;
+    a kernel with a launch hook set."""
+    interpreted = type("InterpretedFunction", (JITFunction,), {})()
+    plan = Launch((1,), dict(n_rows=7, stride=3, BLOCK=64))
     x = torch.zeros(8)
     for _ in range(3):
         plan.launch(interpreted, x, x, eps=1e-5)

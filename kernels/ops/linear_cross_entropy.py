@@ -802,7 +802,7 @@ def _validate(op, hidden, weight, labels, bias, ignore_index, reduction, label_s
     check_dtype(op, "weight", weight)
     if bias is not None:
         check_dtype(op, "bias", bias)
-    check_same_device(op, hidden=hidden, weight=weight, labels=labels, bias=bias)
+    check_same_device(op, hidden, weight, labels, bias, names=("hidden", "weight", "labels", "bias"))
     if hidden.dim() == 0:
         raise ValueError(f"{op}: hidden must be [..., hidden_size], got a scalar")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

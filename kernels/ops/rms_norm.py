@@ -584,7 +584,7 @@ def rms_norm(
         raise ValueError(f"{op}: cast_to must be 'weight' (seed/Paddle) or 'input' (Hugging Face), got {cast_to!r}")
     check_dtype(op, "x", x)
     check_dtype(op, "weight", weight)
-    check_same_device(op, x=x, weight=weight, residual=residual)
+    check_same_device(op, x, weight, residual, names=("x", "weight", "residual"))
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension (the hidden size), got a scalar")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:

@@ -461,31 +461,44 @@ def _rotary_on_shards(q, k, cos, sin, position_ids, *, layout, interleaved, rota
 
 
 def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | None) -> int:
-    """Raise a ValueError/TypeError naming the problem; return the effective rotary_dim."""
+    """Raise a ValueError/TypeError naming the problem; return the effective rotary_dim. What depends on shapes
+    alone is checked once per signature (`_validate_shapes`)."""
     op = "apply_rotary_pos_emb"
     if layout not in LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
-    layout_bhsd = layout == "bhsd"
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         check_dtype(op, name, t)
-    check_same_device(op, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"{op}: q and k must be 4-D ({layout}), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    check_same_device(op, q, k, cos, sin, position_ids, names=("q", "k", "cos", "sin", "position_ids"))
     if q.dtype != k.dtype:
         raise TypeError(f"{op}: q and k must have one dtype, got {q.dtype} and {k.dtype}")
-    q4, k4 = _bshd(q.shape, layout_bhsd), _bshd(k.shape, layout_bhsd)
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError(f"{op}: gradients through cos/sin are not computed; pass cos.detach(), sin.detach()")
+    if position_ids is None:
+        return _validate_shapes(q.shape, k.shape, cos.shape, sin.shape, None, None, layout, rotary_dim)
+    return _validate_shapes(q.shape, k.shape, cos.shape, sin.shape, position_ids.shape, position_ids.dtype, layout,
+                            rotary_dim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _validate_shapes(q_shape, k_shape, table_shape, sin_shape, pos_shape, pos_dtype, layout: str,
+                     rotary_dim: int | None) -> int:
+    """`_validate`'s checks of shapes, layout and rotary_dim (a pure function of them: an answer is cached, an
+    error raised again at every call); the effective rotary_dim."""
+    op = "apply_rotary_pos_emb"
+    layout_bhsd = layout == "bhsd"
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        raise ValueError(f"{op}: q and k must be 4-D ({layout}), got shapes {tuple(q_shape)} and {tuple(k_shape)}")
+    q4, k4 = _bshd(q_shape, layout_bhsd), _bshd(k_shape, layout_bhsd)
     if q4[0] != k4[0] or q4[1] != k4[1] or q4[3] != k4[3]:
         raise ValueError(
-            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, sequence and head_dim "
+            f"{op}: q {tuple(q_shape)} and k {tuple(k_shape)} must agree on batch, sequence and head_dim "
             f"in layout {layout!r} (only the head count may differ)"
         )
     batch, seq_len, _, head_dim = q4
-    if cos.shape != sin.shape:
-        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
-    if cos.requires_grad or sin.requires_grad:
-        raise ValueError(f"{op}: gradients through cos/sin are not computed; pass cos.detach(), sin.detach()")
-    _check_table_shape(op, cos, layout, batch)
-    table_dim = cos.shape[-1]
+    if table_shape != sin_shape:
+        raise ValueError(f"{op}: cos {tuple(table_shape)} and sin {tuple(sin_shape)} must have the same shape")
+    _check_table_shape(op, table_shape, layout, batch)
+    table_dim = table_shape[-1]
     rotary_dim = table_dim if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or rotary_dim <= 0 or rotary_dim > head_dim:
         what = "head_dim" if rotary_dim == head_dim else "rotary_dim"
@@ -495,29 +508,29 @@ def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | No
             f"{op}: cos/sin last dim is {table_dim}; expected rotary_dim ({rotary_dim}) or rotary_dim / 2 "
             f"({rotary_dim // 2}, one entry per pair)"
         )
-    if position_ids is not None:
-        _check_position_ids(op, position_ids, batch, seq_len)
+    if pos_shape is not None:
+        _check_position_ids(op, pos_shape, pos_dtype, batch, seq_len)
     return rotary_dim
 
 
-def _check_table_shape(op: str, cos: torch.Tensor, layout: str, batch: int) -> None:
-    shape = tuple(cos.shape)
-    if cos.dim() == 4:
+def _check_table_shape(op: str, shape: tuple, layout: str, batch: int) -> None:
+    shape = tuple(shape)
+    if len(shape) == 4:
         head_axis = 1 if layout == "bhsd" else 2
         if shape[head_axis] != 1 or shape[0] not in (1, batch):
             expected = "[1 or B, 1, T, D]" if layout == "bhsd" else "[1 or B, T, 1, D]"
             raise ValueError(f"{op}: 4-D cos/sin must be {expected} for layout {layout!r}, got {shape}")
-    elif cos.dim() == 3:
+    elif len(shape) == 3:
         if shape[0] not in (1, batch):
             raise ValueError(f"{op}: 3-D cos/sin must be [B, T, D] with B = 1 or {batch}, got {shape}")
-    elif cos.dim() != 2:
+    elif len(shape) != 2:
         raise ValueError(f"{op}: cos/sin must be [T, D], [B, T, D] or 4-D with a size-1 head dim, got {shape}")
 
 
-def _check_position_ids(op: str, position_ids: torch.Tensor, batch: int, seq_len: int) -> None:
-    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-        raise TypeError(f"{op}: position_ids must be an integer tensor, got {position_ids.dtype}")
-    shape = tuple(position_ids.shape)
+def _check_position_ids(op: str, shape: tuple, dtype: torch.dtype, batch: int, seq_len: int) -> None:
+    if dtype.is_floating_point or dtype == torch.bool:
+        raise TypeError(f"{op}: position_ids must be an integer tensor, got {dtype}")
+    shape = tuple(shape)
     ok = shape in ((seq_len,), (1, seq_len), (batch, seq_len))
     if not ok:
         raise ValueError(f"{op}: position_ids must be [{batch}, {seq_len}], [1, {seq_len}] or [{seq_len}], got {shape}")

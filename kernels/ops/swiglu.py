@@ -305,7 +305,7 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
             )
         return (_swiglu_packed_op if torch.compiler.is_compiling() else _swiglu_packed_eager)(x)
     check_dtype(op, "y", y)
-    check_same_device(op, x=x, y=y)
+    check_same_device(op, x, y, names=("x", "y"))
     if x.shape != y.shape:
         raise ValueError(f"{op}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
     return (_swiglu_op if torch.compiler.is_compiling() else _swiglu_eager)(x, y)
