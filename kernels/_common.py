@@ -268,6 +268,17 @@ def row_args(prefix: str, shape: tuple, strides: tuple) -> dict | None:
             f"{prefix}_stride_inner": stride_inner, f"{prefix}_stride_col": stride_col}
 
 
+def dense_row_major(shape: tuple, strides: tuple) -> bool:
+    """Whether a tensor of this shape and strides is its elements in one run, row-major (what `.contiguous()`
+    makes; a dim of size 1 may have any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _row_geometry(shape: tuple, strides: tuple) -> tuple[int, int, int, int, int] | None:
     """(n_rows, inner_rows, stride_outer, stride_inner, stride_col) of a tensor of this shape and strides (see
     row_args), or None when its leading dims do not merge into two row strides. Asked when a plan is built."""

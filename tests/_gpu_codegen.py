@@ -129,10 +129,15 @@ def variants():
             (), 4,
         )
     unit_cols = lambda *names: unit(*(f"{n}_stride_col" for n in names))  # noqa: E731
-    yield ("swiglu_fwd", swiglu._swiglu_fwd_kernel, {"gate_ptr": BF16, "up_ptr": BF16, "out_ptr": BF16},
-           {"BLOCK_M": 4, "BLOCK_N": 1024, **unit_cols("gate", "up")}, (), 4)
-    yield ("swiglu_bwd", swiglu._swiglu_bwd_kernel, {n: BF16 for n in ("grad_ptr", "gate_ptr", "up_ptr", "dgate_ptr", "dup_ptr")},
-           {"BLOCK_M": 4, "BLOCK_N": 1024, **unit_cols("grad", "gate", "up", "dgate", "dup")}, (), 4)
+    # SwiGLU's rows addressed by their strides (a packed [gate | up] input's halves), and dense inputs as one run
+    # (a projection's outputs: FLAT; EVEN where the tiles divide it, as 4 x 1024 tiles divide 16,384 x 11,008).
+    for label, flat in (("swiglu", False), ("swiglu_flat", True)):
+        addressing = {"FLAT": flat, "EVEN": flat, "WIDE": False}
+        yield (f"{label}_fwd", swiglu._swiglu_fwd_kernel, {"gate_ptr": BF16, "up_ptr": BF16, "out_ptr": BF16},
+               {"BLOCK_M": 4, "BLOCK_N": 1024, **addressing, **unit_cols("gate", "up")}, (), 4)
+        yield (f"{label}_bwd", swiglu._swiglu_bwd_kernel,
+               {n: BF16 for n in ("grad_ptr", "gate_ptr", "up_ptr", "dgate_ptr", "dup_ptr")},
+               {"BLOCK_M": 4, "BLOCK_N": 1024, **addressing, **unit_cols("grad", "gate", "up", "dgate", "dup")}, (), 4)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ from tridist.kernels.testing import assert_matches_reference, assert_rounded_onc
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # One element, a prime width, a width just over one column block (no power-of-two padding), 4-D (three
-# leading dims that merge into one row index, in the inputs and in the gradient buffers).
-SHAPES = [(1, 1), (3, 37), (2, MAX_BLOCK_N + 5), (2, 3, 2, 176)]
+# leading dims that merge into one row index, in the inputs and in the gradient buffers), and a run of elements
+# that the heuristic's tiles (4 x 1024) divide: contiguous, it is read without masks (the plan's EVEN). The
+# two-tensor form's contiguous inputs take the flat addressing (FLAT), the split-in-half form's halves the rows'.
+SHAPES = [(1, 1), (3, 37), (2, MAX_BLOCK_N + 5), (2, 3, 2, 176), (16, MAX_BLOCK_N)]
 U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff: one fp32 operation's relative error
 
 
@@ -172,3 +174,50 @@ def test_empty(backend, shape):
 def test_bad_input_errors(args, message):
     with pytest.raises((ValueError, TypeError), match=message):
         kernels.swiglu(*args)
+
+
+def test_dense_inputs_are_addressed_as_one_run_and_others_by_rows():
+    """The plan's addressing: FLAT when every tensor is dense and row-major (size-1 dims may have any stride),
+    EVEN when the tiles divide the run, WIDE (int64 offsets) when the last tile passes 2**31 - 1; the rows'
+    strides otherwise (a half of packed rows, a transposed view)."""
+    from tridist.kernels._common import dense_row_major
+    from tridist.kernels.ops.swiglu import _plan
+
+    def plan(shape, *strides, kind="fwd"):
+        return _plan.__wrapped__(kind, shape, strides, torch.bfloat16, torch.device("cuda"),
+                                 {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}).kwargs
+
+    dense = (1024, 1)
+    assert {k: plan((16, 1024), dense, dense)[k] for k in ("FLAT", "EVEN", "WIDE")} == dict(FLAT=True, EVEN=True, WIDE=False)
+    assert {k: plan((3, 37), (37, 1), (37, 1))[k] for k in ("FLAT", "EVEN")} == dict(FLAT=True, EVEN=False)
+    assert plan((16, 1, 1024), (1024, 7, 1), (1024, 1024, 1))["FLAT"]  # a size-1 dim's stride is never used
+    assert not plan((16, 1024), (2048, 1), dense)["FLAT"]  # the gate half of packed [gate | up] rows
+    assert not plan((16, 1024), (1, 16), dense)["FLAT"]  # a transposed view
+    assert not plan((16, 1024), dense, dense, dense, (2048, 1), dense, kind="bwd")["FLAT"]  # d_gate into packed rows
+    assert plan((2**16, 2**15), (2**15, 1), (2**15, 1))["WIDE"]  # 2**31 elements
+    assert not plan((2**16, 2**15 - 1), (2**15 - 1, 1), (2**15 - 1, 1))["WIDE"]  # 2**31 - 2**16, + a tile: int32
+    assert dense_row_major((2, 3), (3, 1)) and dense_row_major((), ()) and not dense_row_major((2, 3), (1, 2))
+
+
+def test_int64_offsets_of_a_long_run_compute_the_same(monkeypatch):
+    """WIDE (int64 offsets, past 2**31 - 1 elements: too large to run here) forced on a small run, forward and
+    backward, matches the int32 run bit for bit."""
+    from tridist.kernels._common import use_triton
+    from tridist.kernels.ops import swiglu as swiglu_op
+
+    x, y = torch.randn(3, 37, requires_grad=True), torch.randn(3, 37, requires_grad=True)
+    if not use_triton(x):
+        pytest.skip("the kernels run in Triton's interpreter (TRITON_INTERPRET=1)")
+    plain_out = kernels.swiglu(x, y)
+    plain_grads = torch.autograd.grad(plain_out, (x, y), torch.ones_like(plain_out))
+    wrapped = swiglu_op._plan.__wrapped__
+
+    def wide(*args):
+        launch = wrapped(*args)
+        launch.kwargs["WIDE"] = True
+        return launch
+
+    monkeypatch.setattr(swiglu_op, "_plan", wide)
+    out = kernels.swiglu(x, y)
+    grads = torch.autograd.grad(out, (x, y), torch.ones_like(out))
+    assert torch.equal(out, plain_out) and all(map(torch.equal, grads, plain_grads))

@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 
 from .. import configs
-from .._common import (Launch, as_dtensor_like, cdiv, check_dtype, check_same_device, eager_autograd, is_dtensor,
-                       keeps_whole, local_saved_tensors, next_power_of_2, note_unfused, row_args,
-                       split_dim, use_triton)
+from .._common import (Launch, as_dtensor_like, cdiv, check_dtype, check_same_device, dense_row_major,
+                       eager_autograd, is_dtensor, keeps_whole, local_saved_tensors, next_power_of_2, note_unfused,
+                       row_args, split_dim, use_triton)
 from ..reference import swiglu_reference
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
@@ -52,19 +52,48 @@ def _offsets(rows, cols, inner_rows, stride_outer, stride_inner, stride_col):
 
 
 @triton.jit
+def _flat_tile(n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE: tl.constexpr):
+    """Every tensor dense and row-major (`FLAT`): the elements as one run, BLOCK_M * BLOCK_N of them per program,
+    one offset for every tensor (int64 only where the run's last tile passes 2**31 - 1: `WIDE`)."""
+    index = tl.int64 if WIDE else tl.int32
+    offsets = tl.program_id(0).to(index) * (BLOCK_M * BLOCK_N) + tl.arange(0, BLOCK_M * BLOCK_N)
+    return offsets, offsets < tl.cast(n_rows, index) * n_cols
+
+
+@triton.jit
+def _load(ptr, offsets, mask, EVEN: tl.constexpr):
+    """fp32 values at `ptr + offsets`; without a mask where every offset is in range (`EVEN`)."""
+    if EVEN:
+        return tl.load(ptr + offsets).to(tl.float32)
+    return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, offsets, values, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty))
+    else:
+        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, n_rows, n_cols,
     gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col,
     up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
 ):
-    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
-    gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
-    up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
-    gate = tl.load(gate_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if FLAT:
+        offsets, mask = _flat_tile(n_rows, n_cols, BLOCK_M, BLOCK_N, WIDE)
+        gate_offs, up_offs, out_offs = offsets, offsets, offsets
+    else:
+        rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+        gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
+        up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
+        out_offs = rows[:, None] * n_cols + cols[None, :]
+    gate = _load(gate_ptr, gate_offs, mask, EVEN)
+    up = _load(up_ptr, up_offs, mask, EVEN)
+    _store(out_ptr, out_offs, gate / (1.0 + tl.exp(-gate)) * up, mask, EVEN)
 
 
 @triton.jit
@@ -75,30 +104,33 @@ def _swiglu_bwd_kernel(
     up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
     dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col,
     dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
 ):
-    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
-    grad_offs = _offsets(rows, cols, grad_inner_rows, grad_stride_outer, grad_stride_inner, grad_stride_col)
-    gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
-    up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
-    grad = tl.load(grad_ptr + grad_offs, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(gate_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    if FLAT:
+        offsets, mask = _flat_tile(n_rows, n_cols, BLOCK_M, BLOCK_N, WIDE)
+        grad_offs, gate_offs, up_offs, dgate_offs, dup_offs = offsets, offsets, offsets, offsets, offsets
+    else:
+        rows, cols, mask = _tile(n_rows, n_cols, BLOCK_M, BLOCK_N)
+        grad_offs = _offsets(rows, cols, grad_inner_rows, grad_stride_outer, grad_stride_inner, grad_stride_col)
+        gate_offs = _offsets(rows, cols, gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col)
+        up_offs = _offsets(rows, cols, up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col)
+        dgate_offs = _offsets(rows, cols, dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col)
+        dup_offs = _offsets(rows, cols, dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col)
+    grad = _load(grad_ptr, grad_offs, mask, EVEN)
+    gate = _load(gate_ptr, gate_offs, mask, EVEN)
+    up = _load(up_ptr, up_offs, mask, EVEN)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
-    dgate = grad * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = grad * silu
-    dgate_offs = _offsets(rows, cols, dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col)
-    dup_offs = _offsets(rows, cols, dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col)
-    tl.store(dgate_ptr + dgate_offs, dgate.to(dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + dup_offs, dup.to(dup_ptr.dtype.element_ty), mask=mask)
+    _store(dgate_ptr, dgate_offs, grad * up * sig * (1.0 + gate * (1.0 - sig)), mask, EVEN)
+    _store(dup_ptr, dup_offs, grad * silu, mask, EVEN)
 
 
 # ------------------------------------------------------------------------------- launch configurations
 
 TUNABLES = {
     kind: configs.Tunable(f"swiglu_{kind}", frozenset({"BLOCK_M", "BLOCK_N", "num_warps"}),
-                          (_swiglu_fwd_kernel if kind == "fwd" else _swiglu_bwd_kernel, _tile, _offsets))
+                          (_swiglu_fwd_kernel if kind == "fwd" else _swiglu_bwd_kernel, _tile, _offsets, _flat_tile,
+                           _load, _store))
     for kind in ("fwd", "bwd")
 }
 # The sweep's limit: at most 16384 elements per tile (the backward holds five fp32 values per element:
@@ -143,7 +175,12 @@ def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, devic
 def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launch | None | bool:
     """The launch of `kind` ("fwd": reads gate, up; "bwd": grad, gate, up, writes dgate, dup) over tensors of this shape
     with these strides (one tuple per tensor, in that order); False when an input must be copied first
-    (`row_args`), None when there is nothing to launch."""
+    (`row_args`), None when there is nothing to launch.
+
+    When every tensor is dense and row-major (`FLAT`: a projection's output, the common case) the elements are
+    one run, tiled in BLOCK_M * BLOCK_N elements with one offset for all (as Inductor's pointwise kernels do):
+    no per-row index arithmetic, and no masks when the tiles divide the run (`EVEN`). Otherwise the rows are
+    addressed by their strides, in [BLOCK_M, BLOCK_N] tiles."""
     names = ("gate", "up") if kind == "fwd" else ("grad", "gate", "up", "dgate", "dup")
     args = [row_args(name, shape, tensor_strides) for name, tensor_strides in zip(names, strides)]
     if None in args:
@@ -152,9 +189,17 @@ def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launc
     if not (n_rows and n_cols):
         return None
     cfg = config or launch_config(kind, n_rows, n_cols, dtype, device)
-    return Launch((cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"])), dict(
+    flat = all(dense_row_major(shape, tensor_strides) for tensor_strides in strides)
+    tile, n_elements = cfg["BLOCK_M"] * cfg["BLOCK_N"], n_rows * n_cols
+    if flat:
+        grid, even = (cdiv(n_elements, tile), 1), n_elements % tile == 0
+    else:
+        grid, even = (cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"])), False
+    return Launch(grid, dict(
         n_rows=n_rows, n_cols=n_cols, **{k: v for named in args for k, v in named.items()},
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FLAT=flat, EVEN=even,
+        WIDE=n_elements + tile > 2**31 - 1,  # the last tile's offsets, masked or not, must not overflow int32
+        num_warps=cfg["num_warps"],
     ))
 
 
