@@ -25,7 +25,7 @@ from typing import Callable
 
 # Known here as well as in bench.kernels (which imports torch): argument checking stays import-free.
 # tests/test_bench.py checks that the two lists agree.
-KERNEL_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "linear_cross_entropy")
+KERNEL_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "geglu", "linear_cross_entropy")
 KERNEL_DTYPES = ("bf16", "fp16", "fp32")
 
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+from tridist.kernels.reference import geglu_reference, rms_norm_reference, rotary_reference, swiglu_reference
 from tridist.kernels.testing import compare_with_reference, upcast
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,6 +76,8 @@ def cases(*, quick: bool, device_type: str) -> list[Case]:
 
         found.append(Case("swiglu", f"T={tokens} I={width}", make, kernels.swiglu, swiglu_reference, requires_grad=(0, 1)))
         found.append(Case("swiglu", f"T={tokens} packed strided 2I={2 * width}", make_packed, kernels.swiglu, swiglu_reference))
+        found.append(Case("geglu", f"T={tokens} I={width}", make, kernels.geglu, geglu_reference, requires_grad=(0, 1)))
+        found.append(Case("geglu", f"T={tokens} packed strided 2I={2 * width}", make_packed, kernels.geglu, geglu_reference))
     for batch, seq, q_heads, kv_heads, head_dim in rope_shapes:
         for layout, with_positions in (("bshd", True), ("bhsd", False)):
             def make(dtype, device, b=batch, s=seq, hq=q_heads, hk=kv_heads, d=head_dim, layout=layout, with_positions=with_positions):

@@ -34,7 +34,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "linear_cross_entropy")
+OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "geglu", "linear_cross_entropy")
+GATED_OPS = ("swiglu", "geglu")  # one kernel pair, silu or gelu (tanh approximation: Gemma's) of the gate
 LOSS_OP = "linear_cross_entropy"
 LOSS_MODES = ("fwd", "fwd+bwd")  # see the module docstring
 # Report order: baselines first, ours last.
@@ -125,7 +126,7 @@ class Case:
             q_heads, kv_heads = self.rotary_heads
             batch = self.tokens // self.rotary_seq_len
             return f"B={batch} S={self.rotary_seq_len} Hq={q_heads} Hk={kv_heads} D={self.head_dim}"
-        if self.op == "swiglu":
+        if self.op in GATED_OPS:
             return f"T={self.tokens} I={self.width}"
         if self.op == LOSS_OP:
             return f"T={self.tokens} H={self.width} V={self.vocab}"
@@ -152,7 +153,7 @@ CPU_LOSS_SHAPES = ((512, 256, 2048), (2048, 1024, 8192))
 
 def _case(op: str, *, tokens: int, hidden: int, dtype: str, head_dim: int, seq_len: int,
           intermediate: int) -> Case:
-    if op == "swiglu":
+    if op in GATED_OPS:
         return Case(op, tokens, intermediate, dtype)
     if op == "rotary":
         return Case(op, tokens, hidden, dtype, head_dim=head_dim, seq_len=min(seq_len, tokens))
@@ -372,16 +373,17 @@ def _reference(op: str) -> Callable:
         rms_norm_reference,
         rotary_reference,
         swiglu_reference,
+        geglu_reference,
     )
 
-    return {"rms_norm": rms_norm_reference, "add_rms_norm": rms_norm_reference,
-            "rotary": rotary_reference, "swiglu": swiglu_reference, LOSS_OP: linear_cross_entropy_reference}[op]
+    return {"rms_norm": rms_norm_reference, "add_rms_norm": rms_norm_reference, "rotary": rotary_reference,
+            "swiglu": swiglu_reference, "geglu": geglu_reference, LOSS_OP: linear_cross_entropy_reference}[op]
 
 
 def _tridist(op: str) -> Callable:
     """The fused op from `kernels`, imported here so that the benchmark runs while kernels/ is in progress."""
     name = {"rms_norm": "rms_norm", "add_rms_norm": "rms_norm",
-            "rotary": "apply_rotary_pos_emb", "swiglu": "swiglu", LOSS_OP: LOSS_OP}[op]
+            "rotary": "apply_rotary_pos_emb", "swiglu": "swiglu", "geglu": "geglu", LOSS_OP: LOSS_OP}[op]
     try:
         from tridist import kernels
     except Exception as exc:  # noqa: BLE001 - any import failure makes the variant unavailable
@@ -424,6 +426,10 @@ def _liger(op: str, device: torch.device) -> Callable:
             return _liger_rotary()
         if op == LOSS_OP:
             return _liger_linear_cross_entropy()
+        if op == "geglu":  # gelu's tanh approximation, as ours by default
+            from liger_kernel.ops.geglu import LigerGELUMulFunction
+
+            return lambda gate, up: LigerGELUMulFunction.apply(gate, up)
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
         return lambda gate, up: LigerSiLUMulFunction.apply(gate, up)

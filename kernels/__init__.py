@@ -14,7 +14,7 @@ from .fuse import FuseError, FuseReport, fuse
 from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.rms_norm import FusedRMSNorm, rms_norm
 from .ops.rotary import FusedRotaryEmbedding, apply_rotary_pos_emb
-from .ops.swiglu import FusedSwiGLU, FusedSwiGLUExperts, FusedSwiGLUMLP, swiglu
+from .ops.swiglu import FusedSwiGLU, FusedSwiGLUExperts, FusedSwiGLUMLP, geglu, swiglu
 
 __all__ = [
     "FuseError",
@@ -27,6 +27,7 @@ __all__ = [
     "all_gather_matmul",
     "apply_rotary_pos_emb",
     "fuse",
+    "geglu",
     "linear_cross_entropy",
     "matmul_reduce_scatter",
     "rms_norm",

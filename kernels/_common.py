@@ -147,7 +147,9 @@ class Launch:
         return f"Launch(grid={self.grid}, kwargs={self.kwargs})"
 
     def launch(self, kernel, *tensors: torch.Tensor, **scalars) -> None:
-        if type(kernel).__name__ == "InterpretedFunction" or _jit_launch_needed(kernel):  # Triton's interpreter
+        # Only a plain JITFunction's launch returns its compiled kernel: Triton's interpreter's kernels, autotuners
+        # (which pick constexprs per call) and other KernelInterfaces keep the JIT launch.
+        if type(kernel).__name__ != "JITFunction" or _jit_launch_needed(kernel):
             kernel[self.grid](*tensors, **scalars, **self.kwargs)
             return
         device = _current_device()
@@ -208,12 +210,10 @@ class _CompiledLaunch:
 
     @classmethod
     def of(cls, kernel, returned, launch: Launch, tensors: tuple, scalars: dict) -> "_CompiledLaunch | None":
-        """The direct launch of what `kernel[grid](...)` returned, or None where only the JIT launch will do:
-        the interpreter's kernels, a kernel that is no plain JITFunction (an autotuner picks its constexprs
-        per call), a per-call scalar that is a constexpr (compiled in: its value is not in the key), arguments
-        the kernel does not list."""
-        if type(kernel).__name__ != "JITFunction" or not all(hasattr(returned, a) for a in (
-                "run", "function", "packed_metadata")):
+        """The direct launch of what a JITFunction's `kernel[grid](...)` returned, or None where only the JIT launch
+        will do: a returned object that is no compiled kernel, a per-call scalar that is a constexpr (compiled
+        in: its value is not in the key), arguments the kernel does not list."""
+        if not all(hasattr(returned, a) for a in ("run", "function", "packed_metadata")):
             return None
         names, params = list(getattr(kernel, "arg_names", ())), getattr(kernel, "params", ())
         constexprs = {p.name for p in params if getattr(p, "is_constexpr", False)}

@@ -5,9 +5,10 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
   (`variance_epsilon`, `eps` or `epsilon`). A probe run on random input must match RMSNorm with that
   eps; it also tells the offset (`w` or `1 + w`) and which rounding the module uses (seed: to the
   weight's dtype; Hugging Face: to the input's dtype). Replaced by FusedRMSNorm around the same Parameter.
-- SwiGLU MLP: a module with `gate_proj`, `up_proj`, `down_proj` (or `gate_up_proj`, `down_proj`)
-  whose output on a probe equals `down(silu(gate(x)) * up(x))`. Replaced by FusedSwiGLUMLP around the
-  same projection modules.
+- Gated MLP: a module with `gate_proj`, `up_proj`, `down_proj` (or `gate_up_proj`, `down_proj`)
+  whose output on a probe equals `down(act(gate(x)) * up(x))` with act silu (SwiGLU: Llama, Qwen, Mistral) or
+  gelu, exact or its tanh approximation (GeGLU: Gemma's `gelu_pytorch_tanh`). Replaced by FusedSwiGLUMLP with
+  that activation around the same projection modules.
 - Rotary: a module whose forward calls, by global name, a function named like `*rotary*`/`*rope*`
   that behaves like the seed's `apply_rotary_pos_emb(q, k, cos, sin, position_ids)` or Hugging Face's
   `apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)`. That instance's forward is
@@ -44,13 +45,12 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from .ops import rotary as rotary_op
 from .ops.linear_cross_entropy import CausalLMLinearCrossEntropy, FusedLMHead
 from .ops.rms_norm import FusedRMSNorm
-from .ops.swiglu import FusedSwiGLUExperts, FusedSwiGLUMLP, stacked_experts_layout_error
-from .reference import rms_norm_reference, rotary_reference
+from .ops.swiglu import ACTIVATIONS, FusedSwiGLUExperts, FusedSwiGLUMLP, stacked_experts_layout_error
+from .reference import gated_reference, rms_norm_reference, rotary_reference
 
 _EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
 _ROTARY_NAME_HINTS = ("rotary", "rope")
@@ -327,36 +327,45 @@ def _fuse_swiglu_mlp(model, name, module, report, changes, verdicts) -> None:
     if in_features is None:
         report.skipped.append((name, "SwiGLU MLP candidate: projections without in_features; left as is"))
         return
-    why_not = _probed(verdicts, "swiglu", _kind(module), partial(_swiglu_verdict, module, in_features))
+    activation, why_not = _probed(verdicts, "swiglu", _kind(module), partial(_gated_mlp_verdict, module, in_features))
     if why_not:
         report.skipped.append((name, why_not))
         return
     if "gate_up_proj" in children:
-        fused = FusedSwiGLUMLP.from_linears(gate_up_proj=children["gate_up_proj"], down_proj=children["down_proj"])
+        fused = FusedSwiGLUMLP.from_linears(gate_up_proj=children["gate_up_proj"], down_proj=children["down_proj"],
+                                            activation=activation)
     else:
         fused = FusedSwiGLUMLP.from_linears(
-            gate_proj=children["gate_proj"], up_proj=children["up_proj"], down_proj=children["down_proj"]
+            gate_proj=children["gate_proj"], up_proj=children["up_proj"], down_proj=children["down_proj"],
+            activation=activation,
         )
     changes.append(partial(_replace, model, name, module, fused))
-    report.replaced.append((name, "swiglu: FusedSwiGLUMLP"))
+    kind = "swiglu" if activation == "silu" else f"geglu ({activation})"
+    report.replaced.append((name, f"{kind}: FusedSwiGLUMLP"))
 
 
-def _swiglu_verdict(module: torch.nn.Module, in_features: int) -> str | None:
-    """None when a probe shows `module` computes down(silu(gate(x)) * up(x)), else why it is left alone."""
+def _gated_mlp_verdict(module: torch.nn.Module, in_features: int) -> tuple[str | None, str | None]:
+    """(activation, None) when a probe shows `module` computes down(act(gate(x)) * up(x)) with act one of the fused
+    kernels' (silu: SwiGLU; gelu's tanh approximation or exact gelu: GeGLU), else (None, why it is left alone).
+    The activation is the one whose output lies closest to the module's (gelu's two forms differ by ~1e-4, a
+    few times `_close`'s tolerance at the probe's scale; the module's own activation matches to fp32 rounding)."""
     probe = _probe_copy(module)
     x = _probe_input((2, 3, in_features))
     out, error = _run(probe, x)
     if error:
-        return f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"
+        return None, f"SwiGLU MLP candidate: its forward failed on a probe ({error}); left as is"
     with torch.no_grad():
         if "gate_up_proj" in probe._modules:
             gate, up = probe.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = probe.gate_proj(x), probe.up_proj(x)
-        expected = probe.down_proj(F.silu(gate) * up)
-    if not _close(out, expected):
-        return "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
-    return None
+        candidates = {activation: probe.down_proj(gated_reference(gate, up, activation)) for activation in ACTIVATIONS}
+    if torch.is_tensor(out) and out.shape == candidates["silu"].shape:
+        closest = min(candidates, key=lambda activation: (candidates[activation] - out).abs().max().item())
+        if _close(out, candidates[closest]):
+            return closest, None
+    return None, ("has gate/up/down projections but its output is not down(act(gate(x)) * up(x)) for act silu, gelu "
+                  "or gelu's tanh approximation; left as is")
 
 
 # ---------------------------------------------------------------------------- Mixture-of-experts experts

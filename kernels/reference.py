@@ -120,6 +120,19 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, l
 
 def swiglu_reference(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(x) * y`; with `y=None` the last dimension of x is split in half (Paddle's swiglu)."""
+    return gated_reference(x, y, "silu")
+
+
+def geglu_reference(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = "tanh") -> torch.Tensor:
+    """`gelu(x, approximate) * y` (Gemma's MLP); with `y=None` the last dimension of x is split in half."""
+    return gated_reference(x, y, "gelu_tanh" if approximate == "tanh" else "gelu")
+
+
+def gated_reference(x: torch.Tensor, y: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """`act(x) * y` in eager ops for `activation` "silu", "gelu_tanh" or "gelu" (exact); with `y=None` the last
+    dimension of x is split in half."""
     if y is None:
         x, y = x.chunk(2, dim=-1)
-    return F.silu(x) * y
+    if activation == "silu":
+        return F.silu(x) * y
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none") * y

@@ -130,9 +130,11 @@ def variants():
         )
     unit_cols = lambda *names: unit(*(f"{n}_stride_col" for n in names))  # noqa: E731
     # SwiGLU's rows addressed by their strides (a packed [gate | up] input's halves), and dense inputs as one run
-    # (a projection's outputs: FLAT; EVEN where the tiles divide it, as 4 x 1024 tiles divide 16,384 x 11,008).
-    for label, flat in (("swiglu", False), ("swiglu_flat", True)):
-        addressing = {"FLAT": flat, "EVEN": flat, "WIDE": False}
+    # (a projection's outputs: FLAT; EVEN where the tiles divide it, as 4 x 1024 tiles divide 16,384 x 11,008);
+    # GeGLU's two gelus (ACTIVATION 1: the tanh approximation, as Gemma's; 2: exact, erf) on the flat run.
+    for label, flat, activation in (("swiglu", False, 0), ("swiglu_flat", True, 0), ("geglu_tanh_flat", True, 1),
+                                    ("geglu_flat", True, 2)):
+        addressing = {"FLAT": flat, "EVEN": flat, "WIDE": False, "ACTIVATION": activation}
         yield (f"{label}_fwd", swiglu._swiglu_fwd_kernel, {"gate_ptr": BF16, "up_ptr": BF16, "out_ptr": BF16},
                {"BLOCK_M": 4, "BLOCK_N": 1024, **addressing, **unit_cols("gate", "up")}, (), 4)
         yield (f"{label}_bwd", swiglu._swiglu_bwd_kernel,

@@ -27,6 +27,7 @@ TINY_CASES = [
     kb.Case("add_rms_norm", tokens=32, width=64, dtype="fp32"),
     kb.Case("rotary", tokens=32, width=64, dtype="fp32", head_dim=16, seq_len=16),  # B=2, Hq=4, Hk=1
     kb.Case("swiglu", tokens=32, width=48, dtype="fp32"),
+    kb.Case("geglu", tokens=32, width=48, dtype="fp32"),
     kb.Case("linear_cross_entropy", tokens=32, width=16, dtype="fp32", vocab=100),  # fwd and fwd+bwd only
 ]
 
@@ -34,7 +35,7 @@ TINY_CASES = [
 def _tridist_exports_all() -> bool:
     from tridist import kernels
 
-    return all(hasattr(kernels, name) for name in ("rms_norm", "apply_rotary_pos_emb", "swiglu"))
+    return all(hasattr(kernels, name) for name in ("rms_norm", "apply_rotary_pos_emb", "swiglu", "geglu"))
 
 
 # ------------------------------------------------------------------------------------------- full runs

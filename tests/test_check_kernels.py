@@ -9,7 +9,7 @@ from tridist.bench.cli import main
 def test_sweep_passes_and_writes_its_report(tmp_path):
     frame = correctness.run_correctness_check(device=torch.device("cpu"), dtypes=[torch.float32], quick=True,
                                               out_dir=str(tmp_path), progress=False)
-    assert set(frame["op"]) == {"rms_norm", "swiglu", "rotary"}
+    assert set(frame["op"]) == {"rms_norm", "swiglu", "geglu", "rotary"}
     assert frame["ok"].all(), frame[~frame["ok"]]
     assert (frame["tensor"].str.startswith("grad")).any()  # backward is checked, not only forward
     report = (tmp_path / "report.md").read_text()

@@ -187,19 +187,20 @@ def test_table_location_is_per_device(monkeypatch):
 
 
 class _Block(torch.nn.Module):
-    """All three fused ops in one small block, the way a decoder layer uses them."""
+    """The fused ops in one small block, the way a decoder layer uses them (a SwiGLU and a GeGLU MLP)."""
 
     def __init__(self):
         super().__init__()
         self.norm = kernels.FusedRMSNorm(16)
         self.rotary = kernels.FusedRotaryEmbedding(8, 16)
         self.mlp = kernels.FusedSwiGLUMLP(16, 24)
+        self.geglu_mlp = kernels.FusedSwiGLUMLP(16, 24, activation="gelu_tanh")
 
     def forward(self, x, residual):
         y, h = self.norm(x, residual)
         q = y.view(2, 5, 2, 8)
         q, k = self.rotary(q, q[:, :, :1])
-        return self.mlp(q.reshape(2, 5, 16)) + k.sum(), h
+        return self.mlp(q.reshape(2, 5, 16)) + self.geglu_mlp(q.reshape(2, 5, 16)) + k.sum(), h
 
 
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
@@ -219,12 +220,15 @@ def test_torch_compile_fullgraph(compile_backend, backend):
 
 
 def test_ops_are_registered_with_torch_library():
-    for name in ("rms_norm", "add_rms_norm", "rms_norm_backward", "rotary", "swiglu", "swiglu_packed"):
+    for name in ("rms_norm", "add_rms_norm", "rms_norm_backward", "rotary", "gated_activation",
+                 "gated_activation_packed", "gated_activation_backward", "gated_activation_packed_backward"):
         assert hasattr(torch.ops.tridist, name)
     q = torch.randn(1, 3, 2, 4)
     cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
     torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, False, False, 4, False))
-    torch.library.opcheck(torch.ops.tridist.swiglu.default, (torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)))
+    for activation in (0, 1, 2):  # silu, gelu's tanh approximation, gelu
+        torch.library.opcheck(torch.ops.tridist.gated_activation.default,
+                              (torch.randn(3, 5, requires_grad=True), torch.randn(3, 5), activation))
     torch.library.opcheck(
         torch.ops.tridist.add_rms_norm.default,
         (torch.randn(3, 8, requires_grad=True), torch.randn(3, 8), torch.rand(8, requires_grad=True), 1e-6, 0.0, False),
@@ -243,8 +247,8 @@ def test_ops_pass_opcheck_with_strided_inputs(backend):
     w = torch.rand(8, requires_grad=True)
     torch.library.opcheck(torch.ops.tridist.rms_norm.default, (x, w, 1e-6, 0.0, True))
     torch.library.opcheck(torch.ops.tridist.add_rms_norm.default, (x, _non_contiguous(6, 8), w, 1e-6, 1.0, False))
-    torch.library.opcheck(torch.ops.tridist.swiglu.default, (x, _non_contiguous(6, 8)))
-    torch.library.opcheck(torch.ops.tridist.swiglu_packed.default, (_non_contiguous(6, 16).requires_grad_(),))
+    torch.library.opcheck(torch.ops.tridist.gated_activation.default, (x, _non_contiguous(6, 8), 0))
+    torch.library.opcheck(torch.ops.tridist.gated_activation_packed.default, (_non_contiguous(6, 16).requires_grad_(), 1))
     q = torch.randn(2, 3, 4, 8).transpose(1, 2).requires_grad_()  # bhsd view of bshd storage
     cos, sin = torch.rand(4, 8), torch.rand(4, 8)
     torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, True, False, 8, False))
@@ -265,7 +269,7 @@ def test_double_backward_through_rotary_is_exact(backend):
         torch.autograd.grad(grads[0].sum(), x)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "swiglu_packed"])
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "swiglu", "swiglu_packed", "geglu"])
 def test_double_backward_raises_instead_of_dropping_terms(backend, op):
     x = torch.randn(2, 3, 4, 8, requires_grad=True)
     w = torch.rand(8, requires_grad=True)
@@ -274,6 +278,7 @@ def test_double_backward_raises_instead_of_dropping_terms(backend, op):
         "add_rms_norm": lambda: kernels.rms_norm(x, w, residual=x)[0],
         "swiglu": lambda: kernels.swiglu(x, x),
         "swiglu_packed": lambda: kernels.swiglu(x),
+        "geglu": lambda: kernels.geglu(x, x),
     }[op]()
     # With another differentiable term, grad has a grad_fn: a non-differentiable backward would
     # silently drop the op's second-order terms here instead of failing.

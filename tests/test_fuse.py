@@ -333,8 +333,9 @@ def _hooked(module, pre=False):
 
 
 NOT_RMS_NORM = "not RMSNorm"
-NOT_SWIGLU = "not down(silu(gate(x)) * up(x))"
-# factory -> what fuse must do: ("rms_norm", offset) or ("swiglu", None) to replace, else the reason to skip.
+NOT_SWIGLU = "not down(act(gate(x)) * up(x)) for act silu, gelu or gelu's tanh approximation"
+# factory -> what fuse must do: ("rms_norm", offset) or ("swiglu" / "geglu", activation) to replace, else the
+# reason to skip.
 CANDIDATES = {
     # True RMSNorms, however written: replaced, with the offset detected.
     "rms": (lambda: _Norm(HIDDEN, _rms), ("rms_norm", 0.0)),
@@ -354,15 +355,22 @@ CANDIDATES = {
     "rms-with-pre-hook": (lambda: _hooked(_Norm(HIDDEN, _rms), pre=True), "hooks"),
     "rms-with-hook": (lambda: _hooked(_Norm(HIDDEN, _rms)), "hooks"),
     # True SwiGLU MLPs: replaced.
-    "swiglu": (lambda: _GatedMLP(_swiglu), ("swiglu", None)),
+    "swiglu": (lambda: _GatedMLP(_swiglu), ("swiglu", "silu")),
     "swiglu-sigmoid-written-out-with-biases": (lambda: _GatedMLP(lambda g, u: g * torch.sigmoid(g) * u, bias=True),
-                                               ("swiglu", None)),
-    "swiglu-packed-gate-up": (lambda: _GatedMLP(_swiglu, packed=True), ("swiglu", None)),
-    # Near look-alikes of SwiGLU: left alone.
+                                               ("swiglu", "silu")),
+    "swiglu-packed-gate-up": (lambda: _GatedMLP(_swiglu, packed=True), ("swiglu", "silu")),
+    # True GeGLU MLPs, each gelu told from the other (they differ by ~1e-4 at the probe's scale): replaced.
+    "geglu": (lambda: _GatedMLP(lambda g, u: F.gelu(g) * u), ("geglu", "gelu")),
+    "geglu-tanh": (lambda: _GatedMLP(lambda g, u: F.gelu(g, approximate="tanh") * u), ("geglu", "gelu_tanh")),
+    "geglu-tanh-written-out-packed": (lambda: _GatedMLP(
+        lambda g, u: 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * u, packed=True),
+        ("geglu", "gelu_tanh")),
+    # Near look-alikes: left alone.
     "swapped-gate-up": (lambda: _GatedMLP(lambda g, u: F.silu(u) * g), NOT_SWIGLU),
     "packed-up-gate": (lambda: _GatedMLP(lambda g, u: F.silu(u) * g, packed=True), NOT_SWIGLU),
-    "geglu": (lambda: _GatedMLP(lambda g, u: F.gelu(g) * u), NOT_SWIGLU),
-    "geglu-tanh": (lambda: _GatedMLP(lambda g, u: F.gelu(g, approximate="tanh") * u), NOT_SWIGLU),
+    "geglu-swapped-gate-up": (lambda: _GatedMLP(lambda g, u: F.gelu(u) * g), NOT_SWIGLU),
+    # quick_gelu, x sigmoid(1.702 x), is within ~0.02 of gelu: nearest is not near enough.
+    "quick-gelu": (lambda: _GatedMLP(lambda g, u: g * torch.sigmoid(1.702 * g) * u), NOT_SWIGLU),
     "bilinear-no-sigmoid": (lambda: _GatedMLP(lambda g, u: g * u), NOT_SWIGLU),
 }
 
@@ -388,12 +396,14 @@ def test_fuse_replaces_true_variants_and_leaves_near_look_alikes(kind):
         assert report.replaced == [] and container["candidate"].__class__ is original.__class__
         assert expected in dict(report.skipped)["candidate"]
         return
-    op, offset = expected
+    op, detail = expected
     assert report.skipped == [] and report.count(op) == 1
     replaced = container["candidate"]
     assert isinstance(replaced, kernels.FusedRMSNorm if op == "rms_norm" else kernels.FusedSwiGLUMLP)
     if op == "rms_norm":
-        assert replaced.offset == offset and replaced.eps == original.eps
+        assert replaced.offset == detail and replaced.eps == original.eps
+    else:
+        assert replaced.activation == detail
     # One fused op: within (its longest sum)·u of the original's largest output, as FP32_FORWARD_BUDGET
     # argues: the norm's mean of squares, or the down projection's sum over the silu products.
     if op == "rms_norm":
@@ -403,7 +413,7 @@ def test_fuse_replaces_true_variants_and_leaves_near_look_alikes(kind):
     x = _probe_rows(width)
     with _kernel_launches() as launches:
         out = replaced(x)
-    assert launches == {op: 1}
+    assert launches == {"swiglu" if op == "geglu" else op: 1}  # GeGLU runs the gated activations' kernel
     _assert_within(out, original(x), reduction * U_FP32, kind)
 
 
@@ -416,7 +426,7 @@ def test_one_fuse_call_probes_each_kind_once_and_gives_each_its_own_verdict(monk
     one's verdict to the others."""
     fuse_module = importlib.import_module("tridist.kernels.fuse")  # `kernels.fuse` is the function
     probes = []
-    for name in ("_rms_norm_verdict", "_swiglu_verdict"):
+    for name in ("_rms_norm_verdict", "_gated_mlp_verdict"):
         original = getattr(fuse_module, name)
         monkeypatch.setattr(fuse_module, name, lambda module, *args, _original=original: (probes.append(module), _original(module, *args))[1])
     first = {kind: factory() for kind, (factory, _) in CANDIDATES.items()}
@@ -587,7 +597,8 @@ class _BiasFreeLayerNorm(torch.nn.Module):
 
 
 class _GeGLUWithZeroDown(_GatedMLP):
-    """GeGLU whose down projection starts at zero (a common init): its output is 0, like SwiGLU's."""
+    """GeGLU whose down projection starts at zero (a common init): its output is 0, like SwiGLU's, and it must still
+    be told for the exact gelu it computes."""
 
     def __init__(self):
         super().__init__(lambda g, u: F.gelu(g) * u, bias=True)
@@ -609,7 +620,6 @@ def test_probes_are_not_fooled_by_values_or_precision():
     )
     report = kernels.fuse(container)
     skipped = dict(report.skipped)
-    assert report.replaced == []
+    assert report.replaced == [("geglu", "geglu (gelu): FusedSwiGLUMLP")] and container["geglu"].activation == "gelu"
     assert NOT_RMS_NORM in skipped["layer_norm"]
-    assert NOT_SWIGLU in skipped["geglu"]
     assert "forward failed on a probe" in skipped["extra_arg"] and "TypeError" in skipped["extra_arg"]

@@ -2,8 +2,8 @@
 rotary of the families that have them, and the LM head + loss of every causal LM, are replaced and their
 fused kernels really run (counted launches); loss, logits and every gradient stay within fp32 rounding of
 the unfused model (a labelled call returns logits=None, a call without labels the logits); Gemma's GeGLU
-MLP is left alone with the reason (never fused as SwiGLU); `strict=True` raises instead; models built on
-the meta device (LazyGuard) are fused like materialised ones."""
+MLP is fused as GeGLU (gelu's tanh approximation: never as SwiGLU); `strict=True` raises where a candidate is
+left alone; models built on the meta device (LazyGuard) are fused like materialised ones."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from tests.test_fuse import U_FP32, _assert_within, _kernel_launches
 pytest.importorskip("transformers")
 
 SEQ_LEN = 8
-# family -> fused ops per forward: norms (2 per layer + final; Gemma2 has 4 per layer), SwiGLU MLPs, rotaries.
+# family -> fused ops per forward: norms (2 per layer + final; Gemma2 has 4 per layer), SwiGLU or GeGLU MLPs,
+# rotaries (report kinds; `_launches` turns them into the counted kernels' files).
 EXPECTED = {
     "llama": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},
     "llama-tied": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},
@@ -30,17 +31,14 @@ EXPECTED = {
     "qwen3": {"rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # + per-head q/k norms
     "olmo2": {"rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # + q/k norms over the projection
     "phi3": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # packed gate_up
-    "gemma": {"rms_norm": 2 * LAYERS + 1, "rotary": LAYERS},  # GeGLU MLP: not SwiGLU
-    "gemma2": {"rms_norm": 4 * LAYERS + 1, "rotary": LAYERS},
+    "gemma": {"rms_norm": 2 * LAYERS + 1, "geglu": LAYERS, "rotary": LAYERS},  # GeGLU MLP (gelu_pytorch_tanh)
+    "gemma2": {"rms_norm": 4 * LAYERS + 1, "geglu": LAYERS, "rotary": LAYERS},
     "gpt-neox": {"rotary": LAYERS},  # LayerNorm and GELU MLP; partial rotary (rotary_pct 0.5)
     "granite": {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": LAYERS},  # logits / logits_scaling
     "cohere": {"swiglu": LAYERS, "rotary": LAYERS},  # logits * logit_scale; interleaved rotary; LayerNorms left alone
 }
 # What fuse leaves alone, with its reason, where a family has modules that look like candidates.
-GEGLU = "has gate/up/down projections but its output is not down(silu(gate(x)) * up(x)); left as is"
 SKIPPED = {
-    "gemma": {GEGLU},
-    "gemma2": {GEGLU},
     "cohere": {"has a 1-D weight and eps=1e-05 but its output is not RMSNorm(x) * (w or 1 + w); left as is"},
 }
 # The LM head + loss of every family: one op in the report; in a labelled forward one chunk of 2 x 8 tokens, two kernels (statistics, then loss and logits'
@@ -61,6 +59,15 @@ def _budgets(family):
     return (ops * HIDDEN + loss) * U_FP32, 2 * (ops * HIDDEN + loss) * U_FP32
 
 
+def _launches(ops: dict) -> dict:
+    """The kernel launches of these report kinds, keyed by the kernels' files: GeGLU runs swiglu.py's kernels."""
+    launches = {}
+    for kind, count in ops.items():
+        file = "swiglu" if kind == "geglu" else kind
+        launches[file] = launches.get(file, 0) + count
+    return launches
+
+
 def _batch(seed=0):
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (2, SEQ_LEN), generator=generator)
@@ -79,6 +86,8 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     assert isinstance(getattr(fused, "lm_head", None), FusedLMHead) == bool(HEAD_AND_LOSS.get(family))
     if family == "gpt-neox":
         assert all("partial rotary" in what for _, what in report.replaced if what.startswith("rotary"))
+    if family.startswith("gemma"):  # gelu_pytorch_tanh: the tanh approximation, told from exact gelu
+        assert all(m.activation == "gelu_tanh" for m in fused.modules() if isinstance(m, kernels.FusedSwiGLUMLP))
     if family == "cohere":  # adjacent features paired (GPT-J's rotation), the kernel's INTERLEAVED path
         assert all("interleaved pairs" in what for _, what in report.replaced if what.startswith("rotary"))
     assert {why for _, why in report.skipped} == SKIPPED.get(family, set()), str(report)
@@ -97,7 +106,8 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     with _kernel_launches() as backward:
         out.loss.backward()
     loss_launches = LOSS_FORWARD_LAUNCHES if HEAD_AND_LOSS.get(family) else {}
-    assert forward == {**EXPECTED[family], **loss_launches} and backward == EXPECTED[family], (forward, backward)
+    assert forward == {**_launches(EXPECTED[family]), **loss_launches} and backward == _launches(EXPECTED[family]), (
+        forward, backward)
     forward_budget, backward_budget = _budgets(family)
     assert (out.logits is None) == bool(HEAD_AND_LOSS.get(family)), type(out.logits)  # labelled: no logits (as Liger)
     _assert_within(out.loss, expected.loss, forward_budget, "loss")
@@ -107,7 +117,7 @@ def test_fuse_replaces_and_matches_loss_logits_and_every_gradient(family):
     with torch.no_grad(), _kernel_launches() as forward:
         unlabelled = fused(**kwargs)
         expected_logits = model(**kwargs).logits
-    assert unlabelled.loss is None and forward == EXPECTED[family], forward
+    assert unlabelled.loss is None and forward == _launches(EXPECTED[family]), forward
     _assert_within(unlabelled.logits, expected_logits, forward_budget, "logits")
 
 
@@ -168,13 +178,13 @@ def test_gpt2_fuses_only_its_head_and_loss():
 
 
 def test_strict_raises_naming_each_candidate_and_changes_nothing():
-    model = build("gemma")
+    model = build("cohere")  # its LayerNorms (weight and eps, no bias) are RMSNorm candidates that fail the probe
     before = [type(m) for m in model.modules()]
-    with pytest.raises(kernels.FuseError, match=r"(?s)2 candidate\(s\).*model.layers.0.mlp.*silu"):
+    with pytest.raises(kernels.FuseError, match=r"(?s)3 candidate\(s\).*model.layers.0.input_layernorm.*model.norm"):
         kernels.fuse(model, strict=True)
     assert [type(m) for m in model.modules()] == before
-    report = kernels.fuse(model, strict=True, swiglu=False)  # the MLP left out: nothing else fails
-    assert report.count("rms_norm") == 2 * LAYERS + 1 and report.count("rotary") == LAYERS
+    report = kernels.fuse(model, strict=True, rms_norm=False)  # the norms left out: nothing else fails
+    assert report.count("swiglu") == LAYERS and report.count("rotary") == LAYERS
     assert report.count("linear_cross_entropy") == 1
 
 

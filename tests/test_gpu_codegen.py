@@ -28,7 +28,7 @@ def compiled():
 
 
 def test_every_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 13
+    assert len(compiled) == 17
     failures = {name: r["error"] for name, r in compiled.items() if "error" in r}
     assert not failures, failures
     assert all(r["cubin_bytes"] > 0 for r in compiled.values())
@@ -46,7 +46,8 @@ def test_no_variant_spills_registers(compiled):
 
 @pytest.mark.parametrize(
     "name", ["rms_norm_fwd[single_pass=True,residual=False]", "rms_norm_bwd[single_pass=True]", "rotary[interleaved=False, BLOCK_T=1]", "rotary[interleaved=False, BLOCK_T=16]", "swiglu_fwd", "swiglu_bwd",
-             "swiglu_flat_fwd", "swiglu_flat_bwd"]
+             "swiglu_flat_fwd", "swiglu_flat_bwd", "geglu_tanh_flat_fwd", "geglu_tanh_flat_bwd", "geglu_flat_fwd",
+             "geglu_flat_bwd"]
 )
 def test_hot_accesses_are_16_byte_vectors(compiled, name):
     result = compiled[name]

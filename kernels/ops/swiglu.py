@@ -1,14 +1,19 @@
-"""SwiGLU, `silu(gate) * up`: Triton kernels, launchers, torch.library ops, activation and MLP layers.
+"""Gated activations, `act(gate) * up`: SwiGLU (`act` = silu, Llama's MLP) and GeGLU (`act` = gelu, Gemma's MLP
+with its tanh approximation, or exact): Triton kernels, launchers, torch.library ops, activation and MLP layers.
 
-Two forms share one pair of kernels:
-- `swiglu(gate, up)`: two tensors (the seed's `swiglu(gate_proj(x), up_proj(x))`);
-- `swiglu(x)`: one tensor split in half on the last dim (Paddle's swiglu with y=None, a fused
+Two forms share one pair of kernels (the activation is a constexpr, ACTIVATION):
+- `swiglu(gate, up)` / `geglu(gate, up)`: two tensors (the seed's `swiglu(gate_proj(x), up_proj(x))`);
+- `swiglu(x)` / `geglu(x)`: one tensor split in half on the last dim (Paddle's swiglu with y=None, a fused
   gate_up projection). Its halves are strided views, and its gradient is written straight into one
   buffer of x's shape: no concatenation, no copy.
-The row is tiled in fixed-width blocks (no padding of 11008 to 16384 lanes). The backward recomputes
-sigmoid(gate) from the saved inputs instead of storing silu, and computes both gradients in one pass:
+The row is tiled in fixed-width blocks (no padding of 11008 to 16384 lanes). The backward recomputes the
+activation from the saved inputs instead of storing it, and computes both gradients in one pass:
 
-    d_gate = g * up * s * (1 + gate * (1 - s)),   d_up = g * gate * s,   s = sigmoid(gate)
+    d_gate = g * up * act'(gate),   d_up = g * act(gate)
+
+silu and gelu's tanh approximation are both `x * sigmoid(z)`: z = x for silu, and, as 0.5 (1 + tanh(u)) =
+sigmoid(2u), z = 2u = 2 sqrt(2/pi) (x + 0.044715 x^3) for gelu's; then act' = s + x s (1 - s) z', s = sigmoid(z).
+Exact gelu is 0.5 x (1 + erf(x / sqrt(2))), act' = 0.5 (1 + erf(x / sqrt(2))) + x exp(-x^2 / 2) / sqrt(2 pi).
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from .. import configs
 from .._common import (Launch, as_dtensor_like, cdiv, check_dtype, check_same_device, dense_row_major,
                        eager_autograd, is_dtensor, keeps_whole, local_saved_tensors, next_power_of_2, note_unfused,
                        row_args, split_dim, use_triton)
-from ..reference import swiglu_reference
+from ..reference import gated_reference
+
+# The gate's activation (the kernels' ACTIVATION constexpr) by the names the public functions and layers take.
+SILU, GELU_TANH, GELU = 0, 1, 2
+ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU}
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
@@ -77,11 +86,63 @@ def _store(ptr, offsets, values, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _logistic_argument(x, ACTIVATION: tl.constexpr):
+    """(z, dz/dx) with act(x) = x * sigmoid(z): silu's z = x; gelu's tanh approximation's z = 2 sqrt(2/pi)
+    (x + 0.044715 x^3), its polynomial taken at x clamped to +-100 (where sigmoid(z) is 0 or 1 in fp32 either
+    way: the clamp changes no result, and x^2 cannot overflow into an inf times the (1 - s) = 0 of act').
+    One return: Triton compiles every return of a function, also under a constexpr branch not taken."""
+    if ACTIVATION == 1:  # GELU_TANH
+        xc = tl.minimum(tl.maximum(x, -100.0), 100.0)
+        x2 = xc * xc
+        z = xc * (1.5957691216057308 + 0.07135481627260025 * x2)
+        dz = 1.5957691216057308 + 0.21406444881780076 * x2
+    else:  # SILU
+        z = x
+        dz = tl.full(x.shape, 1.0, tl.float32)
+    return z, dz
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    """act(x) in fp32."""
+    if ACTIVATION == 2:  # GELU: 0.5 x (1 + erf(x / sqrt(2)))
+        act = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    else:
+        z, _ = _logistic_argument(x, ACTIVATION)
+        act = x / (1.0 + tl.exp(-z))
+    return act
+
+
+@triton.jit
+def _activation_and_derivative(x, ACTIVATION: tl.constexpr):
+    """(act(x), act'(x)) in fp32."""
+    if ACTIVATION == 2:  # GELU
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        act = x * cdf
+        derivative = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    else:
+        z, dz = _logistic_argument(x, ACTIVATION)
+        s = 1.0 / (1.0 + tl.exp(-z))
+        if ACTIVATION == 1:
+            # 1 - s as sigmoid(-z), to its last digit: 1 - s loses exp(-z)'s digits where z > 0, and gelu's z grows
+            # as x^3: act' is 1 + 1.4e-6 at x = 5, which 1 - s = 0 rounds to 1 (eager's 1 - tanh^2 keeps some
+            # of it). silu keeps 1 - s, eager's own formula: the extra exp costs registers (sm_90, 4 x 1024 tiles:
+            # the flat backward 63 -> 80, the strided one 90 -> 128; selecting exp(-z) s with tl.where, 137).
+            tail = 1.0 / (1.0 + tl.exp(z))
+        else:
+            tail = 1.0 - s
+        act = x * s
+        derivative = s * (1.0 + x * tail * dz)
+    return act, derivative
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, n_rows, n_cols,
     gate_inner_rows, gate_stride_outer, gate_stride_inner, gate_stride_col,
     up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     if FLAT:
         offsets, mask = _flat_tile(n_rows, n_cols, BLOCK_M, BLOCK_N, WIDE)
@@ -93,7 +154,7 @@ def _swiglu_fwd_kernel(
         out_offs = rows[:, None] * n_cols + cols[None, :]
     gate = _load(gate_ptr, gate_offs, mask, EVEN)
     up = _load(up_ptr, up_offs, mask, EVEN)
-    _store(out_ptr, out_offs, gate / (1.0 + tl.exp(-gate)) * up, mask, EVEN)
+    _store(out_ptr, out_offs, _activation(gate, ACTIVATION) * up, mask, EVEN)
 
 
 @triton.jit
@@ -104,7 +165,8 @@ def _swiglu_bwd_kernel(
     up_inner_rows, up_stride_outer, up_stride_inner, up_stride_col,
     dgate_inner_rows, dgate_stride_outer, dgate_stride_inner, dgate_stride_col,
     dup_inner_rows, dup_stride_outer, dup_stride_inner, dup_stride_col,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr, WIDE: tl.constexpr,
+    ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr, EVEN: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     if FLAT:
         offsets, mask = _flat_tile(n_rows, n_cols, BLOCK_M, BLOCK_N, WIDE)
@@ -119,18 +181,19 @@ def _swiglu_bwd_kernel(
     grad = _load(grad_ptr, grad_offs, mask, EVEN)
     gate = _load(gate_ptr, gate_offs, mask, EVEN)
     up = _load(up_ptr, up_offs, mask, EVEN)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    silu = gate * sig
-    _store(dgate_ptr, dgate_offs, grad * up * sig * (1.0 + gate * (1.0 - sig)), mask, EVEN)
-    _store(dup_ptr, dup_offs, grad * silu, mask, EVEN)
+    act, derivative = _activation_and_derivative(gate, ACTIVATION)
+    _store(dgate_ptr, dgate_offs, grad * up * derivative, mask, EVEN)
+    _store(dup_ptr, dup_offs, grad * act, mask, EVEN)
 
 
 # ------------------------------------------------------------------------------- launch configurations
 
+# One Tunable per direction, shared by the activations: each compiles its own binary, but all are one or two
+# transcendental functions per element of a memory-bound pass, so one launch configuration serves them.
 TUNABLES = {
     kind: configs.Tunable(f"swiglu_{kind}", frozenset({"BLOCK_M", "BLOCK_N", "num_warps"}),
                           (_swiglu_fwd_kernel if kind == "fwd" else _swiglu_bwd_kernel, _tile, _offsets, _flat_tile,
-                           _load, _store))
+                           _load, _store, _logistic_argument, _activation, _activation_and_derivative))
     for kind in ("fwd", "bwd")
 }
 # The sweep's limit: at most 16384 elements per tile (the backward holds five fp32 values per element:
@@ -172,10 +235,10 @@ def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, devic
 
 
 @configs.launch_plan
-def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launch | None | bool:
-    """The launch of `kind` ("fwd": reads gate, up; "bwd": grad, gate, up, writes dgate, dup) over tensors of this shape
-    with these strides (one tuple per tensor, in that order); False when an input must be copied first
-    (`row_args`), None when there is nothing to launch.
+def _plan(kind: str, activation: int, shape, strides: tuple, dtype, device, config=None) -> Launch | None | bool:
+    """The launch of `kind` ("fwd": reads gate, up; "bwd": grad, gate, up, writes dgate, dup) with this activation
+    (SILU, GELU_TANH, GELU) over tensors of this shape with these strides (one tuple per tensor, in that order);
+    False when an input must be copied first (`row_args`), None when there is nothing to launch.
 
     When every tensor is dense and row-major (`FLAT`: a projection's output, the common case) the elements are
     one run, tiled in BLOCK_M * BLOCK_N elements with one offset for all (as Inductor's pointwise kernels do):
@@ -197,7 +260,7 @@ def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launc
         grid, even = (cdiv(n_rows, cfg["BLOCK_M"]), cdiv(n_cols, cfg["BLOCK_N"])), False
     return Launch(grid, dict(
         n_rows=n_rows, n_cols=n_cols, **{k: v for named in args for k, v in named.items()},
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FLAT=flat, EVEN=even,
+        ACTIVATION=activation, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], FLAT=flat, EVEN=even,
         WIDE=n_elements + tile > 2**31 - 1,  # the last tile's offsets, masked or not, must not overflow int32
         num_warps=cfg["num_warps"],
     ))
@@ -206,47 +269,74 @@ def _plan(kind: str, shape, strides: tuple, dtype, device, config=None) -> Launc
 # ------------------------------------------------------------------------------------------- launchers
 
 
-def _forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """silu(gate) * up; `config` overrides the launch configuration (the kernel sweep times candidates this way)."""
+def _forward(gate: torch.Tensor, up: torch.Tensor, activation: int = SILU, config: dict | None = None) -> torch.Tensor:
+    """act(gate) * up; `config` overrides the launch configuration (the kernel sweep times candidates this way)."""
     out_dtype = torch.promote_types(gate.dtype, up.dtype)
     if not use_triton(gate):  # contiguous, as the Triton path and the fake implementation produce
-        return (torch.nn.functional.silu(gate.float()) * up.float()).to(out_dtype).contiguous()
+        return (_activation_torch(gate.float(), activation) * up.float()).to(out_dtype).contiguous()
     launch = (_plan if config is None else _plan.__wrapped__)(
-        "fwd", gate.shape, (gate.stride(), up.stride()), gate.dtype, gate.device, config)
+        "fwd", activation, gate.shape, (gate.stride(), up.stride()), gate.dtype, gate.device, config)
     if launch is False:
-        return _forward(gate.contiguous(), up.contiguous(), config)
+        return _forward(gate.contiguous(), up.contiguous(), activation, config)
     out = torch.empty_like(gate, dtype=out_dtype, memory_format=torch.contiguous_format)
     if launch is not None:
         launch.launch(_swiglu_fwd_kernel, gate, up, out)
     return out
 
 
-def _backward_into(grad, gate, up, dgate, dup, config=None) -> None:
+def _backward_into(grad, gate, up, dgate, dup, activation: int = SILU, config=None) -> None:
     """Write both input gradients into the (possibly strided) tensors dgate and dup (`config`: as in _forward)."""
     if not use_triton(gate):
-        torch_dgate, torch_dup = _backward_torch(grad, gate, up)
+        torch_dgate, torch_dup = _backward_torch(grad, gate, up, activation)
         dgate.copy_(torch_dgate)
         dup.copy_(torch_dup)
         return
     launch = (_plan if config is None else _plan.__wrapped__)(
-        "bwd", gate.shape, (grad.stride(), gate.stride(), up.stride(), dgate.stride(), dup.stride()), gate.dtype,
-        gate.device, config)
+        "bwd", activation, gate.shape, (grad.stride(), gate.stride(), up.stride(), dgate.stride(), dup.stride()),
+        gate.dtype, gate.device, config)
     if launch is False:
         if row_args("dgate", dgate.shape, dgate.stride()) is None or row_args("dup", dup.shape, dup.stride()) is None:
             raise ValueError(f"swiglu: output buffers with strides {dgate.stride()} and {dup.stride()} need more "
                              "than two row strides")  # outputs are written in place, never copied
-        return _backward_into(grad.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, config)
+        return _backward_into(grad.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, activation, config)
     if launch is not None:
         launch.launch(_swiglu_bwd_kernel, grad, gate, up, dgate, dup)
 
 
-def _backward_torch(grad, gate, up):
+def _logistic_argument_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_logistic_argument` of gelu's tanh approximation in torch ops: (z, dz/dx)."""
+    x2 = x.clamp(-100.0, 100.0).square()
+    return x.clamp(-100.0, 100.0) * (_K0 + _K1 * x2), _K0 + 3 * _K1 * x2
+
+
+_K0 = 2 * math.sqrt(2 / math.pi)  # z = x (K0 + K1 x^2) = 2 sqrt(2/pi) (x + 0.044715 x^3)
+_K1 = _K0 * 0.044715
+
+
+def _activation_torch(x: torch.Tensor, activation: int) -> torch.Tensor:
+    """act(x) of fp32 x as the kernels compute it: gelu's tanh approximation as x sigmoid(z), which keeps the tail
+    that 0.5 x (1 + tanh(u)) (torch's F.gelu) loses to cancellation for negative x."""
+    if activation == SILU:
+        return F.silu(x)
+    if activation == GELU:
+        return F.gelu(x)
+    return x * torch.sigmoid(_logistic_argument_torch(x)[0])
+
+
+def _backward_torch(grad, gate, up, activation: int = SILU):
     """The same math in plain PyTorch, for CPU tensors outside the interpreter."""
     g, x, y = grad.float(), gate.float(), up.float()
-    # ATen's fused silu_backward is exactly g * s * (1 + x * (1 - s)): fewer temporaries on a CPU.
-    dgate = torch.ops.aten.silu_backward(g * y, x)
-    dup = g * torch.nn.functional.silu(x)
-    return dgate.to(gate.dtype).contiguous(), dup.to(up.dtype).contiguous()
+    # ATen's fused silu_backward and gelu_backward (g * act'(x)): fewer temporaries on a CPU.
+    if activation == SILU:
+        dgate, act = torch.ops.aten.silu_backward(g * y, x), F.silu(x)
+    elif activation == GELU:
+        dgate, act = torch.ops.aten.gelu_backward(g * y, x), F.gelu(x)
+    else:  # act' = s (1 + x (1 - s) z'), with 1 - s = sigmoid(-z) to its last digit
+        z, dz = _logistic_argument_torch(x)
+        s = torch.sigmoid(z)
+        act = x * s
+        dgate = g * y * s * (1 + x * torch.sigmoid(-z) * dz)
+    return dgate.to(gate.dtype).contiguous(), (g * act).to(up.dtype).contiguous()
 
 
 def _halves(x: torch.Tensor):
@@ -257,76 +347,78 @@ def _halves(x: torch.Tensor):
 # ------------------------------------------------------------------------------ torch.library operators
 
 
-def _swiglu_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _forward(gate, up)
+def _gated_impl(gate: torch.Tensor, up: torch.Tensor, activation: int) -> torch.Tensor:
+    return _forward(gate, up, activation)
 
 
-def _swiglu_backward_impl(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gated_backward_impl(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                         activation: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not use_triton(gate):
-        return _backward_torch(grad, gate, up)
+        return _backward_torch(grad, gate, up, activation)
     dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
-    _backward_into(grad, gate, up, dgate, dup)
+    _backward_into(grad, gate, up, dgate, dup, activation)
     return dgate, dup
 
 
-def _swiglu_packed_impl(x: torch.Tensor) -> torch.Tensor:
-    return _forward(*_halves(x))
+def _gated_packed_impl(x: torch.Tensor, activation: int) -> torch.Tensor:
+    return _forward(*_halves(x), activation)
 
 
-def _swiglu_packed_backward_impl(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _gated_packed_backward_impl(grad: torch.Tensor, x: torch.Tensor, activation: int) -> torch.Tensor:
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _backward_into(grad, *_halves(x), *_halves(dx))
+    _backward_into(grad, *_halves(x), *_halves(dx), activation)
     return dx
 
 
-_swiglu_op = torch.library.custom_op("tridist::swiglu", mutates_args=())(_swiglu_impl)
-_swiglu_backward_op = torch.library.custom_op("tridist::swiglu_backward", mutates_args=())(_swiglu_backward_impl)
-_swiglu_packed_op = torch.library.custom_op("tridist::swiglu_packed", mutates_args=())(_swiglu_packed_impl)
-_swiglu_packed_backward_op = torch.library.custom_op("tridist::swiglu_packed_backward", mutates_args=())(
-    _swiglu_packed_backward_impl
+_gated_op = torch.library.custom_op("tridist::gated_activation", mutates_args=())(_gated_impl)
+_gated_backward_op = torch.library.custom_op("tridist::gated_activation_backward", mutates_args=())(_gated_backward_impl)
+_gated_packed_op = torch.library.custom_op("tridist::gated_activation_packed", mutates_args=())(_gated_packed_impl)
+_gated_packed_backward_op = torch.library.custom_op("tridist::gated_activation_packed_backward", mutates_args=())(
+    _gated_packed_backward_impl
 )
 
 
-@_swiglu_op.register_fake
-def _(gate, up):
+@_gated_op.register_fake
+def _(gate, up, activation):
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
-@_swiglu_backward_op.register_fake
-def _(grad, gate, up):
+@_gated_backward_op.register_fake
+def _(grad, gate, up, activation):
     return torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
 
 
-@_swiglu_packed_op.register_fake
-def _(x):
+@_gated_packed_op.register_fake
+def _(x, activation):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@_swiglu_packed_backward_op.register_fake
-def _(grad, x):
+@_gated_packed_backward_op.register_fake
+def _(grad, x, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _setup_swiglu(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+def _setup_gated(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:-1])
+    ctx.activation = inputs[-1]
 
 
-def _backward_swiglu(ctx, grad):
+def _backward_gated(ctx, grad):
     gate, up = ctx.saved_tensors
-    backward = _swiglu_backward_impl if getattr(ctx, "eager", False) else _swiglu_backward_op
-    return backward(grad, gate, up)
+    backward = _gated_backward_impl if getattr(ctx, "eager", False) else _gated_backward_op
+    return *backward(grad, gate, up, ctx.activation), None
 
 
-def _backward_swiglu_packed(ctx, grad):
+def _backward_gated_packed(ctx, grad):
     (x,) = ctx.saved_tensors
-    backward = _swiglu_packed_backward_impl if getattr(ctx, "eager", False) else _swiglu_packed_backward_op
-    return backward(grad, x)
+    backward = _gated_packed_backward_impl if getattr(ctx, "eager", False) else _gated_packed_backward_op
+    return backward(grad, x, ctx.activation), None
 
 
-torch.library.register_autograd("tridist::swiglu", _backward_swiglu, setup_context=_setup_swiglu)
-torch.library.register_autograd("tridist::swiglu_packed", _backward_swiglu_packed, setup_context=_setup_swiglu)
-_swiglu_eager = eager_autograd(_swiglu_impl, _setup_swiglu, _backward_swiglu)
-_swiglu_packed_eager = eager_autograd(_swiglu_packed_impl, _setup_swiglu, _backward_swiglu_packed)
+torch.library.register_autograd("tridist::gated_activation", _backward_gated, setup_context=_setup_gated)
+torch.library.register_autograd("tridist::gated_activation_packed", _backward_gated_packed, setup_context=_setup_gated)
+_gated_eager = eager_autograd(_gated_impl, _setup_gated, _backward_gated)
+_gated_packed_eager = eager_autograd(_gated_packed_impl, _setup_gated, _backward_gated_packed)
 
 
 # ------------------------------------------------------------------------------------------- public API
@@ -337,9 +429,29 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
 
     Computed in fp32 and rounded once to the promoted dtype of the inputs. Any shape and strides.
     """
+    return gated_activation(x, y, "silu", op="swiglu")
+
+
+def geglu(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = "tanh") -> torch.Tensor:
+    """`gelu(x, approximate) * y` (Gemma's MLP: `gelu_pytorch_tanh`); with `y=None`, x's last dimension is split in
+    half: `gelu(x1) * x2`. `approximate`: "tanh" (torch's `F.gelu(approximate="tanh")`, transformers'
+    `gelu_pytorch_tanh` and `gelu_new`) or "none" (the exact, erf form).
+
+    Computed in fp32 and rounded once to the promoted dtype of the inputs. Any shape and strides.
+    """
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"geglu: approximate must be 'tanh' or 'none' (as torch's F.gelu), got {approximate!r}")
+    return gated_activation(x, y, "gelu_tanh" if approximate == "tanh" else "gelu", op="geglu")
+
+
+def gated_activation(x: torch.Tensor, y: torch.Tensor | None, activation: str, *, op: str = "gated_activation"):
+    """`act(x) * y` (or of x's two halves with `y=None`) for `activation` in ACTIVATIONS: what `swiglu` and `geglu`
+    call; `op` names the caller in errors."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    code = ACTIVATIONS[activation]
     if is_dtensor(x) or is_dtensor(y):
-        return _swiglu_on_shards(x, y)
-    op = "swiglu"
+        return _gated_on_shards(x, y, activation, op)
     check_dtype(op, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
@@ -348,17 +460,17 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
             raise ValueError(
                 f"{op}: with y=None the last dim of x is split in half (gate, up), so it must be even; got {x.shape[-1]}"
             )
-        return (_swiglu_packed_op if torch.compiler.is_compiling() else _swiglu_packed_eager)(x)
+        return (_gated_packed_op if torch.compiler.is_compiling() else _gated_packed_eager)(x, code)
     check_dtype(op, "y", y)
     check_same_device(op, x, y, names=("x", "y"))
     if x.shape != y.shape:
         raise ValueError(f"{op}: x {tuple(x.shape)} and y {tuple(y.shape)} must have the same shape")
-    return (_swiglu_op if torch.compiler.is_compiling() else _swiglu_eager)(x, y)
+    return (_gated_op if torch.compiler.is_compiling() else _gated_eager)(x, y, code)
 
 
-def _swiglu_on_shards(x, y):
-    """SwiGLU of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's shards
-    where they pair up elementwise, else the unfused ops run on the DTensors (DTensor moves what it must).
+def _gated_on_shards(x, y, activation: str, op: str):
+    """A gated activation of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's
+    shards where they pair up elementwise, else the unfused ops run on the DTensors (DTensor moves what it must).
 
     Two tensors with equal placements pair up shard by shard. The split-in-half form pairs up when the last
     dim is whole on each rank, or split part by part (a packed gate_up projection's output: `_StridedShard`
@@ -368,13 +480,13 @@ def _swiglu_on_shards(x, y):
     if y is not None:
         if is_dtensor(x) and is_dtensor(y) and x.placements == y.placements and keeps_whole(x, ()):
             with local_saved_tensors():
-                return as_dtensor_like(swiglu(x.to_local(), y.to_local()), x)
-        note_unfused("swiglu", f"x {getattr(x, 'placements', 'plain')}, y {getattr(y, 'placements', 'plain')}")
-        return swiglu_reference(x, y)
+                return as_dtensor_like(gated_activation(x.to_local(), y.to_local(), activation, op=op), x)
+        note_unfused(op, f"x {getattr(x, 'placements', 'plain')}, y {getattr(y, 'placements', 'plain')}")
+        return gated_reference(x, y, activation)
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     if keeps_whole(x, (last,)):
         with local_saved_tensors():
-            return as_dtensor_like(swiglu(x.to_local()), x, shape=shape)
+            return as_dtensor_like(gated_activation(x.to_local(), None, activation, op=op), x, shape=shape)
     halves = [type(p).__name__ == "_StridedShard" and p.dim % x.dim() == last and p.split_factor == 2
               for p in x.placements]
     others_whole = all(half or not (p.is_partial() or split_dim(p, x.dim()) == last) for p, half in zip(x.placements, halves))
@@ -383,9 +495,10 @@ def _swiglu_on_shards(x, y):
 
         placements = [Shard(last) if half else p for p, half in zip(x.placements, halves)]
         with local_saved_tensors():
-            return as_dtensor_like(swiglu(x.to_local()), x, placements=placements, shape=shape)
-    note_unfused("swiglu", f"x {x.placements} splits the gate and up halves unevenly")
-    return swiglu_reference(x)
+            return as_dtensor_like(gated_activation(x.to_local(), None, activation, op=op), x, placements=placements,
+                                   shape=shape)
+    note_unfused(op, f"x {x.placements} splits the gate and up halves unevenly")
+    return gated_reference(x, None, activation)
 
 
 class FusedSwiGLU(torch.nn.Module):
@@ -396,22 +509,26 @@ class FusedSwiGLU(torch.nn.Module):
 
 
 class FusedSwiGLUMLP(torch.nn.Module):
-    """`down_proj(swiglu(gate_proj(x), up_proj(x)))`, the Llama MLP, with the fused activation.
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` with the fused gated activation: the Llama MLP (`activation`
+    "silu", SwiGLU) or Gemma's (`"gelu_tanh"`, GeGLU; `"gelu"` for the exact gelu).
 
     Keeps the attribute names of the seed and Hugging Face MLPs (gate_proj, up_proj, down_proj), so
     parameter names, state dicts and tensor-parallel plans written for those models still apply. A
     fused projection (`gate_up_proj`, gate then up, as in Phi-3) uses the split-in-half form.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, activation: str = "silu",
+                 device=None, dtype=None):
         super().__init__()
         factory = {"bias": bias, "device": device, "dtype": dtype}
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, **factory)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, **factory)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, **factory)
+        self.activation = _checked_activation("FusedSwiGLUMLP", activation)
 
     @classmethod
-    def from_linears(cls, *, down_proj: torch.nn.Module, gate_proj=None, up_proj=None, gate_up_proj=None):
+    def from_linears(cls, *, down_proj: torch.nn.Module, gate_proj=None, up_proj=None, gate_up_proj=None,
+                     activation: str = "silu"):
         """Wrap existing projections (the same modules and parameters, nothing copied).
 
         Pass either gate_proj and up_proj, or one gate_up_proj whose output is [gate | up].
@@ -425,12 +542,22 @@ class FusedSwiGLUMLP(torch.nn.Module):
         else:
             mlp.gate_proj, mlp.up_proj = gate_proj, up_proj
         mlp.down_proj = down_proj
+        mlp.activation = _checked_activation("FusedSwiGLUMLP.from_linears", activation)
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "gate_up_proj" in self._modules:
-            return self.down_proj(swiglu(self.gate_up_proj(x)))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(gated_activation(self.gate_up_proj(x), None, self.activation))
+        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+
+def _checked_activation(where: str, activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return activation
 
 
 def _sorted_pairs(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

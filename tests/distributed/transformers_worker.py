@@ -111,6 +111,9 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
     if family in LLAMA_LIKE:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
+    if family.startswith("gemma") and config.get("fuse_kernels", True):  # Gemma's GeGLU MLP, fused as such
+        activations = {m.activation for m in model.modules() if type(m).__name__ == "FusedSwiGLUMLP"}
+        assert activations == {"gelu_tanh"}, activations
     if family in MOE_FAMILIES:  # the experts' SwiGLU too
         experts = [n for n, m in model.named_modules() if type(m).__name__ == "FusedSwiGLUExperts"
                    or getattr(m, "fused_activation", False)]  # ExpertParallelExperts runs the fused activation
