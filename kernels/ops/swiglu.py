@@ -35,6 +35,7 @@ from ..reference import gated_reference
 # The gate's activation (the kernels' ACTIVATION constexpr) by the names the public functions and layers take.
 SILU, GELU_TANH, GELU = 0, 1, 2
 ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU}
+_NAMES = {code: name for name, code in ACTIVATIONS.items()}
 
 # Tiles of up to 1024 columns x enough rows for 4096 elements: wide enough for 16-byte accesses per
 # thread across 4-8 warps, narrow enough that the last partial block of a row wastes little.
@@ -429,7 +430,7 @@ def swiglu(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
 
     Computed in fp32 and rounded once to the promoted dtype of the inputs. Any shape and strides.
     """
-    return gated_activation(x, y, "silu", op="swiglu")
+    return _gated(x, y, SILU, "swiglu")
 
 
 def geglu(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = "tanh") -> torch.Tensor:
@@ -441,7 +442,7 @@ def geglu(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = 
     """
     if approximate not in ("tanh", "none"):
         raise ValueError(f"geglu: approximate must be 'tanh' or 'none' (as torch's F.gelu), got {approximate!r}")
-    return gated_activation(x, y, "gelu_tanh" if approximate == "tanh" else "gelu", op="geglu")
+    return _gated(x, y, GELU_TANH if approximate == "tanh" else GELU, "geglu")
 
 
 def gated_activation(x: torch.Tensor, y: torch.Tensor | None, activation: str, *, op: str = "gated_activation"):
@@ -449,9 +450,13 @@ def gated_activation(x: torch.Tensor, y: torch.Tensor | None, activation: str, *
     call; `op` names the caller in errors."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    code = ACTIVATIONS[activation]
+    return _gated(x, y, ACTIVATIONS[activation], op)
+
+
+def _gated(x: torch.Tensor, y: torch.Tensor | None, code: int, op: str) -> torch.Tensor:
+    """`gated_activation` with the activation's kernel code (SILU, GELU_TANH, GELU)."""
     if is_dtensor(x) or is_dtensor(y):
-        return _gated_on_shards(x, y, activation, op)
+        return _gated_on_shards(x, y, _NAMES[code], op)
     check_dtype(op, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
@@ -480,13 +485,13 @@ def _gated_on_shards(x, y, activation: str, op: str):
     if y is not None:
         if is_dtensor(x) and is_dtensor(y) and x.placements == y.placements and keeps_whole(x, ()):
             with local_saved_tensors():
-                return as_dtensor_like(gated_activation(x.to_local(), y.to_local(), activation, op=op), x)
+                return as_dtensor_like(_gated(x.to_local(), y.to_local(), ACTIVATIONS[activation], op), x)
         note_unfused(op, f"x {getattr(x, 'placements', 'plain')}, y {getattr(y, 'placements', 'plain')}")
         return gated_reference(x, y, activation)
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     if keeps_whole(x, (last,)):
         with local_saved_tensors():
-            return as_dtensor_like(gated_activation(x.to_local(), None, activation, op=op), x, shape=shape)
+            return as_dtensor_like(_gated(x.to_local(), None, ACTIVATIONS[activation], op), x, shape=shape)
     halves = [type(p).__name__ == "_StridedShard" and p.dim % x.dim() == last and p.split_factor == 2
               for p in x.placements]
     others_whole = all(half or not (p.is_partial() or split_dim(p, x.dim()) == last) for p, half in zip(x.placements, halves))
@@ -495,7 +500,7 @@ def _gated_on_shards(x, y, activation: str, op: str):
 
         placements = [Shard(last) if half else p for p, half in zip(x.placements, halves)]
         with local_saved_tensors():
-            return as_dtensor_like(gated_activation(x.to_local(), None, activation, op=op), x, placements=placements,
+            return as_dtensor_like(_gated(x.to_local(), None, ACTIVATIONS[activation], op), x, placements=placements,
                                    shape=shape)
     note_unfused(op, f"x {x.placements} splits the gate and up halves unevenly")
     return gated_reference(x, None, activation)
@@ -546,9 +551,10 @@ class FusedSwiGLUMLP(torch.nn.Module):
         return mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        code = ACTIVATIONS[self.activation]
         if "gate_up_proj" in self._modules:
-            return self.down_proj(gated_activation(self.gate_up_proj(x), None, self.activation))
-        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+            return self.down_proj(_gated(self.gate_up_proj(x), None, code, "FusedSwiGLUMLP"))
+        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), code, "FusedSwiGLUMLP"))
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
