@@ -99,7 +99,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 9  # 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 10  # 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -231,10 +231,12 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 
 
 def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
-                      imbalance: float = 1.0, experts_split: bool = True) -> tuple[float, float, float]:
+                      imbalance: float = 1.0, experts_split: bool = True) -> tuple[float, float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
-    inside them, the attention core). For Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh and
-    5·a·s²·b (Korthikanti et al. 2022, eq. 1). `moe`: an MoE layer, its busiest rank receiving
+    inside them, the attention core, whole on every tensor-parallel rank even under sequence parallel). For
+    Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh, 5·a·s²·b (Korthikanti et al. 2022, eq. 1) and 0.
+    The last holds latent attention's latents: distcore runs its down-projections unsplit on the whole
+    sequence (after sequence parallel's all-gather), so no split divides them. `moe`: an MoE layer, its busiest rank receiving
     `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
     rank (etp = 1), their activations outside the split regions (no sequence parallel splits them then)."""
     sb = spec.seq_len * micro_batch_size
@@ -255,13 +257,13 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
             outside, mlp = outside + sb * mlp, 0.0
     inside = sb * (e * q + e * spec.key_size + e * spec.value_size + e * spec.attention_output_size + mlp)
     latent = spec.latent_attention
-    if latent:  # the latents (and their norms' inputs), whole on every tensor-parallel rank
-        outside += sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim)
+    # The latents and their norms' inputs, whole on every tensor-parallel rank.
+    whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
     else:  # softmax output (+ dropout mask and dropout output)
         core = spec.num_heads * spec.seq_len * sb * (e + (mask + e if spec.dropout else 0))
-    return outside, inside, core
+    return outside, inside, core, whole
 
 
 def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
@@ -278,10 +280,10 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
         return layer_input / tp if sequence_parallel else layer_input
     experts_split = etp is None or etp == tp
-    outside, inside, core = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split)
+    outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split)
     if recompute == "selective":
         core = 0.0
-    return (outside / tp if sequence_parallel else outside) + (inside + core) / tp
+    return (outside / tp if sequence_parallel else outside) + (inside + core) / tp + whole
 
 
 def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -537,8 +539,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     else:
         core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
     core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
-    outside, inside, core_bytes = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp)
-    stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp
+    outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp)
+    stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp + whole
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
     elementwise = engine.elementwise_traffic * stored / bw_elementwise

@@ -368,6 +368,19 @@ def test_latent_attention_is_priced_as_it_runs():
     assert timing.tp == pytest.approx(4 * cost.tp_collective + cost.latent_collectives, rel=1e-12)
     mha = dataclasses.replace(mla, latent_attention=None)  # what it was priced as before: 3.8x the weights
     assert mha.attention_parameters == 4 * 7168 * 128 * 192 and mha.attention_unsplit_parameters == 0
+    # The latents' activations (2 bytes each of the latents and their norms' inputs: 2 x (1536 + 512 + 64) per
+    # token) are whole on every tp rank, sequence parallel or not: sequence parallel splits the rest of what is
+    # outside the tensor-parallel regions (two norm inputs, the qkv and MLP inputs: 4 x 7168 per token), no more.
+    from tridist.autotune import activation_bytes_per_layer
+
+    tokens, e = 4096, 2
+    latents = tokens * 2 * e * (1536 + 512 + 64)
+    outside = tokens * e * 4 * 7168
+    whole_sequence = activation_bytes_per_layer(mla, 1, tp=4)
+    assert whole_sequence - activation_bytes_per_layer(mla, 1, tp=4, sequence_parallel=True) == pytest.approx(
+        outside * (1 - 1 / 4))
+    assert activation_bytes_per_layer(mla, 1) - activation_bytes_per_layer(mha, 1) == pytest.approx(
+        latents + tokens * e * sum(getattr(mla, n) - getattr(mha, n) for n in ("value_size", "attention_output_size")))
     with pytest.raises(ValueError, match="rotary part"):
         dataclasses.replace(mla, latent_attention=dataclasses.replace(latent, rope_head_dim=192))
 
