@@ -109,7 +109,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     if inspect is not None:
         inspect(model)
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
-    if family in LLAMA_LIKE:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
+    if family in MATRIX_FAMILIES:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
     if family.startswith("gemma") and config.get("fuse_kernels", True):  # Gemma's GeGLU MLP, fused as such
         activations = {m.activation for m in model.modules() if type(m).__name__ == "FusedSwiGLUMLP"}
@@ -177,6 +177,9 @@ MATRIX = {
     "dp 2 x pp 2, 2 micro-batches": _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2),
     "tp 2 x pp 2 + sp, 2 micro-batches": _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True),
 }
+# The families every strategy of the matrix runs on: the Llama-like ones and Gemma 3 (local and global layers,
+# q/k norms, `1 + w` norms, GeGLU).
+MATRIX_FAMILIES = [*LLAMA_LIKE, "gemma3"]
 # Phi-3 slices q/k/v at the config's `num_attention_heads`, which local view does not divide (the slices
 # come out wrong): the block check puts its blocks in global view. Every other family runs in local view.
 GLOBAL_VIEW = {"phi3"}
@@ -191,8 +194,8 @@ UNFUSED = "dp 2 x tp 2 + sp + overlap, level 1"
 def _check_family(family: str) -> None:
     """Tied embeddings (llama-tied, Gemma), q/k/v biases (Qwen2), per-head q/k norms (Qwen3: their weight
     gradients summed over tp), q/k norms over the whole projection (OLMo2: statistics reduced over tp),
-    packed grouped-query qkv and gate_up (Phi-3), `1 + w` norms and GeGLU (Gemma, Gemma2), sliding windows
-    (Mistral): each strategy's losses, first-step gradients and parameters equal one process, with the
+    packed grouped-query qkv and gate_up (Phi-3), `1 + w` norms and GeGLU (Gemma, Gemma2, Gemma 3 with its
+    local and global layers), sliding windows (Mistral): each strategy's losses, first-step gradients and parameters equal one process, with the
     default config (fused kernels on), and once unfused."""
     for label, strategy, fuse in [*((label, strategy, True) for label, strategy in MATRIX.items()),
                                   (f"{UNFUSED}, unfused", MATRIX[UNFUSED], False)]:
@@ -212,8 +215,28 @@ def _check_family(family: str) -> None:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
-for _family in LLAMA_LIKE:
+for _family in MATRIX_FAMILIES:
     globals()[f"check_{_family.replace('-', '_')}_under_every_strategy"] = functools.partial(_check_family, _family)
+
+
+def check_layer_norm_families_train_under_tensor_parallel():
+    """Families with LayerNorms, GELU MLPs and biases (Phi: partial rotary, the MLP beside the attention;
+    Starcoder2: biases everywhere), which fuse leaves to their own modules but for the LM head and loss, under
+    tensor parallel with and without sequence parallel: equal to one process. Falcon's packed query_key_value
+    (per head, as GPT-NeoX and Bloom pack theirs, or contiguous: the structure does not tell) is refused under
+    tp with that reason rather than split one way at a guess."""
+    for family in ("phi", "starcoder2"):
+        for label in ("dp 2 x tp 2, level 2", "dp 2 x tp 2 + sp + overlap, level 1"):
+            try:
+                _train(family, MATRIX[label])
+            except Exception as error:
+                raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
+    try:
+        _train("falcon", MATRIX["dp 2 x tp 2, level 2"])
+    except autotune.InvalidStrategy as error:
+        assert "query_key_value may pack q/k/v per head" in str(error), error
+    else:
+        raise AssertionError("falcon: tensor parallel over its packed query_key_value was not refused")
 
 
 def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
@@ -312,8 +335,10 @@ def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
     fused kernels on), it trains equal to one process under dp 2 x tp 2 (the cache stores whole keys and
-    values; before, torch.cat of its empty start with a DTensor raised)."""
+    values; before, torch.cat of its empty start with a DTensor raised). Gemma 3 too: its GeGLU MLP fused on the
+    DTensors' shards (gelu's tanh approximation, not silu), its q/k norms, local and global layers."""
     _train_in_forced_global_view("qwen3", _strategy(2, 2, 1, sharding_level=2))
+    _train_in_forced_global_view("gemma3", _strategy(2, 2, 1, sharding_level=2))
 
 
 def check_phi3_packed_qkv_is_split_part_by_part():
