@@ -443,7 +443,7 @@ def _fuse(module: nn.Module, **options) -> str:
     report = fuse(module, **options)
     if not report.replaced:
         raise RuntimeError(f"fuse() replaced nothing: {report}")
-    kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "rotary", "linear_cross_entropy")}
+    kinds = {kind: report.count(kind) for kind in ("rms_norm", "swiglu", "geglu", "rotary", "linear_cross_entropy")}
     kinds["swiglu experts"] = report.count("swiglu: FusedSwiGLUExperts")
     kinds["swiglu"] -= kinds["swiglu experts"]
     detail = "fused " + ", ".join(f"{n} {kind}" for kind, n in kinds.items() if n)

@@ -96,7 +96,8 @@ def check_dtype(op: str, name: str, tensor: torch.Tensor) -> None:
 
 def check_same_device(op: str, first: torch.Tensor, *others: torch.Tensor | None, names: tuple[str, ...]) -> None:
     """Raise naming each tensor's device unless `first` and the `others` given (not None) share one; `names`
-    names them in order."""
+    names them in order (one name per tensor)."""
+    assert len(names) == 1 + len(others), names
     device = first.device
     for other in others:
         if other is not None and other.device != device:

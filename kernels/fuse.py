@@ -79,12 +79,13 @@ class FuseError(RuntimeError):
 
 def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, swiglu: bool = True,
          linear_cross_entropy: bool = True, strict: bool = False) -> FuseReport:
-    """Replace RMSNorm modules, SwiGLU MLPs (a mixture of experts' stacked SwiGLU experts too: `swiglu`),
-    rotary applications and a causal LM's head + loss of `model` in place.
+    """Replace RMSNorm modules, gated MLPs (`swiglu`: SwiGLU and GeGLU MLPs, and a mixture of experts' stacked
+    SwiGLU experts), rotary applications and a causal LM's head + loss of `model` in place.
 
     strict: raise FuseError, before changing anything, when a requested kind has a candidate that
-    cannot be replaced (a look-alike computing something else, such as Gemma's GeGLU MLP, a module
-    with hooks, a rotary function of another convention); pass that kind's flag False to leave it.
+    cannot be replaced (a look-alike computing something else, such as a gated MLP with quick_gelu or a
+    LayerNorm, a module with hooks, a rotary function of another convention); pass that kind's flag False to
+    leave it.
     """
     report = FuseReport()
     changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)

@@ -125,12 +125,16 @@ def swiglu_reference(x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Te
 
 def geglu_reference(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = "tanh") -> torch.Tensor:
     """`gelu(x, approximate) * y` (Gemma's MLP); with `y=None` the last dimension of x is split in half."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"geglu_reference: approximate must be 'tanh' or 'none', got {approximate!r}")
     return gated_reference(x, y, "gelu_tanh" if approximate == "tanh" else "gelu")
 
 
 def gated_reference(x: torch.Tensor, y: torch.Tensor | None, activation: str) -> torch.Tensor:
     """`act(x) * y` in eager ops for `activation` "silu", "gelu_tanh" or "gelu" (exact); with `y=None` the last
     dimension of x is split in half."""
+    if activation not in ("silu", "gelu_tanh", "gelu"):
+        raise ValueError(f"gated_reference: activation must be 'silu', 'gelu_tanh' or 'gelu', got {activation!r}")
     if y is None:
         x, y = x.chunk(2, dim=-1)
     if activation == "silu":

@@ -138,10 +138,10 @@ def test_split_in_half_form(backend, shape, dtype, activation):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saturated_gates_give_the_activation_s_limits(backend, dtype, activation):
-    """Far out in both tails (from 200, where sigmoid(-x) is 0 in fp32, up to 1e30, where gelu's cubic would
-    overflow fp32) act(x) is x or 0 and act' is 1 or 0, finite: no inf times zero in the derivative, no overflow
-    in the output."""
-    gate = torch.tensor([-1e30, -1e4, -200.0, 200.0, 1e4, 1e30]).to(dtype).requires_grad_()
+    """Far out in both tails (from 200, where sigmoid(-x) is 0 in fp32, past 1e30, where gelu's cubic would
+    overflow fp32, to 3e38, near fp32's and bf16's largest) act(x) is x or 0 and act' is 1 or 0, finite: no inf
+    times zero in the derivative (x (1 - s) z' alone is -inf below -1.6e35), no overflow in the output."""
+    gate = torch.tensor([-3e38, -1e36, -1e30, -1e4, -200.0, 200.0, 1e4, 1e30, 3e38]).to(dtype).requires_grad_()
     up = torch.ones_like(gate, requires_grad=True)
     out = _fused(activation)(gate, up)
     d_gate, d_up = torch.autograd.grad(out, (gate, up), torch.ones_like(out))
@@ -251,6 +251,10 @@ def test_bad_input_errors(args, message):
 
 def test_unknown_activations_are_refused():
     x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="activation code 7 is none of"):
+        torch.ops.tridist.gated_activation(x, x, 7)
+    with pytest.raises(ValueError, match="activation must be 'silu', 'gelu_tanh' or 'gelu'"):
+        gated_reference(x, x, "relu")
     with pytest.raises(ValueError, match="approximate must be 'tanh' or 'none'"):
         kernels.geglu(x, approximate="erf")
     with pytest.raises(ValueError, match=r"activation must be one of \['gelu', 'gelu_tanh', 'silu'\]"):

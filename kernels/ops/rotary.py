@@ -473,10 +473,11 @@ def _validate(q, k, cos, sin, position_ids, *, layout: str, rotary_dim: int | No
         raise TypeError(f"{op}: q and k must have one dtype, got {q.dtype} and {k.dtype}")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError(f"{op}: gradients through cos/sin are not computed; pass cos.detach(), sin.detach()")
+    # Under torch.compile the checks run uncached: Dynamo traces the function itself (it warns at an lru_cache).
+    validate = _validate_shapes.__wrapped__ if torch.compiler.is_compiling() else _validate_shapes
     if position_ids is None:
-        return _validate_shapes(q.shape, k.shape, cos.shape, sin.shape, None, None, layout, rotary_dim)
-    return _validate_shapes(q.shape, k.shape, cos.shape, sin.shape, position_ids.shape, position_ids.dtype, layout,
-                            rotary_dim)
+        return validate(q.shape, k.shape, cos.shape, sin.shape, None, None, layout, rotary_dim)
+    return validate(q.shape, k.shape, cos.shape, sin.shape, position_ids.shape, position_ids.dtype, layout, rotary_dim)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -124,6 +124,7 @@ def _activation_and_derivative(x, ACTIVATION: tl.constexpr):
     else:
         z, dz = _logistic_argument(x, ACTIVATION)
         s = 1.0 / (1.0 + tl.exp(-z))
+        act = x * s
         if ACTIVATION == 1:
             # 1 - s as sigmoid(-z), to its last digit: 1 - s loses exp(-z)'s digits where z > 0, and gelu's z grows
             # as x^3: act' is 1 + 1.4e-6 at x = 5, which 1 - s = 0 rounds to 1 (eager's 1 - tanh^2 keeps some
@@ -132,8 +133,9 @@ def _activation_and_derivative(x, ACTIVATION: tl.constexpr):
             tail = 1.0 / (1.0 + tl.exp(z))
         else:
             tail = 1.0 - s
-        act = x * s
-        derivative = s * (1.0 + x * tail * dz)
+        # s (1 + x (1 - s) z'), written with act = x s: where s is 0 (x below -88 for silu, far less for gelu) the
+        # term is 0, where x (1 - s) z' would be -inf for x below -1.6e35 (gelu's z' grows as x^2) and s times it NaN.
+        derivative = s + act * tail * dz
     return act, derivative
 
 
@@ -245,6 +247,7 @@ def _plan(kind: str, activation: int, shape, strides: tuple, dtype, device, conf
     one run, tiled in BLOCK_M * BLOCK_N elements with one offset for all (as Inductor's pointwise kernels do):
     no per-row index arithmetic, and no masks when the tiles divide the run (`EVEN`). Otherwise the rows are
     addressed by their strides, in [BLOCK_M, BLOCK_N] tiles."""
+    _check_code(activation)  # here, built once per signature: the ops take the code from anyone
     names = ("gate", "up") if kind == "fwd" else ("grad", "gate", "up", "dgate", "dup")
     args = [row_args(name, shape, tensor_strides) for name, tensor_strides in zip(names, strides)]
     if None in args:
@@ -297,8 +300,8 @@ def _backward_into(grad, gate, up, dgate, dup, activation: int = SILU, config=No
         gate.dtype, gate.device, config)
     if launch is False:
         if row_args("dgate", dgate.shape, dgate.stride()) is None or row_args("dup", dup.shape, dup.stride()) is None:
-            raise ValueError(f"swiglu: output buffers with strides {dgate.stride()} and {dup.stride()} need more "
-                             "than two row strides")  # outputs are written in place, never copied
+            raise ValueError(f"gated activation: gradient buffers with strides {dgate.stride()} and {dup.stride()} "
+                             "need more than two row strides")  # outputs are written in place, never copied
         return _backward_into(grad.contiguous(), gate.contiguous(), up.contiguous(), dgate, dup, activation, config)
     if launch is not None:
         launch.launch(_swiglu_bwd_kernel, grad, gate, up, dgate, dup)
@@ -314,13 +317,19 @@ _K0 = 2 * math.sqrt(2 / math.pi)  # z = x (K0 + K1 x^2) = 2 sqrt(2/pi) (x + 0.04
 _K1 = _K0 * 0.044715
 
 
+def _check_code(activation: int) -> None:
+    if activation not in _NAMES:
+        raise ValueError(f"gated activation: activation code {activation!r} is none of {_NAMES}")
+
+
 def _activation_torch(x: torch.Tensor, activation: int) -> torch.Tensor:
     """act(x) of fp32 x as the kernels compute it: gelu's tanh approximation as x sigmoid(z), which keeps the tail
     that 0.5 x (1 + tanh(u)) (torch's F.gelu) loses to cancellation for negative x."""
+    _check_code(activation)
     if activation == SILU:
         return F.silu(x)
-    if activation == GELU:
-        return F.gelu(x)
+    if activation == GELU:  # 0.5 x (1 + erf), in the kernel's order: torch's F.gelu overflows to inf past 1.7e38
+        return 0.5 * x * (1 + torch.erf(x * math.sqrt(0.5)))
     return x * torch.sigmoid(_logistic_argument_torch(x)[0])
 
 
@@ -331,12 +340,12 @@ def _backward_torch(grad, gate, up, activation: int = SILU):
     if activation == SILU:
         dgate, act = torch.ops.aten.silu_backward(g * y, x), F.silu(x)
     elif activation == GELU:
-        dgate, act = torch.ops.aten.gelu_backward(g * y, x), F.gelu(x)
+        dgate, act = torch.ops.aten.gelu_backward(g * y, x), _activation_torch(x, GELU)
     else:  # act' = s (1 + x (1 - s) z'), with 1 - s = sigmoid(-z) to its last digit
         z, dz = _logistic_argument_torch(x)
         s = torch.sigmoid(z)
         act = x * s
-        dgate = g * y * s * (1 + x * torch.sigmoid(-z) * dz)
+        dgate = g * y * (s + act * torch.sigmoid(-z) * dz)  # as the kernel: no -inf times s = 0 far out
     return dgate.to(gate.dtype).contiguous(), (g * act).to(up.dtype).contiguous()
 
 
@@ -381,6 +390,7 @@ _gated_packed_backward_op = torch.library.custom_op("tridist::gated_activation_p
 
 @_gated_op.register_fake
 def _(gate, up, activation):
+    _check_code(activation)
     return gate.new_empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype))
 
 
@@ -391,6 +401,7 @@ def _(grad, gate, up, activation):
 
 @_gated_packed_op.register_fake
 def _(x, activation):
+    _check_code(activation)
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
@@ -521,6 +532,8 @@ class FusedSwiGLUMLP(torch.nn.Module):
     parameter names, state dicts and tensor-parallel plans written for those models still apply. A
     fused projection (`gate_up_proj`, gate then up, as in Phi-3) uses the split-in-half form.
     """
+
+    activation = "silu"  # the instance's own; this default serves instances pickled before the attribute existed
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, activation: str = "silu",
                  device=None, dtype=None):
