@@ -148,8 +148,8 @@ def test_direct_launches_on_a_gpu_match_the_reference(dtype, monkeypatch, device
     """Each op twice per input (JIT, then direct), on 16-byte aligned inputs and on views one element off."""
     direct, launch_compiled = [], _common._CompiledLaunch.__call__
     monkeypatch.setattr(_common._CompiledLaunch, "__call__", lambda *a: (direct.append(1), launch_compiled(*a)))
-    from tridist.kernels import apply_rotary_pos_emb, rms_norm, swiglu
-    from tridist.kernels.reference import rms_norm_reference, rotary_reference, swiglu_reference
+    from tridist.kernels import apply_rotary_pos_emb, geglu, rms_norm, swiglu
+    from tridist.kernels.reference import geglu_reference, rms_norm_reference, rotary_reference, swiglu_reference
 
     torch.manual_seed(0)
     base = torch.randn(4 * 257 * 128 + 1, device=device, dtype=dtype)
@@ -169,7 +169,37 @@ def test_direct_launches_on_a_gpu_match_the_reference(dtype, monkeypatch, device
         x = base[start:start + 4 * 257 * 128].view(4, 257, 128)
         check(rms_norm(x, w), rms_norm_reference, x, w)
         gate, up = x[..., :64], x[..., 64:]
-        check(swiglu(gate, up), swiglu_reference, gate, up)
+        check(swiglu(gate, up), swiglu_reference, gate, up)  # strided rows
+        check(swiglu(x, x), swiglu_reference, x, x)  # dense: one run (FLAT), misaligned on the odd rounds
+        check(geglu(x, x), geglu_reference, x, x)
+        check(geglu(gate, up, approximate="none"), lambda g, u: geglu_reference(g, u, approximate="none"), gate, up)
         q = x.view(4, 257, 4, 32).transpose(1, 2)
         check(apply_rotary_pos_emb(q, q, cos, sin, layout="bhsd"), rotary_reference, q, q, cos, sin, layout="bhsd")
     assert len(direct) >= 6 or device == "cpu"  # the second aligned and misaligned rounds launched straight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _common.TRITON_INTERPRET,
+                    reason="compiled kernels run on a GPU with TRITON_INTERPRET=0")
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("shape", [(4, 256, 128), (3, 37, 100)], ids=str)  # tiles dividing the run (EVEN), and not
+def test_gated_activations_on_a_gpu_forward_and_backward(activation, shape, device="cuda"):
+    """The compiled gated-activation kernels, dense (FLAT) and packed (strided rows), forward and backward in bf16,
+    against the fp32 reference rounded to bf16: one rounding of the output and of each gradient (2**-8 relative)
+    on top of fp32's own error (atol 1e-3 for gradients that are sums of products of size up to ~30)."""
+    from tridist.kernels.ops.swiglu import gated_activation
+    from tridist.kernels.reference import gated_reference
+
+    torch.manual_seed(0)
+    for packed in (False, True):
+        x = (3 * torch.randn(*shape[:-1], 2 * shape[-1] if packed else shape[-1], device=device)).bfloat16()
+        inputs = [x.requires_grad_()] if packed else [x.requires_grad_(), torch.randn_like(x).requires_grad_()]
+        args = (inputs[0], None) if packed else tuple(inputs)
+        out = gated_activation(*args, activation)
+        grad = torch.randn_like(out)
+        grads = torch.autograd.grad(out, inputs, grad)
+        fp32 = [t.detach().float().requires_grad_() for t in inputs]
+        ref = gated_reference(*((fp32[0], None) if packed else fp32), activation)
+        ref_grads = torch.autograd.grad(ref, fp32, grad.float())
+        torch.testing.assert_close(out, ref.bfloat16(), rtol=2**-7, atol=1e-5)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want.bfloat16(), rtol=2**-7, atol=1e-3)
