@@ -128,8 +128,9 @@ def _activation_and_derivative(x, ACTIVATION: tl.constexpr):
         if ACTIVATION == 1:
             # 1 - s as sigmoid(-z), to its last digit: 1 - s loses exp(-z)'s digits where z > 0, and gelu's z grows
             # as x^3: act' is 1 + 1.4e-6 at x = 5, which 1 - s = 0 rounds to 1 (eager's 1 - tanh^2 keeps some
-            # of it). silu keeps 1 - s, eager's own formula: the extra exp costs registers (sm_90, 4 x 1024 tiles:
-            # the flat backward 63 -> 80, the strided one 90 -> 128; selecting exp(-z) s with tl.where, 137).
+            # of it). silu keeps 1 - s, eager's own formula: the extra exp costs registers (sm_90, 4 x 1024 tiles,
+            # measured before act below: the flat backward 63 -> 80, the strided one 90 -> 128; selecting
+            # exp(-z) s with tl.where instead, 137).
             tail = 1.0 / (1.0 + tl.exp(z))
         else:
             tail = 1.0 - s
@@ -307,14 +308,15 @@ def _backward_into(grad, gate, up, dgate, dup, activation: int = SILU, config=No
         launch.launch(_swiglu_bwd_kernel, grad, gate, up, dgate, dup)
 
 
-def _logistic_argument_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_logistic_argument` of gelu's tanh approximation in torch ops: (z, dz/dx)."""
-    x2 = x.clamp(-100.0, 100.0).square()
-    return x.clamp(-100.0, 100.0) * (_K0 + _K1 * x2), _K0 + 3 * _K1 * x2
-
-
 _K0 = 2 * math.sqrt(2 / math.pi)  # z = x (K0 + K1 x^2) = 2 sqrt(2/pi) (x + 0.044715 x^3)
 _K1 = _K0 * 0.044715
+
+
+def _logistic_argument_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_logistic_argument` of gelu's tanh approximation in torch ops: (z, dz/dx)."""
+    clamped = x.clamp(-100.0, 100.0)
+    x2 = clamped.square()
+    return clamped * (_K0 + _K1 * x2), _K0 + 3 * _K1 * x2
 
 
 def _check_code(activation: int) -> None:
