@@ -89,13 +89,17 @@ def backward_study():
             for block_n in (b for b in (2048, 4096, 8192) if b <= hidden):
                 for block_m in (1, 2, 4):
                     for num_warps in (4, 8, 16):
-                        result = compile_variant(
-                            f"{'add_rms_norm' if has_dh else 'rms_norm'}_bwd[H={hidden}]", rms_norm._rms_norm_bwd_kernel,
-                            bwd_ptrs, {"HAS_DH": has_dh, "ROUND": 2, "SINGLE_PASS": block_n >= hidden, "COMPUTE_DW": True,
-                                       "BLOCK_M": block_m, "BLOCK_N": block_n, **units}, ("offset",), num_warps)
-                        heuristic = (block_n, block_m, num_warps) == (chosen["BLOCK_N"], chosen["BLOCK_M"], chosen["num_warps"])
-                        yield {**result, "BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps,
-                               "heuristic": heuristic}
+                        # The single-pass loop plain and software-pipelined (its tiles' rows copied ahead).
+                        for stages in (1, 3) if block_n >= hidden else (1,):
+                            result = compile_variant(
+                                f"{'add_rms_norm' if has_dh else 'rms_norm'}_bwd[H={hidden}]", rms_norm._rms_norm_bwd_kernel,
+                                bwd_ptrs, {"HAS_DH": has_dh, "ROUND": 2, "SINGLE_PASS": block_n >= hidden, "COMPUTE_DW": True,
+                                           "BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_STAGES": stages, **units},
+                                ("offset",), num_warps)
+                            heuristic = (block_n, block_m, num_warps, stages) == (
+                                chosen["BLOCK_N"], chosen["BLOCK_M"], chosen["num_warps"], chosen["NUM_STAGES"])
+                            yield {**result, "BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps,
+                                   "NUM_STAGES": stages, "heuristic": heuristic}
 
 
 def variants():
@@ -109,13 +113,15 @@ def variants():
                  **unit("x_stride_col", "res_stride_col", "w_stride")},
                 ("eps", "offset"), 8,
             )
-        yield (
-            f"rms_norm_bwd[single_pass={single_pass}]", rms_norm._rms_norm_bwd_kernel,
-            {"dy_ptr": BF16, "dh_ptr": BF16, "h_ptr": BF16, "w_ptr": BF16, "rstd_ptr": FP32, "dx_ptr": BF16, "dw_partial_ptr": FP32},
-            {"HAS_DH": True, "ROUND": 2, "SINGLE_PASS": single_pass, "COMPUTE_DW": True, "BLOCK_M": 2, "BLOCK_N": 4096,
-             **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
-            ("offset",), 8,
-        )
+        # The single-pass backward also software-pipelined (3 stages: the next tiles' rows copied ahead).
+        for stages in (1, 3) if single_pass else (1,):
+            yield (
+                f"rms_norm_bwd[single_pass={single_pass}{', stages=3' if stages > 1 else ''}]", rms_norm._rms_norm_bwd_kernel,
+                {"dy_ptr": BF16, "dh_ptr": BF16, "h_ptr": BF16, "w_ptr": BF16, "rstd_ptr": FP32, "dx_ptr": BF16, "dw_partial_ptr": FP32},
+                {"HAS_DH": True, "ROUND": 2, "SINGLE_PASS": single_pass, "COMPUTE_DW": True, "BLOCK_M": 2, "BLOCK_N": 4096,
+                 "NUM_STAGES": stages, **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
+                ("offset",), 8,
+            )
     # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 16 tokens per tile of 4 heads x 32 pairs
     # (the tile the launcher builds for them: rotary.tokens_per_tile).
     for interleaved, tokens, block_h, block_r in ((False, 1, 32, 64), (True, 1, 32, 64), (False, 16, 4, 32)):

@@ -83,7 +83,7 @@ def test_tuned_entry_wins_and_is_used_by_the_launch(tuned_table, backend):
     key = rms_norm_module.tuning_key(5, 40, torch.float32)
     tuned = {"BLOCK_N": 16, "BLOCK_M": 2, "num_warps": 1}
     swiglu_fwd = swiglu_module.TUNABLES["fwd"]
-    tuned_table({FWD: {key: tuned}, BWD: {key: {**tuned, "PROGRAMS_PER_SM": 1}},
+    tuned_table({FWD: {key: tuned}, BWD: {key: {**tuned, "PROGRAMS_PER_SM": 1, "NUM_STAGES": 2}},
                  swiglu_fwd: {swiglu_module.tuning_key(5, 40, torch.float32): tuned}})
     assert rms_norm_module.launch_config("fwd", 5, 40, torch.float32, CPU) == tuned
     # add_rms_norm is its own binary with its own entries: none here, so the heuristic.

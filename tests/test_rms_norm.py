@@ -394,3 +394,31 @@ def test_bad_residual_and_cast_errors():
         kernels.rms_norm(x, w, residual=torch.randn(2, 9))
     with pytest.raises(ValueError, match="cast_to must be"):
         kernels.rms_norm(x, w, cast_to="output")
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("residual", [False, True])
+def test_pipelined_backward_loop_gives_the_plain_loop_s_gradients(stages, residual):
+    """NUM_STAGES > 1 software-pipelines the single-pass backward's loop over its row tiles (on a GPU the next
+    tiles' rows are copied ahead with cp.async): the same arithmetic in the same order, so the same bits as the
+    plain loop, the weight gradient's partial sums too. In the interpreter 37 rows in tiles of 2 over 4 programs
+    (each loops 4-5 times; this checks the plumbing); on a GPU 4,001 rows over one program per SM (15-16 loops
+    each: the pipelined loop itself)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not rms_norm_module.use_triton(torch.empty(0, device=device)):
+        pytest.skip("the kernels run on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
+    rows = 4001 if device.type == "cuda" else 37
+    generator = torch.Generator().manual_seed(0)
+    x, r, dy, dh = (torch.randn(rows, 64, generator=generator).to(device) for _ in range(4))
+    w = torch.rand(64, generator=generator).to(device) + 0.5
+    _, h, rstd = rms_norm_module._forward(x, r if residual else None, w, 1e-6, 0.0, False)
+    plain = {"BLOCK_N": 64, "BLOCK_M": 2, "num_warps": 1, "PROGRAMS_PER_SM": 1, "NUM_STAGES": 1}
+
+    def backward(config):
+        return rms_norm_module._backward(dy, dh if residual else None, h, w, rstd, 0.0, False, torch.float32, True,
+                                         config=config)
+
+    for expected, got in zip(backward(plain), backward({**plain, "NUM_STAGES": stages})):
+        assert torch.equal(expected, got)
+    assert rms_norm_module.heuristic_config("bwd", 64)["NUM_STAGES"] == 1  # until a GPU has measured it
+    assert 4 in rms_norm_module.search_space("bwd", 4096)["NUM_STAGES"]  # the sweep tries the pipelined loop

@@ -60,6 +60,11 @@ TARGET_TILE_ELEMENTS = 4096
 # BLOCK_N 4096 would hold 32 (59 / 63 registers, single pass at 4096, two passes at 8192); both are in
 # search_space, so a sweep on an H100 decides between them (the heuristic stays until one has measured it).
 BACKWARD_PROGRAMS_PER_SM = 2
+# The backward's single-pass loop over its tiles, software-pipelined when above 1 (NUM_STAGES). On sm_90
+# (`python -m tests._gpu_codegen --study`), 3 stages copy the next tiles with cp.async: 49 KB of shared memory
+# per program at hidden 2048 and 4096, 98 KB at 8192, registers 95-112 -> 116-128, the same 16 warps per SM.
+# Not measured on a GPU yet: the heuristic keeps the plain loop; the sweep's search space has 1, 2 and 4.
+BACKWARD_NUM_STAGES = 1
 
 ROUND_NONE, ROUND_TO_WEIGHT, ROUND_TO_INPUT = 0, 1, 2
 
@@ -159,12 +164,14 @@ def _rms_norm_bwd_kernel(
     h_inner_rows, h_stride_outer, h_stride_inner, h_stride_col,
     w_stride,
     HAS_DH: tl.constexpr, ROUND: tl.constexpr, SINGLE_PASS: tl.constexpr, COMPUTE_DW: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """dx = rstd * (dn - normed * mean(dn * normed)), dn = dy * (offset + w); dw = sum_rows dy * normed.
 
     A persistent grid: program p takes row tiles p, p + P, p + 2P, ... and writes its weight-gradient
-    partial sum to row p of dw_partial (no two programs touch the same row, hence no atomics).
+    partial sum to row p of dw_partial (no two programs touch the same row, hence no atomics). With
+    NUM_STAGES > 1 the single-pass loop is software-pipelined: the next tiles' rows are copied to shared memory
+    (cp.async on sm_90) while this one's row sums reduce.
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -177,7 +184,7 @@ def _rms_norm_bwd_kernel(
         col_mask = cols < n_cols
         w = tl.load(w_ptr + cols * w_stride, mask=col_mask, other=0.0).to(tl.float32) + offset
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for tile in range(pid, n_tiles, n_programs):
+        for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
             rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
@@ -242,7 +249,7 @@ def _rms_norm_bwd_kernel(
 # ------------------------------------------------------------------------------- launch configurations
 
 _FORWARD_PARAMS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps"})
-_BACKWARD_PARAMS = _FORWARD_PARAMS | {"PROGRAMS_PER_SM"}
+_BACKWARD_PARAMS = _FORWARD_PARAMS | {"PROGRAMS_PER_SM", "NUM_STAGES"}
 # The sweep's limits: a tile of more than 2**16 elements needs over 64 fp32 registers per thread even
 # at 32 warps (spills), and single-pass rows wider than 2**15 always spill on sm_90.
 MAX_TILE_ELEMENTS = 1 << 16
@@ -262,12 +269,13 @@ tuning_key = configs.row_tuning_key  # the tuned table's bucket of a launch (als
 
 
 def heuristic_config(kind: str, n_cols: int) -> dict:
-    """BLOCK_N, BLOCK_M (rows per tile) and num_warps (+ PROGRAMS_PER_SM for "bwd") without a table.
+    """BLOCK_N, BLOCK_M (rows per tile) and num_warps (+ PROGRAMS_PER_SM and NUM_STAGES for "bwd") without a table.
 
     The whole row in one block up to MAX_SINGLE_PASS_COLS (no padding beyond the next power of two),
     otherwise MULTI_PASS_BLOCK_N-wide blocks; short rows are packed until a tile holds
     TARGET_TILE_ELEMENTS; one warp per 512 elements of the tile (16 bytes per thread per load for
-    bf16), between 1 and 16 warps; the backward's persistent grid has BACKWARD_PROGRAMS_PER_SM.
+    bf16), between 1 and 16 warps; the backward's persistent grid has BACKWARD_PROGRAMS_PER_SM and its loop
+    BACKWARD_NUM_STAGES stages.
     """
     block_n = max(16, next_power_of_2(n_cols))
     if block_n > (MAX_SINGLE_PASS_COLS if kind == "fwd" else MAX_SINGLE_PASS_COLS_BACKWARD):
@@ -277,6 +285,7 @@ def heuristic_config(kind: str, n_cols: int) -> dict:
     config = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}
     if kind == "bwd":
         config["PROGRAMS_PER_SM"] = BACKWARD_PROGRAMS_PER_SM
+        config["NUM_STAGES"] = BACKWARD_NUM_STAGES
     return config
 
 
@@ -290,6 +299,7 @@ def search_space(kind: str, n_cols: int) -> dict[str, list[int]]:
     }
     if kind == "bwd":
         space["PROGRAMS_PER_SM"] = [1, 2, 4, 8]
+        space["NUM_STAGES"] = [1, 2, 4]  # 4 stages of an 8192-wide tile need more shared memory than an SM has
     return space
 
 
@@ -401,7 +411,7 @@ def _backward_plan(shape, h_strides, dy_strides, dh_strides, h_dtype, w_dtype, w
         launch = Launch((n_programs,), dict(
             n_rows=n_rows, n_cols=n_cols, **dy_args, **dh_args, **h_args, w_stride=w_stride,
             HAS_DH=dh_strides is not None, ROUND=round_mode, SINGLE_PASS=single_pass, COMPUTE_DW=compute_dw,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
         ))
     return _BackwardPlan((n_programs, n_cols) if compute_dw else (0,), launch is None or not single_pass, launch)
 
