@@ -27,6 +27,9 @@ from typing import Callable
 # tests/test_bench.py checks that the two lists agree.
 KERNEL_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu", "geglu", "linear_cross_entropy")
 KERNEL_DTYPES = ("bf16", "fp16", "fp32")
+# The kernels `tridist autotune kernels` sweeps (autotune.kernel_sweep.OPS, checked by tests/test_bench.py): geglu
+# runs swiglu's kernels with swiglu's tuned configurations; linear_cross_entropy sizes its chunks from memory.
+SWEPT_OPS = ("rms_norm", "add_rms_norm", "rotary", "swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,10 +347,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _parse_swept_ops(text: str) -> list[str]:
+    given = [name.strip() for name in text.split(",") if name.strip()]
+    if "geglu" in given:
+        raise argparse.ArgumentTypeError("geglu runs swiglu's kernels with swiglu's tuned configurations: sweep swiglu")
+    return choice_list(SWEPT_OPS, "op")(text)
+
+
 def _autotune_kernels_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", type=parse_ops, default=None,
-                        help=f"comma-separated ops (default: all of {','.join(KERNEL_OPS)}); forward and backward "
-                             "kernels are swept separately")
+    parser.add_argument("--ops", type=_parse_swept_ops, default=None,
+                        help=f"comma-separated ops (default: all of {','.join(SWEPT_OPS)}; geglu shares swiglu's "
+                             "configurations); forward and backward kernels are swept separately")
     parser.add_argument("--dtype", default="bf16", help="comma-separated of bf16, fp16, fp32 (default bf16)")
     parser.add_argument("--trials", type=_positive_int, default=32,
                         help="trials per shape bucket, the heuristic's included (default 32)")

@@ -175,7 +175,7 @@ def test_default_grids():
 # ------------------------------------------------------------------------------------------------ CLI
 
 
-def test_cli_parses_bench_kernels_arguments():
+def test_cli_parses_bench_kernels_arguments(capsys):
     args = cli.build_parser().parse_args(
         ["bench", "kernels", "--ops", "rms_norm,swiglu", "--dtype", "fp32", "--device", "cpu", "--quick",
          "--no-compile", "--out", "somewhere"])
@@ -184,6 +184,13 @@ def test_cli_parses_bench_kernels_arguments():
     defaults = cli.build_parser().parse_args(["bench", "kernels"])
     assert defaults.ops is None and defaults.compile and defaults.device == "auto"
     assert cli.KERNEL_OPS == kb.OPS and set(cli.KERNEL_DTYPES) == set(kb.DTYPES)
+    from tridist.autotune import kernel_sweep
+
+    assert cli.SWEPT_OPS == kernel_sweep.OPS
+    for ops, message in (("geglu", "sweep swiglu"), ("linear_cross_entropy", "valid ops: rms_norm")):
+        with pytest.raises(SystemExit):
+            cli.main(["autotune", "kernels", "--ops", ops])
+        assert message in capsys.readouterr().err
 
 
 def test_cli_rejects_unknown_op_naming_the_valid_ones(capsys):
