@@ -480,7 +480,11 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
 #         rotates the first cos.shape[-1] features and passes the rest (partial rotary): told apart by a
 #         probe with a half-width table, and only then are narrower tables given to the kernel. Cohere's
 #         pairs adjacent features (GPT-J's interleaved rotation, tables repeat_interleave'd): told apart
-#         by probes with such tables.
+#         by probes with such tables. GLM-4's and ERNIE 4.5's pair adjacent features too, but take the usual
+#         [freqs | freqs] tables and rotate pair j by the table's first half's entry j (repeat_interleave'd
+#         inside): the kernel gets that first half, one entry per pair (GLM-4: over a partial rotary width).
+#         Where the function returns q's dtype from tables of a wider one (ERNIE computes in fp32 and casts
+#         back), the kernel's fp32 computation rounded once to q's dtype is that, and fp32 tables are taken.
 
 
 @dataclass(frozen=True)
@@ -490,9 +494,12 @@ class _RotaryConvention:
     layouts: tuple[int, ...] = ()  # hf: the unsqueeze_dim values the function was seen to handle
     partial: bool = False  # hf: features past the table's width pass through
     interleaved: bool = False  # hf: pairs (2j, 2j + 1) rotate together (else (j, j + D/2))
+    first_half: bool = False  # hf, interleaved: pair j rotates by the table's entry j (GLM-4, ERNIE 4.5)
+    keeps_dtype: bool = False  # returns q's dtype from tables of a wider dtype (computes wide, casts back)
 
     def __str__(self) -> str:
-        return (f"{self.name} convention" + (", interleaved pairs" if self.interleaved else "")
+        pairs = ", interleaved pairs" + (" from the table's first half" if self.first_half else "")
+        return (f"{self.name} convention" + (pairs if self.interleaved else "")
                 + (", partial rotary" if self.partial else ""))
 
 
@@ -612,7 +619,27 @@ def _rotary_convention(function) -> _RotaryConvention | None:
     layouts = hf_layouts(cos, sin, rotary_reference(q, k, cos, sin, positions, interleaved=True))
     if 1 in layouts:  # interleaved pairs over the whole head (no partial variant is known to transformers)
         return _RotaryConvention("hf", signature, layouts=layouts, interleaved=True)
-    return None
+
+    def first_half_expected(width):  # GLM's: [freqs | freqs] tables of `width`, pair j by freqs[j]
+        cos, sin = tables(width)
+        return cos, sin, rotary_reference(q, k, cos[..., :width // 2], sin[..., :width // 2], positions,
+                                          interleaved=True, rotary_dim=width)
+
+    cos, sin, expected = first_half_expected(head_dim)
+    layouts = hf_layouts(cos, sin, expected)
+    if 1 not in layouts:
+        return None
+    half_cos, half_sin, partial_expected = first_half_expected(head_dim // 2)
+    partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
+                     partial_expected, bhsd=True)
+    try:  # bf16 q and k with the fp32 tables: does it return q's dtype (ERNIE 4.5 casts back) or the promoted one?
+        with torch.no_grad():
+            out = function(qt.bfloat16(), kt.bfloat16(), cos[positions], sin[positions], unsqueeze_dim=1)
+        keeps_dtype = out[0].dtype == torch.bfloat16
+    except Exception:  # noqa: BLE001 - mixed dtypes refused: the kernel then never gets them either
+        keeps_dtype = False
+    return _RotaryConvention("hf", signature, layouts=layouts, partial=partial, interleaved=True, first_half=True,
+                             keeps_dtype=keeps_dtype)
 
 
 def _rotary_adapter(original, convention: _RotaryConvention):
@@ -620,6 +647,7 @@ def _rotary_adapter(original, convention: _RotaryConvention):
 
     Written out per signature (no `inspect` at call time: torch.compile traces this function)."""
     partial, layouts, interleaved = convention.partial, convention.layouts, convention.interleaved
+    first_half, keeps_dtype = convention.first_half, convention.keeps_dtype
 
     if convention.name == "seed":
 
@@ -632,16 +660,22 @@ def _rotary_adapter(original, convention: _RotaryConvention):
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *args, **kwargs):
             layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
-            if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
-                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout, interleaved=interleaved)
+            if layout and not args and not kwargs:
+                tables = _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype)
+                if tables is not None:
+                    return rotary_op.apply_rotary_pos_emb(q, k, *tables, layout=layout, interleaved=interleaved,
+                                                          rotary_dim=cos.shape[-1])
             return original(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
 
     else:
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
             layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
-            if layout and not args and not kwargs and _kernel_accepts(q, k, cos, sin, None, layout):
-                return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout, interleaved=interleaved)
+            if layout and not args and not kwargs:
+                tables = _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype)
+                if tables is not None:
+                    return rotary_op.apply_rotary_pos_emb(q, k, *tables, layout=layout, interleaved=interleaved,
+                                                          rotary_dim=cos.shape[-1])
             return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
 
     fused_apply_rotary_pos_emb.__wrapped__ = original
@@ -654,11 +688,23 @@ def _hf_layout(cos, q, unsqueeze_dim, layouts, partial):
     return "bhsd" if unsqueeze_dim == 1 else "bshd"
 
 
-def _kernel_accepts(q, k, cos, sin, position_ids, layout) -> bool:
-    if torch.promote_types(q.dtype, cos.dtype) != q.dtype:
+def _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype):
+    """The tables the fused op takes for a Hugging Face convention's call (rotating the tables' width of
+    features), or None where the kernel would not give the function's answer. `first_half`: the tables' first
+    halves, one entry per pair."""
+    rotary_dim = cos.shape[-1]
+    if first_half:
+        cos, sin = cos[..., :rotary_dim // 2], sin[..., :rotary_dim // 2]
+    if not _kernel_accepts(q, k, cos, sin, None, layout, rotary_dim=rotary_dim, keeps_dtype=keeps_dtype):
+        return None
+    return cos, sin
+
+
+def _kernel_accepts(q, k, cos, sin, position_ids, layout, *, rotary_dim=None, keeps_dtype=False) -> bool:
+    if not keeps_dtype and torch.promote_types(q.dtype, cos.dtype) != q.dtype:
         return False  # eager `q * cos` would promote (bf16 q, fp32 tables): keep that output dtype
     try:
-        rotary_op._validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=None)
+        rotary_op._validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=rotary_dim)
     except (ValueError, TypeError):
         return False
     return True

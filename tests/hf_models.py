@@ -53,6 +53,10 @@ MORE_FAMILIES = {
     "cohere2": ("cohere2", dict(head_dim=16)),  # LayerNorm without bias, sliding layers without rotary
     "exaone4": ("exaone4", {}),  # norms after each sublayer, q/k norms
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
+    # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast
+    # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
+    "ernie4_5": ("ernie4_5", {}),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=EXPERTS, moe_k=TOP_K, moe_intermediate_size=32)),
 }
 
 

@@ -577,6 +577,77 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
             _assert_within(a, b, 4 * U_FP32, name)
 
 
+def _glm_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """GLM-4's rotary: the usual [freqs | freqs] tables, pair j by the first half's entry j (repeat_interleave'd),
+    over the tables' width (partial when narrower than the head)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    width = cos.shape[-1]
+
+    def rotate(x):
+        rot, passed = x[..., :width], x[..., width:]
+        return torch.cat([rot * cos + _rotate_pairs(rot) * sin, passed], dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def _ernie_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """ERNIE 4.5's: GLM's pairing, computed in fp32 and cast back to q's dtype (ERNIE's own has no partial rotary;
+    this one, GLM's underneath, accepts narrower tables too)."""
+    q_out, k_out = _glm_rotary(q.float(), k.float(), cos.float(), sin.float(), unsqueeze_dim)
+    return q_out.to(q.dtype), k_out.to(k.dtype)
+
+
+class _GLMAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _glm_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+class _ErnieAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _ernie_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+@pytest.mark.parametrize("attention, function, rotary_width, dtype, what", [
+    (_GLMAttention, _glm_rotary, 8, torch.float32, "interleaved pairs from the table's first half, partial rotary"),
+    (_GLMAttention, _glm_rotary, 16, torch.float32, "interleaved pairs from the table's first half, partial rotary"),
+    # bf16 q and k with fp32 tables: ERNIE returns bf16 (fp32 math cast back), as the kernel does
+    (_ErnieAttention, _ernie_rotary, 16, torch.bfloat16, "interleaved pairs from the table's first half, partial rotary"),
+])
+def test_glm_and_ernie_rotary_are_fused_and_match_forward_and_backward(attention, function, rotary_width, dtype, what):
+    """GLM-4's and ERNIE 4.5's rotary (Hugging Face's signature; the tables' first half rotates adjacent pairs)
+    runs the kernel's interleaved path with half tables, in both layouts, partial where the tables are narrower
+    than the head; outputs and gradients within rounding of the function's own: 4u of the largest output in fp32
+    (as test_interleaved_rotary_is_fused_and_matches_forward_and_backward argues), and in bf16 one rounding of
+    the same fp32 values on each side (2 x 2**-8 relative)."""
+    module = attention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": module}))
+    assert report.replaced == [("attention", f"rotary: {function.__name__} (hf convention, {what})")], str(report)
+    generator = torch.Generator().manual_seed(4)
+    batch, seq, heads, kv_heads, dim = 2, 6, 4, 2, 16
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_width, 2).float() / rotary_width)
+    freqs = torch.outer(torch.arange(seq).float(), inv_freq)
+    cos, sin = (f(torch.cat([freqs, freqs], -1)).expand(batch, seq, rotary_width) for f in (torch.cos, torch.sin))
+    budget = 4 * U_FP32 if dtype == torch.float32 else 2 * 2**-8
+    for unsqueeze_dim, q_shape, k_shape in ((1, (batch, heads, seq, dim), (batch, kv_heads, seq, dim)),
+                                            (2, (batch, seq, heads, dim), (batch, seq, kv_heads, dim))):
+        q = torch.randn(q_shape, generator=generator).to(dtype)
+        k = torch.randn(k_shape, generator=generator).to(dtype)
+        grads = torch.randn(q_shape, generator=generator).to(dtype), torch.randn(k_shape, generator=generator).to(dtype)
+        results = []
+        for call in (module, function):
+            qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
+            with _kernel_launches() as launches:
+                outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            torch.autograd.backward(outs, grads)
+            results.append((launches["rotary"], *outs, qi.grad, ki.grad))
+        (fused_launches, *fused), (eager_launches, *eager) = results
+        assert (fused_launches, eager_launches) == (1, 0)
+        for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
+            _assert_within(a, b, budget, name)
+
+
 def test_interleaved_pairs_that_do_not_rotate_are_left_alone():
     report = kernels.fuse(torch.nn.ModuleDict({"attention": _SwappingAttention()}))
     assert report.replaced == [] and "does not behave like" in dict(report.skipped)["attention"], str(report)

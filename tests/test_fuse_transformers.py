@@ -134,6 +134,9 @@ def test_fuse_keeps_loss_logits_and_every_gradient_of_more_families(family):
     report = kernels.fuse(fused)
     assert report.count("linear_cross_entropy") == 1 and isinstance(fused.lm_head, FusedLMHead), str(report)
     assert all(why for _, why in report.skipped), str(report)
+    if family in ("glm4", "ernie4_5", "ernie4_5_moe"):  # GLM's rotary: adjacent pairs by the table's first half
+        rotaries = [what for _, what in report.replaced if what.startswith("rotary")]
+        assert len(rotaries) == 2 and all("from the table's first half" in what for what in rotaries), str(report)
     mask = torch.ones(2, SEQ_LEN, dtype=torch.long)
     mask[0, :2] = 0
     kwargs = dict(input_ids=_batch(), attention_mask=mask, labels=_batch())

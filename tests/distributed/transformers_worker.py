@@ -627,6 +627,24 @@ def check_router_auxiliary_loss_is_the_mean_of_each_ranks():
         raise AssertionError("parallelize accepted pipeline stages of a model computing its router loss")
 
 
+def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
+    """PaddlePaddle's ERNIE 4.5, dense and MoE, and GLM-4 (tests/hf_models.py MORE_FAMILIES: GLM's rotary, fused
+    with half tables; ERNIE's router correction bias, a parameter that requires no grad and stays as it was):
+    equal to one process under tp with sequence parallel (the dense ones), tp, pp and ep (the MoE one), whose
+    sequence-parallel strategy is refused with the reason."""
+    for family, strategy in (
+            ("ernie4_5", _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True)),
+            ("ernie4_5", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2)),
+            ("glm4", _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True)),
+            ("ernie4_5_moe", _strategy(2, 2, 1, sharding_level=2)),
+            ("ernie4_5_moe", _strategy(4, 1, 1, ep=2))):
+        try:
+            _train(family, strategy)
+        except Exception as error:
+            raise AssertionError(f"{family} under {strategy.describe()}: {type(error).__name__}: {error}") from error
+    _expect_refused("ernie4_5_moe", _strategy(2, 2, 1, sequence_parallel=True), "run whole on every tensor-parallel rank")
+
+
 def _expect_refused(family, strategy, why):
     model, optimizer = _model(family)
     try:
