@@ -55,8 +55,10 @@ pipeline rank by the layers it holds):
   ZeRO-sharded) over the dp/ep ranks that hold the same experts, the other parameters over dp.
 * expert tensor parallel (`EngineProfile.expert_tensor_parallel`, "etp" below): Megatron splits the routed
   and shared experts' ffn over tp like the dense MLP; the torch engines (distcore) keep the MoE blocks whole
-  on every tp rank, each running the same tokens: their GEMMs, weights and activations are not divided by
-  tp (etp = 1), and their tokens are never split over tp (no sequence parallel: search excludes it).
+  on every tp rank (etp = 1: their weights are not divided by tp). Without sequence parallel each tp rank runs
+  the same tokens through them (GEMMs and activations not divided by tp); with it, its own slice of the
+  sequence (GEMMs, all-to-all and activations on tokens / tp), and the blocks' gradients are then summed over
+  the tp ranks once per step (an all-reduce of their parameters, exposed; no expert parallel with it).
 
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
@@ -99,7 +101,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 10  # 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 11  # 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -514,6 +516,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     h, f = spec.hidden_size, spec.ffn_hidden_size
     imbalance = _expert_imbalance(spec, ep) if moe else 1.0
     etp = _expert_tp(cluster, tp)
+    # The tokens an MoE block runs on this rank: under sequence parallel with whole blocks (etp = 1) its slice.
+    moe_tokens = tokens / tp if moe and sequence_parallel and etp == 1 else tokens
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in spec.attention_projections)
     ep_collective = 0.0
@@ -521,11 +525,11 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
         # tokens·k·imbalance/(E/ep) rows each (the roofline prices small groups by their weights' traffic).
         local = spec.num_experts // ep
-        routed = tokens * spec.experts_per_token * imbalance
-        gemm += _gemm_time(tokens, h, spec.num_experts, flops, bw, e)
+        routed = moe_tokens * spec.experts_per_token * imbalance
+        gemm += _gemm_time(moe_tokens, h, spec.num_experts, flops, bw, e)
         gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         if spec.shared_ffn_hidden_size:
-            gemm += _mlp_gemms(tokens, h, spec.shared_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
+            gemm += _mlp_gemms(moe_tokens, h, spec.shared_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         # The ep ranks are dp ranks tp apart (ParallelDims: tp innermost): those on one node talk over NVLink.
         bw_ep, lat_ep = cluster.link(ep, tp)
         bw_out, lat_out = p.inter_node_bandwidth * p.comm_efficiency, p.inter_node_latency
@@ -790,6 +794,13 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     compute_s = m * stage_compute
     tp_s = m * stage_tp
     ep_s = m * stage_ep
+    if spec.is_moe and s.sequence_parallel and t > 1 and _expert_tp(cluster, t) == 1:
+        # Whole MoE blocks on each tp rank's slice of the sequence: their gradients cover the slice, and DTensor
+        # sums them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters
+        # of the rank holding the most MoE layers, exposed).
+        block = spec.router_parameters + spec.shared_expert_parameters + spec.num_experts // s.ep * spec.expert_parameters
+        bw_tp, lat_tp = cluster.link(t, 1)
+        tp_s += all_reduce_time(e * max(k[1] for k in kinds) * block, t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time
     pp_s = 0.0
     if pp > 1:

@@ -53,8 +53,9 @@ class EngineProfile:
     # parallel vocabulary-parallel: the loss holds no [tokens, vocab] logits (cost.py).
     fused_loss: bool = False
     # The routed and shared experts split over tp like the dense MLP (Megatron-Core's default: expert tensor
-    # parallel = tp); False: whole on every tp rank, which runs the same tokens through them (distcore's
-    # tensor_parallel_plan; Megatron's expert_tensor_parallel_size=1), so no sequence parallel on MoE models.
+    # parallel = tp); False: whole on every tp rank (distcore's tensor_parallel_plan; Megatron's
+    # expert_tensor_parallel_size=1), which runs the same tokens through them, or under sequence parallel each
+    # rank's slice of the sequence (their gradients then summed over tp; no expert parallel with it).
     expert_tensor_parallel: bool = True
     source: str = ""
 

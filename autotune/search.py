@@ -231,9 +231,9 @@ def engine_space(space: SearchSpace, cluster: Cluster, excluded: dict[str, str] 
     the cluster's engine cannot run (for `spec`'s model)."""
     limits = dict(excluded or {})
     if spec is not None and spec.is_moe and not cluster.engine.expert_tensor_parallel:
-        for knob in ("sequence_parallel", "overlap_tp_comm"):
-            limits.setdefault(knob, f"the {cluster.engine.name} engine runs the MoE blocks whole on every tp rank, on "
-                                    "the whole sequence (EngineProfile.expert_tensor_parallel)")
+        limits.setdefault("overlap_tp_comm", f"the {cluster.engine.name} engine runs the MoE blocks whole on every tp "
+                                             "rank, with no column-parallel entry for the all-gather to overlap with "
+                                             "(EngineProfile.expert_tensor_parallel)")
     unknown = sorted(set(limits) - set(KEPT_AT))
     if unknown:
         raise ValueError(f"search: cannot exclude {unknown}; excludable knobs: {sorted(KEPT_AT)}")
@@ -295,6 +295,8 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         for v, level, (sp, overlap), rc, ep in itertools.product(vpps, levels, tp_modes, recompute, eps):
             if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
                 continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
+            if sp and ep > 1 and not cluster.engine.expert_tensor_parallel:
+                continue  # whole MoE blocks on sequence slices keep all their experts (strategy.py)
             yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
 
 

@@ -44,6 +44,7 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
+    ShardLocalParameters,
     TensorParallelPlan,
     plan_from_names,
 )
@@ -146,6 +147,8 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if getattr(getattr(model, "config", None), "output_router_logits", False):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
                         "which pipeline stages do not hold together")
+        limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
+                                       "router logits, which sequence parallel splits over the tp ranks")
     if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
         why = expert_parallel_refusal(model, spec.structure.experts_modules())
         if why:  # e.g. Llama 4's experts, which run every token
@@ -231,16 +234,15 @@ def unsupported(spec) -> dict[str, str]:
     """What distcore cannot apply to this model yet: {knob (autotune.search.KEPT_AT's): the reason}. The search
     keeps those knobs at their defaults (and says why), and a given strategy that needs them is refused, so
     that no strategy to_distributed chooses fails when applied. A mixture of experts trains with every knob but
-    sequence parallel (its MoE blocks run whole on every tensor-parallel rank: `tensor_parallel_plan`)."""
+    the overlapped tensor-parallel edges (its MoE blocks have no column-parallel entry: `tensor_parallel_plan`)."""
     structure = getattr(spec, "structure", None)
     limits: dict[str, str] = {}
     if structure is None:
         return limits
     if structure.is_moe:
-        limits["sequence_parallel"] = limits["overlap_tp_comm"] = (
+        limits["overlap_tp_comm"] = (
             f"the MoE blocks ({structure.pattern(structure.moe)} in {len(structure.moe_layers)} of "
-            f"{structure.num_layers} layers) run whole on every tensor-parallel rank, on the whole sequence: "
-            "distcore does not split their tokens over tp yet")
+            f"{structure.num_layers} layers) have no column-parallel entry for the all-gather to overlap with")
     if structure.tied_embeddings and not structure.lm_head:
         limits["tp"] = limits["pp"] = (
             "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
@@ -492,13 +494,18 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     when they are tied).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
-    (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1:
-    each tp rank routes the same tokens and runs the same experts, or its expert-parallel share of them, so
-    their gradients come out equal on the tp ranks and need no reduction over tp). Their tokens are not split
-    over tp, so no sequence parallel."""
-    if structure.is_moe and sequence_parallel:
-        raise ValueError(f"tensor_parallel_plan: sequence parallel on a mixture of experts: its MoE blocks "
-                         f"({structure.pattern(structure.moe)}) run whole on every tp rank; use tp without it")
+    (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1).
+    Without sequence parallel each tp rank routes the same tokens and runs the same experts, or its
+    expert-parallel share of them, so their gradients come out equal on the tp ranks and need no reduction.
+    With it, each tp rank routes its own slice of the sequence through the whole block (ShardLocalParameters
+    on each of the block's modules with parameters: the module code sees plain local tensors, the gradients
+    are summed over the tp ranks), so no rank repeats another's expert compute. A router whose load-balancing
+    loss takes every token's logits cannot see a slice (refused by `to_distributed`), nor can expert parallel
+    split the block's experts then (`autotune.validate`)."""
+    if structure.is_moe and sequence_parallel and getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
+                         "loss takes every token's logits: each tp rank would see its own slice; set "
+                         "model.config.output_router_logits = False, or use tp without sequence parallel")
     plan: dict = {}
     indices = range(structure.num_layers)
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
@@ -532,7 +539,13 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     if sequence_parallel:
         add(structure.embedding, SequenceParallelBegin())
         add_per_layer(structure.attention, SequenceParallelDisable())
-        add_per_layer(structure.mlp, SequenceParallelDisable())
+        add_per_layer(structure.mlp, SequenceParallelDisable(), among=dense_layers)
+        moe_layers = [layer for i, layer in zip(indices, layers) if i in set(structure.moe_layers)]
+        for layer in moe_layers:  # each tp rank routes its own slice of the sequence through the whole block
+            block = f"{layer}.{structure.mlp}"
+            for name, module in model.get_submodule(block).named_modules():
+                if any(True for _ in module.parameters(recurse=False)):
+                    add(f"{block}.{name}" if name else block, ShardLocalParameters())
         # Gather the sequence at the LM head module; a bare head weight on the root (the seed's) has none,
         # so gather before the final norm.
         add(structure.lm_head or structure.final_norm, SequenceParallelEnd())

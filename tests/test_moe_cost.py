@@ -180,7 +180,8 @@ def test_experts_whole_on_every_tp_rank_under_the_torch_engines():
     Megatron splits the experts' ffn over tp like the dense MLP. tp 2, ep 2, TINY_MOE: the experts' weights
     2 x 192 per layer whole instead of 2 x 96; their GEMMs (FLOP-bound: 4 groups of 2 rows of 768 FLOPs at ep
     1) beside attention split in two (1536 / 2) and the router (256); their activations (3 SwiGLU tensors of
-    the expert ffn for k copies of 4 tokens, 4·96 bytes) held whole; and no sequence parallel for them."""
+    the expert ffn for k copies of 4 tokens, 4·96 bytes) held whole; the search offers sequence parallel, never
+    with expert parallel (test_moe_blocks_on_sequence_slices_by_hand)."""
     assert stage_parameters(TINY_MOE, 2, 1, 0, ep=2, etp=1) == (288 + 16) + 3 * (96 + 32 + 16 + 2 * 192) + 128 + 128 + 8
     megatron = _cluster(1, 2, **COMPUTE_ONLY)
     torch_engine = replace(megatron, engine=ENGINES["torch+tridist"])
@@ -194,5 +195,38 @@ def test_experts_whole_on_every_tp_rank_under_the_torch_engines():
     spec = replace(TINY_MOE, seq_len=8)
     ranked = search(spec, Cluster(1, 4, megatron.profile, engine="torch+tridist"), global_batch_size=4, storage=None,
                     top_k=1000)
-    assert ranked.ranked and not any(c.strategy.sequence_parallel for c in ranked.ranked)
-    assert any("sequence_parallel kept at False" in line for line in ranked.pruned), ranked.pruned
+    assert any(c.strategy.sequence_parallel for c in ranked.ranked)
+    assert not any(c.strategy.sequence_parallel and c.strategy.ep > 1 for c in ranked.ranked)
+    assert any("overlap_tp_comm kept at False" in line for line in ranked.pruned), ranked.pruned
+
+
+def test_moe_blocks_on_sequence_slices_by_hand():
+    """Under sequence parallel the torch engines run each whole MoE block on the tp rank's slice of the sequence.
+    TINY_MOE, tp 2, FLOP-bound: attention 1536 / 2, the router on 2 of the 4 tokens (256 / 2), the 4 experts on
+    2 x 2 / 4 = 1 routed row each (768 / 2); the blocks' gradients summed over the 2 tp ranks once per step: an
+    all-reduce of 3 MoE layers x (router 32 + 4 experts of 192) parameters. Expert parallel with it is refused
+    (the block's experts are whole on each slice); Megatron's split experts are priced as before."""
+    from tridist.autotune.cost import all_reduce_time
+
+    megatron = _cluster(1, 2, **COMPUTE_ONLY)
+    torch_engine = replace(megatron, engine=ENGINES["torch+tridist"])
+    assert _layer_cost(TINY_MOE, torch_engine, 2, 1, True, True, 1).gemm_fwd == pytest.approx(
+        (1536 / 2 + 256 / 2 + 4 * 768 / 2) / 1e12)
+    assert _layer_cost(TINY_MOE, megatron, 2, 1, True, True, 1).gemm_fwd == pytest.approx(
+        (1536 / 2 + 256 + 4 * 768 / 2) / 1e12)  # etp = tp: every rank routes every token, experts split
+    cluster = replace(_cluster(1, 2), engine=ENGINES["torch+tridist"])
+    with_sp, without = (estimate(TINY_MOE, cluster, Strategy(dp=1, tp=2, pp=1, sequence_parallel=sp),
+                                 global_batch_size=1) for sp in (True, False))
+    block = 3 * (32 + 4 * 192)
+    bw, latency = cluster.link(2, 1)
+    layer = {sp: [_layer_cost(TINY_MOE, cluster, 2, 1, sp, moe, 1) for moe in (False, True)] for sp in (True, False)}
+    tp_terms = {sp: sum(count * c.tp_collective for count, c in zip((1, 3), layer[sp])) for sp in (True, False)}
+    # The layers' own tp collectives are priced alike with and without sequence parallel (a gather and a
+    # scatter per all-reduce); the difference is the blocks' gradient all-reduce.
+    assert tp_terms[True] == pytest.approx(tp_terms[False])
+    assert with_sp.time.tp_comm_s - without.time.tp_comm_s == pytest.approx(all_reduce_time(E * block, 2, bw, latency),
+                                                                            rel=1e-9)
+    with pytest.raises(InvalidStrategy, match="ep=2 with sequence_parallel"):
+        estimate(TINY_MOE, replace(_cluster(1, 4), engine=ENGINES["torch+tridist"]),
+                 Strategy(dp=2, tp=2, pp=1, ep=2, sequence_parallel=True), global_batch_size=2)
+    estimate(TINY_MOE, _cluster(1, 4), Strategy(dp=2, tp=2, pp=1, ep=2, sequence_parallel=True), global_batch_size=2)

@@ -168,17 +168,25 @@ def test_to_distributed_keeps_moe_models_to_what_distcore_applies():
     model = build("mixtral")
     spec = ModelSpec.from_module(model, seq_len=16)
     limits = unsupported(spec)
-    # tensor, expert, pipeline and data parallel with micro-batches and recompute are applied; the MoE blocks
-    # run whole on every tp rank, so their tokens are not split over it
-    assert set(limits) == {"sequence_parallel", "overlap_tp_comm"}
-    assert "run whole on every tensor-parallel rank" in limits["sequence_parallel"]
+    # tensor (with sequence parallel too), expert, pipeline and data parallel with micro-batches and recompute are
+    # applied; the MoE blocks have no column-parallel entry for an overlapped all-gather
+    assert set(limits) == {"overlap_tp_comm"} and "no column-parallel entry" in limits["overlap_tp_comm"]
     dense = build("qwen3-moe")
     for layer in dense.model.layers:  # the same model with its MoE block swapped for its first layer's dense MLP
         layer.mlp = dense.model.layers[0].mlp
     with pytest.raises(ValueError, match="ep=2 needs a recognised mixture of experts"):
         apply_strategy(dense, None, Strategy(dp=2, tp=1, pp=1, ep=2), spec=ModelSpec.from_module(dense, seq_len=16))
-    with pytest.raises(ValueError, match="sequence parallel on a mixture of experts"):
-        tensor_parallel_plan(model, spec.structure, sequence_parallel=True)
+    # Under sequence parallel each MoE block runs on this rank's slice: every module of it with parameters gets
+    # ShardLocalParameters (their gradients summed over tp), and no block is marked to gather the sequence.
+    with_sp = tensor_parallel_plan(model, spec.structure, sequence_parallel=True)
+    local = {name for name, styles in with_sp.styles.items() if any(type(x).__name__ == "ShardLocalParameters" for x in styles)}
+    moe_modules = {f"model.layers.{i}.mlp.{part}" for i in range(len(model.model.layers)) for part in ("gate", "experts")}
+    assert local == moe_modules, local
+    assert not any(type(x).__name__ == "SequenceParallelDisable" for name, styles in with_sp.styles.items()
+                   if ".mlp" in name for x in styles)
+    aux = build("mixtral-aux")  # its router's load-balancing loss takes every token's logits
+    with pytest.raises(ValueError, match="load-balancing loss takes every token's logits"):
+        tensor_parallel_plan(aux, ModelSpec.from_module(aux, seq_len=16).structure, sequence_parallel=True)
     plan = tensor_parallel_plan(model, spec.structure, sequence_parallel=False)  # attention only: every layer is MoE
     split = {name.rpartition(".")[2] for name in plan.styles}
     assert split >= {"q_proj", "k_proj", "v_proj", "o_proj"} and not any(".mlp." in name for name in plan.styles), split

@@ -531,13 +531,12 @@ def check_parallelize_ties_across_stages_with_a_user_plan():
 
 def check_mixtures_of_experts_train_data_parallel():
     """Mixtral and Qwen3-MoE (a dense first layer) are recognised and searched with the default config: the
-    strategy chosen trains equal to one process (padding rows, the global token mean, evaluation), and never
-    splits the MoE blocks' tokens over tp (sequence parallel, which distcore does not apply to them); a forced
-    sequence-parallel strategy is refused with the reason."""
+    strategy chosen trains equal to one process (padding rows, the global token mean, evaluation). Sequence
+    parallel on them: check_moe_blocks_run_on_sequence_slices_under_sequence_parallel; the overlapped edges,
+    which the MoE blocks have no column-parallel entry for, are refused with the reason."""
     for family in ("mixtral", "qwen3-moe"):
-        chosen = _train(family)
-        assert not chosen.sequence_parallel, chosen
-    _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True), "run whole on every tensor-parallel rank")
+        _train(family)
+    _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True), "no column-parallel entry")
 
 
 def check_expert_parallel_trains_like_one_process():
@@ -627,11 +626,46 @@ def check_router_auxiliary_loss_is_the_mean_of_each_ranks():
         raise AssertionError("parallelize accepted pipeline stages of a model computing its router loss")
 
 
+def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
+    """Mixtures of experts under tp with sequence parallel: each tp rank routes its own slice of the sequence
+    through the whole MoE block (the attention sees the whole sequence, the block half of it), the block's
+    gradients summed over tp; equal to one process for Mixtral, Qwen2-MoE (a gated shared expert), DeepSeek-V3
+    (latent attention, group-limited routing), gpt-oss (its own experts' forward), Llama 4 (every token through
+    every expert) and ERNIE 4.5 MoE. A router's load-balancing loss over every token, and expert parallel with
+    it, are refused with their reasons."""
+    def halves_the_tokens(model):
+        """Record the sequence length the last layer's attention and MoE block see first (an MoE layer in every
+        family here)."""
+        seen = {}
+        layers = model.model.layers if hasattr(model, "model") else model.layers
+        layer = layers[len(layers) - 1]
+
+        def attention(module, args, kwargs):
+            seen.setdefault("attention", kwargs.get("hidden_states", args[0] if args else None).shape[1])
+
+        def moe(module, args):
+            seen.setdefault("moe", args[0].shape[-2])
+
+        layer.self_attn.register_forward_pre_hook(attention, with_kwargs=True)
+        (layer.mlp if hasattr(layer, "mlp") else layer.feed_forward).register_forward_pre_hook(moe)  # Llama 4's name
+        halves_the_tokens.seen = seen
+
+    for family in ("mixtral", "qwen2-moe", "deepseek-v3", "gpt-oss", "llama4", "ernie4_5_moe"):
+        try:
+            _train(family, _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True), inspect=halves_the_tokens)
+        except Exception as error:
+            raise AssertionError(f"{family} under tp + sp: {type(error).__name__}: {error}") from error
+        seen = halves_the_tokens.seen
+        assert seen["moe"] * 2 == seen["attention"], (family, seen)
+    _expect_refused("mixtral-aux", _strategy(2, 2, 1, sequence_parallel=True), "load-balancing loss")
+    _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, ep=2), "ep=2 with sequence_parallel")
+
+
 def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
     """PaddlePaddle's ERNIE 4.5, dense and MoE, and GLM-4 (tests/hf_models.py MORE_FAMILIES: GLM's rotary, fused
     with half tables; ERNIE's router correction bias, a parameter that requires no grad and stays as it was):
-    equal to one process under tp with sequence parallel (the dense ones), tp, pp and ep (the MoE one), whose
-    sequence-parallel strategy is refused with the reason."""
+    equal to one process under tp with sequence parallel (the dense ones), tp and ep (the MoE one; its sequence
+    parallel: check_moe_blocks_run_on_sequence_slices_under_sequence_parallel)."""
     for family, strategy in (
             ("ernie4_5", _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True)),
             ("ernie4_5", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2)),
@@ -642,7 +676,6 @@ def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
             _train(family, strategy)
         except Exception as error:
             raise AssertionError(f"{family} under {strategy.describe()}: {type(error).__name__}: {error}") from error
-    _expect_refused("ernie4_5_moe", _strategy(2, 2, 1, sequence_parallel=True), "run whole on every tensor-parallel rank")
 
 
 def _expect_refused(family, strategy, why):
