@@ -240,7 +240,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     The last holds latent attention's latents: distcore runs its down-projections unsplit on the whole
     sequence (after sequence parallel's all-gather), so no split divides them. `moe`: an MoE layer, its busiest rank receiving
     `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
-    rank (etp = 1), their activations outside the split regions (no sequence parallel splits them then)."""
+    rank (etp = 1), their activations outside the split regions (sequence parallel splits them with the rest: the
+    blocks then run on each rank's slice of the sequence)."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
     h, q, f = spec.hidden_size, spec.q_size, spec.ffn_hidden_size

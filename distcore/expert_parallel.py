@@ -28,7 +28,8 @@ kind is refused, and `to_distributed`'s search keeps ep at 1 for it. Pipeline st
 every mp rank, as Megatron's expert tensor parallel of 1: the mp ranks hold the same tokens, route them
 alike and each sends them to the experts' ranks of its own ep group (the dp ranks at its mp coordinate,
 the [dp / ep, ep, mp] mesh), so each mp rank computes the same expert gradients and none is reduced over
-mp.
+mp. (Under sequence parallel the blocks run on each mp rank's slice of the sequence instead, their gradients
+summed over mp: `distcore.auto.tensor_parallel_plan`; expert parallel is not combined with that.)
 """
 
 from __future__ import annotations
