@@ -720,9 +720,10 @@ class FusedSwiGLUExperts(torch.nn.Module):
         split = sorted({repr(p) for t in dtensors for p in t.placements if not p.is_replicate()})
         if split or len({t.device_mesh for t in dtensors}) > 1:
             raise ValueError(
-                f"FusedSwiGLUExperts: DTensor inputs must be replicated on one mesh (an MoE block runs whole on every "
-                f"tensor-parallel rank), got placements {split or 'on several meshes'}; run the block in local "
-                "view, or unfused (fuse(..., swiglu=False))")
+                f"FusedSwiGLUExperts: DTensor inputs must be replicated on one mesh (an MoE block in global view runs "
+                f"whole on every tensor-parallel rank; under sequence parallel it runs in local view, on the rank's "
+                f"slice), got placements {split or 'on several meshes'}; run the block in local view, or without "
+                "sequence parallel, or unfused (fuse(..., swiglu=False))")
         with local_saved_tensors():
             out = routed_swiglu(*(t.to_local() if is_dtensor(t) else t for t in inputs), grouped_mm=self.grouped_mm)
         like = inputs[0] if is_dtensor(inputs[0]) else dtensors[0]
