@@ -35,7 +35,7 @@ from .expert_parallel import expert_parallel_refusal
 from .measure import measure_strategies
 from .mesh import ProcessMesh
 from .parallel_dims import ParallelDims
-from .parallelize import parallelize
+from .parallelize import parallelize, router_aux_loss_on
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
@@ -144,7 +144,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
     limits: dict[str, str] = {}
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
+    if router_aux_loss_on(model):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
                         "which pipeline stages do not hold together")
         limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
@@ -230,6 +230,20 @@ def _device_profile(config: ToDistributedConfig):
     return profile
 
 
+def refuse_router_logits_per_call(model: torch.nn.Module) -> None:
+    """Under sequence parallel on a mixture of experts: a call passing output_router_logits=True (transformers'
+    per-call override of the config) would compute the load-balancing loss from each rank's slice of the
+    sequence; such a call raises instead."""
+
+    def check(module, args, kwargs):
+        if kwargs.get("output_router_logits"):
+            raise ValueError("output_router_logits=True under sequence parallel on a mixture of experts: the router's "
+                             "load-balancing loss takes every token's logits and each tp rank holds its own slice; "
+                             "call without it, or train with tp but no sequence parallel")
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+
+
 def unsupported(spec) -> dict[str, str]:
     """What distcore cannot apply to this model yet: {knob (autotune.search.KEPT_AT's): the reason}. The search
     keeps those knobs at their defaults (and says why), and a given strategy that needs them is refused, so
@@ -284,7 +298,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
     not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
     fed something else than its region's input, a block only right in global view), so that tensor parallel
-    itself is judged without it; "tp" where a block is wrong in local and in global view; "recompute" where
+    itself is judged without it; "sequence_parallel" where a mixture of experts' blocks fail under it only;
+    "tp" where a block is wrong in local and in global view; "recompute" where
     blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
     dims = _dims(strategy)
@@ -303,6 +318,14 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     try:
         global_view = views(plan)
     except TensorParallelCheckError as error:
+        if strategy.sequence_parallel and structure.is_moe:
+            # MoE blocks run on sequence slices in local view only (a block that needs global view gets them
+            # token-split): judge tensor parallel itself without sequence parallel.
+            try:
+                views(tensor_parallel_plan(model, structure, sequence_parallel=False))
+            except TensorParallelCheckError:
+                return {"tp": str(error)}
+            return {"sequence_parallel": str(error)}
         return {"tp": str(error)}
     if global_view and strategy.recompute != "none":
         return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
@@ -484,6 +507,8 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "micro_batches": strategy.num_micro_batches,
             **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
         }
+    if strategy.tp > 1 and strategy.sequence_parallel and structure.is_moe:
+        refuse_router_logits_per_call(model)
     return parallelize(model, optimizer, mesh or _dims(strategy).mesh, parallel_config)
 
 
@@ -502,7 +527,7 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     are summed over the tp ranks), so no rank repeats another's expert compute. A router whose load-balancing
     loss takes every token's logits cannot see a slice (refused by `to_distributed`), nor can expert parallel
     split the block's experts then (`autotune.validate`)."""
-    if structure.is_moe and sequence_parallel and getattr(getattr(model, "config", None), "output_router_logits", False):
+    if structure.is_moe and sequence_parallel and router_aux_loss_on(model):
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
                          "loss takes every token's logits: each tp rank would see its own slice; set "
                          "model.config.output_router_logits = False, or use tp without sequence parallel")
@@ -541,8 +566,12 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         add_per_layer(structure.attention, SequenceParallelDisable())
         add_per_layer(structure.mlp, SequenceParallelDisable(), among=dense_layers)
         moe_layers = [layer for i, layer in zip(indices, layers) if i in set(structure.moe_layers)]
+        if moe_layers and not structure.moe:
+            raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose MoE block is the "
+                             "whole decoder layer (its attention included): no block runs on the sequence's slices "
+                             "alone; use tp without sequence parallel")
         for layer in moe_layers:  # each tp rank routes its own slice of the sequence through the whole block
-            block = f"{layer}.{structure.mlp}"
+            block = f"{layer}.{structure.moe}"
             for name, module in model.get_submodule(block).named_modules():
                 if any(True for _ in module.parameters(recurse=False)):
                     add(f"{block}.{name}" if name else block, ShardLocalParameters())

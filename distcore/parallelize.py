@@ -57,6 +57,14 @@ _MP_KEYS = ("parallelize_plan", "strict", "overlap_comm")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def router_aux_loss_on(model: torch.nn.Module) -> bool:
+    """Whether the model's config asks for its router's load-balancing loss (transformers' output_router_logits,
+    on the config or a composite model's text config)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return any(getattr(c, "output_router_logits", False) for c in (config, text) if c is not None)
+
+
 def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None = None, config: dict | None = None):
     """Parallelise `model` (in place) and rebuild `optimizer` over its new parameters.
 
@@ -87,7 +95,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
-        if getattr(getattr(model, "config", None), "output_router_logits", False):
+        if router_aux_loss_on(model):
             raise NotImplementedError(
                 "parallelize: the model adds its router's load-balancing loss, computed from every layer's router "
                 "logits, which pipeline stages do not hold together (the last stage would see its own layers' only); "

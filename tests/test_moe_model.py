@@ -437,3 +437,34 @@ def test_the_swiglu_experts_probe_copies_a_few_experts_only_where_that_shows_the
     assert experts_verdict(Scaled(config)) is None  # probed whole: the scalar gets a fresh value, no crash
     assert experts_verdict(CountedElsewhere(config)) is None
     assert _few_experts_probe(CountedElsewhere(config)).gate_up_proj.shape[0] == 8
+
+
+def test_sequence_parallel_plan_finds_the_moe_block_by_its_own_name_and_refuses_router_logits():
+    """Under sequence parallel the plan gives ShardLocalParameters to the MoE block by the structure's name for it
+    (`moe`), which may differ from the dense layers' MLP (`mlp`); a block that is the whole layer is refused. The
+    router's load-balancing loss is seen on a composite model's text config too, and a call passing
+    output_router_logits=True is refused once the model runs on sequence slices."""
+    import types
+
+    from tridist.distcore.auto import refuse_router_logits_per_call
+    from tridist.distcore.parallelize import router_aux_loss_on
+
+    model = build("qwen3-moe")  # layer 0 dense (mlp_only_layers), layer 1 MoE
+    structure = ModelSpec.from_module(model, seq_len=16).structure
+    renamed = dataclasses.replace(structure, moe="moe")
+    model.model.layers[1].moe = model.model.layers[1]._modules.pop("mlp")  # the MoE layer's block renamed
+    plan = tensor_parallel_plan(model, renamed, sequence_parallel=True)
+    local = {name for name, styles in plan.styles.items() if any(type(x).__name__ == "ShardLocalParameters" for x in styles)}
+    assert local == {"model.layers.1.moe.gate", "model.layers.1.moe.experts"}, local
+    with pytest.raises(ValueError, match="MoE block is the whole decoder layer"):
+        tensor_parallel_plan(model, dataclasses.replace(structure, moe=""), sequence_parallel=True)
+
+    composite = types.SimpleNamespace(config=types.SimpleNamespace(
+        get_text_config=lambda: types.SimpleNamespace(output_router_logits=True)))
+    assert router_aux_loss_on(composite) and not router_aux_loss_on(build("mixtral"))
+    mixtral = build("mixtral")
+    refuse_router_logits_per_call(mixtral)
+    ids = torch.randint(3, 100, (1, 8))
+    mixtral(input_ids=ids)
+    with pytest.raises(ValueError, match="output_router_logits=True under sequence parallel"):
+        mixtral(input_ids=ids, output_router_logits=True)

@@ -659,6 +659,24 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
         assert seen["moe"] * 2 == seen["attention"], (family, seen)
     _expect_refused("mixtral-aux", _strategy(2, 2, 1, sequence_parallel=True), "load-balancing loss")
     _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, ep=2), "ep=2 with sequence_parallel")
+    # A block that needs global view cannot run its MoE block on token-split DTensors: the search then leaves
+    # sequence parallel out, not tensor parallel (local view refused here to force global view).
+    from tridist.distcore import block_check
+    from tridist.distcore.auto import _tensor_parallel_limits
+
+    from tridist import kernels
+
+    model, _ = _model("mixtral")
+    structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
+    kernels.fuse(model)  # the fused experts run on replicated DTensors in global view (without sequence parallel)
+    local_view = block_check._Check.local_view
+    block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
+    try:
+        limits = _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), structure,
+                                         distcore.ToDistributedConfig())
+    finally:
+        block_check._Check.local_view = local_view
+    assert set(limits) == {"sequence_parallel"}, limits
 
 
 def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
