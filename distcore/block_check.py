@@ -125,28 +125,38 @@ def decoder_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return blocks
 
 
-def capture(model: torch.nn.Module, *, tp: int) -> dict[type, BlockSample] | str:
+def block_kind(block: torch.nn.Module) -> tuple:
+    """What one check of a block stands for: its type and its children's names and types. Blocks of one class
+    may differ in them (a mixture of experts' dense first layers and its MoE layers: an MLP or an MoE block
+    under one name), and the plan treats them differently."""
+    return (type(block), tuple((name, type(child)) for name, child in block.named_children()))
+
+
+def capture(model: torch.nn.Module, *, tp: int) -> dict[tuple, BlockSample] | str:
     """One forward of `model` on `4 x tp` token ids (batch 1, under no_grad, in eval mode, the RNG
-    untouched) that records what the first block of each type receives; a string says why it could
-    not run (the blocks then run in global view). On meta (LazyGuard) models the forward runs on meta."""
-    firsts: dict[type, tuple[str, torch.nn.Module]] = {}
+    untouched) that records what the first block of each kind (`block_kind`) receives; a string says why it
+    could not run (the blocks then run in global view). On meta (LazyGuard) models the forward runs on meta."""
+    firsts: dict[tuple, tuple[str, torch.nn.Module]] = {}
     for name, block in decoder_blocks(model):
-        firsts.setdefault(type(block), (name, block))
+        firsts.setdefault(block_kind(block), (name, block))
     if not firsts:
         return {}
     embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
     if embedding is None:
         return "the model has no nn.Embedding, so no token ids to run it on"
-    samples: dict[type, BlockSample] = {}
+    samples: dict[tuple, BlockSample] = {}
     copies = {kind: copy.deepcopy(block) for kind, (_, block) in firsts.items()}  # before the hooks go on
 
-    def record(module, args, kwargs):
-        if type(module) not in samples:
-            samples[type(module)] = BlockSample(copies[type(module)], tree_map(_spec, args), tree_map(_spec, kwargs))
-        if len(samples) == len(firsts):
-            raise _Captured
+    def recorder(kind):
+        def record(module, args, kwargs):
+            if kind not in samples:
+                samples[kind] = BlockSample(copies[kind], tree_map(_spec, args), tree_map(_spec, kwargs))
+            if len(samples) == len(firsts):
+                raise _Captured
+        return record
 
-    handles = [block.register_forward_pre_hook(record, with_kwargs=True, prepend=True) for _, block in firsts.values()]
+    handles = [block.register_forward_pre_hook(recorder(kind), with_kwargs=True, prepend=True)
+               for kind, (_, block) in firsts.items()]
     modes = {module: module.training for module in model.modules()}
     device = embedding.weight.device
     ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp, device=device) % embedding.num_embeddings).unsqueeze(0)
@@ -199,14 +209,15 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
     if isinstance(samples, str):
         log.warning("parallelize: tensor parallel blocks cannot be checked: %s; they run in global view", samples)
         return BlockViews({name: f"not checked: {samples}" for name, _ in planned})
-    verdicts: dict[type, tuple[str | None, dict]] = {}  # kind -> (why global view, or None; repairs relative to the block)
+    verdicts: dict[tuple, tuple[str | None, dict]] = {}  # kind -> (why global view, or None; repairs relative to the block)
     for name, block in planned:
-        kind = type(block)
+        kind = block_kind(block)
+        kind_name = kind[0].__name__
         if kind in verdicts:
             continue
         sample = samples.get(kind)
         if sample is None:
-            verdicts[kind] = (f"not checked: no input of {kind.__name__} was captured", {})
+            verdicts[kind] = (f"not checked: no input of {kind_name} was captured", {})
             continue
         check = _Check(sample_plan=plan.within(name), tp_mesh=tp_mesh, process_mesh=process_mesh,
                        sequence_split=name in plan.sequence_span)
@@ -214,7 +225,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             reference = _Reference.of(sample, torch.device(tp_mesh.device_type))
         except _Unchecked as reason:
             verdicts[kind] = (f"not checked: {reason}", {})
-            log.warning("parallelize: %s (%s) runs in global view, not checked: %s", kind.__name__, name, reason)
+            log.warning("parallelize: %s (%s) runs in global view, not checked: %s", kind_name, name, reason)
             continue
         local, repairs = check.local_view(reference)
         if local is None:
@@ -223,15 +234,15 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
         global_ = check.difference(reference, view="global")
         if global_ is not None:
             raise TensorParallelCheckError(
-                f"parallelize: tensor parallel changes what {kind.__name__} ({name!r}) computes: in local view "
+                f"parallelize: tensor parallel changes what {kind_name} ({name!r}) computes: in local view "
                 f"{local}; in global view {global_}. Check the plan for this block (a split whose model code "
                 "mixes the pieces, e.g. a packed projection of another layout), or leave it out of mp_config"
             )
         verdicts[kind] = (f"its local view {local}", {})
-        log.warning("parallelize: %s (%s) runs in global view: its local view %s", kind.__name__, name, local)
+        log.warning("parallelize: %s (%s) runs in global view: its local view %s", kind_name, name, local)
     views = BlockViews()
     for name, block in planned:
-        reason, repairs = verdicts[type(block)]
+        reason, repairs = verdicts[block_kind(block)]
         if reason is not None:
             views.global_view[name] = reason
         views.repairs.update({f"{name}.{module}": styles for module, styles in repairs.items()})
@@ -311,7 +322,7 @@ def _loss_and_gradients(model: torch.nn.Module, ids: torch.Tensor, labels: torch
     if loss is None:
         first = _first_tensor(output)
         loss = (first.float() * torch.randn(first.shape, generator=torch.Generator().manual_seed(_SEED + 2)).to(first.device)).sum()
-    params = dict(model.named_parameters())
+    params = _trained(model)
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
     return loss.detach(), {name: None if g is None else _as_seen_by_the_optimizer(g) for name, g in zip(params, grads)}
@@ -348,12 +359,18 @@ class _Reference:
         try:
             output = _first_tensor(block(*args, **kwargs))
             cotangent = torch.randn(output.shape, generator=torch.Generator().manual_seed(_SEED + 1)).to(output)
-            params = dict(block.named_parameters())
+            params = _trained(block)
             grads = torch.autograd.grad(output, [*x, *params.values()], cotangent, allow_unused=True)
         except Exception as error:  # noqa: BLE001 - any model code: the block then runs in global view unchecked
             raise _Unchecked(f"it did not run on the probe's inputs ({type(error).__name__}: {error})") from error
         return _Reference(sample, device, block, output.detach(), cotangent, grads[0],
                           {name: grad for name, grad in zip(params, grads[1:])})
+
+
+def _trained(module: torch.nn.Module) -> dict:
+    """The parameters whose gradients the check compares: those that require grad (ERNIE 4.5's router correction
+    bias does not; autograd.grad refuses it)."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
 
 def _requiring_grad(tensor: torch.Tensor, into: list) -> torch.Tensor:
@@ -423,7 +440,7 @@ class _Check:
                 cotangent = cotangent.chunk(tp, dim=SEQUENCE_DIM)[rank]
             args, kwargs = map_first_activation(args, kwargs, lambda t: _requiring_grad(t, x))
             output = _first_tensor(parallel(*args, **kwargs))
-            params = dict(parallel.named_parameters())
+            params = _trained(parallel)
             grads = torch.autograd.grad(output, [*x, *params.values()], cotangent.to(output), allow_unused=True)
             with torch.no_grad():
                 run.output, run.input_grad = output.detach(), grads[0]

@@ -468,3 +468,16 @@ def test_sequence_parallel_plan_finds_the_moe_block_by_its_own_name_and_refuses_
     mixtral(input_ids=ids)
     with pytest.raises(ValueError, match="output_router_logits=True under sequence parallel"):
         mixtral(input_ids=ids, output_router_logits=True)
+
+
+def test_block_check_tells_a_mixture_s_dense_layers_from_its_moe_layers():
+    """The tensor-parallel block check runs once per kind of block (block_check.block_kind: the class and its
+    children's names and types): Qwen3-MoE's dense first layer and its MoE layers are one class with an MLP or
+    an MoE block under `mlp`, which the plan treats differently, so each gets its own check; Mixtral's layers
+    are all alike."""
+    from tridist.distcore.block_check import block_kind
+
+    qwen3 = build("qwen3-moe").model.layers
+    assert block_kind(qwen3[0]) != block_kind(qwen3[1]) and block_kind(qwen3[0])[0] is block_kind(qwen3[1])[0]
+    mixtral = build("mixtral").model.layers
+    assert len({block_kind(layer) for layer in mixtral}) == 1

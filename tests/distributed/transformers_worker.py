@@ -677,6 +677,18 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     finally:
         block_check._Check.local_view = local_view
     assert set(limits) == {"sequence_parallel"}, limits
+    # Qwen3-MoE's dense first layer and its MoE layers (one class) are checked apart (block_check.block_kind).
+    checked = []
+    local_view = block_check._Check.local_view
+    block_check._Check.local_view = lambda self, reference: (checked.append(1), local_view(self, reference))[1]
+    try:
+        model, _ = _model("qwen3-moe")
+        structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
+        assert _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), structure,
+                                       distcore.ToDistributedConfig()) == {}
+    finally:
+        block_check._Check.local_view = local_view
+    assert len(checked) == 2, checked
 
 
 def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
