@@ -556,16 +556,28 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
     attention = _CohereLikeAttention()
     report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
     assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
-    generator = torch.Generator().manual_seed(3)
-    batch, seq, heads, kv_heads, dim = 2, 6, 4, 2, 16
+    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
     freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
-    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(batch, seq, dim) for f in (torch.cos, torch.sin))
+    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
+    _assert_fused_rotary_matches(attention, _hf_interleaved_rotary, cos, sin, seed=3, dtype=torch.float32,
+                                 budget=4 * U_FP32)
+
+
+_ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM = 2, 6, 4, 2, 16
+
+
+def _assert_fused_rotary_matches(module, function, cos, sin, *, seed, dtype, budget):
+    """The fused `module` (one rotary launch) against its original `function` (none) in both of Hugging Face's
+    layouts (unsqueeze_dim 1: bhsd, 2: bshd): q, k and their gradients within `budget` of the largest value."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, seq, heads, kv_heads, dim = _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM
     for unsqueeze_dim, q_shape, k_shape in ((1, (batch, heads, seq, dim), (batch, kv_heads, seq, dim)),
                                             (2, (batch, seq, heads, dim), (batch, seq, kv_heads, dim))):
-        q, k = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
-        grads = torch.randn(q_shape, generator=generator), torch.randn(k_shape, generator=generator)
+        q = torch.randn(q_shape, generator=generator).to(dtype)
+        k = torch.randn(k_shape, generator=generator).to(dtype)
+        grads = torch.randn(q_shape, generator=generator).to(dtype), torch.randn(k_shape, generator=generator).to(dtype)
         results = []
-        for call in (attention, _hf_interleaved_rotary):
+        for call in (module, function):
             qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
             with _kernel_launches() as launches:
                 outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
@@ -574,7 +586,7 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
         (fused_launches, *fused), (eager_launches, *eager) = results
         assert (fused_launches, eager_launches) == (1, 0)
         for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
-            _assert_within(a, b, 4 * U_FP32, name)
+            _assert_within(a, b, budget, name)
 
 
 def _glm_rotary(q, k, cos, sin, unsqueeze_dim=1):
@@ -624,28 +636,12 @@ def test_glm_and_ernie_rotary_are_fused_and_match_forward_and_backward(attention
     module = attention()
     report = kernels.fuse(torch.nn.ModuleDict({"attention": module}))
     assert report.replaced == [("attention", f"rotary: {function.__name__} (hf convention, {what})")], str(report)
-    generator = torch.Generator().manual_seed(4)
-    batch, seq, heads, kv_heads, dim = 2, 6, 4, 2, 16
     inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_width, 2).float() / rotary_width)
-    freqs = torch.outer(torch.arange(seq).float(), inv_freq)
-    cos, sin = (f(torch.cat([freqs, freqs], -1)).expand(batch, seq, rotary_width) for f in (torch.cos, torch.sin))
-    budget = 4 * U_FP32 if dtype == torch.float32 else 2 * 2**-8
-    for unsqueeze_dim, q_shape, k_shape in ((1, (batch, heads, seq, dim), (batch, kv_heads, seq, dim)),
-                                            (2, (batch, seq, heads, dim), (batch, seq, kv_heads, dim))):
-        q = torch.randn(q_shape, generator=generator).to(dtype)
-        k = torch.randn(k_shape, generator=generator).to(dtype)
-        grads = torch.randn(q_shape, generator=generator).to(dtype), torch.randn(k_shape, generator=generator).to(dtype)
-        results = []
-        for call in (module, function):
-            qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
-            with _kernel_launches() as launches:
-                outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
-            torch.autograd.backward(outs, grads)
-            results.append((launches["rotary"], *outs, qi.grad, ki.grad))
-        (fused_launches, *fused), (eager_launches, *eager) = results
-        assert (fused_launches, eager_launches) == (1, 0)
-        for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
-            _assert_within(a, b, budget, name)
+    freqs = torch.outer(torch.arange(_ROTARY_SEQ).float(), inv_freq)
+    cos, sin = (f(torch.cat([freqs, freqs], -1)).expand(_ROTARY_BATCH, _ROTARY_SEQ, rotary_width)
+                for f in (torch.cos, torch.sin))
+    _assert_fused_rotary_matches(module, function, cos, sin, seed=4, dtype=dtype,
+                                 budget=4 * U_FP32 if dtype == torch.float32 else 2 * 2**-8)
 
 
 def test_interleaved_pairs_that_do_not_rotate_are_left_alone():

@@ -461,15 +461,13 @@ def geglu(x: torch.Tensor, y: torch.Tensor | None = None, *, approximate: str = 
 def gated_activation(x: torch.Tensor, y: torch.Tensor | None, activation: str, *, op: str = "gated_activation"):
     """`act(x) * y` (or of x's two halves with `y=None`) for `activation` in ACTIVATIONS: what `swiglu` and `geglu`
     call; `op` names the caller in errors."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    return _gated(x, y, ACTIVATIONS[activation], op)
+    return _gated(x, y, ACTIVATIONS[_checked_activation(op, activation)], op)
 
 
 def _gated(x: torch.Tensor, y: torch.Tensor | None, code: int, op: str) -> torch.Tensor:
     """`gated_activation` with the activation's kernel code (SILU, GELU_TANH, GELU)."""
     if is_dtensor(x) or is_dtensor(y):
-        return _gated_on_shards(x, y, _NAMES[code], op)
+        return _gated_on_shards(x, y, code, op)
     check_dtype(op, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension, got a scalar")
@@ -486,7 +484,7 @@ def _gated(x: torch.Tensor, y: torch.Tensor | None, code: int, op: str) -> torch
     return (_gated_op if torch.compiler.is_compiling() else _gated_eager)(x, y, code)
 
 
-def _gated_on_shards(x, y, activation: str, op: str):
+def _gated_on_shards(x, y, code: int, op: str):
     """A gated activation of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's
     shards where they pair up elementwise, else the unfused ops run on the DTensors (DTensor moves what it must).
 
@@ -498,13 +496,13 @@ def _gated_on_shards(x, y, activation: str, op: str):
     if y is not None:
         if is_dtensor(x) and is_dtensor(y) and x.placements == y.placements and keeps_whole(x, ()):
             with local_saved_tensors():
-                return as_dtensor_like(_gated(x.to_local(), y.to_local(), ACTIVATIONS[activation], op), x)
+                return as_dtensor_like(_gated(x.to_local(), y.to_local(), code, op), x)
         note_unfused(op, f"x {getattr(x, 'placements', 'plain')}, y {getattr(y, 'placements', 'plain')}")
-        return gated_reference(x, y, activation)
+        return gated_reference(x, y, _NAMES[code])
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     if keeps_whole(x, (last,)):
         with local_saved_tensors():
-            return as_dtensor_like(_gated(x.to_local(), None, ACTIVATIONS[activation], op), x, shape=shape)
+            return as_dtensor_like(_gated(x.to_local(), None, code, op), x, shape=shape)
     halves = [type(p).__name__ == "_StridedShard" and p.dim % x.dim() == last and p.split_factor == 2
               for p in x.placements]
     others_whole = all(half or not (p.is_partial() or split_dim(p, x.dim()) == last) for p, half in zip(x.placements, halves))
@@ -513,10 +511,10 @@ def _gated_on_shards(x, y, activation: str, op: str):
 
         placements = [Shard(last) if half else p for p, half in zip(x.placements, halves)]
         with local_saved_tensors():
-            return as_dtensor_like(_gated(x.to_local(), None, ACTIVATIONS[activation], op), x, placements=placements,
+            return as_dtensor_like(_gated(x.to_local(), None, code, op), x, placements=placements,
                                    shape=shape)
     note_unfused(op, f"x {x.placements} splits the gate and up halves unevenly")
-    return gated_reference(x, None, activation)
+    return gated_reference(x, None, _NAMES[code])
 
 
 class FusedSwiGLU(torch.nn.Module):
