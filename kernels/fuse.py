@@ -30,7 +30,8 @@ Candidates are found by structure and confirmed by behaviour, never by class nam
 Parameters stay the same objects, so an optimizer built before `fuse` keeps working, and parameter
 names are unchanged. Probes run on CPU copies with fresh random values, so a model still on the meta
 device (built under `distcore.LazyGuard` or `torch.device("meta")`) is fused like a materialised one.
-Modules with hooks, or failing a probe, are left alone and the report says why; `strict=True` turns
+Modules with hooks, failing a probe, or (norms and MLPs) whose forward takes more than its input (Mamba 2's
+gated RMSNorm: `norm(x, gate)`) are left alone and the report says why; `strict=True` turns
 any candidate left alone into a `FuseError`.
 """
 
@@ -124,6 +125,23 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
 def _why_not_probeable(module: torch.nn.Module) -> str | None:
     if module._forward_hooks or module._forward_pre_hooks:
         return "module has forward hooks, which a replacement would drop"
+    return None
+
+
+def _why_not_one_input(module: torch.nn.Module) -> str | None:
+    """Why a norm or MLP candidate cannot be replaced by a module that takes one tensor, or None. A probe calls
+    the candidate with its input alone; a forward that takes more (Mamba 2's gated RMSNorm: `norm(x, gate)`, the
+    gate multiplied in before the norm) computes something else when the model passes the rest, which the probe
+    never sees, and FusedRMSNorm would take that second tensor for a residual."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C function): nothing known of its inputs
+        return "its forward's signature cannot be read; left as is"
+    extra = [p.name for p in parameters[1:]] + [p.name for p in parameters[:1]
+                                                 if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY)]
+    if extra:
+        return (f"its forward takes more than the input ({', '.join(extra)}), which the fused module would not "
+                "honour; left as is")
     return None
 
 
@@ -261,7 +279,7 @@ def _looks_like_rms_norm(module: torch.nn.Module) -> bool:
 
 
 def _fuse_rms_norm(model, name, module, report, changes, verdicts) -> None:
-    why = _why_not_probeable(module)
+    why = _why_not_probeable(module) or _why_not_one_input(module)
     if why:
         report.skipped.append((name, f"RMSNorm candidate: {why}"))
         return
@@ -319,7 +337,7 @@ def _looks_like_swiglu_mlp(module: torch.nn.Module) -> bool:
 
 
 def _fuse_swiglu_mlp(model, name, module, report, changes, verdicts) -> None:
-    why = _why_not_probeable(module)
+    why = _why_not_probeable(module) or _why_not_one_input(module)
     if why:
         report.skipped.append((name, f"SwiGLU MLP candidate: {why}"))
         return
@@ -766,13 +784,16 @@ def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
 
 def _logit_transform(module: torch.nn.Module) -> tuple[float | None, float]:
     """(soft-capping, scale) of the logits that a causal LM's config names, as transformers' forwards apply
-    them: Gemma-2's `final_logit_softcapping`, Cohere's `logit_scale` (logits * s), Granite's `logits_scaling`
-    (logits / s). Only candidates: the probe (`_lm_loss_verdict`) confirms that the forward applies them."""
+    them: Gemma-2's `final_logit_softcapping`, Cohere's `logit_scale` and Falcon-H1's `lm_head_multiplier`
+    (logits * s), Granite's `logits_scaling` (logits / s). Only candidates: the probe (`_lm_loss_verdict`) confirms
+    that the forward applies them."""
     config = getattr(module, "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = 1.0
     if isinstance(getattr(config, "logit_scale", None), (int, float)):
         scale = float(config.logit_scale)
+    elif isinstance(getattr(config, "lm_head_multiplier", None), (int, float)):
+        scale = float(config.lm_head_multiplier)
     elif isinstance(getattr(config, "logits_scaling", None), (int, float)) and config.logits_scaling:
         scale = 1.0 / config.logits_scaling
     return softcap, scale
@@ -882,7 +903,11 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | No
     original = module.loss_function
     losses = {}
     try:
-        module._modules[prefix] = _StandIn()
+        stand_in = _StandIn()
+        for attr, value in vars(base).items():  # plain values the forward may read (Falcon-H1's lm_head_multiplier)
+            if not attr.startswith("_") and isinstance(value, (int, float, str, bool)):
+                setattr(stand_in, attr, value)
+        module._modules[prefix] = stand_in
         for variant, lm_head in (("original", thin), ("fused", fused)):
             module._modules["lm_head"] = lm_head
             if variant == "fused":

@@ -53,6 +53,10 @@ MORE_FAMILIES = {
     "cohere2": ("cohere2", dict(head_dim=16)),  # LayerNorm without bias, sliding layers without rotary
     "exaone4": ("exaone4", {}),  # norms after each sublayer, q/k norms
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
+    # A Mamba-2 layer, then an attention layer (IBM's hybrid); the mixer's gated RMSNorm, norm(x, gate), is no plain RMSNorm.
+    "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1])),
+    # A Mamba-2 mixer beside the attention in every layer, µP multipliers (its logits * lm_head_multiplier).
+    "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3)),
     # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast
     # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
     "ernie4_5": ("ernie4_5", {}),
