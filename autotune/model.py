@@ -1148,6 +1148,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         head_overrides = {**overrides, "head_dim": attn_module.qk_head_dim}
     heads, kv_heads, head_dim = _heads(attn_module, block, model, _rotary_head_dim(block, model),
                                        attn["q_size"], attn["kv_size"], head_overrides)
+    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks)
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
     if attn.get("latent_kv"):  # the latents' norms (q_a_layernorm, kv_a_layernorm) are not q/k norms
@@ -1155,7 +1156,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     norms = tuple(n for n in _norm_names(block, hidden) if n not in qk_norms)  # OLMo2's q norm can be hidden-wide
     if moe is not None:  # norms inside the experts (none in the families known) are not layer norms
         norms = tuple(n for n in norms if not n.startswith(moe.block + "."))
-    notes = []
+    notes = list(shape_notes)
     biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
     if biases:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
@@ -1194,6 +1195,47 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         latent_attention=latent, **moe_fields,
     )
     return structure, fields
+
+
+def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict) -> None:
+    """Every decoder layer holds the template layer's parameters (by name) outside its MLP or MoE block, and every
+    dense layer the template's dense MLP: the structure names one layer's modules, and the tensor-parallel,
+    pipeline and recompute plans apply those names to every layer. Layers of one class can differ (MiniMax's
+    linear-attention layers beside full-attention ones). Shapes may differ (Gemma 4's global layers have wider
+    heads): the plans split each layer's own weights and the tensor-parallel check runs every kind of block; the
+    notes say the cost model prices every layer as the template. An MoE block's shape is checked by _moe_layers.
+    Returns the notes."""
+
+    def parameters(i: int) -> tuple[dict, dict]:  # (outside the MLP or MoE block, inside a dense MLP)
+        inner = moe_blocks[i].block if i in moe_blocks else mlp
+        outside, inside = {}, {}
+        for name, param in layers[i].named_parameters():
+            inner_part = inner is not None and (name == inner or name.startswith(inner + "."))
+            (inside if inner_part else outside)[name] = tuple(param.shape)
+        return outside, inside
+
+    want_outside, want_mlp = parameters(template)
+    reshaped = []
+    for i in range(len(layers)):
+        outside, inside = parameters(i)
+        for what, got, want in (("outside its MLP", outside, want_outside),
+                                ("in its MLP", None if i in moe_blocks or mlp is None else inside, want_mlp)):
+            if got is None or got == want:
+                continue
+            if got.keys() == want.keys():
+                reshaped.append(i)
+                continue
+            differ = sorted(set(got) ^ set(want))
+            shown = ", ".join(f"{n} {'only here' if n in got else 'missing'}" for n in differ[:3])
+            raise UnrecognisedModel(
+                f"decoder layers differ: {layers_name}.{i} {what} is not {layers_name}.{template}'s ({shown}"
+                f"{', ...' if len(differ) > 3 else ''}): the structure names one layer's modules in every layer "
+                "(layers of another kind beside the others, such as linear-attention layers, are not supported); "
+                "fall back to data parallel (with sharding)")
+    if not reshaped:
+        return []
+    return [f"layers {_ranges(tuple(sorted(set(reshaped))))} have other parameter shapes than layer {template}; the cost "
+            f"model prices every layer as layer {template}"]
 
 
 def _hidden_size(block, emb_dims: list[int]) -> int | None:

@@ -986,11 +986,13 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
 
 
 def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mesh) -> list[str]:
-    """Norm-like modules (only 1-D parameters, none split) inside the sequence-parallel region that the
-    plan did not mark: they run on sequence slices, so their parameters need SequenceParallel too
-    (Paddle applies this implicitly; its example marks only the boundaries). A norm before Begin or
-    after End runs on the whole sequence and is left alone: making it sequence parallel would reduce its
-    full-sequence gradients over the ranks (tp times too large).
+    """Norm-like modules (only 1-D parameters, none split, and no children with parameters) inside the
+    sequence-parallel region that the plan did not mark: they run on sequence slices, so their parameters need
+    SequenceParallel too (Paddle applies this implicitly; its example marks only the boundaries). A norm before
+    Begin or after End runs on the whole sequence and is left alone: making it sequence parallel would reduce its
+    full-sequence gradients over the ranks (tp times too large). A module with 1-D parameters of its own and
+    children with more (Falcon-H1's Mamba mixer: A_log, D, dt_bias beside its projections and convolution) is no
+    norm: _check_region_parameters refuses it, naming its parameters.
     """
     changes = []
     for name, module in [(n, m) for n, m in root.named_modules() if n in region]:
@@ -999,6 +1001,7 @@ def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mes
             getattr(module, "_tridist_sequence_parallel", None)
             or not params
             or any(p.dim() != 1 or isinstance(p, DTensor) for p in params)
+            or len(params) != sum(1 for _ in module.parameters())
         ):
             continue
         parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))

@@ -233,3 +233,27 @@ def test_qk_norms_are_recognised_by_their_size():
         ModelSpec(2, 64, 4, 128, 100, qk_norm="per-head")
     spec = dataclasses.replace(preset("llama3-8b"), qk_norm="head")  # hashable, as the cost model's cache needs
     assert spec != preset("llama3-8b") and hash(spec) == hash(dataclasses.replace(preset("llama3-8b"), qk_norm="head"))
+
+
+def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
+    """The structure names one layer's modules and every plan applies them to every layer: a layer of another
+    kind (transformers' MiniMax: linear-attention layers beside full-attention ones; a dense layer whose MLP
+    names other modules) is refused, naming the difference; layers of other shapes only (Gemma 4's global layers,
+    wider heads) are recognised, with a note that the cost model prices them as the first."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    minimax = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("minimax", **sizes))
+    with pytest.raises(UnrecognisedModel, match=r"decoder layers differ: model\.layers\.1 outside its MLP .*"
+                                                 r"self_attn\.k_proj\.weight missing"):
+        ModelSpec.from_module(minimax)
+    gemma4 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "gemma4_text", **sizes, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8))
+    spec = ModelSpec.from_module(gemma4)
+    assert any("layers 3 have other parameter shapes than layer 0" in note for note in spec.structure.notes), spec.structure.notes
+    model = build_model("hf-llama", "tiny")
+    model.model.layers[1].mlp.w_in = model.model.layers[1].mlp.up_proj  # one dense MLP names another module
+    del model.model.layers[1].mlp.up_proj
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.1 in its MLP .*mlp\.up_proj\.weight missing, "
+                                                 r"mlp\.w_in\.weight only here"):
+        ModelSpec.from_module(model)

@@ -239,6 +239,18 @@ def check_layer_norm_families_train_under_tensor_parallel():
         raise AssertionError("falcon: tensor parallel over its packed query_key_value was not refused")
 
 
+def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
+    """Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer. Its scan needs the whole sequence, so
+    under sequence parallel (the mixer on each rank's slice) it is refused, naming the mixer's parameters; before,
+    its own 1-D A_log, D and dt_bias made it pass for a norm, and replicating it crashed on its children's names."""
+    try:
+        _train("falcon-h1", MATRIX["dp 2 x tp 2 + sp + overlap, level 1"])
+    except ValueError as error:
+        assert "model.layers.0.mamba.A_log" in str(error) and "run on sequence slices" in str(error), error
+    else:
+        raise AssertionError("falcon-h1: sequence parallel over its Mamba mixers was not refused")
+
+
 def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
     """Granite (logits / logits_scaling, with embedding, residual and attention multipliers) and Cohere (logits *
     logit_scale; LayerNorms, parallel attention and MLP) under dp 2 x tp 2 with overlapped sequence parallel:
