@@ -975,8 +975,9 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
         if not any(first is getattr(e, "_tridist_last_output", None) for e in exits):
             raise RuntimeError(
                 f"parallelize: the output of SequenceParallelDisable region {name!r} is not the output of its "
-                "row-parallel linear (something runs after it inside the region, e.g. a residual add); put the "
-                "Disable style on the module whose output is that linear's"
+                "row-parallel linear (something runs after it inside the region, e.g. a residual add or Seed-OSS's "
+                "dropout after o_proj); put the Disable style on the module whose output is that linear's, or (with "
+                "to_distributed) choose a strategy without sequence_parallel"
             )
         for e in exits:
             e._tridist_last_output = None

@@ -19,8 +19,9 @@ LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "olmo2", "phi3
 # the tiny configs' scales are not powers of two, so the scaled hidden states are rounded.
 SCALED_LOGITS = ["granite", "cohere"]
 FAMILIES = [*LLAMA_LIKE, "gpt-neox", "gpt2", *SCALED_LOGITS]
-# Mixtures of experts (kept out of FAMILIES: distcore trains them data parallel only so far). 4 experts, top-2;
-# Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert beside the routed ones.
+# Mixtures of experts (kept out of FAMILIES: their distributed checks, expert parallel among them, are their
+# own). 4 experts, top-2; Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE's shared expert beside the
+# routed ones.
 MOE_FAMILIES = ["mixtral", "qwen3-moe", "qwen2-moe"]
 EXPERTS, TOP_K = 4, 2
 # More families users bring, each built from its own transformers config class (AutoConfig.for_model) at the
