@@ -1197,7 +1197,7 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     return structure, fields
 
 
-def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict) -> None:
+def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict) -> list[str]:
     """Every decoder layer holds the template layer's parameters (by name) outside its MLP or MoE block, and every
     dense layer the template's dense MLP: the structure names one layer's modules, and the tensor-parallel,
     pipeline and recompute plans apply those names to every layer. Layers of one class can differ (MiniMax's
@@ -1215,7 +1215,7 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
         return outside, inside
 
     want_outside, want_mlp = parameters(template)
-    reshaped = []
+    reshaped = set()
     for i in range(len(layers)):
         outside, inside = parameters(i)
         for what, got, want in (("outside its MLP", outside, want_outside),
@@ -1223,7 +1223,7 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
             if got is None or got == want:
                 continue
             if got.keys() == want.keys():
-                reshaped.append(i)
+                reshaped.add(i)
                 continue
             differ = sorted(set(got) ^ set(want))
             shown = ", ".join(f"{n} {'only here' if n in got else 'missing'}" for n in differ[:3])
@@ -1234,7 +1234,7 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
                 "fall back to data parallel (with sharding)")
     if not reshaped:
         return []
-    return [f"layers {_ranges(tuple(sorted(set(reshaped))))} have other parameter shapes than layer {template}; the cost "
+    return [f"layers {_ranges(tuple(sorted(reshaped)))} have other parameter shapes than layer {template}; the cost "
             f"model prices every layer as layer {template}"]
 
 

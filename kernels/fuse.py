@@ -199,15 +199,20 @@ def _probed(verdicts: dict, what: str, kind, probe):
 
 def _replace(model: torch.nn.Module, name: str, old: torch.nn.Module, new: torch.nn.Module) -> None:
     """Put `new` where `old` was, keeping old's plain attributes (sizes, eps) for code that reads them."""
-    for attr, value in vars(old).items():
-        if not attr.startswith("_") and attr not in vars(new) and isinstance(value, (int, float, str, bool)):
-            setattr(new, attr, value)
+    _copy_plain_attributes(old, new)
     # Not new.train(...): that recurses into the children, and a SwiGLU replacement's children are the
     # original projections, which keep their own modes (e.g. a frozen adapter in eval mode).
     new.training = old.training
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent._modules[child] = new
+
+
+def _copy_plain_attributes(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Set on `target` the public plain values (int, float, str, bool) of `source` that it lacks."""
+    for attr, value in vars(source).items():
+        if not attr.startswith("_") and attr not in vars(target) and isinstance(value, (int, float, str, bool)):
+            setattr(target, attr, value)
 
 
 def _probe_input(shape) -> torch.Tensor:
@@ -904,9 +909,7 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | No
     losses = {}
     try:
         stand_in = _StandIn()
-        for attr, value in vars(base).items():  # plain values the forward may read (Falcon-H1's lm_head_multiplier)
-            if not attr.startswith("_") and isinstance(value, (int, float, str, bool)):
-                setattr(stand_in, attr, value)
+        _copy_plain_attributes(base, stand_in)  # values the forward may read (Falcon-H1's lm_head_multiplier)
         module._modules[prefix] = stand_in
         for variant, lm_head in (("original", thin), ("fused", fused)):
             module._modules["lm_head"] = lm_head
