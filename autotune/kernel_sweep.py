@@ -251,7 +251,7 @@ def prepare(bucket: Bucket, device: torch.device, *, seed: int = 0) -> BucketRun
     a, b = (randn(*q.shape), randn(*k.shape)) if conjugate else (q, k)
 
     def run(config):
-        return rotary_ops._rotary(a, b, cos, sin, None, False, False, width, conjugate, config=config)
+        return rotary_ops._rotary(a, b, cos, sin, None, False, False, False, width, conjugate, config=config)
 
     if conjugate:
         reference = lambda q_, k_, ga, gb, c, s: _grads(lambda x, y: rotary_reference(x, y, c, s), (q_, k_), (ga, gb))

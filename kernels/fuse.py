@@ -42,11 +42,12 @@ import copy
 import inspect
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
+from ._common import is_dtensor
 from .ops import rotary as rotary_op
 from .ops.linear_cross_entropy import CausalLMLinearCrossEntropy, FusedLMHead
 from .ops.rms_norm import FusedRMSNorm
@@ -506,23 +507,40 @@ def experts_verdict(module: torch.nn.Module) -> str | None:
 #         by probes with such tables. GLM-4's and ERNIE 4.5's pair adjacent features too, but take the usual
 #         [freqs | freqs] tables and rotate pair j by the table's first half's entry j (repeat_interleave'd
 #         inside): the kernel gets that first half, one entry per pair (GLM-4: over a partial rotary width).
+#         DeepSeek-V3's `apply_rotary_pos_emb_interleave` (also deepseek_v32, glm4_moe_lite, mistral_large4,
+#         longcat_flash, dots3_note ... in transformers 5) pairs them so too and writes pair j's results to
+#         (j, j + D/2): the kernel's `deinterleave`. gpt-oss's takes tables of one entry per pair
+#         ([B, S, D/2]) and pairs (j, j + D/2): the kernel's half tables (`half_table`).
+#   one tensor: apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1) (Gemma 3n, Gemma 4), called for q and for k:
+#         probed as the pair of its calls; each call runs the kernel on x with a k of no heads.
+#   complex: apply_rotary_emb(xq, xk, freqs_cis) (Llama 4: bshd; DeepSeek-V2: bhsd): freqs_cis complex
+#         [B, S, D/2], pairs (2j, 2j + 1) multiplied by freqs_cis[j] in fp32, cast back to q's dtype: the kernel's
+#         interleaved pairs with freqs_cis.real / .imag as half tables (any magnitude: DeepSeek-V2 scales it).
 #         Where the function returns q's dtype from tables of a wider one (ERNIE computes in fp32 and casts
 #         back), the kernel's fp32 computation rounded once to q's dtype is that, and fp32 tables are taken.
 
 
 @dataclass(frozen=True)
 class _RotaryConvention:
-    name: str  # "seed" or "hf"
+    name: str  # "seed", "hf" or "complex"
     signature: inspect.Signature
     layouts: tuple[int, ...] = ()  # hf: the unsqueeze_dim values the function was seen to handle
+    layout: str = "bshd"  # complex: q and k's layout
+    half_table: bool = False  # hf, rotate-half: tables of one entry per pair rotate twice their width (gpt-oss)
+    one_tensor: bool = False  # hf: (x, cos, sin, unsqueeze_dim) rotates one tensor per call (Gemma 4)
     partial: bool = False  # hf: features past the table's width pass through
     interleaved: bool = False  # hf: pairs (2j, 2j + 1) rotate together (else (j, j + D/2))
     first_half: bool = False  # hf, interleaved: pair j rotates by the table's entry j (GLM-4, ERNIE 4.5)
+    deinterleave: bool = False  # hf, first_half: pair j's results written to (j, j + D/2) (DeepSeek-V3)
     keeps_dtype: bool = False  # returns q's dtype from tables of a wider dtype (computes wide, casts back)
 
     def __str__(self) -> str:
-        pairs = ", interleaved pairs" + (" from the table's first half" if self.first_half else "")
-        return (f"{self.name} convention" + (pairs if self.interleaved else "")
+        pairs = (", interleaved pairs" + (" from the table's first half" if self.first_half else "")
+                 + (" written as halves" if self.deinterleave else ""))
+        return (f"{self.name} convention" + (f" ({self.layout})" if self.name == "complex" else "")
+                + (", one tensor per call" if self.one_tensor else "")
+                + (pairs if self.interleaved and self.name != "complex" else "")
+                + (", tables of one entry per pair" if self.half_table else "")
                 + (", partial rotary" if self.partial else ""))
 
 
@@ -589,13 +607,18 @@ def _rotary_convention(function) -> _RotaryConvention | None:
     except (TypeError, ValueError):
         return None
     params = list(signature.parameters.values())
-    if len(params) < 4 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params[:4]):
-        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if [p.name for p in positional[3:4]] == ["unsqueeze_dim"]:  # (x, cos, sin, unsqueeze_dim): q's call, then k's
+        convention = _rotary_convention(_RotaryPair(function))
+        return None if convention is None else replace(convention, signature=signature, one_tensor=True)
+    if not (len(positional) >= 4 or len(params) == len(positional) == 3):
+        return None  # (q, k, cos, sin, ...) or the complex convention's three arguments
     batch, seq_len, heads, kv_heads, head_dim = 2, 5, 4, 2, 8
     generator = torch.Generator().manual_seed(99)
     positions = torch.stack([torch.arange(seq_len).flip(0), torch.arange(seq_len)])
     q = torch.randn(batch, seq_len, heads, head_dim, generator=generator)
     k = torch.randn(batch, seq_len, kv_heads, head_dim, generator=generator)
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
 
     def tables(width, interleaved=False):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, width, 2).float() / width))
@@ -614,6 +637,15 @@ def _rotary_convention(function) -> _RotaryConvention | None:
         out = tuple(t.transpose(1, 2) for t in out) if bhsd else out
         return all(_close(a, b) for a, b in zip(out, want))
 
+    if len(params) == 3:  # (xq, xk, freqs_cis): complex tables of one entry per pair, of any magnitude
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        freqs_cis = torch.polar(torch.full((batch, seq_len, head_dim // 2), 1.25), positions[..., None] * inv_freq)
+        expected = rotary_reference(q, k, freqs_cis.real, freqs_cis.imag, interleaved=True, rotary_dim=head_dim)
+        for layout, call in (("bshd", lambda: function(q, k, freqs_cis)), ("bhsd", lambda: function(qt, kt, freqs_cis))):
+            if agrees(call, expected, bhsd=layout == "bhsd"):
+                return _RotaryConvention("complex", signature, layout=layout, interleaved=True)
+        return None
+
     cos, sin = tables(head_dim)
     expected = rotary_reference(q, k, cos, sin, positions)
     seed_call = lambda: function(q, k, cos[None, :, None], sin[None, :, None], positions)  # noqa: E731
@@ -621,7 +653,6 @@ def _rotary_convention(function) -> _RotaryConvention | None:
         return _RotaryConvention("seed", signature)
     if "unsqueeze_dim" not in signature.parameters:  # HF's, old or new, names it; anything else is unknown
         return None
-    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
 
     def hf_layouts(cos, sin, expected) -> tuple[int, ...]:
         return tuple(
@@ -638,21 +669,28 @@ def _rotary_convention(function) -> _RotaryConvention | None:
         partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
                          partial_expected, bhsd=True)
         return _RotaryConvention("hf", signature, layouts=layouts, partial=partial)
+    half_cos, half_sin = cos[..., :head_dim // 2], sin[..., :head_dim // 2]  # gpt-oss's: one entry per pair
+    layouts = hf_layouts(half_cos, half_sin, expected)
+    if 1 in layouts:
+        return _RotaryConvention("hf", signature, layouts=layouts, half_table=True)
     cos, sin = tables(head_dim, interleaved=True)
     layouts = hf_layouts(cos, sin, rotary_reference(q, k, cos, sin, positions, interleaved=True))
     if 1 in layouts:  # interleaved pairs over the whole head (no partial variant is known to transformers)
         return _RotaryConvention("hf", signature, layouts=layouts, interleaved=True)
 
-    def first_half_expected(width):  # GLM's: [freqs | freqs] tables of `width`, pair j by freqs[j]
+    def first_half_expected(width, deinterleave):  # GLM's: [freqs | freqs] tables of `width`, pair j by freqs[j]
         cos, sin = tables(width)
         return cos, sin, rotary_reference(q, k, cos[..., :width // 2], sin[..., :width // 2], positions,
-                                          interleaved=True, rotary_dim=width)
+                                          interleaved=True, deinterleave=deinterleave, rotary_dim=width)
 
-    cos, sin, expected = first_half_expected(head_dim)
-    layouts = hf_layouts(cos, sin, expected)
-    if 1 not in layouts:
+    for deinterleave in (False, True):  # GLM's results in pairs, DeepSeek's as halves
+        cos, sin, expected = first_half_expected(head_dim, deinterleave)
+        layouts = hf_layouts(cos, sin, expected)
+        if 1 in layouts:
+            break
+    else:
         return None
-    half_cos, half_sin, partial_expected = first_half_expected(head_dim // 2)
+    half_cos, half_sin, partial_expected = first_half_expected(head_dim // 2, deinterleave)
     partial = agrees(lambda: function(qt, kt, half_cos[positions], half_sin[positions], unsqueeze_dim=1),
                      partial_expected, bhsd=True)
     try:  # bf16 q and k with the fp32 tables: does it return q's dtype (ERNIE 4.5 casts back) or the promoted one?
@@ -662,16 +700,28 @@ def _rotary_convention(function) -> _RotaryConvention | None:
     except Exception:  # noqa: BLE001 - mixed dtypes refused: the kernel then never gets them either
         keeps_dtype = False
     return _RotaryConvention("hf", signature, layouts=layouts, partial=partial, interleaved=True, first_half=True,
-                             keeps_dtype=keeps_dtype)
+                             deinterleave=deinterleave, keeps_dtype=keeps_dtype)
+
+
+class _RotaryPair:
+    """A one-tensor rotary `function(x, cos, sin, unsqueeze_dim)` as the pair of its calls on q and on k: the
+    signature the Hugging Face probes call."""
+
+    def __init__(self, function):
+        self.function = function
+        names = ("q", "k", "cos", "sin", "unsqueeze_dim")
+        self.__signature__ = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, **({"default": 1} if n == names[-1] else {}))
+             for n in names])
+
+    def __call__(self, q, k, cos, sin, unsqueeze_dim=1):
+        return self.function(q, cos, sin, unsqueeze_dim), self.function(k, cos, sin, unsqueeze_dim)
 
 
 def _rotary_adapter(original, convention: _RotaryConvention):
     """A drop-in for `original` that runs the fused kernel and falls back to `original` when it can't.
 
     Written out per signature (no `inspect` at call time: torch.compile traces this function)."""
-    partial, layouts, interleaved = convention.partial, convention.layouts, convention.interleaved
-    first_half, keeps_dtype = convention.first_half, convention.keeps_dtype
-
     if convention.name == "seed":
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, *args, **kwargs):
@@ -679,51 +729,81 @@ def _rotary_adapter(original, convention: _RotaryConvention):
                 return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, position_ids, layout="bshd")
             return original(q, k, cos, sin, position_ids, *args, **kwargs)
 
-    elif "position_ids" in convention.signature.parameters:  # transformers < 4.48: position_ids is unused
+    elif convention.one_tensor:
+
+        def fused_apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+            # x beside a k of no heads (the heads are dim 1 in bhsd, unsqueeze_dim 1); DTensors (a block in global
+            # view) run the original, whose ops DTensor shards
+            if not args and not kwargs and torch.is_tensor(x) and x.dim() == 4 and not is_dtensor(x):
+                out = _hf_fused(x, x[:, :0] if unsqueeze_dim == 1 else x[:, :, :0], cos, sin, unsqueeze_dim, convention)
+                if out is not None:
+                    return out[0]
+            return original(x, cos, sin, unsqueeze_dim, *args, **kwargs)
+
+    elif convention.name == "complex":
+
+        def fused_apply_rotary_pos_emb(xq, xk, freqs_cis, *args, **kwargs):
+            if not args and not kwargs:
+                out = _complex_fused(xq, xk, freqs_cis, convention.layout)
+                if out is not None:
+                    return out
+            return original(xq, xk, freqs_cis, *args, **kwargs)
+
+    elif "position_ids" in convention.signature.parameters:  # transformers < 4.48 and DeepSeek-V3: position_ids unused
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, *args, **kwargs):
-            layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
-            if layout and not args and not kwargs:
-                tables = _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype)
-                if tables is not None:
-                    return rotary_op.apply_rotary_pos_emb(q, k, *tables, layout=layout, interleaved=interleaved,
-                                                          rotary_dim=cos.shape[-1])
+            if not args and not kwargs:
+                out = _hf_fused(q, k, cos, sin, unsqueeze_dim, convention)
+                if out is not None:
+                    return out
             return original(q, k, cos, sin, position_ids, unsqueeze_dim, *args, **kwargs)
 
     else:
 
         def fused_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
-            layout = _hf_layout(cos, q, unsqueeze_dim, layouts, partial)
-            if layout and not args and not kwargs:
-                tables = _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype)
-                if tables is not None:
-                    return rotary_op.apply_rotary_pos_emb(q, k, *tables, layout=layout, interleaved=interleaved,
-                                                          rotary_dim=cos.shape[-1])
+            if not args and not kwargs:
+                out = _hf_fused(q, k, cos, sin, unsqueeze_dim, convention)
+                if out is not None:
+                    return out
             return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
 
     fused_apply_rotary_pos_emb.__wrapped__ = original
     return fused_apply_rotary_pos_emb
 
 
-def _hf_layout(cos, q, unsqueeze_dim, layouts, partial):
-    if unsqueeze_dim not in layouts or not (partial or cos.shape[-1] == q.shape[-1]):
+def _hf_fused(q, k, cos, sin, unsqueeze_dim, convention: _RotaryConvention):
+    """A Hugging Face convention's call on the kernel, or None where the kernel would not give the function's
+    answer: an unsqueeze_dim not seen to work, tables narrower than the head where the function rotates it whole,
+    a dtype the kernel would not return. The tables' width of features rotates (twice it with `half_table`);
+    `first_half` gives the kernel the tables' first halves, one entry per pair."""
+    rotary_dim = cos.shape[-1] * (2 if convention.half_table else 1)
+    if unsqueeze_dim not in convention.layouts or not (convention.partial or rotary_dim == q.shape[-1]):
         return None
-    return "bhsd" if unsqueeze_dim == 1 else "bshd"
-
-
-def _hf_kernel_tables(q, k, cos, sin, layout, first_half, keeps_dtype):
-    """The tables the fused op takes for a Hugging Face convention's call (rotating the tables' width of
-    features), or None where the kernel would not give the function's answer. `first_half`: the tables' first
-    halves, one entry per pair."""
-    rotary_dim = cos.shape[-1]
-    if first_half:
+    layout = "bhsd" if unsqueeze_dim == 1 else "bshd"
+    if convention.first_half:
         cos, sin = cos[..., :rotary_dim // 2], sin[..., :rotary_dim // 2]
-    if not _kernel_accepts(q, k, cos, sin, None, layout, rotary_dim=rotary_dim, keeps_dtype=keeps_dtype):
+    if not _kernel_accepts(q, k, cos, sin, None, layout, rotary_dim=rotary_dim, keeps_dtype=convention.keeps_dtype):
         return None
-    return cos, sin
+    return rotary_op.apply_rotary_pos_emb(q, k, cos, sin, layout=layout, interleaved=convention.interleaved,
+                                          deinterleave=convention.deinterleave, rotary_dim=rotary_dim)
+
+
+def _complex_fused(xq, xk, freqs_cis, layout: str):
+    """Llama 4's / DeepSeek-V2's `apply_rotary_emb(xq, xk, freqs_cis)` on the kernel (freqs_cis's real and
+    imaginary parts as half tables, fp32 math rounded once to q's dtype as `.type_as(xq)` does), or None where the
+    kernel would not give its answer (other table shapes: the function's broadcasting then decides)."""
+    if not (torch.is_tensor(freqs_cis) and freqs_cis.is_complex() and freqs_cis.dim() == 3 and torch.is_tensor(xq)
+            and 2 * freqs_cis.shape[-1] == xq.shape[-1]):
+        return None
+    cos, sin = freqs_cis.real, freqs_cis.imag
+    if not _kernel_accepts(xq, xk, cos, sin, None, layout, rotary_dim=xq.shape[-1], keeps_dtype=True):
+        return None
+    return rotary_op.apply_rotary_pos_emb(xq, xk, cos, sin, layout=layout, interleaved=True, rotary_dim=xq.shape[-1])
 
 
 def _kernel_accepts(q, k, cos, sin, position_ids, layout, *, rotary_dim=None, keeps_dtype=False) -> bool:
+    if k is None:
+        return False  # q alone (Mistral Large 3's `k=None`): the original rotates it
     if not keeps_dtype and torch.promote_types(q.dtype, cos.dtype) != q.dtype:
         return False  # eager `q * cos` would promote (bf16 q, fp32 tables): keep that output dtype
     try:

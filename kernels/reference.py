@@ -69,13 +69,18 @@ def rotary_reference(
     *,
     layout: str = "bshd",
     interleaved: bool = False,
+    deinterleave: bool = False,
     rotary_dim: int | None = None,
 ):
     """`x * cos + rotate(x) * sin` on the first `rotary_dim` features of q and k; the rest pass through.
 
     Accepts the same table shapes as the fused op: [1, T, 1, D] / [B, T, 1, D] (bshd) or [1, 1, T, D] /
     [B, 1, T, D] (bhsd), [B, T, D] and [T, D]; D is rotary_dim or rotary_dim / 2 (half table).
+    `deinterleave` (with `interleaved`): the interleaved result's pairs (2j, 2j + 1) are then laid out as
+    halves (j, j + rotary_dim / 2), as DeepSeek-V3's `apply_rotary_pos_emb_interleave` returns them.
     """
+    if deinterleave and not interleaved:
+        raise ValueError("rotary_reference: deinterleave=True needs interleaved=True")
     if layout == "bhsd":
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     seq_len = q.shape[1]
@@ -95,6 +100,8 @@ def rotary_reference(
     def apply(x):
         x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
         out = x_rot * cos.to(x.dtype) + rotate(x_rot) * sin.to(x.dtype)
+        if deinterleave:
+            out = torch.cat([out[..., 0::2], out[..., 1::2]], dim=-1)
         return torch.cat([out, x_pass], dim=-1)
 
     q_out, k_out = apply(q), apply(k)

@@ -124,12 +124,16 @@ def variants():
             )
     # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 16 tokens per tile of 4 heads x 32 pairs
     # (the tile the launcher builds for them: rotary.tokens_per_tile).
-    for interleaved, tokens, block_h, block_r in ((False, 1, 32, 64), (True, 1, 32, 64), (False, 16, 4, 32)):
+    # DeepSeek-V3's deinterleaving forward too (interleaved pairs read, halves written).
+    for interleaved, deinterleave, tokens, block_h, block_r in (
+            (False, False, 1, 32, 64), (True, False, 1, 32, 64), (True, True, 1, 32, 64), (False, False, 16, 4, 32)):
         block_t = rotary.tokens_per_tile(tokens, block_h, block_r, 16)
         yield (
-            f"rotary[interleaved={interleaved}, BLOCK_T={block_t}]", rotary._rotary_kernel,
+            f"rotary[interleaved={interleaved}{', deinterleave' if deinterleave else ''}, BLOCK_T={block_t}]",
+            rotary._rotary_kernel,
             {"q_ptr": BF16, "k_ptr": BF16, "q_out_ptr": BF16, "k_out_ptr": BF16, "cos_ptr": FP32, "sin_ptr": FP32, "pos_ptr": "*i64"},
-            {"HAS_POSITIONS": True, "INTERLEAVED": interleaved, "HALF_TABLE": False, "CONJUGATE": False, "HAS_PASS": True,
+            {"HAS_POSITIONS": True, "X_INTERLEAVED": interleaved, "Y_INTERLEAVED": interleaved and not deinterleave,
+             "HALF_TABLE": False, "CONJUGATE": False, "HAS_PASS": True,
              "TOKENS_PER_PROGRAM": tokens, "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": 16,
              **unit("q_stride_d", "k_stride_d", "qo_stride_d", "ko_stride_d", "table_stride_d")},
             (), 4,

@@ -38,6 +38,11 @@ MORE_FAMILIES = {
                                         first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16,
                                         head_dim=8, **_MOE)),  # query heads 4 x 20 wide: not the hidden size
+    # DeepSeek-V2's latent attention with its rotary on complex tables (Llama 4's convention on [B, H, S, D]).
+    "deepseek-v2": ("deepseek_v2", dict(num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=32,
+                                        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32,
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16,
+                                        head_dim=8, **_MOE)),
     # Attention sinks, sliding and full layers, clamped SwiGLU experts stored [experts, hidden, 2 x ffn].
     "gpt-oss": ("gpt_oss", dict(num_local_experts=EXPERTS, head_dim=16, sliding_window=8, **_MOE)),
     # Every layer a routed expert (top-1) plus a shared one, chunked attention, L2 q/k norms, layers without
@@ -49,6 +54,8 @@ MORE_FAMILIES = {
                                       shared_expert_intermediate_size=32, linear_num_value_heads=4,
                                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_MOE)),
     "gemma3": ("gemma3_text", dict(head_dim=16)),  # local and global layers, q/k norms, 1 + w norms, GeGLU
+    # Per-layer inputs, wider global heads, its rotary one tensor per call (x, cos, sin, unsqueeze_dim).
+    "gemma4": ("gemma4_text", dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)),
     "glm4": ("glm4", {}),  # partial interleaved rotary, norms after each sublayer too, packed gate_up
     "olmoe": ("olmoe", dict(num_experts=EXPERTS, **_MOE)),  # q/k norms over the projection, experts as modules
     "cohere2": ("cohere2", dict(head_dim=16)),  # LayerNorm without bias, sliding layers without rotary

@@ -225,7 +225,7 @@ def test_ops_are_registered_with_torch_library():
         assert hasattr(torch.ops.tridist, name)
     q = torch.randn(1, 3, 2, 4)
     cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
-    torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, False, False, 4, False))
+    torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, False, False, False, 4, False))
     for activation in (0, 1, 2):  # silu, gelu's tanh approximation, gelu
         torch.library.opcheck(torch.ops.tridist.gated_activation.default,
                               (torch.randn(3, 5, requires_grad=True), torch.randn(3, 5), activation))
@@ -251,7 +251,7 @@ def test_ops_pass_opcheck_with_strided_inputs(backend):
     torch.library.opcheck(torch.ops.tridist.gated_activation_packed.default, (_non_contiguous(6, 16).requires_grad_(), 1))
     q = torch.randn(2, 3, 4, 8).transpose(1, 2).requires_grad_()  # bhsd view of bshd storage
     cos, sin = torch.rand(4, 8), torch.rand(4, 8)
-    torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, True, False, 8, False))
+    torch.library.opcheck(torch.ops.tridist.rotary.default, (q, q, cos, sin, None, True, True, True, 8, False))
 
 
 def test_double_backward_through_rotary_is_exact(backend):

@@ -596,9 +596,9 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
 _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM = 2, 6, 4, 2, 16
 
 
-def _assert_fused_rotary_matches(module, function, cos, sin, *, seed, dtype, budget):
-    """The fused `module` (one rotary launch) against its original `function` (none) in both of Hugging Face's
-    layouts (unsqueeze_dim 1: bhsd, 2: bshd): q, k and their gradients within `budget` of the largest value."""
+def _assert_fused_rotary_matches(module, function, cos, sin, *, seed, dtype, budget, launches=1):
+    """The fused `module` (`launches` rotary launches) against its original `function` (none) in both of Hugging
+    Face's layouts (unsqueeze_dim 1: bhsd, 2: bshd): q, k and their gradients within `budget` of the largest value."""
     generator = torch.Generator().manual_seed(seed)
     batch, seq, heads, kv_heads, dim = _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM
     for unsqueeze_dim, q_shape, k_shape in ((1, (batch, heads, seq, dim), (batch, kv_heads, seq, dim)),
@@ -609,12 +609,12 @@ def _assert_fused_rotary_matches(module, function, cos, sin, *, seed, dtype, bud
         results = []
         for call in (module, function):
             qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
-            with _kernel_launches() as launches:
+            with _kernel_launches() as counted:
                 outs = call(qi, ki, cos, sin, unsqueeze_dim=unsqueeze_dim)
             torch.autograd.backward(outs, grads)
-            results.append((launches["rotary"], *outs, qi.grad, ki.grad))
+            results.append((counted.get("rotary", 0), *outs, qi.grad, ki.grad))
         (fused_launches, *fused), (eager_launches, *eager) = results
-        assert (fused_launches, eager_launches) == (1, 0)
+        assert (fused_launches, eager_launches) == (launches, 0)
         for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
             _assert_within(a, b, budget, name)
 
@@ -641,9 +641,26 @@ def _ernie_rotary(q, k, cos, sin, unsqueeze_dim=1):
     return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """DeepSeek-V3's rotary as transformers 5 writes it: GLM's pairs, each pair's results written as halves."""
+    cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    q_embed = torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1)
+    if k is None:  # mistral_large4's variant rotates q alone when k is None
+        return q_embed, None
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return q_embed, torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1)
+
+
 class _GLMAttention(torch.nn.Module):
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         return _glm_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+class _DeepSeekAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 class _ErnieAttention(torch.nn.Module):
@@ -656,10 +673,14 @@ class _ErnieAttention(torch.nn.Module):
     (_GLMAttention, _glm_rotary, 16, torch.float32, "interleaved pairs from the table's first half, partial rotary"),
     # bf16 q and k with fp32 tables: ERNIE returns bf16 (fp32 math cast back), as the kernel does
     (_ErnieAttention, _ernie_rotary, 16, torch.bfloat16, "interleaved pairs from the table's first half, partial rotary"),
+    # DeepSeek-V3's: no partial rotary (a narrower table does not broadcast against its pairs)
+    (_DeepSeekAttention, apply_rotary_pos_emb_interleave, 16, torch.float32,
+     "interleaved pairs from the table's first half written as halves"),
 ])
 def test_glm_and_ernie_rotary_are_fused_and_match_forward_and_backward(attention, function, rotary_width, dtype, what):
-    """GLM-4's and ERNIE 4.5's rotary (Hugging Face's signature; the tables' first half rotates adjacent pairs)
-    runs the kernel's interleaved path with half tables, in both layouts, partial where the tables are narrower
+    """GLM-4's, ERNIE 4.5's and DeepSeek-V3's rotary (Hugging Face's signature; the tables' first half rotates
+    adjacent pairs, DeepSeek writes the results as halves) runs the kernel's interleaved path with half tables
+    (DeepSeek's with `deinterleave`), in both layouts, partial where the tables are narrower
     than the head; outputs and gradients within rounding of the function's own: 4u of the largest output in fp32
     (as test_interleaved_rotary_is_fused_and_matches_forward_and_backward argues), and in bf16 one rounding of
     the same fp32 values on each side (2 x 2**-8 relative)."""
@@ -672,6 +693,143 @@ def test_glm_and_ernie_rotary_are_fused_and_match_forward_and_backward(attention
                 for f in (torch.cos, torch.sin))
     _assert_fused_rotary_matches(module, function, cos, sin, seed=4, dtype=dtype,
                                  budget=4 * U_FP32 if dtype == torch.float32 else 2 * 2**-8)
+
+
+def test_deepseek_rotary_of_q_alone_runs_the_original():
+    """mistral_large4's DeepSeek rotary takes k=None to rotate q alone: the fused function hands that call to the
+    original (the kernel rotates q and k together), and fuses the calls with k."""
+    module = _DeepSeekAttention()
+    kernels.fuse(torch.nn.ModuleDict({"attention": module}))
+    q = torch.randn(_ROTARY_BATCH, _ROTARY_HEADS, _ROTARY_SEQ, _ROTARY_DIM)
+    cos, sin = torch.rand(2, _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_DIM).unbind(0)
+    with _kernel_launches() as launches:
+        q_out, k_out = module(q, None, cos, sin)
+    assert k_out is None and launches.get("rotary", 0) == 0
+    torch.testing.assert_close(q_out, apply_rotary_pos_emb_interleave(q, None, cos, sin)[0], rtol=0, atol=0)
+    with _kernel_launches() as launches:
+        module(q, q, cos, sin)
+    assert launches["rotary"] == 1
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    """Llama 4's rotary as transformers 5 writes it: adjacent pairs times complex freqs_cis [B, S, D/2] in fp32 (bshd)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def apply_rotary_emb_bhsd(xq, xk, freqs_cis):
+    """DeepSeek-V2's: the same on [B, H, S, D] (its freqs_cis scaled by YaRN's attention factor)."""
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1)
+    return (torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq),
+            torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk))
+
+
+def _gpt_oss_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """gpt-oss's: tables of one entry per pair ([B, S, D/2]), pairs (j, j + D/2)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate(x):
+        first, second = torch.chunk(x, 2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+class _Llama4Attention(torch.nn.Module):
+    def forward(self, q, k, freqs_cis):
+        return apply_rotary_emb(q, k, freqs_cis)
+
+
+class _DeepSeekV2Attention(torch.nn.Module):
+    def forward(self, q, k, freqs_cis):
+        return apply_rotary_emb_bhsd(q, k, freqs_cis)
+
+
+class _GptOssAttention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _gpt_oss_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+@pytest.mark.parametrize("attention, function, layout, dtype", [
+    (_Llama4Attention, apply_rotary_emb, "bshd", torch.float32),
+    (_DeepSeekV2Attention, apply_rotary_emb_bhsd, "bhsd", torch.float32),
+    (_Llama4Attention, apply_rotary_emb, "bshd", torch.bfloat16),  # fp32 math cast back, as the kernel
+])
+def test_complex_rotary_is_fused_and_matches_forward_and_backward(attention, function, layout, dtype):
+    """Llama 4's and DeepSeek-V2's `apply_rotary_emb(xq, xk, freqs_cis)` (complex tables, adjacent pairs, each
+    in its layout) run the kernel's interleaved path with freqs_cis's real and imaginary parts as half tables, of
+    any magnitude (DeepSeek-V2 scales them; 1.2 here); q, k and their gradients within rounding of the
+    function's own: 4u of the largest output in fp32, as test_interleaved_rotary_is_fused_and_matches_forward_and_
+    backward argues (a complex product is the same two products and a sum; a magnitude scales both sides alike),
+    and in bf16 one rounding of the same fp32 values each (2 x 2**-8 relative)."""
+    module = attention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": module}))
+    assert report.replaced == [("attention", f"rotary: {function.__name__} (complex convention ({layout}))")], str(report)
+    generator = torch.Generator().manual_seed(5)
+    batch, seq, heads, kv_heads, dim = _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM
+    angles = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs_cis = torch.polar(torch.full((batch, seq, dim // 2), 1.2), angles.expand(batch, seq, dim // 2))
+    shape = (lambda h: (batch, seq, h, dim)) if layout == "bshd" else (lambda h: (batch, h, seq, dim))
+    q, k = (torch.randn(shape(h), generator=generator).to(dtype) for h in (heads, kv_heads))
+    grads = [torch.randn(shape(h), generator=generator).to(dtype) for h in (heads, kv_heads)]
+    results = []
+    for call in (module, function):
+        qi, ki = q.clone().requires_grad_(), k.clone().requires_grad_()
+        with _kernel_launches() as launches:
+            outs = call(qi, ki, freqs_cis)
+        torch.autograd.backward(outs, grads)
+        results.append((launches.get("rotary", 0), *outs, qi.grad, ki.grad))
+    (fused_launches, *fused), (eager_launches, *eager) = results
+    assert (fused_launches, eager_launches) == (1, 0)
+    for name, a, b in zip(("q", "k", "dq", "dk"), fused, eager):
+        _assert_within(a, b, 4 * U_FP32 if dtype == torch.float32 else 2 * 2**-8, name)
+
+
+def test_rotary_with_tables_of_one_entry_per_pair_is_fused_and_matches():
+    """gpt-oss's rotary takes [B, S, D/2] tables (one entry per pair, pairs (j, j + D/2)): the kernel's half tables
+    over the whole head, in both layouts; within fp32 rounding as test_interleaved_rotary_... argues."""
+    module = _GptOssAttention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": module}))
+    assert report.replaced == [("attention", "rotary: _gpt_oss_rotary (hf convention, tables of one entry per pair)")], (
+        str(report))
+    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
+    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = (f(freqs).expand(_ROTARY_BATCH, seq, dim // 2) for f in (torch.cos, torch.sin))
+    _assert_fused_rotary_matches(module, _gpt_oss_rotary, cos, sin, seed=6, dtype=torch.float32, budget=4 * U_FP32)
+
+
+def _gemma4_rotary(x, cos, sin, unsqueeze_dim=1):
+    """Gemma 3n's and Gemma 4's rotary: one tensor per call (q's, then k's), Llama's pairing."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _gemma4_rotary_pair(q, k, cos, sin, unsqueeze_dim=1):
+    return _gemma4_rotary(q, cos, sin, unsqueeze_dim), _gemma4_rotary(k, cos, sin, unsqueeze_dim)
+
+
+class _Gemma4Attention(torch.nn.Module):
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _gemma4_rotary(q, cos, sin, unsqueeze_dim), _gemma4_rotary(k, cos, sin, unsqueeze_dim)
+
+
+def test_rotary_of_one_tensor_per_call_is_fused_and_matches():
+    """Gemma 4's `apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)` rotates q and k in two calls: each runs the
+    kernel (a k of no heads beside it), in both layouts; within fp32 rounding as test_interleaved_rotary_... argues."""
+    module = _Gemma4Attention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": module}))
+    assert report.replaced == [("attention", "rotary: _gemma4_rotary (hf convention, one tensor per call)")], str(report)
+    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
+    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = (f(torch.cat([freqs, freqs], -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
+    _assert_fused_rotary_matches(module, _gemma4_rotary_pair, cos, sin, seed=7, dtype=torch.float32, budget=4 * U_FP32,
+                                 launches=2)
 
 
 def test_interleaved_pairs_that_do_not_rotate_are_left_alone():

@@ -137,6 +137,16 @@ def test_fuse_keeps_loss_logits_and_every_gradient_of_more_families(family):
     if family in ("glm4", "ernie4_5", "ernie4_5_moe"):  # GLM's rotary: adjacent pairs by the table's first half
         rotaries = [what for _, what in report.replaced if what.startswith("rotary")]
         assert len(rotaries) == 2 and all("from the table's first half" in what for what in rotaries), str(report)
+    rotary_kind = {
+        "deepseek-v3": "written as halves",  # rope_interleave (its default): the pairs' results as halves
+        "deepseek-v2": "complex convention (bhsd)",  # apply_rotary_emb(xq, xk, freqs_cis)
+        "llama4": "complex convention (bshd)",
+        "gpt-oss": "tables of one entry per pair",
+        "gemma4": "one tensor per call",
+    }.get(family)
+    if rotary_kind:
+        rotaries = [what for _, what in report.replaced if what.startswith("rotary")]
+        assert len(rotaries) == 2 and all(rotary_kind in what for what in rotaries), str(report)
     if family == "bamba":  # the mixers' gated norms are left alone (FusedRMSNorm would take the gate for a residual)
         gated = {name for name, why in report.skipped if "more than the input (gate)" in why}
         assert gated == {"model.layers.0.mamba.norm"}, str(report)  # its one Mamba layer

@@ -12,6 +12,13 @@ from tridist.kernels.reference import rotary_reference
 from tridist.kernels.testing import assert_matches_reference, assert_rounded_once, converts_toward_zero, upcast
 
 U32 = torch.finfo(torch.float32).eps / 2  # fp32 unit roundoff: one fp32 operation's relative error
+# How features pair: (j, j + D/2) (Llama), (2j, 2j + 1) (GPT-J), and DeepSeek-V3's interleaved pairs written
+# as halves (its backward reads halves and writes interleaved pairs: another index map per direction).
+PAIRINGS = {
+    "rotate_half": {},
+    "interleaved": {"interleaved": True},
+    "deinterleave": {"interleaved": True, "deinterleave": True},
+}
 
 
 def llama_tables(length: int, rotary_dim: int, *, half: bool = False, interleaved: bool = False):
@@ -82,13 +89,13 @@ def test_matches_reference(backend, dtype, layout, q_heads, k_heads, head_dim, r
     check(q, k, cos, sin, layout=layout, rotary_dim=rotary_dim)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
 @pytest.mark.parametrize("form", ["seed", "hf", "flat"])
 @pytest.mark.parametrize("positions", [None, "batch", "shared"])
-def test_table_forms_pairing_and_positions(backend, interleaved, form, positions):
+def test_table_forms_pairing_and_positions(backend, pairing, form, positions):
     batch, seq_len, head_dim, layout = 3, 4, 12, "bhsd" if form == "hf" else "bshd"
     table_len = seq_len if form == "hf" else 11
-    cos, sin = llama_tables(table_len, head_dim, interleaved=interleaved)
+    cos, sin = llama_tables(table_len, head_dim, interleaved=bool(PAIRINGS[pairing]))
     cos, sin = (shape_table(t, form, layout=layout, batch=batch, seq_len=seq_len) for t in (cos, sin))
     position_ids = {
         None: None,
@@ -96,20 +103,21 @@ def test_table_forms_pairing_and_positions(backend, interleaved, form, positions
         "shared": torch.randperm(table_len)[:seq_len],  # [S], shared by every sequence
     }[positions]
     q, k = qk(batch, seq_len, 4, 2, head_dim, layout=layout, dtype=torch.float32)
-    check(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved)
+    check(q, k, cos, sin, position_ids, layout=layout, **PAIRINGS[pairing])
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_half_width_tables_equal_full_tables(backend, interleaved):
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+def test_half_width_tables_equal_full_tables(backend, pairing):
     """A [T, rotary_dim/2] table (one entry per pair) gives exactly what the duplicated table gives."""
+    options = PAIRINGS[pairing]
     q, k = qk(2, 6, 4, 2, 16, layout="bshd", dtype=torch.float32)
-    full = llama_tables(6, 8, interleaved=interleaved)
+    full = llama_tables(6, 8, interleaved=bool(options))
     half = llama_tables(6, 8, half=True)
-    out_full = kernels.apply_rotary_pos_emb(q, k, *full, interleaved=interleaved, rotary_dim=8)
-    out_half = kernels.apply_rotary_pos_emb(q, k, *half, interleaved=interleaved, rotary_dim=8)
+    out_full = kernels.apply_rotary_pos_emb(q, k, *full, rotary_dim=8, **options)
+    out_half = kernels.apply_rotary_pos_emb(q, k, *half, rotary_dim=8, **options)
     for a, b in zip(out_full, out_half):
         torch.testing.assert_close(a, b)
-    check(q, k, *half, interleaved=interleaved, rotary_dim=8)
+    check(q, k, *half, rotary_dim=8, **options)
 
 
 def unlike_q(shape, dtype):
@@ -134,9 +142,9 @@ def per_sequence_tables(batch: int, length: int, dim: int, *, layout: str):
 
 @pytest.mark.parametrize("positions", [None, "batch"])
 @pytest.mark.parametrize("table_width", ["full", "half"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_gqa_k_layout_partial_rotary_and_per_sequence_tables(backend, layout, interleaved, table_width, positions):
+def test_gqa_k_layout_partial_rotary_and_per_sequence_tables(backend, layout, pairing, table_width, positions):
     """Where table and stride bugs hide: k (fewer heads) strided unlike q, partial rotary with a
     pass-through width that is not a power of two (head_dim 18, rotary_dim 8: 10 features pass),
     per-sequence tables whose entries all differ, per-sequence position_ids."""
@@ -147,7 +155,7 @@ def test_gqa_k_layout_partial_rotary_and_per_sequence_tables(backend, layout, in
     cos, sin = per_sequence_tables(batch, table_len, rotary_dim // (2 if table_width == "half" else 1), layout=layout)
     position_ids = torch.randint(0, table_len, (batch, seq_len)) if positions else None
     grads = [unlike_q(t.shape, t.dtype).detach() for t in (q, k)]  # gradients strided unlike q too
-    check(q, k, cos, sin, position_ids, grads=grads, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+    check(q, k, cos, sin, position_ids, grads=grads, layout=layout, rotary_dim=rotary_dim, **PAIRINGS[pairing])
 
 
 def test_expanded_gradient_and_partial_rotary(backend):
@@ -267,6 +275,7 @@ def _errors_cases():
         (dict(q=q, k=k, cos=cos, sin=sin[:4]), "must have the same shape"),
         (dict(q=q, k=k, cos=cos.clone().requires_grad_(), sin=sin), "detach"),
         (dict(q=q, k=k, cos=cos, sin=sin, rotary_dim=10), "rotary_dim = 10 must be even, positive and <= head_dim"),
+        (dict(q=q, k=k, cos=cos, sin=sin, deinterleave=True), "needs interleaved=True"),
     ]
 
 
@@ -276,6 +285,30 @@ def test_bad_input_errors(kwargs, message):
     args = [kwargs.pop(name) for name in ("q", "k", "cos", "sin")]
     with pytest.raises((ValueError, TypeError), match=message):
         kernels.apply_rotary_pos_emb(*args, **kwargs)
+
+
+def test_deinterleave_is_deepseeks_rotary(backend):
+    """`interleaved=True, deinterleave=True` computes transformers' DeepSeek-V3 `apply_rotary_pos_emb_interleave`
+    (written out here as transformers 5 writes it: pairs (2j, 2j + 1) by the [freqs | freqs] table's entry j,
+    results as halves), forward and backward. Both compute each output as two fp32 products and a sum, each
+    within 2 u (|x_a| + |x_b|) of exact (|table| <= 1): 4 u * 2 max|x| apart at most."""
+
+    def deepseek_rotary(q, k, cos, sin, unsqueeze_dim=1):
+        cos = cos[..., : cos.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+        sin = sin[..., : sin.shape[-1] // 2].unsqueeze(unsqueeze_dim)
+        q1, q2, k1, k2 = q[..., 0::2], q[..., 1::2], k[..., 0::2], k[..., 1::2]
+        return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+                torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+
+    q, k = qk(2, 5, 4, 1, 8, layout="bhsd", dtype=torch.float32)
+    cos, sin = (t[torch.arange(5).flip(0)].expand(2, 5, 8) for t in llama_tables(5, 8))  # [B, S, D] per position
+    out = kernels.apply_rotary_pos_emb(q, k, cos[..., :4], sin[..., :4], layout="bhsd", interleaved=True,
+                                       deinterleave=True, rotary_dim=8)
+    expected = deepseek_rotary(q, k, cos, sin)
+    grads = [torch.randn_like(o) for o in out]
+    ours = out + torch.autograd.grad(out, (q, k), grads)
+    for a, b, x in zip(ours, expected + torch.autograd.grad(expected, (q, k), grads), (q, k, *grads)):
+        torch.testing.assert_close(a, b, atol=8 * U32 * x.detach().abs().max().item(), rtol=0)
 
 
 def test_table_values_are_the_seed_formula():

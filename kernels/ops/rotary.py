@@ -3,7 +3,10 @@
     out = x * cos + rotate(x) * sin        on the first `rotary_dim` features; the rest pass through
 
 Pairs (a, b) of features rotate together: (j, j + rotary_dim/2) for rotate-half (NeoX/Llama) pairing,
-(2j, 2j + 1) for interleaved (GPT-J) pairing. Written per pair, with c/s the table entries of a or b:
+(2j, 2j + 1) for interleaved (GPT-J) pairing. DeepSeek's `apply_rotary_pos_emb_interleave` (`deinterleave`)
+reads interleaved pairs and writes pair j's outputs to (j, j + rotary_dim/2): its projections' weights hold
+the pairs interleaved, its attention takes them as halves. Written per pair, with c/s the table entries of
+a or b:
 
     out_a = x_a * c_a - x_b * s_a          out_b = x_b * c_b + x_a * s_b
 
@@ -12,7 +15,8 @@ transposed map (the inverse rotation when the table is duplicated, as rotary tab
 
     dx_a = g_a * c_a + g_b * s_b           dx_b = g_b * c_b - g_a * s_a
 
-so one kernel serves both directions (CONJUGATE). Tables are read in fp32 or their own dtype, gathered
+so one kernel serves both directions (CONJUGATE; with `deinterleave` the backward reads halves and writes
+interleaved pairs). Tables are read in fp32 or their own dtype, gathered
 by `position_ids` when given; q and k may have different head counts (grouped-query attention) and
 any strides (views into a fused qkv projection need no copy).
 """
@@ -46,16 +50,17 @@ def _rotate_heads(
     x_ptr, y_ptr, b, s, n_heads,
     x_stride_b, x_stride_s, x_stride_h, x_stride_d,
     y_stride_b, y_stride_s, y_stride_h, y_stride_d,
-    c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+    c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
     CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Rotate all heads of a tile of tokens of x into y (pass-through features copied). b, s and
-    token_valid are [BLOCK_T] vectors, the table rows c_a ... s_b [BLOCK_T, BLOCK_R]; heads go in tiles
-    of [BLOCK_T, BLOCK_H, BLOCK_R]."""
+    """Rotate all heads of a tile of tokens of x into y (pass-through features copied): pairs read from x's
+    cols_a / cols_b, written to y's y_cols_a / y_cols_b. b, s and token_valid are [BLOCK_T] vectors, the
+    table rows c_a ... s_b [BLOCK_T, BLOCK_R]; heads go in tiles of [BLOCK_T, BLOCK_H, BLOCK_R]."""
     x_base = (x_ptr + b * x_stride_b + s * x_stride_s)[:, None, None]
     y_base = (y_ptr + b * y_stride_b + s * y_stride_s)[:, None, None]
     c_a, c_b, s_a, s_b = c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :]
     cols_a, cols_b = cols_a[None, None, :], cols_b[None, None, :]
+    y_cols_a, y_cols_b = y_cols_a[None, None, :], y_cols_b[None, None, :]
     for h0 in range(0, n_heads, BLOCK_H):
         heads = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
         head_mask = (heads < n_heads) & token_valid[:, None, None]
@@ -70,8 +75,8 @@ def _rotate_heads(
         else:
             out_a = x_a * c_a - x_b * s_a
             out_b = x_b * c_b + x_a * s_b
-        tl.store(y_rows + cols_a * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_rows + cols_b * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + y_cols_a * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_rows + y_cols_b * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
         if HAS_PASS:
             mask = head_mask & pass_mask[None, None, :]
             passed = tl.load(x_rows + pass_cols[None, None, :] * x_stride_d, mask=mask, other=0.0)
@@ -88,25 +93,32 @@ def _rotary_kernel(
     ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
     table_stride_b, table_stride_t, table_stride_d,
     pos_stride_b, pos_stride_s,
-    HAS_POSITIONS: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr, X_INTERLEAVED: tl.constexpr, Y_INTERLEAVED: tl.constexpr,
+    HALF_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     pairs = tl.arange(0, BLOCK_R).to(tl.int64)  # large feature strides must not overflow int32
     pair_mask = pairs < half_rotary
-    if INTERLEAVED:
-        cols_a = 2 * pairs
-        cols_b = 2 * pairs + 1
+    # Where pair j's a and b features lie: in x (read), in y (written) and in a full-width table, which is
+    # interleaved whenever one side is (rotate-half and interleaved pairing as written; `deinterleave` reads
+    # interleaved pairs forward and writes them backward).
+    interleaved_a, interleaved_b = 2 * pairs, 2 * pairs + 1
+    halves_a, halves_b = pairs, pairs + half_rotary
+    if X_INTERLEAVED:
+        cols_a, cols_b = interleaved_a, interleaved_b
     else:
-        cols_a = pairs
-        cols_b = pairs + half_rotary
+        cols_a, cols_b = halves_a, halves_b
+    if Y_INTERLEAVED:
+        y_cols_a, y_cols_b = interleaved_a, interleaved_b
+    else:
+        y_cols_a, y_cols_b = halves_a, halves_b
     if HALF_TABLE:  # one table entry per pair
-        table_a = pairs
-        table_b = pairs
+        table_a, table_b = pairs, pairs
+    elif X_INTERLEAVED or Y_INTERLEAVED:
+        table_a, table_b = interleaved_a, interleaved_b
     else:
-        table_a = cols_a
-        table_b = cols_b
+        table_a, table_b = halves_a, halves_b
     pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P).to(tl.int64)
     pass_mask = tl.arange(0, BLOCK_P) < n_pass
 
@@ -131,14 +143,14 @@ def _rotary_kernel(
             q_ptr, q_out_ptr, b, s, n_q_heads,
             q_stride_b, q_stride_s, q_stride_h, q_stride_d,
             qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
-            c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+            c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
             CONJUGATE, HAS_PASS, BLOCK_H,
         )
         _rotate_heads(
             k_ptr, k_out_ptr, b, s, n_k_heads,
             k_stride_b, k_stride_s, k_stride_h, k_stride_d,
             ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
-            c_a, c_b, s_a, s_b, cols_a, cols_b, pair_mask, pass_cols, pass_mask, token_valid,
+            c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
             CONJUGATE, HAS_PASS, BLOCK_H,
         )
 
@@ -249,7 +261,7 @@ def _table_geometry(shape: tuple, strides: tuple, layout_bhsd: bool) -> tuple[tu
 
 @configs.launch_plan
 def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, table_shape, cos_strides, sin_strides,
-          pos_shape, pos_strides, dtype, device, layout_bhsd, interleaved, rotary_dim, conjugate,
+          pos_shape, pos_strides, dtype, device, layout_bhsd, interleaved, deinterleave, rotary_dim, conjugate,
           config=None) -> Launch | None | bool:
     """The launch rotating q and k (`pos_*` None without position_ids) with tables and tensors of these shapes
     and strides; False when cos and sin differ in strides (copy them first), None when there are no tokens."""
@@ -279,7 +291,9 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
         # position_ids [S], [1, S] or [B, S] read as [B, S] (`_positions_view`: a batch of one is broadcast).
         pos_stride_b=pos_strides[0] if pos_shape is not None and len(pos_shape) == 2 and pos_shape[0] > 1 else 0,
         pos_stride_s=pos_strides[-1] if pos_shape is not None else 0,
-        HAS_POSITIONS=pos_shape is not None, INTERLEAVED=interleaved, HALF_TABLE=table_dim * 2 == rotary_dim,
+        # Deinterleaving reads interleaved pairs and writes halves; its backward (CONJUGATE) the other way round.
+        HAS_POSITIONS=pos_shape is not None, X_INTERLEAVED=interleaved and not (deinterleave and conjugate),
+        Y_INTERLEAVED=interleaved and not (deinterleave and not conjugate), HALF_TABLE=table_dim * 2 == rotary_dim,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
         BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p),
@@ -288,7 +302,7 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
     ))
 
 
-def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate, config=None):
+def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, deinterleave, rotary_dim, conjugate, config=None):
     """Rotated q and k (the inverse rotation with `conjugate`); `config` overrides the launch
     configuration (the kernel sweep times candidates this way)."""
     if not use_triton(q):
@@ -296,7 +310,7 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         cos3, sin3 = _table_view(cos, layout_bhsd), _table_view(sin, layout_bhsd)
         positions = _positions_view(position_ids, batch, seq_len) if position_ids is not None else None
         _check_positions_in_table(positions, table_len=cos3.shape[1], seq_len=seq_len)
-        return _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim,
+        return _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, deinterleave, rotary_dim,
                              cos3.shape[-1] * 2 == rotary_dim, conjugate)
     if position_ids is not None:
         table_len = _table_geometry(cos.shape, cos.stride(), layout_bhsd)[0][1]
@@ -306,10 +320,10 @@ def _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, 
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), cos.shape, cos.stride(),
         sin.stride(), None if position_ids is None else position_ids.shape,
         None if position_ids is None else position_ids.stride(), q.dtype, q.device, layout_bhsd, interleaved,
-        rotary_dim, conjugate, config)
+        deinterleave, rotary_dim, conjugate, config)
     if launch is False:
-        return _rotary(q, k, cos.contiguous(), sin.contiguous(), position_ids, layout_bhsd, interleaved, rotary_dim,
-                       conjugate, config)
+        return _rotary(q, k, cos.contiguous(), sin.contiguous(), position_ids, layout_bhsd, interleaved, deinterleave,
+                       rotary_dim, conjugate, config)
     if launch is not None:  # the kernel addresses the tables and positions in [B, T, D] and [B, S] order
         launch.launch(_rotary_kernel, q, k, q_out, k_out, cos, sin, cos if position_ids is None else position_ids)
     return q_out, k_out
@@ -335,7 +349,8 @@ def _check_positions_in_table(positions, *, table_len: int, seq_len: int) -> Non
         torch._assert_async((positions.min() >= 0) & (positions.max() < table_len), message)
 
 
-def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_dim, half_table, conjugate):
+def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, deinterleave, rotary_dim, half_table,
+                  conjugate):
     """The same math in plain PyTorch, for CPU tensors outside the interpreter."""
     batch, seq_len = _as_bshd(q, layout_bhsd).shape[:2]
     if positions is not None:
@@ -353,15 +368,19 @@ def _rotary_torch(q, k, cos3, sin3, positions, layout_bhsd, interleaved, rotary_
     c_a, c_b = pair_halves(cos_rows)
     s_a, s_b = pair_halves(sin_rows)
 
+    # Deinterleaving reads interleaved pairs and writes halves; its backward (conjugate) the other way round.
+    x_interleaved = interleaved and not (deinterleave and conjugate)
+    y_interleaved = interleaved and not (deinterleave and not conjugate)
+
     def apply(x):
         x4 = _as_bshd(x, layout_bhsd)
         rot, passed = x4[..., :rotary_dim].float(), x4[..., rotary_dim:]
-        x_a, x_b = (rot[..., 0::2], rot[..., 1::2]) if interleaved else rot.chunk(2, dim=-1)
+        x_a, x_b = (rot[..., 0::2], rot[..., 1::2]) if x_interleaved else rot.chunk(2, dim=-1)
         if conjugate:
             out_a, out_b = x_a * c_a + x_b * s_b, x_b * c_b - x_a * s_a
         else:
             out_a, out_b = x_a * c_a - x_b * s_a, x_b * c_b + x_a * s_b
-        out = torch.stack([out_a, out_b], dim=-1).flatten(-2) if interleaved else torch.cat([out_a, out_b], -1)
+        out = torch.stack([out_a, out_b], dim=-1).flatten(-2) if y_interleaved else torch.cat([out_a, out_b], -1)
         out = torch.cat([out.to(x.dtype), passed], dim=-1)
         # Same strides as the Triton path and the fake implementation (empty_like of the input).
         return torch.empty_like(x).copy_(_as_bshd(out, layout_bhsd))
@@ -380,31 +399,32 @@ def _rotary_impl(
     position_ids: torch.Tensor | None,
     layout_bhsd: bool,
     interleaved: bool,
+    deinterleave: bool,
     rotary_dim: int,
     conjugate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate)
+    return _rotary(q, k, cos, sin, position_ids, layout_bhsd, interleaved, deinterleave, rotary_dim, conjugate)
 
 
 _rotary_op = torch.library.custom_op("tridist::rotary", mutates_args=())(_rotary_impl)
 
 
 @_rotary_op.register_fake
-def _(q, k, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, conjugate):
+def _(q, k, cos, sin, position_ids, layout_bhsd, interleaved, deinterleave, rotary_dim, conjugate):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 def _setup_rotary(ctx, inputs, output):
-    _, _, cos, sin, position_ids, layout_bhsd, interleaved, rotary_dim, _ = inputs
+    _, _, cos, sin, position_ids, layout_bhsd, interleaved, deinterleave, rotary_dim, _ = inputs
     ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (layout_bhsd, interleaved, rotary_dim)
+    ctx.options = (layout_bhsd, interleaved, deinterleave, rotary_dim)
 
 
 def _backward_rotary(ctx, grad_q, grad_k):
     cos, sin, position_ids = ctx.saved_tensors
     rotate = _rotary_impl if getattr(ctx, "eager", False) else _rotary_op
     dq, dk = rotate(grad_q, grad_k, cos, sin, position_ids, *ctx.options, True)
-    return dq, dk, None, None, None, None, None, None, None
+    return dq, dk, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("tridist::rotary", _backward_rotary, setup_context=_setup_rotary)
@@ -423,6 +443,7 @@ def apply_rotary_pos_emb(
     *,
     layout: str = "bshd",
     interleaved: bool = False,
+    deinterleave: bool = False,
     rotary_dim: int | None = None,
 ):
     """Rotate q and k by position in one launch; returns `(q_embed, k_embed)`.
@@ -433,15 +454,22 @@ def apply_rotary_pos_emb(
     (T >= seq); with position_ids ([B, S], [1, S] or [S]) row position_ids[b, s] is gathered.
     D is rotary_dim (duplicated tables, as Llama builds them; the default rotary_dim is D) or
     rotary_dim / 2 (one entry per pair, flash-attention style). Features past rotary_dim pass through.
+    Pairs are (j, j + rotary_dim / 2) (rotate-half, Llama's), or with `interleaved` (2j, 2j + 1) (GPT-J's, a
+    full-width table repeat_interleave'd); `deinterleave` (with `interleaved`) writes pair j's outputs to
+    (j, j + rotary_dim / 2), as DeepSeek-V3's `apply_rotary_pos_emb_interleave` does.
     """
+    if deinterleave and not interleaved:
+        raise ValueError("apply_rotary_pos_emb: deinterleave=True writes interleaved pairs as halves; it needs "
+                         "interleaved=True (pairs read from (2j, 2j + 1))")
     if any(is_dtensor(t) for t in (q, k, cos, sin, position_ids)):
-        return _rotary_on_shards(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+        return _rotary_on_shards(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved,
+                                 deinterleave=deinterleave, rotary_dim=rotary_dim)
     rotary_dim = _validate(q, k, cos, sin, position_ids, layout=layout, rotary_dim=rotary_dim)
     op = _rotary_op if torch.compiler.is_compiling() else _rotary_eager
-    return op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, rotary_dim, False)
+    return op(q, k, cos, sin, position_ids, layout == "bhsd", interleaved, deinterleave, rotary_dim, False)
 
 
-def _rotary_on_shards(q, k, cos, sin, position_ids, *, layout, interleaved, rotary_dim):
+def _rotary_on_shards(q, k, cos, sin, position_ids, *, layout, interleaved, deinterleave, rotary_dim):
     """Rotary of DTensors (a block in tensor parallel's global view): the kernel runs on each rank's heads
     when q and k are split on their heads dim only (the sequence and head_dim whole, as the tables index
     them) and the tables and positions are replicated; else the unfused ops run on the DTensors."""
@@ -452,11 +480,12 @@ def _rotary_on_shards(q, k, cos, sin, position_ids, *, layout, interleaved, rota
     if not on_heads:
         placements = [getattr(t, "placements", "plain") for t in (q, k, cos, sin)]
         note_unfused("apply_rotary_pos_emb", f"q, k, cos, sin placed {placements}")
-        return rotary_reference(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+        return rotary_reference(q, k, cos, sin, position_ids, layout=layout, interleaved=interleaved,
+                                deinterleave=deinterleave, rotary_dim=rotary_dim)
     local = [t.to_local() if is_dtensor(t) else t for t in (cos, sin, position_ids)]
     with local_saved_tensors():
         q_out, k_out = apply_rotary_pos_emb(q.to_local(), k.to_local(), *local, layout=layout, interleaved=interleaved,
-                                            rotary_dim=rotary_dim)
+                                            deinterleave=deinterleave, rotary_dim=rotary_dim)
     return as_dtensor_like(q_out, q), as_dtensor_like(k_out, k)
 
 
