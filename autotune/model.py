@@ -933,6 +933,8 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
             final_norm = owner  # the last one registered wins (the norm before the head)
         elif param.dim() == 2 and tuple(param.shape) in ((vocab, hidden), (hidden, vocab)):
             module = model.get_submodule(owner) if owner else model
+            if isinstance(module, nn.Embedding) and param is not emb.weight:
+                continue  # another lookup table, never the head (Gemma 4's per-layer inputs: [vocab, layers x width])
             if param is emb.weight:
                 if isinstance(module, nn.Linear) and name.endswith(".weight"):
                     tied_head = owner

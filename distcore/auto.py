@@ -141,6 +141,11 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     try:
         spec = autotune.ModelSpec.from_module(model, seq_len=seq_len)
     except autotune.UnrecognisedModel as error:
+        if config.strategy is not None and _needs_structure(config.strategy):  # the reason belongs in the refusal
+            raise autotune.InvalidStrategy(config.strategy, [
+                f"tensor parallel, pipeline parallel and micro-batching need a recognised model structure, and this "
+                f"model's is not: {error}; give a data-parallel-only strategy with one micro-batch, or strategy=None "
+                f"(data parallel is then chosen)"]) from error
         log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
         spec = None
     limits: dict[str, str] = {}
@@ -149,6 +154,12 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                         "which pipeline stages do not hold together")
         limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
                                        "router logits, which sequence parallel splits over the tp ranks")
+    from .pipeline import embeddings_after_layers  # torch.distributed.pipelining: loaded where used
+
+    late = embeddings_after_layers(model, spec.structure.layers) if spec is not None else []
+    if late:
+        limits["pp"] = (f"{late} hold an embedding registered after the decoder layers but looked up before them "
+                        "(per-layer inputs reaching every layer): no split into pipeline stages computes it where it is used")
     if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
         why = expert_parallel_refusal(model, spec.structure.experts_modules())
         if why:  # e.g. Llama 4's experts, which run every token
@@ -466,13 +477,18 @@ def _dims(strategy) -> ParallelDims:
     return ParallelDims.for_degrees(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
 
 
+def _needs_structure(strategy) -> bool:
+    """Whether applying `strategy` needs the model's recognised structure (its plan, stages or batch split)."""
+    return strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1
+
+
 def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None,
                    mesh: ProcessMesh | None = None):
     """Apply an autotune.Strategy to `model` and `optimizer` (in place) on `mesh` (default: the
     strategy's ParallelDims layout of all ranks); returns both."""
     config = config or ToDistributedConfig()
     structure = getattr(spec, "structure", None)
-    if (strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1) and structure is None:
+    if _needs_structure(strategy) and structure is None:
         raise ValueError(
             "to_distributed: tensor parallel, pipeline parallel and micro-batching need a recognised model structure "
             "(autotune.ModelSpec.from_module); use a data-parallel-only strategy with one micro-batch for this model"

@@ -434,7 +434,31 @@ class _Placement:
     owner: dict[str, int] = field(default_factory=dict)  # module name -> stage (absent: every stage)
 
 
+def embeddings_after_layers(model: torch.nn.Module, layer_list: str) -> list[str]:
+    """Modules with an embedding inside, registered after the decoder-layer list in a container on its path.
+    Stages give such a module to the last stage (as a final norm or an LM head: `_placement`), but an embedding is
+    looked up before the layers, and what it computes reaches every layer beside the hidden states (Gemma 3n's
+    and Gemma 4's per-layer inputs): no split into stages computes it where it is used."""
+    parts = layer_list.split(".")
+    modules = dict(model.named_modules())
+    found = []
+    for container in ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]:
+        names = list(modules[container]._modules) if container in modules else []
+        child = parts[len(container.split(".")) if container else 0]
+        for name in names[names.index(child) + 1:] if child in names else []:
+            module = modules[container]._modules[name]
+            if module is not None and any(isinstance(m, torch.nn.Embedding) for m in module.modules()):
+                found.append(_join(container, name))
+    return found
+
+
 def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
+    late = embeddings_after_layers(model, config.layer_list)
+    if late:
+        raise NotImplementedError(
+            f"pipeline parallel: {late} hold an embedding but are registered after {config.layer_list!r}, so they "
+            "would be placed on the last stage while the forward looks them up before the layers (per-layer inputs "
+            "such as Gemma 3n's and Gemma 4's reach every layer beside the hidden states); use pp=1 for this model")
     parts = config.layer_list.split(".")
     path = {""} | {".".join(parts[: i + 1]) for i in range(len(parts))}
     placement = _Placement(path=path)

@@ -247,10 +247,14 @@ def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
     with pytest.raises(UnrecognisedModel, match=r"decoder layers differ: model\.layers\.1 outside its MLP .*"
                                                  r"self_attn\.k_proj\.weight missing"):
         ModelSpec.from_module(minimax)
+    # Per-layer inputs of 16 features x 4 layers: that embedding's table is [vocab, hidden] like the head's, and is
+    # no head (it was taken for the head, which tensor parallel then split as a Linear)
     gemma4 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "gemma4_text", **sizes, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8))
+        "gemma4_text", **sizes, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16))
     spec = ModelSpec.from_module(gemma4)
     assert any("layers 3 have other parameter shapes than layer 0" in note for note in spec.structure.notes), spec.structure.notes
+    structure = spec.structure
+    assert (structure.embedding, structure.lm_head, structure.tied_embeddings) == ("model.embed_tokens", "lm_head", True)
     model = build_model("hf-llama", "tiny")
     model.model.layers[1].mlp.w_in = model.model.layers[1].mlp.up_proj  # one dense MLP names another module
     del model.model.layers[1].mlp.up_proj
