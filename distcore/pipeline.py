@@ -313,6 +313,12 @@ class _StandIn(torch.nn.Module):
         if state is None or self.role == "elsewhere":
             raise RuntimeError(f"pipeline parallel: {self.name!r} runs on pipeline stage {self.owner}, not on this rank")
         if self.role == "later":
+            if state.last_output is None:  # this stage's last layer has not run: the stage cannot end here
+                raise RuntimeError(
+                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} (a module "
+                    "registered after the decoder layers, taken for one that runs after them), before its own last "
+                    "layer ran; the model calls it before or between the layers, which no split into stages serves: "
+                    "use pp=1 for this model")
             raise _StageExit()
         device = _device_of(args, kwargs)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))

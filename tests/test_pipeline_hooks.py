@@ -89,3 +89,43 @@ def test_a_later_stage_reads_an_earlier_modules_weight_device_shape_and_dtype_on
     with pytest.raises(AttributeError, match="lives on pipeline stage 0"):
         elsewhere.weight
     assert not hasattr(elsewhere, "weight")
+
+
+def test_a_later_stages_module_called_before_this_stages_last_layer_is_an_error_naming_it():
+    """A module registered after the decoder layers is placed on the last stage and ends an earlier stage when
+    called; called before that stage's last layer ran (before or between the layers), the stage has nothing to
+    end with: an error naming the module (before, "stage 0 ends with NoneType" in training)."""
+    from tridist.distcore.pipeline import _StandIn, _StageExit
+
+    state = _StageState(stage=0, is_first=True, is_last=False)
+    late = _StandIn("model.per_layer_projection", 1, None, state, "later")
+    with pytest.raises(RuntimeError, match=r"stage 0 calls 'model.per_layer_projection', placed on stage 1.*pp=1"):
+        late(torch.ones(2, 4))
+    state.last_output = torch.ones(2, 4)  # after this stage's last layer: the stage ends here
+    with pytest.raises(_StageExit):
+        late(torch.ones(2, 4))
+
+
+class _PerLayerInputs(torch.nn.Module):
+    """Gemma 4's layout: the decoder's per-layer input table registered after its layer list."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.norm = torch.nn.LayerNorm(4)
+        self.embed_tokens_per_layer = torch.nn.Embedding(10, 8)
+
+
+def test_an_embedding_registered_after_the_layers_is_refused_when_the_stages_are_placed():
+    from tridist.distcore.pipeline import _placement, embeddings_after_layers
+
+    model = torch.nn.Module()
+    model.model = _PerLayerInputs()
+    model.lm_head = torch.nn.Linear(4, 10)
+    assert embeddings_after_layers(model, "model.layers") == ["model.embed_tokens_per_layer"]
+    with pytest.raises(NotImplementedError, match=r"\['model.embed_tokens_per_layer'\] hold an embedding.*pp=1"):
+        _placement(model, PipelineConfig("model.layers", [0, 1], 2, "GPipe", 2, 1))
+    del model.model.embed_tokens_per_layer
+    assert embeddings_after_layers(model, "model.layers") == []
+    assert _placement(model, PipelineConfig("model.layers", [0, 1], 2, "GPipe", 2, 1)).owner["lm_head"] == 1
