@@ -689,12 +689,22 @@ def _qk_norms(attn_module, attention: str, head_dim: int, q_size: int, kv_size: 
     return kind, tuple(names)
 
 
+def readable_attr(obj, name: str):
+    """`getattr(obj, name, None)`, also None where reading raises: transformers' heterogeneous configs (per-layer
+    attributes, Dots 3's) raise a RuntimeError on a global read of an attribute that may differ per layer, and
+    such a value is not the model's anyway (the layers' shapes then decide)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001 - any refusal to read is "not available"
+        return None
+
+
 def _first_attr(objects, attrs) -> int | None:
     for obj in objects:
         if obj is None:
             continue
         for attr in attrs:
-            value = getattr(obj, attr, None)
+            value = readable_attr(obj, attr)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None

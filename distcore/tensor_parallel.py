@@ -48,6 +48,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel, parallelize_module
 
+from tridist.autotune.model import readable_attr
 from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_available
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
@@ -811,7 +812,7 @@ def _head_count(module: torch.nn.Module | None, attributes: tuple[str, ...]) -> 
     the key/value count on the module)."""
     for holder in (module, getattr(module, "config", None)):
         for attribute in attributes:
-            value = getattr(holder, attribute, None)
+            value = readable_attr(holder, attribute)
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None

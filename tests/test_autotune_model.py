@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tridist.autotune import ModelSpec, UnrecognisedModel, preset, recognise
+from tridist.autotune.model import readable_attr
 from tridist.bench.models import build_model
 
 
@@ -233,6 +234,25 @@ def test_qk_norms_are_recognised_by_their_size():
         ModelSpec(2, 64, 4, 128, 100, qk_norm="per-head")
     spec = dataclasses.replace(preset("llama3-8b"), qk_norm="head")  # hashable, as the cost model's cache needs
     assert spec != preset("llama3-8b") and hash(spec) == hash(dataclasses.replace(preset("llama3-8b"), qk_norm="head"))
+
+
+def test_a_heterogeneous_config_is_read_from_the_layers():
+    """transformers' heterogeneous configs (Dots 3: per-layer attributes) raise on a global read of a per-layer
+    attribute such as num_key_value_heads: the structure reads it as absent (the shapes decide) and refuses the
+    model for its layers of other kinds (the DSA indexer in some), naming them; before, the config's RuntimeError
+    escaped to_distributed."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                 qk_nope_head_dim=12, v_head_dim=16, head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1, pad_token_id=2)  # latent attention, as its own
+    config = transformers.AutoConfig.for_model("dots3_note_text", **sizes)
+    with pytest.raises(RuntimeError, match="per-layer attribute"):
+        config.num_key_value_heads
+    assert readable_attr(config, "num_key_value_heads") is None
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnrecognisedModel, match=r"decoder layers differ: model\.layers\.\d outside its MLP .*indexer"):
+        ModelSpec.from_module(model)
 
 
 def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
