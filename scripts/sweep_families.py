@@ -35,7 +35,9 @@ TIMEOUT_S = 240
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K = 128, 64, 4, 2, 16, 4, 2
 _BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
              num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
-             bos_token_id=0, eos_token_id=1, pad_token_id=2)
+             bos_token_id=0, eos_token_id=1, pad_token_id=2,
+             # Gemma 3n's and Gemma 4's per-layer inputs: their own table is 262,144 x 256 per layer by default
+             vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
 # Every name a config uses for the expert count and top-k (unknown names are plain attributes to a config).
 _MOE = dict(num_experts=EXPERTS, num_local_experts=EXPERTS, n_routed_experts=EXPERTS, moe_num_experts=EXPERTS,
             num_experts_per_tok=TOP_K, moe_k=TOP_K, top_k=TOP_K, moe_topk=TOP_K, n_group=1, topk_group=1,
@@ -46,8 +48,12 @@ TRIES = [dict(head_dim=HEAD_DIM, **_MOE), dict(_MOE), dict(head_dim=HEAD_DIM, **
          dict(**_LATENT, qk_nope_head_dim=12, head_dim=8, **_MOE), dict(**_LATENT, qk_nope_head_dim=8, head_dim=16, **_MOE)]
 
 
-def _build(model_type: str):
-    """(model, config extras) of the first try whose model runs a labelled forward, else raises the last error."""
+def build_tiny(model_type: str, *, deterministic: bool = False):
+    """(model, config extras) of the first try whose model runs a labelled forward on a left-padded batch, else
+    raises the last error. (GLM-4.7-Flash's latent attention with fewer key/value heads than heads, an unnatural
+    config, runs unpadded but fails padded in transformers itself: its next try, heads alike, builds.)
+    `deterministic`: every dropout probability and router jitter of the config set to 0, so that training draws
+    nothing at random (runs laid out differently, as distributed ones, draw differently)."""
     import torch
     import transformers
 
@@ -56,9 +62,15 @@ def _build(model_type: str):
         try:
             torch.manual_seed(0)
             config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **extra})
+            if deterministic:
+                for key, value in config.to_dict().items():
+                    if any(word in key for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):
+                        setattr(config, key, 0.0)
             model = transformers.AutoModelForCausalLM.from_config(config).float()
             ids = torch.randint(3, VOCAB, (2, 8))
-            model(input_ids=ids, labels=ids, use_cache=False)
+            mask = torch.ones_like(ids)
+            mask[1, :3] = 0
+            model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
             torch.manual_seed(0)  # a fresh build: a forward may leave state behind (RecurrentGemma's, not copyable)
             return transformers.AutoModelForCausalLM.from_config(config).float(), extra
         except Exception as exc:  # noqa: BLE001 - the next try, or the report
@@ -84,7 +96,7 @@ def check(model_type: str) -> dict:
     from tridist import kernels
 
     try:
-        model, extra = _build(model_type)
+        model, extra = build_tiny(model_type)
     except Exception as exc:  # noqa: BLE001
         return {"type": model_type, "stage": "build", "error": f"{type(exc).__name__}: {exc}"[:300]}
     row = {"type": model_type, "config": sorted(set(extra) - set(_MOE)) or ["default"]}
