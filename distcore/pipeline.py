@@ -440,22 +440,38 @@ class _Placement:
     owner: dict[str, int] = field(default_factory=dict)  # module name -> stage (absent: every stage)
 
 
+def _path_to(layer_list: str) -> set[str]:
+    """The containers from the root to the layer list, the list included: "", "model", "model.layers"."""
+    parts = layer_list.split(".")
+    return {""} | {".".join(parts[: i + 1]) for i in range(len(parts))}
+
+
+def _outside_modules(model: torch.nn.Module, layer_list: str) -> dict[str, bool]:
+    """The modules with parameters beside the path from the root to the layer list (children of its containers),
+    each True where it is registered after the path (so placed on the last stage) and False before (the first).
+    Parameter-free modules (rotary tables, masks, global layers) run on every stage and are not listed."""
+    path = _path_to(layer_list)
+    modules = dict(model.named_modules())
+    after = {}
+    for container in sorted(path - {layer_list}, key=len):
+        children = list(modules[container]._modules.items())
+        path_index = next(i for i, (n, _) in enumerate(children) if _join(container, n) in path)
+        for i, (child_name, child) in enumerate(children):
+            name = _join(container, child_name)
+            if name in path or child is None or next(child.parameters(), None) is None:
+                continue
+            after[name] = i > path_index
+    return after
+
+
 def embeddings_after_layers(model: torch.nn.Module, layer_list: str) -> list[str]:
     """Modules with an embedding inside, registered after the decoder-layer list in a container on its path.
     Stages give such a module to the last stage (as a final norm or an LM head: `_placement`), but an embedding is
     looked up before the layers, and what it computes reaches every layer beside the hidden states (Gemma 3n's
     and Gemma 4's per-layer inputs): no split into stages computes it where it is used."""
-    parts = layer_list.split(".")
     modules = dict(model.named_modules())
-    found = []
-    for container in ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]:
-        names = list(modules[container]._modules) if container in modules else []
-        child = parts[len(container.split(".")) if container else 0]
-        for name in names[names.index(child) + 1:] if child in names else []:
-            module = modules[container]._modules[name]
-            if module is not None and any(isinstance(m, torch.nn.Embedding) for m in module.modules()):
-                found.append(_join(container, name))
-    return found
+    return [name for name, after in _outside_modules(model, layer_list).items()
+            if after and any(isinstance(m, torch.nn.Embedding) for m in modules[name].modules())]
 
 
 def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
@@ -465,19 +481,11 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
             f"pipeline parallel: {late} hold an embedding but are registered after {config.layer_list!r}, so they "
             "would be placed on the last stage while the forward looks them up before the layers (per-layer inputs "
             "such as Gemma 3n's and Gemma 4's reach every layer beside the hidden states); use pp=1 for this model")
-    parts = config.layer_list.split(".")
-    path = {""} | {".".join(parts[: i + 1]) for i in range(len(parts))}
-    placement = _Placement(path=path)
+    placement = _Placement(path=_path_to(config.layer_list))
     last = config.num_stages - 1
+    for name, after in _outside_modules(model, config.layer_list).items():
+        placement.owner[name] = last if after else 0
     modules = dict(model.named_modules())
-    for container in sorted(path - {config.layer_list}, key=len):
-        children = list(modules[container]._modules.items())
-        path_index = next(i for i, (n, _) in enumerate(children) if _join(container, n) in path)
-        for i, (child_name, child) in enumerate(children):
-            name = _join(container, child_name)
-            if name in path or child is None or next(child.parameters(), None) is None:
-                continue  # parameter-free modules (and global layers) run on every stage
-            placement.owner[name] = 0 if i < path_index else last
     for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
         placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)
     return placement

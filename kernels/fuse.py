@@ -638,8 +638,8 @@ def _rotary_convention(function) -> _RotaryConvention | None:
         return all(_close(a, b) for a, b in zip(out, want))
 
     if len(params) == 3:  # (xq, xk, freqs_cis): complex tables of one entry per pair, of any magnitude
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        freqs_cis = torch.polar(torch.full((batch, seq_len, head_dim // 2), 1.25), positions[..., None] * inv_freq)
+        cos, sin = (table[positions][..., :head_dim // 2] for table in tables(head_dim))  # [B, S, D/2] per position
+        freqs_cis = 1.25 * torch.complex(cos, sin)
         expected = rotary_reference(q, k, freqs_cis.real, freqs_cis.imag, interleaved=True, rotary_dim=head_dim)
         for layout, call in (("bshd", lambda: function(q, k, freqs_cis)), ("bhsd", lambda: function(qt, kt, freqs_cis))):
             if agrees(call, expected, bhsd=layout == "bhsd"):
