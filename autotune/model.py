@@ -57,8 +57,14 @@ class UnrecognisedModel(ValueError):
     """The module does not look like a Llama-like decoder; the message says what was missing.
 
     Callers such as `to_distributed` catch it and fall back to data parallel with sharding, which
-    needs no knowledge of the model's structure.
+    needs no knowledge of the model's structure. `layers` names the decoder-layer list where one was found
+    before the layers' insides were not recognised (None otherwise): pipeline stages, micro-batches and
+    full-layer recompute need that list and nothing else of the structure.
     """
+
+    def __init__(self, message: str, *, layers: str | None = None):
+        super().__init__(message)
+        self.layers = layers
 
 
 @dataclass(frozen=True)
@@ -1135,6 +1141,16 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
     if not isinstance(model, nn.Module):
         raise UnrecognisedModel(f"expected an nn.Module, got {type(model).__name__}")
     layers_name, layers = _find_layer_list(model)
+    try:
+        return _recognise_layers(model, layers_name, layers, overrides)
+    except UnrecognisedModel as error:
+        error.layers = error.layers or layers_name
+        raise
+
+
+def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple[ModelStructure, dict]:
+    from torch import nn
+
     emb_dims = [m.embedding_dim for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
     hidden = overrides.get("hidden_size") or _hidden_size(layers[0], emb_dims)
     if not hidden:
@@ -1151,15 +1167,21 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         linears = [l for l in linears if not (l.name == moe.block or l.name.startswith(moe.block + "."))]
     _orient(linears, hidden)
     attention, mlp = _group_roles(linears, hidden, block, moe_block=None if dense else moe.block)
+    attn_module = block.get_submodule(attention) if attention else block
+    _refuse_sequence_mixers(attn_module, attention or "the layer", layers_name, index)
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)
     mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
-    attn_module = block.get_submodule(attention) if attention else block
     head_overrides = overrides
     if attn.get("latent_kv") and "head_dim" not in overrides and getattr(attn_module, "qk_head_dim", None):
         # DeepSeek's config head_dim is the rotary part alone; a query head is qk_head_dim wide.
         head_overrides = {**overrides, "head_dim": attn_module.qk_head_dim}
     heads, kv_heads, head_dim = _heads(attn_module, block, model, _rotary_head_dim(block, model),
                                        attn["q_size"], attn["kv_size"], head_overrides)
+    if heads % kv_heads:
+        raise UnrecognisedModel(
+            f"{layers_name}.{index}.{attention or ''}: {heads} query heads of width {head_dim} do not group over "
+            f"{kv_heads} key/value heads (projection widths {attn['q_size']} and {attn['kv_size']}): not attention "
+            "as tridist reads it; call ModelSpec.from_module(model, num_heads=..., num_kv_heads=...) if it is")
     shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks)
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
@@ -1207,6 +1229,20 @@ def _recognise(model, overrides: dict) -> tuple[ModelStructure, dict]:
         latent_attention=latent, **moe_fields,
     )
     return structure, fields
+
+
+def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> None:
+    """A convolution in the attention block marks a state-space or linear-attention mixer (Mamba's and Gated
+    DeltaNet's causal conv1d over their packed projections, LFM2's short convolution): their projections pack
+    per-head state parameters beside q/k/v, which no attention plan of tensor parallel splits right."""
+    from torch import nn
+
+    convs = [n for n, m in module.named_modules() if isinstance(m, nn.Conv1d)]
+    if convs:
+        raise UnrecognisedModel(
+            f"{layers_name}.{index}: {name} holds a convolution ({', '.join(convs[:2])}): a state-space or "
+            f"linear-attention mixer ({type(module).__name__}: Mamba, Gated DeltaNet, short convolutions), which "
+            "tensor parallel does not split; pipeline and data parallel need only the decoder-layer list")
 
 
 def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict) -> list[str]:

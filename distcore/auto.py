@@ -20,6 +20,7 @@ import dataclasses
 
 import functools
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,16 +139,16 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     global_batch, seq_len = _input_shape(config, dataloader)
     cluster = autotune.Cluster(nodes=node_num, devices_per_node=device_num, device=_device_profile(config),
                                engine="torch+tridist" if config.fuse_kernels else "torch")  # what will run
+    layers = None  # the decoder-layer list's name
     try:
         spec = autotune.ModelSpec.from_module(model, seq_len=seq_len)
+        layers = spec.structure.layers
     except autotune.UnrecognisedModel as error:
-        if config.strategy is not None and _needs_structure(config.strategy):  # the reason belongs in the refusal
-            raise autotune.InvalidStrategy(config.strategy, [
-                f"tensor parallel, pipeline parallel and micro-batching need a recognised model structure, and this "
-                f"model's is not: {error}; give a data-parallel-only strategy with one micro-batch, or strategy=None "
-                f"(data parallel is then chosen)"]) from error
-        log.warning("to_distributed: %s; falling back to data parallel with sharding", error)
-        spec = None
+        if config.strategy is not None:  # the reason belongs in the refusal
+            _refuse_without_structure(config.strategy, error)
+        log.warning("to_distributed: %s; %s", error, "applying the given strategy, which does not need more" if
+                    config.strategy is not None else "falling back to data parallel with sharding")
+        spec, layers = None, error.layers
     limits: dict[str, str] = {}
     if router_aux_loss_on(model):
         limits["pp"] = ("the model adds its router's load-balancing loss, computed from every layer's router logits, "
@@ -156,7 +157,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                                        "router logits, which sequence parallel splits over the tp ranks")
     from .pipeline import embeddings_after_layers  # torch.distributed.pipelining: loaded where used
 
-    late = embeddings_after_layers(model, spec.structure.layers) if spec is not None else []
+    late = embeddings_after_layers(model, layers) if layers is not None else []
     if late:
         limits["pp"] = (f"{late} hold an embedding registered after the decoder layers but looked up before them "
                         "(per-layer inputs reaching every layer): no split into pipeline stages computes it where it is used")
@@ -177,7 +178,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     measurements = None
     if config.measure and config.strategy is None and spec is not None:
         strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, config, searched, world)
-    model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config)
+    model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config, layers=layers)
     for obj in (model, optimizer, loader):
         obj.distributed_strategy = strategy
     if measurements is not None:
@@ -189,9 +190,9 @@ _KNOB_NAMES = {"tp": "tensor parallel", "recompute": "activation recompute",
                "overlap_tp_comm": "overlapped tensor-parallel communication"}
 
 
-def _apply_with_loader(model, optimizer, dataloader, strategy, spec, config):
+def _apply_with_loader(model, optimizer, dataloader, strategy, spec, config, *, layers: str | None = None):
     mesh = _dims(strategy).mesh
-    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh)
+    model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh, layers=layers)
     return model, optimizer, shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
 
 
@@ -477,23 +478,55 @@ def _dims(strategy) -> ParallelDims:
     return ParallelDims.for_degrees(dp=strategy.dp, tp=strategy.tp, pp=strategy.pp)
 
 
-def _needs_structure(strategy) -> bool:
-    """Whether applying `strategy` needs the model's recognised structure (its plan, stages or batch split)."""
-    return strategy.tp > 1 or strategy.pp > 1 or strategy.num_micro_batches > 1
+def _needs_structure(strategy) -> list[str]:
+    """What of `strategy` needs the model's recognised structure inside its layers: tensor parallel's plan,
+    expert parallel's experts, selective recompute's attention."""
+    return [what for what, needed in (("tensor parallel", strategy.tp > 1), ("expert parallel", strategy.ep > 1),
+                                      ("selective recompute", strategy.recompute == "selective")) if needed]
+
+
+def _needs_layers(strategy) -> list[str]:
+    """What of `strategy` needs the decoder-layer list alone: pipeline stages, micro-batches (a one-stage
+    pipeline), full recompute (each layer re-run)."""
+    return [what for what, needed in (("pipeline parallel", strategy.pp > 1),
+                                      ("micro-batching", strategy.num_micro_batches > 1),
+                                      ("full recompute", strategy.recompute == "full")) if needed]
+
+
+def _refuse_without_structure(strategy, error) -> None:
+    """Raise InvalidStrategy when `strategy` needs more of the model than UnrecognisedModel `error` found."""
+    from tridist import autotune
+
+    needs = _needs_structure(strategy) + ([] if error.layers else _needs_layers(strategy))
+    if not needs:
+        return
+    fix = (f"the decoder-layer list {error.layers} was found, so give a strategy with tp=1, ep=1 and no selective "
+           "recompute (pipeline stages, micro-batches and full recompute need that list alone)" if error.layers else
+           "give a data-parallel-only strategy with one micro-batch and no recompute")
+    raise autotune.InvalidStrategy(strategy, [
+        f"{' and '.join(needs)} need(s) a recognised model structure, and this model's is not: {error}; {fix}, or "
+        f"strategy=None (data parallel is then chosen)"]) from error
 
 
 def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, config: ToDistributedConfig | None = None,
-                   mesh: ProcessMesh | None = None):
+                   mesh: ProcessMesh | None = None, layers: str | None = None):
     """Apply an autotune.Strategy to `model` and `optimizer` (in place) on `mesh` (default: the
-    strategy's ParallelDims layout of all ranks); returns both."""
+    strategy's ParallelDims layout of all ranks); returns both. `spec`: the model's autotune.ModelSpec, whose
+    structure tensor parallel, expert parallel and selective recompute need; without one, `layers` (an
+    UnrecognisedModel's `.layers`) names the decoder-layer list, enough for pipeline stages, micro-batches and
+    full recompute."""
     config = config or ToDistributedConfig()
     structure = getattr(spec, "structure", None)
-    if _needs_structure(strategy) and structure is None:
+    layers = structure.layers if structure is not None else layers
+    needs = _needs_structure(strategy) if structure is None else []
+    needs += _needs_layers(strategy) if layers is None else []
+    if needs:
         raise ValueError(
-            "to_distributed: tensor parallel, pipeline parallel and micro-batching need a recognised model structure "
-            "(autotune.ModelSpec.from_module); use a data-parallel-only strategy with one micro-batch for this model"
+            f"to_distributed: {' and '.join(needs)} need(s) a recognised model structure (autotune.ModelSpec."
+            "from_module), or for pipeline stages, micro-batches and full recompute the decoder-layer list "
+            "(apply_strategy(layers=...)); use a data-parallel-only strategy with one micro-batch for this model"
         )
-    if strategy.ep > 1 and (structure is None or not structure.is_moe):
+    if strategy.ep > 1 and not structure.is_moe:
         raise ValueError(f"to_distributed: ep={strategy.ep} needs a recognised mixture of experts; use ep=1")
     if config.mixed_precision is not None and config.mixed_precision not in _MIXED_PRECISION:
         raise ValueError(f"to_distributed: mixed_precision must be one of {sorted(_MIXED_PRECISION)} or None")
@@ -503,7 +536,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         report = kernels.fuse(model)
         log.info("to_distributed: %s", report)
     if strategy.recompute != "none":
-        apply_recompute(model, structure=structure, mode=strategy.recompute)
+        apply_recompute(model, layers=layers, attention=structure and structure.attention, mode=strategy.recompute)
     parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
@@ -518,7 +551,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
         # (1F1B: forward and backward one micro-batch at a time, gradients reduced once per step).
         parallel_config["pp_config"] = {
-            "split_spec": structure.layers,
+            "split_spec": layers,
             "schedule": "Interleaved1F1B" if strategy.virtual_pp > 1 else "1F1B",
             "micro_batches": strategy.num_micro_batches,
             **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
@@ -597,17 +630,17 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     return plan_from_names(model, plan)
 
 
-def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
-    """Activation recompute: "full" re-runs each decoder layer in backward, "selective" its attention
-    (the part whose activations grow with the sequence). The forward is wrapped per instance, so
-    parameter names (and checkpoints) do not change, and the recomputation re-runs the forward only,
-    not the hooks distcore puts on the module (pipeline inputs, sequence splits), which must run once.
-    (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames parameters.)"""
-    if structure is None:
-        raise ValueError("to_distributed: recompute needs a recognised model structure")
-    layers = model.get_submodule(structure.layers)
-    for layer in layers:
-        target = layer if mode == "full" else layer.get_submodule(structure.attention)
+def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str) -> None:
+    """Activation recompute: "full" re-runs each decoder layer of the list `layers` in backward, "selective"
+    its `attention` (the part whose activations grow with the sequence; a name inside the layer). The forward
+    is wrapped per instance, so parameter names (and checkpoints) do not change, and the recomputation re-runs
+    the forward only, not the hooks distcore puts on the module (pipeline inputs, sequence splits), which must
+    run once. (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames parameters.)"""
+    if mode == "selective" and not attention:
+        raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
+                         "structure names; use recompute='full'")
+    for layer in model.get_submodule(layers):
+        target = layer if mode == "full" else layer.get_submodule(attention)
         target.forward = functools.partial(_recomputed, target.forward)
         target._tridist_recompute_wrapper = mode  # an overlapped region refuses it (overlap.py)
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)
@@ -616,12 +649,20 @@ def apply_recompute(model: torch.nn.Module, *, structure, mode: str) -> None:
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value")  # Hugging Face's key/value cache, by version
 
 
+def _is_cache(value) -> bool:
+    """A Hugging Face key/value cache (transformers.cache_utils.Cache), without importing transformers."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    return cache_utils is not None and isinstance(value, cache_utils.Cache)
+
+
 def _recomputed(forward, *args, **kwargs):
     """`forward` under activation checkpointing while gradients are recorded. A key/value cache passed in
     (Hugging Face models build one whenever `config.use_cache`) would get the keys appended twice, once
     by the forward and again by the recomputation, which then attends over both: the cache is left out,
-    as Hugging Face's own gradient checkpointing turns `use_cache` off in training."""
+    as Hugging Face's own gradient checkpointing turns `use_cache` off in training. By keyword or by
+    position (GPT-2's blocks take it second)."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    kwargs = {key: None if key in _CACHE_ARGUMENTS else value for key, value in kwargs.items()}
+    args = tuple(None if _is_cache(value) else value for value in args)
+    kwargs = {key: None if key in _CACHE_ARGUMENTS or _is_cache(value) else value for key, value in kwargs.items()}
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

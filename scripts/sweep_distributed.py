@@ -20,7 +20,9 @@ One JSON line per model type (also written to --out), progress on stderr, a coun
   address-space limit (fixed vision or audio sizes); the launch timed out or died (the kernel's OOM killer).
 
 Strategies (--strategy): dp2-tp2-sp (dp 2 x tp 2 with sequence parallel, the default: the strategy that asks most
-of a model's code), dp2-tp2, tp2-pp2 (2 micro-batches), dp4-zero3, searched (to_distributed's own choice).
+of a model's code), dp2-tp2, tp2-pp2 (2 micro-batches), dp2-pp2 (2 micro-batches, full recompute: the layer
+list alone, also of models whose layers tensor parallel cannot read), dp4-zero3, searched (to_distributed's own
+choice).
 SGD at lr 0.1 (the tests' 0.5 makes some tiny models diverge, whose parameters then differ by amplified rounding);
 dropout and router jitter off (`build_tiny(deterministic=True)`: ranks would draw other masks than one process;
 PhiMoE's router samples in training regardless).
@@ -54,6 +56,7 @@ STRATEGIES = {  # name -> autotune.Strategy fields (None: searched); the global 
     "dp2-tp2-sp": dict(dp=2, tp=2, pp=1, micro_batch_size=2, sharding_level=2, sequence_parallel=True),
     "dp2-tp2": dict(dp=2, tp=2, pp=1, micro_batch_size=2, sharding_level=2),
     "tp2-pp2": dict(dp=1, tp=2, pp=2, micro_batch_size=2, num_micro_batches=2),
+    "dp2-pp2": dict(dp=2, tp=1, pp=2, micro_batch_size=1, num_micro_batches=2, recompute="full"),
     "dp4-zero3": dict(dp=4, tp=1, pp=1, micro_batch_size=1, sharding_level=3),
     "searched": None,
 }

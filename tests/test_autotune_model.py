@@ -156,9 +156,24 @@ def test_unrecognised_models_say_what_is_missing():
     # No embedding
     model = _MetaStyle()
     del model.tok_embeddings
-    with pytest.raises(UnrecognisedModel, match="no token embedding"):
+    with pytest.raises(UnrecognisedModel, match="no token embedding") as caught:
         ModelSpec.from_module(model, hidden_size=48)
+    assert caught.value.layers == "layers"  # the layer list found is named (pipeline stages need no more)
     assert issubclass(UnrecognisedModel, ValueError)
+
+
+@pytest.mark.parametrize("family, mixer", [("bamba", "mamba"), ("qwen3-next", "linear_attn")])
+def test_linear_attention_mixers_are_refused_naming_them(family, mixer):
+    """State-space and linear-attention mixers (a causal conv1d over packed projections that hold per-head
+    state parameters beside q/k/v) are no attention tensor parallel can split. Bamba's Mamba-2 mixer was read
+    as a packed qkv of 128 heads over 384 key/value heads, and ModelSpec then raised a ValueError that
+    to_distributed did not catch (its search crashed); both name the mixer now, and the layer list."""
+    from tests.hf_models import build
+
+    pytest.importorskip("transformers")
+    with pytest.raises(UnrecognisedModel, match=rf"model\.layers\.0: {mixer} holds a convolution \(conv1d\)") as caught:
+        ModelSpec.from_module(build(family))
+    assert caught.value.layers == "model.layers"
 
 
 def test_spec_validation_and_presets():

@@ -467,6 +467,17 @@ def check_unrecognised_and_ambiguous_models():
     # in training, "stage 0 ends with NoneType"); searched, it trains without
     _expect_refused("gemma4", _strategy(2, 1, 2, num_micro_batches=2), "registered after the decoder layers")
     assert _train("gemma4").pp == 1
+    # Layers whose insides are not read still make pipeline stages, micro-batches and full recompute: the
+    # decoder-layer list is all they need (before, refused with tensor parallel)
+    _train("gpt2", _strategy(2, 1, 2, num_micro_batches=2, recompute="full"))
+    _expect_refused("gpt2", _strategy(4, 1, 1, recompute="selective"), "selective recompute need(s) a recognised")
+    # Hybrids of linear attention (Gated DeltaNet, Mamba-2) and attention: refused under tp, naming the mixer
+    # (Bamba's crashed to_distributed, searched too: 'num_heads=128 must be a multiple of num_kv_heads=384');
+    # they train under pp, and searched under dp
+    _expect_refused("qwen3-next", _strategy(2, 2, 1), "linear_attn holds a convolution (conv1d)")
+    _expect_refused("bamba", _strategy(2, 2, 1), "mamba holds a convolution (conv1d)")
+    _train("qwen3-next", _strategy(2, 1, 2, num_micro_batches=2))
+    assert _train("bamba").pp == 1
 
 
 def check_tied_embeddings_across_stages_after_a_subgroup_not_every_rank_is_in():
