@@ -25,10 +25,12 @@ How a model written for one device becomes pipeline stages, without tracing it:
   evaluations and batches of other shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
-- The loss (and gradient) is the mean of the micro-batch losses, as in Megatron-LM and Paddle: with
-  ignored labels (padding, ignore_index) it weighs micro-batches with fewer valid tokens more than one
-  device's token mean does, and a micro-batch whose labels are all ignored has torch's 0/0 = nan mean
-  loss, so the reported loss is nan (its gradient is zero). Balance the padding over the batch.
+- The loss (and gradient) is the mean of the micro-batch losses, as in Megatron-LM and Paddle. With
+  ignored labels (padding, ignore_index) spread unevenly, that is the global token mean only for models
+  that take `num_items_in_batch` (Hugging Face's causal LMs: token_mean.py passes the global count); a
+  model that averages its own loss over uneven micro-batches gets an error naming the fix. A micro-batch
+  whose labels are all ignored has torch's 0/0 = nan mean loss, so the reported loss is nan (its
+  gradient is zero).
 - An exception in one stage's forward (a shape error) stops that rank only; the other ranks of the
   pipeline wait for it in their communication until the process group's timeout, as with torch's
   pipelining. Debug a model on one device (or with pp=1) first. A training call without labels is

@@ -35,8 +35,8 @@ def _model_and_optimizer():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3)
 
 
-def _train(model, optimizer, mesh=None) -> equivalence.Trace:
-    batches = _batches()
+def _train(model, optimizer, mesh=None, batches=None) -> equivalence.Trace:
+    batches = batches or _batches()
     if mesh is not None:  # global-view inputs, as shard_dataloader yields them; parallelize unwraps this rank's rows
         batches = [tuple(distcore.shard_tensor(t, mesh, [Shard(0)]) for t in batch) for batch in batches]
     return equivalence.train(model, optimizer, batches)
@@ -144,33 +144,68 @@ def check_evaluation_on_one_rank_and_schedulers():
     dist.barrier()
 
 
-def check_uneven_ignored_labels_are_warned_about_once():
-    """A model that averages its own loss (the seed's cross entropy) with labels -100 spread unevenly
-    over the ranks: its loss is the mean of rank means, not one device's; a warning says so, once."""
-    import logging
+def _uneven_batches():
+    """_batches() with labels -100 spread unevenly over the ranks: rank 0's rows lose 5 labelled tokens each,
+    one of rank 1's its last 4 (unshifted 14 / 20 / 24 / 24 per rank, shifted 12 / 19 / 22 / 22)."""
+    batches = []
+    for inputs, labels in _batches():
+        labels = labels.clone()
+        labels[: GLOBAL_BATCH // WORLD, :5] = -100
+        labels[GLOBAL_BATCH // WORLD, -4:] = -100
+        batches.append((inputs, labels))
+    return batches
 
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("tridist.distcore.token_mean")
-    logger.addHandler(handler)
+
+class _ShiftedLoss(torch.nn.Module):
+    """The seed model with Hugging Face's shift in its own mean loss (logits at t against label t + 1)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels=None):
+        _, logits = self.model(input_ids)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        return loss, logits
+
+
+class _LossOnly(torch.nn.Module):
+    """The seed model returning its mean loss alone: nothing tells which tokens it averaged."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels=None):
+        return self.model(input_ids, labels=labels)[0]
+
+
+def check_own_mean_losses_over_uneven_labels_train_as_one_process():
+    """A model that averages its own loss (the seed's cross entropy, unshifted; the same shifted), with labels -100
+    spread unevenly over the ranks: its loss and gradients are the global batch's token mean, as on one process
+    (each rank's loss reweighed by its share of the labelled tokens; before, a warning said they were the mean of
+    the rank means). A loss that does not show which tokens it averaged is refused on its first uneven batch."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    for wrap in (lambda model: model, _ShiftedLoss):
+        model, optimizer = _model_and_optimizer()
+        reference = _train(wrap(model), optimizer, batches=_uneven_batches())
+        model, optimizer = _model_and_optimizer()
+        model, optimizer = distcore.parallelize(wrap(model), optimizer, mesh, {"dp_config": {"sharding_level": 3}})
+        equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_uneven_batches()), reference)
+
+    model, optimizer = _model_and_optimizer()
+    model, optimizer = distcore.parallelize(_LossOnly(model), optimizer, mesh, {"dp_config": {"sharding_level": 0}})
+    rows = slice(dist.get_rank() * (GLOBAL_BATCH // WORLD), (dist.get_rank() + 1) * (GLOBAL_BATCH // WORLD))
+    (inputs, labels), (uneven_inputs, uneven_labels) = _batches()[0], _uneven_batches()[0]
+    model(inputs[rows], labels=labels[rows]).backward()  # as many labelled tokens on every rank: the mean is exact
     try:
-        mesh = ProcessMesh(list(range(WORLD)), ["dp"])
-        model, optimizer = distcore.parallelize(*_model_and_optimizer(), mesh, {"dp_config": {"sharding_level": 0}})
-        for even in (True, False, False):
-            inputs, labels = _batches()[0]
-            labels = labels.clone()
-            if not even:
-                labels[: GLOBAL_BATCH // WORLD, :5] = -100  # rank 0's rows lose 5 labelled tokens each
-            rows = slice(dist.get_rank() * (GLOBAL_BATCH // WORLD), (dist.get_rank() + 1) * (GLOBAL_BATCH // WORLD))
-            loss, _ = model(inputs[rows], labels=labels[rows])
-            loss.backward()
-            optimizer.zero_grad()
-    finally:
-        logger.removeHandler(handler)
-    assert len(records) == 1, [r.getMessage() for r in records]
-    message = records[0].getMessage()
-    assert "hold 14 to 24 labelled tokens" in message and "mean of their means" in message, message
+        model(uneven_inputs[rows], labels=uneven_labels[rows])
+    except RuntimeError as error:
+        message = str(error)
+        assert "hold 14 to 24 labelled tokens" in message and "_LossOnly computes its own mean loss" in message, message
+        assert "Fix: accept `num_items_in_batch`" in message, message
+    else:
+        raise AssertionError("an own mean loss over uneven labels, not known to be a token mean, was accepted")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -273,6 +273,17 @@ def check_errors():
         assert "divisible by 3" in str(error), str(error)
     else:
         raise AssertionError("a batch of 8 split into 3 micro-batches was accepted")
+    # The seed model averages its own loss: over micro-batches of uneven labelled tokens the schedule's mean of
+    # their means is not one device's token mean; refused on every rank (before, a warning)
+    model, optimizer = distcore.parallelize(*_model("seed-llama"), PP4, _pp("seed-llama"))
+    labels = labels.clone()
+    labels[:2, :5] = -100
+    try:
+        model(inputs, labels=labels)
+    except RuntimeError as error:
+        assert "Model computes its own mean loss" in str(error) and "micro-batches' losses" in str(error), str(error)
+    else:
+        raise AssertionError("an own mean loss over uneven micro-batches was accepted")
 
 
 def check_checkpoint_moves_between_pipeline_and_other_layouts():
