@@ -46,15 +46,19 @@ def takes_num_items(model: torch.nn.Module) -> bool:
     """Whether `model(..., num_items_in_batch=n)` returns its causal-LM loss as a token sum over n with
     Hugging Face's convention (labels shifted inside: position t predicts label t + 1), which fixes
     what to count. A Hugging Face model whose `loss_function` is transformers' ForCausalLMLoss (it
-    receives the forward's **kwargs)."""
+    receives the forward's **kwargs) and that its forward calls: every transformers model inherits
+    `loss_function`, and some compute their own cross entropy beside it (CPM-Ant, BART's and Marian's
+    decoders, XLM), which would ignore the count."""
     loss_function = getattr(model, "loss_function", None)
     if getattr(loss_function, "__name__", None) != "ForCausalLMLoss":
         return False
     try:
-        parameters = inspect.signature(type(model).forward).parameters.values()
+        forward = inspect.unwrap(type(model).forward)  # under transformers' decorators
+        parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    calls = "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
+    return calls and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches: int) -> None:

@@ -91,13 +91,21 @@ def test_packed_sizes_from_head_counts_or_the_plan():
 
 def test_exact_token_mean_only_for_transformers_causal_lm_loss():
     """num_items_in_batch is passed only where its count's convention is known (transformers'
-    ForCausalLMLoss shifts labels inside); a model that averages itself is left alone (and warned about)."""
+    ForCausalLMLoss shifts labels inside, called by the forward); a model that averages itself is reweighed
+    or refused (token_mean.py)."""
     from tests.hf_models import build
     from tridist.bench.models import build_model
     from tridist.distcore.token_mean import takes_num_items
 
     assert takes_num_items(build("llama", layers=1)) and takes_num_items(build("gpt2", layers=1))
     assert not takes_num_items(build_model("seed-llama"))
+    # CPM-Ant inherits transformers' loss_function and takes **kwargs, but computes its own cross entropy: the count
+    # was passed and ignored (its loss the mean of rank means under dp); its own mean is reweighed instead
+    import transformers
+
+    cpmant = transformers.CpmAntForCausalLM(transformers.CpmAntConfig(
+        vocab_size=128, hidden_size=32, num_attention_heads=2, dim_head=16, dim_ff=64, num_hidden_layers=1))
+    assert not takes_num_items(cpmant)
 
     class OwnLoss(torch.nn.Module):  # takes the keyword, but its count's convention is unknown
         loss_function = staticmethod(lambda *a, **k: None)
