@@ -56,7 +56,8 @@ Semantics and limits worth knowing:
   as are hidden states and caches, which other stages computed in part. Inputs may be positional or keywords
   (`model(input_ids=..., attention_mask=..., labels=...)`); every batch-major tensor is split.
 - Outputs of an earlier stage's module other than the hidden states (a second tuple element: a mask it
-  builds, an auxiliary loss) are zeros on later stages (a warning says so).
+  builds, an auxiliary loss) are zeros on later stages (a warning says so); a stage's first layer that
+  takes one of them from the layer before it (HY V4's top-k indices) is an error naming it, pp=1 the fix.
 
 Tensor and data parallelism are applied to each stage view (FSDP2 with the view as root, as torch's
 pipelining expects), so dp x mp x pp composes.
@@ -84,6 +85,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
@@ -286,7 +288,10 @@ class _StageState:
     micro_batch: int = 0
     received: torch.Tensor | None = None  # the previous stage's activation
     last_placeholder: torch.Tensor | None = None  # the output of the stand-in just before our first layer
+    # every stand-in's zeros in this forward, by their memory: StorageWeakRef -> (the stand-in's name, its stage)
+    stand_in_zeros: dict = field(default_factory=dict)
     last_output: object = None  # our last layer's output
+    layers_ran: bool = False  # this micro-batch's forward ran our last layer
     output_form: OutputForm | None = None  # the kind of output the model returned (last stage)
     keep_logits: bool = False  # this call is an evaluation whose logits are returned (last stage)
     logits: dict = field(default_factory=dict)  # micro-batch -> its logits, detached (last stage, evaluation)
@@ -322,13 +327,28 @@ class _StandIn(torch.nn.Module):
                     "layer ran; the model calls it before or between the layers, which no split into stages serves: "
                     "use pp=1 for this model")
             raise _StageExit()
+        if state.layers_ran:  # OPT's final norm, registered before its layers, is placed on the first stage
+            raise RuntimeError(
+                f"pipeline parallel: stage {state.stage} calls {self.name!r} after its own layers, but it is placed on "
+                f"stage {self.owner} (a module registered before the decoder layers, taken for one that runs before "
+                "them); this stage would compute from its stand-in's zeros: register it after the layer list, or use "
+                "pp=1 for this model")
         device = _device_of(args, kwargs)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
-        with torch.no_grad():
-            meta_out = self._meta_module(*meta_args, **meta_kwargs)
+        try:
+            with torch.no_grad():
+                meta_out = self._meta_module(*meta_args, **meta_kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
+            raise RuntimeError(
+                f"pipeline parallel: stage {state.stage} runs {self.name!r} (stage {self.owner}'s) on the meta device to "
+                f"shape the zeros standing in for its output, and its code needs values there ({type(error).__name__}: "
+                f"{error}; data-dependent code such as a router's expert counts): use pp=1 for this model") from error
         output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         state.last_placeholder = first if isinstance(first, torch.Tensor) else None
+        for zeros in tree_flatten(output)[0]:  # for the layers' check that none of them reaches a layer
+            if isinstance(zeros, torch.Tensor) and zeros.numel():
+                state.stand_in_zeros[StorageWeakRef(zeros.untyped_storage())] = (self.name, self.owner)
         if sum(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]) > 1 and not self.__dict__.get("_warned"):
             self.__dict__["_warned"] = True
             warnings.warn(
@@ -695,6 +715,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
         args, kwargs = micro_batches[state.micro_batch]
         state.received = None if state.is_first else received[0]
         state.last_output = state.last_placeholder = None
+        state.stand_in_zeros, state.layers_ran = {}, False
         if state.is_last:  # a causal LM's fused head + loss (kernels.fuse), armed as the model's hooks would
             with labelled_call(view, args, kwargs) as finish:
                 return _last_stage_result(finish(run(args, kwargs)), state)
@@ -723,6 +744,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
             ) from error
         finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
             state.received = state.last_output = state.last_placeholder = None
+            state.stand_in_zeros, state.layers_ran = {}, False
 
     view.forward = forward
 
@@ -762,6 +784,28 @@ _NO_LOSS = (
 )
 
 
+def _refuse_stand_in_zeros(layer, args, kwargs, state: _StageState, *, replaced=None) -> None:
+    """Raise where one of this stage's layers takes (a view of) a stand-in's zeros other than the hidden states the
+    first layer gets replaced (`replaced`): an output of an earlier stage's module that only the hidden states would
+    carry over (HY V4's layers pass their indexer's top-k to the next one), or a table computed before the layers
+    by a module with parameters (RoFormer's sinusoidal positions, a frozen nn.Embedding): the layer would compute
+    from zeros, silently (the sweep: first-step gradients 56% and 100% off). Views share the zeros' storage, which a
+    weak reference names without keeping it (nor its memory) alive."""
+    if not state.stand_in_zeros:
+        return
+    taken = [(key, state.stand_in_zeros.get(StorageWeakRef(value.untyped_storage())))
+             for key, value in [*enumerate(args), *kwargs.items()]
+             if isinstance(value, torch.Tensor) and value is not replaced and value.numel()]
+    taken = [(key, source) for key, source in taken if source is not None]
+    if taken:
+        key, (name, owner) = taken[0]
+        raise RuntimeError(
+            f"pipeline parallel: on stage {state.stage}, a layer ({type(layer).__name__}) takes argument {key!r} from "
+            f"{name!r}, which runs on stage {owner}: only the hidden states pass between pipeline stages, so it would "
+            "compute from zeros. Compute it inside the layers or in a parameter-free module (those run on every "
+            "stage), or use a strategy without pipeline parallel for this model (pp=1)")
+
+
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
     """On the stage's first layer, take the received activation; on its last, remember the output."""
     owned = [layer for i, layer in enumerate(model_layers) if config.stage_of_layer(i) == state.stage]
@@ -779,6 +823,7 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
                     "inputs_embeds, or an earlier module returning no tensor first); pipeline stages take over the "
                     "output of the modules before them, so compute the input with those modules"
                 )
+            _refuse_stand_in_zeros(module, args, kwargs, state, replaced=placeholder)
             for i, arg in enumerate(args):
                 if arg is placeholder:
                     return (*args[:i], state.received, *args[i + 1 :]), kwargs
@@ -792,6 +837,17 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
             )
 
         first.register_forward_pre_hook(take_received, with_kwargs=True, prepend=True)
+
+    def check_arguments(module, args, kwargs):
+        _refuse_stand_in_zeros(module, args, kwargs, state)
+
+    for layer in owned[1:] if not state.is_first else owned:  # the first takes its hidden states in take_received
+        layer.register_forward_pre_hook(check_arguments, with_kwargs=True, prepend=True)
+
+    def ran(module, args, output):
+        state.layers_ran = True
+
+    last.register_forward_hook(ran)
     if not state.is_last:
 
         def remember(module, args, output):

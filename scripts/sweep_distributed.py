@@ -102,7 +102,8 @@ def _ours(error: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return module.startswith("tridist.") and isinstance(error, (ValueError, TypeError, NotImplementedError, RuntimeError))
+    ours = (ValueError, TypeError, NotImplementedError, RuntimeError, AttributeError)  # pipeline stand-ins name the attribute
+    return module.startswith("tridist.") and isinstance(error, ours)
 
 
 def worker(model_type: str, strategy_name: str) -> dict:
@@ -181,7 +182,10 @@ def _launch(model_type: str, strategy: str) -> dict:
         killed = "exitcode  : -9" in done.stderr  # torchrun's report of a rank the kernel's OOM killer took
         return {"type": model_type, "strategy": strategy, "verdict": "process",
                 "error": "a rank was killed (out of memory?)" if killed else f"exit {done.returncode}: {done.stderr[-300:]}"}
-    return next((r for r in rows if r["verdict"] not in ("equal", "build")), rows[0])
+    # The rank whose own error stopped the run, not one that lost its peer (gloo: "... caused by a remote worker ...")
+    failed = sorted((r for r in rows if r["verdict"] not in ("equal", "build")),
+                    key=lambda r: "remote worker" in r.get("error", ""))
+    return failed[0] if failed else rows[0]
 
 
 def main() -> None:

@@ -129,3 +129,81 @@ def test_an_embedding_registered_after_the_layers_is_refused_when_the_stages_are
     del model.model.embed_tokens_per_layer
     assert embeddings_after_layers(model, "model.layers") == []
     assert _placement(model, PipelineConfig("model.layers", [0, 1], 2, "GPipe", 2, 1)).owner["lm_head"] == 1
+
+
+class _LayerPassingTopK(torch.nn.Module):
+    """HY V4's layout: each layer returns its hidden states and its indexer's top-k, which the next one takes."""
+
+    def forward(self, hidden, prev_topk_indices=None):
+        topk = hidden.topk(2, dim=-1).indices if prev_topk_indices is None else prev_topk_indices
+        return hidden * 2, topk
+
+
+def test_a_later_stages_first_layer_taking_an_earlier_layers_other_output_is_an_error():
+    """Only the hidden states pass between stages: where the stage's first layer takes another output of the
+    previous layer (HY V4's top-k indices), it would compute from the stand-in's zeros, silently (the sweep's HY V4
+    under dp 2 x pp 2: first-step gradients 56% off); an error naming the argument and the layer instead. A first
+    layer taking only the hidden states from the same stand-in runs."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    layers = torch.nn.ModuleList([_LayerPassingTopK(), _LayerPassingTopK()])
+    config = PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)
+    state = _StageState(stage=1, is_first=False, is_last=True)
+    install_layer_hooks(layers, config, state)
+    stand_in = _StandIn("layers.0", 0, _meta_copy(_LayerPassingTopK()), state, "earlier")
+    with pytest.warns(UserWarning, match="sees zeros for all but the first"):
+        hidden, topk = stand_in(torch.ones(2, 4))
+    state.received = torch.ones(2, 4)
+    with pytest.raises(RuntimeError, match=r"on stage 1, a layer \(_LayerPassingTopK\) takes argument "
+                                           r"'prev_topk_indices' from 'layers.0', which runs on stage 0.*pp=1"):
+        layers[1](hidden, prev_topk_indices=topk)
+    out, _ = layers[1](hidden)
+    assert torch.equal(out, torch.full((2, 4), 2.0))
+
+
+class _LayerWithPositions(torch.nn.Module):
+    def forward(self, hidden, positions):
+        return hidden + positions.sum()
+
+
+def test_a_table_computed_before_the_layers_by_an_earlier_stages_module_is_an_error_in_any_layer():
+    """RoFormer's sinusoidal positions come from a module with (frozen) parameters registered before the layers: on
+    a later stage its stand-in returned zeros, which every layer there took, a view of them (`[None, None]`):
+    attention without positions, silently (the sweep's RoFormer under dp 2 x pp 2: stage 1's q/k gradients 100%
+    off). An error naming the argument, the module and its stage, from whichever of the stage's layers takes it."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    layers = torch.nn.ModuleList([_LayerWithPositions() for _ in range(3)])
+    state = _StageState(stage=1, is_first=False, is_last=True)
+    install_layer_hooks(layers, PipelineConfig("layers", [0, 1], 3, "GPipe", 2, 1), state)  # layers 1, 2 on stage 1
+    table = torch.nn.Embedding(8, 4)
+    table.weight.requires_grad_(False)
+    positions = _StandIn("encoder.embed_positions", 0, _meta_copy(table), state, "earlier")(torch.arange(3))[None, None]
+    state.received = torch.ones(2, 4)
+    placeholder = _StandIn("layers.0", 0, _meta_copy(_LayerWithPositions()), state, "earlier")(torch.zeros(2, 4),
+                                                                                                 torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"takes argument 1 from 'encoder.embed_positions', which runs on stage 0"):
+        layers[1](placeholder, positions)
+    hidden = layers[1](placeholder, torch.ones(1))  # the received activation for the placeholder; real positions
+    assert torch.equal(hidden, torch.full((2, 4), 2.0))
+    with pytest.raises(RuntimeError, match=r"_LayerWithPositions\) takes argument 'positions' from 'encoder.embed_posi"):
+        layers[2](hidden, positions=positions)  # a later layer of the stage, by keyword
+
+
+def test_an_earlier_stages_module_called_after_this_stages_layers_is_an_error_naming_it():
+    """OPT registers its final norm before its layer list: placed on the first stage, the last stage called its
+    stand-in after the layers and took its zeros for the final hidden states (the sweep's OPT under dp 2 x pp 2: the
+    embedding's gradient 100% off, the norm's missing). An error naming it now; before the layers, a stand-in's zeros
+    are what the stage expects."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    layers = torch.nn.ModuleList([_Layer(), _Layer()])
+    state = _StageState(stage=1, is_first=False, is_last=True)
+    install_layer_hooks(layers, PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1), state)
+    norm = _StandIn("model.decoder.final_layer_norm", 0, _meta_copy(torch.nn.LayerNorm(4)), state, "earlier")
+    placeholder = norm(torch.ones(2, 4))  # before the layers: zeros, the received activation replaces them
+    state.last_placeholder, state.received = placeholder, torch.ones(2, 4)
+    hidden = layers[1](placeholder)
+    with pytest.raises(RuntimeError, match=r"stage 1 calls 'model.decoder.final_layer_norm' after its own layers, but "
+                                           r"it is placed on stage 0.*register it after the layer list, or use pp=1"):
+        norm(hidden)
