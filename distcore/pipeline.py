@@ -784,26 +784,52 @@ _NO_LOSS = (
 )
 
 
-def _refuse_stand_in_zeros(layer, args, kwargs, state: _StageState, *, replaced=None) -> None:
-    """Raise where one of this stage's layers takes (a view of) a stand-in's zeros other than the hidden states the
-    first layer gets replaced (`replaced`): an output of an earlier stage's module that only the hidden states would
-    carry over (HY V4's layers pass their indexer's top-k to the next one), or a table computed before the layers
-    by a module with parameters (RoFormer's sinusoidal positions, a frozen nn.Embedding): the layer would compute
-    from zeros, silently (the sweep: first-step gradients 56% and 100% off). Views share the zeros' storage, which a
-    weak reference names without keeping it (nor its memory) alive."""
+class _FromAnotherStage(torch.Tensor):
+    """A stand-in's zeros (or a view of them) as one of this stage's layers receives them: reading its metadata is
+    allowed (a layer that checks the argument's shape and then ignores it), any computation with it is an error
+    naming where the real value would come from (`_tridist_source`)."""
+
+    _METADATA = frozenset({torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+                           torch.Tensor.ndim.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
+                           torch.Tensor.is_floating_point, torch.Tensor.requires_grad.__get__, torch.Tensor.__len__})
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        source = next(a._tridist_source for a in tree_flatten((args, kwargs))[0] if isinstance(a, cls))
+        raise RuntimeError(f"pipeline parallel: {source}; it computes with it ({getattr(func, '__name__', func)}): "
+                           "only the hidden states pass between pipeline stages, so it would compute from zeros. Compute "
+                           "it inside the layers or in a parameter-free module (those run on every stage), or use a "
+                           "strategy without pipeline parallel for this model (pp=1)")
+
+
+def _guard_stand_in_zeros(layer, args, kwargs, state: _StageState, *, replaced=None):
+    """(args, kwargs) of one of this stage's layers with every (view of a) stand-in's zeros other than the hidden
+    states the first layer gets replaced (`replaced`) made a _FromAnotherStage: an output of an earlier stage's
+    module that only the hidden states would carry over (HY V4's layers pass their indexer's top-k to the next one,
+    which uses it where it has no indexer), or a table computed before the layers by a module with parameters
+    (RoFormer's sinusoidal positions, a frozen nn.Embedding). The layer computed from those zeros, silently (the
+    sweep: first-step gradients 56% and 100% off); now that is an error, and a layer that takes such an argument
+    without using it (GLM-MoE-DSA's, each with its own indexer) runs. Views share the zeros' storage, which a weak
+    reference names without keeping it (nor its memory) alive."""
     if not state.stand_in_zeros:
-        return
-    taken = [(key, state.stand_in_zeros.get(StorageWeakRef(value.untyped_storage())))
-             for key, value in [*enumerate(args), *kwargs.items()]
-             if isinstance(value, torch.Tensor) and value is not replaced and value.numel()]
-    taken = [(key, source) for key, source in taken if source is not None]
-    if taken:
-        key, (name, owner) = taken[0]
-        raise RuntimeError(
-            f"pipeline parallel: on stage {state.stage}, a layer ({type(layer).__name__}) takes argument {key!r} from "
-            f"{name!r}, which runs on stage {owner}: only the hidden states pass between pipeline stages, so it would "
-            "compute from zeros. Compute it inside the layers or in a parameter-free module (those run on every "
-            "stage), or use a strategy without pipeline parallel for this model (pp=1)")
+        return args, kwargs
+
+    def guarded(key, value):
+        if not isinstance(value, torch.Tensor) or value is replaced or not value.numel():
+            return value
+        source = state.stand_in_zeros.get(StorageWeakRef(value.untyped_storage()))
+        if source is None:
+            return value
+        value = value.detach().as_subclass(_FromAnotherStage)
+        value._tridist_source = (f"on stage {state.stage}, a layer ({type(layer).__name__}) takes argument {key!r} "
+                                 f"from {source[0]!r}, which runs on stage {source[1]}")
+        return value
+
+    return (tuple(guarded(i, value) for i, value in enumerate(args)),
+            {key: guarded(key, value) for key, value in kwargs.items()})
 
 
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
@@ -823,7 +849,7 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
                     "inputs_embeds, or an earlier module returning no tensor first); pipeline stages take over the "
                     "output of the modules before them, so compute the input with those modules"
                 )
-            _refuse_stand_in_zeros(module, args, kwargs, state, replaced=placeholder)
+            args, kwargs = _guard_stand_in_zeros(module, args, kwargs, state, replaced=placeholder)
             for i, arg in enumerate(args):
                 if arg is placeholder:
                     return (*args[:i], state.received, *args[i + 1 :]), kwargs
@@ -839,7 +865,7 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
         first.register_forward_pre_hook(take_received, with_kwargs=True, prepend=True)
 
     def check_arguments(module, args, kwargs):
-        _refuse_stand_in_zeros(module, args, kwargs, state)
+        return _guard_stand_in_zeros(module, args, kwargs, state)
 
     for layer in owned[1:] if not state.is_first else owned:  # the first takes its hidden states in take_received
         layer.register_forward_pre_hook(check_arguments, with_kwargs=True, prepend=True)

@@ -132,33 +132,43 @@ def test_an_embedding_registered_after_the_layers_is_refused_when_the_stages_are
 
 
 class _LayerPassingTopK(torch.nn.Module):
-    """HY V4's layout: each layer returns its hidden states and its indexer's top-k, which the next one takes."""
+    """HY V4's layout: each layer returns its hidden states and its indexer's top-k, which the next one takes and
+    uses where it has no indexer of its own (GLM-MoE-DSA's layers each have one: they take it and ignore it)."""
+
+    def __init__(self, own_indexer: bool = False):
+        super().__init__()
+        self.own_indexer = own_indexer
 
     def forward(self, hidden, prev_topk_indices=None):
-        topk = hidden.topk(2, dim=-1).indices if prev_topk_indices is None else prev_topk_indices
-        return hidden * 2, topk
+        own = self.own_indexer or prev_topk_indices is None
+        topk = hidden.topk(2, dim=-1).indices if own else prev_topk_indices
+        return hidden * 2 + hidden.gather(-1, topk).sum(), topk
 
 
-def test_a_later_stages_first_layer_taking_an_earlier_layers_other_output_is_an_error():
-    """Only the hidden states pass between stages: where the stage's first layer takes another output of the
-    previous layer (HY V4's top-k indices), it would compute from the stand-in's zeros, silently (the sweep's HY V4
-    under dp 2 x pp 2: first-step gradients 56% off); an error naming the argument and the layer instead. A first
-    layer taking only the hidden states from the same stand-in runs."""
+def test_a_later_stages_layer_computing_with_an_earlier_layers_other_output_is_an_error():
+    """Only the hidden states pass between stages: where the stage's first layer computes with another output of
+    the previous layer (HY V4's top-k indices), it would compute from the stand-in's zeros, silently (the sweep's HY
+    V4 under dp 2 x pp 2: first-step gradients 56% off); an error naming the argument, the module it comes from and
+    what used it. A layer that takes it without using it (GLM-MoE-DSA's, with their own indexers) runs, and may
+    read its shape."""
     from tridist.distcore.pipeline import _meta_copy, _StandIn
 
-    layers = torch.nn.ModuleList([_LayerPassingTopK(), _LayerPassingTopK()])
-    config = PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)
-    state = _StageState(stage=1, is_first=False, is_last=True)
-    install_layer_hooks(layers, config, state)
-    stand_in = _StandIn("layers.0", 0, _meta_copy(_LayerPassingTopK()), state, "earlier")
-    with pytest.warns(UserWarning, match="sees zeros for all but the first"):
-        hidden, topk = stand_in(torch.ones(2, 4))
-    state.received = torch.ones(2, 4)
-    with pytest.raises(RuntimeError, match=r"on stage 1, a layer \(_LayerPassingTopK\) takes argument "
-                                           r"'prev_topk_indices' from 'layers.0', which runs on stage 0.*pp=1"):
-        layers[1](hidden, prev_topk_indices=topk)
-    out, _ = layers[1](hidden)
-    assert torch.equal(out, torch.full((2, 4), 2.0))
+    for own_indexer in (False, True):
+        layers = torch.nn.ModuleList([_LayerPassingTopK(own_indexer), _LayerPassingTopK(own_indexer)])
+        state = _StageState(stage=1, is_first=False, is_last=True)
+        install_layer_hooks(layers, PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1), state)
+        stand_in = _StandIn("layers.0", 0, _meta_copy(_LayerPassingTopK(own_indexer)), state, "earlier")
+        with pytest.warns(UserWarning, match="sees zeros for all but the first"):
+            hidden, topk = stand_in(torch.ones(2, 4))
+        state.received = torch.arange(8.0).reshape(2, 4)
+        if own_indexer:
+            out, _ = layers[1](hidden, prev_topk_indices=topk)
+            assert torch.equal(out, state.received * 2 + 18.0)  # the received activation's own top-2: 3 + 2 + 7 + 6
+        else:
+            with pytest.raises(RuntimeError, match=r"on stage 1, a layer \(_LayerPassingTopK\) takes argument "
+                                                   r"'prev_topk_indices' from 'layers.0', which runs on stage 0; it "
+                                                   r"computes with it \(gather\).*pp=1"):
+                layers[1](hidden, prev_topk_indices=topk)
 
 
 class _LayerWithPositions(torch.nn.Module):
@@ -182,7 +192,8 @@ def test_a_table_computed_before_the_layers_by_an_earlier_stages_module_is_an_er
     state.received = torch.ones(2, 4)
     placeholder = _StandIn("layers.0", 0, _meta_copy(_LayerWithPositions()), state, "earlier")(torch.zeros(2, 4),
                                                                                                  torch.zeros(1))
-    with pytest.raises(RuntimeError, match=r"takes argument 1 from 'encoder.embed_positions', which runs on stage 0"):
+    with pytest.raises(RuntimeError, match=r"takes argument 1 from 'encoder.embed_positions', which runs on stage 0; it "
+                                           r"computes with it \(sum\)"):
         layers[1](placeholder, positions)
     hidden = layers[1](placeholder, torch.ones(1))  # the received activation for the placeholder; real positions
     assert torch.equal(hidden, torch.full((2, 4), 2.0))
