@@ -56,8 +56,11 @@ Semantics and limits worth knowing:
   as are hidden states and caches, which other stages computed in part. Inputs may be positional or keywords
   (`model(input_ids=..., attention_mask=..., labels=...)`); every batch-major tensor is split.
 - Outputs of an earlier stage's module other than the hidden states (a second tuple element: a mask it
-  builds, an auxiliary loss) are zeros on later stages (a warning says so); a stage's first layer that
-  takes one of them from the layer before it (HY V4's top-k indices) is an error naming it, pp=1 the fix.
+  builds, an auxiliary loss) are zeros on later stages (a warning says so). A layer of a later stage that
+  computes with a stand-in's zeros (HY V4's top-k indices from the layer before; RoFormer's positions from
+  a module with parameters before the layers) is an error naming the argument and the module; taking them
+  unused is not (GLM-MoE-DSA). A module placed on an earlier stage but called after this stage's layers
+  (OPT's final norm, registered before them) is an error naming it.
 
 Tensor and data parallelism are applied to each stage view (FSDP2 with the view as root, as torch's
 pipelining expects), so dp x mp x pp composes.
@@ -290,8 +293,7 @@ class _StageState:
     last_placeholder: torch.Tensor | None = None  # the output of the stand-in just before our first layer
     # every stand-in's zeros in this forward, by their memory: StorageWeakRef -> (the stand-in's name, its stage)
     stand_in_zeros: dict = field(default_factory=dict)
-    last_output: object = None  # our last layer's output
-    layers_ran: bool = False  # this micro-batch's forward ran our last layer
+    last_output: object = None  # our last layer's output (None: it has not run in this micro-batch's forward)
     output_form: OutputForm | None = None  # the kind of output the model returned (last stage)
     keep_logits: bool = False  # this call is an evaluation whose logits are returned (last stage)
     logits: dict = field(default_factory=dict)  # micro-batch -> its logits, detached (last stage, evaluation)
@@ -327,7 +329,7 @@ class _StandIn(torch.nn.Module):
                     "layer ran; the model calls it before or between the layers, which no split into stages serves: "
                     "use pp=1 for this model")
             raise _StageExit()
-        if state.layers_ran:  # OPT's final norm, registered before its layers, is placed on the first stage
+        if state.last_output is not None:  # OPT's final norm, registered before its layers, is placed on the first stage
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} calls {self.name!r} after its own layers, but it is placed on "
                 f"stage {self.owner} (a module registered before the decoder layers, taken for one that runs before "
@@ -346,10 +348,11 @@ class _StandIn(torch.nn.Module):
         output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         state.last_placeholder = first if isinstance(first, torch.Tensor) else None
-        for zeros in tree_flatten(output)[0]:  # for the layers' check that none of them reaches a layer
-            if isinstance(zeros, torch.Tensor) and zeros.numel():
-                state.stand_in_zeros[StorageWeakRef(zeros.untyped_storage())] = (self.name, self.owner)
-        if sum(isinstance(t, torch.Tensor) for t in tree_flatten(output)[0]) > 1 and not self.__dict__.get("_warned"):
+        zeros = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        for tensor in zeros:  # for the layers' guard (_guard_stand_in_zeros)
+            if tensor.numel():
+                state.stand_in_zeros[StorageWeakRef(tensor.untyped_storage())] = (self.name, self.owner)
+        if len(zeros) > 1 and not self.__dict__.get("_warned"):
             self.__dict__["_warned"] = True
             warnings.warn(
                 f"pipeline parallel: {self.name!r} (stage {self.owner}) returns several tensors; stage {state.stage} "
@@ -715,7 +718,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
         args, kwargs = micro_batches[state.micro_batch]
         state.received = None if state.is_first else received[0]
         state.last_output = state.last_placeholder = None
-        state.stand_in_zeros, state.layers_ran = {}, False
+        state.stand_in_zeros = {}
         if state.is_last:  # a causal LM's fused head + loss (kernels.fuse), armed as the model's hooks would
             with labelled_call(view, args, kwargs) as finish:
                 return _last_stage_result(finish(run(args, kwargs)), state)
@@ -744,7 +747,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
             ) from error
         finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
             state.received = state.last_output = state.last_placeholder = None
-            state.stand_in_zeros, state.layers_ran = {}, False
+            state.stand_in_zeros = {}
 
     view.forward = forward
 
@@ -833,7 +836,8 @@ def _guard_stand_in_zeros(layer, args, kwargs, state: _StageState, *, replaced=N
 
 
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
-    """On the stage's first layer, take the received activation; on its last, remember the output."""
+    """On the stage's first layer, take the received activation; on its layers, guard the arguments computed from
+    stand-ins' zeros; on its last, remember the output."""
     owned = [layer for i, layer in enumerate(model_layers) if config.stage_of_layer(i) == state.stage]
     first, last = owned[0], owned[-1]
     if not state.is_first:
@@ -864,22 +868,16 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
 
         first.register_forward_pre_hook(take_received, with_kwargs=True, prepend=True)
 
-    def check_arguments(module, args, kwargs):
-        return _guard_stand_in_zeros(module, args, kwargs, state)
+        def guard_arguments(module, args, kwargs):
+            return _guard_stand_in_zeros(module, args, kwargs, state)
 
-    for layer in owned[1:] if not state.is_first else owned:  # the first takes its hidden states in take_received
-        layer.register_forward_pre_hook(check_arguments, with_kwargs=True, prepend=True)
+        for layer in owned[1:]:  # the first is guarded in take_received; the first stage has no earlier stand-ins
+            layer.register_forward_pre_hook(guard_arguments, with_kwargs=True, prepend=True)
 
-    def ran(module, args, output):
-        state.layers_ran = True
+    def remember(module, args, output):  # on every stage: a stand-in called after it is misplaced (_StandIn)
+        state.last_output = output
 
-    last.register_forward_hook(ran)
-    if not state.is_last:
-
-        def remember(module, args, output):
-            state.last_output = output
-
-        last.register_forward_hook(remember)
+    last.register_forward_hook(remember)
 
 
 class PipelineRunner:

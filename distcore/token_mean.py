@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 
 import torch
 import torch.distributed as dist
@@ -36,8 +35,6 @@ import torch.nn.functional as F
 
 from .api import local_value
 from .outputs import find_logits, find_loss, replace_loss
-
-log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # torch's cross_entropy default and Hugging Face's label padding
 
