@@ -278,12 +278,13 @@ def check_errors():
     model, optimizer = distcore.parallelize(*_model("seed-llama"), PP4, _pp("seed-llama"))
     labels = labels.clone()
     labels[:2, :5] = -100
-    try:
-        model(inputs, labels=labels)
-    except RuntimeError as error:
-        assert "Model computes its own mean loss" in str(error) and "micro-batches' losses" in str(error), str(error)
-    else:
-        raise AssertionError("an own mean loss over uneven micro-batches was accepted")
+    for call in (lambda: model(inputs, labels=labels), lambda: model(inputs, None, None, labels)):  # by position too
+        try:
+            call()
+        except RuntimeError as error:
+            assert "Model computes its own mean loss" in str(error) and "micro-batches' losses" in str(error), str(error)
+        else:
+            raise AssertionError("an own mean loss over uneven micro-batches was accepted")
 
 
 def check_checkpoint_moves_between_pipeline_and_other_layouts():
