@@ -262,18 +262,53 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
             else:
                 fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=sharding_level == 3,
                             mp_policy=mp_policy)
-    blocks = [block for _, block in decoder_blocks(model)]
+    shared, blocks = _data_parallel_units(model)
     if sharding_level == 0:
-        for block in blocks:
-            replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+        for unit in [*shared, *blocks]:
+            replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
         return
     reshard = sharding_level == 3
+    for module in shared:  # called by several blocks: gathered for each call, its gradient accumulated over them
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    shard_placement_fn=fsdp_shard_placement)
     for index, block in enumerate(blocks):
         # The last block's backward starts right after forward: resharding it would only re-gather.
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
+
+
+def _data_parallel_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(shared, blocks): the modules data parallel replicates or shards as units before the root.
+
+    `blocks`: the decoder blocks, each once. `shared`: the outermost modules that two or more blocks hold (Zamba's
+    one transformer block, which every hybrid layer calls): FSDP2 manages a parameter in one unit only, so such a
+    module is a unit of its own, made before the blocks (whose units then leave it out). A block that shares a
+    parameter with another block otherwise (one tensor registered in two modules) is no unit: the root manages
+    its parameters, each once."""
+    blocks = list({id(block): block for _, block in decoder_blocks(model)}.values())
+    holders: dict[int, set[int]] = {}  # module -> the blocks that hold it
+    for index, block in enumerate(blocks):
+        for module in block.modules():
+            if module is not block:
+                holders.setdefault(id(module), set()).add(index)
+    shared, inside = [], set()
+    for block in blocks:
+        for module in block.modules():
+            if len(holders.get(id(module), ())) > 1 and id(module) not in inside and next(module.parameters(), None) is not None:
+                shared.append(module)
+                inside.update(id(m) for m in module.modules())
+    owners: dict[int, set[int]] = {}  # parameter -> the blocks that hold it outside the shared modules
+    for index, block in enumerate(blocks):
+        for module in block.modules():
+            if id(module) not in inside:
+                for parameter in module.parameters(recurse=False):
+                    owners.setdefault(id(parameter), set()).add(index)
+    tied = set().union(*(o for o in owners.values() if len(o) > 1))
+    if tied:
+        log.info("parallelize: data parallel: blocks %s share parameters; the root manages them", sorted(tied))
+    return shared, [block for index, block in enumerate(blocks) if index not in tied]
 
 
 def _mixed_precision(dp_config: dict) -> MixedPrecisionPolicy:

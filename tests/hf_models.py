@@ -63,6 +63,11 @@ MORE_FAMILIES = {
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
     # A Mamba-2 layer, then an attention layer (IBM's hybrid); the mixer's gated RMSNorm, norm(x, gate), is no plain RMSNorm.
     "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1])),
+    # Mamba layers, and hybrid ones that each call a transformer block (its input the hidden states joined with
+    # the embeddings) through a linear layer of their own; the blocks' weights are tied to layer 2's (always 4
+    # layers: transformers ties to layer 2 by name).
+    "zamba": ("zamba", dict(num_hidden_layers=4, layers_block_type=["linear_attention", "linear_attention", "hybrid",
+                                                                    "hybrid"], mamba_dt_rank=8)),
     # A Mamba-2 mixer beside the attention in every layer, µP multipliers (its logits * lm_head_multiplier).
     "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3)),
     # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast

@@ -208,6 +208,51 @@ def check_own_mean_losses_over_uneven_labels_train_as_one_process():
         raise AssertionError("an own mean loss over uneven labels, not known to be a token mean, was accepted")
 
 
+class _SharedBlockModel(torch.nn.Module):
+    """Layers that share parts, as hand-written hybrids do: layers 0 and 2 call one MLP object (Zamba's shared
+    transformer block in older transformers), layers 1 and 3 hold separate norms whose weight is one tensor
+    (transformers' tied weights, as in Zamba now)."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self, mlp: torch.nn.Module):
+            super().__init__()
+            self.norm, self.mlp, self.out = torch.nn.LayerNorm(32), mlp, torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return x + self.out(self.mlp(self.norm(x)))
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, VOCAB)
+        shared = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        own = lambda: torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())  # noqa: E731
+        self.layers = torch.nn.ModuleList([self.Layer(shared), self.Layer(own()), self.Layer(shared), self.Layer(own())])
+        self.layers[3].norm.weight = self.layers[1].norm.weight
+
+    def forward(self, inputs, labels):
+        x = self.embed(inputs)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def check_blocks_sharing_a_module_or_a_parameter():
+    """A module two blocks hold is a data-parallel unit of its own (FSDP2 manages a parameter in one unit: before,
+    "shared with a parameter already managed by another FSDP group" on the first step, as Zamba's did), and blocks
+    tied by a parameter are left to the root: every level trains as one process does, each shared gradient the sum
+    of both uses."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    model = _SharedBlockModel()
+    reference = _train(model, torch.optim.SGD(model.parameters(), lr=0.5), batches=_batches()[:2])
+    for level in (0, 3):
+        model = _SharedBlockModel()
+        model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5), mesh,
+                                                {"dp_config": {"sharding_level": level}})
+        equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_batches()[:2]), reference)
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

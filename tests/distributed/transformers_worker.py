@@ -472,6 +472,14 @@ def check_labels_passed_by_position_count_like_keyword_ones():
     _train("llama", _strategy(2, 1, 2, num_micro_batches=2), positional=True)
 
 
+def check_zamba_blocks_tied_across_layers_train_data_parallel():
+    """Zamba's hybrid layers each hold a transformer block whose weights are tied to layer 2's: FSDP2 refused them
+    on the first step ("shared with a parameter already managed by another FSDP group"), under the searched
+    default too. The tied blocks are left to the root's unit: replicated and sharded, equal to one process."""
+    for level in (0, 3):
+        _train("zamba", _strategy(4, 1, 1, sharding_level=level))
+
+
 def check_unrecognised_and_ambiguous_models():
     assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
     # tp given for it: refused with the reason its structure is not recognised (before, only a log line said why)
