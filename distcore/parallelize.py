@@ -43,6 +43,7 @@ from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .token_mean import install_global_token_mean
+from .unused_parameters import UnusedParameters
 from .optimizer import with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
 from .overlap import mark_checked
@@ -115,18 +116,20 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         # pipeline stages never needs.
         from . import pipeline
 
+        unused = []  # each stage's data-parallel units
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_rank_groups=dims.rank_groups("pp"),
             pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),
-            parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
+            parallelize_stage=lambda stage: unused.append(_apply_tensor_and_data_parallel(
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
                 experts=experts,
-            ),
+            )),
         )
         micro_batches = runner.config.micro_batches
     else:
-        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config, experts=experts)
+        unused = [_apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config,
+                                                  experts=experts)]
         if dp_config is not None:
             _report_global_mean_loss(model, group=dims.group("dp"))
         micro_batches = 1
@@ -140,7 +143,10 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     if optimizer is None:
         return model, None
     # Pipeline parallel leaves other stages' parameters out of this rank's model.
-    return model, _rebuild_optimizer(optimizer, model, names_before, drop_missing="pp_config" in config)
+    optimizer = _rebuild_optimizer(optimizer, model, names_before, drop_missing="pp_config" in config)
+    for stage in filter(None, unused):  # no data parallel: nothing to track
+        stage.attach(optimizer)
+    return model, optimizer
 
 
 def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
@@ -155,7 +161,7 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
                                     dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None,
-                                    experts: "_ExpertPlan | None" = None) -> None:
+                                    experts: "_ExpertPlan | None" = None) -> UnusedParameters | None:
     """Tensor parallel over "mp" first (its block check runs the blocks whole), then expert parallel within
     "dp" (the MoE blocks, which tensor parallel leaves whole), then data parallel over "dp" on the resulting
     DTensor parameters."""
@@ -171,11 +177,12 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
     if experts is not None:
         apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
-    if dp_config is not None:
-        apply_data_parallel(
-            model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
-            mp_policy=_mixed_precision(dp_config), expert_mesh=experts.mesh if experts is not None else None,
-        )
+    if dp_config is None:
+        return None
+    return apply_data_parallel(
+        model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
+        mp_policy=_mixed_precision(dp_config), expert_mesh=experts.mesh if experts is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -245,29 +252,31 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
 
 
 def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int, mp_policy: MixedPrecisionPolicy,
-                        expert_mesh=None) -> None:
+                        expert_mesh=None) -> UnusedParameters:
     """Replicate (level 0) or shard (levels 1-3) `model` over `dp_mesh`, block by block, then the root.
 
     Why per block: each block's all-gather / reduce-scatter then overlaps the neighbouring blocks'
     compute, and at level 3 only one block's parameters are unsharded at a time. Expert-parallel experts
     (`expert_mesh`: the [dp / ep, ep] mesh) go first, over its "edp" dimension (expert_parallel.py says how
-    their gradients come out the dp average).
+    their gradients come out the dp average). Ranks may use different parameters in a step (experts their tokens
+    did not choose): the returned UnusedParameters, attached to the optimizer, keeps them one device's
+    (unused_parameters.py).
     """
     if sharding_level not in (0, 1, 2, 3):
         raise ValueError(f"parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {sharding_level!r}")
-    if expert_mesh is not None:
-        for experts in (m for m in model.modules() if isinstance(m, ExpertParallelExperts)):
-            if sharding_level == 0:
-                replicate(experts, mesh=expert_mesh["edp"], mp_policy=mp_policy)
-            else:
-                fully_shard(experts, mesh=expert_mesh["edp"], reshard_after_forward=sharding_level == 3,
-                            mp_policy=mp_policy)
+    # Expert-parallel experts: their grouped GEMMs run every local expert, which gets a gradient on every rank
+    experts = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)] if expert_mesh is not None else []
+    for unit in experts:
+        if sharding_level == 0:
+            replicate(unit, mesh=expert_mesh["edp"], mp_policy=mp_policy)
+        else:
+            fully_shard(unit, mesh=expert_mesh["edp"], reshard_after_forward=sharding_level == 3, mp_policy=mp_policy)
     shared, blocks = _data_parallel_units(model)
     if sharding_level == 0:
         for unit in [*shared, *blocks]:
             replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
-        return
+        return UnusedParameters([*shared, *blocks, model], dp_mesh.get_group(), apart=experts)
     reshard = sharding_level == 3
     for module in shared:  # called by several blocks: gathered for each call, its gradient accumulated over them
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
@@ -277,6 +286,7 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
+    return UnusedParameters([*shared, *blocks, model], dp_mesh.get_group(), apart=experts)
 
 
 def _data_parallel_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:

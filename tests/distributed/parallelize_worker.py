@@ -253,6 +253,76 @@ def check_blocks_sharing_a_module_or_a_parameter():
         equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_batches()[:2]), reference)
 
 
+class _RoutedModel(torch.nn.Module):
+    """A mixture of experts written as transformers' eager one is: each layer runs only the experts its tokens
+    chose (by token id here: ids below 43 to expert 0, up to 85 to expert 1, the rest to expert 2), and its
+    fourth expert is chosen by none. With a rank's rows holding one range of ids, each rank uses its own experts.
+    `dead` is used with a zero gradient: AdamW's weight decay moves it, as it does on one device."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(32)
+            self.experts = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(),
+                                                                   torch.nn.Linear(48, 32)) for _ in range(4))
+
+        def forward(self, x, ids):
+            h, out = self.norm(x), torch.zeros_like(x)
+            choice = ids * 3 // VOCAB
+            for index in choice.unique().tolist():  # the experts hit, as transformers' loop
+                rows = choice == index
+                out = out.index_put((rows,), self.experts[index](h[rows]))
+            return x + out
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, VOCAB)
+        self.layers = torch.nn.ModuleList([self.Layer(), self.Layer()])
+        self.dead = torch.nn.Parameter(torch.ones(4))  # used, its gradient exactly zero (a dead unit): not None
+
+    def forward(self, inputs, labels):
+        x = self.embed(inputs)
+        for layer in self.layers:
+            x = layer(x, inputs)
+        logits = self.head(x) + 0 * self.dead.sum()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def _routed_batches():
+    """_batches() with each rank's rows' ids in one third of the vocabulary (rank 3's like rank 0's), so each
+    rank's layers run one expert; labels anywhere."""
+    batches = []
+    for inputs, labels in _batches()[:2]:
+        rank = torch.arange(GLOBAL_BATCH) // (GLOBAL_BATCH // WORLD) % 3
+        batches.append((inputs % (VOCAB // 3) + (rank * (VOCAB // 3) + 1)[:, None], labels))
+    return batches
+
+
+def check_experts_some_ranks_do_not_run():
+    """Parameters that some ranks use and others not (experts no token of theirs chose), and parameters no rank uses
+    (an expert never chosen): each level trains as one process does, AdamW with weight decay included: a used
+    expert's gradient is the sum over the ranks that used it, and the unused one's is None at the optimizer's step,
+    so AdamW leaves it alone as on one process. Before, FSDP2 reduce-scattered each rank's used parameters only: gloo aborted on
+    collectives of different sizes (transformers' LongCat-Flash, whose tokens may all choose its identity experts)."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+
+    def optimizer(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1)
+
+    model = _RoutedModel()
+    reference = _train(model, optimizer(model), batches=_routed_batches())
+    unused = {name for name, gradient in reference.gradients.items() if gradient is None}
+    assert unused == {f"layers.{i}.experts.3.{j}.{k}" for i in (0, 1) for j in (0, 2) for k in ("weight", "bias")}, unused
+    for level in (0, 3):
+        model = _RoutedModel()
+        model, optimizer_ = distcore.parallelize(model, optimizer(model), mesh, {"dp_config": {"sharding_level": level}})
+        # Between backward and the optimizer's step the unused hold FSDP2's zeros (the step's pre-hook makes them
+        # None): the parameters after the steps tell whether AdamW decayed them
+        equivalence.assert_same_training(_train(model, optimizer_, mesh, batches=_routed_batches()), reference,
+                                         unused_zero=True)
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""Parameters that some data-parallel ranks use in a step and others do not.
+
+A mixture of experts written as transformers' eager loop runs only the experts its tokens chose (LongCat-Flash's
+tokens may all choose its identity experts), and other models skip branches by their data. FSDP2 (and its
+`replicate`) reduces the gradients of the parameters a rank used, so ranks that used different sets enter
+collectives of different sizes: gloo aborts, NCCL may hang. `reduce_scatter_unused_params` (FSDP2's counterpart of
+DDP's find_unused_parameters) has a rank contribute a zero gradient for a parameter it did not use: a used
+parameter's gradient is then the sum over the ranks that used it, as on one device.
+
+A parameter that no rank used then holds a zero gradient where one device leaves None, and an optimizer with
+weight decay or momentum would move it (DDP leaves such gradients alone). So each unit's gathered parameters
+record, by a hook, that they received a gradient, and before each optimizer step the ranks take the union of
+their records (one all-reduce of a flag per parameter) and give None to the parameters no rank used. A parameter
+that no hook saw but whose gradient is not zero (a use the hooks missed) counts as used: the worst a missed hook
+can do is leave FSDP2's zero, never drop a gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from .api import local_value
+
+
+class UnusedParameters:
+    """Makes the data-parallel `units` (FSDP2 modules, the root last) reduce zeros for parameters a rank did not use,
+    and (once `attach`ed to the optimizer) gives None to those no rank of `dp_group` used. The parameters of
+    `apart` (expert-parallel experts, reduced over their own group, each rank holding other experts) are left
+    alone: their grouped GEMMs give every local expert a gradient on every rank."""
+
+    def __init__(self, units: list[torch.nn.Module], dp_group, *, apart: list[torch.nn.Module] = ()):
+        self.dp_group = dp_group
+        self.used: set[tuple[int, str]] = set()  # (module, name) of the parameters that received a gradient
+        self.hooked: set[int] = set()  # the gathered parameters that carry the hook
+        self.training = False  # a forward that may be backpropagated ran since the last optimizer step
+        # (module, name) -> the parameter as the optimizer holds it (sharded, or replicated): each once, in an order
+        # that is the same on every rank
+        self.parameters: dict[tuple[int, str], torch.nn.Parameter] = {}
+        left = {(id(module), name) for unit in apart for module in unit.modules() for name in module._parameters}
+        for unit in units:  # a unit nested in another comes first: its parameters are its own
+            own = []
+            for module in unit.modules():
+                for name, parameter in module._parameters.items():
+                    key = (id(module), name)
+                    if parameter is not None and parameter.requires_grad and key not in self.parameters and key not in left:
+                        self.parameters[key] = parameter
+                        own.append((module, name, key))
+            # After FSDP2's own pre-forward hook, which gathers the unit's parameters
+            unit.register_forward_pre_hook(functools.partial(self._before_forward, own=own, zeros=[None]))
+
+    def _before_forward(self, unit: torch.nn.Module, args, *, own: list, zeros: list) -> None:
+        # Zeros for unused parameters where a backward may follow only: torch's pipeline schedules run FSDP2's
+        # post-backward after an evaluation too, where they would reduce zeros, and one replica may evaluate alone.
+        self.training |= torch.is_grad_enabled()
+        if zeros[0] != torch.is_grad_enabled():
+            zeros[0] = torch.is_grad_enabled()
+            unit.set_reduce_scatter_unused_params(zeros[0], recurse=False)
+        for module, name, key in own:
+            parameter = module._parameters.get(name)
+            if parameter is None or parameter is self.parameters[key] or id(parameter) in self.hooked:
+                continue  # not gathered, or hooked already (FSDP2 keeps its gathered parameter from step to step)
+            self.hooked.add(id(parameter))
+            parameter.register_post_accumulate_grad_hook(lambda _, key=key: self.used.add(key))
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_pre_hook(lambda *_: self.drop_unused_gradients())
+
+    def drop_unused_gradients(self) -> None:
+        """Before an optimizer step: None for the gradients no rank's backward produced since the last step. Only
+        after a training forward: a step without one (torch.distributed.checkpoint's, with zero gradients, to create
+        the optimizer's state before loading it) is left alone."""
+        if not self.training:
+            return
+        self.training = False
+        by_parameter: dict[int, list] = {}  # a tied parameter under several (module, name)
+        for key, parameter in self.parameters.items():
+            by_parameter.setdefault(id(parameter), [parameter, False])[1] |= key in self.used
+        entries = list(by_parameter.values())
+        self.used.clear()
+        if not entries:
+            return
+        used = [seen or (p.grad is not None and bool(local_value(p.grad).any())) for p, seen in entries]
+        flags = torch.tensor(used, dtype=torch.int32, device=local_value(entries[0][0]).device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for (parameter, _), flag in zip(entries, flags.tolist()):
+            if not flag:
+                parameter.grad = None
