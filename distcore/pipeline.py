@@ -5,10 +5,12 @@ How a model written for one device becomes pipeline stages, without tracing it:
 - `split_spec` names the decoder-layer list (split evenly; where the stages do not divide the layers,
   the first and last stages, which also run the embedding and the LM head, get a layer fewer, as
   autotune's `stage_layers`; or as `layers_per_stage` lists) or exact split points
-  (`{"llama.layers.1": SplitPoint.END}`). Stage `s` owns its layers; modules registered before the
-  layer list (the embedding) belong to the first stage, those after it (final norm, LM head) and bare
-  parameters of the containers (the seed's LM-head `weight`) to the last. Parameter-free modules
-  (rotary tables, masks, `global_spec` layers) run on every stage.
+  (`{"llama.layers.1": SplitPoint.END}`). Stage `s` owns its layers; modules the forward calls before the
+  layer list (the embedding) belong to the first stage, those it calls after it (final norm, LM head) and bare
+  parameters of the containers (the seed's LM-head `weight`) to the last: the order of the calls is seen in one
+  forward on fake tensors (shapes only) of 8 token ids, or, where that cannot run, taken from the order the
+  modules are registered in. Parameter-free modules (rotary tables, masks, `global_spec` layers) run on every
+  stage.
 - Each stage is a *view* of the model: a shallow copy of the containers on the path to the layer
   list, sharing every owned module, with modules of other stages replaced by parameter-free
   stand-ins. Parameter names stay the model's own, so checkpoints move between strategies.
@@ -60,7 +62,7 @@ Semantics and limits worth knowing:
   computes with a stand-in's zeros (HY V4's top-k indices from the layer before; RoFormer's positions from
   a module with parameters before the layers) is an error naming the argument and the module; taking them
   unused is not (GLM-MoE-DSA). A module placed on an earlier stage but called after this stage's layers
-  (OPT's final norm, registered before them) is an error naming it.
+  (one registered before them, where the call-order probe could not run) is an error naming it.
 
 Tensor and data parallelism are applied to each stage view (FSDP2 with the view as root, as torch's
 pipelining expects), so dp x mp x pp composes.
@@ -88,6 +90,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -324,16 +327,16 @@ class _StandIn(torch.nn.Module):
         if self.role == "later":
             if state.last_output is None:  # this stage's last layer has not run: the stage cannot end here
                 raise RuntimeError(
-                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} (a module "
-                    "registered after the decoder layers, taken for one that runs after them), before its own last "
-                    "layer ran; the model calls it before or between the layers, which no split into stages serves: "
+                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} as a module "
+                    "that runs after the decoder layers (where the probe forward called it, or else where it is "
+                    "registered), before its own last layer ran; the model calls it before or between the layers, which no split into stages serves: "
                     "use pp=1 for this model")
             raise _StageExit()
-        if state.last_output is not None:  # OPT's final norm, registered before its layers, is placed on the first stage
+        if state.last_output is not None:  # a final norm registered before the layers, the probe forward failing
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} calls {self.name!r} after its own layers, but it is placed on "
-                f"stage {self.owner} (a module registered before the decoder layers, taken for one that runs before "
-                "them); this stage would compute from its stand-in's zeros: register it after the layer list, or use "
+                f"stage {self.owner} as a module that runs before the decoder layers (where the probe forward called "
+                "it, or else where it is registered); this stage would compute from its stand-in's zeros: register it after the layer list, or use "
                 "pp=1 for this model")
         device = _device_of(args, kwargs)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
@@ -499,6 +502,41 @@ def embeddings_after_layers(model: torch.nn.Module, layer_list: str) -> list[str
             if after and any(isinstance(m, torch.nn.Embedding) for m in modules[name].modules())]
 
 
+def _called_around_layers(model: torch.nn.Module, layer_list: str, names: list[str]) -> dict[str, bool]:
+    """Where the model's forward first calls each module of `names`: True after the layer list's last layer, False
+    before its first. A module called between them, never, or a forward that cannot run is left out (it is placed by
+    where it is registered). One forward in eval mode on fake tensors (FakeTensorMode: shapes only, nothing computed
+    or allocated, no weight read) of 8 token ids, `model(ids)`, as a causal LM takes them."""
+    modules = dict(model.named_modules())
+    layers = list(modules[layer_list])
+    parameter = next(model.parameters(), None)
+    if not names or not layers or parameter is None:
+        return {}
+    position, first_call = ["before"], {}
+
+    def called(name: str) -> None:  # (a pre-hook's return value would replace the module's arguments)
+        first_call.setdefault(name, position[0])
+
+    hooks = [modules[name].register_forward_pre_hook(lambda *_, name=name: called(name)) for name in names]
+    hooks.append(layers[0].register_forward_pre_hook(lambda *_: position.__setitem__(0, "between")))
+    hooks.append(layers[-1].register_forward_hook(lambda *_: position.__setitem__(0, "after")))
+    modes = {module: module.training for module in model.modules()}
+    try:
+        model.eval()
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            model(torch.zeros(1, 8, dtype=torch.long, device=parameter.device))
+    except Exception as error:  # noqa: BLE001 - any model code that needs values: registration order then
+        log.info("pipeline parallel: the call-order probe of the modules outside %r failed (%s: %s); they are placed "
+                 "by where they are registered", layer_list, type(error).__name__, error)
+        return {}
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for module, training in modes.items():
+            module.training = training
+    return {name: where == "after" for name, where in first_call.items() if where != "between"}
+
+
 def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
     late = embeddings_after_layers(model, config.layer_list)
     if late:
@@ -508,8 +546,12 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
             "such as Gemma 3n's and Gemma 4's reach every layer beside the hidden states); use pp=1 for this model")
     placement = _Placement(path=_path_to(config.layer_list))
     last = config.num_stages - 1
-    for name, after in _outside_modules(model, config.layer_list).items():
-        placement.owner[name] = last if after else 0
+    outside = _outside_modules(model, config.layer_list)
+    # Where the forward calls them, where it can be seen: OPT registers its final norm before its layer list, and
+    # Camembert and XLM-R their LM head before the encoder
+    called = _called_around_layers(model, config.layer_list, list(outside))
+    for name, registered_after in outside.items():
+        placement.owner[name] = last if called.get(name, registered_after) else 0
     modules = dict(model.named_modules())
     for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
         placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)

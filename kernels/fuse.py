@@ -980,6 +980,14 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | No
         def forward(self, *args, **kwargs):
             return _DecoderOutput(last_hidden_state=hidden)
 
+        def __getattr__(self, name: str):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                if isinstance(base._modules.get(name), torch.nn.Module):  # OPT calls self.model.decoder(...)
+                    return self
+                raise
+
     # A mixture of experts' router load-balancing loss, which the forward adds from the decoder's router logits
     # (the head plays no part in it), is left out of the probe: the stand-in decoder has no router logits.
     no_router_loss = ({"output_router_logits": False}

@@ -63,6 +63,9 @@ MORE_FAMILIES = {
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
     # A Mamba-2 layer, then an attention layer (IBM's hybrid); the mixer's gated RMSNorm, norm(x, gate), is no plain RMSNorm.
     "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1])),
+    # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
+    # called under pipeline parallel).
+    "opt": ("opt", dict(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, dropout=0.0)),  # 0.1 by default: masks differ by layout
     # Mamba layers, and hybrid ones that each call a transformer block (its input the hidden states joined with
     # the embeddings) through a linear layer of their own; the blocks' weights are tied to layer 2's (always 4
     # layers: transformers ties to layer 2 by name).

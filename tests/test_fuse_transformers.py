@@ -161,12 +161,20 @@ def test_fuse_keeps_loss_logits_and_every_gradient_of_more_families(family):
         out = fused(**kwargs)
     out.loss.backward()
     ops = sum(count for op, count in forward.items() if op != "linear_cross_entropy")
-    assert ops > 0 and forward["linear_cross_entropy"] == LOSS_FORWARD_LAUNCHES["linear_cross_entropy"], forward
+    assert ops > 0 or family == "opt", forward  # OPT's LayerNorms and ReLU MLP: its LM head + loss alone fuses
+    assert forward["linear_cross_entropy"] == LOSS_FORWARD_LAUNCHES["linear_cross_entropy"], forward
     budget = (ops * HIDDEN + VOCAB) * U_FP32  # as _budgets: each fused op's reduction, and the loss's
     _assert_within(out.loss, expected.loss, budget, "loss")
+    gradients = {name: p.grad for name, p in model.named_parameters()}
     for (name, p), q in zip(model.named_parameters(), fused.parameters()):
         assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
+        if p.grad is None:
+            continue
+        if name.endswith("k_proj.bias"):  # zero in exact arithmetic (softmax ignores a shift shared by a query's
+            # scores): rounding noise on both sides, held to the rounding of the key weight's gradient it comes with
+            error = (q.grad - p.grad).abs().max().item()
+            assert error <= 2 * budget * gradients[name.replace("bias", "weight")].abs().max().item(), (name, error)
+        else:
             _assert_within(q.grad, p.grad, 2 * budget, name)
     del kwargs["labels"]
     with torch.no_grad():

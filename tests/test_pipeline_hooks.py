@@ -218,3 +218,40 @@ def test_an_earlier_stages_module_called_after_this_stages_layers_is_an_error_na
     with pytest.raises(RuntimeError, match=r"stage 1 calls 'model.decoder.final_layer_norm' after its own layers, but "
                                            r"it is placed on stage 0.*register it after the layer list, or use pp=1"):
         norm(hidden)
+
+
+class _RegisteredOutOfOrder(torch.nn.Module):
+    """OPT's and Camembert's layouts: the LM head and the final norm registered before the layer list, called after it."""
+
+    def __init__(self, *, needs_values: bool = False):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 10)
+        self.embed = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.needs_values = needs_values
+
+    def forward(self, ids):
+        if self.needs_values and int(ids.max()) > 9:  # a value, which a forward on fake tensors cannot read
+            raise ValueError("token out of range")
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def test_modules_are_placed_on_the_stage_where_the_forward_calls_them():
+    """The LM head and the final norm go to the last stage, where the forward calls them, though registered before
+    the layers (before, OPT's final norm went to the first stage: an error on the last one); one forward on fake
+    tensors shows it, reading no weight and leaving the model as it was (its mode, its values). Where that forward
+    cannot run (it reads a value), the modules are placed by where they are registered, as before."""
+    from tridist.distcore.pipeline import _placement
+
+    config = PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)
+    model = _RegisteredOutOfOrder()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    owner = _placement(model, config).owner
+    assert owner == {"head": 1, "embed": 0, "norm": 1, "layers.0": 0, "layers.1": 1}, owner
+    assert model.training and all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    owner = _placement(_RegisteredOutOfOrder(needs_values=True), config).owner
+    assert owner == {"head": 0, "embed": 0, "norm": 0, "layers.0": 0, "layers.1": 1}, owner

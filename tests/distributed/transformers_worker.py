@@ -480,6 +480,13 @@ def check_zamba_blocks_tied_across_layers_train_data_parallel():
         _train("zamba", _strategy(4, 1, 1, sharding_level=level))
 
 
+def check_opt_final_norm_registered_before_its_layers_trains_under_pipeline_parallel():
+    """OPT registers its final norm before its layer list: placed by registration on the first stage, the last stage
+    computed from its stand-in's zeros (the embedding's gradient 100% off; then an error). Placed where the forward
+    calls it, after the layers: equal to one process under dp 2 x pp 2, with its fused LM head + loss."""
+    _train("opt", _strategy(2, 1, 2, num_micro_batches=2))
+
+
 def check_unrecognised_and_ambiguous_models():
     assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
     # tp given for it: refused with the reason its structure is not recognised (before, only a log line said why)
