@@ -70,9 +70,11 @@ pipelining expects), so dp x mp x pp composes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import enum
+import inspect
 import logging
 import re
 import warnings
@@ -91,6 +93,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -502,39 +506,144 @@ def embeddings_after_layers(model: torch.nn.Module, layer_list: str) -> list[str
             if after and any(isinstance(m, torch.nn.Embedding) for m in modules[name].modules())]
 
 
-def _called_around_layers(model: torch.nn.Module, layer_list: str, names: list[str]) -> dict[str, bool]:
-    """Where the model's forward first calls each module of `names`: True after the layer list's last layer, False
-    before its first. A module called between them, never, or a forward that cannot run is left out (it is placed by
-    where it is registered). One forward in eval mode on fake tensors (FakeTensorMode: shapes only, nothing computed
-    or allocated, no weight read) of 8 token ids, `model(ids)`, as a causal LM takes them."""
+# Ops whose outputs take only their inputs' shape, dtype and device (Inkling 2's `inputs_embeds.new_zeros(...)`)
+_SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like", "full_like",
+               "rand_like", "randn_like", "randint_like"}
+
+
+class _Sources(TorchFunctionMode):
+    """Which marked tensors each tensor is computed from: every torch op's outputs come from its inputs' sources."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources = WeakTensorKeyDictionary()
+
+    def of(self, value) -> frozenset:
+        return frozenset().union(*(self.sources.get(t, frozenset()) for t in tree_flatten(value)[0]
+                                   if isinstance(t, torch.Tensor)))
+
+    def mark(self, value, sources: frozenset) -> None:
+        for tensor in tree_flatten(value)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.sources[tensor] = sources
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", "") in _SHAPE_ONLY:
+            return out
+        inputs = self.of((args, kwargs))
+        if inputs:
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.sources[tensor] = self.sources.get(tensor, frozenset()) | inputs
+        return out
+
+
+@dataclass
+class ForwardProbe:
+    """What one forward of the whole model shows about the modules beside its layer list (`probe_forward`)."""
+
+    after: dict[str, bool]  # module -> first called after the last layer (True) or before the first (False)
+    reused: list[str]  # what the loss and logits are computed from besides the last layer and the modules after it
+
+
+def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | None:
+    """One forward of `model(ids, labels=ids)` on 8 token ids (labels where the forward takes them), in eval mode under
+    no_grad, watching the modules beside the layer list (`_outside_modules`) and the layers: where each module is
+    first called (before the first layer or after the last one; one called between them is left out), and what the
+    loss and the logits are computed from, each layer's hidden-state input counted as received (as a pipeline stage
+    receives it). Any other layer's output, or the output of a module called before the layers, that reaches them is
+    `reused`: on a later stage it would be a stand-in's zeros (an ELMo-style mix of every layer's output, Zamba's
+    embeddings beside each layer, RoFormer's sinusoidal positions, CPM-Ant's position bias).
+
+    On fake tensors (FakeTensorMode: shapes only, no weight read, no memory) where the model's code allows, else on
+    the real weights (a router's data-dependent shapes: a forward of 8 tokens); None where neither runs (values read
+    on the meta device): the caller then places modules by where they are registered."""
     modules = dict(model.named_modules())
     layers = list(modules[layer_list])
     parameter = next(model.parameters(), None)
-    if not names or not layers or parameter is None:
-        return {}
-    position, first_call = ["before"], {}
+    if not layers or parameter is None:
+        return None
+    outside = {name: modules[name] for name in _outside_modules(model, layer_list)}
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs its own errors, which the real run answers
+    for fake in (True, False):
+        if not fake and parameter.is_meta:
+            return None
+        level = fake_log.level
+        try:
+            fake_log.setLevel(logging.CRITICAL)
+            return _run_probe(model, layers, outside, parameter.device, fake=fake)
+        except Exception as error:  # noqa: BLE001 - model code that needs values (fake), or cannot run at all
+            log.info("pipeline parallel: the probe forward%s failed (%s: %s)", " on fake tensors" if fake else "",
+                     type(error).__name__, error)
+        finally:
+            fake_log.setLevel(level)
+    return None
+
+
+def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, fake: bool) -> ForwardProbe:
+    tracker, position, first_call = _Sources(), ["before"], {}
 
     def called(name: str) -> None:  # (a pre-hook's return value would replace the module's arguments)
         first_call.setdefault(name, position[0])
 
-    hooks = [modules[name].register_forward_pre_hook(lambda *_, name=name: called(name)) for name in names]
+    def computed_before(name: str, output) -> None:
+        if position[0] == "before":
+            tracker.mark(output, tracker.of(output) | {name})
+
+    def received(module, args, kwargs):  # the hidden states: received from the stage before, no source of their own
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor):
+            return None
+        fresh = hidden.view_as(hidden)
+        tracker.sources[fresh] = frozenset()
+        return ((fresh, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": fresh})
+
+    hooks = []
+    for name, module in outside.items():
+        hooks.append(module.register_forward_pre_hook(lambda *_, name=name: called(name)))
+        hooks.append(module.register_forward_hook(lambda _, __, output, name=name: computed_before(name, output)))
+    for index, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(received, with_kwargs=True))
+        hooks.append(layer.register_forward_hook(
+            lambda _, __, output, index=index: tracker.mark(output, tracker.of(output) | {f"decoder layer {index}"})))
     hooks.append(layers[0].register_forward_pre_hook(lambda *_: position.__setitem__(0, "between")))
     hooks.append(layers[-1].register_forward_hook(lambda *_: position.__setitem__(0, "after")))
     modes = {module: module.training for module in model.modules()}
     try:
         model.eval()
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            model(torch.zeros(1, 8, dtype=torch.long, device=parameter.device))
-    except Exception as error:  # noqa: BLE001 - any model code that needs values: registration order then
-        log.info("pipeline parallel: the call-order probe of the modules outside %r failed (%s: %s); they are placed "
-                 "by where they are registered", layer_list, type(error).__name__, error)
-        return {}
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.ExitStack() as stack:
+            if fake:
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(tracker)
+            ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+            # Labels where the forward takes them (a loss computed beside the logits, or instead of them: a fused LM
+            # head); no key/value cache: layers updating one shared cache would each seem to read the others' outputs
+            kwargs = {name: value for name, value in (("labels", ids), ("use_cache", False)) if _takes(model, name)}
+            output = model(ids, **kwargs)
+            sources = tracker.of((find_loss(output), find_logits(output)))
     finally:
         for hook in hooks:
             hook.remove()
         for module, training in modes.items():
             module.training = training
-    return {name: where == "after" for name, where in first_call.items() if where != "between"}
+    allowed = {f"decoder layer {len(layers) - 1}"} | {name for name, where in first_call.items() if where == "after"}
+    return ForwardProbe(after={name: where == "after" for name, where in first_call.items() if where != "between"},
+                        reused=sorted(sources - allowed))
+
+
+def _takes(model: torch.nn.Module, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def reused_outputs(model: torch.nn.Module, layer_list: str) -> list[str]:
+    """`probe_forward`'s `reused` (none where the probe cannot run): what no split into pipeline stages computes
+    where the logits need it."""
+    probe = probe_forward(model, layer_list)
+    return probe.reused if probe is not None else []
 
 
 def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
@@ -546,16 +655,25 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
             "such as Gemma 3n's and Gemma 4's reach every layer beside the hidden states); use pp=1 for this model")
     placement = _Placement(path=_path_to(config.layer_list))
     last = config.num_stages - 1
-    outside = _outside_modules(model, config.layer_list)
+    probe = probe_forward(model, config.layer_list)
+    if probe is not None and probe.reused:
+        raise NotImplementedError(_reused_message(probe.reused, config.layer_list))
     # Where the forward calls them, where it can be seen: OPT registers its final norm before its layer list, and
     # Camembert and XLM-R their LM head before the encoder
-    called = _called_around_layers(model, config.layer_list, list(outside))
-    for name, registered_after in outside.items():
+    called = probe.after if probe is not None else {}
+    for name, registered_after in _outside_modules(model, config.layer_list).items():
         placement.owner[name] = last if called.get(name, registered_after) else 0
     modules = dict(model.named_modules())
     for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
         placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)
     return placement
+
+
+def _reused_message(reused: list[str], layer_list: str) -> str:
+    return (f"pipeline parallel: the model's loss and logits are computed from {reused} besides the hidden states "
+            f"each layer of {layer_list!r} passes to the next (model code combining layer outputs, or feeding an "
+            "embedding to every layer); a pipeline stage holds zeros in the place of another stage's outputs: use pp=1 "
+            "for this model")
 
 
 def _join(prefix: str, name: str) -> str:

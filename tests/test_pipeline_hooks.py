@@ -243,15 +243,67 @@ class _RegisteredOutOfOrder(torch.nn.Module):
 def test_modules_are_placed_on_the_stage_where_the_forward_calls_them():
     """The LM head and the final norm go to the last stage, where the forward calls them, though registered before
     the layers (before, OPT's final norm went to the first stage: an error on the last one); one forward on fake
-    tensors shows it, reading no weight and leaving the model as it was (its mode, its values). Where that forward
-    cannot run (it reads a value), the modules are placed by where they are registered, as before."""
+    tensors shows it, reading no weight and leaving the model as it was (its mode, its values). Where the forward
+    reads a value, a forward of the real weights shows it; where neither runs (a value read on the meta device), the
+    modules are placed by where they are registered, as before."""
     from tridist.distcore.pipeline import _placement
 
     config = PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)
+    by_call = {"head": 1, "embed": 0, "norm": 1, "layers.0": 0, "layers.1": 1}
     model = _RegisteredOutOfOrder()
     before = {name: p.clone() for name, p in model.state_dict().items()}
-    owner = _placement(model, config).owner
-    assert owner == {"head": 1, "embed": 0, "norm": 1, "layers.0": 0, "layers.1": 1}, owner
+    assert _placement(model, config).owner == by_call
     assert model.training and all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
-    owner = _placement(_RegisteredOutOfOrder(needs_values=True), config).owner
+    assert _placement(_RegisteredOutOfOrder(needs_values=True), config).owner == by_call
+    owner = _placement(_RegisteredOutOfOrder(needs_values=True).to("meta"), config).owner
     assert owner == {"head": 0, "embed": 0, "norm": 0, "layers.0": 0, "layers.1": 1}, owner
+
+
+class _Mixed(torch.nn.Module):
+    """Layers whose outputs model code reuses: an ELMo-style mix of every layer's output (`mix`), the embeddings
+    fed to every layer beside the hidden states (`embeddings`, Zamba's), or a value one layer hands the next that
+    the next ignores (`handed`, GLM-MoE-DSA's top-k)."""
+
+    def __init__(self, reuse: str):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList([_TwoInputs() for _ in range(4)])
+        self.head = torch.nn.Linear(4, 10)
+        self.reuse = reuse
+
+    def forward(self, ids, labels=None):
+        x = first = self.embed(ids)
+        outputs, handed = [], None
+        for layer in self.layers:
+            x, handed = layer(x, first if self.reuse == "embeddings" else None, handed)
+            outputs.append(x)
+        logits = self.head(torch.stack(outputs).mean(0) if self.reuse == "mix" else x)
+        # With labels, the loss alone (as a fused LM head + loss returns it): the probe passes labels
+        return logits if labels is None else torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, hidden, beside=None, handed=None):
+        out = self.linear(hidden if beside is None else hidden + beside)
+        return out, out.sum(-1)
+
+
+def test_logits_computed_from_other_stages_outputs_are_refused_at_parallelize():
+    """Model code that reuses layer outputs, or an embedding beside every layer, computed on another stage: a stage
+    would compute from a stand-in's zeros (a hand-written mix of the layers ran under pp 2 with the loss 0.7% and the
+    first stage's gradients 90% off, without an error). Refused when the stages are placed, naming what the loss
+    (the probe passes labels) is computed from; a value handed on and ignored is not refused (the runtime guard names
+    any use)."""
+    from tridist.distcore.pipeline import _placement, reused_outputs
+
+    config = PipelineConfig("layers", [0, 2], 4, "GPipe", 2, 1)  # layers 0, 1 on stage 0; 2, 3 on stage 1
+    with pytest.raises(NotImplementedError, match=r"loss and logits are computed from \['decoder layer 0', 'decoder layer 1', "
+                                                  r"'decoder layer 2'\] besides the hidden states.*pp=1"):
+        _placement(_Mixed("mix"), config)
+    assert reused_outputs(_Mixed("embeddings"), "layers") == ["embed"]
+    assert reused_outputs(_Mixed("handed"), "layers") == []
+    assert _placement(_Mixed("handed"), config).owner["head"] == 1
