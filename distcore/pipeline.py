@@ -415,6 +415,9 @@ class _ForeignTensor:
             "parallel for this model (pp=1)"
         )
 
+    def __getitem__(self, index):  # BigBird's code indexes another stage's weight
+        return self.__getattr__("__getitem__")
+
     def __repr__(self) -> str:
         return f"_ForeignTensor({self.name!r} of stage {self.owner}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
@@ -548,13 +551,13 @@ class ForwardProbe:
 
 
 def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | None:
-    """One forward of `model(ids, labels=ids)` on 8 token ids (labels where the forward takes them), in eval mode under
-    no_grad, watching the modules beside the layer list (`_outside_modules`) and the layers: where each module is
-    first called (before the first layer or after the last one; one called between them is left out), and what the
-    loss and the logits are computed from, each layer's hidden-state input counted as received (as a pipeline stage
-    receives it). Any other layer's output, or the output of a module called before the layers, that reaches them is
-    `reused`: on a later stage it would be a stand-in's zeros (an ELMo-style mix of every layer's output, Zamba's
-    embeddings beside each layer, RoFormer's sinusoidal positions, CPM-Ant's position bias).
+    """One forward of `model(ids, labels=ids)` on 8 token ids (labels where the forward takes them), under no_grad in
+    the model's own mode, watching the modules beside the layer list (`_outside_modules`) and the layers: where each
+    module is first called (before the first layer or after the last one; one called between them is left out), and
+    what the loss and the logits are computed from, each layer's hidden-state input counted as received (as a
+    pipeline stage receives it). Any other layer's output, or the output of a module called before the layers, that
+    reaches them is `reused`: on a later stage it would be a stand-in's zeros (an ELMo-style mix of every layer's
+    output, Zamba's embeddings beside each layer, RoFormer's sinusoidal positions, CPM-Ant's position bias).
 
     On fake tensors (FakeTensorMode: shapes only, no weight read, no memory) where the model's code allows, else on
     the real weights (a router's data-dependent shapes: a forward of 8 tokens); None where neither runs (values read
@@ -566,19 +569,26 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
         return None
     outside = {name: modules[name] for name in _outside_modules(model, layer_list)}
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs its own errors, which the real run answers
+    versions = [(name, p, p._version) for name, p in model.named_parameters()]
+    probe = None
     for fake in (True, False):
         if not fake and parameter.is_meta:
-            return None
+            break
         level = fake_log.level
         try:
             fake_log.setLevel(logging.CRITICAL)
-            return _run_probe(model, layers, outside, parameter.device, fake=fake)
+            probe = _run_probe(model, layers, outside, parameter.device, fake=fake)
+            break
         except Exception as error:  # noqa: BLE001 - model code that needs values (fake), or cannot run at all
             log.info("pipeline parallel: the probe forward%s failed (%s: %s)", " on fake tensors" if fake else "",
                      type(error).__name__, error)
         finally:
             fake_log.setLevel(level)
-    return None
+    changed = [name for name, p, version in versions if p._version != version]
+    if changed:
+        raise RuntimeError(f"pipeline parallel: the probe forward (one of 8 token ids, to place the stages) changed "
+                           f"{changed[:3]} in place; use pp=1 for a model whose forward changes its parameters")
+    return probe
 
 
 def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, fake: bool) -> ForwardProbe:
@@ -609,9 +619,15 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, f
             lambda _, __, output, index=index: tracker.mark(output, tracker.of(output) | {f"decoder layer {index}"})))
     hooks.append(layers[0].register_forward_pre_hook(lambda *_: position.__setitem__(0, "between")))
     hooks.append(layers[-1].register_forward_hook(lambda *_: position.__setitem__(0, "after")))
-    modes = {module: module.training for module in model.modules()}
+    # The forward runs in the model's own mode (RWKV rescales its weights in place on a switch to eval mode) and
+    # leaves nothing behind: the modules' settings (RWKV's `layers_are_rescaled`) are put back, and so are the
+    # buffers (a BatchNorm's statistics); a parameter changed in place is an error (probe_forward).
+    settings = [(module, _plain_settings(module), dict(module._parameters), dict(module._buffers))
+                for module in model.modules()]
+    # (In place on a real scalar, fake mode writes it too.) Put back only where written: a write counts as a change
+    # (LazyGuard refuses a meta buffer changed after it)
+    values = [(b, b._version, b.clone()) for b in model.buffers()]
     try:
-        model.eval()
         with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.ExitStack() as stack:
             if fake:
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -625,11 +641,22 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, f
     finally:
         for hook in hooks:
             hook.remove()
-        for module, training in modes.items():
-            module.training = training
+        for module, plain, parameters, buffers in settings:  # also tensors rebound (`self.count += 1`)
+            vars(module).update(plain)
+            module._parameters.update(parameters)
+            module._buffers.update(buffers)
+        with torch.no_grad():
+            for buffer, version, value in values:
+                if buffer._version != version:
+                    buffer.copy_(value)
     allowed = {f"decoder layer {len(layers) - 1}"} | {name for name, where in first_call.items() if where == "after"}
     return ForwardProbe(after={name: where == "after" for name, where in first_call.items() if where != "between"},
                         reused=sorted(sources - allowed))
+
+
+def _plain_settings(module: torch.nn.Module) -> dict:
+    return {key: value for key, value in vars(module).items()
+            if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None)))}
 
 
 def _takes(model: torch.nn.Module, argument: str) -> bool:

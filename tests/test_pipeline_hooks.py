@@ -307,3 +307,42 @@ def test_logits_computed_from_other_stages_outputs_are_refused_at_parallelize():
     assert reused_outputs(_Mixed("embeddings"), "layers") == ["embed"]
     assert reused_outputs(_Mixed("handed"), "layers") == []
     assert _placement(_Mixed("handed"), config).owner["head"] == 1
+
+
+class _Rescaling(_RegisteredOutOfOrder):
+    """RWKV's habit: its forward rescales weights in place when the mode switched (`layers_are_rescaled`); it also
+    keeps the last length seen and counts its `calls` in a buffer (as a BatchNorm's statistics); `in_place` changes a
+    weight in every forward."""
+
+    def __init__(self, *, in_place: bool = False):
+        super().__init__(needs_values=True)  # a forward of the real weights
+        self.rescaled, self.in_place, self.length = False, in_place, None
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, ids):
+        self.length = ids.shape[-1]  # a setting the forward leaves behind
+        if self.training == self.rescaled or self.in_place:
+            with torch.no_grad():
+                self.head.weight.mul_(2.0)
+            self.rescaled = not self.training
+        self.calls += 1
+        return super().forward(ids)
+
+
+def test_the_probe_forward_leaves_the_model_as_it_was():
+    """The probe runs in the model's own mode (switching to eval made RWKV rescale its weights and remember it: its
+    training under pp then read other stages' layers, refused) and puts back what the forward set: settings and, on
+    the real weights, buffers; a forward that changes a parameter in place is an error naming it. Another stage's
+    weight read by indexing is the stand-in's error, not a TypeError (BigBird)."""
+    from tridist.distcore.pipeline import _ForeignTensor, probe_forward
+
+    model = _Rescaling()
+    weight = model.head.weight.clone()
+    assert probe_forward(model, "layers").after == {"head": True, "embed": False, "norm": True}
+    assert not model.rescaled and model.length is None and model.calls == 0 and torch.equal(model.head.weight, weight)
+    with pytest.raises(RuntimeError, match=r"changed \['head.weight'\] in place; use pp=1"):
+        probe_forward(_Rescaling(in_place=True), "layers")
+    foreign = _ForeignTensor("bert.encoder.layer.2.weight", 1, torch.empty(4, 4, device="meta"), torch.device("cpu"))
+    with pytest.raises(AttributeError, match=r"uses 'bert.encoder.layer.2.weight' \('__getitem__'\), a tensor of "
+                                             r"pipeline stage 1"):
+        foreign[0]
