@@ -331,16 +331,18 @@ class _StandIn(torch.nn.Module):
         if self.role == "later":
             if state.last_output is None:  # this stage's last layer has not run: the stage cannot end here
                 raise RuntimeError(
-                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} as a module "
-                    "that runs after the decoder layers (where the probe forward called it, or else where it is "
-                    "registered), before its own last layer ran; the model calls it before or between the layers, which no split into stages serves: "
+                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} as a "
+                    "module that runs after the decoder layers (where the probe forward called it, or else where it "
+                    "is registered), before its own last layer ran; the model calls it before or between the layers, "
+                    "which no split into stages serves: "
                     "use pp=1 for this model")
             raise _StageExit()
         if state.last_output is not None:  # a final norm registered before the layers, the probe forward failing
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} calls {self.name!r} after its own layers, but it is placed on "
                 f"stage {self.owner} as a module that runs before the decoder layers (where the probe forward called "
-                "it, or else where it is registered); this stage would compute from its stand-in's zeros: register it after the layer list, or use "
+                "it, or else where it is registered); this stage would compute from its stand-in's zeros: register "
+                "it after the layer list, or use "
                 "pp=1 for this model")
         device = _device_of(args, kwargs)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))

@@ -49,15 +49,13 @@ class UnusedParameters:
                         self.parameters[key] = parameter
                         own.append((module, name, key))
             # After FSDP2's own pre-forward hook, which gathers the unit's parameters
-            unit.register_forward_pre_hook(functools.partial(self._before_forward, own=own, zeros=[None]))
+            unit.register_forward_pre_hook(functools.partial(self._before_forward, own=own))
 
-    def _before_forward(self, unit: torch.nn.Module, args, *, own: list, zeros: list) -> None:
+    def _before_forward(self, unit: torch.nn.Module, args, *, own: list) -> None:
         # Zeros for unused parameters where a backward may follow only: torch's pipeline schedules run FSDP2's
         # post-backward after an evaluation too, where they would reduce zeros, and one replica may evaluate alone.
         self.training |= torch.is_grad_enabled()
-        if zeros[0] != torch.is_grad_enabled():
-            zeros[0] = torch.is_grad_enabled()
-            unit.set_reduce_scatter_unused_params(zeros[0], recurse=False)
+        unit.set_reduce_scatter_unused_params(torch.is_grad_enabled(), recurse=False)
         for module, name, key in own:
             parameter = module._parameters.get(name)
             if parameter is None or parameter is self.parameters[key] or id(parameter) in self.hooked:
