@@ -161,16 +161,17 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if late:
         limits["pp"] = (f"{late} hold an embedding registered after the decoder layers but looked up before them "
                         "(per-layer inputs reaching every layer): no split into pipeline stages computes it where it is used")
-    elif "pp" not in limits and layers is not None and (config.strategy is None or config.strategy.pp > 1):
-        reused = reused_outputs(model, layers)  # one probe forward (pipeline.probe_forward)
-        if reused:
-            limits["pp"] = (f"the logits are computed from {reused} besides the hidden states each decoder layer passes "
-                            "to the next: a pipeline stage would hold zeros in their place")
     if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
         why = expert_parallel_refusal(model, spec.structure.experts_modules())
         if why:  # e.g. Llama 4's experts, which run every token
             limits["ep"] = why
     strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
+    if strategy.pp > 1 and "pp" not in limits and layers is not None:  # the probe forward only where pp is chosen
+        reused = reused_outputs(model, layers)  # (pipeline.probe_forward)
+        if reused:
+            limits["pp"] = (f"the logits are computed from {reused} besides the hidden states each decoder layer passes "
+                            "to the next: a pipeline stage would hold zeros in their place")
+            strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
         found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()
                  if dim not in limits}
