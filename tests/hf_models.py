@@ -28,6 +28,7 @@ EXPERTS, TOP_K = 4, 2
 # sizes above; the comment says what it adds. Kept apart from FAMILIES: tests/test_fuse_transformers.py checks
 # fuse on all of them, tests/distributed/transformers_worker.py trains some under to_distributed.
 _MOE = dict(num_experts_per_tok=TOP_K)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)  # Mamba-2 mixers at this scale
 MORE_FAMILIES = {
     "phi": ("phi", {}),  # LayerNorm, partial rotary, GELU MLP beside the attention (one norm per block)
     "starcoder2": ("starcoder2", {}),  # LayerNorm, biases everywhere, GELU MLP
@@ -62,7 +63,9 @@ MORE_FAMILIES = {
     "exaone4": ("exaone4", {}),  # norms after each sublayer, q/k norms
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
     # A Mamba-2 layer, then an attention layer (IBM's hybrid); the mixer's gated RMSNorm, norm(x, gate), is no plain RMSNorm.
-    "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1])),
+    # The mixer at the hidden size's scale (8 heads x 16 = 2 x hidden; by default 128 heads and a state of 256,
+    # whose chunked scan cost 96 s of the suite), chunks of 8 tokens: the scan's inter-chunk path runs too.
+    "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1], **_MAMBA2)),
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).
     "opt": ("opt", dict(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, dropout=0.0)),  # 0.1 by default: masks differ by layout
@@ -72,7 +75,7 @@ MORE_FAMILIES = {
     "zamba": ("zamba", dict(num_hidden_layers=4, layers_block_type=["linear_attention", "linear_attention", "hybrid",
                                                                     "hybrid"], mamba_dt_rank=8)),
     # A Mamba-2 mixer beside the attention in every layer, µP multipliers (its logits * lm_head_multiplier).
-    "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3)),
+    "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3, mamba_d_ssm=2 * HIDDEN, **_MAMBA2)),
     # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast
     # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
     "ernie4_5": ("ernie4_5", {}),
