@@ -74,7 +74,6 @@ import contextlib
 import copy
 import difflib
 import enum
-import inspect
 import logging
 import re
 import warnings
@@ -99,7 +98,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
-from ..kernels.fuse import labelled_call, looks_like_stacked_experts
+from ..kernels.fuse import forward_takes, labelled_call, looks_like_stacked_experts
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -637,7 +636,7 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, f
             ids = torch.zeros(1, 8, dtype=torch.long, device=device)
             # Labels where the forward takes them (a loss computed beside the logits, or instead of them: a fused LM
             # head); no key/value cache: layers updating one shared cache would each seem to read the others' outputs
-            kwargs = {name: value for name, value in (("labels", ids), ("use_cache", False)) if _takes(model, name)}
+            kwargs = {name: value for name, value in (("labels", ids), ("use_cache", False)) if forward_takes(model, name)}
             output = model(ids, **kwargs)
             sources = tracker.of((find_loss(output), find_logits(output)))
     finally:
@@ -659,13 +658,6 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, f
 def _plain_settings(module: torch.nn.Module) -> dict:
     return {key: value for key, value in vars(module).items()
             if not key.startswith("_") and isinstance(value, (bool, int, float, str, type(None)))}
-
-
-def _takes(model: torch.nn.Module, argument: str) -> bool:
-    try:
-        return argument in inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def reused_outputs(model: torch.nn.Module, layer_list: str) -> list[str]:

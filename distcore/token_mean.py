@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..kernels.fuse import forward_argument
 from .api import local_value
 from .outputs import find_logits, find_loss, replace_loss
 
@@ -62,9 +63,8 @@ def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches
     """Make the loss of every training forward the global batch's token mean (see the module's doc).
     `dp_group`: the data-parallel group (None: one replica); `micro_batches`: the pipeline's parts."""
     if takes_num_items(model):
-        model.register_forward_pre_hook(functools.partial(_pass_num_items, signature=_forward_signature(model),
-                                                          dp_group=dp_group, micro_batches=micro_batches),
-                                        with_kwargs=True)
+        model.register_forward_pre_hook(
+            functools.partial(_pass_num_items, dp_group=dp_group, micro_batches=micro_batches), with_kwargs=True)
         return
     own = _OwnMean(model, dp_group=dp_group, micro_batches=micro_batches)
     model.register_forward_pre_hook(own.count, with_kwargs=True)
@@ -76,26 +76,14 @@ def _training(module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
-def _forward_signature(model: torch.nn.Module) -> inspect.Signature:
-    """The signature of the model's class's forward (without self): pipeline parallel has put its runner,
-    `forward(*args, **kwargs)`, in the instance's place by now."""
-    return inspect.signature(type(model).forward.__get__(model))
-
-
-def _labels(signature: inspect.Signature, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The forward's `labels`, passed by keyword or by position (`model(ids, mask, ..., labels)`), in local view;
-    None where not given."""
-    labels = kwargs.get("labels")
-    if labels is None and args:
-        try:
-            labels = signature.bind_partial(*args).arguments.get("labels")
-        except TypeError:  # the forward's own call fails the same way, with its own message
-            return None
+def _labels(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The forward's `labels`, passed by keyword or by position, in local view; None where not given."""
+    labels = forward_argument(module, "labels", args, kwargs)
     return local_value(labels) if isinstance(labels, torch.Tensor) else None
 
 
-def _pass_num_items(module, args, kwargs, *, signature: inspect.Signature, dp_group, micro_batches: int):
-    labels = _labels(signature, args, kwargs)
+def _pass_num_items(module, args, kwargs, *, dp_group, micro_batches: int):
+    labels = _labels(module, args, kwargs)
     # An evaluation's loss is the token mean of this rank's batch (evaluation may run on one data-parallel
     # rank alone: no collective); only the pipeline's micro-batches need the count then.
     training = _training(module)
@@ -131,13 +119,12 @@ class _OwnMean:
     def __init__(self, model: torch.nn.Module, *, dp_group, micro_batches: int):
         self.dp_group, self.micro_batches = dp_group, micro_batches
         self.name = type(model).__name__
-        self.signature = _forward_signature(model)
         self.averaged = None  # which TARGETS the loss averages over (or _UNKNOWN): found on the first training call
         self.pending = None  # this call's (labels, [part, way] counts of every part), for `scale`
 
     def count(self, module, args, kwargs):
         self.pending = None
-        labels = _labels(self.signature, args, kwargs)
+        labels = _labels(module, args, kwargs)
         training = _training(module)
         if labels is None or not (training or self.micro_batches > 1) or len(labels) % self.micro_batches:
             return None  # (a batch the micro-batches do not divide: the pipeline's own error says so)

@@ -832,10 +832,7 @@ def _looks_like_causal_lm(module: torch.nn.Module) -> bool:
         return False
     if not isinstance(loss_property, property) or loss_property.fset is None:
         return False
-    try:
-        return "labels" in inspect.signature(type(module).forward).parameters
-    except (TypeError, ValueError):
-        return False
+    return forward_takes(module, "labels")
 
 
 def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
@@ -884,23 +881,31 @@ def _logit_transform(module: torch.nn.Module) -> tuple[float | None, float]:
     return softcap, scale
 
 
-def _labels_passed(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-    if kwargs.get("labels") is not None:
-        return True
-    if not args:
-        return False
+def forward_takes(module: torch.nn.Module, name: str) -> bool:
+    """Whether the forward of `module`'s class takes an argument `name` (False where its signature cannot be read)."""
     try:
-        bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs)
-    except TypeError:
+        return name in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
         return False
-    return bound.arguments.get("labels") is not None
+
+
+def forward_argument(module: torch.nn.Module, name: str, args: tuple, kwargs: dict):
+    """The value of `name` in the call `module(*args, **kwargs)`, passed by keyword or by position
+    (`model(ids, mask, None, None, None, labels)`); None where not given. Bound against the forward of the
+    module's class: pipeline parallel puts its runner, `forward(*args, **kwargs)`, in the instance's place."""
+    if kwargs.get(name) is not None or not args:
+        return kwargs.get(name)
+    try:
+        return inspect.signature(type(module).forward).bind_partial(module, *args).arguments.get(name)
+    except (TypeError, ValueError):  # the forward's own call fails the same way, with its own message
+        return None
 
 
 def _capture_hidden_states(module, args, kwargs):
     """Forward pre-hook of a fused causal LM: in a call with labels its head keeps the hidden states."""
     head = module._modules.get("lm_head")
     if isinstance(head, FusedLMHead):  # not a head put in its place since (resize_token_embeddings does)
-        head.capturing, head.stood_in, head.hidden = _labels_passed(module, args, kwargs), False, None
+        head.capturing, head.stood_in, head.hidden = forward_argument(module, "labels", args, kwargs) is not None, False, None
     return None
 
 
@@ -990,8 +995,7 @@ def _lm_loss_verdict(module: torch.nn.Module, softcap, scale: float) -> str | No
 
     # A mixture of experts' router load-balancing loss, which the forward adds from the decoder's router logits
     # (the head plays no part in it), is left out of the probe: the stand-in decoder has no router logits.
-    no_router_loss = ({"output_router_logits": False}
-                      if "output_router_logits" in inspect.signature(type(module).forward).parameters else {})
+    no_router_loss = {"output_router_logits": False} if forward_takes(module, "output_router_logits") else {}
     saved_loss = vars(module).get("_loss_function", _UNSET)
     original = module.loss_function
     losses = {}
