@@ -36,7 +36,7 @@ from .expert_parallel import expert_parallel_refusal
 from .measure import measure_strategies
 from .mesh import ProcessMesh
 from .parallel_dims import ParallelDims
-from .parallelize import parallelize, router_aux_loss_on
+from .parallelize import parallelize, refuse_compiled, router_aux_loss_on
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
@@ -124,6 +124,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     """
     from tridist import autotune
 
+    refuse_compiled(model, "to_distributed")
     config = config or ToDistributedConfig()
     node_num = node_num or 1
     env.init_parallel_env()

@@ -25,6 +25,7 @@ the pipeline schedule, so any dp x mp x pp mesh trains with the plain loop.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     Returns `(model, optimizer)`; with no mesh, or a config naming none of dp_config / mp_config /
     pp_config, both come back unchanged (Paddle's behaviour).
     """
+    refuse_compiled(model, "parallelize")
     config = dict(config or {})
     unknown = sorted(set(config) - set(_CONFIG_KEYS))
     if unknown:
@@ -91,8 +93,10 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     dims = ParallelDims.from_mesh(mesh, [kind for kind in KINDS if f"{kind}_config" in config])
     _check_optimizer_fresh(optimizer)
     names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage
+    trainable_before: dict[str, bool] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_before.setdefault(id(param), []).append(name)
+        trainable_before[name] = param.requires_grad
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
@@ -140,6 +144,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
     # stage), one parameter at a time; the optimizer below then holds the real parameters.
     materialize(model, device=env.device(), strict=False)
+    _check_trainable_kept(model, trainable_before)
     if optimizer is None:
         return model, None
     # Pipeline parallel leaves other stages' parameters out of this rank's model.
@@ -147,6 +152,16 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     for stage in filter(None, unused):  # no data parallel: nothing to track
         stage.attach(optimizer)
     return model, optimizer
+
+
+def _check_trainable_kept(model: torch.nn.Module, before: dict[str, bool]) -> None:
+    """Every parameter still requires grad as it did before (a frozen one that became trainable would get a
+    gradient and move under an optimizer given all parameters: torch's SequenceParallel style did so)."""
+    changed = [name for name, param in model.named_parameters(remove_duplicate=False)
+               if name in before and param.requires_grad != before[name]]
+    if changed:
+        raise RuntimeError(f"parallelize: requires_grad of {changed[:4]}{' ...' if len(changed) > 4 else ''} changed "
+                           "while parallelising; this is a bug in tridist, please report it with the model and config")
 
 
 def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
@@ -367,6 +382,18 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
 
 
 # ------------------------------------------------------------------------------------------ optimizer
+
+
+def refuse_compiled(model: torch.nn.Module, api: str) -> None:
+    """A torch.compile wrapper cannot be distributed: its compiled graph would be the undistributed model's, and
+    the hooks that make the loss the global batch's token mean would sit on the wrapper, which the loss check then
+    takes for a model of its own (the error named the wrong cause)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported (Dynamo costs ~1 s): nothing compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        raise TypeError(
+            f"{api}: the model is a torch.compile wrapper (OptimizedModule around {type(model._orig_mod).__name__}), "
+            f"whose graph would be that of the undistributed model; pass the model itself (model._orig_mod) and "
+            f"compile the model {api} returns (torch.compile(model))")
 
 
 def _check_optimizer_fresh(optimizer) -> None:

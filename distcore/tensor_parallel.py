@@ -897,7 +897,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         else:
             module.register_forward_hook(split_output)  # no row-parallel exit: split the full output
     else:  # SequenceParallelEnable: the module runs on sequence slices; its parameters are shared
-        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))
+        _replicate_over_sequence_slices(module, tp_mesh)
         if not in_region:  # Paddle's self-contained form: split on entry, gather on exit
             module.register_forward_pre_hook(split_input, with_kwargs=True, prepend=True)
             module.register_forward_hook(gather_output)
@@ -987,6 +987,17 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
     return hook
 
 
+def _replicate_over_sequence_slices(module: torch.nn.Module, tp_mesh) -> None:
+    """torch's SequenceParallel style on `module` (its parameters Replicate DTensors, their gradients reduced over
+    the tp ranks), each parameter keeping its requires_grad: the style makes every parameter it replicates
+    trainable, so a frozen norm would get a gradient and move under an optimizer given all parameters."""
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
+    parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
 def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mesh) -> list[str]:
     """Norm-like modules (only 1-D parameters, none split, and no children with parameters) inside the
     sequence-parallel region that the plan did not mark: they run on sequence slices, so their parameters need
@@ -1006,7 +1017,7 @@ def _sequence_parallel_norms(root: torch.nn.Module, region: frozenset, *, tp_mes
             or len(params) != sum(1 for _ in module.parameters())
         ):
             continue
-        parallelize_module(module, tp_mesh, SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True))
+        _replicate_over_sequence_slices(module, tp_mesh)
         module._tridist_sequence_parallel = "SequenceParallelEnable"
         changes.append(f"{name}: SequenceParallelEnable (implicit: runs on sequence slices)")
     return changes

@@ -68,3 +68,18 @@ def test_a_shared_output_gradient_needs_a_positive_count_of_trailing_outputs(fea
 
     with pytest.raises(ValueError, match=f"positive count of trailing outputs, got {features!r}"):
         ReduceSharedOutputGradient(features)
+
+
+def test_a_compiled_model_is_refused_naming_the_fix():
+    """torch.compile(model) before distribution: its graph would be the undistributed model's, and the loss hooks
+    would sit on the wrapper (the token-mean check then named a wrong cause); compile the returned model instead."""
+    import torch
+
+    from tridist import distcore
+
+    compiled = torch.compile(build_model("seed-llama"))
+    for api, call in (("to_distributed", lambda: td.to_distributed(compiled, None, None, device_num=1)),
+                      ("parallelize", lambda: distcore.parallelize(compiled, None, None, {"dp_config": {}}))):
+        with pytest.raises(TypeError, match=rf"{api}: the model is a torch.compile wrapper \(OptimizedModule around "
+                                            r"\w+\).*pass the model itself \(model._orig_mod\)"):
+            call()

@@ -50,8 +50,11 @@ class _Loader(torch.utils.data.DataLoader):
         super().__init__(samples, batch_size=BATCH)
 
 
-def _model(family, layers: int = LAYERS):
+def _model(family, layers: int = LAYERS, prepare=None):
+    """The family's model (`prepare` applied to it) and SGD over every parameter, as users write it."""
     model = build(family, layers=layers)
+    if prepare is not None:
+        prepare(model)
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
@@ -69,9 +72,9 @@ def _run(model, optimizer) -> equivalence.Trace:
     return trace.end(model)
 
 
-@functools.cache  # one single-device run per family, shared by the checks
-def _reference(family: str) -> equivalence.Trace:
-    return _run(*_model(family))
+@functools.cache  # one single-device run per family (and preparation), shared by the checks
+def _reference(family: str, prepare=None) -> equivalence.Trace:
+    return _run(*_model(family, prepare=prepare))
 
 
 def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> tuple[float, torch.Tensor | None]:
@@ -99,12 +102,13 @@ def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
-           **config):
+           prepare=None, **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view); `inspect`
     asserts what it must of the distributed model before training; `positional`: the training calls pass their
-    inputs and labels by position (`model(ids, mask, None, None, None, labels)`), as the forward's signature allows. The config is the users' default (fused
+    inputs and labels by position (`model(ids, mask, None, None, None, labels)`), as the forward's signature allows;
+    `prepare` changes the model before both runs (freezing parameters). The config is the users' default (fused
     kernels on) unless `config` says otherwise."""
-    model, optimizer = _model(family)
+    model, optimizer = _model(family, prepare=prepare)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
         config=distcore.ToDistributedConfig(strategy=strategy, **config))
@@ -127,7 +131,8 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     chosen = model.distributed_strategy
     fused_loss = config.get("fuse_kernels", True)
     loss, logits = _evaluate(model, fused_loss=fused_loss)
-    expected_loss, expected_logits = _reference_evaluation(family)
+    expected_loss, expected_logits = (_reference_evaluation(family) if prepare is None  # (before any training)
+                                      else _evaluate(_model(family, prepare=prepare)[0]))
     equivalence.assert_losses_close([loss], [expected_loss])
     assert isinstance(logits, torch.Tensor) and logits.shape == expected_logits.shape, getattr(logits, "shape", logits)
     equivalence.assert_tensors_close("evaluation logits", {"logits": logits}, {"logits": expected_logits})
@@ -156,7 +161,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     # After training the losses of single rows differ more: an evaluation weighing micro-batches
     # instead of tokens shows (at initialisation every token's loss is about log(vocab)).
     trace.add_loss(_evaluate(model, logits=False)[0])
-    equivalence.assert_same_training(trace.end(model), reference or _reference(family))
+    equivalence.assert_same_training(trace.end(model), reference or _reference(family, prepare))
     return model.distributed_strategy
 
 
@@ -508,6 +513,31 @@ def check_unrecognised_and_ambiguous_models():
     _expect_refused("bamba", _strategy(2, 2, 1), "mamba holds a convolution (conv1d)")
     _train("qwen3-next", _strategy(2, 1, 2, num_micro_batches=2))
     assert _train("bamba").pp == 1
+
+
+def _freeze_embedding_and_first_layer(model) -> None:
+    """Fine-tuning's usual freeze: the embedding and the first decoder layer, its norms included."""
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].requires_grad_(False)
+
+
+def _freeze_experts_and_a_norm(model) -> None:
+    """The embedding, the second layer's experts (its router and shared expert train) and the first layer's norm
+    before the MLP."""
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[1].mlp.experts.requires_grad_(False)
+    model.model.layers[0].post_attention_layernorm.requires_grad_(False)
+
+
+def check_frozen_parameters_stay_frozen():
+    """Frozen parameters (requires_grad False), the optimizer given every parameter as users write it: none gets
+    a gradient or moves, and the rest train like one process. torch's SequenceParallel style made every norm it
+    replicates trainable: under sequence parallel the frozen layer's norms got gradients and SGD moved them."""
+    for name in ("dp 2 x tp 2 + sp + overlap, level 1", "tp 2 x pp 2 + sp, 2 micro-batches", "dp 4, level 3"):
+        _train("llama", MATRIX[name], prepare=_freeze_embedding_and_first_layer)
+    # MoE blocks on sequence slices (their parameters local, gradients summed over tp), and split experts
+    _train("qwen2-moe", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), prepare=_freeze_experts_and_a_norm)
+    _train("qwen2-moe", _strategy(4, 1, 1, ep=2, sharding_level=3), prepare=_freeze_experts_and_a_norm)
 
 
 def check_tied_embeddings_across_stages_after_a_subgroup_not_every_rank_is_in():
