@@ -9,6 +9,7 @@ from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard
 from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
 from .checkpoint import load_state, save_state
+from .clip import clip_grad_norm_
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .lazy import LazyGuard
 from .mesh import ProcessMesh, get_mesh, set_mesh
@@ -71,6 +72,7 @@ __all__ = [
     "TensorParallelCheckError",
     "ToDistributedConfig",
     "apply_strategy",
+    "clip_grad_norm_",
     "to_distributed",
     "dtensor_from_local",
     "get_mesh",

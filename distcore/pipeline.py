@@ -47,11 +47,9 @@ Semantics and limits worth knowing:
   ["eval_logits"]` = "last_stage" keeps them on the last stage's ranks (None elsewhere, no
   communication), "none" keeps none (an evaluation of the loss alone).
 - Each rank's model holds its own stages' parameters only: `torch.nn.utils.clip_grad_norm_(
-  model.parameters(), ...)` computes and clips by this rank's norm, not the whole model's. For the
-  single-device result, all-reduce the squared norm (`torch.nn.utils.get_total_norm(grads) ** 2`, its
-  `.full_tensor()` under dp/mp) over the pp group (`model._tridist_pipeline.pp_group`) and clip with
-  the square root (`torch.nn.utils.clip_grads_with_norm_`). A weight tied across stages (an embedding and
-  its LM head: TiedAcrossStages) has a copy on the first and on the last stage: count it on one of them.
+  model.parameters(), ...)` computes and clips by this rank's norm, not the whole model's;
+  `distcore.clip_grad_norm_(model, ...)` (clip.py) sums the stages' norms over the pp group, counting a
+  weight tied across stages (an embedding and its LM head: TiedAcrossStages) on its first stage only.
 - `model(...)` returns what the model returns, rebuilt on every rank: a bare loss, a tuple, a dict or a
   Hugging Face `ModelOutput`, with the global loss in its place and, in an evaluation, the logits in
   theirs. Other outputs are None (a training call's logits too: the schedule frees each micro-batch's),
@@ -774,8 +772,11 @@ class TiedAcrossStages:
         """`pp_rank_groups`: the ranks of every pipeline (ParallelDims.rank_groups("pp")), the same on every rank."""
         rank = dist.get_rank()
         self.ties: list[tuple[list[str], object]] = []
+        self.copies_counted_elsewhere: set[str] = set()  # copies past the tie's first stage (clip.clip_grad_norm_)
         for names in tied_parameter_names(model):
-            stages = {_stage_of_parameter(name, placement, last) for name in names}
+            stages = {name: _stage_of_parameter(name, placement, last) for name in names}
+            self.copies_counted_elsewhere.update(name for name, stage in stages.items() if stage != min(stages.values()))
+            stages = set(stages.values())
             if len(stages) == 1:
                 continue  # one stage: one module tree, one parameter
             # Every rank creates the holders' group of every pipeline, in the same order (new_group is a

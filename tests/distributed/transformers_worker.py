@@ -58,14 +58,19 @@ def _model(family, layers: int = LAYERS, prepare=None):
     return model, torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def _run(model, optimizer) -> equivalence.Trace:
+def _run(model, optimizer, clip: tuple[float, float] | None = None) -> equivalence.Trace:
     """The plain loop over the global batches, as a user writes it for one device, then an evaluation
-    (its loss is the trace's last)."""
+    (its loss is the trace's last). `clip`: (norm type, max norm) of torch's clip_grad_norm_ before each step
+    (the norms in the trace's `clip_norms`)."""
     trace = equivalence.Trace()
+    trace.clip_norms = []
     for batch in _batches():
         out = model(**batch)
         out.loss.backward()
         trace.step(model, out.loss)
+        if clip is not None:
+            norm_type, max_norm = clip
+            trace.clip_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type).item())
         optimizer.step()
         optimizer.zero_grad()
     trace.add_loss(_evaluate(model, logits=False)[0])
@@ -73,8 +78,8 @@ def _run(model, optimizer) -> equivalence.Trace:
 
 
 @functools.cache  # one single-device run per family (and preparation), shared by the checks
-def _reference(family: str, prepare=None) -> equivalence.Trace:
-    return _run(*_model(family, prepare=prepare))
+def _reference(family: str, prepare=None, clip: tuple[float, float] | None = None) -> equivalence.Trace:
+    return _run(*_model(family, prepare=prepare), clip=clip)
 
 
 def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> tuple[float, torch.Tensor | None]:
@@ -102,11 +107,12 @@ def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
-           prepare=None, **config):
+           prepare=None, clip: tuple[float, float] | None = None, **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view); `inspect`
     asserts what it must of the distributed model before training; `positional`: the training calls pass their
     inputs and labels by position (`model(ids, mask, None, None, None, labels)`), as the forward's signature allows;
-    `prepare` changes the model before both runs (freezing parameters). The config is the users' default (fused
+    `prepare` changes the model before both runs (freezing parameters); `clip`: (norm type, max norm) the gradients
+    are clipped by before each step (distcore.clip_grad_norm_ here, torch's on one device). The config is the users' default (fused
     kernels on) unless `config` says otherwise."""
     model, optimizer = _model(family, prepare=prepare)
     model, optimizer, loader = distcore.to_distributed(
@@ -144,7 +150,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         assert not reasons, reasons  # transformers' blocks pass the tensor-parallel check in local view (the fast one)
     overlapped = [n for n, m in model.named_modules() if type(m).__name__.startswith("OverlappedEntry")]
     assert bool(overlapped) == model.distributed_strategy.overlap_tp_comm, overlapped  # the rings run, or none
-    trace = equivalence.Trace()
+    trace, clip_norms = equivalence.Trace(), []
     pipeline = chosen.pp > 1 or chosen.num_micro_batches > 1  # whose training output holds no logits anyway
     for batch in loader():
         if positional:
@@ -155,13 +161,22 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         assert pipeline or (out.logits is None) == fused_loss, (chosen, type(out.logits))
         out.loss.backward()
         trace.step(model, out.loss)
+        if clip is not None:
+            norm = distcore.clip_grad_norm_(model, clip[1], clip[0])
+            assert type(norm) is torch.Tensor and norm.dim() == 0, type(norm)  # a plain scalar on every rank
+            clip_norms.append(norm.item())
         optimizer.step()
         optimizer.clear_grad()
     assert len(trace.losses) == BATCHES, trace.losses
     # After training the losses of single rows differ more: an evaluation weighing micro-batches
     # instead of tokens shows (at initialisation every token's loss is about log(vocab)).
     trace.add_loss(_evaluate(model, logits=False)[0])
-    equivalence.assert_same_training(trace.end(model), reference or _reference(family, prepare))
+    reference = reference or _reference(family, prepare, clip)
+    equivalence.assert_same_training(trace.end(model), reference)
+    if clip is not None:  # a norm's relative error is at most its gradients' (they match to RTOL: equivalence.py)
+        assert all(norm > clip[1] for norm in reference.clip_norms), reference.clip_norms  # the clip acts
+        assert all(abs(got - want) <= equivalence.RTOL * want for got, want in zip(clip_norms, reference.clip_norms)) \
+            and len(clip_norms) == len(reference.clip_norms), (clip_norms, reference.clip_norms)
     return model.distributed_strategy
 
 
@@ -538,6 +553,37 @@ def check_frozen_parameters_stay_frozen():
     # MoE blocks on sequence slices (their parameters local, gradients summed over tp), and split experts
     _train("qwen2-moe", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), prepare=_freeze_experts_and_a_norm)
     _train("qwen2-moe", _strategy(4, 1, 1, ep=2, sharding_level=3), prepare=_freeze_experts_and_a_norm)
+
+
+def check_clip_grad_norm_is_the_whole_model_norm():
+    """distcore.clip_grad_norm_(model, max_norm) in the user's loop clips as torch's does on one device, by the
+    whole model's norm, under every kind of split: parameters on several meshes (dp x tp: torch's own function
+    fails there, stacking DTensors of two meshes), pipeline stages (torch's clips each stage by its own norm,
+    silently) with a weight tied across them counted once, expert-parallel experts on their own mesh, MoE
+    blocks on sequence slices; the 1-norm and the inf-norm too."""
+    two = (2.0, 0.5)  # below the tiny models' gradient norms (2-norm ~3.6, inf-norm ~0.3): every step clipped
+    for name in ("searched", "dp 4, level 0", "dp 2 x tp 2, level 2", "dp 2 x tp 2 + sp + overlap, level 1",
+                 "dp 2 x pp 2, 2 micro-batches", "tp 2 x pp 2 + sp, 2 micro-batches"):
+        _train("llama", MATRIX[name], clip=two)
+    _train("llama-tied", MATRIX["dp 2 x pp 2, 2 micro-batches"], clip=two)
+    _train("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=3), clip=(1.0, 5.0))
+    _train("qwen3-moe", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), clip=(float("inf"), 0.1))
+    # A gradient still pending its sum over the ranks (a Partial DTensor, as a hand-written plan may leave one)
+    # counts by its sum: each rank holds rank + 1 in every element, the sum 1 + 2 + ... + world
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    world, layer = dist.get_world_size(), torch.nn.Linear(4, 4)
+    mesh = init_device_mesh("cpu", (world,))
+    layer.weight = torch.nn.Parameter(DTensor.from_local(layer.weight.detach(), mesh, [Replicate()], run_check=False))
+    layer.weight.grad = DTensor.from_local(torch.full((4, 4), dist.get_rank() + 1.0), mesh, [Partial()])
+    layer.bias.grad = torch.ones(4)
+    summed = world * (world + 1) / 2
+    expected = (16 * summed**2 + 4) ** 0.5
+    norm = distcore.clip_grad_norm_(layer, 1.0)
+    assert abs(norm.item() - expected) <= 1e-6 * expected, (norm.item(), expected)
+    clipped = layer.weight.grad.full_tensor()
+    assert torch.allclose(clipped, torch.full((4, 4), summed / (expected + 1e-6))), clipped
 
 
 def check_tied_embeddings_across_stages_after_a_subgroup_not_every_rank_is_in():
