@@ -286,32 +286,49 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
             replicate(unit, mesh=expert_mesh["edp"], mp_policy=mp_policy)
         else:
             fully_shard(unit, mesh=expert_mesh["edp"], reshard_after_forward=sharding_level == 3, mp_policy=mp_policy)
-    shared, blocks = _data_parallel_units(model)
+    units = _data_parallel_units(model)
     if sharding_level == 0:
-        for unit in [*shared, *blocks]:
+        for unit in [*units.shared, *units.blocks]:
             replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
-        return UnusedParameters([*shared, *blocks, model], dp_mesh.get_group(), apart=experts)
+        return UnusedParameters([*units.shared, *units.blocks, model], dp_mesh.get_group(), apart=experts)
     reshard = sharding_level == 3
-    for module in shared:  # called by several blocks: gathered for each call, its gradient accumulated over them
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+    # Called by several blocks: gathered for their calls, their gradients accumulated over them
+    for unit in [*units.shared, *(units.tied or [])]:
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)
+    order = {id(module): index for index, module in enumerate(model.modules())}
+    blocks = sorted([*units.blocks, *(units.tied_blocks if units.tied is not None else [])], key=lambda b: order[id(b)])
     for index, block in enumerate(blocks):
         # The last block's backward starts right after forward: resharding it would only re-gather.
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard and index < len(blocks) - 1, mp_policy=mp_policy,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
-    return UnusedParameters([*shared, *blocks, model], dp_mesh.get_group(), apart=experts)
+    tied_modules = [module for group in units.tied or [] for module in group]
+    return UnusedParameters([*units.shared, *tied_modules, *blocks, model], dp_mesh.get_group(), apart=experts)
 
 
-def _data_parallel_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """(shared, blocks): the modules data parallel replicates or shards as units before the root.
+@dataclass
+class _DataParallelUnits:
+    """The modules data parallel replicates or shards as units before the root (`_data_parallel_units`).
 
-    `blocks`: the decoder blocks, each once. `shared`: the outermost modules that two or more blocks hold (Zamba's
-    one transformer block, which every hybrid layer calls): FSDP2 manages a parameter in one unit only, so such a
-    module is a unit of its own, made before the blocks (whose units then leave it out). A block that shares a
-    parameter with another block otherwise (one tensor registered in two modules) is no unit: the root manages
-    its parameters, each once."""
+    `shared`: the outermost modules that two or more blocks hold (Zamba's one transformer block in older
+    transformers, which every hybrid layer calls): FSDP2 manages a parameter in one unit only, so such a module is
+    a unit of its own, made before the blocks (whose units then leave it out). `tied`: per set of parameters that
+    blocks share otherwise (one tensor registered in modules of several blocks: transformers' Zamba ties each
+    hybrid layer's transformer block to layer 2's), the modules holding exactly that set, one per block; sharded
+    as one unit (`fully_shard([modules])`: gathered once for all their calls, each parameter managed once), made
+    before the blocks. `blocks`: the decoder blocks that are units of their own; `tied_blocks`: those holding a
+    tied set, units only where `tied` is sharded (levels 1-3; `replicate` takes one module, so at level 0 and where
+    the tied parameters do not make up whole modules the root manages those blocks)."""
+
+    shared: list[torch.nn.Module]
+    tied: list[list[torch.nn.Module]] | None  # None: the tied parameters do not make up whole modules
+    blocks: list[torch.nn.Module]
+    tied_blocks: list[torch.nn.Module]
+
+
+def _data_parallel_units(model: torch.nn.Module) -> _DataParallelUnits:
     blocks = list({id(block): block for _, block in decoder_blocks(model)}.values())
     holders: dict[int, set[int]] = {}  # module -> the blocks that hold it
     for index, block in enumerate(blocks):
@@ -330,10 +347,36 @@ def _data_parallel_units(model: torch.nn.Module) -> tuple[list[torch.nn.Module],
             if id(module) not in inside:
                 for parameter in module.parameters(recurse=False):
                     owners.setdefault(id(parameter), set()).add(index)
-    tied = set().union(*(o for o in owners.values() if len(o) > 1))
-    if tied:
-        log.info("parallelize: data parallel: blocks %s share parameters; the root manages them", sorted(tied))
-    return shared, [block for index, block in enumerate(blocks) if index not in tied]
+    tied_params = {p for p, o in owners.items() if len(o) > 1}
+    tied_indices = set().union(*(owners[p] for p in tied_params))
+    tied = _tied_modules([blocks[i] for i in sorted(tied_indices)], tied_params, inside) if tied_params else []
+    if tied is None:
+        log.info("parallelize: data parallel: blocks %s share parameters that make up no whole modules; the root "
+                 "manages those blocks", sorted(tied_indices))
+    whole = {id(m) for group in tied or [] for m in group}  # a block tied whole is its group's unit
+    return _DataParallelUnits(shared=shared, tied=tied,
+                              blocks=[b for i, b in enumerate(blocks) if i not in tied_indices],
+                              tied_blocks=[blocks[i] for i in sorted(tied_indices) if id(blocks[i]) not in whole])
+
+
+def _tied_modules(blocks: list[torch.nn.Module], tied_params: set[int], inside: set[int]) -> list[list] | None:
+    """Per set of tied parameters, the outermost module of each block whose parameters are all tied ones and are
+    that set; None where some tied parameter is in no such module (a LayerNorm whose weight alone is tied), or
+    where two sets overlap (FSDP2 would manage a parameter in two units)."""
+    groups: dict[frozenset, list[torch.nn.Module]] = {}
+    for block in blocks:
+        taken: set[int] = set(inside)
+        for module in block.modules():  # outer modules first
+            if id(module) in taken:
+                continue
+            ids = frozenset(id(p) for p in module.parameters())
+            if ids and ids <= tied_params:
+                groups.setdefault(ids, []).append(module)
+                taken.update(id(m) for m in module.modules())
+    covered = [p for ids in groups for p in ids]
+    if set(covered) != tied_params or len(covered) != len(tied_params):
+        return None
+    return list(groups.values())
 
 
 def _mixed_precision(dp_config: dict) -> MixedPrecisionPolicy:

@@ -211,7 +211,7 @@ def check_own_mean_losses_over_uneven_labels_train_as_one_process():
 class _SharedBlockModel(torch.nn.Module):
     """Layers that share parts, as hand-written hybrids do: layers 0 and 2 call one MLP object (Zamba's shared
     transformer block in older transformers), layers 1 and 3 hold separate norms whose weight is one tensor
-    (transformers' tied weights, as in Zamba now)."""
+    (transformers' tied weights, as in Zamba now), or with `whole_norm` whose weight and bias both are."""
 
     class Layer(torch.nn.Module):
         def __init__(self, mlp: torch.nn.Module):
@@ -221,7 +221,7 @@ class _SharedBlockModel(torch.nn.Module):
         def forward(self, x):
             return x + self.out(self.mlp(self.norm(x)))
 
-    def __init__(self):
+    def __init__(self, whole_norm: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed, self.head = torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, VOCAB)
@@ -229,6 +229,8 @@ class _SharedBlockModel(torch.nn.Module):
         own = lambda: torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())  # noqa: E731
         self.layers = torch.nn.ModuleList([self.Layer(shared), self.Layer(own()), self.Layer(shared), self.Layer(own())])
         self.layers[3].norm.weight = self.layers[1].norm.weight
+        if whole_norm:
+            self.layers[3].norm.bias = self.layers[1].norm.bias
 
     def forward(self, inputs, labels):
         x = self.embed(inputs)
@@ -240,17 +242,26 @@ class _SharedBlockModel(torch.nn.Module):
 
 def check_blocks_sharing_a_module_or_a_parameter():
     """A module two blocks hold is a data-parallel unit of its own (FSDP2 manages a parameter in one unit: before,
-    "shared with a parameter already managed by another FSDP group" on the first step, as Zamba's did), and blocks
-    tied by a parameter are left to the root: every level trains as one process does, each shared gradient the sum
-    of both uses."""
+    "shared with a parameter already managed by another FSDP group" on the first step, as Zamba's did). Modules
+    of several blocks holding one set of tied parameters (the whole norm) are sharded as one unit and their blocks
+    as units too; a block whose tied parameters make up no whole module (the norm's weight alone) is left to the
+    root. Every level trains as one process does, each shared gradient the sum of both uses."""
+    from torch.distributed.fsdp import FSDPModule
+
     mesh = ProcessMesh(list(range(WORLD)), ["dp"])
-    model = _SharedBlockModel()
-    reference = _train(model, torch.optim.SGD(model.parameters(), lr=0.5), batches=_batches()[:2])
-    for level in (0, 3):
-        model = _SharedBlockModel()
-        model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5), mesh,
-                                                {"dp_config": {"sharding_level": level}})
-        equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_batches()[:2]), reference)
+    for whole_norm in (False, True):
+        model = _SharedBlockModel(whole_norm)
+        reference = _train(model, torch.optim.SGD(model.parameters(), lr=0.5), batches=_batches()[:2])
+        for level in (0, 3):
+            model = _SharedBlockModel(whole_norm)
+            model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5), mesh,
+                                                    {"dp_config": {"sharding_level": level}})
+            units = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+            expected = {"", "layers.0", "layers.0.mlp", "layers.2"}
+            if level == 3 and whole_norm:
+                expected |= {"layers.1", "layers.1.norm", "layers.3", "layers.3.norm"}
+            assert units == expected, (whole_norm, level, sorted(units))
+            equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_batches()[:2]), reference)
 
 
 class _RoutedModel(torch.nn.Module):

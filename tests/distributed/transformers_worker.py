@@ -495,9 +495,20 @@ def check_labels_passed_by_position_count_like_keyword_ones():
 def check_zamba_blocks_tied_across_layers_train_data_parallel():
     """Zamba's hybrid layers each hold a transformer block whose weights are tied to layer 2's: FSDP2 refused them
     on the first step ("shared with a parameter already managed by another FSDP group"), under the searched
-    default too. The tied blocks are left to the root's unit: replicated and sharded, equal to one process."""
-    for level in (0, 3):
-        _train("zamba", _strategy(4, 1, 1, sharding_level=level))
+    default too. Replicated, the hybrid layers are left to the root's unit; sharded, the tied transformer blocks
+    are one unit (gathered once for both calls) and each hybrid layer its own: equal to one process."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def units(expected):
+        def inspect(model):
+            found = {name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+            assert found == expected, sorted(found)
+        return inspect
+
+    layers = {f"model.layers.{i}" for i in range(4)}
+    _train("zamba", _strategy(4, 1, 1, sharding_level=0), inspect=units({"", "model.layers.0", "model.layers.1"}))
+    _train("zamba", _strategy(4, 1, 1, sharding_level=3), inspect=units(
+        {"", *layers, "model.layers.2.shared_transf", "model.layers.3.shared_transf"}))
 
 
 def check_opt_final_norm_registered_before_its_layers_trains_under_pipeline_parallel():
