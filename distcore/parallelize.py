@@ -412,10 +412,10 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
     outputs (logits) stay this rank's, for its own part of the batch."""
 
     def hook(module, args, output):
-        # Training steps only: every rank runs those; an evaluation on one rank must not wait for a
-        # collective the others never join.
+        # Training steps only (under grad mode, in eval mode too: token_mean._training): every rank runs those; an
+        # evaluation (under no_grad) on one rank must not wait for a collective the others never join.
         loss = find_loss(output)
-        if loss is None or not (module.training and torch.is_grad_enabled()):
+        if loss is None or not torch.is_grad_enabled():
             return output
         mean = loss.detach().clone()
         env.all_reduce_mean_(mean, group)

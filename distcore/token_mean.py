@@ -11,8 +11,9 @@ the labelled tokens of the global batch are counted (one all-reduce of a scalar 
 part gets `num_items_in_batch = global count / parts`: a part's loss is then `parts * its sum / global
 count`, and the mean over the parts that data parallel and the pipeline take is exactly the global
 token mean (loss and gradients). Any model whose forward takes `num_items_in_batch` gets the same.
-An evaluation's loss is the token mean of the batch the rank was given (no collective: one replica may
-evaluate alone); under pipeline micro-batches its own labelled tokens are counted the same way.
+An evaluation's loss (under no_grad) is the token mean of the batch the rank was given (no collective: one
+replica may evaluate alone); under pipeline micro-batches its own labelled tokens are counted the same way. A
+forward under grad mode counts as training whatever the model's mode (one left in eval mode trains so).
 
 Other models compute their own mean. Under data parallel alone, the first training forward finds which
 positions that mean covers: the gradient of the returned loss with respect to the returned logits is
@@ -72,8 +73,12 @@ def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches
     model.register_forward_hook(own.scale, prepend=True)
 
 
-def _training(module) -> bool:
-    return module.training and torch.is_grad_enabled()
+def _training(module, micro_batches: int) -> bool:
+    """A forward that may be backpropagated: under grad mode, in train mode or not (from_pretrained returns a
+    model in eval mode, which trains so on one device: deciding by the mode trained it on per-rank means); with
+    micro-batches, in train mode only (the pipeline's eval-mode call runs the forward alone and refuses a
+    backward)."""
+    return torch.is_grad_enabled() and (module.training or micro_batches == 1)
 
 
 def _labels(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -86,7 +91,7 @@ def _pass_num_items(module, args, kwargs, *, dp_group, micro_batches: int):
     labels = _labels(module, args, kwargs)
     # An evaluation's loss is the token mean of this rank's batch (evaluation may run on one data-parallel
     # rank alone: no collective); only the pipeline's micro-batches need the count then.
-    training = _training(module)
+    training = _training(module, micro_batches)
     if labels is None or not (training or micro_batches > 1) or "num_items_in_batch" in kwargs:
         return None  # with num_items_in_batch, the caller counted (e.g. over its own gradient-accumulation steps)
     # Hugging Face shifts inside its loss: position t predicts label t + 1, the first is never one.
@@ -125,7 +130,7 @@ class _OwnMean:
     def count(self, module, args, kwargs):
         self.pending = None
         labels = _labels(module, args, kwargs)
-        training = _training(module)
+        training = _training(module, self.micro_batches)
         if labels is None or not (training or self.micro_batches > 1) or len(labels) % self.micro_batches:
             return None  # (a batch the micro-batches do not divide: the pipeline's own error says so)
         counts = torch.stack([torch.stack([(way(part) != IGNORE_INDEX).sum() for way in TARGETS.values()])

@@ -86,7 +86,7 @@ def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> 
     """The first global batch's evaluation, in eval mode under no_grad, as users call it on every rank:
     its loss (with labels) and, where asked, its logits (a second call, without labels: no loss).
     `fused_loss`: whether the labelled call must have run the fused head + loss (then it returns no logits)."""
-    batch = _batches()[0]
+    batch, mode = _batches()[0], model.training
     model.eval()
     with torch.no_grad():
         labelled = model(**batch)
@@ -94,7 +94,7 @@ def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> 
         if fused_loss is not None:
             assert (labelled.logits is None) == fused_loss, (model.distributed_strategy, type(labelled.logits))
         unlabelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]) if logits else None
-    model.train()
+    model.train(mode)
     if unlabelled is None:
         return loss.item(), None
     assert unlabelled.loss is None and isinstance(unlabelled, ModelOutput), unlabelled.loss
@@ -564,6 +564,21 @@ def check_frozen_parameters_stay_frozen():
     # MoE blocks on sequence slices (their parameters local, gradients summed over tp), and split experts
     _train("qwen2-moe", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), prepare=_freeze_experts_and_a_norm)
     _train("qwen2-moe", _strategy(4, 1, 1, ep=2, sharding_level=3), prepare=_freeze_experts_and_a_norm)
+
+
+def check_a_model_left_in_eval_mode_trains_like_one_process():
+    """from_pretrained returns a model in eval mode, and a loop that never calls model.train() trains it so on one
+    device. The global token mean took eval mode for an evaluation and kept each rank's own mean: first-step
+    gradients off by the ranks' label counts (7, 5, 7, 4), silently. Now a forward under grad mode is training
+    in either mode; a pipeline's eval-mode call still runs the forward alone and its backward names the fix."""
+    for name in ("searched", "dp 4, level 0", "dp 2 x tp 2 + sp + overlap, level 1"):
+        _train("llama", MATRIX[name], prepare=torch.nn.Module.eval)
+    try:
+        _train("llama", MATRIX["dp 2 x pp 2, 2 micro-batches"], prepare=torch.nn.Module.eval)
+    except RuntimeError as error:
+        assert "came from a call in eval mode" in str(error) and "call model.train()" in str(error), error
+    else:
+        raise AssertionError("a pipeline's eval-mode call was backpropagated")
 
 
 def check_clip_grad_norm_is_the_whole_model_norm():
