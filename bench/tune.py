@@ -284,6 +284,7 @@ def run_measured_tune(args) -> int:
     if args.engine == "megatron":
         return fail("--engine megatron cannot be measured here: the strategies run on torch (engine torch or torch+tridist)")
     try:
+        torch.manual_seed(0)  # every rank builds the same model (parallelize refuses one that differs between ranks)
         model = _build_module(args.model, args.size)
     except ValueError as exc:
         return fail(str(exc))

@@ -25,12 +25,14 @@ the pipeline schedule, so any dp x mp x pp mesh trains with the plain loop.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils._pytree import tree_map
@@ -92,6 +94,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         config["dp_config"] = {}
     dims = ParallelDims.from_mesh(mesh, [kind for kind in KINDS if f"{kind}_config" in config])
     _check_optimizer_fresh(optimizer)
+    _check_same_values_on_every_rank(model, mesh)
     names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage
     trainable_before: dict[str, bool] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -437,6 +440,46 @@ def refuse_compiled(model: torch.nn.Module, api: str) -> None:
             f"{api}: the model is a torch.compile wrapper (OptimizedModule around {type(model._orig_mod).__name__}), "
             f"whose graph would be that of the undistributed model; pass the model itself (model._orig_mod) and "
             f"compile the model {api} returns (torch.compile(model))")
+
+
+_SAMPLE = 1 << 16  # elements of each tensor compared: a whole tensor seeded or loaded otherwise differs in all
+
+
+def _check_same_values_on_every_rank(model: torch.nn.Module, mesh: ProcessMesh) -> None:
+    """Every rank must start from the same model: FSDP2 keeps each rank's own shard of its own values (it does not
+    broadcast, as DDP does), and modules that no style splits keep each rank's values, so a model seeded per rank
+    or loaded on rank 0 only would train as a silent mix of them. Compared by fingerprint (the sum and the sum of
+    magnitudes of up to _SAMPLE evenly strided elements of every parameter and persistent buffer, in fp64: bitwise
+    equal on equal values; a non-persistent buffer may be scratch memory, left uninitialised), one all-reduce; meta tensors (LazyGuard, materialised alike per tensor) and DTensors are left
+    out, and so is a mesh of a part of the job's ranks (the others would not join the collective)."""
+    if mesh.size == 1 or mesh.size != env.get_world_size():
+        return
+    names, parts, device = [], [], env.device()  # the collective's device (the model may still be on the CPU)
+    persistent = [(f"{prefix}.{name}" if prefix else name, buffer) for prefix, module in model.named_modules()
+                  for name, buffer in module._buffers.items()
+                  if buffer is not None and name not in module._non_persistent_buffers_set]
+    for name, tensor in [*model.named_parameters(), *persistent]:
+        if tensor.is_meta or isinstance(tensor, DTensor) or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLE)]
+        sample = (torch.view_as_real(sample) if sample.is_complex() else sample).to(torch.float64)
+        names.append(name)
+        parts.append(torch.stack([sample.sum(), sample.abs().sum()]).to(device))
+    if not parts:
+        return
+    values = torch.nan_to_num(torch.stack(parts), nan=math.inf)
+    both = torch.cat([values, -values])  # one MAX gives the maximum and the minimum
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+    high, low = both[: len(values)].cpu(), -both[len(values):].cpu()
+    differ = [name for name, row in zip(names, (high != low).any(dim=1).tolist()) if row]
+    if differ:
+        raise ValueError(
+            f"parallelize: the model differs between ranks before sharding ({len(differ)} tensor(s): {differ[:4]}"
+            f"{' ...' if len(differ) > 4 else ''}); data parallel keeps each rank's own shard and undivided modules "
+            "each rank's values, so training would mix them. Build the model with the same seed on every rank, or "
+            "load the same weights on every rank (weights loaded on one rank only: broadcast them first, or load "
+            "them with distcore.load_state after parallelize)")
 
 
 def _check_optimizer_fresh(optimizer) -> None:

@@ -581,6 +581,33 @@ def check_a_model_left_in_eval_mode_trains_like_one_process():
         raise AssertionError("a pipeline's eval-mode call was backpropagated")
 
 
+def check_a_model_that_differs_between_ranks_is_refused():
+    """FSDP2 keeps each rank's own shard of its own values (it does not broadcast, as DDP does), and modules no
+    style splits keep each rank's: a model seeded per rank, or loaded on rank 0 only, trained as a silent mix of
+    the ranks' models. Now refused before anything changes, naming the tensors and the fix."""
+    def loaded_on_rank_0():
+        model = build("llama", layers=LAYERS)
+        if dist.get_rank() != 0:  # a fresh initialisation here: weights changed on rank 0 only
+            with torch.no_grad():
+                model.model.norm.weight.add_(0.5)
+        return model
+
+    for make, expected in ((lambda: build("llama", layers=LAYERS, seed=dist.get_rank()), "(30 tensor(s): "),
+                           (loaded_on_rank_0, "(1 tensor(s): ['model.norm.weight'])")):
+        for strategy in (MATRIX["dp 4, level 3"], MATRIX["dp 2 x tp 2, level 2"]):
+            model = make()
+            try:
+                distcore.to_distributed(model, torch.optim.SGD(model.parameters(), lr=0.5), _Loader(),
+                                        device_num=dist.get_world_size(),
+                                        config=distcore.ToDistributedConfig(strategy=strategy))
+            except ValueError as error:
+                message = str(error)
+                assert "the model differs between ranks before sharding" in message and expected in message, message
+                assert "same seed on every rank" in message and "distcore.load_state" in message, message
+            else:
+                raise AssertionError(f"a model that differs between ranks was distributed ({strategy})")
+
+
 def check_clip_grad_norm_is_the_whole_model_norm():
     """distcore.clip_grad_norm_(model, max_norm) in the user's loop clips as torch's does on one device, by the
     whole model's norm, under every kind of split: parameters on several meshes (dp x tp: torch's own function
