@@ -254,10 +254,14 @@ def _cpu_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module).cpu()
 
 
-def _run(module: torch.nn.Module, x: torch.Tensor):
-    """module(x) without autograd, or the exception it raised (a probe must never crash fuse)."""
+def _run(module: torch.nn.Module, x: torch.Tensor, *, training: bool = True):
+    """A probe copy's module(x) without autograd, or the exception it raised (a probe must never crash fuse). In
+    training mode by default, as the fused layer will train: a module that draws at random there (Seed-OSS's MLP
+    applies dropout, 0.1 by default) then differs from the formula and is left alone; probed in the caller's eval
+    mode (from_pretrained's) it was fused, and its dropout lost in training. The caller's random state is kept."""
+    module.train(training)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             return module(x), None
     except Exception as error:  # noqa: BLE001 - reported in the FuseReport
         return None, f"{type(error).__name__}: {error}"
@@ -389,6 +393,9 @@ def _gated_mlp_verdict(module: torch.nn.Module, in_features: int) -> tuple[str |
         closest = min(candidates, key=lambda activation: (candidates[activation] - out).abs().max().item())
         if _close(out, candidates[closest]):
             return closest, None
+        if any(_close(_run(probe, x, training=False)[0], candidate) for candidate in candidates.values()):
+            return None, ("SwiGLU MLP candidate: computes down(act(gate(x)) * up(x)) in eval mode only (dropout, or "
+                          "another random draw in training): the fused layer would lose it in training; left as is")
     return None, ("has gate/up/down projections but its output is not down(act(gate(x)) * up(x)) for act silu, gelu "
                   "or gelu's tanh approximation; left as is")
 

@@ -201,6 +201,25 @@ def test_gpt2_fuses_only_its_head_and_loss():
         _assert_within(q.grad, p.grad, 2 * VOCAB * U_FP32 + 2 * HIDDEN * U_FP32, name)
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_an_mlp_with_dropout_is_left_alone_in_either_mode(mode):
+    """Seed-OSS's MLP applies dropout (residual_dropout, 0.1 by default) after down(act(gate(x)) * up(x)). Probed in
+    the caller's eval mode (from_pretrained returns one) it was fused and its dropout lost in training; probes run
+    in training mode now, and the MLP is left alone naming why. The model keeps its mode."""
+    import transformers as hf
+
+    config = hf.AutoConfig.for_model("seed_oss", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert config.residual_dropout == 0.1  # transformers' default
+    model = getattr(hf.AutoModelForCausalLM.from_config(config), mode)()
+    report = kernels.fuse(model)
+    assert model.training == (mode == "train")
+    skipped = dict(report.skipped)
+    assert all(type(layer.mlp).__name__ == "SeedOssMLP" for layer in model.model.layers)
+    assert "in eval mode only (dropout" in skipped["model.layers.0.mlp"], skipped
+    assert any(what.startswith("rms_norm") for _, what in report.replaced), report.replaced  # the rest still fuses
+
+
 def test_strict_raises_naming_each_candidate_and_changes_nothing():
     model = build("cohere")  # its LayerNorms (weight and eps, no bias) are RMSNorm candidates that fail the probe
     before = [type(m) for m in model.modules()]
