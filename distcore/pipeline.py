@@ -905,7 +905,7 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
             with labelled_call(view, args, kwargs) as finish:
                 return _last_stage_result(finish(run(args, kwargs)), state)
         output = run(args, kwargs)
-        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = output[0] if isinstance(output, (tuple, list)) else output  # (OpenAI GPT's blocks return lists)
         if not isinstance(hidden, torch.Tensor) or isinstance(hidden, DTensor):
             raise TypeError(
                 f"pipeline parallel: stage {state.stage} ends with {type(hidden).__name__}, expected the hidden-states "

@@ -69,6 +69,8 @@ MORE_FAMILIES = {
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).
     "opt": ("opt", dict(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, dropout=0.0)),  # 0.1 by default: masks differ by layout
+    # GPT-1: post-norm blocks returning lists (not tuples), learned positions, GELU MLP; dropout 0.1 by default
+    "openai-gpt": ("openai-gpt", dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     # Mamba layers, and hybrid ones that each call a transformer block (its input the hidden states joined with
     # the embeddings) through a linear layer of their own; the blocks' weights are tied to layer 2's (always 4
     # layers: transformers ties to layer 2 by name).

@@ -518,6 +518,12 @@ def check_opt_final_norm_registered_before_its_layers_trains_under_pipeline_para
     _train("opt", _strategy(2, 1, 2, num_micro_batches=2))
 
 
+def check_openai_gpt_blocks_returning_lists_train_under_pipeline_parallel():
+    """GPT-1's blocks return lists, not tuples: a stage ending in one was refused ("stage 0 ends with list"). Its
+    hidden states are the list's first element, as a tuple's: equal to one process under dp 2 x pp 2."""
+    _train("openai-gpt", _strategy(2, 1, 2, num_micro_batches=2))
+
+
 def check_unrecognised_and_ambiguous_models():
     assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
     # tp given for it: refused with the reason its structure is not recognised (before, only a log line said why)
