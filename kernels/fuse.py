@@ -89,34 +89,38 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
     LayerNorm, a module with hooks, a rotary function of another convention); pass that kind's flag False to
     leave it.
     """
-    report = FuseReport()
-    changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
-    verdicts: dict = {}  # one probe per kind of module (_kind) or rotary function: a model's layers are alike
-    for name, module in model.named_modules():
-        if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP, FusedSwiGLUExperts)):
-            continue
-        if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)
-                         or looks_like_stacked_experts(module)):
-            report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
-        elif rms_norm and _looks_like_rms_norm(module):
-            _fuse_rms_norm(model, name, module, report, changes, verdicts)
-        elif swiglu and _looks_like_swiglu_mlp(module):
-            _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
-        elif swiglu and looks_like_stacked_experts(module):
-            _fuse_stacked_experts(model, name, module, report, changes, verdicts)
-        if rotary:
-            _fuse_rotary(name, module, report, changes, verdicts)
-        if linear_cross_entropy and _looks_like_causal_lm(module):
-            _fuse_lm_head_and_loss(model, name, module, report, changes)
-    if strict and report.skipped:
-        lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
-        raise FuseError(
-            f"fuse(strict=True): {len(report.skipped)} candidate(s) cannot be fused:\n{lines}\n"
-            "fuse without strict leaves them as they are; or pass rms_norm=/swiglu=/rotary=/linear_cross_entropy=False "
-            "for that kind"
-        )
-    for change in changes:
-        change()
+    # The probes' runs and the new modules' default initialisation draw from the caller's generators otherwise: a
+    # fused model would train on other random numbers (dropout, shuffling) than the unfused one from the same seed
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        report = FuseReport()
+        changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
+        verdicts: dict = {}  # one probe per kind of module (_kind) or rotary function: a model's layers are alike
+        for name, module in model.named_modules():
+            if isinstance(module, (FusedRMSNorm, FusedSwiGLUMLP, FusedSwiGLUExperts)):
+                continue
+            if not name and (_looks_like_rms_norm(module) or _looks_like_swiglu_mlp(module)
+                             or looks_like_stacked_experts(module)):
+                report.skipped.append((name, "the model itself is the candidate; fuse the model that contains it"))
+            elif rms_norm and _looks_like_rms_norm(module):
+                _fuse_rms_norm(model, name, module, report, changes, verdicts)
+            elif swiglu and _looks_like_swiglu_mlp(module):
+                _fuse_swiglu_mlp(model, name, module, report, changes, verdicts)
+            elif swiglu and looks_like_stacked_experts(module):
+                _fuse_stacked_experts(model, name, module, report, changes, verdicts)
+            if rotary:
+                _fuse_rotary(name, module, report, changes, verdicts)
+            if linear_cross_entropy and _looks_like_causal_lm(module):
+                _fuse_lm_head_and_loss(model, name, module, report, changes)
+        if strict and report.skipped:
+            lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
+            raise FuseError(
+                f"fuse(strict=True): {len(report.skipped)} candidate(s) cannot be fused:\n{lines}\n"
+                "fuse without strict leaves them as they are; or pass "
+                "rms_norm=/swiglu=/rotary=/linear_cross_entropy=False for that kind"
+            )
+        for change in changes:
+            change()
     return report
 
 

@@ -220,6 +220,18 @@ def test_an_mlp_with_dropout_is_left_alone_in_either_mode(mode):
     assert any(what.startswith("rms_norm") for _, what in report.replaced), report.replaced  # the rest still fuses
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_fuse_keeps_the_callers_random_state(family):
+    """Its probes and the new modules' default initialisation drew from the global generator: a fused model then
+    trained on other random numbers (dropout masks, shuffling) than the unfused one from the same seed."""
+    model = build(family)
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    assert kernels.fuse(model).replaced
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_strict_raises_naming_each_candidate_and_changes_nothing():
     model = build("cohere")  # its LayerNorms (weight and eps, no bias) are RMSNorm candidates that fail the probe
     before = [type(m) for m in model.modules()]
