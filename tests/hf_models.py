@@ -28,7 +28,7 @@ EXPERTS, TOP_K = 4, 2
 # sizes above; the comment says what it adds. Kept apart from FAMILIES: tests/test_fuse_transformers.py checks
 # fuse on all of them, tests/distributed/transformers_worker.py trains some under to_distributed.
 _MOE = dict(num_experts_per_tok=TOP_K)
-_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)  # Mamba-2 mixers at this scale
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=4)  # Mamba-2 mixers at this scale
 MORE_FAMILIES = {
     "phi": ("phi", {}),  # LayerNorm, partial rotary, GELU MLP beside the attention (one norm per block)
     "starcoder2": ("starcoder2", {}),  # LayerNorm, biases everywhere, GELU MLP
@@ -64,7 +64,8 @@ MORE_FAMILIES = {
     "smollm3": ("smollm3", {}),  # every fourth layer without rotary
     # A Mamba-2 layer, then an attention layer (IBM's hybrid); the mixer's gated RMSNorm, norm(x, gate), is no plain RMSNorm.
     # The mixer at the hidden size's scale (8 heads x 16 = 2 x hidden; by default 128 heads and a state of 256,
-    # whose chunked scan cost 96 s of the suite), chunks of 8 tokens: the scan's inter-chunk path runs too.
+    # whose chunked scan cost 96 s of the suite), chunks of 4 tokens: the tests' 8-token rows span 2, so the scan's
+    # inter-chunk path runs too (the default 256 held them in one).
     "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1], **_MAMBA2)),
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).
