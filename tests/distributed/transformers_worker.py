@@ -614,6 +614,32 @@ def check_a_model_that_differs_between_ranks_is_refused():
                 raise AssertionError(f"a model that differs between ranks was distributed ({strategy})")
 
 
+def _hf_checkpointing(model) -> None:
+    """transformers' own activation checkpointing (torch.utils.checkpoint around each decoder layer, reentrant)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def _hf_checkpointing_non_reentrant(model) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def check_transformers_own_activation_checkpointing_trains_like_one_process():
+    """A model whose user enabled transformers' activation checkpointing before to_distributed (each layer's
+    forward runs again in the backward, under FSDP2's hooks, tensor parallel's and the pipeline's stages): equal
+    to one process with the same checkpointing, reentrant (transformers' default) and not. (This transformers
+    recomputes the attention of each layer.)"""
+    def still_on(model):
+        assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+    _train("llama", MATRIX["dp 2 x tp 2 + sp + overlap, level 1"], prepare=_hf_checkpointing, inspect=still_on)
+    _train("llama", MATRIX["dp 2 x pp 2, 2 micro-batches"], prepare=_hf_checkpointing, inspect=still_on)
+    _train("llama", MATRIX["dp 4, level 3"], prepare=_hf_checkpointing_non_reentrant, inspect=still_on)
+
+
 def check_clip_grad_norm_is_the_whole_model_norm():
     """distcore.clip_grad_norm_(model, max_norm) in the user's loop clips as torch's does on one device, by the
     whole model's norm, under every kind of split: parameters on several meshes (dp x tp: torch's own function
