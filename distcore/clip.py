@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from .api import local_value
+
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 
 
@@ -40,8 +42,9 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
     # Every parameter that trains, with a gradient or not (a rank's unused parameter must still take part in its
     # mesh's reduction: the ranks of one mesh run the same collectives, in parameter order)
     params = [p for name, p in model.named_parameters() if p.requires_grad and name not in counted_elsewhere]
-    device = _local(params[0]).device if params else torch.device("cpu")
+    device = local_value(params[0]).device if params else torch.device("cpu")
     inf = math.isinf(norm_type)
+    combine = torch.maximum if inf else torch.add  # the contributions of two sets of elements
     total = torch.zeros((), dtype=torch.float32, device=device)
     by_reduction: dict[tuple, torch.Tensor] = {}  # (mesh, sharded mesh dims) -> their local contributions
     for param in params:
@@ -49,7 +52,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
         if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):  # pending sums
             grad = grad.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in grad.placements])
         part = (torch.zeros((), dtype=torch.float32, device=device) if grad is None
-                else torch.linalg.vector_norm(_local(grad), norm_type, dtype=torch.float32))
+                else torch.linalg.vector_norm(local_value(grad), norm_type, dtype=torch.float32))
         part = part if inf else part ** norm_type
         if isinstance(param, DTensor):
             # (_StridedShard, FSDP2's placement over a tp split, is no Shard to is_shard())
@@ -57,14 +60,14 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
             if sharded:
                 key = (param.device_mesh, sharded)
                 kept = by_reduction.get(key)
-                by_reduction[key] = part if kept is None else (torch.maximum(kept, part) if inf else kept + part)
+                by_reduction[key] = part if kept is None else combine(kept, part)
                 continue
-        total = torch.maximum(total, part) if inf else total + part  # replicated: every rank holds all of it
+        total = combine(total, part)  # replicated: every rank holds all of it
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     for (mesh, dims), part in by_reduction.items():  # the same order on the ranks of one mesh (parameter order)
         for dim in dims:
             dist.all_reduce(part, op=op, group=mesh.get_group(dim))
-        total = torch.maximum(total, part) if inf else total + part
+        total = combine(total, part)
     if runner is not None and dist.get_world_size(runner.pp_group) > 1:  # every stage's parameters
         dist.all_reduce(total, op=op, group=runner.pp_group)
     norm = total if inf else total ** (1.0 / norm_type)
@@ -73,11 +76,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm_type: float = 
                            "pass error_if_nonfinite=False to clip anyway")
     coefficient = torch.clamp(max_norm / (norm + _EPS), max=1.0)
     with torch.no_grad():
-        locals_ = [_local(p.grad) for p in model.parameters() if p.grad is not None]  # tied copies too
+        locals_ = [local_value(p.grad) for p in model.parameters() if p.grad is not None]  # tied copies too
         if locals_:
             torch._foreach_mul_(locals_, coefficient.to(locals_[0].device))
     return norm
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -427,7 +427,7 @@ def _report_global_mean_loss(model: torch.nn.Module, *, group) -> None:
     model.register_forward_hook(hook)
 
 
-# ------------------------------------------------------------------------------------------ optimizer
+# ------------------------------------------------------------------------------- the model as given
 
 
 def refuse_compiled(model: torch.nn.Module, api: str) -> None:
@@ -450,8 +450,9 @@ def _check_same_values_on_every_rank(model: torch.nn.Module, mesh: ProcessMesh) 
     broadcast, as DDP does), and modules that no style splits keep each rank's values, so a model seeded per rank
     or loaded on rank 0 only would train as a silent mix of them. Compared by fingerprint (the sum and the sum of
     magnitudes of up to _SAMPLE evenly strided elements of every parameter and persistent buffer, in fp64: bitwise
-    equal on equal values; a non-persistent buffer may be scratch memory, left uninitialised), one all-reduce; meta tensors (LazyGuard, materialised alike per tensor) and DTensors are left
-    out, and so is a mesh of a part of the job's ranks (the others would not join the collective)."""
+    equal on equal values; a non-persistent buffer may be scratch memory, left uninitialised), one all-reduce. Meta
+    tensors (LazyGuard, materialised alike per tensor) and DTensors are left out, and so is a mesh of a part of the
+    job's ranks (the others would not join the collective)."""
     if mesh.size == 1 or mesh.size != env.get_world_size():
         return
     names, parts, device = [], [], env.device()  # the collective's device (the model may still be on the CPU)
@@ -480,6 +481,9 @@ def _check_same_values_on_every_rank(model: torch.nn.Module, mesh: ProcessMesh) 
             "each rank's values, so training would mix them. Build the model with the same seed on every rank, or "
             "load the same weights on every rank (weights loaded on one rank only: broadcast them first, or load "
             "them with distcore.load_state after parallelize)")
+
+
+# ------------------------------------------------------------------------------------------ optimizer
 
 
 def _check_optimizer_fresh(optimizer) -> None:

@@ -97,6 +97,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
 from ..kernels.fuse import forward_takes, labelled_call, looks_like_stacked_experts
+from .api import local_value
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -438,7 +439,7 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
     meta tensors do not hold) become `_MetaExperts`, which give the output's shape only."""
     memo = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty_like(tensor.to_local() if isinstance(tensor, DTensor) else tensor, device="meta")
+        meta = torch.empty_like(local_value(tensor), device="meta")
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(module, memo)
     for name, child in list(copied.named_modules()):
@@ -774,9 +775,9 @@ class TiedAcrossStages:
         self.ties: list[tuple[list[str], object]] = []
         self.copies_counted_elsewhere: set[str] = set()  # copies past the tie's first stage (clip.clip_grad_norm_)
         for names in tied_parameter_names(model):
-            stages = {name: _stage_of_parameter(name, placement, last) for name in names}
-            self.copies_counted_elsewhere.update(name for name, stage in stages.items() if stage != min(stages.values()))
-            stages = set(stages.values())
+            stage_of = {name: _stage_of_parameter(name, placement, last) for name in names}
+            stages = set(stage_of.values())
+            self.copies_counted_elsewhere.update(name for name, stage in stage_of.items() if stage != min(stages))
             if len(stages) == 1:
                 continue  # one stage: one module tree, one parameter
             # Every rank creates the holders' group of every pipeline, in the same order (new_group is a
@@ -797,7 +798,7 @@ class TiedAcrossStages:
         for names, group in self.ties:
             copies = {id(p): p for view in views for name in names if (p := _parameter_or_none(view, name)) is not None}
             params = list(copies.values())
-            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
+            grads = [local_value(p.grad) if p.grad is not None else torch.zeros_like(local_value(p)) for p in params]
             total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -956,7 +957,7 @@ def _last_stage_result(output, state: _StageState) -> torch.Tensor:
     candidates = [find_logits(output), *tree_flatten(output)[0]]
     tracked = next((t for t in candidates if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad), None)
     if tracked is not None:
-        return _local(tracked).sum() * 0.0
+        return local_value(tracked).sum() * 0.0
     if torch.is_grad_enabled():
         raise ValueError(_NO_LOSS)  # nothing to stand in for a loss: the backward cannot run
     return torch.zeros((), device=_device_of((output,), {}))
@@ -1129,7 +1130,7 @@ class PipelineRunner:
         (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
-        if held and not bool(torch.stack([_local(g).any() for g in held.values()]).any()):
+        if held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
             held = {}  # zeroed, not freed (Paddle's clear_grad()): nothing to keep apart, no second copy
         for p in held:
             p.grad = None
@@ -1254,10 +1255,6 @@ class _ReturnedLoss(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.on_backward(grad)
         return None, None, None
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def split_micro_batches(args, kwargs, count: int) -> list:

@@ -91,7 +91,7 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
     """
     # The probes' runs and the new modules' default initialisation draw from the caller's generators otherwise: a
     # fused model would train on other random numbers (dropout, shuffling) than the unfused one from the same seed
-    devices = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
+    devices = sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         report = FuseReport()
         changes: list = []  # every probe runs first; the replacements are applied after, or not at all (strict)
@@ -916,7 +916,8 @@ def _capture_hidden_states(module, args, kwargs):
     """Forward pre-hook of a fused causal LM: in a call with labels its head keeps the hidden states."""
     head = module._modules.get("lm_head")
     if isinstance(head, FusedLMHead):  # not a head put in its place since (resize_token_embeddings does)
-        head.capturing, head.stood_in, head.hidden = forward_argument(module, "labels", args, kwargs) is not None, False, None
+        labelled = forward_argument(module, "labels", args, kwargs) is not None
+        head.capturing, head.stood_in, head.hidden = labelled, False, None
     return None
 
 
