@@ -156,12 +156,14 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                         "which pipeline stages do not hold together")
         limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
                                        "router logits, which sequence parallel splits over the tp ranks")
-    from .pipeline import embeddings_after_layers, reused_outputs  # torch.distributed.pipelining: loaded where used
+    from .pipeline import embeddings_after_layers, reentrant_checkpointing, reused_outputs  # (torch's pipelining)
 
     late = embeddings_after_layers(model, layers) if layers is not None else []
     if late:
         limits["pp"] = (f"{late} hold an embedding registered after the decoder layers but looked up before them "
                         "(per-layer inputs reaching every layer): no split into pipeline stages computes it where it is used")
+    if why := reentrant_checkpointing(model):
+        limits["pp"] = why
     if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
         why = expert_parallel_refusal(model, spec.structure.experts_modules())
         if why:  # e.g. Llama 4's experts, which run every token

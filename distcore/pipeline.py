@@ -91,6 +91,7 @@ from torch.distributed.pipelining import SplitPoint as _TorchSplitPoint
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -845,6 +846,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
     loss), so tensor parallel's hooks and the fused kernels work inside stages as they do without pp.
     """
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    _refuse_reentrant_checkpointing(model)
     config = parse_pp_config(model, pp_config, pp=pp)
     placement = _placement(model, config)
     bare_parameters = _bare_parameter_names(model, placement)
@@ -873,6 +875,50 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
         [[i for i in range(config.num_layers) if config.stage_of_layer(i) == s] for s in stage_ids],
     )
     return runner
+
+
+def _reentrant_checkpointing(module: torch.nn.Module) -> bool:
+    """Whether `module` runs its forward under reentrant activation checkpointing, as far as can be told without
+    running it: Hugging Face's per-layer checkpointing (`gradient_checkpointing` on, `_gradient_checkpointing_func`
+    a partial of torch's checkpoint whose `use_reentrant` is True or left to torch's default, True) or torch's
+    `checkpoint_wrapper` with CheckpointImpl.REENTRANT. A model's forward that calls torch.utils.checkpoint(...,
+    use_reentrant=True) itself cannot be seen before it runs: torch raises at the first step, on the later stages'
+    ranks only, with an error that names the fix (use_reentrant=False)."""
+    impl = getattr(module, "checkpoint_impl", None)
+    if impl is not None and getattr(impl, "name", None) == "REENTRANT":
+        return True
+    if getattr(module, "gradient_checkpointing", False) is not True:
+        return False
+    func = getattr(module, "_gradient_checkpointing_func", None)
+    if isinstance(func, partial) and "use_reentrant" in func.keywords:
+        return bool(func.keywords["use_reentrant"])
+    return (func.func if isinstance(func, partial) else func) is torch_checkpoint
+
+
+_REENTRANT_FIX = ("transformers' activation checkpointing: model.activation_checkpointing_enable("
+                  "activation_checkpointing_kwargs={'use_reentrant': False}) (its default); torch's checkpoint: "
+                  "use_reentrant=False; or recompute='full' in the strategy instead")
+
+
+def reentrant_checkpointing(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot be split into pipeline stages as it is, if it runs reentrant activation checkpointing:
+    torch.distributed.pipelining computes a stage's input gradients with torch.autograd.grad(inputs=...), which
+    torch.utils.checkpoint refuses under use_reentrant=True, raising in the backward of every stage but the
+    first while the first stage's ranks wait for it (to_distributed leaves pp out for such a model)."""
+    reentrant = [name or "(the model)" for name, module in model.named_modules() if _reentrant_checkpointing(module)]
+    if not reentrant:
+        return None
+    return (f"{len(reentrant)} module(s) run under reentrant activation checkpointing (use_reentrant=True: "
+            f"{reentrant[:3]}{' ...' if len(reentrant) > 3 else ''}), which torch's pipeline stages cannot "
+            f"differentiate (their input gradients come from torch.autograd.grad). Use the non-reentrant variant, "
+            f"whose gradients are the same: {_REENTRANT_FIX}")
+
+
+def _refuse_reentrant_checkpointing(model: torch.nn.Module) -> None:
+    """Before any communication, on every rank alike (the model is the same on every rank)."""
+    why = reentrant_checkpointing(model)
+    if why:
+        raise ValueError(f"pipeline parallel: {why}")
 
 
 # ------------------------------------------------------------------------------------------- running

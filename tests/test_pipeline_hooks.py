@@ -346,3 +346,34 @@ def test_the_probe_forward_leaves_the_model_as_it_was():
     with pytest.raises(AttributeError, match=r"uses 'bert.encoder.layer.2.weight' \('__getitem__'\), a tensor of "
                                              r"pipeline stage 1"):
         foreign[0]
+
+
+def test_reentrant_checkpointing_is_told_apart_from_the_non_reentrant_kind():
+    """What the pipeline refuses before any communication (torch's stage backward cannot run reentrant
+    checkpointing): transformers' per-layer checkpoint function with use_reentrant=True or left to torch's default
+    (True), and torch's checkpoint_wrapper with CheckpointImpl.REENTRANT; not the non-reentrant ones, a layer whose
+    checkpointing is off, or a checkpoint function of the user's own (which torch judges when it runs)."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    from tridist.distcore.pipeline import _refuse_reentrant_checkpointing, _reentrant_checkpointing
+
+    def hf_layer(func, enabled=True):
+        layer = torch.nn.Linear(2, 2)
+        layer.gradient_checkpointing, layer._gradient_checkpointing_func = enabled, func
+        return layer
+
+    reentrant = [hf_layer(functools.partial(checkpoint, use_reentrant=True)), hf_layer(checkpoint),
+                 hf_layer(functools.partial(checkpoint)),
+                 checkpoint_wrapper(torch.nn.Linear(2, 2), checkpoint_impl=CheckpointImpl.REENTRANT)]
+    other = [hf_layer(functools.partial(checkpoint, use_reentrant=False)),
+             hf_layer(functools.partial(checkpoint, use_reentrant=True), enabled=False),
+             hf_layer(lambda function, *args: function(*args)), torch.nn.Linear(2, 2),
+             checkpoint_wrapper(torch.nn.Linear(2, 2), checkpoint_impl=CheckpointImpl.NO_REENTRANT)]
+    assert [_reentrant_checkpointing(m) for m in reentrant] == [True] * 4
+    assert [_reentrant_checkpointing(m) for m in other] == [False] * 5
+    _refuse_reentrant_checkpointing(torch.nn.Sequential(*other))
+    with pytest.raises(ValueError, match=r"4 module\(s\) run under reentrant .*\['0', '1', '2'\] \.\.\..*'use_reentrant': False"):
+        _refuse_reentrant_checkpointing(torch.nn.Sequential(*reentrant))
