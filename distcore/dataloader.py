@@ -41,7 +41,8 @@ How the samples are loaded:
 Shuffling: a sampler with a `generator` attribute (RandomSampler, SubsetRandomSampler, ...) would shuffle
 with each process's own RNG. At each epoch rank 0's choice is broadcast: its generator's state, or, for
 a sampler without a generator, a seed that rank 0 draws from its global RNG exactly as RandomSampler
-does (the generator built from it stays on the sampler). An iterable-style dataset must itself yield
+does (the generator built from it stays on the sampler; every rank makes the same draw and keeps rank 0's, so
+each rank's global RNG advances as one process's). An iterable-style dataset must itself yield
 the same order on every rank.
 
 Non-tensor items (strings, ...) are not DTensors: they pass through as the collate_fn made them, which
@@ -256,9 +257,9 @@ class _ShuffleSync:
         if self.sampler is None or env.get_world_size() == 1:
             return
         if self.seedless:
-            # RandomSampler's own draw, made on rank 0 only: rank 0 shuffles as a single process would.
-            seed = int(torch.empty((), dtype=torch.int64).random_().item()) if env.get_rank() == 0 else None
-            seed = _broadcast_from_rank0(seed)
+            # RandomSampler's own draw, made on every rank (each rank's global RNG advances as a single
+            # process's does: a draw on rank 0 only would leave the ranks' dropout masks apart), rank 0's kept.
+            seed = _broadcast_from_rank0(int(torch.empty((), dtype=torch.int64).random_().item()))
             self.sampler.generator = torch.Generator().manual_seed(seed)
         else:
             state = _broadcast_from_rank0(self.sampler.generator.get_state())

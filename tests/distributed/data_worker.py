@@ -179,6 +179,16 @@ def check_shuffled_loader_gives_every_rank_the_same_batches():
     dist_loader = distcore.shard_dataloader(seeded_loader(7 + rank()), mesh, shard_dims=0)  # a dim index
     assert labels_per_epoch(dist_loader, distcore.unshard_dtensor) == expected
 
+    # Every rank seeded alike: each rank's global RNG ends where one process's does (a draw on rank 0 alone
+    # would leave the ranks' dropout masks apart after the first epoch: tensor-parallel replicas diverged).
+    torch.manual_seed(99)
+    labels_per_epoch(DataLoader(dataset, batch_size=4, shuffle=True), None)
+    expected_state = torch.get_rng_state()
+    torch.manual_seed(99)
+    labels_per_epoch(distcore.shard_dataloader(DataLoader(dataset, batch_size=4, shuffle=True), mesh, shard_dims="dp"),
+                     distcore.unshard_dtensor)
+    assert torch.equal(torch.get_rng_state(), expected_state)
+
 
 def check_whole_batch_fallbacks():
     """Iterable datasets and custom collate_fns: whole batches are read and sliced on every rank."""
