@@ -45,6 +45,7 @@ from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
+from .random_state import keep_tensor_parallel_random_state_alike
 from .token_mean import install_global_token_mean
 from .unused_parameters import UnusedParameters
 from .optimizer import with_paddle_methods
@@ -144,6 +145,8 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     if dp_group is not None or micro_batches > 1:
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
+    if mp_config is not None and dims.degree("mp") > 1:  # the replicas' dropout masks (random_state.py)
+        keep_tensor_parallel_random_state_alike(model, tp_group=dims.group("mp"), device=env.device())
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
     # stage), one parameter at a time; the optimizer below then holds the real parameters.
     materialize(model, device=env.device(), strict=False)

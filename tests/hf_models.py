@@ -86,8 +86,12 @@ MORE_FAMILIES = {
 }
 
 
-def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Module:
+def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | None = None) -> torch.nn.Module:
+    """`config`: more settings of a MORE_FAMILIES family's config (dropouts, ...)."""
     import transformers as hf
+
+    if config and family not in MORE_FAMILIES:
+        raise ValueError(f"build: config settings are taken for MORE_FAMILIES only, not {family!r}")
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
@@ -141,8 +145,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0) -> torch.nn.Modul
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     if family in MORE_FAMILIES:
         model_type, extra = MORE_FAMILIES[family]
-        config = hf.AutoConfig.for_model(model_type, **{**common, **extra})
+        settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
         if family == "qwen3-next":  # linear-attention and full-attention layers alternate
-            config.layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
-        return hf.AutoModelForCausalLM.from_config(config)
+            settings.layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+        return hf.AutoModelForCausalLM.from_config(settings)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")
