@@ -8,16 +8,27 @@
   parameters whose gradients are already averaged (DataParallel / DDP).
 - ShardingStage2/3 also shard gradients / parameters, which live in the model: they are applied by
   `parallelize(model, optimizer, config={"dp_config": {"sharding_level": 2 or 3}})` with FSDP2.
+
+Optimizers parallelize was not given: parallelize (and to_distributed) replace the model's parameters by
+distributed ones and rebuild the optimizer they are given in place; a second optimizer built before (Muon for the
+matrices beside AdamW for the rest, a head's own) still holds the replaced ones, which no forward uses: its
+steps would train nothing, silently. Each replaced parameter is marked with its replacement (`mark_replaced`),
+`shard_optimizer(optimizer)` takes the replacements into such an optimizer's groups (in place, as parallelize
+does; another pipeline stage's parameters leave them), and a step of an optimizer that still holds a replaced
+parameter raises, naming them and that fix (a step pre-hook on every torch optimizer, registered when this
+module is imported: a few attribute lookups per parameter and step).
 """
 
 from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
 from .mesh import ProcessMesh, get_mesh
@@ -84,14 +95,72 @@ def with_paddle_methods(optimizer: torch.optim.Optimizer, sharding: "_ShardingSt
     return optimizer
 
 
+@dataclass(frozen=True)
+class _Replaced:
+    """On a parameter parallelize replaced: the model's name for it and its replacement (None where it lives on
+    another pipeline stage), held weakly (the old parameter must not keep the model's alive)."""
+
+    name: str
+    replacement: "weakref.ref | None"
+
+
+def mark_replaced(params_before: dict[int, torch.nn.Parameter], names_before: dict[int, list[str]],
+                  model: torch.nn.Module) -> None:
+    """Mark each parameter of `params_before` (id -> parameter, before parallelize) that `model` no longer holds
+    with its replacement (the parameter of its name now), for shard_optimizer and the step check below."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    kept = {id(param) for param in now.values()}
+    for key, param in params_before.items():
+        if key in kept:
+            continue
+        names = names_before[key]
+        replacement = next((now[name] for name in names if name in now), None)
+        param._tridist_replaced = _Replaced(names[0], weakref.ref(replacement) if replacement is not None else None)
+
+
+def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's groups hold the replacements of parameters parallelize replaced (another stage's leave)."""
+    if not any(hasattr(p, "_tridist_replaced") for group in optimizer.param_groups for p in group["params"]):
+        return
+    if len(optimizer.state):
+        raise ValueError("shard_optimizer: the optimizer already has state for parameters parallelize replaced; "
+                         "build it from the distributed model's parameters instead")
+    for group in optimizer.param_groups:
+        params = []
+        for param in group["params"]:
+            replaced = getattr(param, "_tridist_replaced", None)
+            if replaced is None:
+                params.append(param)
+            elif replaced.replacement is not None and replaced.replacement() is not None:
+                params.append(replaced.replacement())
+        group["params"] = params
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    replaced = [p._tridist_replaced.name for group in optimizer.param_groups for p in group["params"]
+                if hasattr(p, "_tridist_replaced")]
+    if replaced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): this optimizer holds {len(replaced)} parameter(s) that parallelize "
+            f"(to_distributed) replaced by the distributed model's own ({replaced[:4]}{' ...' if len(replaced) > 4 else ''}): "
+            "no forward uses them, so its steps would train nothing. Pass each optimizer built before through "
+            "distcore.shard_optimizer(optimizer) after parallelizing (it takes the replacements in place), or build "
+            "it afterwards from the returned model's parameters")
+
+
+register_optimizer_step_pre_hook(_refuse_replaced_parameters)
+
+
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage | None = None) -> torch.optim.Optimizer:
     """Shard `optimizer`'s states as `shard_fn` says (see the module docstring).
 
     Without shard_fn the same optimizer comes back (with Paddle's methods added). ShardingStage1
-    returns a new ZeroRedundancyOptimizer: build LR schedulers on the returned optimizer.
+    returns a new ZeroRedundancyOptimizer: build LR schedulers on the returned optimizer. Parameters that
+    parallelize replaced (an optimizer it was not given) are replaced in its groups first.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"shard_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _take_replacements(optimizer)
     if shard_fn is None:
         return with_paddle_methods(optimizer)
     if not isinstance(shard_fn, _ShardingStage):

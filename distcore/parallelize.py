@@ -48,7 +48,7 @@ from .outputs import find_loss, replace_loss
 from .random_state import keep_tensor_parallel_random_state_alike
 from .token_mean import install_global_token_mean
 from .unused_parameters import UnusedParameters
-from .optimizer import with_paddle_methods
+from .optimizer import mark_replaced, with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
 from .overlap import mark_checked
 from .packed import fsdp_shard_placement
@@ -97,9 +97,11 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     _check_optimizer_fresh(optimizer)
     _check_same_values_on_every_rank(model, mesh)
     names_before: dict[int, list[str]] = {}  # every name: a tied parameter's may live on another stage
+    params_before: dict[int, torch.nn.Parameter] = {}
     trainable_before: dict[str, bool] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_before.setdefault(id(param), []).append(name)
+        params_before[id(param)] = param
         trainable_before[name] = param.requires_grad
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
@@ -151,6 +153,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     # stage), one parameter at a time; the optimizer below then holds the real parameters.
     materialize(model, device=env.device(), strict=False)
     _check_trainable_kept(model, trainable_before)
+    mark_replaced(params_before, names_before, model)
     if optimizer is None:
         return model, None
     # Pipeline parallel leaves other stages' parameters out of this rank's model.

@@ -660,6 +660,51 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
         assert not disagree, f"{strategy.describe()}: {len(disagree)} parameter(s) differ between ranks: {disagree[:4]}"
 
 
+def _two_optimizers(model):
+    """SGD for the LM head (lr 0.2) beside SGD for the rest (lr 0.5), as users split Muon and AdamW, both built
+    over the model as it is."""
+    head = [p for n, p in model.named_parameters() if n.startswith("lm_head.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("lm_head.")]
+    return torch.optim.SGD(rest, lr=0.5), torch.optim.SGD(head, lr=0.2)
+
+
+def _run_two_optimizers(model, optimizers, batches) -> equivalence.Trace:
+    trace = equivalence.Trace()
+    for batch in batches:
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return trace.end(model)
+
+
+def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
+    """A second optimizer built before to_distributed (not given to it) holds the parameters to_distributed
+    replaces: its steps trained nothing, silently (the LM head never moved, under ZeRO-3, dp x tp and dp x pp).
+    Its first step now raises, naming them and the fix; through distcore.shard_optimizer it takes the
+    replacements and both optimizers train as on one process."""
+    model = build("llama")
+    reference = _run_two_optimizers(model, _two_optimizers(model), _batches())
+    for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
+        model = build("llama")
+        rest, head = _two_optimizers(model)
+        model, rest, loader = distcore.to_distributed(model, rest, _Loader(), device_num=dist.get_world_size(),
+                                                      config=distcore.ToDistributedConfig(strategy=MATRIX[name]))
+        try:
+            head.step()
+        except RuntimeError as error:
+            message = str(error)
+            assert "holds 1 parameter(s) that parallelize" in message and "['lm_head.weight']" in message, message
+            assert "distcore.shard_optimizer(optimizer)" in message, message
+        else:
+            raise AssertionError(f"{name}: an optimizer over replaced parameters stepped")
+        head = distcore.shard_optimizer(head)
+        trace = _run_two_optimizers(model, [rest, head], loader())
+        equivalence.assert_same_training(trace, reference)
+
+
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
     """transformers' own activation checkpointing (torch.utils.checkpoint in each decoder layer; non-reentrant by
     default, as transformers' own default)."""
