@@ -23,7 +23,9 @@ How a model written for one device becomes pipeline stages, without tracing it:
   runs the whole schedule (forward and backward of every micro-batch) and returns the mean loss on
   every rank; the `loss.backward()` that follows in the user's loop only applies the factor the loop
   scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
-  so call it on each loss before the next call. Gradients accumulate over calls, also across
+  so call it on each loss before the next call. (So an fp16 backward runs unscaled: a loss scaler's underflow
+  protection does not reach it. Where the loss was scaled, a non-finite gradient on one rank is made visible
+  on every rank, so a scaler skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over calls, also across
   evaluations and batches of other shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
@@ -99,6 +101,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..autotune.strategy import stage_layers
 from ..kernels.fuse import forward_takes, labelled_call, looks_like_stacked_experts
 from .api import local_value
+from . import env
 from .env import all_reduce_mean_
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
@@ -1226,6 +1229,7 @@ class PipelineRunner:
             else:
                 for p, grad in own.items():
                     p.grad.add_(grad, alpha=scale - 1.0)
+            _agree_on_non_finite([local_value(p.grad) for p in params if p.grad is not None])
 
     def _outputs(self, losses: list[torch.Tensor], token: object | None):
         """The model's kind of output on every rank of the pipeline: the global mean loss (training: also
@@ -1279,6 +1283,22 @@ class PipelineRunner:
             logits = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
         return logits
+
+
+def _agree_on_non_finite(grads: list[torch.Tensor]) -> None:
+    """Where a stage's gradients hold an inf or a nan, every rank's do (a nan in its first gradient's first
+    element). A loss scaler (torch.amp.GradScaler) skips a step whose gradients overflowed and lowers its scale:
+    on one device it sees every gradient, here each rank its own stage's (data and tensor parallel shards agree
+    through DTensor's reduction of the check), so an overflow in a weight gradient of one stage, which does not
+    flow back to the stages before it, left them stepping while that stage skipped, and their scales apart.
+    Called where the loop scaled the loss (a factor other than 1): one check of this rank's gradients and a
+    one-element all-reduce over every rank."""
+    device = grads[0].device if grads else env.device()
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True, device=device)
+    overflow = (~finite).to(torch.int32).reshape(1)
+    dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
+    if overflow.item() and bool(finite) and grads:
+        grads[0][(0,) * grads[0].dim()] = float("nan")
 
 
 def _no_backward_in_eval_mode(grad) -> None:

@@ -705,6 +705,58 @@ def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
         equivalence.assert_same_training(trace, reference)
 
 
+def _run_with_a_loss_scaler(model, optimizer, batches, overflow) -> equivalence.Trace:
+    """The plain loop with torch.amp.GradScaler; `overflow(model)` after the first call's gradients exist (after
+    its backward; under pp after model(...), which computed them) puts an inf where a weight gradient would
+    overflow."""
+    scaler, trace = torch.amp.GradScaler("cpu", init_scale=1024.0), equivalence.Trace()
+    trace.initial, trace.gradients = equivalence.parameters(model), {}  # (the first step's overflow on purpose)
+    trace.trainable = set(trace.initial)
+    for index, batch in enumerate(batches):
+        out = model(**batch)
+        loss = scaler.scale(out.loss)
+        pipelined = getattr(model, "distributed_strategy", None) is not None and model.distributed_strategy.pp > 1
+        if index == 0 and pipelined:
+            overflow(model)
+        loss.backward()
+        if index == 0 and not pipelined:
+            overflow(model)
+        trace.add_loss(out.loss)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    trace.scale = scaler.get_scale()
+    return trace.end(model)
+
+
+def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
+    """torch.amp.GradScaler with an inf in the LM head's gradient at the first step, on the last rank only (its
+    shard under ZeRO-3 and dp x tp; the last stage's, which does not flow back to the first stage, under dp x pp):
+    every rank skips that step and halves its scale, as one device does, then trains like it. Under dp x pp the
+    first stage's ranks stepped while the last stage's skipped, and their scales parted (1,024 against 512);
+    the shards of one mesh agree through DTensor's reduction of the scaler's check."""
+    def overflow(model):
+        head = dict(model.named_parameters()).get("lm_head.weight")
+        one_device = getattr(model, "distributed_strategy", None) is None
+        if head is not None and (one_device or dist.get_rank() == dist.get_world_size() - 1):
+            grad = distcore.local_value(head.grad)
+            grad[(0,) * grad.dim()] = float("inf")
+
+    def run(model, optimizer, batches):
+        return _run_with_a_loss_scaler(model, optimizer, batches, overflow)
+
+    reference = run(*_model("llama"), _batches())
+    assert reference.scale == 512.0, reference.scale  # one overflow: halved once, no growth yet
+    for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
+        model, optimizer = _model("llama")
+        model, optimizer, loader = distcore.to_distributed(
+            model, optimizer, _Loader(), device_num=dist.get_world_size(),
+            config=distcore.ToDistributedConfig(strategy=MATRIX[name]))
+        trace = run(model, optimizer, loader())
+        assert trace.scale == 512.0, (name, trace.scale)
+        equivalence.assert_same_training(trace, reference)
+
+
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
     """transformers' own activation checkpointing (torch.utils.checkpoint in each decoder layer; non-reentrant by
     default, as transformers' own default)."""
