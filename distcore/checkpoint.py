@@ -91,6 +91,38 @@ def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     return pickle.loads(state["extra"].read())
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole state dict as one device holds it (parameters and persistent buffers, under the
+    model's own names, as plain CPU tensors), gathered from every shard, tensor-parallel part, expert-parallel
+    group and pipeline stage, on rank 0; the other ranks get {}. Collective over all ranks. Made for exporting
+    in transformers' format, which its `save_pretrained` cannot write from DTensors (it fails on their storage):
+
+        model.save_pretrained(path, state_dict=distcore.full_state_dict(model), is_main_process=rank == 0)
+
+    (on every rank; the whole model passes through rank 0's CPU memory). Each rank gathers its own stage's
+    tensors (one full_tensor per DTensor, in state-dict order: every rank of a stage alike); then the first
+    rank of each stage sends its stage's to rank 0."""
+    own = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        own[name] = value.detach().to("cpu", copy=True)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return own
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    holdings = [None] * world  # which names each rank holds: the lowest rank of each holding sends them
+    torch.distributed.all_gather_object(holdings, sorted(own))
+    sends = holdings.index(sorted(own)) == rank
+    gathered = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(own if sends else {}, gathered, dst=0)
+    if rank != 0:
+        return {}
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
 def _to_boxes(state) -> list[tuple]:
     """Replace (in place, in nested dicts/lists) every DTensor whose shard is not one box by the same
     value in a box layout; returns (container, key, original) for each, to put the originals back."""

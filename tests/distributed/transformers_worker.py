@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import re
 import shutil
 import time
@@ -755,6 +756,47 @@ def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
         trace = run(model, optimizer, loader())
         assert trace.scale == 512.0, (name, trace.scale)
         equivalence.assert_same_training(trace, reference)
+
+
+def check_a_trained_model_saves_in_transformers_format():
+    """After training, `save_pretrained(path, state_dict=distcore.full_state_dict(model))` writes what one
+    process would: transformers' from_pretrained loads every parameter within rounding of the one-process run's
+    (ZeRO-3; q/k/v biases under dp x tp with sp and overlap; an embedding tied to the LM head across pipeline
+    stages; experts split over ep). save_pretrained alone fails on the DTensors' storage (tested: an error, not
+    a wrong file)."""
+    import transformers as hf
+
+    scratch = os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-export")
+    cases = (("llama", MATRIX["dp 4, level 3"]), ("qwen2", MATRIX["dp 2 x tp 2 + sp + overlap, level 1"]),
+             ("llama-tied", MATRIX["dp 2 x pp 2, 2 micro-batches"]), ("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=3)))
+    for family, strategy in cases:
+        reference = _reference(family)
+        model, optimizer = _model(family)
+        model, optimizer, loader = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                                          config=distcore.ToDistributedConfig(strategy=strategy))
+        for batch in loader():
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.clear_grad()
+        path = os.path.join(scratch, f"exported-{family}")
+        if family == "llama":
+            try:
+                model.save_pretrained(path + "-plain", is_main_process=dist.get_rank() == 0)
+            except RuntimeError as error:
+                assert "invalid python storage" in str(error), error
+            else:
+                assert dist.get_rank() != 0, "transformers saved DTensors itself: full_state_dict may be unneeded"
+        state = distcore.full_state_dict(model)
+        assert (dist.get_rank() == 0) == bool(state), sorted(state)[:3]
+        model.save_pretrained(path, state_dict=state, is_main_process=dist.get_rank() == 0)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            loaded = hf.AutoModelForCausalLM.from_pretrained(path)
+            exported = {name: p.detach() for name, p in loaded.named_parameters(remove_duplicate=False)}
+            assert sorted(exported) == sorted(reference.parameters), (family, sorted(set(exported) ^ set(reference.parameters)))
+            moved = {n: reference.parameters[n] - reference.initial[n] for n in reference.parameters}
+            equivalence.assert_tensors_close(f"{family} exported", exported, reference.parameters, scale=moved)
+        dist.barrier()
 
 
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
