@@ -106,6 +106,9 @@ class ModelStructure:
     lm_head_param: str | None = None
     lm_head_layout: str | None = None
     tied_embeddings: bool = False
+    # A model without a vocabulary head that ends in a head of its own (sequence or token classification, a reward
+    # model's `score`, question answering): that module's name (`lm_head` is then None, `tied_embeddings` True).
+    task_head: str | None = None
     moe_layers: tuple[int, ...] = ()  # indices of the layers whose MLP is a mixture of experts
     moe: str | None = None  # the MoE block, relative to a layer (e.g. "mlp"); `mlp`/`down`/... name the dense layers' MLP
     router: str | None = None  # its router's parameter, relative to a layer ("mlp.gate.weight")
@@ -941,12 +944,16 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
     final_norm = None
     lm_head = None
     tied_head = None  # a Linear registered with the embedding's own weight
+    task_head = None  # a Linear from the hidden size to something else than the vocabulary (a classifier)
     for name, param in model.named_parameters(remove_duplicate=False):
         if name.startswith(inside) or name.startswith(emb_name + "."):
             continue
         owner = _parent(name)
         if param.dim() == 1 and param.shape[0] == hidden and name.endswith("weight"):
             final_norm = owner  # the last one registered wins (the norm before the head)
+        elif (param.dim() == 2 and param.shape[1] == hidden and param.shape[0] != vocab and name.endswith(".weight")
+              and isinstance(model.get_submodule(owner), nn.Linear)):
+            task_head = owner  # the last one registered wins
         elif param.dim() == 2 and tuple(param.shape) in ((vocab, hidden), (hidden, vocab)):
             module = model.get_submodule(owner) if owner else model
             if isinstance(module, nn.Embedding) and param is not emb.weight:
@@ -962,9 +969,9 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
     if lm_head is None:  # tied: the head is the embedding's weight, in a Linear of its own or not
         head = (tied_head, f"{tied_head}.weight") if tied_head else (None, emb_name + ".weight")
         return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=head[0], lm_head_param=head[1],
-                    lm_head_layout="linear", tied=True)
+                    lm_head_layout="linear", tied=True, task_head=None if tied_head else task_head)
     return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=lm_head[0], lm_head_param=lm_head[1],
-                lm_head_layout=lm_head[2], tied=False)
+                lm_head_layout=lm_head[2], tied=False, task_head=None)
 
 
 # Attribute names that hold the number of experts each token is sent to (HF, Megatron, torchtitan).
@@ -1217,8 +1224,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
         qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
-        tied_embeddings=outer["tied"], moe_layers=tuple(moe_blocks), moe=moe.block if moe else None,
-        router=moe.router if moe else None, experts=moe.experts if moe else None,
+        tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
+        moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,
         expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), notes=tuple(notes),
     )
     fields = dict(

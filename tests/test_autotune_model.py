@@ -217,6 +217,28 @@ def test_distcore_limits_overlap_for_unequal_packed_qkv():
     assert "overlap_tp_comm" not in unsupported(ModelSpec.from_module(build_model("paddle-llama"), seq_len=16))
 
 
+def test_a_task_head_is_told_apart_from_a_tied_lm_head():
+    """Sequence and token classifiers (reward models' `score`) and question answering end in a head of their
+    own, not the vocabulary's: the structure names it, and distcore keeps tp and pp off for it with that reason
+    (it said the embedding was tied to an LM head the forward uses itself). LM heads, tied or not, have none."""
+    hf = pytest.importorskip("transformers")
+    from tests.hf_models import HIDDEN, KV_HEADS, HEADS, VOCAB, build
+    from tridist.distcore.auto import unsupported
+
+    config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=1,
+                            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, pad_token_id=2, num_labels=3)
+    for cls, head in ((hf.LlamaForSequenceClassification, "score"), (hf.LlamaForTokenClassification, "score"),
+                      (hf.LlamaForQuestionAnswering, "qa_outputs")):
+        spec = ModelSpec.from_module(cls(config), seq_len=16)
+        assert spec.structure.task_head == head and spec.structure.lm_head is None, cls.__name__
+        limits = unsupported(spec)
+        assert limits["tp"] == limits["pp"] and f"ends in {head}" in limits["tp"], limits
+        assert "data parallel" in limits["tp"] and "tied" not in limits["tp"], limits
+    for family in ("llama", "llama-tied", "gemma"):
+        structure = ModelSpec.from_module(build(family, layers=1), seq_len=16).structure
+        assert structure.task_head is None and structure.lm_head == "lm_head", family
+
+
 def test_qk_norms_are_recognised_by_their_size():
     """q/k norms under the attention module are told apart by their weight's size: head_dim (Qwen3, one
     weight applied to every head) or the q / kv projection's width (OLMo2, all heads' features). They are

@@ -669,7 +669,7 @@ def _two_optimizers(model):
     return torch.optim.SGD(rest, lr=0.5), torch.optim.SGD(head, lr=0.2)
 
 
-def _run_two_optimizers(model, optimizers, batches) -> equivalence.Trace:
+def _run_with_optimizers(model, optimizers, batches) -> equivalence.Trace:
     trace = equivalence.Trace()
     for batch in batches:
         out = model(**batch)
@@ -687,7 +687,7 @@ def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
     Its first step now raises, naming them and the fix; through distcore.shard_optimizer it takes the
     replacements and both optimizers train as on one process."""
     model = build("llama")
-    reference = _run_two_optimizers(model, _two_optimizers(model), _batches())
+    reference = _run_with_optimizers(model, _two_optimizers(model), _batches())
     for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
         model = build("llama")
         rest, head = _two_optimizers(model)
@@ -702,7 +702,7 @@ def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
         else:
             raise AssertionError(f"{name}: an optimizer over replaced parameters stepped")
         head = distcore.shard_optimizer(head)
-        trace = _run_two_optimizers(model, [rest, head], loader())
+        trace = _run_with_optimizers(model, [rest, head], loader())
         equivalence.assert_same_training(trace, reference)
 
 
@@ -797,6 +797,44 @@ def check_a_trained_model_saves_in_transformers_format():
             moved = {n: reference.parameters[n] - reference.initial[n] for n in reference.parameters}
             equivalence.assert_tensors_close(f"{family} exported", exported, reference.parameters, scale=moved)
         dist.barrier()
+
+
+def check_a_sequence_classifier_trains_like_one_process():
+    """Llama for sequence classification (a reward model's shape: the last non-padding token's hidden state
+    through `score`, 3 labels) under ZeRO-3 and the searched strategy: equal to one process. Tensor and pipeline
+    parallel are refused naming the head (they place LM heads only)."""
+    import transformers as hf
+
+    from tests.hf_models import HEADS, HIDDEN, KV_HEADS
+
+    def build_classifier():
+        torch.manual_seed(0)
+        model = hf.LlamaForSequenceClassification(hf.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, pad_token_id=2, num_labels=3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+    batches = []
+    for batch in _batches():  # padding is the pad token (the pooling finds the last other one): left padding
+        ids = batch["input_ids"].masked_fill(batch["input_ids"] == 2, 3).masked_fill(batch["attention_mask"] == 0, 2)
+        batches.append({"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": torch.arange(BATCH) % 3})
+    samples = [{k: v[i] for k, v in b.items()} for b in batches for i in range(BATCH)]
+    model, optimizer = build_classifier()
+    reference = _run_with_optimizers(model, [optimizer], batches)
+    for strategy in (MATRIX["dp 4, level 3"], None):
+        model, optimizer = build_classifier()
+        model, optimizer, loader = distcore.to_distributed(
+            model, optimizer, torch.utils.data.DataLoader(samples, batch_size=BATCH), device_num=dist.get_world_size(),
+            config=distcore.ToDistributedConfig(strategy=strategy))
+        equivalence.assert_same_training(_run_with_optimizers(model, [optimizer], loader()), reference)
+    model, optimizer = build_classifier()
+    try:
+        distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                config=distcore.ToDistributedConfig(strategy=MATRIX["dp 2 x tp 2, level 2"]))
+    except autotune.InvalidStrategy as error:
+        assert "ends in score" in str(error), error
+    else:
+        raise AssertionError("a sequence classifier was given tensor parallel")
 
 
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
