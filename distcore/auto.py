@@ -278,12 +278,9 @@ def unsupported(spec) -> dict[str, str]:
         limits["overlap_tp_comm"] = (
             f"the MoE blocks ({structure.pattern(structure.moe)} in {len(structure.moe_layers)} of "
             f"{structure.num_layers} layers) have no column-parallel entry for the all-gather to overlap with")
-    if structure.task_head:
-        limits["tp"] = limits["pp"] = (
-            f"the model ends in {structure.task_head} (a head of its own, not the vocabulary's: sequence or token "
-            "classification, a reward model's score), which tensor and pipeline parallel do not place yet (they "
-            "support models with an LM head); train it with data parallel, at any sharding level")
-    elif structure.tied_embeddings and not structure.lm_head:
+    # A head of the model's own (structure.task_head: a classifier's score) stays whole on every tp rank, after
+    # the final norm's gathered output under sequence parallel, and on the last pipeline stage: nothing to limit.
+    if structure.tied_embeddings and not structure.lm_head and not structure.task_head:
         limits["tp"] = limits["pp"] = (
             "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
             "a tied weight is split by tensor parallel, and shared across pipeline stages, only between an "
