@@ -918,7 +918,8 @@ def reentrant_checkpointing(model: torch.nn.Module) -> str | None:
 
 
 def _refuse_reentrant_checkpointing(model: torch.nn.Module) -> None:
-    """Before any communication, on every rank alike (the model is the same on every rank)."""
+    """Before any communication, on every rank alike (the model is the same on every rank; after the split, each
+    rank's holds the same flags: transformers sets them on every module that has them, the model's root too)."""
     why = reentrant_checkpointing(model)
     if why:
         raise ValueError(f"pipeline parallel: {why}")
@@ -1185,6 +1186,9 @@ class PipelineRunner:
             p.grad = None
         try:
             if training:
+                # Checkpointing enabled after parallelize (model.activation_checkpointing_enable(...)): refused here,
+                # on every rank alike, before the schedule's ranks could part.
+                _refuse_reentrant_checkpointing(model)
                 self.schedule.step(index, target=index, losses=losses, return_outputs=False)
                 self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are held apart
             else:

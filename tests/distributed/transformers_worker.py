@@ -868,6 +868,21 @@ def check_transformers_own_activation_checkpointing_trains_like_one_process():
             assert "'use_reentrant': False" in message and "recompute='full'" in message, message
         else:
             raise AssertionError(f"reentrant checkpointing was pipelined ({name})")
+    # Enabled after to_distributed: non-reentrant trains like one process with it; reentrant is refused at the
+    # first training call, on every rank (torch raised on the later stage's ranks while the others waited).
+    _train("llama", MATRIX["dp 2 x pp 2, 2 micro-batches"], inspect=_hf_checkpointing,
+           reference=_reference("llama", _hf_checkpointing))
+    model, optimizer = _model("llama")
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=MATRIX["dp 2 x pp 2, 2 micro-batches"]))
+    reentrant(model)
+    try:
+        model(**next(iter(loader())))
+    except ValueError as error:
+        assert "reentrant activation checkpointing" in str(error), error
+    else:
+        raise AssertionError("reentrant checkpointing enabled after to_distributed was pipelined")
     model, optimizer = _model("llama", prepare=reentrant)
     model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
                                           config=distcore.ToDistributedConfig(search_options={
