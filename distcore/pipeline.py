@@ -25,8 +25,8 @@ How a model written for one device becomes pipeline stages, without tracing it:
   scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
   so call it on each loss before the next call. (So an fp16 backward runs unscaled: a loss scaler's underflow
   protection does not reach it. Where the loss was scaled, a non-finite gradient on one rank is made visible
-  on every rank, so a scaler skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over calls, also across
-  evaluations and batches of other shapes (which re-run torch's shape inference).
+  on every rank, so a scaler skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over
+  calls, also across evaluations and batches of other shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
 - The loss (and gradient) is the mean of the micro-batch losses, as in Megatron-LM and Paddle. With
