@@ -233,6 +233,17 @@ def _loaded_slice(layouts: list[_MeshLayout], rank: int) -> tuple[int, int]:
     return _FULL_BATCH
 
 
+def _tensor_leaves(batch) -> list[torch.Tensor]:
+    """The tensors of a collated batch (dicts, lists and tuples of them), in order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [leaf for value in batch.values() for leaf in _tensor_leaves(value)]
+    if isinstance(batch, (list, tuple)):
+        return [leaf for value in batch for leaf in _tensor_leaves(value)]
+    return []
+
+
 # ------------------------------------------------------------------------------------ shuffling
 
 
@@ -424,6 +435,10 @@ class ShardDataloader:
             mesh.device_mesh
         self._sync_shuffling = _ShuffleSync(_shuffling_sampler(dataloader))
         self._loaded_slice, self._slice_sampler, self._loader = self._loading_plan(per_rank_loading)
+        # Which part of each global batch every rank loads (the same on every rank): ranks that load the same
+        # part compare what they loaded (_check_loaded_alike).
+        self._slices_loaded = [self._loaded_slice if self._slice_sampler is None
+                               else _loaded_slice(self._layouts, rank) for rank in range(env.get_world_size())]
 
     def _loading_plan(self, per_rank_loading: bool | None):
         """(slice each rank loads, slice sampler or None, the loader to iterate)."""
@@ -493,12 +508,45 @@ class ShardDataloader:
         if self._slice_sampler is None:
             self._sync_shuffling()
             for batch in self._loader:
+                self._check_loaded_alike(batch)
                 yield self._distribute_batch(batch, global_size=None)
         else:
             batches = iter(self._loader)  # starts the slice sampler's pass, with its own queue of sizes
             global_sizes = self._slice_sampler.latest_sizes
             for batch in batches:
+                self._check_loaded_alike(batch)
                 yield self._distribute_batch(batch, global_size=global_sizes.popleft())
+
+    def _check_loaded_alike(self, batch) -> None:
+        """Ranks that load the same part of a global batch (tensor-parallel and pipeline ranks, and every rank
+        where whole batches are read) must hold the same values: tensor parallel combines their partial results
+        as if they computed on one copy. A dataset or collate_fn that draws random numbers (random masking,
+        crops) with each rank seeded apart gives each its own, and training goes on silently wrong. One
+        all-gather of a two-number fingerprint per batch (fp64 sums of every tensor's values and of its values
+        weighted by their index), where some ranks share a part; every rank takes the same decision."""
+        if len(set(self._slices_loaded)) == len(self._slices_loaded):
+            return
+        plain = [torch.nan_to_num(leaf.detach().to("cpu", torch.float64).flatten(), nan=0.5, posinf=1.0, neginf=-1.0)
+                 for leaf in _tensor_leaves(batch)]  # (a nan would differ from itself)
+        fingerprint = torch.zeros(2, dtype=torch.float64)
+        for k, values in enumerate(plain, start=1):
+            fingerprint[0] += k * values.sum()
+            fingerprint[1] += k * (values * torch.arange(values.numel(), dtype=torch.float64)).sum()
+        gathered = [torch.empty(2, dtype=torch.float64, device=env.device()) for _ in self._slices_loaded]
+        dist.all_gather(gathered, fingerprint.to(env.device()))
+        groups: dict[tuple, list[int]] = {}
+        for rank, part in enumerate(self._slices_loaded):
+            groups.setdefault(part, []).append(rank)
+        apart = [ranks for ranks in groups.values()
+                 if len({tuple(gathered[rank].tolist()) for rank in ranks}) > 1]
+        if apart:
+            raise ValueError(
+                f"shard_dataloader: ranks {apart[0]} load the same part of the global batch but got different values: "
+                "the dataset or collate_fn draws random numbers (random masking, crops, sampling) and the ranks' "
+                "generators differ (each rank seeded apart: torch.manual_seed(seed + rank), accelerate's "
+                "device_specific seeds). Tensor-parallel and pipeline ranks must compute on the same batch: seed "
+                "torch, random and numpy alike on every rank (shard_dataloader keeps torch's global RNG in step), "
+                "or move the random draws into the model")
 
     def _distribute_batch(self, batch, *, global_size: int | None):
         slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice, "check_split": self._check_split}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import torch
@@ -188,6 +189,40 @@ def check_shuffled_loader_gives_every_rank_the_same_batches():
     labels_per_epoch(distcore.shard_dataloader(DataLoader(dataset, batch_size=4, shuffle=True), mesh, shard_dims="dp"),
                      distcore.unshard_dtensor)
     assert torch.equal(torch.get_rng_state(), expected_state)
+
+
+class RandomlyMasked(Dataset):
+    """MLM-style: sample i is a row of i's with one position, drawn from python's `random`, masked to -1."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index):
+        row = torch.full((FEATURES,), float(index))
+        row[random.randrange(FEATURES)] = -1.0
+        return row, torch.tensor(index)
+
+
+def check_ranks_that_load_the_same_samples_must_get_the_same_values():
+    """Tensor-parallel ranks load the same samples; a dataset (or collate_fn) that draws random numbers with each
+    rank seeded apart gave each its own values, and tensor parallel would combine partial results of different
+    inputs, silently. Refused at the batch, on every rank, naming the cause; seeded alike, the batches pass.
+    Per-rank loading (the dataset's own draws) and whole-batch loading (a collate_fn's torch draws) alike."""
+    mesh = ProcessMesh(*DP_MP)
+
+    def masking_collate(samples):  # a custom collate_fn: whole batches are read on every rank
+        rows = torch.stack([row for row, _ in samples])
+        rows[torch.rand(rows.shape) < 0.5] = -1.0
+        return rows, torch.stack([label for _, label in samples])
+
+    for loader, seed in ((sequential_loader(RandomlyMasked(), batch_size=4), random.seed),
+                         (DataLoader(Samples(8), batch_size=4, collate_fn=masking_collate), torch.manual_seed)):
+        seed(7 + rank())
+        expect_error(ValueError, ["load the same part of the global batch but got different values",
+                                  "seed torch, random and numpy alike"],
+                     lambda: next(iter(distcore.shard_dataloader(loader, mesh, shard_dims="dp"))))
+        seed(7)
+        assert len(list(distcore.shard_dataloader(loader, mesh, shard_dims="dp"))) == 2
 
 
 def check_whole_batch_fallbacks():
