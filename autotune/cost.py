@@ -101,7 +101,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 11  # 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 12  # 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -148,7 +148,7 @@ def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
     matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers)
     # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
     core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * spec.num_layers
-    logits = 2.0 * spec.vocab_size * spec.hidden_size
+    logits = 2.0 * spec.head_width * spec.hidden_size
     return matmul, core, logits
 
 
@@ -355,7 +355,9 @@ def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple
         params += spec.embedding_parameters / tp
     if stage == pp - 1:
         params += spec.hidden_size
-        if not spec.tied_embeddings or pp > 1:
+        if not spec.tied_embeddings:
+            params += spec.head_parameters / tp
+        elif pp > 1:  # the embedding's copy on the last stage
             params += spec.embedding_parameters / tp
     return params, experts
 
@@ -586,8 +588,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     if latent and tp > 1:
         widths = (latent.q_lora_rank or h, latent.kv_lora_rank, latent.rope_head_dim)
         latent_collectives = sum(all_reduce_time(e * tokens * w, tp, bw_tp, lat_tp) for w in widths) - tp_collective
-    head = _gemm_time(tokens, h, spec.vocab_size / tp, flops, bw, e)
-    logits_bytes = tokens * spec.vocab_size / tp * (e + LOSS_FP32_BYTES)
+    head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)
+    logits_bytes = tokens * spec.head_width / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
                                                     etp=etp,
@@ -608,7 +610,7 @@ def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1
     three GEMMs (nothing is recomputed for a mean or sum loss), and its elementwise passes read and write the
     chunks in the input dtype, no more than eager's; under tp each chunk adds two small all-reduces of its
     statistics (`_pace`)."""
-    v, h = -(-spec.vocab_size // tp), spec.hidden_size
+    v, h = -(-spec.head_width // tp), spec.hidden_size
     chunk = fused_loss_chunk(tokens, h, v)
     accumulator = LOSS_FP32_BYTES * v * h if dtype_bytes < LOSS_FP32_BYTES else 0
     return chunk * v * dtype_bytes + tokens * h * dtype_bytes + accumulator
@@ -732,7 +734,7 @@ def _fused_loss_statistics_time(spec: ModelSpec, cluster: Cluster, tp: int, micr
     if tp == 1 or not cluster.engine.fused_loss:
         return 0.0
     tokens = micro_batch_size * spec.seq_len
-    chunk = fused_loss_chunk(tokens, spec.hidden_size, -(-spec.vocab_size // tp))
+    chunk = fused_loss_chunk(tokens, spec.hidden_size, -(-spec.head_width // tp))
     bw, lat = cluster.link(tp, 1)
     chunks = -(-tokens // chunk)
     return chunks * (all_reduce_time(LOSS_FP32_BYTES * chunk, tp, bw, lat) + all_reduce_time(3 * LOSS_FP32_BYTES * chunk, tp, bw, lat))

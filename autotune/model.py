@@ -263,6 +263,9 @@ class ModelSpec:
     shared_ffn_hidden_size: int = 0
     moe_layers: tuple[int, ...] | None = None
     expert_load_imbalance: float = 1.2
+    # The head's output width where it is not the vocabulary's: a task head (a classifier's labels; the
+    # structure's task_head); None: an LM head of vocab_size outputs.
+    head_outputs: int | None = None
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -462,6 +465,16 @@ class ModelSpec:
         return self.vocab_size * self.hidden_size
 
     @property
+    def head_width(self) -> int:
+        """The head's outputs per token: the vocabulary for an LM head, the labels for a task head."""
+        return self.head_outputs or self.vocab_size
+
+    @property
+    def head_parameters(self) -> int:
+        """The head's own weight (none where it is the embedding's)."""
+        return 0 if self.tied_embeddings else self.head_width * self.hidden_size
+
+    @property
     def moe_layer_parameters(self) -> int:
         """An MoE layer: attention, the MoE MLP and the norms."""
         return self.attention_parameters + self.moe_mlp_parameters + self.layer_norm_parameters
@@ -469,9 +482,8 @@ class ModelSpec:
     @property
     def num_parameters(self) -> int:
         """Total parameters: layers (dense and MoE) + embedding + (untied) LM head + final norm."""
-        head = 0 if self.tied_embeddings else self.embedding_parameters
         layers = self.num_dense_layers * self.layer_parameters + self.num_moe_layers * self.moe_layer_parameters
-        return layers + self.embedding_parameters + head + self.hidden_size
+        return layers + self.embedding_parameters + self.head_parameters + self.hidden_size
 
     @property
     def active_parameters(self) -> int:
@@ -1231,7 +1243,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     fields = dict(
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
-        gated_mlp=mlp_parts.get("gated", moe.gated if moe else True), tied_embeddings=outer["tied"],
+        gated_mlp=mlp_parts.get("gated", moe.gated if moe else True),
+        tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
+        head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
         latent_attention=latent, **moe_fields,
     )

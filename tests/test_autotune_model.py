@@ -231,6 +231,7 @@ def test_a_task_head_is_told_apart_from_a_tied_lm_head():
                       (hf.LlamaForQuestionAnswering, "qa_outputs")):
         spec = ModelSpec.from_module(cls(config), seq_len=16)
         assert spec.structure.task_head == head and spec.structure.lm_head is None, cls.__name__
+        assert spec.head_outputs == (2 if head == "qa_outputs" else 3) and not spec.tied_embeddings  # priced so
         limits = unsupported(spec)
         assert "tp" not in limits and "pp" not in limits, limits
     for family in ("llama", "llama-tied", "gemma"):

@@ -98,6 +98,20 @@ def test_stage_parameters_by_hand_norms_replicated_and_tied_head_on_both_ends():
         assert stage_parameters(spec, 2, 2, 1) == 608 + 8 + 128
 
 
+def test_a_task_head_is_priced_at_its_own_width_not_the_vocabularys():
+    """A classifier's head (3 labels) instead of an LM head: its weight is 3 x hidden, its logits 3 per token, so
+    the step computes and holds less (it was priced as an LM head: [tokens, vocab] logits)."""
+    classifier = replace(TINY, head_outputs=3)
+    assert classifier.head_width == 3 and TINY.head_width == TINY.vocab_size
+    assert classifier.num_parameters == TINY.num_parameters - (32 - 3) * 8
+    assert stage_parameters(classifier, 1, 1, 0) == classifier.num_parameters
+    lm, task = (_run(spec, _cluster(1, 2, **COMPUTE_ONLY), dp=2, tp=1, pp=1, micro_batch_size=2) for spec in (TINY, classifier))
+    assert task.model_flops_per_step < lm.model_flops_per_step and task.step_time_s < lm.step_time_s
+    # the loss's logits, [tokens, head width] in the compute dtype and fp32, are the only activations that differ
+    tokens, e = 2 * TINY.seq_len, _cluster(1, 2).dtype_bytes
+    assert lm.memory.activations - task.memory.activations == pytest.approx(tokens * (32 - 3) * (e + 4))
+
+
 def test_uneven_pipeline_stages_hold_fewer_layers_at_the_ends():
     """A pp that does not divide the layers: the middle stages take a layer more (Llama 3 405B's 126
     layers on 16 stages: 7, 8 x 14, 7), extra layers beyond them go to the first stage, then the last."""
