@@ -8,7 +8,7 @@ from .block_check import TensorParallelCheckError
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
 from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
-from .checkpoint import full_state_dict, load_state, save_state
+from .checkpoint import full_state_dict, load_full_state_dict, load_state, save_state
 from .clip import clip_grad_norm_
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
 from .lazy import LazyGuard
@@ -81,6 +81,7 @@ __all__ = [
     "init_parallel_env",
     "is_partial",
     "full_state_dict",
+    "load_full_state_dict",
     "load_state",
     "local_value",
     "parallelize",

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import env
@@ -121,6 +121,38 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for part in gathered:
         merged.update(part)
     return merged
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a whole state dict as one device holds it (plain tensors under the model's own names: a
+    one-device model's `state_dict()`, `safetensors.torch.load_file(...)` of a transformers checkpoint) into the
+    distributed model: each rank copies its own shard of each tensor its stage holds (no communication but one
+    all-reduce that checks every rank found its names). `state_dict` must be there on every rank. The twin of
+    `full_state_dict`; for checkpoints written under a strategy, `load_state` reads only what each rank needs."""
+    problems = []
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            full = state_dict.get(name)
+            if full is None:
+                problems.append(f"{name} missing")
+                continue
+            if tuple(full.shape) != tuple(target.shape):
+                problems.append(f"{name}: {tuple(full.shape)} given, {tuple(target.shape)} in the model")
+                continue
+            if isinstance(target, DTensor):
+                mesh = target.device_mesh
+                whole = DTensor.from_local(full.to(target.device, target.dtype), mesh, [Replicate()] * mesh.ndim,
+                                           run_check=False)
+                target.to_local().copy_(whole.redistribute(mesh, target.placements).to_local())  # slices only
+            else:
+                target.copy_(full)
+    failed = torch.tensor([len(problems)], device=env.device())
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(failed)
+    if failed.item():
+        raise ValueError(f"load_full_state_dict: {failed.item()} tensor(s) could not be loaded on some rank"
+                         f"{(': ' + '; '.join(problems[:4])) if problems else ''} (the state dict must hold the model's "
+                         "own names and shapes, as its one-device state_dict() does)")
 
 
 def _to_boxes(state) -> list[tuple]:

@@ -834,6 +834,32 @@ def check_a_sequence_classifier_trains_like_one_process():
             raise AssertionError(f"{model.distributed_strategy.describe()}: {error}") from error
 
 
+def check_a_whole_state_dict_loads_into_the_distributed_model():
+    """distcore.load_full_state_dict: another model's one-device state dict (seed 5) into distributed models built
+    from seed 0: every parameter equals it exactly (ZeRO-3; Phi-3's packed q/k/v and gate/up split part by part
+    under dp x tp; an embedding tied across pipeline stages; experts over ep), and the evaluation loss is the
+    one-device model's. A missing name is an error on every rank."""
+    cases = (("llama", MATRIX["dp 4, level 3"]), ("phi3", MATRIX["dp 2 x tp 2, level 2"]),
+             ("llama-tied", MATRIX["dp 2 x pp 2, 2 micro-batches"]), ("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=3)))
+    for family, strategy in cases:
+        source = build(family, layers=LAYERS, seed=5)
+        state = source.state_dict()
+        model, optimizer = _model(family)
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=strategy))
+        distcore.load_full_state_dict(model, state)
+        loaded = equivalence.parameters(model)
+        unequal = [name for name, value in loaded.items() if not torch.equal(value, state[name])]
+        assert not unequal, (family, unequal)
+        equivalence.assert_losses_close([_evaluate(model, logits=False)[0]], [_evaluate(source, logits=False)[0]])
+    try:
+        distcore.load_full_state_dict(model, {name: value for name, value in state.items() if "layers.0." not in name})
+    except ValueError as error:
+        assert "could not be loaded" in str(error), error
+    else:
+        raise AssertionError("a state dict without layer 0 loaded")
+
+
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
     """transformers' own activation checkpointing (torch.utils.checkpoint in each decoder layer; non-reentrant by
     default, as transformers' own default)."""
