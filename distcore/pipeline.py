@@ -1134,6 +1134,7 @@ class PipelineRunner:
         self._output_form = None  # the model's kind of output, as the last stage last sent it
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
+        _refuse_a_cache(kwargs)
         self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
         self._follow_shapes()
         # The views' own copies of the containers take their modes from the model's; the modules they share
@@ -1287,6 +1288,20 @@ class PipelineRunner:
             logits = torch.empty(meta[0][0], dtype=meta[0][1], device=self.device)
         dist.broadcast(logits, src=self.last_rank, group=self.pp_group)
         return logits
+
+
+def _refuse_a_cache(kwargs: dict) -> None:
+    """A key/value cache passed in (transformers' generate with use_cache, its default): the stages hold the
+    layers apart and return no cache, so generate fed the next step its new tokens alone and got garbage back
+    (token ids of 0 under dp 2 x pp 2), silently. With use_cache=False every step runs the whole sequence
+    through the pipeline and generates what one device does. Every rank passes the same arguments: refused
+    alike, before any communication."""
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            "pipeline parallel: a key/value cache was asked for (past_key_values / use_cache=True: "
+            "model.generate(...) by default), which pipeline stages cannot return; generate with "
+            "model.generate(..., use_cache=False) (each step runs the whole sequence through the stages), or on "
+            "one device from distcore.full_state_dict(model)")
 
 
 def _agree_on_non_finite(grads: list[torch.Tensor]) -> None:

@@ -860,6 +860,40 @@ def check_a_whole_state_dict_loads_into_the_distributed_model():
         raise AssertionError("a state dict without layer 0 loaded")
 
 
+def check_generate_matches_one_device():
+    """transformers' greedy generate on the distributed model (evaluations and rollouts call it between steps):
+    the tokens one device generates, under ZeRO-3 and dp x tp. Under pipeline parallel its default key/value
+    cache cannot come back from the stages: generate got token ids of 0, silently; now refused naming the fix,
+    and with use_cache=False (every step runs the whole sequence through the stages) it generates alike."""
+    prompt = _batches()[0]["input_ids"][:2, :5]
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        reference = _model("llama")[0].eval().generate(prompt, output_scores=True, return_dict_in_generate=True,
+                                                        **settings)
+    expected = reference.sequences
+    # Greedy tokens are comparable across layouts where each step's best logit leads the next by far more than
+    # rounding can move them (fp32 sums: ~1e-6 relative; equivalence.py): checked, not assumed.
+    gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in reference.scores]
+    assert min(gaps) > 1e-3, gaps
+    for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
+        model, optimizer = _model("llama")
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=MATRIX[name]))
+        model.eval()
+        with torch.no_grad():
+            if model.distributed_strategy.pp > 1:
+                try:
+                    model.generate(prompt, **settings)
+                except ValueError as error:
+                    assert "use_cache=False" in str(error), error
+                else:
+                    raise AssertionError("generate with a cache ran through pipeline stages")
+                got = model.generate(prompt, use_cache=False, **settings)
+            else:
+                got = model.generate(prompt, **settings)
+        assert torch.equal(got, expected), (name, got.tolist(), expected.tolist())
+
+
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
     """transformers' own activation checkpointing (torch.utils.checkpoint in each decoder layer; non-reentrant by
     default, as transformers' own default)."""
