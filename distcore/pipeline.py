@@ -24,8 +24,8 @@ How a model written for one device becomes pipeline stages, without tracing it:
   every rank; the `loss.backward()` that follows in the user's loop only applies the factor the loop
   scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
   so call it on each loss before the next call. (So an fp16 backward runs unscaled: a loss scaler's underflow
-  protection does not reach it. Where the loss was scaled, a non-finite gradient on one rank is made visible
-  on every rank, so a scaler skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over
+  protection does not reach it. A non-finite gradient on one rank is made visible on every rank, so a scaler
+  skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over
   calls, also across evaluations and batches of other shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
@@ -1217,23 +1217,24 @@ class PipelineRunner:
         current = pending is not None and pending[0] is token
         if current:
             self._pending = None
-        if scale == 1.0:
-            return
-        if not current:
+        if scale != 1.0 and not current:
             raise RuntimeError(
                 "pipeline parallel: a loss was scaled after its gradients were merged with a later call's; "
                 "the pipeline computes gradients inside model(...), so call backward() on each returned loss "
                 "before the next call of the model"
             )
+        if not current:
+            return
         _, own, params = pending
         with torch.no_grad():
-            if own is None:  # no earlier gradients: every gradient is this call's
+            if scale != 1.0 and own is None:  # no earlier gradients: every gradient is this call's
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(scale)
-            else:
+            elif scale != 1.0:
                 for p, grad in own.items():
                     p.grad.add_(grad, alpha=scale - 1.0)
+            # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
             _agree_on_non_finite([local_value(p.grad) for p in params if p.grad is not None])
 
     def _outputs(self, losses: list[torch.Tensor], token: object | None):
@@ -1310,8 +1311,8 @@ def _agree_on_non_finite(grads: list[torch.Tensor]) -> None:
     on one device it sees every gradient, here each rank its own stage's (data and tensor parallel shards agree
     through DTensor's reduction of the check), so an overflow in a weight gradient of one stage, which does not
     flow back to the stages before it, left them stepping while that stage skipped, and their scales apart.
-    Called where the loop scaled the loss (a factor other than 1): one check of this rank's gradients and a
-    one-element all-reduce over every rank."""
+    Called at each training call's backward: one check of this rank's gradients and a one-element all-reduce
+    over every rank."""
     device = grads[0].device if grads else env.device()
     finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True, device=device)
     overflow = (~finite).to(torch.int32).reshape(1)
