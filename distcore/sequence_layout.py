@@ -23,7 +23,10 @@ def split_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
     if x.shape[SEQUENCE_DIM] % tp_mesh.size():
         raise ValueError(
             f"parallelize: sequence parallel splits the sequence ({x.shape[SEQUENCE_DIM]} tokens) over "
-            f"{tp_mesh.size()} ranks, which does not divide it; use a sequence length divisible by the mp degree"
+            f"{tp_mesh.size()} ranks, which does not divide it; use a sequence length divisible by the mp degree "
+            f"(evaluation and generation too: pad the inputs to a multiple of {tp_mesh.size()}; a generation step "
+            "with a key/value cache feeds one token, so generate on a model without sequence parallel, e.g. one "
+            "device's loaded from distcore.full_state_dict(model))"
         )
     return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(SEQUENCE_DIM)]).to_local()
 

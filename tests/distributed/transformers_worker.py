@@ -892,6 +892,18 @@ def check_generate_matches_one_device():
             else:
                 got = model.generate(prompt, **settings)
         assert torch.equal(got, expected), (name, got.tolist(), expected.tolist())
+    # Sequence parallel splits every call's sequence over the tp ranks: a 5-token prompt (and each cached step's
+    # single token) cannot be split; the error says so for generation.
+    model, optimizer = _model("llama")
+    model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                          config=distcore.ToDistributedConfig(strategy=MATRIX["dp 2 x tp 2 + sp + overlap, level 1"]))
+    try:
+        with torch.no_grad():
+            model.eval().generate(prompt, **settings)
+    except ValueError as error:
+        assert "generate on a model without sequence parallel" in str(error), error
+    else:
+        raise AssertionError("generate split a 5-token prompt over 2 ranks")
 
 
 def _hf_checkpointing(model, *, use_reentrant: bool = False) -> None:
