@@ -435,10 +435,13 @@ class ShardDataloader:
             mesh.device_mesh
         self._sync_shuffling = _ShuffleSync(_shuffling_sampler(dataloader))
         self._loaded_slice, self._slice_sampler, self._loader = self._loading_plan(per_rank_loading)
-        # Which part of each global batch every rank loads (the same on every rank): ranks that load the same
-        # part compare what they loaded (_check_loaded_alike).
-        self._slices_loaded = [self._loaded_slice if self._slice_sampler is None
-                               else _loaded_slice(self._layouts, rank) for rank in range(env.get_world_size())]
+        # The groups of ranks that load the same part of each global batch (known alike on every rank): they
+        # compare what they loaded (_check_loaded_alike).
+        loading: dict[tuple, list[int]] = {}
+        for rank in range(env.get_world_size()):
+            part = self._loaded_slice if self._slice_sampler is None else _loaded_slice(self._layouts, rank)
+            loading.setdefault(part, []).append(rank)
+        self._ranks_loading_alike = [ranks for ranks in loading.values() if len(ranks) > 1]
 
     def _loading_plan(self, per_rank_loading: bool | None):
         """(slice each rank loads, slice sampler or None, the loader to iterate)."""
@@ -524,7 +527,7 @@ class ShardDataloader:
         crops) with each rank seeded apart gives each its own, and training goes on silently wrong. One
         all-gather of a two-number fingerprint per batch (fp64 sums of every tensor's values and of its values
         weighted by their index), where some ranks share a part; every rank takes the same decision."""
-        if len(set(self._slices_loaded)) == len(self._slices_loaded):
+        if not self._ranks_loading_alike:
             return
         plain = [torch.nan_to_num(leaf.detach().to("cpu", torch.float64).flatten(), nan=0.5, posinf=1.0, neginf=-1.0)
                  for leaf in _tensor_leaves(batch)]  # (a nan would differ from itself)
@@ -532,12 +535,9 @@ class ShardDataloader:
         for k, values in enumerate(plain, start=1):
             fingerprint[0] += k * values.sum()
             fingerprint[1] += k * (values * torch.arange(values.numel(), dtype=torch.float64)).sum()
-        gathered = [torch.empty(2, dtype=torch.float64, device=env.device()) for _ in self._slices_loaded]
+        gathered = [torch.empty(2, dtype=torch.float64, device=env.device()) for _ in range(env.get_world_size())]
         dist.all_gather(gathered, fingerprint.to(env.device()))
-        groups: dict[tuple, list[int]] = {}
-        for rank, part in enumerate(self._slices_loaded):
-            groups.setdefault(part, []).append(rank)
-        apart = [ranks for ranks in groups.values()
+        apart = [ranks for ranks in self._ranks_loading_alike
                  if len({tuple(gathered[rank].tolist()) for rank in ranks}) > 1]
         if apart:
             raise ValueError(

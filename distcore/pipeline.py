@@ -1217,23 +1217,24 @@ class PipelineRunner:
         current = pending is not None and pending[0] is token
         if current:
             self._pending = None
-        if scale != 1.0 and not current:
-            raise RuntimeError(
-                "pipeline parallel: a loss was scaled after its gradients were merged with a later call's; "
-                "the pipeline computes gradients inside model(...), so call backward() on each returned loss "
-                "before the next call of the model"
-            )
         if not current:
+            if scale != 1.0:
+                raise RuntimeError(
+                    "pipeline parallel: a loss was scaled after its gradients were merged with a later call's; "
+                    "the pipeline computes gradients inside model(...), so call backward() on each returned loss "
+                    "before the next call of the model"
+                )
             return
         _, own, params = pending
         with torch.no_grad():
-            if scale != 1.0 and own is None:  # no earlier gradients: every gradient is this call's
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-            elif scale != 1.0:
-                for p, grad in own.items():
-                    p.grad.add_(grad, alpha=scale - 1.0)
+            if scale != 1.0:
+                if own is None:  # no earlier gradients: every gradient is this call's
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+                else:
+                    for p, grad in own.items():
+                        p.grad.add_(grad, alpha=scale - 1.0)
             # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
             _agree_on_non_finite([local_value(p.grad) for p in params if p.grad is not None])
 

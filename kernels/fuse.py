@@ -262,10 +262,11 @@ def _run(module: torch.nn.Module, x: torch.Tensor, *, training: bool = True):
     """A probe copy's module(x) without autograd, or the exception it raised (a probe must never crash fuse). In
     training mode by default, as the fused layer will train: a module that draws at random there (Seed-OSS's MLP
     applies dropout, 0.1 by default) then differs from the formula and is left alone; probed in the caller's eval
-    mode (from_pretrained's) it was fused, and its dropout lost in training. The caller's random state is kept."""
+    mode (from_pretrained's) it was fused, and its dropout lost in training. (Its draws come from the generators
+    fuse forks for its whole run: the caller's random state is kept.)"""
     module.train(training)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad():
             return module(x), None
     except Exception as error:  # noqa: BLE001 - reported in the FuseReport
         return None, f"{type(error).__name__}: {error}"

@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from transformers.utils import ModelOutput
 
 from tridist import autotune, distcore
@@ -47,10 +46,14 @@ def _batches() -> list[dict]:
     return batches
 
 
+def _samples(batches: list[dict]) -> list[dict]:
+    """The global batches' rows as a dataset's samples (a DataLoader of batch_size=BATCH gives them back)."""
+    return [{k: v[i] for k, v in b.items()} for b in batches for i in range(BATCH)]
+
+
 class _Loader(torch.utils.data.DataLoader):
     def __init__(self):
-        samples = [{k: v[i] for k, v in b.items()} for b in _batches() for i in range(BATCH)]
-        super().__init__(samples, batch_size=BATCH)
+        super().__init__(_samples(_batches()), batch_size=BATCH)
 
 
 def _model(family, layers: int = LAYERS, prepare=None):
@@ -622,8 +625,8 @@ def _shared_parameters_disagree(model) -> list[str]:
     pipeline stage; replicas of one computation agree bit for bit): a fingerprint of each (fp64 sums of its
     values and of its values weighted by their index), compared exactly over every rank."""
     mine = {}
-    for name, param in model.named_parameters():
-        whole = (param.full_tensor() if isinstance(param, DTensor) else param).detach().double().flatten()
+    for name, whole in equivalence.parameters(model).items():  # (DTensors gathered a mesh's alike ones at once)
+        whole = whole.double().flatten()
         mine[name] = (whole.sum().item(), (whole * torch.arange(whole.numel(), dtype=torch.float64)).sum().item())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -638,7 +641,7 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
     different masks and their replicas drifted apart silently (0.15 after 2 steps under dp 2 x tp 2). Dropout
     puts one process's numbers out of reach; the same model with dropout 0 is checked against it elsewhere."""
     dropouts = dict(residual_dropout=0.1, embedding_dropout=0.1, attention_dropout=0.1)
-    samples = [{k: v[i] for k, v in b.items()} for b in _batches() for i in range(BATCH)]
+    samples = _samples(_batches())
     for strategy in (MATRIX["dp 2 x tp 2, level 2"], _strategy(1, 2, 2, num_micro_batches=2)):
         torch.manual_seed(0)
         model = build("starcoder2", config=dropouts)
@@ -819,7 +822,7 @@ def check_a_sequence_classifier_trains_like_one_process():
     for batch in _batches():  # padding is the pad token (the pooling finds the last other one): left padding
         ids = batch["input_ids"].masked_fill(batch["input_ids"] == 2, 3).masked_fill(batch["attention_mask"] == 0, 2)
         batches.append({"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": torch.arange(BATCH) % 3})
-    samples = [{k: v[i] for k, v in b.items()} for b in batches for i in range(BATCH)]
+    samples = _samples(batches)
     model, optimizer = build_classifier()
     reference = _run_with_optimizers(model, [optimizer], batches)
     for strategy in (MATRIX["dp 4, level 3"], None, MATRIX["dp 2 x tp 2 + sp + overlap, level 1"],
