@@ -401,9 +401,16 @@ def test_bad_residual_and_cast_errors():
 def test_pipelined_backward_loop_gives_the_plain_loop_s_gradients(stages, residual):
     """NUM_STAGES > 1 software-pipelines the single-pass backward's loop over its row tiles (on a GPU the next
     tiles' rows are copied ahead with cp.async): the same arithmetic in the same order, so the same bits as the
-    plain loop, the weight gradient's partial sums too. In the interpreter 37 rows in tiles of 2 over 4 programs
-    (each loops 4-5 times; this checks the plumbing); on a GPU 4,001 rows over one program per SM (15-16 loops
-    each: the pipelined loop itself)."""
+    plain loop, the weight gradient's partial sums too, except where the compiler contracts differently. In the
+    interpreter 37 rows in tiles of 2 over 4 programs (each loops 4-5 times; this checks the plumbing); on a GPU
+    4,001 rows over one program per SM (15-16 loops each: the pipelined loop itself).
+
+    With the residual stream's gradient, sm_90's pipelined loop contracts dx's last product and dh into one fma
+    where the plain loop rounds the product first (its PTX at this test's configuration: 8 fma, 16 mul with one
+    stage; 12 fma, 12 mul with two; seen on an H100 on 2026-11-27, where bit equality failed). Rounding the
+    product t = (dn - normed c) rstd once more moves the sum by at most u |t|, and each result's own rounding by
+    u |dx| (u = 2**-24, fp32's unit roundoff), so the two may differ by 4 u (|t| + |dx|), with slack for the
+    rounding of t's estimate |dx - dh|. A loop that reads another tile's rows differs by O(1)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not rms_norm_module.use_triton(torch.empty(0, device=device)):
         pytest.skip("the kernels run on CPU only in Triton's interpreter (TRITON_INTERPRET=1)")
@@ -418,7 +425,13 @@ def test_pipelined_backward_loop_gives_the_plain_loop_s_gradients(stages, residu
         return rms_norm_module._backward(dy, dh if residual else None, h, w, rstd, 0.0, False, torch.float32, True,
                                          config=config)
 
-    for expected, got in zip(backward(plain), backward({**plain, "NUM_STAGES": stages})):
-        assert torch.equal(expected, got)
+    (dx_plain, dw_plain), (dx_pipelined, dw_pipelined) = backward(plain), backward({**plain, "NUM_STAGES": stages})
+    assert torch.equal(dw_plain, dw_pipelined)
+    if residual:
+        unit_roundoff = torch.finfo(torch.float32).eps / 2
+        bound = 4 * unit_roundoff * ((dx_plain - dh).abs() + dx_plain.abs())
+        assert ((dx_plain - dx_pipelined).abs() <= bound).all(), (dx_plain - dx_pipelined).abs().max()
+    else:
+        assert torch.equal(dx_plain, dx_pipelined)
     assert rms_norm_module.heuristic_config("bwd", 64)["NUM_STAGES"] == 1  # until a GPU has measured it
     assert 4 in rms_norm_module.search_space("bwd", 4096)["NUM_STAGES"]  # the sweep tries the pipelined loop
