@@ -53,6 +53,7 @@ def compile_variant(label, fn, pointers, constexprs, floats=(), num_warps=4):
     result["cubin_bytes"] = len(compiled.asm["cubin"])
     result["loads"] = sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)))
     result["stores"] = sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
+    result["barriers"] = len(re.findall(r"\bbar\.sync\b", ptx))  # layout conversions through shared memory, mostly
     result.update(resource_usage(compiled.asm["cubin"]))
     result["warps_per_sm"] = occupancy(result["registers"], num_warps)
     return result
@@ -122,14 +123,17 @@ def variants():
                  "NUM_STAGES": stages, **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
                 ("offset",), 8,
             )
-    # Llama's 32 heads x 64 pairs (one token per tile), and short heads: 16 tokens per tile of 4 heads x 32 pairs
-    # (the tile the launcher builds for them: rotary.tokens_per_tile).
-    # DeepSeek-V3's deinterleaving forward too (interleaved pairs read, halves written).
+    # Llama's 32 heads x 64 pairs (one token per tile), short heads (tiles of several tokens of 4 heads x 32 pairs)
+    # and Qwen's 16 heads x 64 pairs, in the tiles the launcher builds for the heuristic's configuration
+    # (rotary.heuristic_config, rotary.tokens_per_tile). DeepSeek-V3's deinterleaving forward too (interleaved
+    # pairs read, halves written).
     for interleaved, deinterleave, tokens, block_h, block_r in (
-            (False, False, 1, 32, 64), (True, False, 1, 32, 64), (True, True, 1, 32, 64), (False, False, 16, 4, 32)):
+            (False, False, 1, 32, 64), (True, False, 1, 32, 64), (True, True, 1, 32, 64), (False, False, 16, 4, 32),
+            (False, False, rotary.heuristic_config(64, 16)["TOKENS_PER_PROGRAM"], 16, 64)):
         block_t = rotary.tokens_per_tile(tokens, block_h, block_r, 16)
         yield (
-            f"rotary[interleaved={interleaved}{', deinterleave' if deinterleave else ''}, BLOCK_T={block_t}]",
+            f"rotary[interleaved={interleaved}{', deinterleave' if deinterleave else ''}, BLOCK_T={block_t}, "
+            f"BLOCK_H={block_h}]",
             rotary._rotary_kernel,
             {"q_ptr": BF16, "k_ptr": BF16, "q_out_ptr": BF16, "k_out_ptr": BF16, "cos_ptr": FP32, "sin_ptr": FP32, "pos_ptr": "*i64"},
             {"HAS_POSITIONS": True, "X_INTERLEAVED": interleaved, "Y_INTERLEAVED": interleaved and not deinterleave,

@@ -40,6 +40,13 @@ TARGET_TILE_ELEMENTS = 2048
 # Tokens per program: enough work per program for short heads, one token when a token is already
 # a large tile. The interpreter runs programs one by one, so it gets the packed setting too.
 MAX_TOKENS_PER_PROGRAM = 16
+# A tile of several tokens holds at most this many elements per half per thread (one 16-byte vector of bf16):
+# past it a program loops over single-token tiles instead. sm_90's compile (`tests._gpu_codegen`, 4 warps) of a
+# tile of 2 tokens x 16 heads x 64 pairs takes 128 registers and 8 barriers (the table rows converted into the
+# heads' layout through shared memory), one of 1 token x 16 heads x 64 pairs 56 and none: at Qwen-style 16 heads
+# x 128 an H100 ran the former at 79-80% of copy bandwidth (2026-11-26 and -27, compile 93-94%) and the
+# one-token loop at 92% (2026-11-24). Tiles of 1 token x 32 and 64 heads (72 and 103 registers) reach 95-97%.
+MULTI_TOKEN_ELEMENTS_PER_THREAD = 8
 
 
 # ----------------------------------------------------------------------------------------------- kernel
@@ -212,15 +219,17 @@ def heuristic_config(half_rotary: int, max_heads: int) -> dict:
     return {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 4}
 
 
-def tokens_per_tile(tokens_per_program: int, block_h: int, block_r: int, block_p: int = 1) -> int:
+def tokens_per_tile(tokens_per_program: int, block_h: int, block_r: int, block_p: int = 1, num_warps: int = 4) -> int:
     """BLOCK_T: the tokens one tile holds, the largest power of two dividing TOKENS_PER_PROGRAM whose tiles of
     BLOCK_T x BLOCK_H x BLOCK_R (a half of the rotated features) and BLOCK_T x BLOCK_H x BLOCK_P (the
-    pass-through features) stay within TARGET_TILE_ELEMENTS (1 once a token's heads fill it, as at Llama's
-    32 heads x 64 pairs). Short heads (few heads, small head_dim) then rotate several tokens per instruction
-    instead of looping over them; the Triton interpreter, which pays per operation, too."""
+    pass-through features) stay within TARGET_TILE_ELEMENTS and MULTI_TOKEN_ELEMENTS_PER_THREAD per thread of
+    num_warps warps (1 once a token's heads fill that, as at 16 heads x 64 pairs on 4 warps). Short heads (few
+    heads, small head_dim) then rotate several tokens per instruction instead of looping over them; the Triton
+    interpreter, which pays per operation, too."""
     widest = block_h * max(block_r, block_p)
+    limit = min(TARGET_TILE_ELEMENTS, MULTI_TOKEN_ELEMENTS_PER_THREAD * 32 * num_warps)
     block_t = 1
-    while tokens_per_program % (2 * block_t) == 0 and 2 * block_t * widest <= TARGET_TILE_ELEMENTS:
+    while tokens_per_program % (2 * block_t) == 0 and 2 * block_t * widest <= limit:
         block_t *= 2
     return block_t
 
@@ -296,7 +305,7 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
         Y_INTERLEAVED=interleaved and not (deinterleave and not conjugate), HALF_TABLE=table_dim * 2 == rotary_dim,
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
-        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p),
+        BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p, cfg["num_warps"]),
         BLOCK_R=block_r, BLOCK_P=block_p,
         num_warps=cfg["num_warps"],
     ))
