@@ -380,15 +380,19 @@ def _token_rows(hidden: torch.Tensor, n_tokens: int):
     return lambda start, end: flat[start:end]
 
 
-def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: torch.Tensor) -> None:
-    """acc (fp32) += grad_logits.T @ rows, the chunk's product never rounded to a half dtype."""
+def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: torch.Tensor, first: bool) -> None:
+    """acc (fp32) += grad_logits.T @ rows, the chunk's product never rounded to a half dtype. The first chunk
+    writes acc instead (beta 0: its uninitialised values are not read, NaN included), which saves zeroing
+    the accumulator and reading the zeros back, 8 bytes per weight element (2 ms of an H100's bandwidth at
+    Llama 3's 128,256 x 4,096 head)."""
+    beta = 0 if first else 1
     if grad_logits.dtype == torch.float32:
-        acc.addmm_(grad_logits.t(), rows)
+        acc.addmm_(grad_logits.t(), rows, beta=beta)
     elif acc.device.type == "cuda" and _ADDMM_HAS_OUT_DTYPE and torch.cuda.get_device_capability(acc.device)[0] >= 8:
-        torch.addmm(acc, grad_logits.t(), rows, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, grad_logits.t(), rows, out_dtype=torch.float32, beta=beta, out=acc)
     else:  # fp32 copies of UPCAST_TOKENS of the chunk's tokens at a time (never weight-sized)
-        for part in _token_slices(rows.shape[0]):
-            acc.addmm_(grad_logits[part].t().float(), rows[part].float())
+        for i, part in enumerate(_token_slices(rows.shape[0])):
+            acc.addmm_(grad_logits[part].t().float(), rows[part].float(), beta=beta if i == 0 else 1)
 
 
 def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, softcap, scale, loss,
@@ -404,10 +408,10 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     compute_grad = grad_hidden or grad_weight or grad_bias
     device, dtype = hidden.device, hidden.dtype
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
-    gw = torch.zeros((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight else None
+    gw = torch.empty((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight else None
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
-        return gh, gw, gb
+        return gh, gw if gw is None else gw.zero_(), gb
     vocab_start, n_classes = (shard.start, shard.vocab_size) if shard is not None else (0, vocab)
     # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
     # the largest shard (uneven splits differ by a row or so).
@@ -436,7 +440,7 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
         if grad_hidden:
             torch.mm(logits, weight, out=gh[start:end])
         if grad_weight:
-            _accumulate_weight_grad(gw, logits, rows)
+            _accumulate_weight_grad(gw, logits, rows, first=start == 0)
         if grad_bias:
             gb += logits.sum(0, dtype=torch.float32)
     if gh is not None and shard is not None:
