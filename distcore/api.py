@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 
 from . import env
 from .mesh import ProcessMesh, as_process_mesh
+from .optimizer import mark_resharded
 
 
 def _check_placements(op: str, mesh: ProcessMesh, placements: Sequence[Placement], ndim: int) -> list[Placement]:
@@ -69,7 +70,9 @@ def shard_tensor(
     if dtype is not None:
         result = result.to(dtype)
     if is_parameter:
-        return torch.nn.Parameter(result.detach(), requires_grad=requires_grad)
+        parameter = torch.nn.Parameter(result.detach(), requires_grad=requires_grad)
+        mark_resharded(data, parameter)  # an optimizer built before holds `data`: its step checks (optimizer.py)
+        return parameter
     if result.grad_fn is None:  # a new leaf; a sliced activation keeps its graph instead
         result.requires_grad_(requires_grad)
     return result

@@ -17,6 +17,13 @@ steps would train nothing, silently. Each replaced parameter is marked with its 
 does; another pipeline stage's parameters leave them), and a step of an optimizer that still holds a replaced
 parameter raises, naming them and that fix (a step pre-hook on every torch optimizer, registered when this
 module is imported: a few attribute lookups per parameter and step).
+
+shard_tensor(parameter) returns a new parameter, which the caller assigns in the old one's place (Paddle's
+`layer.weight = dist.shard_tensor(layer.weight, ...)`); an optimizer built before still holds the old one. The
+old parameter is marked with its replacement too (`mark_resharded`), but the step refuses it only where the
+backward has shown the mistake: the old parameter got no gradient and its replacement did (a caller who keeps
+training the old one, the new a copy for something else, is left alone). shard_optimizer does not swap these:
+only the step's evidence says which of the two the model trains.
 """
 
 from __future__ import annotations
@@ -102,6 +109,23 @@ class _Replaced:
 
     name: str
     replacement: "weakref.ref | None"
+    by_shard_tensor: bool = False  # refused only once the backward shows the replacement trains instead
+
+
+def mark_resharded(old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
+    """shard_tensor made `new` from the parameter `old` (see the module docstring)."""
+    old._tridist_replaced = _Replaced(f"a {tuple(old.shape)} parameter passed to shard_tensor", weakref.ref(new),
+                                      by_shard_tensor=True)
+
+
+def _trains_nothing(param: torch.nn.Parameter) -> bool:
+    """Whether a step would leave the model untouched for this (marked) parameter: parallelize's replaced
+    parameters always (no forward uses them); shard_tensor's where it got no gradient and its replacement did."""
+    replaced = param._tridist_replaced
+    if not replaced.by_shard_tensor:
+        return True
+    replacement = replaced.replacement()
+    return param.grad is None and replacement is not None and replacement.grad is not None
 
 
 def mark_replaced(params_before: dict[int, torch.nn.Parameter], names_before: dict[int, list[str]],
@@ -120,7 +144,8 @@ def mark_replaced(params_before: dict[int, torch.nn.Parameter], names_before: di
 
 def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's groups hold the replacements of parameters parallelize replaced (another stage's leave)."""
-    if not any(hasattr(p, "_tridist_replaced") for group in optimizer.param_groups for p in group["params"]):
+    if not any(hasattr(p, "_tridist_replaced") and not p._tridist_replaced.by_shard_tensor
+               for group in optimizer.param_groups for p in group["params"]):
         return
     if len(optimizer.state):
         raise ValueError("shard_optimizer: the optimizer already has state for parameters parallelize replaced; "
@@ -129,7 +154,7 @@ def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
         params = []
         for param in group["params"]:
             replaced = getattr(param, "_tridist_replaced", None)
-            if replaced is None:
+            if replaced is None or replaced.by_shard_tensor:
                 params.append(param)
             elif replaced.replacement is not None and replaced.replacement() is not None:
                 params.append(replaced.replacement())
@@ -137,8 +162,15 @@ def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    replaced = [p._tridist_replaced.name for group in optimizer.param_groups for p in group["params"]
-                if hasattr(p, "_tridist_replaced")]
+    held = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_tridist_replaced")]
+    resharded = [p._tridist_replaced.name for p in held if p._tridist_replaced.by_shard_tensor and _trains_nothing(p)]
+    if resharded:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): this optimizer holds {len(resharded)} parameter(s) that shard_tensor "
+            f"replaced ({resharded[:4]}{' ...' if len(resharded) > 4 else ''}): they got no gradient and their "
+            "replacements did, so its steps would train nothing. Build the optimizer after sharding the model's "
+            "parameters (from model.parameters() then)")
+    replaced = [p._tridist_replaced.name for p in held if not p._tridist_replaced.by_shard_tensor]
     if replaced:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): this optimizer holds {len(replaced)} parameter(s) that parallelize "
