@@ -83,9 +83,21 @@ def _run(model, optimizer, clip: tuple[float, float] | None = None) -> equivalen
     return trace.end(model)
 
 
+def _on_rank_0(compute):
+    """compute()'s result, computed on rank 0 alone and sent to every rank. For the single-device references: the
+    same seed and batches give every rank the same values, so the other three would repeat rank 0's work on the
+    machine's two cores (gloo's broadcast blocks without using a core while they wait). Every rank asks at the
+    same point of the same check, as for any collective. Every rank's random state is left as it was (the
+    reference seeds its model's build)."""
+    with torch.random.fork_rng(devices=[]):
+        result = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
 @functools.cache  # one single-device run per family (and preparation), shared by the checks
 def _reference(family: str, prepare=None, clip: tuple[float, float] | None = None) -> equivalence.Trace:
-    return _run(*_model(family, prepare=prepare), clip=clip)
+    return _on_rank_0(lambda: _run(*_model(family, prepare=prepare), clip=clip))
 
 
 def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> tuple[float, torch.Tensor | None]:
@@ -109,7 +121,7 @@ def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> 
 
 @functools.cache
 def _reference_evaluation(family: str) -> tuple[float, torch.Tensor]:
-    return _evaluate(_model(family)[0])
+    return _on_rank_0(lambda: _evaluate(_model(family)[0]))
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
