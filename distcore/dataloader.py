@@ -233,8 +233,14 @@ def _loaded_slice(layouts: list[_MeshLayout], rank: int) -> tuple[int, int]:
     return _FULL_BATCH
 
 
+_NUMERIC_KINDS = "biufc"  # numpy arrays of bools, ints, floats or complex numbers are batch tensors
+
+
 def _tensor_leaves(batch) -> list[torch.Tensor]:
-    """The tensors of a collated batch (dicts, lists and tuples of them), in order."""
+    """The tensors of a collated batch (dicts, lists and tuples of them), in order: what `_distribute` makes
+    DTensors of, numeric numpy arrays (a collate_fn's own) included."""
+    if isinstance(batch, np.ndarray) and batch.dtype.kind in _NUMERIC_KINDS:
+        return [torch.from_numpy(batch)]
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
@@ -383,7 +389,7 @@ def _to_dtensor(tensor: torch.Tensor, layout: _MeshLayout, *, global_size: int |
 
 def _distribute(value, layout: _MeshLayout, **slicing):
     """Every tensor (and numeric numpy array) in `value` as a DTensor on `layout`; the rest as is."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":  # bool, ints, floats, complex
+    if isinstance(value, np.ndarray) and value.dtype.kind in _NUMERIC_KINDS:
         value = torch.from_numpy(value)
     if torch.is_tensor(value):
         return _to_dtensor(value, layout, **slicing)

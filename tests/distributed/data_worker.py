@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -215,8 +216,14 @@ def check_ranks_that_load_the_same_samples_must_get_the_same_values():
         rows[torch.rand(rows.shape) < 0.5] = -1.0
         return rows, torch.stack([label for _, label in samples])
 
+    def numpy_masking_collate(samples):  # numpy arrays, which shard_dataloader distributes as tensors
+        rows = np.stack([row.numpy() for row, _ in samples])
+        rows[np.random.rand(*rows.shape) < 0.5] = -1.0
+        return rows, np.stack([label.numpy() for _, label in samples])
+
     for loader, seed in ((sequential_loader(RandomlyMasked(), batch_size=4), random.seed),
-                         (DataLoader(Samples(8), batch_size=4, collate_fn=masking_collate), torch.manual_seed)):
+                         (DataLoader(Samples(8), batch_size=4, collate_fn=masking_collate), torch.manual_seed),
+                         (DataLoader(Samples(8), batch_size=4, collate_fn=numpy_masking_collate), np.random.seed)):
         seed(7 + rank())
         expect_error(ValueError, ["load the same part of the global batch but got different values",
                                   "seed torch, random and numpy alike"],
