@@ -104,8 +104,9 @@ def with_paddle_methods(optimizer: torch.optim.Optimizer, sharding: "_ShardingSt
 
 @dataclass(frozen=True)
 class _Replaced:
-    """On a parameter parallelize replaced: the model's name for it and its replacement (None where it lives on
-    another pipeline stage), held weakly (the old parameter must not keep the model's alive)."""
+    """On a parameter parallelize or shard_tensor replaced: a name for it (the model's, under parallelize) and its
+    replacement (None where it lives on another pipeline stage), held weakly (the old parameter must not keep the
+    model's alive)."""
 
     name: str
     replacement: "weakref.ref | None"
@@ -118,13 +119,10 @@ def mark_resharded(old: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
                                       by_shard_tensor=True)
 
 
-def _trains_nothing(param: torch.nn.Parameter) -> bool:
-    """Whether a step would leave the model untouched for this (marked) parameter: parallelize's replaced
-    parameters always (no forward uses them); shard_tensor's where it got no gradient and its replacement did."""
-    replaced = param._tridist_replaced
-    if not replaced.by_shard_tensor:
-        return True
-    replacement = replaced.replacement()
+def _left_behind(param: torch.nn.Parameter) -> bool:
+    """Whether the backward trained shard_tensor's replacement of this parameter instead of it: it got no
+    gradient, and its replacement did."""
+    replacement = param._tridist_replaced.replacement()
     return param.grad is None and replacement is not None and replacement.grad is not None
 
 
@@ -163,7 +161,7 @@ def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
 
 def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     held = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_tridist_replaced")]
-    resharded = [p._tridist_replaced.name for p in held if p._tridist_replaced.by_shard_tensor and _trains_nothing(p)]
+    resharded = [p._tridist_replaced.name for p in held if p._tridist_replaced.by_shard_tensor and _left_behind(p)]
     if resharded:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): this optimizer holds {len(resharded)} parameter(s) that shard_tensor "
