@@ -125,9 +125,11 @@ DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
 ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
 LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 # tridist's linear_cross_entropy (kernels/ops/linear_cross_entropy.py, chunk_tokens) runs the loss over chunks
-# of about tokens·h/V tokens, raised to min(2048, h), clamped to [128, 4096] and evened out;
+# of about tokens·h/V tokens, raised to min(2048, h), clamped to [128, 4096] and evened out, or, for a
+# half-precision head, in one chunk up to 2·h tokens (no fp32 accumulator of the weight's gradient then);
 # tests/test_cost_terms.py checks that the rules agree.
 FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_SPEED_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 2048, 4096
+FUSED_LOSS_ONE_CHUNK_HIDDEN_MULTIPLE = 2
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
@@ -603,21 +605,24 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
 def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1) -> float:
     """What linear_cross_entropy holds at its peak, the end of the forward (a mean loss's gradients are
     computed there): one chunk's logits (the input dtype; the kernel writes their gradient in place), the
-    hidden states' gradient (until the backward hands it on) and, for a half-precision head, the fp32
-    accumulator of its weight's gradient (the gradient itself becomes the parameter's .grad, counted with
-    the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
+    hidden states' gradient (until the backward hands it on) and, for a half-precision head cut in more than
+    one chunk, the fp32 accumulator of its weight's gradient (the gradient itself becomes the parameter's
+    .grad, counted with the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
     ceil(V / tp) rows, the hidden gradient is whole (summed over the ranks). Its time is eager's: the same
     three GEMMs (nothing is recomputed for a mean or sum loss), and its elementwise passes read and write the
     chunks in the input dtype, no more than eager's; under tp each chunk adds two small all-reduces of its
     statistics (`_pace`)."""
     v, h = -(-spec.head_width // tp), spec.hidden_size
-    chunk = fused_loss_chunk(tokens, h, v)
-    accumulator = LOSS_FP32_BYTES * v * h if dtype_bytes < LOSS_FP32_BYTES else 0
+    chunk = fused_loss_chunk(tokens, h, v, dtype_bytes)
+    accumulator = LOSS_FP32_BYTES * v * h if dtype_bytes < LOSS_FP32_BYTES and chunk < tokens else 0
     return chunk * v * dtype_bytes + tokens * h * dtype_bytes + accumulator
 
 
-def fused_loss_chunk(tokens: int, hidden_size: int, vocab_rows: int) -> int:
-    """linear_cross_entropy's tokens per chunk over `vocab_rows` rows of the head (kernels' chunk_tokens)."""
+def fused_loss_chunk(tokens: int, hidden_size: int, vocab_rows: int, dtype_bytes: int) -> int:
+    """linear_cross_entropy's tokens per chunk over `vocab_rows` rows of the head (kernels' chunk_tokens) when
+    it trains the head's weight in `dtype_bytes`-byte elements."""
+    if dtype_bytes < LOSS_FP32_BYTES and tokens <= FUSED_LOSS_ONE_CHUNK_HIDDEN_MULTIPLE * hidden_size:
+        return max(tokens, 1)
     floor = max(FUSED_LOSS_MIN_CHUNK, min(FUSED_LOSS_SPEED_CHUNK, hidden_size))
     chunk = min(max(-(-tokens * hidden_size // vocab_rows), floor), FUSED_LOSS_MAX_CHUNK, tokens)
     return -(-tokens // -(-tokens // chunk))  # evened out over the chunks
@@ -734,7 +739,7 @@ def _fused_loss_statistics_time(spec: ModelSpec, cluster: Cluster, tp: int, micr
     if tp == 1 or not cluster.engine.fused_loss:
         return 0.0
     tokens = micro_batch_size * spec.seq_len
-    chunk = fused_loss_chunk(tokens, spec.hidden_size, -(-spec.head_width // tp))
+    chunk = fused_loss_chunk(tokens, spec.hidden_size, -(-spec.head_width // tp), cluster.dtype_bytes)
     bw, lat = cluster.link(tp, 1)
     chunks = -(-tokens // chunk)
     return chunks * (all_reduce_time(LOSS_FP32_BYTES * chunk, tp, bw, lat) + all_reduce_time(3 * LOSS_FP32_BYTES * chunk, tp, bw, lat))

@@ -87,6 +87,18 @@ def test_tridist_variant_runs_and_matches_eager():
     assert eager["tridist_speedup"].notna().all() and (ours["tridist_speedup"] == 1.0).all()
 
 
+@pytest.mark.parametrize("mode", ["bwd", "fwd+bwd"])
+def test_timed_backward_returns_gradients_instead_of_accumulating_them(mode):
+    # add_rms_norm hands one tensor to x and residual; accumulated into two leaves' .grad, autograd copies it
+    # for the second, a copy the op never makes inside a model. The timed backward must not accumulate.
+    case = TINY_CASES[1]
+    inputs = kb.make_inputs(case, torch.device("cpu"), requires_grad=True)
+    timed, grad_to_none = kb.make_timed_fn(kb.build_variant(case.op, "eager", device="cpu"), inputs, mode)
+    timed()
+    assert len(inputs.grad_inputs) == 3 and grad_to_none == []
+    assert all(t.grad is None for t in inputs.grad_inputs)
+
+
 def test_wrong_or_broken_variant_is_flagged(monkeypatch):
     """A variant that computes the wrong thing is timed but flagged; one that raises is not timed."""
     def wrong(x, y=None):

@@ -285,22 +285,27 @@ def test_memory_last_stage_logits_and_tied_head_copy(tied):
 @pytest.mark.parametrize("layout", [dict(), dict(tp=2), dict(pp=2, num_micro_batches=2), dict(num_micro_batches=2)])
 def test_fused_loss_holds_a_chunk_and_the_gradients_instead_of_the_logits(layout):
     """An engine that fuses the loss (to_distributed's default) holds, instead of the logits, one chunk of
-    them, the hidden states' gradient and the head gradient's fp32 accumulator; on the last pipeline stage
-    too, per micro-batch; under tp over the rank's half of the vocabulary (vocabulary-parallel). By hand, 64
-    tokens x vocabulary 512 x h 8, bf16: the logits 64·512·6 = 196608 bytes; the chunk max(64·8/512, 128)
-    capped at 64 tokens: 64·512·2 = 65536, the hidden gradient 64·8·2 = 1024, the accumulator 4·512·8 = 16384:
-    82944. Under tp 2 the vocabulary terms halve (256 rows), the hidden gradient stays whole."""
-    spec = replace(TINY, vocab_size=512, seq_len=64)
-    fused_engine = replace(MEGATRON, name="megatron+fused-loss", fused_loss=True)
-    strategy = {"dp": 1, "tp": 1, "pp": 1, **layout}
-    cluster = _cluster(1, strategy["tp"] * strategy["pp"])
-    eager = _run(spec, cluster, **strategy).memory.activations
-    fused = _run(spec, replace(cluster, engine=fused_engine), **strategy).memory.activations
-    rows = 512 // strategy["tp"]
-    assert eager - fused == 64 * rows * (E + 4) - (64 * rows * E + 64 * 8 * E + 4 * rows * 8)
+    them, the hidden states' gradient and, with more than one chunk, the head gradient's fp32 accumulator; on
+    the last pipeline stage too, per micro-batch; under tp over the rank's half of the vocabulary
+    (vocabulary-parallel). By hand, 256 tokens x vocabulary 512 x h 8, bf16: the logits 256·512·6 = 786432
+    bytes; the chunk max(256·8/512, 128) = 128 tokens: 128·512·2 = 131072, the hidden gradient 256·8·2 = 4096,
+    the accumulator 4·512·8 = 16384. At 64 tokens one chunk holds them all: no accumulator (the weight's
+    gradient is that chunk's one GEMM). Under tp 2 the vocabulary terms halve (256 rows), the hidden gradient
+    stays whole."""
+    for tokens, chunk in ((256, 128), (64, 64)):
+        spec = replace(TINY, vocab_size=512, seq_len=tokens)
+        fused_engine = replace(MEGATRON, name="megatron+fused-loss", fused_loss=True)
+        strategy = {"dp": 1, "tp": 1, "pp": 1, **layout}
+        cluster = _cluster(1, strategy["tp"] * strategy["pp"])
+        eager = _run(spec, cluster, **strategy).memory.activations
+        fused = _run(spec, replace(cluster, engine=fused_engine), **strategy).memory.activations
+        rows = 512 // strategy["tp"]
+        accumulator = 4 * rows * 8 if chunk < tokens else 0
+        assert eager - fused == tokens * rows * (E + 4) - (chunk * rows * E + tokens * 8 * E + accumulator)
 
 
-@pytest.mark.parametrize("tokens, hidden, vocab", [(64, 8, 512), (8192, 4096, 128256), (100_000, 8192, 32000), (3, 16, 8)])
+@pytest.mark.parametrize("tokens, hidden, vocab", [(64, 8, 512), (8192, 4096, 128256), (8193, 4096, 128256),
+                                                  (100_000, 8192, 32000), (3, 16, 8)])
 def test_fused_loss_chunk_rule_is_the_kernels(tokens, hidden, vocab):
     from tridist.autotune.cost import fused_loss_bytes
     from tridist.kernels.ops.linear_cross_entropy import chunk_tokens
@@ -310,6 +315,11 @@ def test_fused_loss_chunk_rule_is_the_kernels(tokens, hidden, vocab):
     assert held == chunk_tokens(tokens, hidden, vocab) * vocab * 4 + tokens * hidden * 4
     rows = -(-vocab // 4)  # tp 4: the largest shard, which sizes every rank's chunks (VocabShard)
     assert fused_loss_bytes(spec, tokens, 4, tp=4) == chunk_tokens(tokens, hidden, rows) * rows * 4 + tokens * hidden * 4
+    # bf16: one chunk up to 2 x hidden tokens, else chunks and the fp32 accumulator of the weight's gradient
+    for tp, v in ((1, vocab), (4, rows)):
+        chunk = chunk_tokens(tokens, hidden, v, fp32_accumulator=True)
+        accumulator = 4 * v * hidden if chunk < tokens else 0
+        assert fused_loss_bytes(spec, tokens, 2, tp=tp) == chunk * v * 2 + tokens * hidden * 2 + accumulator
 
 
 def test_memory_full_recompute_single_stage():

@@ -347,6 +347,10 @@ def test_chunk_rule():
     assert rule(65536, 8192, 32000) == 4096  # target 16777: the ceiling
     assert rule(5000, 4096, 1000) == 2500  # two chunks of the ceiling's 4096 evened out to 2500
     assert rule(0, 16, 10) == 1
+    # A half-precision head's gradient: up to 2 x hidden tokens in one chunk, no fp32 accumulator
+    assert rule(8192, 4096, 128256, fp32_accumulator=True) == 8192
+    assert rule(4096, 2048, 32000, fp32_accumulator=True) == 4096
+    assert rule(8193, 4096, 128256, fp32_accumulator=True) == rule(8193, 4096, 128256) == 1639  # 5 chunks
 
 
 @pytest.mark.parametrize("hidden", [8, 64, 512, 2048, 4096, 8192])
@@ -370,6 +374,7 @@ class _LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.allocated = []  # (elements, dtype) of every allocation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -379,9 +384,10 @@ class _LargestTensor(TorchDispatchMode):
                 held.add(a.untyped_storage().data_ptr())
             elif isinstance(a, (torch.UntypedStorage, torch.TypedStorage)):
                 held.add(a.data_ptr())
-        fresh = [t.numel() for t in pytree.tree_leaves(out)
+        fresh = [(t.numel(), t.dtype) for t in pytree.tree_leaves(out)
                  if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held]
-        self.largest = max([self.largest, *fresh])
+        self.allocated += fresh
+        self.largest = max([self.largest, *(n for n, _ in fresh)])
         return out
 
 
@@ -399,6 +405,27 @@ def test_never_materialises_the_logits(backend, small_chunks, reduction):
     with _LargestTensor() as eager:
         torch.autograd.grad(_reference(hidden, weight, labels, bias, reduction=reduction).sum(), (hidden, weight, bias))
     assert eager.largest >= n_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_half_precision_head_in_one_chunk(backend, small_chunks, dtype, reduction):
+    """A half-precision head with at most 2 x hidden tokens: one chunk (past MAX_CHUNK_TOKENS, 8 here), whose
+    logits are no larger than the fp32 [vocab, hidden] accumulator that chunking would need, and the weight's
+    gradient from one GEMM in the weight's dtype: no fp32 weight-sized tensor. One token more: chunks and the
+    accumulator again. Both within the rounding bounds."""
+    hidden_size, vocab = 16, 1000
+    for tokens, one_chunk in ((2 * hidden_size, True), (2 * hidden_size + 1, False)):
+        hidden, weight, labels, bias = _inputs((tokens,), hidden_size, vocab, dtype, scale=3.0)
+        grad_output = torch.randn(tokens) if reduction == "none" else None
+        with _LargestTensor() as fused:
+            _check(hidden, weight, labels, bias, grad_output=grad_output, reduction=reduction)
+        fp32_weight_sized = [n for n, t in fused.allocated if t == torch.float32 and n == vocab * hidden_size]
+        chunk_logits = [n for n, t in fused.allocated if t == dtype and n % vocab == 0 and n != vocab * hidden_size]
+        if one_chunk:
+            assert max(chunk_logits) == tokens * vocab <= 2 * vocab * hidden_size and not fp32_weight_sized
+        else:
+            assert max(chunk_logits) <= 8 * vocab and fp32_weight_sized  # 5 chunks of 7 tokens
 
 
 def test_no_gradient_work_without_grad(backend, small_chunks):

@@ -21,7 +21,9 @@ loss divided by it.) Tokens are processed in chunks (`chunk_tokens`), each throu
    or the token's grad_output (reduction="none", in the backward);
 4. grad_hidden[chunk] = grad_logits @ weight in the input dtype; grad_weight += grad_logits.T @ hidden_chunk
    into an fp32 accumulator (cuBLAS's fp32-output GEMM on CUDA, an fp32 upcast of the chunk elsewhere),
-   rounded once to the weight's dtype at the end; grad_bias likewise from fp32 column sums.
+   rounded once to the weight's dtype at the end; grad_bias likewise from fp32 column sums. Where a
+   half-precision head's tokens fit one chunk (at most 2 x hidden_size of them: `chunk_tokens`), grad_weight
+   is that chunk's one GEMM in the weight's dtype instead, with no accumulator.
 
 Where the gradients are computed. For a scalar loss (mean, sum, num_items_in_batch) the forward computes
 them, as Liger does: three GEMMs in all, like eager, nothing of the inputs saved, and the backward only
@@ -91,6 +93,15 @@ from .._common import (
 # it) stay under; with an fp32 head it grows by at most the weight's size. MIN_CHUNK_TOKENS
 # keeps the GEMM's M dimension one full 128-row tensor-core tile for narrow toy heads; above
 # MAX_CHUNK_TOKENS a GEMM runs no faster, it only takes more memory.
+# One exception (`fp32_accumulator`): with a half-precision head whose gradient is computed, up to
+# ONE_CHUNK_HIDDEN_MULTIPLE x hidden_size tokens run as a single chunk. Their logits (2 T V bytes) are then no
+# larger than the fp32 accumulator (4 V H bytes) that a second chunk would need, so the peak does not grow
+# (one chunk: logits + the weight-sized result, 2 V (T + H) <= 6 V H; several: accumulator + max(chunk, result)
+# >= 6 V H), and the weight's gradient is one GEMM in the weight's dtype instead of the accumulator's
+# traffic: per chunk 8 V H bytes, plus 6 V H for the final rounding. Measured on an H100 (2026-11-27,
+# bench/results/h100-2026-11-27b): 8,192 x 4,096 x 128,256 took 44.0 ms in 4 chunks against compile's 37.1,
+# ~6 ms of it that traffic (18 GB at ~3 TB/s).
+ONE_CHUNK_HIDDEN_MULTIPLE = 2
 MIN_CHUNK_TOKENS = 128
 SPEED_CHUNK_TOKENS = 2048
 MAX_CHUNK_TOKENS = 4096
@@ -114,13 +125,17 @@ STAT_MAX, STAT_SUM_EXP, STAT_TARGET, STAT_SUM_Z = range(4)
 _ADDMM_HAS_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
+def chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int, *, fp32_accumulator: bool = False) -> int:
     """Tokens per chunk: Liger's n_tokens * hidden_size / vocab_size (the chunk's logits as large as the
     hidden input), raised to min(SPEED_CHUNK_TOKENS, hidden_size) (the weight gradient's traffic; the logits
     then no larger than the weight), clamped to [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS] and to n_tokens, then
-    evened out so that the chunks differ by at most one token (no thin last GEMM)."""
+    evened out so that the chunks differ by at most one token (no thin last GEMM). `fp32_accumulator`: more
+    than one chunk would sum a half-precision weight's gradient in fp32; then up to
+    ONE_CHUNK_HIDDEN_MULTIPLE * hidden_size tokens are one chunk (the logits no larger than that buffer)."""
     if n_tokens <= 0:
         return 1
+    if fp32_accumulator and n_tokens <= ONE_CHUNK_HIDDEN_MULTIPLE * hidden_size:
+        return n_tokens
     target = -(-n_tokens * hidden_size // max(vocab_size, 1))
     floor = max(MIN_CHUNK_TOKENS, min(SPEED_CHUNK_TOKENS, hidden_size))
     chunk = min(max(target, floor), MAX_CHUNK_TOKENS, n_tokens)
@@ -399,7 +414,8 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
                 grad_hidden, grad_weight, grad_bias, shard: "VocabShard | None" = None):
     """Steps 1-4 over every chunk of tokens. `labels` and `scale` (row_scale: None, or [tokens] with any
     stride, 0 for one scale) are 1-D; `loss` is None or the [tokens] fp32 output. Returns the requested
-    gradients (grad_hidden [tokens, H] in hidden's dtype; grad_weight and grad_bias in fp32).
+    gradients (grad_hidden [tokens, H] in hidden's dtype; grad_bias in fp32; grad_weight in fp32, or in the
+    weight's dtype where one chunk of a half-precision head computed it in one GEMM: `chunk_tokens`).
 
     With `shard` (vocabulary parallel) `weight` and `bias` hold the rows shard.start .. of the vocabulary: each
     chunk's statistics are reduced over shard.group before step 3, and grad_hidden, a partial sum over the
@@ -407,15 +423,21 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     n_tokens, (vocab, hidden_size) = labels.shape[0], weight.shape
     compute_grad = grad_hidden or grad_weight or grad_bias
     device, dtype = hidden.device, hidden.dtype
+    # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
+    # the largest shard (uneven splits differ by a row or so).
+    half_weight_grad = grad_weight and dtype != torch.float32 and weight.dtype == dtype
+    chunk = chunk_tokens(n_tokens, hidden_size, shard.largest_rows if shard is not None else vocab,
+                         fp32_accumulator=half_weight_grad)
+    # One chunk of a half-precision head: its weight gradient is one GEMM in the weight's dtype (fp32
+    # accumulation inside it, one rounding, as the fp32 accumulator then its rounding would give).
+    one_gemm = half_weight_grad and chunk >= n_tokens
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
-    gw = torch.empty((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight else None
+    gw = (torch.empty((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
+          if grad_weight else None)
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
         return gh, gw if gw is None else gw.zero_(), gb
     vocab_start, n_classes = (shard.start, shard.vocab_size) if shard is not None else (0, vocab)
-    # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
-    # the largest shard (uneven splits differ by a row or so).
-    chunk = chunk_tokens(n_tokens, hidden_size, shard.largest_rows if shard is not None else vocab)
     buffer = torch.empty((chunk, vocab), dtype=dtype, device=device)
     stats = torch.empty((4, chunk), dtype=torch.float32, device=device)
     rows_of = _token_rows(hidden, n_tokens)
@@ -439,7 +461,9 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
         )
         if grad_hidden:
             torch.mm(logits, weight, out=gh[start:end])
-        if grad_weight:
+        if one_gemm:
+            torch.mm(logits.t(), rows, out=gw)
+        elif grad_weight:
             _accumulate_weight_grad(gw, logits, rows, first=start == 0)
         if grad_bias:
             gb += logits.sum(0, dtype=torch.float32)
