@@ -114,7 +114,7 @@ class Bucket:
             return rotary_ops.heuristic_config(self.width // 2, max(self.heads, self.kv_heads))
         if self.op == "swiglu":
             return swiglu_ops.heuristic_config(self.width)
-        return rms_norm_ops.heuristic_config(self.kind, self.width)
+        return rms_norm_ops.heuristic_config(self.kind, self.width, residual=self.op == "add_rms_norm")
 
     def space(self) -> dict[str, list[int]]:
         """The kernel's search space, with the heuristic's values added (the heuristic is always trial 0)."""

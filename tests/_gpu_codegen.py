@@ -123,6 +123,18 @@ def variants():
                  "NUM_STAGES": stages, **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
                 ("offset",), 8,
             )
+    # add_rms_norm's backward in the heuristic's configurations at the single-pass widths it packs rows for
+    # (rms_norm.RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD).
+    for hidden in (2048, 4096, 8192):
+        config = rms_norm.heuristic_config("bwd", hidden, residual=True)
+        yield (
+            f"add_rms_norm_bwd[H={hidden}]", rms_norm._rms_norm_bwd_kernel,
+            {"dy_ptr": BF16, "dh_ptr": BF16, "h_ptr": BF16, "w_ptr": BF16, "rstd_ptr": FP32, "dx_ptr": BF16, "dw_partial_ptr": FP32},
+            {"HAS_DH": True, "ROUND": 2, "SINGLE_PASS": True, "COMPUTE_DW": True, "BLOCK_M": config["BLOCK_M"],
+             "BLOCK_N": config["BLOCK_N"], "NUM_STAGES": config["NUM_STAGES"],
+             **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
+            ("offset",), config["num_warps"],
+        )
     # Llama's 32 heads x 64 pairs (one token per tile), short heads (tiles of several tokens of 4 heads x 32 pairs)
     # and Qwen's 16 heads x 64 pairs, in the tiles the launcher builds for the heuristic's configuration
     # (rotary.heuristic_config, rotary.tokens_per_tile). DeepSeek-V3's deinterleaving forward too (interleaved

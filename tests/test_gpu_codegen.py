@@ -28,17 +28,24 @@ def compiled():
 
 
 def test_every_variant_compiles_for_sm90(compiled):
-    assert len(compiled) == 20
+    assert len(compiled) == 23
     failures = {name: r["error"] for name, r in compiled.items() if "error" in r}
     assert not failures, failures
     assert all(r["cubin_bytes"] > 0 for r in compiled.values())
 
 
+# add_rms_norm's backward at hidden 4096 and 8192 (rms_norm.RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD) spills up to 48
+# bytes per thread, on purpose: at 8192 that configuration took 1.510 ms on an H100 against 1.721 for the
+# spill-free heuristic before it (bench/results/h100-2026-11-27b/probe); kilobytes of spills took 4-37 ms.
+MEASURED_SPILL_BYTES = {"add_rms_norm_bwd[H=4096]": 48, "add_rms_norm_bwd[H=8192]": 48}
+
+
 def test_no_variant_spills_registers(compiled):
     """Spilled registers go to local memory, extra traffic for a memory-bound kernel: none of the launches
-    the kernels make at these shapes spills (ptxas's stack of 0 bytes), and each keeps 8 or more warps in
-    flight per SM."""
-    spills = {name: r["spill_stack_bytes"] for name, r in compiled.items() if r["spill_stack_bytes"]}
+    the kernels make at these shapes spills (ptxas's stack of 0 bytes) beyond what was measured to pay
+    (MEASURED_SPILL_BYTES), and each keeps 8 or more warps in flight per SM."""
+    spills = {name: r["spill_stack_bytes"] for name, r in compiled.items()
+              if r["spill_stack_bytes"] > MEASURED_SPILL_BYTES.get(name, 0)}
     assert not spills, spills
     assert all(0 < r["registers"] <= 255 and r["warps_per_sm"] >= 8 for r in compiled.values()), {
         name: (r["registers"], r["warps_per_sm"]) for name, r in compiled.items()}

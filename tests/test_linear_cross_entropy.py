@@ -428,6 +428,31 @@ def test_half_precision_head_in_one_chunk(backend, small_chunks, dtype, reductio
             assert max(chunk_logits) <= 8 * vocab and fp32_weight_sized  # 5 chunks of 7 tokens
 
 
+def test_one_chunk_peak_is_no_higher_than_chunking(small_chunks, monkeypatch):
+    """The one-chunk rule's memory claim, by torch's MemTracker over forward + backward on the kernels' path (the
+    interpreter; a GPU allocates the same tensors) at the most tokens the rule puts in one chunk: one chunk
+    (logits, then the weight-sized result) peaks no higher than chunks of 8 tokens with the fp32 accumulator. The
+    CPU PyTorch path is not held to it: its fp32 slices of a chunk grow with the chunk up to UPCAST_TOKENS tokens."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    monkeypatch.setattr(_common, "TRITON_INTERPRET", True)
+    hidden_size, vocab = 32, 1000
+    tokens = lce_module.ONE_CHUNK_HIDDEN_MULTIPLE * hidden_size
+    assert lce_module.chunk_tokens(tokens, hidden_size, vocab, fp32_accumulator=True) == tokens
+
+    def peak(multiple):
+        monkeypatch.setattr(lce_module, "ONE_CHUNK_HIDDEN_MULTIPLE", multiple)
+        hidden, weight, labels, _ = _inputs((tokens,), hidden_size, vocab, torch.bfloat16, bias=False)
+        tracker = MemTracker()
+        tracker.track_external(hidden, weight)
+        with tracker:
+            kernels.linear_cross_entropy(hidden, weight, labels).backward()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    one_chunk, chunked = peak(lce_module.ONE_CHUNK_HIDDEN_MULTIPLE), peak(0)
+    assert one_chunk <= chunked, (one_chunk, chunked)
+
+
 def test_no_gradient_work_without_grad(backend, small_chunks):
     """Under no_grad (evaluation) the forward computes only the loss: no weight-sized gradient buffer."""
     hidden, weight, labels, bias = _inputs((3, 13), 16, 1000)

@@ -32,7 +32,8 @@ exactly 1 (`loss.backward()`; one host sync on CUDA, as in Liger), the saved gra
 way they are never modified, so a second backward gives the same gradients. The price is memory:
 grad_hidden and grad_weight (their inputs' sizes and dtypes) are held from the forward to the backward,
 and a half-precision weight's fp32 accumulator (4 bytes per weight element) lives during the forward: with
-a bf16 weight the forward peaks at the weight plus 6 bytes per weight element (accumulator and result).
+a bf16 weight the forward peaks at the weight plus 6 bytes per weight element (accumulator and result; in
+one chunk, `chunk_tokens`, the logits, at most 4 bytes per weight element, and the result).
 With reduction="none" each token's gradient is scaled by its own grad_output, unknown in the forward: the
 forward computes only the losses and saves the inputs, and the backward recomputes each chunk's logits
 (four GEMMs in all) with grad_output as row_scale; nothing is held between the two but the inputs.
@@ -99,8 +100,9 @@ from .._common import (
 # (one chunk: logits + the weight-sized result, 2 V (T + H) <= 6 V H; several: accumulator + max(chunk, result)
 # >= 6 V H), and the weight's gradient is one GEMM in the weight's dtype instead of the accumulator's
 # traffic: per chunk 8 V H bytes, plus 6 V H for the final rounding. Measured on an H100 (2026-11-27,
-# bench/results/h100-2026-11-27b): 8,192 x 4,096 x 128,256 took 44.0 ms in 4 chunks against compile's 37.1,
-# ~6 ms of it that traffic (18 GB at ~3 TB/s).
+# bench/results/h100-2026-11-27b, fwd+bwd): 8,192 x 4,096 x 128,256 took 44.0 ms in 4 chunks, 40.1 in one
+# (compile 37.1-37.6; the traffic saved, 18 GB, is ~6 ms at copy bandwidth); 4,096 x 2,048 x 32,000 3.36 ms in
+# 2 chunks, 3.21 in one (compile 2.60). CUDA's peak above the inputs stayed 3,070 MiB at the first shape.
 ONE_CHUNK_HIDDEN_MULTIPLE = 2
 MIN_CHUNK_TOKENS = 128
 SPEED_CHUNK_TOKENS = 2048
@@ -430,13 +432,15 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
                          fp32_accumulator=half_weight_grad)
     # One chunk of a half-precision head: its weight gradient is one GEMM in the weight's dtype (fp32
     # accumulation inside it, one rounding, as the fp32 accumulator then its rounding would give).
+    # Its result is allocated by that GEMM, after the loss kernels (the CPU path's fp32 slices then are gone).
     one_gemm = half_weight_grad and chunk >= n_tokens
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
-    gw = (torch.empty((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
-          if grad_weight else None)
+    gw = torch.empty((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight and not one_gemm else None
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
-        return gh, gw if gw is None else gw.zero_(), gb
+        if grad_weight:
+            gw = torch.zeros((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
+        return gh, gw, gb
     vocab_start, n_classes = (shard.start, shard.vocab_size) if shard is not None else (0, vocab)
     buffer = torch.empty((chunk, vocab), dtype=dtype, device=device)
     stats = torch.empty((4, chunk), dtype=torch.float32, device=device)
@@ -462,7 +466,7 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
         if grad_hidden:
             torch.mm(logits, weight, out=gh[start:end])
         if one_gemm:
-            torch.mm(logits.t(), rows, out=gw)
+            gw = torch.mm(logits.t(), rows)
         elif grad_weight:
             _accumulate_weight_grad(gw, logits, rows, first=start == 0)
         if grad_bias:

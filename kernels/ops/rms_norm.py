@@ -65,6 +65,17 @@ BACKWARD_PROGRAMS_PER_SM = 2
 # per program at hidden 2048 and 4096, 98 KB at 8192, registers 95-112 -> 116-128, the same 16 warps per SM.
 # Not measured on a GPU yet: the heuristic keeps the plain loop; the sweep's search space has 1, 2 and 4.
 BACKWARD_NUM_STAGES = 1
+# add_rms_norm's backward (three rows streamed in: dy, the residual stream's gradient, h) at single-pass widths
+# RESIDUAL_BACKWARD_MIN_COLS..MAX_SINGLE_PASS_COLS_BACKWARD: RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD elements of
+# the tile per thread over max(4, BLOCK_N / 1024) warps: rows packed into the tile and more loads in flight
+# per thread, at the price of occupancy (255 registers, 8 warps per SM; <= 48 B of spills on sm_90 by
+# `python -m tests._gpu_codegen --study`). Measured on an H100 (2026-11-27, scripts/probe_configs.py at 65,536
+# rows, bench/results/h100-2026-11-27b/probe): hidden 2048 BLOCK_M 4 x 4 warps 0.389 ms against the general
+# heuristic's 2 x 8 warps 0.453; hidden 8192 2 x 8 warps 1.510 against 1 x 16 warps 1.721 (compile's whole
+# add_rms_norm backward: ~0.40 and ~1.6). 128 elements per thread spills kilobytes (4 ms at 8192); 4096 is the
+# rule's unmeasured middle (2 x 4 warps: the 8192 winner's 255 registers and 48 B of spills).
+RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD = 64
+RESIDUAL_BACKWARD_MIN_COLS = 2048
 
 ROUND_NONE, ROUND_TO_WEIGHT, ROUND_TO_INPUT = 0, 1, 2
 
@@ -268,20 +279,24 @@ TUNABLES = {
 tuning_key = configs.row_tuning_key  # the tuned table's bucket of a launch (also what the sweep writes under)
 
 
-def heuristic_config(kind: str, n_cols: int) -> dict:
+def heuristic_config(kind: str, n_cols: int, residual: bool = False) -> dict:
     """BLOCK_N, BLOCK_M (rows per tile) and num_warps (+ PROGRAMS_PER_SM and NUM_STAGES for "bwd") without a table.
 
     The whole row in one block up to MAX_SINGLE_PASS_COLS (no padding beyond the next power of two),
     otherwise MULTI_PASS_BLOCK_N-wide blocks; short rows are packed until a tile holds
     TARGET_TILE_ELEMENTS; one warp per 512 elements of the tile (16 bytes per thread per load for
     bf16), between 1 and 16 warps; the backward's persistent grid has BACKWARD_PROGRAMS_PER_SM and its loop
-    BACKWARD_NUM_STAGES stages.
+    BACKWARD_NUM_STAGES stages. add_rms_norm's backward (`residual`) at single-pass widths from
+    RESIDUAL_BACKWARD_MIN_COLS packs RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD per thread instead.
     """
     block_n = max(16, next_power_of_2(n_cols))
     if block_n > (MAX_SINGLE_PASS_COLS if kind == "fwd" else MAX_SINGLE_PASS_COLS_BACKWARD):
         block_n = MULTI_PASS_BLOCK_N
     block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
     num_warps = max(1, min(16, block_m * block_n // 512))
+    if kind == "bwd" and residual and RESIDUAL_BACKWARD_MIN_COLS <= block_n and block_n >= n_cols:
+        num_warps = max(4, block_n // 1024)
+        block_m = RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD * 32 * num_warps // block_n
     config = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}
     if kind == "bwd":
         config["PROGRAMS_PER_SM"] = BACKWARD_PROGRAMS_PER_SM
@@ -311,7 +326,7 @@ def launch_config(kind: str, n_rows: int, n_cols: int, dtype: torch.dtype, devic
     """The tuned table's entry for this launch's bucket when there is one, else `heuristic_config`."""
     tunable = TUNABLES["add_rms_norm" if residual else "rms_norm", kind]
     tuned = configs.tuned_config(tunable, device, tuning_key(n_rows, n_cols, dtype))
-    return tuned if tuned is not None else _cached_heuristic_config(kind, n_cols)
+    return tuned if tuned is not None else _cached_heuristic_config(kind, n_cols, residual)
 
 
 # -------------------------------------------------------------------------------------------- launchers
