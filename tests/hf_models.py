@@ -13,6 +13,10 @@ from __future__ import annotations
 import torch
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
+# Sliding-window attention (Mistral, Gemma 2 and 3) over fewer positions than the tests' sequences (8 tokens):
+# the configs' defaults (4,096) would make every window the whole causal prefix, indistinguishable from full
+# attention.
+SLIDING_WINDOW = 4
 
 LLAMA_LIKE = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "gemma", "gemma2"]
 # Causal LMs whose forward scales the logits before the loss (the fused loss takes the scale from the config);
@@ -54,7 +58,9 @@ MORE_FAMILIES = {
     "qwen3-next": ("qwen3_next", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, linear_num_value_heads=4,
                                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_MOE)),
-    "gemma3": ("gemma3_text", dict(head_dim=16)),  # local and global layers, q/k norms, 1 + w norms, GeGLU
+    # Local (sliding-window, its own rotary base) and global layers alternating (the config's default pattern
+    # would make every layer of a small model local), q/k norms, 1 + w norms, GeGLU.
+    "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW)),
     # Per-layer inputs, wider global heads, its rotary one tensor per call (x, cos, sin, unsqueeze_dim).
     "gemma4": ("gemma4_text", dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)),
     "glm4": ("glm4", {}),  # partial interleaved rotary, norms after each sublayer too, packed gate_up
@@ -102,7 +108,7 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
     if family == "llama-tied":  # Llama 3.2-style: the LM head is the embedding's weight
         return hf.LlamaForCausalLM(hf.LlamaConfig(**common, tie_word_embeddings=True))
     if family == "mistral":
-        return hf.MistralForCausalLM(hf.MistralConfig(**common))
+        return hf.MistralForCausalLM(hf.MistralConfig(**common, sliding_window=SLIDING_WINDOW))
     if family == "qwen2":
         return hf.Qwen2ForCausalLM(hf.Qwen2Config(**common))
     if family == "qwen3":  # q_norm/k_norm: RMSNorm over head_dim, applied per head
@@ -113,8 +119,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
         return hf.Phi3ForCausalLM(hf.Phi3Config(**common))
     if family == "gemma":
         return hf.GemmaForCausalLM(hf.GemmaConfig(**common, head_dim=16))
-    if family == "gemma2":
-        return hf.Gemma2ForCausalLM(hf.Gemma2Config(**common, head_dim=16))
+    if family == "gemma2":  # local (sliding-window) and global layers alternate, its default
+        return hf.Gemma2ForCausalLM(hf.Gemma2Config(**common, head_dim=16, sliding_window=SLIDING_WINDOW))
     if family == "granite":  # logits / logits_scaling; the embedding, residual branches and attention scores scaled too
         return hf.GraniteForCausalLM(hf.GraniteConfig(**common, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                       attention_multiplier=0.2, logits_scaling=3.0))
@@ -148,5 +154,7 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
         if family == "qwen3-next":  # linear-attention and full-attention layers alternate
             settings.layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+        if family == "gemma3":
+            settings.layer_types = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
         return hf.AutoModelForCausalLM.from_config(settings)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")
