@@ -1,0 +1,78 @@
+"""Where linear_cross_entropy's fwd+bwd time goes, against torch.compile of eager linear + cross-entropy (issue 23:
+the shapes where compile still wins, bench/results/h100-2026-11-27b/NOTES.md).
+
+For each shape: CUDA-event time of both variants (triton.testing.do_bench, L2 flushed), then a torch.profiler
+table (CPU and CUDA, sorted by CUDA time) of a few fwd+bwd calls and a Chrome trace, so that the time outside
+the three GEMMs (kernels, copies, host syncs: cudaStreamSynchronize / Memcpy DtoH rows) can be read off.
+Usage: python scripts/profile_lce.py [OUT_DIR]     (a CUDA device; `--smoke` runs tiny shapes on the CPU)
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from tridist import kernels
+
+SMOKE = "--smoke" in sys.argv
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+out = Path(args[0] if args else "profile-lce")
+out.mkdir(parents=True, exist_ok=True)
+device = torch.device("cpu" if SMOKE else "cuda")
+SHAPES = [(64, 32, 500)] if SMOKE else [(4096, 2048, 32000), (8192, 4096, 128256)]  # tokens, hidden, vocabulary
+report = []
+
+
+def log(line=""):
+    print(line, flush=True)
+    report.append(line)
+
+
+def eager(hidden, weight, labels):
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+
+def sync():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(step):
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(step, return_mode="median")
+    import time
+
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
+
+
+for tokens, hidden_size, vocab in SHAPES:
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(device, dtype).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=generator) / hidden_size ** 0.5).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
+    grad = torch.tensor(0.7, device=device)  # not 1: the backward scales the saved gradients, as in the benchmark
+    for name, fn in (("tridist", kernels.linear_cross_entropy), ("compile", torch.compile(eager))):
+        def step(fn=fn):
+            return torch.autograd.grad(fn(hidden, weight, labels), (hidden, weight), grad)
+
+        for _ in range(3):  # compilation, allocator, autotuning
+            step()
+        sync()
+        log(f"{name} {tokens} x {hidden_size} x {vocab}: fwd+bwd {timed_ms(step):.3f} ms")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                step()
+            sync()
+        sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        log(prof.key_averages().table(sort_by=sort, row_limit=30))
+        prof.export_chrome_trace(str(out / f"{name}-{tokens}x{hidden_size}x{vocab}.json"))
+
+(out / "report.txt").write_text("\n".join(report) + "\n")
