@@ -567,9 +567,8 @@ def check_variant(fn: Callable, case: Case, device, expected: Expected, *, seed:
 # ----------------------------------------------------------------------------------------------- timing
 
 
-def make_timed_fn(fn: Callable, inputs: OpInputs, mode: str, *, seed: int = 0) -> tuple[Callable, list]:
-    """The closure to time for `mode`, and the tensors whose .grad must be reset before each run (none:
-    see below).
+def make_timed_fn(fn: Callable, inputs: OpInputs, mode: str, *, seed: int = 0) -> Callable:
+    """The closure to time for `mode`; it returns the op's outputs (fwd) or the inputs' gradients.
 
     fwd: the op alone (inputs do not require grad, so no graph is recorded).
     bwd: the forward runs once here; each timed run is a backward with retain_graph=True and a fixed
@@ -584,7 +583,7 @@ def make_timed_fn(fn: Callable, inputs: OpInputs, mode: str, *, seed: int = 0) -
     """
     _check_mode(mode)
     if mode == "fwd":
-        return (lambda: inputs.call(fn)), []
+        return lambda: inputs.call(fn)
     outputs = _as_tuple(inputs.call(fn))
     output_grads = _output_grads(outputs, seed=seed)
     wrt = inputs.grad_inputs
@@ -596,16 +595,16 @@ def make_timed_fn(fn: Callable, inputs: OpInputs, mode: str, *, seed: int = 0) -
         gradients(outputs, retain_graph=True)  # compiles the backward
 
         def backward_only():
-            gradients(outputs, retain_graph=True)
+            return gradients(outputs, retain_graph=True)
 
-        return backward_only, []
+        return backward_only
     gradients(outputs)
     del outputs
 
     def forward_backward():
-        gradients(_as_tuple(inputs.call(fn)))
+        return gradients(_as_tuple(inputs.call(fn)))
 
-    return forward_backward, []
+    return forward_backward
 
 
 def reset_grads(tensors: Sequence[torch.Tensor]) -> None:
@@ -743,16 +742,14 @@ def _error_text(exc: Exception, *, context: str) -> str:
 
 def _time_mode(fn: Callable, case: Case, mode: str, *, device: torch.device, warmup_ms, rep_ms) -> float:
     inputs = make_inputs(case, device, requires_grad=mode != "fwd")
-    timed, grad_to_none = make_timed_fn(fn, inputs, mode)
-    return time_ms(timed, device=device, grad_to_none=grad_to_none, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    return time_ms(make_timed_fn(fn, inputs, mode), device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
 
 
 def peak_mib(fn: Callable, case: Case, mode: str, *, device: torch.device) -> float:
     """The memory one call of `mode` adds at its peak above what exists before it (its inputs; gradients
     are written during the call), in MiB: CUDA's allocator peak, torch's MemTracker on the CPU."""
     inputs = make_inputs(case, device, requires_grad=mode != "fwd")
-    timed, grad_to_none = make_timed_fn(fn, inputs, mode)  # one untimed call: compilation, allocator
-    reset_grads(grad_to_none)
+    timed = make_timed_fn(fn, inputs, mode)  # one untimed call: compilation, allocator
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -29,6 +29,10 @@ def main(out_path: str, op: str, kind: str, shapes: str, grid: str) -> None:
         tokens, width = (int(v) for v in shape.split("x"))
         bucket = Bucket(op, kind, tokens, width)
         run, heuristic = prepare(bucket, device), bucket.heuristic()
+        unknown = sorted(set(axes) - set(heuristic))
+        if unknown:
+            sys.exit(f"probe_configs: {op} {kind} has no launch parameter {', '.join(unknown)}; "
+                     f"its parameters are {', '.join(sorted(heuristic))}")
         configs = [heuristic] + [{**heuristic, **dict(zip(axes, values))} for values in itertools.product(*axes.values())]
         for i, config in enumerate(configs):
             start = time.perf_counter()

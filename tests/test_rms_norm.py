@@ -434,4 +434,16 @@ def test_pipelined_backward_loop_gives_the_plain_loop_s_gradients(stages, residu
     else:
         assert torch.equal(dx_plain, dx_pipelined)
     assert rms_norm_module.heuristic_config("bwd", 64)["NUM_STAGES"] == 1  # until a GPU has measured it
+
+
+def test_add_rms_norm_backward_heuristic_packs_64_elements_per_thread():
+    """The H100 probe's winners (bench/results/h100-2026-11-27b/probe) at the measured widths, the rule between
+    them, and the general heuristic outside them (rms_norm's backward, narrower rows, multi-pass rows)."""
+    config = rms_norm_module.heuristic_config
+    assert config("bwd", 2048, residual=True) == {**config("bwd", 2048), "BLOCK_M": 4, "num_warps": 4}
+    assert config("bwd", 8192, residual=True) == {**config("bwd", 8192), "BLOCK_M": 2, "num_warps": 8}
+    assert config("bwd", 3000, residual=True) == {**config("bwd", 3000), "BLOCK_M": 2, "num_warps": 4}
+    for n_cols in (1536, 16384):
+        assert config("bwd", n_cols, residual=True) == config("bwd", n_cols)
+    assert config("fwd", 2048, residual=True) == config("fwd", 2048)
     assert 4 in rms_norm_module.search_space("bwd", 4096)["NUM_STAGES"]  # the sweep tries the pipelined loop

@@ -57,10 +57,9 @@ def test_kernel(benchmark, case: kb.Case, variant: str, mode: str):
     assert not error, f"{variant} {case.op} {case.shape}: {error}"
 
     inputs = kb.make_inputs(case, DEVICE, requires_grad=mode != "fwd")
-    timed, grad_to_none = kb.make_timed_fn(fn, inputs, mode)
+    timed = kb.make_timed_fn(fn, inputs, mode)
 
     def setup():
-        kb.reset_grads(grad_to_none)
         _sync()
 
     def run():

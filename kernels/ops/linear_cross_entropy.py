@@ -22,7 +22,7 @@ loss divided by it.) Tokens are processed in chunks (`chunk_tokens`), each throu
 4. grad_hidden[chunk] = grad_logits @ weight in the input dtype; grad_weight += grad_logits.T @ hidden_chunk
    into an fp32 accumulator (cuBLAS's fp32-output GEMM on CUDA, an fp32 upcast of the chunk elsewhere),
    rounded once to the weight's dtype at the end; grad_bias likewise from fp32 column sums. Where a
-   half-precision head's tokens fit one chunk (at most 2 x hidden_size of them: `chunk_tokens`), grad_weight
+   half-precision head's tokens fit one chunk (`chunk_tokens` admits up to 2 x hidden_size for it), grad_weight
    is that chunk's one GEMM in the weight's dtype instead, with no accumulator.
 
 Where the gradients are computed. For a scalar loss (mean, sum, num_items_in_batch) the forward computes
@@ -96,9 +96,11 @@ from .._common import (
 # MAX_CHUNK_TOKENS a GEMM runs no faster, it only takes more memory.
 # One exception (`fp32_accumulator`): with a half-precision head whose gradient is computed, up to
 # ONE_CHUNK_HIDDEN_MULTIPLE x hidden_size tokens run as a single chunk. Their logits (2 T V bytes) are then no
-# larger than the fp32 accumulator (4 V H bytes) that a second chunk would need, so the peak does not grow
-# (one chunk: logits + the weight-sized result, 2 V (T + H) <= 6 V H; several: accumulator + max(chunk, result)
-# >= 6 V H), and the weight's gradient is one GEMM in the weight's dtype instead of the accumulator's
+# larger than the fp32 accumulator (4 V H bytes) that a second chunk would need, so the peak of the kernels' path
+# (CUDA, the interpreter) does not grow (one chunk: logits + the weight-sized result, 2 V (T + H) <= 6 V H;
+# several: accumulator + max(chunk, result) >= 6 V H). The CPU path's fp32 slices (up to UPCAST_TOKENS tokens)
+# and a hidden input gathered rather than viewed (`_token_rows`: T x H instead of a chunk's) can add a little.
+# The weight's gradient is then one GEMM in the weight's dtype instead of the accumulator's
 # traffic: per chunk 8 V H bytes, plus 6 V H for the final rounding. Measured on an H100 (2026-11-27,
 # bench/results/h100-2026-11-27b, fwd+bwd): 8,192 x 4,096 x 128,256 took 44.0 ms in 4 chunks, 40.1 in one
 # (compile 37.1-37.6; the traffic saved, 18 GB, is ~6 ms at copy bandwidth); 4,096 x 2,048 x 32,000 3.36 ms in
@@ -427,20 +429,23 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     device, dtype = hidden.device, hidden.dtype
     # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
     # the largest shard (uneven splits differ by a row or so).
-    half_weight_grad = grad_weight and dtype != torch.float32 and weight.dtype == dtype
+    # (hidden and weight share their dtype: _validate.)
+    half_weight_grad = grad_weight and dtype != torch.float32
     chunk = chunk_tokens(n_tokens, hidden_size, shard.largest_rows if shard is not None else vocab,
                          fp32_accumulator=half_weight_grad)
-    # One chunk of a half-precision head: its weight gradient is one GEMM in the weight's dtype (fp32
-    # accumulation inside it, one rounding, as the fp32 accumulator then its rounding would give).
+    # A half-precision head whose tokens fit one chunk (the rule admits up to 2 x hidden; short inputs fit the
+    # floor anyway): its weight gradient is one GEMM in the weight's dtype, as eager's own, with fp32 accumulation
+    # inside it and one rounding (on CUDA under PyTorch's matmul settings, as for eager: by default cuBLAS may
+    # reduce split-K partial sums in the half dtype, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
     # Its result is allocated by that GEMM, after the loss kernels (the CPU path's fp32 slices then are gone).
     one_gemm = half_weight_grad and chunk >= n_tokens
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
-    gw = torch.empty((vocab, hidden_size), dtype=torch.float32, device=device) if grad_weight and not one_gemm else None
+    gw = None
+    if grad_weight and (not one_gemm or n_tokens == 0):
+        gw = torch.empty((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
-        if grad_weight:
-            gw = torch.zeros((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
-        return gh, gw, gb
+        return gh, gw if gw is None else gw.zero_(), gb
     vocab_start, n_classes = (shard.start, shard.vocab_size) if shard is not None else (0, vocab)
     buffer = torch.empty((chunk, vocab), dtype=dtype, device=device)
     stats = torch.empty((4, chunk), dtype=torch.float32, device=device)

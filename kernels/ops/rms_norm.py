@@ -294,7 +294,7 @@ def heuristic_config(kind: str, n_cols: int, residual: bool = False) -> dict:
         block_n = MULTI_PASS_BLOCK_N
     block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
     num_warps = max(1, min(16, block_m * block_n // 512))
-    if kind == "bwd" and residual and RESIDUAL_BACKWARD_MIN_COLS <= block_n and block_n >= n_cols:
+    if kind == "bwd" and residual and RESIDUAL_BACKWARD_MIN_COLS <= n_cols <= block_n:  # single pass, measured widths
         num_warps = max(4, block_n // 1024)
         block_m = RESIDUAL_BACKWARD_ELEMENTS_PER_THREAD * 32 * num_warps // block_n
     config = {"BLOCK_N": block_n, "BLOCK_M": block_m, "num_warps": num_warps}

@@ -107,14 +107,18 @@ def check_vocabulary_parallel_equals_one_device_on_the_cpu_path():
         _every_case()
     finally:
         lce_module.MIN_CHUNK_TOKENS, lce_module.MAX_CHUNK_TOKENS = saved
-    # A bf16 head's 21 tokens in one chunk (the rule allows up to 3 x hidden = 24 here): each rank's weight
-    # gradient from one GEMM on its shard, in the forward (mean) and in the backward (reduction="none").
-    saved_multiple, lce_module.ONE_CHUNK_HIDDEN_MULTIPLE = lce_module.ONE_CHUNK_HIDDEN_MULTIPLE, 3
+    # A bf16 head's 21 tokens in one chunk by the one-chunk rule (chunks of 4 otherwise; the rule allows up to
+    # 3 x hidden = 24 here): each rank's weight gradient from one GEMM on its shard, in the forward (mean) and in
+    # the backward (reduction="none").
+    saved, saved_multiple = _small_chunks(), lce_module.ONE_CHUNK_HIDDEN_MULTIPLE
+    lce_module.ONE_CHUNK_HIDDEN_MULTIPLE = 3
     try:
+        assert lce_module.chunk_tokens(21, HIDDEN, VOCAB) == 4  # without the rule: 6 chunks
         assert lce_module.chunk_tokens(21, HIDDEN, VOCAB, fp32_accumulator=True) == 21
         for options in (OPTIONS[0], OPTIONS[4]):
             _compare(torch.bfloat16, options)
     finally:
+        lce_module.MIN_CHUNK_TOKENS, lce_module.MAX_CHUNK_TOKENS = saved
         lce_module.ONE_CHUNK_HIDDEN_MULTIPLE = saved_multiple
 
 

@@ -99,9 +99,14 @@ def _on_rank_0(compute):
     return result[0]
 
 
-@functools.cache  # one single-device run per family (preparation, clipping and depth), shared by the checks
 def _reference(family: str, prepare=None, clip: tuple[float, float] | None = None,
                layers: int = LAYERS) -> equivalence.Trace:
+    """One single-device run per family, preparation, clipping and depth, shared by the checks."""
+    return _cached_reference(family, prepare, clip, layers)  # one cache key however the arguments were passed
+
+
+@functools.cache
+def _cached_reference(family, prepare, clip, layers) -> equivalence.Trace:
     return _on_rank_0(lambda: _run(*_model(family, layers=layers, prepare=prepare), clip=clip))
 
 
@@ -124,8 +129,12 @@ def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> 
     return loss.item(), unlabelled.logits
 
 
-@functools.cache
 def _reference_evaluation(family: str, layers: int = LAYERS) -> tuple[float, torch.Tensor]:
+    return _cached_reference_evaluation(family, layers)  # one cache key however the arguments were passed
+
+
+@functools.cache
+def _cached_reference_evaluation(family, layers) -> tuple[float, torch.Tensor]:
     return _on_rank_0(lambda: _evaluate(_model(family, layers=layers)[0]))
 
 
@@ -149,12 +158,13 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     if family.startswith("gemma") and config.get("fuse_kernels", True):  # Gemma's GeGLU MLP, fused as such
         activations = {m.activation for m in model.modules() if type(m).__name__ == "FusedSwiGLUMLP"}
         assert activations == {"gelu_tanh"}, activations
-    if family in MOE_FAMILIES:  # the experts' SwiGLU too, on the ranks holding experts (a stage may hold none)
+    if family in MOE_FAMILIES:  # the experts' SwiGLU too, on every rank holding experts (a stage may hold none)
         experts = [n for n, m in model.named_modules() if type(m).__name__ == "FusedSwiGLUExperts"
                    or getattr(m, "fused_activation", False)]  # ExpertParallelExperts runs the fused activation
-        held = [None] * dist.get_world_size()
-        dist.all_gather_object(held, bool(experts))
-        assert any(held) == config.get("fuse_kernels", True), (held, fused)
+        holds = any(n.rpartition(".")[2] == "experts" for n, _ in model.named_modules())
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, (holds, bool(experts)))
+        assert any(h for h, _ in ranks) and all(f == config.get("fuse_kernels", True) for h, f in ranks if h), ranks
     # Before training the parameters are the single device's: the evaluation matches to a forward's
     # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
     # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) with fused kernels
