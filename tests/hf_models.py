@@ -49,7 +49,7 @@ MORE_FAMILIES = {
                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16,
                                         head_dim=8, **_MOE)),
     # Attention sinks, sliding and full layers, clamped SwiGLU experts stored [experts, hidden, 2 x ffn].
-    "gpt-oss": ("gpt_oss", dict(num_local_experts=EXPERTS, head_dim=16, sliding_window=8, **_MOE)),
+    "gpt-oss": ("gpt_oss", dict(num_local_experts=EXPERTS, head_dim=16, sliding_window=SLIDING_WINDOW, **_MOE)),
     # Every layer a routed expert (top-1) plus a shared one, chunked attention, L2 q/k norms, layers without
     # rotary; its causal LM's base_model_prefix names another child than its decoder.
     "llama4": ("llama4_text", dict(num_local_experts=EXPERTS, num_experts_per_tok=1, intermediate_size_mlp=2 * HIDDEN,
