@@ -21,7 +21,6 @@ is seen), and two copies of one block per type (fp32, freed after the check).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
@@ -32,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .fake_tensor_log import expected_failures_unlogged
 from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
@@ -53,21 +53,6 @@ _RELATIVE_TOLERANCE = 1e-3
 # or a gradient of one rank's shard only is off by a fraction of order 1/tp of the gradient.
 _GRADIENT_FLOOR = 1e-2
 _SEED = 1234
-
-
-@contextlib.contextmanager
-def _expected_failures_unlogged():
-    """A copy may fail: that is what the check looks for, and the caller reports it once, by block name. torch's
-    fake-tensor mode (DTensor's sharding propagation runs ops on fake tensors) logs each op whose meta kernel
-    raises with a traceback at ERROR before the error propagates, one per rank and run, which reads like a crash
-    of the user's training; its logger is raised to CRITICAL while a copy runs, then restored."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 class TensorParallelCheckError(RuntimeError):
@@ -455,7 +440,7 @@ class _Check:
                 args, kwargs = map_first_activation(args, kwargs, lambda t: t.chunk(tp, dim=SEQUENCE_DIM)[rank].contiguous())
                 cotangent = cotangent.chunk(tp, dim=SEQUENCE_DIM)[rank]
             args, kwargs = map_first_activation(args, kwargs, lambda t: _requiring_grad(t, x))
-            with _expected_failures_unlogged():
+            with expected_failures_unlogged():  # a failure is an answer here, reported by the caller
                 output = _first_tensor(parallel(*args, **kwargs))
                 params = _trained(parallel)
                 grads = torch.autograd.grad(output, [*x, *params.values()], cotangent.to(output), allow_unused=True)

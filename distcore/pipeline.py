@@ -103,6 +103,7 @@ from ..kernels.fuse import forward_takes, labelled_call, looks_like_stacked_expe
 from .api import local_value
 from . import env
 from .env import all_reduce_mean_
+from .fake_tensor_log import expected_failures_unlogged
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
 
@@ -572,22 +573,18 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
     if not layers or parameter is None:
         return None
     outside = {name: modules[name] for name in _outside_modules(model, layer_list)}
-    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # logs its own errors, which the real run answers
     versions = [(name, p, p._version) for name, p in model.named_parameters()]
     probe = None
     for fake in (True, False):
         if not fake and parameter.is_meta:
             break
-        level = fake_log.level
         try:
-            fake_log.setLevel(logging.CRITICAL)
-            probe = _run_probe(model, layers, outside, parameter.device, fake=fake)
+            with expected_failures_unlogged():  # a fake run's failure is answered by the real run
+                probe = _run_probe(model, layers, outside, parameter.device, fake=fake)
             break
         except Exception as error:  # noqa: BLE001 - model code that needs values (fake), or cannot run at all
             log.info("pipeline parallel: the probe forward%s failed (%s: %s)", " on fake tensors" if fake else "",
                      type(error).__name__, error)
-        finally:
-            fake_log.setLevel(level)
     changed = [name for name, p, version in versions if p._version != version]
     if changed:
         raise RuntimeError(f"pipeline parallel: the probe forward (one of 8 token ids, to place the stages) changed "
