@@ -233,14 +233,18 @@ def _loaded_slice(layouts: list[_MeshLayout], rank: int) -> tuple[int, int]:
     return _FULL_BATCH
 
 
-_NUMERIC_KINDS = "biufc"  # numpy arrays of bools, ints, floats or complex numbers are batch tensors
+def _as_tensor(value):
+    """A numeric numpy array (bools, ints, floats or complex numbers: a collate_fn's own) as a tensor sharing its
+    memory: the batch's tensors, distributed and checked alike; anything else as is."""
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return torch.from_numpy(value)
+    return value
 
 
 def _tensor_leaves(batch) -> list[torch.Tensor]:
     """The tensors of a collated batch (dicts, lists and tuples of them), in order: what `_distribute` makes
-    DTensors of, numeric numpy arrays (a collate_fn's own) included."""
-    if isinstance(batch, np.ndarray) and batch.dtype.kind in _NUMERIC_KINDS:
-        return [torch.from_numpy(batch)]
+    DTensors of, numeric numpy arrays included."""
+    batch = _as_tensor(batch)
     if isinstance(batch, torch.Tensor):
         return [batch]
     if isinstance(batch, Mapping):
@@ -389,8 +393,7 @@ def _to_dtensor(tensor: torch.Tensor, layout: _MeshLayout, *, global_size: int |
 
 def _distribute(value, layout: _MeshLayout, **slicing):
     """Every tensor (and numeric numpy array) in `value` as a DTensor on `layout`; the rest as is."""
-    if isinstance(value, np.ndarray) and value.dtype.kind in _NUMERIC_KINDS:
-        value = torch.from_numpy(value)
+    value = _as_tensor(value)
     if torch.is_tensor(value):
         return _to_dtensor(value, layout, **slicing)
     if isinstance(value, Mapping):

@@ -152,9 +152,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
     if family in MORE_FAMILIES:
         model_type, extra = MORE_FAMILIES[family]
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
-        if family == "qwen3-next":  # linear-attention and full-attention layers alternate
-            settings.layer_types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
-        if family == "gemma3":
-            settings.layer_types = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+        alternating = {"qwen3-next": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention")}
+        if family in alternating:  # the two kinds of layers alternate, the first kind first
+            settings.layer_types = [alternating[family][i % 2] for i in range(layers)]
         return hf.AutoModelForCausalLM.from_config(settings)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")

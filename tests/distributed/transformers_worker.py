@@ -413,13 +413,13 @@ def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     _train_in_forced_global_view("gemma3", _strategy(2, 2, 1, sharding_level=2))
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
+class _Collect(logging.Handler):
+    def __init__(self, into: list):
+        super().__init__(logging.WARNING)
+        self.into = into
 
     def emit(self, record):
-        self.records.append(record)
+        self.into.append(record.getMessage())
 
 
 def check_phi3_packed_qkv_is_split_part_by_part():
@@ -428,14 +428,15 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     global view, one warning says): torch's fake-tensor logger, which printed a traceback per rank for it, stays
     silent."""
     model, optimizer = _model("phi3")
-    records, fake_tensor_log = _Records(), logging.getLogger("torch._subclasses.fake_tensor")
-    fake_tensor_log.addHandler(records)
+    logged, fake_tensor_log = [], logging.getLogger("torch._subclasses.fake_tensor")
+    handler = _Collect(logged)  # its tracebacks came at ERROR
+    fake_tensor_log.addHandler(handler)
     try:
         model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
                                               config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1), fuse_kernels=False))
     finally:
-        fake_tensor_log.removeHandler(records)
-    assert not records.records, [r.getMessage() for r in records.records]
+        fake_tensor_log.removeHandler(handler)
+    assert not logged, logged
     assert model.model.layers[0]._tridist_global_view, "Phi-3's blocks ran in local view: nothing was checked here"
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
     assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
@@ -507,15 +508,6 @@ def check_measured_search_applies_the_measured_fastest_and_drops_failures():
     assert all(s == chosen for s in everyone), everyone
     if dist.get_rank() == 0:  # rank 0 re-ranks and logs the dropped candidate's reason
         assert any("out of memory (planted)" in r and seen[0].describe() in r for r in reasons), reasons
-
-
-class _Collect(logging.Handler):
-    def __init__(self, into: list):
-        super().__init__(logging.WARNING)
-        self.into = into
-
-    def emit(self, record):
-        self.into.append(record.getMessage())
 
 
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
