@@ -604,8 +604,9 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
 
 def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1) -> float:
     """What linear_cross_entropy holds at its peak, the end of the forward (a mean loss's gradients are
-    computed there): one chunk's logits (the input dtype; the kernel writes their gradient in place), the
-    hidden states' gradient (until the backward hands it on) and, for a half-precision head cut in more than
+    computed there) or, for a half-precision head in one chunk, the backward (which runs that chunk's gradient
+    GEMMs): one chunk's logits (the input dtype; the kernel writes their gradient in place), the hidden states'
+    gradient (or the hidden rows times grad_output) and, for a half-precision head cut in more than
     one chunk, the fp32 accumulator of its weight's gradient (the gradient itself becomes the parameter's
     .grad, counted with the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
     ceil(V / tp) rows, the hidden gradient is whole (summed over the ranks). Its time is eager's: the same

@@ -413,11 +413,12 @@ def test_half_precision_head_in_one_chunk(backend, small_chunks, dtype, reductio
     """A half-precision head with at most 2 x hidden tokens: one chunk (past MAX_CHUNK_TOKENS, 8 here), whose
     logits are no larger than the fp32 [vocab, hidden] accumulator that chunking would need, and the weight's
     gradient from one GEMM in the weight's dtype: no fp32 weight-sized tensor. One token more: chunks and the
-    accumulator again. Both within the rounding bounds."""
+    accumulator again. Both within the rounding bounds, with a grad_output other than 1 (a scalar loss's is
+    folded into the backward's GEMMs in one chunk, into the accumulator's rounding otherwise)."""
     hidden_size, vocab = 16, 1000
     for tokens, one_chunk in ((2 * hidden_size, True), (2 * hidden_size + 1, False)):
         hidden, weight, labels, bias = _inputs((tokens,), hidden_size, vocab, dtype, scale=3.0)
-        grad_output = torch.randn(tokens) if reduction == "none" else None
+        grad_output = torch.randn(tokens) if reduction == "none" else torch.tensor(0.37)
         with _LargestTensor() as fused:
             _check(hidden, weight, labels, bias, grad_output=grad_output, reduction=reduction)
         fp32_weight_sized = [n for n, t in fused.allocated if t == torch.float32 and n == vocab * hidden_size]
@@ -453,6 +454,50 @@ def test_one_chunk_peak_is_no_higher_than_chunking(small_chunks, monkeypatch):
     assert one_chunk <= chunked, (one_chunk, chunked)
 
 
+@pytest.mark.parametrize("tokens", [32, 33], ids=["one chunk", "chunks"])
+def test_half_precision_backward_needs_no_host_sync(torch_path, small_chunks, monkeypatch, tokens):
+    """A half-precision head's backward never asks whether grad_output is 1 (`_is_one`: a host sync on CUDA) and
+    handles any grad_output alike: one chunk (2 x hidden tokens) and chunks (one more), hidden, weight and bias
+    trained or the head frozen. An fp32 head still hands its saved gradients over for grad_output 1 (one sync),
+    which spares a weight-sized product."""
+    asked = []
+
+    def is_one(grad_loss):
+        asked.append(grad_loss.dtype)
+        return bool(grad_loss == 1)
+
+    monkeypatch.setattr(lce_module, "_is_one", is_one)
+    for dtype in (torch.bfloat16, torch.float16):
+        hidden, weight, labels, bias = _inputs((tokens,), 16, 1000, dtype, scale=3.0)
+        for grad_output in (None, torch.tensor(4.0), torch.tensor(0.37)):
+            _check(hidden, weight, labels, bias, grad_output=grad_output)
+            _check(hidden, weight.detach(), labels, grad_output=grad_output)
+    assert not asked, asked
+    hidden, weight, labels, bias = _inputs((tokens,), 16, 1000)
+    _check(hidden, weight, labels, bias)
+    assert asked
+
+
+@pytest.mark.parametrize("tokens", [32, 33], ids=["one chunk", "chunks"])
+def test_backward_peak_does_not_grow_with_grad_output(small_chunks, monkeypatch, tokens):
+    """MemTracker's peak over forward + backward of a bf16 head is the same for grad_output 1 and 0.37 (gradient
+    accumulation's 1 / steps, a loss scaler's scale): the factor is folded into the backward's GEMMs (one chunk)
+    or into the accumulator's rounding (chunks), never a product of a weight-sized gradient beside it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    monkeypatch.setattr(_common, "TRITON_INTERPRET", True)  # the kernels' path (the CPU path's slices aside)
+
+    def peak(factor):
+        hidden, weight, labels, _ = _inputs((tokens,), 16, 1000, torch.bfloat16, bias=False)
+        tracker = MemTracker()
+        tracker.track_external(hidden, weight)
+        with tracker:
+            (kernels.linear_cross_entropy(hidden, weight, labels) * factor).backward()
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+    assert peak(1.0) == peak(0.37)
+
+
 def test_no_gradient_work_without_grad(backend, small_chunks):
     """Under no_grad (evaluation) the forward computes only the loss: no weight-sized gradient buffer."""
     hidden, weight, labels, bias = _inputs((3, 13), 16, 1000)
@@ -462,9 +507,12 @@ def test_no_gradient_work_without_grad(backend, small_chunks):
     torch.testing.assert_close(loss, _reference(hidden, weight, labels, bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_no_mutation_and_second_backward(backend, reduction):
-    hidden, weight, labels, bias = _inputs((2, 7), 8, 37, torch.bfloat16)
+def test_no_mutation_and_second_backward(backend, reduction, dtype):
+    """bf16: 14 tokens in one chunk (the mean's gradient GEMMs in the backward); fp32: an accumulator that is the
+    weight's gradient, handed over for grad_output 1."""
+    hidden, weight, labels, bias = _inputs((2, 7), 8, 37, dtype)
     saved = [t.detach().clone() for t in (hidden, weight, labels, bias)]
     loss = kernels.linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction)
     grad = torch.randn_like(loss)
@@ -474,7 +522,7 @@ def test_no_mutation_and_second_backward(backend, reduction):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     assert all(torch.equal(a, b.detach()) for a, b in zip(saved, (hidden, weight, labels, bias)))
     assert torch.equal(grad, grad_saved)
-    # loss.backward() twice (grad_output 1: the saved gradients themselves are handed over): accumulated
+    # loss.backward() twice (grad_output 1: an fp32 head's saved gradients themselves are handed over): accumulated
     # .grad is exactly twice the first, the saved gradients were not accumulated into.
     loss.sum().backward(retain_graph=True)
     once = [t.grad.clone() for t in (hidden, weight, bias)]
@@ -514,6 +562,15 @@ def test_ops_are_registered_and_pass_opcheck(torch_path):
     grad = torch.randn(3, 8)
     torch.library.opcheck(backward, (grad, hidden.detach(), weight.detach(), labels, bias.detach(), -100, 0.0, 3.0,
                                      0, 37, None, True, True, True), test_utils=cheap)
+    # A bf16 head: 24 tokens in one chunk (at most 2 x hidden 16), whose forward leaves the logits' gradient (the
+    # fake must give its shape and dtype) for the deferred backward op; 40 tokens in chunks (an fp32 accumulator).
+    for leading in ((3, 8), (5, 8)):
+        h, w = torch.randn(*leading, 16).to(torch.bfloat16), torch.randn(37, 16).to(torch.bfloat16)
+        torch.library.opcheck(op, (h.requires_grad_(), w.requires_grad_(), torch.randint(0, 37, leading), None, None,
+                                   -100, 0.0, None, "mean", 0, 37, None, True, True, False), test_utils=cheap)
+    bf16 = lambda *shape: torch.randn(*shape).to(torch.bfloat16)  # noqa: E731
+    torch.library.opcheck(torch.ops.tridist.linear_cross_entropy_deferred_backward.default,
+                          (torch.tensor(0.5), bf16(24, 37), bf16(3, 8, 16), bf16(37, 16), None, True), test_utils=cheap)
 
 
 def test_torch_compile_fullgraph(torch_path):
@@ -525,15 +582,18 @@ def test_torch_compile_fullgraph(torch_path):
         rows = kernels.linear_cross_entropy(hidden, weight, labels, bias=bias, reduction="none", label_smoothing=0.1)
         return mean + (rows * torch.arange(14.0).reshape(2, 7)).sum()
 
-    inputs = _inputs((2, 7), 8, 37)
-    expected = losses(*inputs)
-    expected_grads = torch.autograd.grad(expected, (inputs[0], inputs[1], inputs[3]))
     compiled = torch.compile(losses, fullgraph=True, backend="aot_eager")
-    out = compiled(*inputs)
-    grads = torch.autograd.grad(out, (inputs[0], inputs[1], inputs[3]))
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads, expected_grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # fp32 (gradients in the forward, an accumulator) and a bf16 head in one chunk (14 <= 2 x 8 tokens: its
+    # gradient GEMMs in the backward, the deferred op in the graph); the same ops run both ways: equal.
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = _inputs((2, 7), 8, 37, dtype)
+        expected = losses(*inputs)
+        expected_grads = torch.autograd.grad(expected * 0.5, (inputs[0], inputs[1], inputs[3]))
+        out = compiled(*inputs)
+        grads = torch.autograd.grad(out * 0.5, (inputs[0], inputs[1], inputs[3]))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(grads, expected_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_labels_out_of_range_raise(torch_path):

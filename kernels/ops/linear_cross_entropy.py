@@ -21,19 +21,28 @@ loss divided by it.) Tokens are processed in chunks (`chunk_tokens`), each throu
    or the token's grad_output (reduction="none", in the backward);
 4. grad_hidden[chunk] = grad_logits @ weight in the input dtype; grad_weight += grad_logits.T @ hidden_chunk
    into an fp32 accumulator (cuBLAS's fp32-output GEMM on CUDA, an fp32 upcast of the chunk elsewhere),
-   rounded once to the weight's dtype at the end; grad_bias likewise from fp32 column sums. Where a
-   half-precision head's tokens fit one chunk (`chunk_tokens` admits up to 2 x hidden_size for it), grad_weight
-   is that chunk's one GEMM in the weight's dtype instead, with no accumulator.
+   rounded once to the weight's dtype at the end (a scalar loss's in the backward, times grad_output); grad_bias
+   likewise from fp32 column sums. Where a half-precision head's tokens fit one chunk (`chunk_tokens` admits up
+   to 2 x hidden_size for it), grad_weight is that chunk's one GEMM in the weight's dtype instead, with no
+   accumulator.
 
 Where the gradients are computed. For a scalar loss (mean, sum, num_items_in_batch) the forward computes
-them, as Liger does: three GEMMs in all, like eager, nothing of the inputs saved, and the backward only
-scales the saved gradients by grad_output: a product in new tensors, or, in eager mode when grad_output is
-exactly 1 (`loss.backward()`; one host sync on CUDA, as in Liger), the saved gradients themselves. Either
-way they are never modified, so a second backward gives the same gradients. The price is memory:
-grad_hidden and grad_weight (their inputs' sizes and dtypes) are held from the forward to the backward,
-and a half-precision weight's fp32 accumulator (4 bytes per weight element) lives during the forward: with
-a bf16 weight the forward peaks at the weight plus 6 bytes per weight element (accumulator and result; in
-one chunk, `chunk_tokens`, the logits, at most 4 bytes per weight element, and the result).
+them for grad_output 1, as Liger does: three GEMMs in all, like eager, and the backward applies grad_output
+(`_scaled_gradients`) without a host sync and without a product of a weight-sized gradient, whatever its
+value (1 for `loss.backward()`, 1 / steps under gradient accumulation, a loss scaler's scale):
+- chunks of a half-precision head: its fp32 accumulator is held to the backward, which rounds it to the
+  weight's dtype times grad_output in one pass (the rounding the forward would have made); grad_hidden and
+  grad_bias are multiplied (tokens x hidden, vocabulary);
+- one chunk of a half-precision head (`_one_gemm`): the forward stops after step 3 and holds the logits'
+  gradient; the backward runs step 4's two GEMMs, grad_output folded into the hidden rows for the weight's and
+  applied in place to the hidden's (`_deferred_gradients_impl`);
+- an fp32 head: its accumulator is the weight's gradient; the backward multiplies, or in eager mode, when
+  grad_output is exactly 1 (one host sync on CUDA, as in Liger), hands the saved gradients over.
+What the forward leaves is never modified, so a second backward gives the same gradients. The price is
+memory: grad_hidden and the weight's state (fp32 accumulator, or in one chunk the logits' gradient, at most 4
+bytes per weight element) are held from the forward to the backward; with a bf16 weight the peak is the
+weight plus 6 bytes per weight element (accumulator and result; in one chunk the logits' gradient and the
+result), at the forward's end or in the backward.
 With reduction="none" each token's gradient is scaled by its own grad_output, unknown in the forward: the
 forward computes only the losses and saves the inputs, and the backward recomputes each chunk's logits
 (four GEMMs in all) with grad_output as row_scale; nothing is held between the two but the inputs.
@@ -414,12 +423,24 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: 
             acc.addmm_(grad_logits[part].t().float(), rows[part].float(), beta=beta if i == 0 else 1)
 
 
+def _one_gemm(n_tokens: int, hidden_size: int, vocab_rows: int, dtype: torch.dtype, grad_weight: bool) -> bool:
+    """Whether a half-precision head's weight gradient is one GEMM in its dtype over all the tokens, which then
+    fit one chunk (`chunk_tokens`' exception for it, or few enough tokens anyway); else an fp32 accumulator sums
+    it chunk by chunk. `vocab_rows`: the head's rows on this rank (the largest shard's, vocabulary parallel)."""
+    return (grad_weight and dtype != torch.float32 and n_tokens > 0
+            and chunk_tokens(n_tokens, hidden_size, vocab_rows, fp32_accumulator=True) >= n_tokens)
+
+
 def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, softcap, scale, loss,
-                grad_hidden, grad_weight, grad_bias, shard: "VocabShard | None" = None):
+                grad_hidden, grad_weight, grad_bias, shard: "VocabShard | None" = None, defer: bool = False):
     """Steps 1-4 over every chunk of tokens. `labels` and `scale` (row_scale: None, or [tokens] with any
     stride, 0 for one scale) are 1-D; `loss` is None or the [tokens] fp32 output. Returns the requested
     gradients (grad_hidden [tokens, H] in hidden's dtype; grad_bias in fp32; grad_weight in fp32, or in the
-    weight's dtype where one chunk of a half-precision head computed it in one GEMM: `chunk_tokens`).
+    weight's dtype where one chunk of a half-precision head computed it in one GEMM: `_one_gemm`).
+
+    `defer` (a scalar loss, whose grad_output the backward brings): where `_one_gemm` holds, neither gradient
+    GEMM runs here; the second value returned is then the logits' gradient [tokens, rows] (the first is None),
+    for `_deferred_gradients_impl` to finish with grad_output folded in.
 
     With `shard` (vocabulary parallel) `weight` and `bias` hold the rows shard.start .. of the vocabulary: each
     chunk's statistics are reduced over shard.group before step 3, and grad_hidden, a partial sum over the
@@ -430,19 +451,19 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     # Every rank of a vocabulary-parallel group cuts the same chunks (their collectives pair up), sized by
     # the largest shard (uneven splits differ by a row or so).
     # (hidden and weight share their dtype: _validate.)
-    half_weight_grad = grad_weight and dtype != torch.float32
-    chunk = chunk_tokens(n_tokens, hidden_size, shard.largest_rows if shard is not None else vocab,
-                         fp32_accumulator=half_weight_grad)
+    vocab_rows = shard.largest_rows if shard is not None else vocab
+    chunk = chunk_tokens(n_tokens, hidden_size, vocab_rows, fp32_accumulator=grad_weight and dtype != torch.float32)
     # A half-precision head whose tokens fit one chunk (the rule admits up to 2 x hidden; short inputs fit the
     # floor anyway): its weight gradient is one GEMM in the weight's dtype, as eager's own, with fp32 accumulation
     # inside it and one rounding (on CUDA under PyTorch's matmul settings, as for eager: by default cuBLAS may
     # reduce split-K partial sums in the half dtype, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
     # Its result is allocated by that GEMM, after the loss kernels (the CPU path's fp32 slices then are gone).
-    one_gemm = half_weight_grad and chunk >= n_tokens
-    gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden else None
+    one_gemm = _one_gemm(n_tokens, hidden_size, vocab_rows, dtype, grad_weight)
+    deferred = defer and one_gemm
+    gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden and not deferred else None
     gw = None
-    if grad_weight and (not one_gemm or n_tokens == 0):
-        gw = torch.empty((vocab, hidden_size), dtype=dtype if one_gemm else torch.float32, device=device)
+    if grad_weight and not one_gemm:  # the fp32 accumulator; with no tokens the (zero) gradient in the weight's dtype
+        gw = torch.empty((vocab, hidden_size), dtype=torch.float32 if n_tokens else dtype, device=device)
     gb = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
     if n_tokens == 0:
         return gh, gw if gw is None else gw.zero_(), gb
@@ -468,14 +489,16 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
             scale[start:end] if scale is not None else None, vocab_start=vocab_start, n_classes=n_classes,
             ignore_index=ignore_index, softcap=softcap, label_smoothing=label_smoothing, compute_grad=compute_grad,
         )
+        if grad_bias:
+            gb += logits.sum(0, dtype=torch.float32)
+        if deferred:
+            return None, logits, gb
         if grad_hidden:
             torch.mm(logits, weight, out=gh[start:end])
         if one_gemm:
             gw = torch.mm(logits.t(), rows)
         elif grad_weight:
             _accumulate_weight_grad(gw, logits, rows, first=start == 0)
-        if grad_bias:
-            gb += logits.sum(0, dtype=torch.float32)
     if gh is not None and shard is not None:
         # Each rank's grad_hidden covers its vocabulary rows only (Megatron's column-parallel head: the input's
         # gradient is all-reduced). Summed in hidden's dtype, as eager tensor parallel sums its partial gradients.
@@ -553,10 +576,14 @@ def _linear_cross_entropy_impl(
     grad_weight: bool,
     grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, grad_hidden, grad_weight, grad_bias): the gradients of the loss itself (grad_output 1), each
-    an empty tensor unless requested. With reduction="none" the caller requests none: its gradients come
-    from the backward op (see the module docstring). `group_name` (a process group's name, or None): weight
-    and bias are the vocabulary rows vocab_start .. of vocab_size, split over that group (VocabShard)."""
+    """(loss, grad_hidden, weight state, grad_bias): what the gradients of the loss itself (grad_output 1) need
+    from the forward, each an empty tensor unless requested: grad_hidden in hidden's dtype; grad_bias in fp32;
+    the weight's state the fp32 accumulator of its gradient (`_run_chunks`; with no tokens, its zero gradient),
+    or, where `_one_gemm` holds, the logits' gradient [tokens, rows], grad_hidden then left empty too: both
+    GEMMs run in the backward (`_deferred_gradients_impl`). The backward scales them by grad_output
+    (`_scaled_gradients`). With reduction="none" the caller requests none: its gradients come from the backward
+    op (see the module docstring). `group_name` (a process group's name, or None): weight and bias are the
+    vocabulary rows vocab_start .. of vocab_size, split over that group (VocabShard)."""
     shard = VocabShard.of(vocab_start, vocab_size, group_name)
     with no_autocast(hidden.device):
         _check_labels(labels, vocab_size, ignore_index)
@@ -571,7 +598,7 @@ def _linear_cross_entropy_impl(
         gh, gw, gb = _run_chunks(
             hidden, weight, flat_labels, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
             softcap=softcap, scale=scale, loss=loss_rows,
-            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias, shard=shard,
+            grad_hidden=grad_hidden, grad_weight=grad_weight, grad_bias=grad_bias, shard=shard, defer=True,
         )
         if reduction == "none":
             loss = loss_rows.view(labels.shape)
@@ -581,9 +608,9 @@ def _linear_cross_entropy_impl(
             loss = loss_rows.sum() / denominator  # 0 / 0 = nan when every label is ignored, as in torch
         return (
             loss,
-            gh.view(hidden.shape) if grad_hidden else _empty(hidden),
-            gw.to(weight.dtype) if grad_weight else _empty(weight),
-            gb.to(bias.dtype) if grad_bias else _empty(hidden),
+            gh.view(hidden.shape) if gh is not None else _empty(hidden),
+            gw if gw is not None else _empty(weight),
+            gb if gb is not None else _empty(hidden),
         )
 
 
@@ -618,9 +645,39 @@ def _linear_cross_entropy_backward_impl(
         )
 
 
+def _deferred_gradients_impl(
+    grad_loss: torch.Tensor,
+    grad_logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    group_name: str | None,
+    grad_hidden: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_hidden or an empty tensor, grad_weight) of a scalar loss whose forward left its logits' gradient
+    (one chunk of a half-precision head, `_one_gemm`), times grad_loss: the weight's as one GEMM with grad_loss
+    folded into the hidden rows (a tokens x hidden product), then the hidden's as one GEMM scaled in place
+    (summed over the vocabulary-parallel group). No host sync and no weight-sized product, whatever grad_loss is
+    (a loss scaler's scale, 1 / accumulation steps); grad_logits is only read, so a second backward gets the same
+    gradients. Peak: the logits' gradient, the weight's gradient and one tokens x hidden tensor, as the forward's
+    one-GEMM path had."""
+    n_tokens, hidden_size = grad_logits.shape[0], weight.shape[1]
+    with no_autocast(hidden.device):
+        gw = torch.mm(grad_logits.t(), hidden.reshape(n_tokens, hidden_size) * grad_loss)
+        if not grad_hidden:
+            return _empty(hidden), gw
+        gh = torch.mm(grad_logits, weight)
+        gh.mul_(grad_loss)
+        if group_name is not None:  # each rank's covers its vocabulary rows (see _run_chunks)
+            dist.all_reduce(gh, group=dist.distributed_c10d._resolve_process_group(group_name))
+        return gh.view(hidden.shape), gw
+
+
 _lce_op = torch.library.custom_op("tridist::linear_cross_entropy", mutates_args=())(_linear_cross_entropy_impl)
 _lce_backward_op = torch.library.custom_op("tridist::linear_cross_entropy_backward", mutates_args=())(
     _linear_cross_entropy_backward_impl
+)
+_lce_deferred_op = torch.library.custom_op("tridist::linear_cross_entropy_deferred_backward", mutates_args=())(
+    _deferred_gradients_impl
 )
 
 
@@ -632,17 +689,42 @@ def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     )
 
 
+def _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight) -> bool:
+    """Whether the forward leaves the weight's (and hidden's) gradient GEMMs to the backward (`_one_gemm`, over the
+    rows `_run_chunks` sizes its chunks by)."""
+    shard = VocabShard.of(vocab_start, vocab_size, group_name)
+    rows = shard.largest_rows if shard is not None else weight.shape[0]
+    return _one_gemm(labels.numel(), hidden.shape[-1], rows, hidden.dtype, grad_weight)
+
+
 @_lce_op.register_fake
 def _(hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoothing, softcap, reduction,
       vocab_start, vocab_size, group_name, grad_hidden, grad_weight, grad_bias):
     loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
-    return (loss, *_fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias))
+    deferred = _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight)
+    if not grad_weight:
+        weight_state = weight.new_empty(0)
+    elif deferred:
+        weight_state = hidden.new_empty((labels.numel(), weight.shape[0]))
+    else:
+        weight_state = weight.new_empty(weight.shape, dtype=torch.float32 if labels.numel() else weight.dtype)
+    return (
+        loss,
+        hidden.new_empty(hidden.shape) if grad_hidden and not deferred else hidden.new_empty(0),
+        weight_state,
+        hidden.new_empty(bias.shape, dtype=torch.float32) if grad_bias else hidden.new_empty(0),
+    )
 
 
 @_lce_backward_op.register_fake
 def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, vocab_start, vocab_size,
       group_name, grad_hidden, grad_weight, grad_bias):
     return _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+
+
+@_lce_deferred_op.register_fake
+def _(grad_loss, grad_logits, hidden, weight, group_name, grad_hidden):
+    return hidden.new_empty(hidden.shape if grad_hidden else (0,)), weight.new_empty(weight.shape)
 
 
 def _setup_linear_cross_entropy(ctx, inputs, output):
@@ -656,9 +738,11 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
     if ctx.recompute:
         ctx.save_for_backward(hidden, weight, labels, bias)
         ctx.options = (ignore_index, label_smoothing, softcap, vocab_start, vocab_size, group_name)
-    else:
-        ctx.save_for_backward(*output[1:])
-        ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
+        return
+    ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
+    ctx.deferred = _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_flags[1])
+    ctx.weight_dtype, ctx.bias_dtype, ctx.group_name = weight.dtype, None if bias is None else bias.dtype, group_name
+    ctx.save_for_backward(*output[1:], *((hidden, weight) if ctx.deferred else ()))
 
 
 def _backward_linear_cross_entropy(ctx, grad_loss, *_):
@@ -671,18 +755,38 @@ def _backward_linear_cross_entropy(ctx, grad_loss, *_):
         gh, gw, gb = backward(grad_loss, hidden, weight, labels, bias, *ctx.options,
                               needs[0], needs[1], bias is not None and needs[3])
     else:
-        saved = [g if computed else None for g, computed in zip(ctx.saved_tensors, ctx.computed)]
-        if getattr(ctx, "eager", False) and _is_one(grad_loss):
-            # loss.backward(): the saved gradients are the answer. Handing them over instead of a product
-            # spares a weight-sized tensor; autograd never accumulates into a gradient that another
-            # reference (ctx, while the graph is retained) still holds, so a second backward gets them
-            # unchanged. One host sync per backward on CUDA, as Liger has; a compiled graph multiplies.
-            gh, gw, gb = saved
-        else:
-            # New tensors, the saved gradients unchanged for a second backward; a grad_loss other than 1 or
-            # a power of two rounds each gradient a second time in a half dtype.
-            gh, gw, gb = (g * grad_loss if g is not None else None for g in saved)
+        gh, gw, gb = _scaled_gradients(ctx, grad_loss)
     return (gh if needs[0] else None, gw if needs[1] else None, None, gb if needs[3] else None) + (None,) * 11
+
+
+def _scaled_gradients(ctx, grad_loss: torch.Tensor):
+    """A scalar loss's gradients (those computed) from what its forward left, times grad_loss, in new tensors:
+    the forward's state is only read, so a second backward gets the same gradients.
+    - One chunk of a half-precision head: both GEMMs here, grad_loss folded in (`_deferred_gradients_impl`).
+    - A half-precision head's fp32 accumulator: rounded to the weight's dtype with grad_loss applied in the same
+      pass (the rounding the forward would otherwise have made), one rounding; grad_hidden times grad_loss.
+    - An fp32 head: its accumulator is the weight's gradient. In eager mode, when grad_loss is exactly 1
+      (`loss.backward()`; one host sync on CUDA, as Liger has), the saved gradients themselves are handed over,
+      which spares a weight-sized product (autograd never accumulates into a gradient that another reference,
+      ctx while the graph is retained, still holds); otherwise products. A compiled graph multiplies.
+    grad_bias (fp32, tiny) is multiplied, then rounded to the bias's dtype. A grad_loss other than 1 or a power
+    of two rounds grad_hidden and the hidden rows a second time in a half dtype."""
+    computed_hidden, computed_weight, computed_bias = ctx.computed
+    gh_state, weight_state, gb_state, *inputs = ctx.saved_tensors
+    eager = getattr(ctx, "eager", False)
+    if ctx.deferred:
+        hidden, weight = inputs
+        deferred = _deferred_gradients_impl if eager else _lce_deferred_op
+        gh, gw = deferred(grad_loss, weight_state, hidden, weight, ctx.group_name, computed_hidden)
+    elif eager and computed_weight and weight_state.dtype == ctx.weight_dtype == torch.float32 and _is_one(grad_loss):
+        return (gh_state if computed_hidden else None, weight_state, gb_state if computed_bias else None)
+    else:
+        gh = gh_state * grad_loss if computed_hidden else None
+        gw = None
+        if computed_weight:
+            gw = torch.mul(weight_state, grad_loss, out=weight_state.new_empty(weight_state.shape, dtype=ctx.weight_dtype))
+    gb = (gb_state * grad_loss).to(ctx.bias_dtype) if computed_bias else None
+    return gh if computed_hidden else None, gw, gb
 
 
 def _is_one(grad_loss: torch.Tensor) -> bool:
@@ -728,8 +832,10 @@ def linear_cross_entropy(
 
     The logits are rounded to the input dtype once (as F.linear's output is), everything after them is
     fp32; the gradients of hidden and weight come from the logits' gradient rounded to the input dtype,
-    through fp32-accumulated GEMMs. For mean/sum the gradients are computed in this call (the module
-    docstring says what that costs in memory); `loss.backward()` may hand back those very tensors.
+    through fp32-accumulated GEMMs. For mean/sum the gradients are computed in this call (one chunk of a
+    half-precision head: up to its logits' gradient, the GEMMs in the backward; the module docstring says
+    what that costs in memory), and the backward applies grad_output without a host sync; with an fp32 head
+    `loss.backward()` may hand back the very tensors computed here.
 
     Vocabulary-parallel (tensor parallel's LM head): `weight` (and `bias`) a DTensor on a 1-D mesh split on
     its rows, Shard(0); `hidden` and `labels` replicated on that mesh, or plain tensors equal on every rank of

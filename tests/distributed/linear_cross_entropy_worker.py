@@ -63,7 +63,9 @@ def _compare(dtype, options, *, with_bias=True, all_ignored=False):
     mesh = _mesh()
     hidden, weight, bias, labels = _inputs(dtype, all_ignored=all_ignored)
     bias = bias if with_bias else None
-    grad_output = (torch.arange(21.0).reshape(3, 7) / 10 if options.get("reduction") == "none" else torch.tensor(1.0))
+    # A scalar loss's grad_output other than 1 (as gradient accumulation or a loss scaler give): the backward
+    # scales what the forward left, one chunk's GEMMs included, and all-reduces grad_hidden there.
+    grad_output = (torch.arange(21.0).reshape(3, 7) / 10 if options.get("reduction") == "none" else torch.tensor(0.75))
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
     expected = kernels.linear_cross_entropy(leaves[0], leaves[1], labels, bias=leaves[2] if with_bias else None, **options)
@@ -108,8 +110,8 @@ def check_vocabulary_parallel_equals_one_device_on_the_cpu_path():
     finally:
         lce_module.MIN_CHUNK_TOKENS, lce_module.MAX_CHUNK_TOKENS = saved
     # A bf16 head's 21 tokens in one chunk by the one-chunk rule (chunks of 4 otherwise; the rule allows up to
-    # 3 x hidden = 24 here): each rank's weight gradient from one GEMM on its shard, in the forward (mean) and in
-    # the backward (reduction="none").
+    # 3 x hidden = 24 here): each rank's weight gradient from one GEMM on its shard in the backward, from the
+    # logits' gradient the forward left (mean) or recomputed (reduction="none").
     saved, saved_multiple = _small_chunks(), lce_module.ONE_CHUNK_HIDDEN_MULTIPLE
     lce_module.ONE_CHUNK_HIDDEN_MULTIPLE = 3
     try:
