@@ -776,6 +776,55 @@ def _run_with_a_loss_scaler(model, optimizer, batches, overflow) -> equivalence.
     return trace.end(model)
 
 
+def check_bf16_mixed_precision_trains_with_the_fused_loss_like_one_process():
+    """to_distributed's mixed_precision="bfloat16" (FSDP2 computing in bf16 over fp32 master weights, fused kernels
+    on): the fused LM head + loss sees a bf16 head whose tokens fit one chunk, so its backward runs the gradient
+    GEMMs with grad_output folded in (linear_cross_entropy's deferred path): under dp 2 x tp 2 vocabulary-parallel,
+    grad_hidden all-reduced in that backward, grad_output 1; under dp 2 x pp 2 each micro-batch's loss divided by
+    the micro-batch count, grad_output 1/2. Training equals one fp32 process to bf16 rounding."""
+    from tridist.kernels.ops import linear_cross_entropy as lce_module
+
+    factors, deferred = [], lce_module._deferred_gradients_impl
+
+    def counted(grad_loss, *args):
+        factors.append(grad_loss.item())
+        return deferred(grad_loss, *args)
+
+    lce_module._deferred_gradients_impl = counted
+    try:
+        for label, factor in (("dp 2 x tp 2, level 2", 1.0), ("dp 2 x pp 2, 2 micro-batches", 0.5)):
+            factors.clear()
+            model, optimizer = _model("llama")
+            model, optimizer, loader = distcore.to_distributed(
+                model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                config=distcore.ToDistributedConfig(strategy=MATRIX[label], mixed_precision="bfloat16"))
+            trace = equivalence.Trace()
+            for batch in loader():
+                out = model(**batch)
+                out.loss.backward()
+                trace.step(model, out.loss)
+                optimizer.step()
+                optimizer.clear_grad()
+            computes_loss = model.distributed_strategy.pp == 1 or dist.get_rank() in _last_stage_ranks(model)
+            assert set(factors) == ({factor} if computes_loss else set()), (label, factors)
+            # The parameters before the evaluation: a forward without backward leaves FSDP2's root unsharded, its
+            # named_parameters() the bf16 compute copies (state_dict() still gives the fp32 shards).
+            trace.end(model)
+            trace.add_loss(_evaluate(model, logits=False)[0])  # as the reference's run ends
+            equivalence.assert_same_training(trace, _reference("llama"), rtol=equivalence.BF16_RTOL,
+                                             loss_rtol=equivalence.BF16_LOSS_RTOL)
+    finally:
+        lce_module._deferred_gradients_impl = deferred
+
+
+def _last_stage_ranks(model) -> set[int]:
+    """The ranks holding the model's last pipeline stage (the LM head's)."""
+    holds = dict(model.named_parameters()).get("lm_head.weight") is not None
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, holds)
+    return {rank for rank, held in enumerate(ranks) if held}
+
+
 def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
     """torch.amp.GradScaler with an inf in the LM head's gradient at the first step, on the last rank only (its
     shard under ZeRO-3 and dp x tp; the last stage's, which does not flow back to the first stage, under dp x pp):
