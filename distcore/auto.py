@@ -120,7 +120,9 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                    config: ToDistributedConfig | None = None):
     """Choose the fastest strategy for `device_num` devices on each of `node_num` nodes and apply it.
 
-    Returns (model, optimizer, dataloader) for the user's unchanged training loop.
+    Returns (model, optimizer, dataloader) for the user's unchanged training loop. `optimizer` may be None, as
+    parallelize's: build it from the returned model's parameters then, before any evaluation (a forward without
+    backward leaves FSDP2's parameters gathered: README, "sharding levels").
     """
     from tridist import autotune
 
@@ -186,10 +188,14 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
         strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
     measurements = None
     if config.measure and config.strategy is None and spec is not None:
+        if optimizer is None:
+            raise ValueError("to_distributed: ToDistributedConfig(measure=True) times training steps, which need the "
+                             "optimizer; pass it, or measure=False")
         strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, config, searched, world)
     model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config, layers=layers)
     for obj in (model, optimizer, loader):
-        obj.distributed_strategy = strategy
+        if obj is not None:  # an optimizer may come later (parallelize's optimizer=None)
+            obj.distributed_strategy = strategy
     if measurements is not None:
         model.distributed_measurements = measurements
     return model, optimizer, loader

@@ -16,7 +16,8 @@ steps would train nothing, silently. Each replaced parameter is marked with its 
 `shard_optimizer(optimizer)` takes the replacements into such an optimizer's groups (in place, as parallelize
 does; another pipeline stage's parameters leave them), and a step of an optimizer that still holds a replaced
 parameter raises, naming them and that fix (a step pre-hook on every torch optimizer, registered when this
-module is imported: a few attribute lookups per parameter and step).
+module is imported: a few attribute lookups per parameter and step). The same hook drops the gradients of
+parameters no data-parallel rank used (unused_parameters.py), whichever optimizer steps them.
 
 shard_tensor(parameter) returns a new parameter, which the caller assigns in the old one's place (Paddle's
 `layer.weight = dist.shard_tensor(layer.weight, ...)`); an optimizer built before still holds the old one. The
@@ -159,8 +160,18 @@ def _take_replacements(optimizer: torch.optim.Optimizer) -> None:
         group["params"] = params
 
 
-def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    held = [p for group in optimizer.param_groups for p in group["params"] if hasattr(p, "_tridist_replaced")]
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Every torch optimizer's step pre-hook: refuse replaced parameters, then drop the gradients of parameters
+    no data-parallel rank used (unused_parameters.py)."""
+    from .unused_parameters import drop_unused_gradients_before_step  # (it imports api, which imports this module)
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _refuse_replaced_parameters(params, optimizer)
+    drop_unused_gradients_before_step(params)
+
+
+def _refuse_replaced_parameters(params: list, optimizer: torch.optim.Optimizer) -> None:
+    held = [p for p in params if hasattr(p, "_tridist_replaced")]
     resharded = [p._tridist_replaced.name for p in held if p._tridist_replaced.by_shard_tensor and _left_behind(p)]
     if resharded:
         raise RuntimeError(
@@ -178,7 +189,7 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) 
             "it afterwards from the returned model's parameters")
 
 
-register_optimizer_step_pre_hook(_refuse_replaced_parameters)
+register_optimizer_step_pre_hook(_before_step)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, shard_fn: _ShardingStage | None = None) -> torch.optim.Optimizer:

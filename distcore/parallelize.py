@@ -126,20 +126,18 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         # pipeline stages never needs.
         from . import pipeline
 
-        unused = []  # each stage's data-parallel units
         runner = pipeline.apply_pipeline_parallel(
             model, pp_mesh=dims.device_mesh("pp"), pp_rank_groups=dims.rank_groups("pp"),
             pp_config=dict(config["pp_config"] or {}), device=env.device(),
             dp_group=dims.group("dp"),
-            parallelize_stage=lambda stage: unused.append(_apply_tensor_and_data_parallel(
+            parallelize_stage=lambda stage: _apply_tensor_and_data_parallel(
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
                 experts=experts,
-            )),
+            ),
         )
         micro_batches = runner.config.micro_batches
     else:
-        unused = [_apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config,
-                                                  experts=experts)]
+        _apply_tensor_and_data_parallel(model, dims=dims, mp_config=mp_config, dp_config=dp_config, experts=experts)
         if dp_config is not None:
             _report_global_mean_loss(model, group=dims.group("dp"))
         micro_batches = 1
@@ -157,9 +155,9 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     if optimizer is None:
         return model, None
     # Pipeline parallel leaves other stages' parameters out of this rank's model.
+    # (Data parallel's unused-parameter trackers reach any optimizer's step through its parameters:
+    # unused_parameters.py.)
     optimizer = _rebuild_optimizer(optimizer, model, names_before, drop_missing="pp_config" in config)
-    for stage in filter(None, unused):  # no data parallel: nothing to track
-        stage.attach(optimizer)
     return model, optimizer
 
 
@@ -185,7 +183,7 @@ def _sub_config(config: dict, key: str, valid: tuple) -> dict | None:
 
 def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDims, mp_config: dict | None,
                                     dp_config: dict | None, warn_unmatched: bool = True, views: BlockViews | None = None,
-                                    experts: "_ExpertPlan | None" = None) -> UnusedParameters | None:
+                                    experts: "_ExpertPlan | None" = None) -> None:
     """Tensor parallel over "mp" first (its block check runs the blocks whole), then expert parallel within
     "dp" (the MoE blocks, which tensor parallel leaves whole), then data parallel over "dp" on the resulting
     DTensor parameters."""
@@ -201,12 +199,11 @@ def _apply_tensor_and_data_parallel(model: torch.nn.Module, *, dims: ParallelDim
         log.info("parallelize: tensor parallel:\n  %s", "\n  ".join(changes))
     if experts is not None:
         apply_expert_parallel(model, experts.names, experts.mesh["ep"], fused_activation=experts.fused_activation)
-    if dp_config is None:
-        return None
-    return apply_data_parallel(
-        model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
-        mp_policy=_mixed_precision(dp_config), expert_mesh=experts.mesh if experts is not None else None,
-    )
+    if dp_config is not None:
+        apply_data_parallel(
+            model, dp_mesh=dims.device_mesh("dp"), sharding_level=dp_config.get("sharding_level", 0),
+            mp_policy=_mixed_precision(dp_config), expert_mesh=experts.mesh if experts is not None else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -283,7 +280,7 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
     compute, and at level 3 only one block's parameters are unsharded at a time. Expert-parallel experts
     (`expert_mesh`: the [dp / ep, ep] mesh) go first, over its "edp" dimension (expert_parallel.py says how
     their gradients come out the dp average). Ranks may use different parameters in a step (experts their tokens
-    did not choose): the returned UnusedParameters, attached to the optimizer, keeps them one device's
+    did not choose): the returned UnusedParameters, run before any optimizer's step over them, keeps them one device's
     (unused_parameters.py).
     """
     if sharding_level not in (0, 1, 2, 3):

@@ -13,6 +13,13 @@ record, by a hook, that they received a gradient, and before each optimizer step
 their records (one all-reduce of a flag per parameter) and give None to the parameters no rank used. A parameter
 that no hook saw but whose gradient is not zero (a use the hooks missed) counts as used: the worst a missed hook
 can do is leave FSDP2's zero, never drop a gradient.
+
+Which optimizer steps: any that holds a tracked parameter (`drop_unused_gradients_before_step`, called by the step
+pre-hook distcore/optimizer.py registers on every torch optimizer). The parameters name their tracker, so the one
+given to parallelize, one built afterwards from the model's parameters (parallelize's optimizer=None) and a second
+one over part of them all reach it; once a step has run it, later steps before the next forward skip it. Before,
+the hook was registered on the optimizer parallelize was given only: one built afterwards decayed the experts no
+rank ran (AdamW's weight decay), silently.
 """
 
 from __future__ import annotations
@@ -25,9 +32,20 @@ import torch.distributed as dist
 from .api import local_value
 
 
+def drop_unused_gradients_before_step(parameters) -> None:
+    """Before an optimizer step over `parameters`: each tracker that one of them names drops its unused gradients."""
+    trackers = {}
+    for parameter in parameters:
+        tracker = getattr(parameter, "_tridist_unused", None)
+        if tracker is not None:
+            trackers[id(tracker)] = tracker
+    for tracker in trackers.values():
+        tracker.drop_unused_gradients()
+
+
 class UnusedParameters:
     """Makes the data-parallel `units` (FSDP2 modules, the root last) reduce zeros for parameters a rank did not use,
-    and (once `attach`ed to the optimizer) gives None to those no rank of `dp_group` used. The parameters of
+    and, before the step of any optimizer holding one of them, gives None to those no rank of `dp_group` used. The parameters of
     `apart` (expert-parallel experts, reduced over their own group, each rank holding other experts) are left
     alone: their grouped GEMMs give every local expert a gradient on every rank."""
 
@@ -47,6 +65,7 @@ class UnusedParameters:
                     key = (id(module), name)
                     if parameter is not None and parameter.requires_grad and key not in self.parameters and key not in left:
                         self.parameters[key] = parameter
+                        parameter._tridist_unused = self  # how an optimizer's step finds this tracker
                         own.append((module, name, key))
             # After FSDP2's own pre-forward hook, which gathers the unit's parameters
             unit.register_forward_pre_hook(functools.partial(self._before_forward, own=own))
@@ -62,9 +81,6 @@ class UnusedParameters:
                 continue  # not gathered, or hooked already (FSDP2 keeps its gathered parameter from step to step)
             self.hooked.add(id(parameter))
             parameter.register_post_accumulate_grad_hook(lambda _, key=key: self.used.add(key))
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.register_step_pre_hook(lambda *_: self.drop_unused_gradients())
 
     def drop_unused_gradients(self) -> None:
         """Before an optimizer step: None for the gradients no rank's backward produced since the last step. Only

@@ -326,12 +326,22 @@ def check_experts_some_ranks_do_not_run():
     unused = {name for name, gradient in reference.gradients.items() if gradient is None}
     assert unused == {f"layers.{i}.experts.3.{j}.{k}" for i in (0, 1) for j in (0, 2) for k in ("weight", "bias")}, unused
     for level in (0, 3):
-        model = _RoutedModel()
-        model, optimizer_ = distcore.parallelize(model, optimizer(model), mesh, {"dp_config": {"sharding_level": level}})
-        # Between backward and the optimizer's step the unused hold FSDP2's zeros (the step's pre-hook makes them
-        # None): the parameters after the steps tell whether AdamW decayed them
-        equivalence.assert_same_training(_train(model, optimizer_, mesh, batches=_routed_batches()), reference,
-                                         unused_zero=True)
+        # The optimizer given to parallelize, or built afterwards (optimizer=None) and passed through
+        # distcore.shard_optimizer, as Paddle's loops do: the pre-step hook reaches it too.
+        for later in (False, True):
+            model = _RoutedModel()
+            config = {"dp_config": {"sharding_level": level}}
+            if later:
+                model, none = distcore.parallelize(model, None, mesh, config)
+                assert none is None
+                optimizer_ = distcore.shard_optimizer(optimizer(model))
+            else:
+                model, optimizer_ = distcore.parallelize(model, optimizer(model), mesh, config)
+                optimizer_ = distcore.shard_optimizer(optimizer_)  # again: the hook runs once per step all the same
+            # Between backward and the optimizer's step the unused hold FSDP2's zeros (the step's pre-hook makes
+            # them None): the parameters after the steps tell whether AdamW decayed them
+            equivalence.assert_same_training(_train(model, optimizer_, mesh, batches=_routed_batches()), reference,
+                                             unused_zero=True)
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

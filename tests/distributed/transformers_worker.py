@@ -825,6 +825,42 @@ def _last_stage_ranks(model) -> set[int]:
     return {rank for rank, held in enumerate(ranks) if held}
 
 
+def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
+    """to_distributed(model, None, loader), as parallelize takes optimizer=None, then a plain torch optimizer built from
+    the returned model's parameters: right away, and after an evaluation once every sharded module is resharded (the
+    README's recipe: a forward without backward leaves FSDP2's parameters gathered, and an optimizer built from those
+    copies would step tensors that get no gradient). Trains as one process under ZeRO-2, dp 2 x tp 2 and dp 2 x pp 2."""
+    from torch.distributed.tensor import DTensor
+
+    for label, strategy in (("dp 4, level 2", _strategy(4, 1, 1, sharding_level=2)),
+                            ("dp 2 x tp 2, level 2", MATRIX["dp 2 x tp 2, level 2"]),
+                            ("dp 2 x pp 2, 2 micro-batches", MATRIX["dp 2 x pp 2, 2 micro-batches"])):
+        for evaluate_first in (False, True):
+            model, _ = _model("llama")
+            model, none, loader = distcore.to_distributed(model, None, _Loader(), device_num=dist.get_world_size(),
+                                                          config=distcore.ToDistributedConfig(strategy=strategy))
+            assert none is None and model.distributed_strategy is not None
+            if evaluate_first:
+                _evaluate(model, logits=False)
+                gathered = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+                assert gathered or strategy.pp > 1, label  # the root's at least (a stage's own roots under pp)
+                for module in model.modules():
+                    getattr(module, "reshard", lambda: None)()
+            kinds = {type(p).__name__ for p in model.parameters()}
+            assert kinds == {"DTensor"}, (label, evaluate_first, kinds)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+            trace = equivalence.Trace()
+            for batch in loader():
+                out = model(**batch)
+                out.loss.backward()
+                trace.step(model, out.loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            trace.end(model)
+            trace.add_loss(_evaluate(model, logits=False)[0])
+            equivalence.assert_same_training(trace, _reference("llama"))
+
+
 def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
     """torch.amp.GradScaler with an inf in the LM head's gradient at the first step, on the last rank only (its
     shard under ZeRO-3 and dp x tp; the last stage's, which does not flow back to the first stage, under dp x pp):
