@@ -610,7 +610,8 @@ def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1
     one chunk, the fp32 accumulator of its weight's gradient (the gradient itself becomes the parameter's
     .grad, counted with the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
     ceil(V / tp) rows, the hidden gradient is whole (summed over the ranks). Its time is eager's: the same
-    three GEMMs (nothing is recomputed for a mean or sum loss), and its elementwise passes read and write the
+    three GEMMs (nothing is recomputed for a mean or sum loss, except with an fp16 head: a fourth GEMM, not priced
+    here, where dtype_bytes does not tell fp16 from bf16), and its elementwise passes read and write the
     chunks in the input dtype, no more than eager's; under tp each chunk adds two small all-reduces of its
     statistics (`_pace`)."""
     v, h = -(-spec.head_width // tp), spec.hidden_size

@@ -25,6 +25,7 @@ rank ran (AdamW's weight decay), silently.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,8 @@ def drop_unused_gradients_before_step(parameters) -> None:
     """Before an optimizer step over `parameters`: each tracker that one of them names drops its unused gradients."""
     trackers = {}
     for parameter in parameters:
-        tracker = getattr(parameter, "_tridist_unused", None)
+        reference = getattr(parameter, "_tridist_unused", None)
+        tracker = reference() if reference is not None else None
         if tracker is not None:
             trackers[id(tracker)] = tracker
     for tracker in trackers.values():
@@ -65,7 +67,8 @@ class UnusedParameters:
                     key = (id(module), name)
                     if parameter is not None and parameter.requires_grad and key not in self.parameters and key not in left:
                         self.parameters[key] = parameter
-                        parameter._tridist_unused = self  # how an optimizer's step finds this tracker
+                        # How an optimizer's step finds this tracker (weakly: the units' hooks keep it alive).
+                        parameter._tridist_unused = weakref.ref(self)
                         own.append((module, name, key))
             # After FSDP2's own pre-forward hook, which gathers the unit's parameters
             unit.register_forward_pre_hook(functools.partial(self._before_forward, own=own))

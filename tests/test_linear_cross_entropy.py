@@ -478,6 +478,20 @@ def test_half_precision_backward_needs_no_host_sync(torch_path, small_chunks, mo
     assert asked
 
 
+@pytest.mark.parametrize("tokens", [64, 65], ids=["one chunk", "chunks"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_loss_scalers_grad_output(torch_path, small_chunks, tokens, dtype):
+    """grad_output 65,536 (torch.amp.GradScaler's initial scale) on an fp16 and a bf16 head: within the rounding
+    bounds, nothing infinite, the scaled gradients themselves inside fp16's range. Folded into fp16 hidden rows the
+    scale would overflow them (|h| > 1), and the logits' gradient computed for grad_output 1 would lose its
+    entries below fp16's range: an fp16 head's gradients wait for the backward (`_gradients_in_backward`)."""
+    hidden, weight, labels, bias = _inputs((tokens,), 32, 1000, dtype, scale=3.0)
+    assert float(hidden.abs().max()) * 65536 > torch.finfo(torch.float16).max
+    # Most softmax entries / 64 tokens are under fp16's smallest normal (6.1e-5): rounded unscaled, they would be
+    # subnormal, 2**-24 apart, an error 65,536 times that once scaled.
+    _check(hidden, weight, labels, bias, grad_output=torch.tensor(65536.0))
+
+
 @pytest.mark.parametrize("tokens", [32, 33], ids=["one chunk", "chunks"])
 def test_backward_peak_does_not_grow_with_grad_output(small_chunks, monkeypatch, tokens):
     """MemTracker's peak over forward + backward of a bf16 head is the same for grad_output 1 and 0.37 (gradient

@@ -27,22 +27,29 @@ loss divided by it.) Tokens are processed in chunks (`chunk_tokens`), each throu
    accumulator.
 
 Where the gradients are computed. For a scalar loss (mean, sum, num_items_in_batch) the forward computes
-them for grad_output 1, as Liger does: three GEMMs in all, like eager, and the backward applies grad_output
-(`_scaled_gradients`) without a host sync and without a product of a weight-sized gradient, whatever its
-value (1 for `loss.backward()`, 1 / steps under gradient accumulation, a loss scaler's scale):
-- chunks of a half-precision head: its fp32 accumulator is held to the backward, which rounds it to the
+them for grad_output 1, as Liger does (except for an fp16 head, below): three GEMMs in all, like eager, and the
+backward applies grad_output (`_scaled_gradients`) without a host sync and without a product of a weight-sized
+gradient, whatever its value (1 for `loss.backward()`, 1 / steps under gradient accumulation, a loss scaler's scale):
+- chunks of a bf16 head: its fp32 accumulator is held to the backward, which rounds it to the
   weight's dtype times grad_output in one pass (the rounding the forward would have made); grad_hidden and
   grad_bias are multiplied (tokens x hidden, vocabulary);
-- one chunk of a half-precision head (`_one_gemm`): the forward stops after step 3 and holds the logits'
-  gradient; the backward runs step 4's two GEMMs, grad_output folded into the hidden rows for the weight's and
-  applied in place to the hidden's (`_deferred_gradients_impl`);
+- one chunk of a bf16 head (`_one_gemm`, DEFERRED_DTYPES): the forward stops after step 3 and holds the
+  logits' gradient; the backward runs step 4's two GEMMs, grad_output folded into the hidden rows for the
+  weight's and applied in place to the hidden's (`_deferred_gradients_impl`);
 - an fp32 head: its accumulator is the weight's gradient; the backward multiplies, or in eager mode, when
-  grad_output is exactly 1 (one host sync on CUDA, as in Liger), hands the saved gradients over.
-What the forward leaves is never modified, so a second backward gives the same gradients. The price is
-memory: grad_hidden and the weight's state (fp32 accumulator, or in one chunk the logits' gradient, at most 4
-bytes per weight element) are held from the forward to the backward; with a bf16 weight the peak is the
-weight plus 6 bytes per weight element (accumulator and result; in one chunk the logits' gradient and the
-result), at the forward's end or in the backward.
+  grad_output is exactly 1 (one host sync on CUDA, as in Liger), hands the saved gradients over;
+- an fp16 head: none in the forward. Computed for grad_output 1, its logits' gradient p / tokens falls below
+  fp16's range, which eager's keeps only because a loss scaler's factor multiplies it before the rounding; so
+  the backward recomputes, as for reduction="none", each row scaled by grad_output over the mean's denominator
+  (`_gradients_in_backward`: four GEMMs, and nothing held but the inputs).
+Every product is computed in fp32 and rounded once (`_times`). What the forward leaves is never modified, so a
+second backward gives the same gradients. The price is memory: grad_hidden and the weight's state are held from
+the forward to the backward, for a bf16 head the fp32 accumulator or in one chunk the logits'
+gradient (up to 4 bytes per weight element at 2 x hidden tokens), where the finished gradient would be 2: twice
+as much per loss whose backward is pending (several only where a pipeline schedule runs micro-batches' forwards
+ahead of their backwards on the last stage, as GPipe does; 1F1B runs each backward right after). The peak of one
+forward + backward is unchanged: the weight plus 6 bytes per weight element with a bf16 weight (accumulator and
+result; in one chunk the logits' gradient and the result), at the forward's end or in the backward.
 With reduction="none" each token's gradient is scaled by its own grad_output, unknown in the forward: the
 forward computes only the losses and saves the inputs, and the backward recomputes each chunk's logits
 (four GEMMs in all) with grad_output as row_scale; nothing is held between the two but the inputs.
@@ -423,6 +430,19 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: 
             acc.addmm_(grad_logits[part].t().float(), rows[part].float(), beta=beta if i == 0 else 1)
 
 
+# A scalar loss's one-chunk gradient GEMMs wait for the backward (`_deferred_gradients_impl`) in bf16 only: folding
+# grad_output into fp16 hidden rows would overflow under a loss scaler (65,536 x |h| > 65,504 for |h| > 1), where
+# the weight's gradient itself fits. (An fp16 head computes every gradient in the backward: _gradients_in_backward.)
+DEFERRED_DTYPES = (torch.bfloat16,)
+
+
+def _times(t: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t * grad_loss, a new tensor of `dtype`: computed in fp32 and rounded once, with no fp32 copy of t. (grad_loss
+    as a one-element tensor takes part in type promotion: a 0-dim one would be cast to t's half dtype first on CUDA,
+    where a loss scaler's 65,536 is inf in fp16.)"""
+    return torch.mul(t, grad_loss.reshape(1).float(), out=t.new_empty(t.shape, dtype=dtype))
+
+
 def _one_gemm(n_tokens: int, hidden_size: int, vocab_rows: int, dtype: torch.dtype, grad_weight: bool) -> bool:
     """Whether a half-precision head's weight gradient is one GEMM in its dtype over all the tokens, which then
     fit one chunk (`chunk_tokens`' exception for it, or few enough tokens anyway); else an fp32 accumulator sums
@@ -438,8 +458,8 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     gradients (grad_hidden [tokens, H] in hidden's dtype; grad_bias in fp32; grad_weight in fp32, or in the
     weight's dtype where one chunk of a half-precision head computed it in one GEMM: `_one_gemm`).
 
-    `defer` (a scalar loss, whose grad_output the backward brings): where `_one_gemm` holds, neither gradient
-    GEMM runs here; the second value returned is then the logits' gradient [tokens, rows] (the first is None),
+    `defer` (a scalar loss, whose grad_output the backward brings): where `_one_gemm` holds for a bf16 head
+    (DEFERRED_DTYPES), neither gradient GEMM runs here; the second value returned is then the logits' gradient [tokens, rows] (the first is None),
     for `_deferred_gradients_impl` to finish with grad_output folded in.
 
     With `shard` (vocabulary parallel) `weight` and `bias` hold the rows shard.start .. of the vocabulary: each
@@ -459,7 +479,7 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     # reduce split-K partial sums in the half dtype, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
     # Its result is allocated by that GEMM, after the loss kernels (the CPU path's fp32 slices then are gone).
     one_gemm = _one_gemm(n_tokens, hidden_size, vocab_rows, dtype, grad_weight)
-    deferred = defer and one_gemm
+    deferred = defer and one_gemm and dtype in DEFERRED_DTYPES
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden and not deferred else None
     gw = None
     if grad_weight and not one_gemm:  # the fp32 accumulator; with no tokens the (zero) gradient in the weight's dtype
@@ -654,7 +674,7 @@ def _deferred_gradients_impl(
     grad_hidden: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_hidden or an empty tensor, grad_weight) of a scalar loss whose forward left its logits' gradient
-    (one chunk of a half-precision head, `_one_gemm`), times grad_loss: the weight's as one GEMM with grad_loss
+    (one chunk of a bf16 head, `_one_gemm`), times grad_loss: the weight's as one GEMM with grad_loss
     folded into the hidden rows (a tokens x hidden product), then the hidden's as one GEMM scaled in place
     (summed over the vocabulary-parallel group). No host sync and no weight-sized product, whatever grad_loss is
     (a loss scaler's scale, 1 / accumulation steps); grad_logits is only read, so a second backward gets the same
@@ -662,11 +682,11 @@ def _deferred_gradients_impl(
     one-GEMM path had."""
     n_tokens, hidden_size = grad_logits.shape[0], weight.shape[1]
     with no_autocast(hidden.device):
-        gw = torch.mm(grad_logits.t(), hidden.reshape(n_tokens, hidden_size) * grad_loss)
+        gw = torch.mm(grad_logits.t(), _times(hidden.reshape(n_tokens, hidden_size), grad_loss, hidden.dtype))
         if not grad_hidden:
             return _empty(hidden), gw
         gh = torch.mm(grad_logits, weight)
-        gh.mul_(grad_loss)
+        gh.mul_(grad_loss.reshape(1).float())  # in fp32, rounded once (see _times)
         if group_name is not None:  # each rank's covers its vocabulary rows (see _run_chunks)
             dist.all_reduce(gh, group=dist.distributed_c10d._resolve_process_group(group_name))
         return gh.view(hidden.shape), gw
@@ -694,7 +714,7 @@ def _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_we
     rows `_run_chunks` sizes its chunks by)."""
     shard = VocabShard.of(vocab_start, vocab_size, group_name)
     rows = shard.largest_rows if shard is not None else weight.shape[0]
-    return _one_gemm(labels.numel(), hidden.shape[-1], rows, hidden.dtype, grad_weight)
+    return hidden.dtype in DEFERRED_DTYPES and _one_gemm(labels.numel(), hidden.shape[-1], rows, hidden.dtype, grad_weight)
 
 
 @_lce_op.register_fake
@@ -706,8 +726,11 @@ def _(hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoo
         weight_state = weight.new_empty(0)
     elif deferred:
         weight_state = hidden.new_empty((labels.numel(), weight.shape[0]))
-    else:
-        weight_state = weight.new_empty(weight.shape, dtype=torch.float32 if labels.numel() else weight.dtype)
+    else:  # the fp32 accumulator; the gradient itself where it is one GEMM (fp16) or there are no tokens
+        shard = VocabShard.of(vocab_start, vocab_size, group_name)
+        one_gemm = _one_gemm(labels.numel(), hidden.shape[-1], shard.largest_rows if shard is not None else weight.shape[0],
+                             hidden.dtype, grad_weight)
+        weight_state = weight.new_empty(weight.shape, dtype=weight.dtype if one_gemm or not labels.numel() else torch.float32)
     return (
         loss,
         hidden.new_empty(hidden.shape) if grad_hidden and not deferred else hidden.new_empty(0),
@@ -728,16 +751,17 @@ def _(grad_loss, grad_logits, hidden, weight, group_name, grad_hidden):
 
 
 def _setup_linear_cross_entropy(ctx, inputs, output):
-    (hidden, weight, labels, bias, _, ignore_index, label_smoothing, softcap, reduction,
+    (hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoothing, softcap, reduction,
      vocab_start, vocab_size, group_name, *grad_flags) = inputs
     # The gradient outputs are carried to the backward, never differentiated: no zero gradients are
     # materialised for them (one would be weight-sized).
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*output[1:])
-    ctx.recompute = reduction == "none"
+    ctx.recompute = _gradients_in_backward(reduction, hidden.dtype)
     if ctx.recompute:
-        ctx.save_for_backward(hidden, weight, labels, bias)
+        ctx.save_for_backward(hidden, weight, labels, bias, num_items_in_batch)
         ctx.options = (ignore_index, label_smoothing, softcap, vocab_start, vocab_size, group_name)
+        ctx.reduction = reduction
         return
     ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
     ctx.deferred = _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_flags[1])
@@ -750,21 +774,44 @@ def _backward_linear_cross_entropy(ctx, grad_loss, *_):
     if grad_loss is None:
         return (None,) * len(needs)
     if ctx.recompute:
-        hidden, weight, labels, bias = ctx.saved_tensors
+        hidden, weight, labels, bias, num_items_in_batch = ctx.saved_tensors
+        row_scale = _row_scale(grad_loss, labels, num_items_in_batch, ctx.reduction, ignore_index=ctx.options[0])
         backward = _linear_cross_entropy_backward_impl if getattr(ctx, "eager", False) else _lce_backward_op
-        gh, gw, gb = backward(grad_loss, hidden, weight, labels, bias, *ctx.options,
+        gh, gw, gb = backward(row_scale, hidden, weight, labels, bias, *ctx.options,
                               needs[0], needs[1], bias is not None and needs[3])
     else:
         gh, gw, gb = _scaled_gradients(ctx, grad_loss)
     return (gh if needs[0] else None, gw if needs[1] else None, None, gb if needs[3] else None) + (None,) * 11
 
 
+def _gradients_in_backward(reduction: str, dtype: torch.dtype) -> bool:
+    """Whether every gradient waits for the backward, which recomputes the chunks' logits (four GEMMs in all):
+    per-token losses ("none", a grad_output per token), and fp16 heads. An fp16 logits' gradient computed for
+    grad_output 1 has entries p / tokens below fp16's range (1e-5 / 2,048 < 6e-8, its smallest subnormal): eager's
+    keeps them because the loss scaler's factor multiplies them before their rounding, and so does this backward,
+    grad_output known (measured, 2,048 tokens x 32,000 vocabulary under a scale of 65,536: the weight's gradient
+    5.0e-3 from fp64 computed in the forward, 2.1e-4 for eager)."""
+    return reduction == "none" or dtype == torch.float16
+
+
+def _row_scale(grad_loss, labels, num_items_in_batch, reduction: str, *, ignore_index: int) -> torch.Tensor:
+    """Each token's factor in the recomputed gradients: its grad_output ("none"), else grad_output over what the
+    forward divided the summed loss by (num_items_in_batch, or the tokens not ignored; 1 for "sum")."""
+    if reduction == "none":
+        return grad_loss
+    if reduction == "sum":
+        return grad_loss.expand(labels.shape)
+    count = num_items_in_batch if num_items_in_batch is not None else (labels != ignore_index).sum()
+    return (grad_loss / count.to(torch.float32)).expand(labels.shape)
+
+
 def _scaled_gradients(ctx, grad_loss: torch.Tensor):
     """A scalar loss's gradients (those computed) from what its forward left, times grad_loss, in new tensors:
     the forward's state is only read, so a second backward gets the same gradients.
-    - One chunk of a half-precision head: both GEMMs here, grad_loss folded in (`_deferred_gradients_impl`).
-    - A half-precision head's fp32 accumulator: rounded to the weight's dtype with grad_loss applied in the same
-      pass (the rounding the forward would otherwise have made), one rounding; grad_hidden times grad_loss.
+    - One chunk of a bf16 head: both GEMMs here, grad_loss folded in (`_deferred_gradients_impl`).
+    - A bf16 head's fp32 accumulator: rounded to the weight's dtype with grad_loss applied in the same pass (the
+      rounding the forward would otherwise have made), one rounding; grad_hidden times grad_loss.
+    Every product is computed in fp32 and rounded once (`_times`).
     - An fp32 head: its accumulator is the weight's gradient. In eager mode, when grad_loss is exactly 1
       (`loss.backward()`; one host sync on CUDA, as Liger has), the saved gradients themselves are handed over,
       which spares a weight-sized product (autograd never accumulates into a gradient that another reference,
@@ -781,11 +828,9 @@ def _scaled_gradients(ctx, grad_loss: torch.Tensor):
     elif eager and computed_weight and weight_state.dtype == ctx.weight_dtype == torch.float32 and _is_one(grad_loss):
         return (gh_state if computed_hidden else None, weight_state, gb_state if computed_bias else None)
     else:
-        gh = gh_state * grad_loss if computed_hidden else None
-        gw = None
-        if computed_weight:
-            gw = torch.mul(weight_state, grad_loss, out=weight_state.new_empty(weight_state.shape, dtype=ctx.weight_dtype))
-    gb = (gb_state * grad_loss).to(ctx.bias_dtype) if computed_bias else None
+        gh = _times(gh_state, grad_loss, gh_state.dtype) if computed_hidden else None
+        gw = _times(weight_state, grad_loss, ctx.weight_dtype) if computed_weight else None
+    gb = _times(gb_state, grad_loss, ctx.bias_dtype) if computed_bias else None
     return gh if computed_hidden else None, gw, gb
 
 
@@ -833,9 +878,10 @@ def linear_cross_entropy(
     The logits are rounded to the input dtype once (as F.linear's output is), everything after them is
     fp32; the gradients of hidden and weight come from the logits' gradient rounded to the input dtype,
     through fp32-accumulated GEMMs. For mean/sum the gradients are computed in this call (one chunk of a
-    half-precision head: up to its logits' gradient, the GEMMs in the backward; the module docstring says
-    what that costs in memory), and the backward applies grad_output without a host sync; with an fp32 head
-    `loss.backward()` may hand back the very tensors computed here.
+    bf16 head: up to its logits' gradient, the GEMMs in the backward; the module docstring says what that costs
+    in memory), and the backward applies grad_output without a host sync; with an fp32 head `loss.backward()`
+    may hand back the very tensors computed here. An fp16 head's gradients are computed in the backward, scaled
+    by grad_output before their rounding (a loss scaler's scale keeps them in fp16's range, as in eager).
 
     Vocabulary-parallel (tensor parallel's LM head): `weight` (and `bias`) a DTensor on a 1-D mesh split on
     its rows, Shard(0); `hidden` and `labels` replicated on that mesh, or plain tensors equal on every rank of
@@ -848,7 +894,7 @@ def linear_cross_entropy(
         op, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, num_items_in_batch
     )
     (hidden, weight, labels, bias), shard = _local_inputs(op, hidden, weight, labels, bias)
-    grad_enabled = torch.is_grad_enabled() and reduction != "none"  # "none": gradients in the backward
+    grad_enabled = torch.is_grad_enabled() and not _gradients_in_backward(reduction, hidden.dtype)
     args = (
         hidden, weight, labels, bias, num_items_in_batch, int(ignore_index), float(label_smoothing),
         None if softcap is None else float(softcap), reduction, *shard,
