@@ -486,7 +486,7 @@ def test_a_loss_scalers_grad_output(torch_path, small_chunks, tokens, dtype):
     scale would overflow them (|h| > 1), and the logits' gradient computed for grad_output 1 would lose its
     entries below fp16's range: an fp16 head's gradients wait for the backward (`_gradients_in_backward`)."""
     hidden, weight, labels, bias = _inputs((tokens,), 32, 1000, dtype, scale=3.0)
-    assert float(hidden.abs().max()) * 65536 > torch.finfo(torch.float16).max
+    assert float(hidden.detach().abs().max()) * 65536 > torch.finfo(torch.float16).max
     # Most softmax entries / 64 tokens are under fp16's smallest normal (6.1e-5): rounded unscaled, they would be
     # subnormal, 2**-24 apart, an error 65,536 times that once scaled.
     _check(hidden, weight, labels, bias, grad_output=torch.tensor(65536.0))
