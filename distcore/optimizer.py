@@ -167,7 +167,19 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _refuse_replaced_parameters(params, optimizer)
+    _refuse_gathered_copies(params, optimizer)
     drop_unused_gradients_before_step(params)
+
+
+def _refuse_gathered_copies(params: list, optimizer: torch.optim.Optimizer) -> None:
+    gathered = sum(1 for p in params if getattr(p, "_tridist_gathered_copy", False))
+    if gathered:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): this optimizer holds {gathered} parameter(s) that are FSDP2's gathered "
+            "compute copies, not the sharded parameters data parallel trains: model.parameters() yields them between a "
+            "forward and the next backward (after an evaluation, until a training step), and they never get a "
+            "gradient, so its steps would train nothing. Build the optimizer before evaluating, or reshard first: "
+            "for m in model.modules(): getattr(m, 'reshard', lambda: None)()")
 
 
 def _refuse_replaced_parameters(params: list, optimizer: torch.optim.Optimizer) -> None:

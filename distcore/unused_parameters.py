@@ -14,6 +14,10 @@ their records (one all-reduce of a flag per parameter) and give None to the para
 that no hook saw but whose gradient is not zero (a use the hooks missed) counts as used: the worst a missed hook
 can do is leave FSDP2's zero, never drop a gradient.
 
+The gathered parameters are marked too: FSDP2 registers them on the modules between a forward and the next
+backward (all of a forward without backward: an evaluation), so an optimizer built then from model.parameters()
+would hold them, and they never get a gradient. The step pre-hook refuses such an optimizer, naming the fix.
+
 Which optimizer steps: any that holds a tracked parameter (`drop_unused_gradients_before_step`, called by the step
 pre-hook distcore/optimizer.py registers on every torch optimizer). The parameters name their tracker, so the one
 given to parallelize, one built afterwards from the model's parameters (parallelize's optimizer=None) and a second
@@ -84,6 +88,9 @@ class UnusedParameters:
                 continue  # not gathered, or hooked already (FSDP2 keeps its gathered parameter from step to step)
             self.hooked.add(id(parameter))
             parameter.register_post_accumulate_grad_hook(lambda _, key=key: self.used.add(key))
+            # What model.parameters() yields between a forward and the next backward: an optimizer holding it would
+            # step a tensor that never gets a gradient (the step pre-hook refuses it: optimizer.py).
+            parameter._tridist_gathered_copy = True
 
     def drop_unused_gradients(self) -> None:
         """Before an optimizer step: None for the gradients no rank's backward produced since the last step. Only

@@ -829,7 +829,8 @@ def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
     """to_distributed(model, None, loader), as parallelize takes optimizer=None, then a plain torch optimizer built from
     the returned model's parameters: right away, and after an evaluation once every sharded module is resharded (the
     README's recipe: a forward without backward leaves FSDP2's parameters gathered, and an optimizer built from those
-    copies would step tensors that get no gradient). Trains as one process under ZeRO-2, dp 2 x tp 2 and dp 2 x pp 2."""
+    copies would step tensors that get no gradient: its step raises, naming the fix). Trains as one process under
+    ZeRO-2, dp 2 x tp 2 and dp 2 x pp 2."""
     from torch.distributed.tensor import DTensor
 
     for label, strategy in (("dp 4, level 2", _strategy(4, 1, 1, sharding_level=2)),
@@ -844,6 +845,17 @@ def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
                 _evaluate(model, logits=False)
                 gathered = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
                 assert gathered or strategy.pp > 1, label  # the root's at least (a stage's own roots under pp)
+                if gathered:  # without the recipe: refused at the step, before it trains nothing
+                    held = torch.optim.SGD(model.parameters(), lr=0.5)
+                    model(**_batches()[0]).loss.backward()
+                    try:
+                        held.step()
+                    except RuntimeError as error:
+                        assert "gathered compute copies" in str(error) and "reshard" in str(error), str(error)
+                    else:
+                        raise AssertionError(f"{label}: an optimizer over gathered copies stepped")
+                    for p in model.parameters():
+                        p.grad = None
                 for module in model.modules():
                     getattr(module, "reshard", lambda: None)()
             kinds = {type(p).__name__ for p in model.parameters()}
