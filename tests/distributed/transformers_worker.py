@@ -798,23 +798,29 @@ def check_bf16_mixed_precision_trains_with_the_fused_loss_like_one_process():
             model, optimizer, loader = distcore.to_distributed(
                 model, optimizer, _Loader(), device_num=dist.get_world_size(),
                 config=distcore.ToDistributedConfig(strategy=MATRIX[label], mixed_precision="bfloat16"))
-            trace = equivalence.Trace()
-            for batch in loader():
-                out = model(**batch)
-                out.loss.backward()
-                trace.step(model, out.loss)
-                optimizer.step()
-                optimizer.clear_grad()
+            trace = _plain_loop(model, optimizer, loader)
             computes_loss = model.distributed_strategy.pp == 1 or dist.get_rank() in _last_stage_ranks(model)
             assert set(factors) == ({factor} if computes_loss else set()), (label, factors)
-            # The parameters before the evaluation: a forward without backward leaves FSDP2's root unsharded, its
-            # named_parameters() the bf16 compute copies (state_dict() still gives the fp32 shards).
-            trace.end(model)
-            trace.add_loss(_evaluate(model, logits=False)[0])  # as the reference's run ends
             equivalence.assert_same_training(trace, _reference("llama"), rtol=equivalence.BF16_RTOL,
                                              loss_rtol=equivalence.BF16_LOSS_RTOL)
     finally:
         lce_module._deferred_gradients_impl = deferred
+
+
+def _plain_loop(model, optimizer, loader) -> equivalence.Trace:
+    """The user's loop over the loader, then an evaluation, whose loss is the trace's last as in the references'
+    runs. The parameters are read before the evaluation: a forward without backward leaves FSDP2's parameters
+    gathered, named_parameters() their compute copies (bf16 under mixed precision; state_dict() gives the shards)."""
+    trace = equivalence.Trace()
+    for batch in loader():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    trace.end(model)
+    trace.add_loss(_evaluate(model, logits=False)[0])
+    return trace
 
 
 def _last_stage_ranks(model) -> set[int]:
@@ -860,16 +866,7 @@ def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
                     getattr(module, "reshard", lambda: None)()
             kinds = {type(p).__name__ for p in model.parameters()}
             assert kinds == {"DTensor"}, (label, evaluate_first, kinds)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-            trace = equivalence.Trace()
-            for batch in loader():
-                out = model(**batch)
-                out.loss.backward()
-                trace.step(model, out.loss)
-                optimizer.step()
-                optimizer.zero_grad()
-            trace.end(model)
-            trace.add_loss(_evaluate(model, logits=False)[0])
+            trace = _plain_loop(model, torch.optim.SGD(model.parameters(), lr=0.5), loader)
             equivalence.assert_same_training(trace, _reference("llama"))
 
 
