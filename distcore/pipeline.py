@@ -77,6 +77,7 @@ import enum
 import logging
 import re
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -566,7 +567,24 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
 
     On fake tensors (FakeTensorMode: shapes only, no weight read, no memory) where the model's code allows, else on
     the real weights (a router's data-dependent shapes: a forward of 8 tokens); None where neither runs (values read
-    on the meta device): the caller then places modules by where they are registered."""
+    on the meta device): the caller then places modules by where they are registered.
+
+    Kept on the model for a second ask about the same model (to_distributed asks before fusing the kernels, the
+    pipeline after): the key is the layer list, the mode and every parameter's name and identity. Fusion keeps
+    them (its modules take the originals' parameters) and computes the same function, so the same data flow; any
+    other change of the model's parameters (sharding, a module replaced) asks again."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    key = (layer_list, model.training, tuple(name for name, _ in named))
+    kept = vars(model).get("_tridist_forward_probe")
+    if kept is not None and kept[0] == key and all(ref() is p for ref, (_, p) in zip(kept[1], named)):
+        return kept[2]
+    probe = _probe_forward(model, layer_list)
+    # Weak references: an id could be reused by a replacement parameter once the original is freed
+    model._tridist_forward_probe = (key, [weakref.ref(p) for _, p in named], probe)
+    return probe
+
+
+def _probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | None:
     modules = dict(model.named_modules())
     layers = list(modules[layer_list])
     parameter = next(model.parameters(), None)

@@ -348,6 +348,29 @@ def test_the_probe_forward_leaves_the_model_as_it_was():
         foreign[0]
 
 
+def test_the_probe_forward_is_kept_for_the_same_parameters(monkeypatch):
+    """to_distributed probes before fusing the kernels and the pipeline after: one forward while the layer list, the
+    mode and every parameter (name and object) are the same, a module replaced around the same parameter included
+    (as fusion replaces a norm); a parameter replaced, or the other mode, probes again."""
+    from tridist.distcore import pipeline
+
+    runs = []
+    probe = pipeline._probe_forward
+    monkeypatch.setattr(pipeline, "_probe_forward", lambda *args: runs.append(1) or probe(*args))
+    model = _RegisteredOutOfOrder()
+    first = pipeline.probe_forward(model, "layers")
+    assert pipeline.probe_forward(model, "layers") is first and len(runs) == 1
+    norm = torch.nn.LayerNorm(model.norm.weight.shape)  # another module holding the same parameters
+    norm.weight, norm.bias = model.norm.weight, model.norm.bias
+    model.norm = norm
+    assert pipeline.probe_forward(model, "layers") is first and len(runs) == 1
+    model.head.weight = torch.nn.Parameter(model.head.weight.detach().clone())
+    assert pipeline.probe_forward(model, "layers").after == first.after and len(runs) == 2
+    model.eval()
+    pipeline.probe_forward(model, "layers")
+    assert len(runs) == 3
+
+
 def test_reentrant_checkpointing_is_told_apart_from_the_non_reentrant_kind():
     """What the pipeline refuses before any communication (torch's stage backward cannot run reentrant
     checkpointing): transformers' per-layer checkpoint function with use_reentrant=True or left to torch's default
