@@ -193,6 +193,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                              "optimizer; pass it, or measure=False")
         strategy, measurements = _measured_choice(model, optimizer, dataloader, spec, config, searched, world)
     model, optimizer, loader = _apply_with_loader(model, optimizer, dataloader, strategy, spec, config, layers=layers)
+    vars(model).pop("_tridist_forward_probe", None)  # served the pipeline (its weak references would not pickle)
     for obj in (model, optimizer, loader):
         if obj is not None:  # an optimizer may come later (parallelize's optimizer=None)
             obj.distributed_strategy = strategy

@@ -570,7 +570,7 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
     on the meta device): the caller then places modules by where they are registered.
 
     Kept on the model for a second ask about the same model (to_distributed asks before fusing the kernels, the
-    pipeline after): the key is the layer list, the mode and every parameter's name and identity. Fusion keeps
+    pipeline after; to_distributed drops it when done): the key is the layer list, the mode and every parameter's name and identity. Fusion keeps
     them (its modules take the originals' parameters) and computes the same function, so the same data flow; any
     other change of the model's parameters (sharding, a module replaced) asks again."""
     named = list(model.named_parameters(remove_duplicate=False))
@@ -695,6 +695,7 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
     placement = _Placement(path=_path_to(config.layer_list))
     last = config.num_stages - 1
     probe = probe_forward(model, config.layer_list)
+    vars(model).pop("_tridist_forward_probe", None)  # its last ask: the stages change the parameters next
     if probe is not None and probe.reused:
         raise NotImplementedError(_reused_message(probe.reused, config.layer_list))
     # Where the forward calls them, where it can be seen: OPT registers its final norm before its layer list, and

@@ -152,6 +152,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         config=distcore.ToDistributedConfig(strategy=strategy, **config))
     if inspect is not None:
         inspect(model)
+    assert "_tridist_forward_probe" not in vars(model)  # the pipeline's probe, kept only while to_distributed runs
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
     if family in MATRIX_FAMILIES:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
