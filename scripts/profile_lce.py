@@ -4,7 +4,11 @@ the shapes where compile still wins, bench/results/h100-2026-11-27b/NOTES.md).
 For each shape: CUDA-event time of both variants (triton.testing.do_bench, L2 flushed), then a torch.profiler
 table (CPU and CUDA, sorted by CUDA time) of a few fwd+bwd calls and a Chrome trace, so that the time outside
 the three GEMMs (kernels, copies, host syncs: cudaStreamSynchronize / Memcpy DtoH rows) can be read off.
-Usage: python scripts/profile_lce.py [OUT_DIR]     (a CUDA device; `--smoke` runs tiny shapes on the CPU)
+Each variant is also timed plainly (5 calls back to back, perf_counter around a synchronize): on the H100 (2026-11-27,
+bench/results/h100-2026-11-27c/NOTES.md) do_bench gave the chunked 16,384 x 4,096 x 128,256 96 ms where its GPU
+time was 83 and a plain loop took 82; the two timings side by side show such a gap.
+Usage: python scripts/profile_lce.py [OUT_DIR] [--shapes=16384x4096x128256,...]   (a CUDA device; `--smoke` runs
+tiny shapes on the CPU)
 """
 
 import sys
@@ -17,11 +21,14 @@ from torch.profiler import ProfilerActivity, profile
 from tridist import kernels
 
 SMOKE = "--smoke" in sys.argv
+flags = dict(a.split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 out = Path(args[0] if args else "profile-lce")
 out.mkdir(parents=True, exist_ok=True)
 device = torch.device("cpu" if SMOKE else "cuda")
 SHAPES = [(64, 32, 500)] if SMOKE else [(4096, 2048, 32000), (8192, 4096, 128256)]  # tokens, hidden, vocabulary
+if "--shapes" in flags:
+    SHAPES = [tuple(int(n) for n in shape.split("x")) for shape in flags["--shapes"].split(",")]
 report = []
 
 
@@ -37,6 +44,18 @@ def eager(hidden, weight, labels):
 def sync():
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def plain_ms(step, calls: int = 5) -> float:
+    """Milliseconds per call of `calls` back to back, perf_counter around a synchronize."""
+    import time
+
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def timed_ms(step):
@@ -65,7 +84,8 @@ for tokens, hidden_size, vocab in SHAPES:
         for _ in range(3):  # compilation, allocator, autotuning
             step()
         sync()
-        log(f"{name} {tokens} x {hidden_size} x {vocab}: fwd+bwd {timed_ms(step):.3f} ms")
+        log(f"{name} {tokens} x {hidden_size} x {vocab}: fwd+bwd {timed_ms(step):.3f} ms (do_bench), "
+            f"{plain_ms(step):.3f} ms (plain loop)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(5):
