@@ -273,15 +273,15 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
 
 
 def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int, mp_policy: MixedPrecisionPolicy,
-                        expert_mesh=None) -> UnusedParameters:
+                        expert_mesh=None) -> None:
     """Replicate (level 0) or shard (levels 1-3) `model` over `dp_mesh`, block by block, then the root.
 
     Why per block: each block's all-gather / reduce-scatter then overlaps the neighbouring blocks'
     compute, and at level 3 only one block's parameters are unsharded at a time. Expert-parallel experts
     (`expert_mesh`: the [dp / ep, ep] mesh) go first, over its "edp" dimension (expert_parallel.py says how
     their gradients come out the dp average). Ranks may use different parameters in a step (experts their tokens
-    did not choose): the returned UnusedParameters, run before any optimizer's step over them, keeps them one device's
-    (unused_parameters.py).
+    did not choose): an UnusedParameters over the units keeps them one device's (unused_parameters.py). No one holds
+    it: its hooks on the units keep it alive, and any optimizer's step finds it through the parameters.
     """
     if sharding_level not in (0, 1, 2, 3):
         raise ValueError(f"parallelize: dp_config['sharding_level'] must be 0, 1, 2 or 3, got {sharding_level!r}")
@@ -297,7 +297,8 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
         for unit in [*units.shared, *units.blocks]:
             replicate(unit, mesh=dp_mesh, mp_policy=mp_policy)
         replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
-        return UnusedParameters([*units.shared, *units.blocks, model], dp_mesh.get_group(), apart=experts)
+        UnusedParameters([*units.shared, *units.blocks, model], dp_mesh.get_group(), apart=experts)
+        return
     reshard = sharding_level == 3
     # Called by several blocks: gathered for their calls, their gradients accumulated over them
     for unit in [*units.shared, *(units.tied or [])]:
@@ -311,7 +312,7 @@ def apply_data_parallel(model: torch.nn.Module, *, dp_mesh, sharding_level: int,
                     shard_placement_fn=fsdp_shard_placement)  # packed projections shard on dim 1
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, shard_placement_fn=fsdp_shard_placement)
     tied_modules = [module for group in units.tied or [] for module in group]
-    return UnusedParameters([*units.shared, *tied_modules, *blocks, model], dp_mesh.get_group(), apart=experts)
+    UnusedParameters([*units.shared, *tied_modules, *blocks, model], dp_mesh.get_group(), apart=experts)
 
 
 @dataclass

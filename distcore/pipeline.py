@@ -570,9 +570,9 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
     on the meta device): the caller then places modules by where they are registered.
 
     Kept on the model for a second ask about the same model (to_distributed asks before fusing the kernels, the
-    pipeline after; to_distributed drops it when done): the key is the layer list, the mode and every parameter's name and identity. Fusion keeps
-    them (its modules take the originals' parameters) and computes the same function, so the same data flow; any
-    other change of the model's parameters (sharding, a module replaced) asks again."""
+    pipeline after; each drops it when done): the key is the layer list, the mode and every parameter's name and
+    identity. Fusion keeps them (its modules take the originals' parameters) and computes the same function, so the
+    same data flow; any other change of the model's parameters (sharding, a module replaced) asks again."""
     named = list(model.named_parameters(remove_duplicate=False))
     key = (layer_list, model.training, tuple(name for name, _ in named))
     kept = vars(model).get("_tridist_forward_probe")

@@ -443,6 +443,11 @@ def _times(t: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torc
     return torch.mul(t, grad_loss.reshape(1).float(), out=t.new_empty(t.shape, dtype=dtype))
 
 
+def _defers(one_gemm: bool, dtype: torch.dtype) -> bool:
+    """Whether a scalar loss's forward leaves both gradient GEMMs to the backward: one GEMM of a bf16 head."""
+    return one_gemm and dtype in DEFERRED_DTYPES
+
+
 def _one_gemm(n_tokens: int, hidden_size: int, vocab_rows: int, dtype: torch.dtype, grad_weight: bool) -> bool:
     """Whether a half-precision head's weight gradient is one GEMM in its dtype over all the tokens, which then
     fit one chunk (`chunk_tokens`' exception for it, or few enough tokens anyway); else an fp32 accumulator sums
@@ -458,9 +463,9 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     gradients (grad_hidden [tokens, H] in hidden's dtype; grad_bias in fp32; grad_weight in fp32, or in the
     weight's dtype where one chunk of a half-precision head computed it in one GEMM: `_one_gemm`).
 
-    `defer` (a scalar loss, whose grad_output the backward brings): where `_one_gemm` holds for a bf16 head
-    (DEFERRED_DTYPES), neither gradient GEMM runs here; the second value returned is then the logits' gradient [tokens, rows] (the first is None),
-    for `_deferred_gradients_impl` to finish with grad_output folded in.
+    `defer` (a scalar loss, whose grad_output the backward brings): where `_defers` holds (one GEMM of a bf16
+    head), neither gradient GEMM runs here; the second value returned is then the logits' gradient [tokens,
+    rows] (the first is None), for `_deferred_gradients_impl` to finish with grad_output folded in.
 
     With `shard` (vocabulary parallel) `weight` and `bias` hold the rows shard.start .. of the vocabulary: each
     chunk's statistics are reduced over shard.group before step 3, and grad_hidden, a partial sum over the
@@ -479,7 +484,7 @@ def _run_chunks(hidden, weight, labels, bias, *, ignore_index, label_smoothing, 
     # reduce split-K partial sums in the half dtype, torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).
     # Its result is allocated by that GEMM, after the loss kernels (the CPU path's fp32 slices then are gone).
     one_gemm = _one_gemm(n_tokens, hidden_size, vocab_rows, dtype, grad_weight)
-    deferred = defer and one_gemm and dtype in DEFERRED_DTYPES
+    deferred = defer and _defers(one_gemm, dtype)
     gh = torch.empty((n_tokens, hidden_size), dtype=dtype, device=device) if grad_hidden and not deferred else None
     gw = None
     if grad_weight and not one_gemm:  # the fp32 accumulator; with no tokens the (zero) gradient in the weight's dtype
@@ -709,27 +714,25 @@ def _fake_grads(hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
     )
 
 
-def _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight) -> bool:
-    """Whether the forward leaves the weight's (and hidden's) gradient GEMMs to the backward (`_one_gemm`, over the
-    rows `_run_chunks` sizes its chunks by)."""
+def _op_one_gemm(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight) -> bool:
+    """`_one_gemm` from the op's arguments, over the rows `_run_chunks` sizes its chunks by (the largest shard's
+    under vocabulary parallel): what the fake and the saved context must agree on with the forward."""
     shard = VocabShard.of(vocab_start, vocab_size, group_name)
     rows = shard.largest_rows if shard is not None else weight.shape[0]
-    return hidden.dtype in DEFERRED_DTYPES and _one_gemm(labels.numel(), hidden.shape[-1], rows, hidden.dtype, grad_weight)
+    return _one_gemm(labels.numel(), hidden.shape[-1], rows, hidden.dtype, grad_weight)
 
 
 @_lce_op.register_fake
 def _(hidden, weight, labels, bias, num_items_in_batch, ignore_index, label_smoothing, softcap, reduction,
       vocab_start, vocab_size, group_name, grad_hidden, grad_weight, grad_bias):
     loss = hidden.new_empty(labels.shape if reduction == "none" else (), dtype=torch.float32)
-    deferred = _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight)
+    one_gemm = _op_one_gemm(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_weight)
+    deferred = _defers(one_gemm, hidden.dtype)
     if not grad_weight:
         weight_state = weight.new_empty(0)
     elif deferred:
         weight_state = hidden.new_empty((labels.numel(), weight.shape[0]))
     else:  # the fp32 accumulator; the gradient itself where it is one GEMM (fp16) or there are no tokens
-        shard = VocabShard.of(vocab_start, vocab_size, group_name)
-        one_gemm = _one_gemm(labels.numel(), hidden.shape[-1], shard.largest_rows if shard is not None else weight.shape[0],
-                             hidden.dtype, grad_weight)
         weight_state = weight.new_empty(weight.shape, dtype=weight.dtype if one_gemm or not labels.numel() else torch.float32)
     return (
         loss,
@@ -764,7 +767,8 @@ def _setup_linear_cross_entropy(ctx, inputs, output):
         ctx.reduction = reduction
         return
     ctx.computed = grad_flags  # only these were computed (and are what the caller's inputs need)
-    ctx.deferred = _defers(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_flags[1])
+    ctx.deferred = _defers(_op_one_gemm(hidden, weight, labels, vocab_start, vocab_size, group_name, grad_flags[1]),
+                           hidden.dtype)
     ctx.weight_dtype, ctx.bias_dtype, ctx.group_name = weight.dtype, None if bias is None else bias.dtype, group_name
     ctx.save_for_backward(*output[1:], *((hidden, weight) if ctx.deferred else ()))
 
@@ -811,13 +815,13 @@ def _scaled_gradients(ctx, grad_loss: torch.Tensor):
     - One chunk of a bf16 head: both GEMMs here, grad_loss folded in (`_deferred_gradients_impl`).
     - A bf16 head's fp32 accumulator: rounded to the weight's dtype with grad_loss applied in the same pass (the
       rounding the forward would otherwise have made), one rounding; grad_hidden times grad_loss.
-    Every product is computed in fp32 and rounded once (`_times`).
     - An fp32 head: its accumulator is the weight's gradient. In eager mode, when grad_loss is exactly 1
       (`loss.backward()`; one host sync on CUDA, as Liger has), the saved gradients themselves are handed over,
       which spares a weight-sized product (autograd never accumulates into a gradient that another reference,
       ctx while the graph is retained, still holds); otherwise products. A compiled graph multiplies.
-    grad_bias (fp32, tiny) is multiplied, then rounded to the bias's dtype. A grad_loss other than 1 or a power
-    of two rounds grad_hidden and the hidden rows a second time in a half dtype."""
+    grad_bias (fp32, tiny) is multiplied, then rounded to the bias's dtype. Every product is computed in fp32 and
+    rounded once (`_times`); a grad_loss other than 1 or a power of two rounds grad_hidden and the hidden rows a
+    second time in a half dtype."""
     computed_hidden, computed_weight, computed_bias = ctx.computed
     gh_state, weight_state, gb_state, *inputs = ctx.saved_tensors
     eager = getattr(ctx, "eager", False)
