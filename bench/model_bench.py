@@ -76,8 +76,8 @@ TOLERANCE_FLOOR = {
     torch.bfloat16: {"out": 1e-3, "grad": 1e-2},
 }
 
-# Timing budgets in ms (kernels.time_ms: triton's do_bench on CUDA, perf_counter median on CPU).
-# do_bench runs rep_ms / (estimated step time) timed steps: 2 s is ~13 steps of the model at ~150 ms.
+# Timing budgets in ms (kernels.time_ms: CUDA events as triton's do_bench, perf_counter median on CPU).
+# It runs rep_ms / (estimated step time) timed steps, at least 10: 2 s is ~13 steps of the model at ~150 ms.
 CUDA_WARMUP_MS, CUDA_REP_MS = 500, 2000
 CPU_WARMUP_MS, CPU_REP_MS = 10, 100
 CPU_THREADS = 1  # as the kernel benchmark: a shared machine's descheduled OpenMP thread stalls a step
@@ -916,7 +916,7 @@ def render_model_markdown(df, meta: dict) -> str:
         "model: the causal LM's training step (forward with labels, backward, AdamW step, zero_grad); hf-model: "
         "that step on transformers' LlamaForCausalLM, whose LM head and loss `fuse` fuses (fused-no-lce: "
         "`fuse(model, linear_cross_entropy=False)`, the logits kept).",
-        "- Time: median ms per step; CUDA: `triton.testing.do_bench` (CUDA events); CPU: wall clock. "
+        "- Time: median ms per step; CUDA: CUDA events (`triton.testing.do_bench`'s method); CPU: wall clock. "
         "Peak GiB: one step after the timing, `torch.cuda.max_memory_allocated` (CUDA) or torch's MemTracker "
         "with the module's and the optimizer's tensors (CPU).",
         "- `vs X`: X's time / this variant's time (> 1: faster). TFLOP/s: model FLOPs (6 x matmul weights x "

@@ -147,8 +147,8 @@ def render_kernel_markdown(df, meta: dict) -> str:
         f"- Measured copy bandwidth: {format_value(copy_bw, '.1f')} GB/s (device-to-device `copy_`, "
         "bytes read + written)",
         "",
-        "- Time: median ms; CUDA: `triton.testing.do_bench` (CUDA events, L2 flushed before each run); "
-        "CPU: wall clock.",
+        "- Time: median ms; CUDA: events around each run, L2 flushed before it (`triton.testing.do_bench`'s "
+        "method, at least 10 runs); CPU: wall clock.",
         "- GB/s: minimum bytes moved (each input read once, each output written once) / time; "
         "% copy BW: that against the copy bandwidth above.",
         "- linear_cross_entropy (GEMM-bound): TFLOP/s of its GEMMs (2·T·H·V for the logits; 3x with the "

@@ -1,12 +1,13 @@
 """Where linear_cross_entropy's fwd+bwd time goes, against torch.compile of eager linear + cross-entropy (issue 23:
 the shapes where compile still wins, bench/results/h100-2026-11-27b/NOTES.md).
 
-For each shape: CUDA-event time of both variants (triton.testing.do_bench, L2 flushed), then a torch.profiler
+For each shape: CUDA-event time of both variants (the benchmark's and triton.testing.do_bench's, L2 flushed), then a torch.profiler
 table (CPU and CUDA, sorted by CUDA time) of a few fwd+bwd calls and a Chrome trace, so that the time outside
 the three GEMMs (kernels, copies, host syncs: cudaStreamSynchronize / Memcpy DtoH rows) can be read off.
 Each variant is also timed plainly (5 calls back to back, perf_counter around a synchronize): on the H100 (2026-11-27,
 bench/results/h100-2026-11-27c/NOTES.md) do_bench gave the chunked 16,384 x 4,096 x 128,256 96 ms where its GPU
-time was 83 and a plain loop took 82; the two timings side by side show such a gap.
+time was 83 and a plain loop took 82: do_bench times a call over 50 ms once (its runs fill 100 ms), so that
+figure was one sample. The benchmark's timing keeps at least 10.
 Usage: python scripts/profile_lce.py [OUT_DIR] [--shapes=16384x4096x128256,...]   (a CUDA device; `--smoke` runs
 tiny shapes on the CPU)
 """
@@ -58,16 +59,17 @@ def plain_ms(step, calls: int = 5) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def timed_ms(step):
+def timed(step) -> str:
+    """bench's timing (CUDA events, L2 flushed, at least 10 runs) and do_bench's, which times a call over
+    50 ms once."""
+    from tridist.bench.kernels import time_ms
+
+    line = f"{time_ms(step, device=device):.3f} ms (bench, median)"
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(step, return_mode="median")
-    import time
-
-    start = time.perf_counter()
-    step()
-    return (time.perf_counter() - start) * 1e3
+        line += f", {triton.testing.do_bench(step, return_mode='median'):.3f} ms (do_bench)"
+    return line
 
 
 for tokens, hidden_size, vocab in SHAPES:
@@ -84,8 +86,7 @@ for tokens, hidden_size, vocab in SHAPES:
         for _ in range(3):  # compilation, allocator, autotuning
             step()
         sync()
-        log(f"{name} {tokens} x {hidden_size} x {vocab}: fwd+bwd {timed_ms(step):.3f} ms (do_bench), "
-            f"{plain_ms(step):.3f} ms (plain loop)")
+        log(f"{name} {tokens} x {hidden_size} x {vocab}: fwd+bwd {timed(step)}, {plain_ms(step):.3f} ms (plain loop)")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             for _ in range(5):

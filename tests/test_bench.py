@@ -99,6 +99,24 @@ def test_timed_backward_returns_gradients_instead_of_accumulating_them(mode):
     assert len(grads) == 3 and all(g is not None and g.shape == t.shape for g, t in zip(grads, inputs.grad_inputs))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or _common.TRITON_INTERPRET, reason="CUDA events need a GPU"))])
+def test_a_slow_call_is_timed_more_than_once(device):
+    """do_bench sizes its runs to fill `rep` ms, so it times a 60 ms call once: time_ms keeps a floor of
+    timed runs (CPU_MIN_REPS, CUDA_MIN_REPS) on top of the untimed first call, estimate and warm-up."""
+    import time
+
+    calls = []
+
+    def slow():  # ~60 ms: the GPU spins for 1e8 cycles (~1.7 GHz), the CPU sleeps
+        calls.append(1)
+        torch.cuda._sleep(100_000_000) if device == "cuda" else time.sleep(0.06)
+
+    assert kb.time_ms(slow, device=torch.device(device), warmup_ms=25, rep_ms=100) > 0
+    untimed = 1 + 5 + 1 if device == "cuda" else 1 + 1  # first call, estimate, one warm-up
+    assert len(calls) >= untimed + (kb.CUDA_MIN_REPS if device == "cuda" else kb.CPU_MIN_REPS)
+
+
 def test_wrong_or_broken_variant_is_flagged(monkeypatch):
     """A variant that computes the wrong thing is timed but flagged; one that raises is not timed."""
     def wrong(x, y=None):
