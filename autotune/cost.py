@@ -125,10 +125,10 @@ DDP_BUCKETS_IN_FLIGHT = 2  # one being filled, one being reduced
 ZERO3_PREFETCH_LAYERS = 2  # FSDP keeps the current and the prefetched layer's parameters gathered
 LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 # tridist's linear_cross_entropy (kernels/ops/linear_cross_entropy.py, chunk_tokens) runs the loss over chunks
-# of about tokens·h/V tokens, raised to min(2048, h), clamped to [128, 4096] and evened out, or, for a
+# of about tokens·h/V tokens, raised to min(4096, h), clamped to [128, 4096] and evened out, or, for a
 # half-precision head, in one chunk up to 2·h tokens (no fp32 accumulator of the weight's gradient then);
 # tests/test_cost_terms.py checks that the rules agree.
-FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_SPEED_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 2048, 4096
+FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_SPEED_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 4096, 4096
 FUSED_LOSS_ONE_CHUNK_HIDDEN_MULTIPLE = 2
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32

@@ -335,13 +335,14 @@ def test_strided_inputs(torch_path, small_chunks):
 
 
 def test_chunk_rule():
-    """Liger's rule (chunk logits about hidden's size), raised to min(2048, hidden) so that the weight
+    """Liger's rule (chunk logits about hidden's size), raised to min(4096, hidden) so that the weight
     gradient's fp32 accumulator is read and written in a few chunks, floor and ceiling, chunks evened out."""
     rule = lce_module.chunk_tokens
-    assert rule(8192, 4096, 128256) == 2048  # Liger's target 262 (32 chunks): raised to 2048, 4 chunks
-    assert rule(16384, 4096, 128256) == 2048  # 8 chunks where Liger's rule cuts 32 (the H100's 45 ms)
-    assert rule(8000, 4096, 128256) == 2000  # 4 chunks of 2048 evened out
-    assert rule(2048, 512, 32000) == 512  # target 33: raised to the hidden size, not 2048
+    assert rule(8192, 4096, 128256) == 4096  # Liger's target 262 (32 chunks): raised to 4096, 2 chunks
+    assert rule(16384, 4096, 128256) == 4096  # 4 chunks where Liger's rule cuts 32 (the H100's 45 ms)
+    assert rule(8000, 4096, 128256) == 4000  # 2 chunks of 4096 evened out
+    assert rule(2048, 512, 32000) == 512  # target 33: raised to the hidden size, not 4096
+    assert rule(16384, 2048, 32000) == 2048  # target 1049: raised to the hidden size
     assert rule(4096, 64, 32000) == lce_module.MIN_CHUNK_TOKENS  # a toy head narrower than the floor
     assert rule(100, 512, 32000) == 100  # fewer tokens than the floor: one chunk
     assert rule(65536, 8192, 32000) == 4096  # target 16777: the ceiling
@@ -350,7 +351,7 @@ def test_chunk_rule():
     # A half-precision head's gradient: up to 2 x hidden tokens in one chunk, no fp32 accumulator
     assert rule(8192, 4096, 128256, fp32_accumulator=True) == 8192
     assert rule(4096, 2048, 32000, fp32_accumulator=True) == 4096
-    assert rule(8193, 4096, 128256, fp32_accumulator=True) == rule(8193, 4096, 128256) == 1639  # 5 chunks
+    assert rule(8193, 4096, 128256, fp32_accumulator=True) == rule(8193, 4096, 128256) == 2731  # 3 chunks
 
 
 @pytest.mark.parametrize("hidden", [8, 64, 512, 2048, 4096, 8192])
@@ -663,3 +664,36 @@ def _call(hidden=None, weight=None, labels=None, **options):
 def test_bad_input_errors(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call()
+
+
+@pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                             (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float16, torch.float16)])
+def test_times_is_the_fp32_product_rounded_once(monkeypatch, src_dtype, dtype):
+    """`_times` (grad_output applied in the backward): the Triton pass on a contiguous tensor, two blocks and a
+    partial one, equals the fp32 product rounded once to `dtype`, bit for bit (to nearest even; toward zero in
+    bf16 under the interpreter: `converts_toward_zero`), with a loss scaler's 65,536 that fp16 could not hold as a
+    factor; a transposed tensor takes torch's mul."""
+    from tridist.kernels.testing import converts_toward_zero, round_to
+
+    launches = []
+    kernel = lce_module._times_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(lce_module, "_times_kernel", Spy())
+    generator = torch.Generator().manual_seed(0)
+    t = (torch.randn(2 * lce_module.TIMES_BLOCK + 3, generator=generator) * 1e-3).to(src_dtype)
+    for factor in (0.37, 65536.0):
+        grad_loss = torch.tensor(factor)
+        expected = round_to(t.float() * torch.tensor(factor, dtype=torch.float32), dtype,
+                            toward_zero=converts_toward_zero(t.device, dtype))
+        out = lce_module._times(t, grad_loss, dtype)
+        assert out.dtype == dtype and torch.equal(out, expected)
+    assert len(launches) == (2 if _common.TRITON_INTERPRET else 0)
+    square = t[:64 * 64].reshape(64, 64).t()  # not contiguous: torch's mul, same values
+    out = lce_module._times(square, torch.tensor(0.37), dtype)
+    assert torch.equal(out, (square.float() * 0.37).to(dtype)) and len(launches) == (2 if _common.TRITON_INTERPRET else 0)

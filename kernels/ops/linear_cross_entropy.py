@@ -103,9 +103,12 @@ from .._common import (
 # intensity of c / 4 flop per byte for c tokens, while an H100 needs ~260 (~780 bf16 TFLOP/s over ~3 TB/s)
 # to stay compute-bound. Measured there (2026-11-26, bench/results/h100-2026-11-26/NOTES.md): 16,384 tokens
 # x 128,256 vocabulary in 31 chunks took 122 ms fwd+bwd, 45 ms of it that traffic, slower than eager. Hence
-# the floor SPEED_CHUNK_TOKENS = 2048 (8x fewer chunks, twice the ridge; it also keeps small shapes off the
-# per-chunk host cost, ~0.1 ms of launches per chunk), but never above hidden_size: then the chunk's logits
-# (c x V) stay at most the weight's size (V x H). With a half-precision head the step's peak does not grow:
+# the floor SPEED_CHUNK_TOKENS (it also keeps small shapes off the per-chunk host cost, ~0.1 ms of launches per
+# chunk). At 2,048 (twice the ridge) the same shape's 8 chunks still lost ~4.5 ms to it: each accumulating GEMM
+# took 3.68 ms against 3.04 for the chunk's other two (2026-11-27, bench/results/h100-2026-11-27d/profile-lce),
+# and the step 84.7 ms against compile's 76.9. Now 4,096 (4x the ridge, half the accumulations; not yet timed
+# end to end), but never above hidden_size: then the chunk's logits (c x V) stay at most the weight's size
+# (V x H). With a half-precision head the step's peak does not grow:
 # it is the fp32 accumulator plus the weight-sized gradient result, which the chunk's logits (freed before
 # it) stay under; with an fp32 head it grows by at most the weight's size. MIN_CHUNK_TOKENS
 # keeps the GEMM's M dimension one full 128-row tensor-core tile for narrow toy heads; above
@@ -123,7 +126,7 @@ from .._common import (
 # 2 chunks, 3.21 in one (compile 2.60). CUDA's peak above the inputs stayed 3,070 MiB at the first shape.
 ONE_CHUNK_HIDDEN_MULTIPLE = 2
 MIN_CHUNK_TOKENS = 128
-SPEED_CHUNK_TOKENS = 2048
+SPEED_CHUNK_TOKENS = 4096
 MAX_CHUNK_TOKENS = 4096
 # The plain-PyTorch steps 2 and 3 (CPU) and the weight gradient's fp32 upcast where no fp32-output GEMM of
 # half-precision inputs exists (CPU; CUDA before sm_80 or torch 2.8) work on this many of a chunk's tokens at
@@ -272,6 +275,16 @@ def _loss_grad_kernel(
             # where() after the product: an inf scale (num_items_in_batch = 0) never reaches ignored rows.
             grad = tl.where(active[:, None], grad * scale[:, None], 0.0)
             tl.store(logits_ptr + offsets, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _times_kernel(src_ptr, factor_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+    """out = src * factor[0] over contiguous tensors, in fp32, rounded once to out's dtype (`_times`)."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: a 256k x 8k weight has 2^31
+    mask = offsets < n_elements
+    factor = tl.load(factor_ptr).to(tl.float32)
+    x = tl.load(src_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offsets, (x * factor).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------- launch configurations
@@ -436,11 +449,26 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad_logits: torch.Tensor, rows: 
 DEFERRED_DTYPES = (torch.bfloat16,)
 
 
+# `_times_kernel`'s elements per program: a streaming pass, 16 per thread of 8 warps (untuned: any block of a few
+# thousand elements keeps an H100's bandwidth busy).
+TIMES_BLOCK = 4096
+
+
 def _times(t: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t * grad_loss, a new tensor of `dtype`: computed in fp32 and rounded once, with no fp32 copy of t. (grad_loss
     as a one-element tensor takes part in type promotion: a 0-dim one would be cast to t's half dtype first on CUDA,
-    where a loss scaler's 65,536 is inf in fp16.)"""
-    return torch.mul(t, grad_loss.reshape(1).float(), out=t.new_empty(t.shape, dtype=dtype))
+    where a loss scaler's 65,536 is inf in fp16.) A contiguous Triton tensor outside a traced graph takes
+    `_times_kernel`: torch's mul into another dtype with a one-element operand runs its generic, unvectorized
+    kernel, which took ~2.7 ms for the fp32 accumulator of a 128,256 x 4,096 head on an H100 (2026-11-27,
+    bench/results/h100-2026-11-27d/profile-lce), 2.6x the time of the 3.2 GB it moves. A traced graph keeps the
+    mul, which inductor fuses with the rounding."""
+    factor = grad_loss.reshape(1).float()
+    out = t.new_empty(t.shape, dtype=dtype)
+    if (use_triton(t) and t.is_contiguous() and t.numel() > 0 and not is_fake(t)
+            and not torch.compiler.is_compiling()):
+        _times_kernel[(cdiv(t.numel(), TIMES_BLOCK),)](t, factor, out, t.numel(), BLOCK=TIMES_BLOCK, num_warps=8)
+        return out
+    return torch.mul(t, factor, out=out)
 
 
 def _defers(one_gemm: bool, dtype: torch.dtype) -> bool:
