@@ -14,8 +14,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee $OUT
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | awk '{print tolower($2)}')
 D=${D:-bench/results/${GPU}-$(date -u +%F)}
 echo "results -> $D at ${SECONDS}s"
-# PRECHECK: a shell command (e.g. the GPU-only tests) that must pass before any bench runs
-if [ -n "${PRECHECK:-}" ]; then bash -c "$PRECHECK" > $OUT/precheck.log 2>&1; rc=$?; tail -5 $OUT/precheck.log
+# PRECHECK: a shell command (e.g. the GPU-only tests) that must pass before any bench runs; run with
+# TRITON_INTERPRET=0, as tests/conftest.py otherwise sets 1 and the GPU-only tests skip
+if [ -n "${PRECHECK:-}" ]; then TRITON_INTERPRET=0 bash -c "$PRECHECK" > $OUT/precheck.log 2>&1; rc=$?; tail -5 $OUT/precheck.log
   echo "precheck exit $rc at ${SECONDS}s"; [ $rc -eq 0 ] || exit 8; fi
 [ -n "${NO_PROFILE:-}" ] || timeout 80 python3 scripts/profile_launch_path.py /tmp/prof > $OUT/prof.log 2>&1; echo "profile exit $? at ${SECONDS}s"
 # FIRST: tridist commands (';'-separated, {D} for the results folder) run before the steps, for the evidence a
