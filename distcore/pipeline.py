@@ -23,9 +23,13 @@ How a model written for one device becomes pipeline stages, without tracing it:
   runs the whole schedule (forward and backward of every micro-batch) and returns the mean loss on
   every rank; the `loss.backward()` that follows in the user's loop only applies the factor the loop
   scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
-  so call it on each loss before the next call. (So an fp16 backward runs unscaled: a loss scaler's underflow
-  protection does not reach it. A non-finite gradient on one rank is made visible on every rank, so a scaler
-  skips the step everywhere: _agree_on_non_finite.) Gradients accumulate over
+  so call it on each loss before the next call. The schedule's backward runs at the factor the loop applied
+  to the previous call's loss, and the loss's backward corrects by the ratio of the two (1 while the factor
+  holds), so a loss scaler's factor reaches an fp16 backward as on one device, except on the first call and
+  on the call after the factor changed: those ran at the old factor, so a scaler's back-off after an overflow
+  takes effect one call later (one more skipped step). A call whose loss gets no backward counts with factor 1.
+  A non-finite gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
+  (_agree_on_non_finite). Gradients accumulate over
   calls, also across evaluations and batches of other shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
@@ -75,6 +79,7 @@ import copy
 import difflib
 import enum
 import logging
+import math
 import re
 import warnings
 import weakref
@@ -1137,16 +1142,17 @@ class PipelineRunner:
         self.stages, self.states, self.views, self.config, self.tied = stages, states, views, config, tied
         self.pp_group, self.dp_group, self.micro_batches = pp_group, dp_group, micro_batches
         count = config.micro_batches
-        loss_fn = lambda output, target: output / count  # noqa: E731 - micro-batch means averaged
         schedule_cls = _SCHEDULES[config.schedule]
         target = stages if config.chunks_per_rank > 1 else stages[0]
-        self.schedule = schedule_cls(target, n_microbatches=count, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = schedule_cls(target, n_microbatches=count, loss_fn=self._micro_batch_loss, scale_grads=False)
+        # The factor the loop applied to the last loss it called backward() on: the next schedule's backward runs at it.
+        self._backward_scale = 1.0
         self.device = stages[0].device
         self.last_rank = dist.get_global_rank(pp_group, (config.num_stages - 1) % dist.get_world_size(pp_group))
         # The loss returned to the loop hangs off this leaf; its backward only applies the loop's scale.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._shapes = None  # the micro-batch shapes the stages' buffers were sized for
-        self._pending = None  # (token, this call's own gradients or None: all of them, parameters)
+        self._pending = None  # (token, this call's own gradients or None: all of them, parameters, backward scale)
         self._output_form = None  # the model's kind of output, as the last stage last sent it
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
@@ -1195,6 +1201,9 @@ class PipelineRunner:
         by the factor the loop applied to the loss (while accumulating, this call's gradients are held
         apart from the earlier ones until then: one more set of gradients in memory); returns its token
         (None for an evaluation)."""
+        if training and self._pending is not None:  # the last call's loss got no backward: its factor is 1
+            pending, self._pending = self._pending, None
+            self._apply_factor(pending, 1.0)
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
         if held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
@@ -1223,12 +1232,18 @@ class PipelineRunner:
         if not training:
             return None
         token = object()
-        self._pending = (token, own if held else None, params)
+        self._pending = (token, own if held else None, params, self._backward_scale)
         return token
+
+    def _micro_batch_loss(self, output, target):
+        """A micro-batch's share of the mean loss; its backward runs at the factor of the last loss's backward."""
+        loss = output / self.config.micro_batches
+        return _ScaledBackward.apply(loss, self._backward_scale) if self._backward_scale != 1.0 else loss
 
     def _scale_gradients(self, token: object, scale: torch.Tensor) -> None:
         """Backward of a returned loss: apply the loop's factor (`(loss / steps).backward()`, a loss scaler)
-        to the gradients of the call that returned it."""
+        to the gradients of the call that returned it, which the schedule computed at the last factor (exactly
+        1 apart while the factor holds), and keep the factor for the next call's backward."""
         pending, scale = self._pending, float(scale)
         current = pending is not None and pending[0] is token
         if current:
@@ -1241,16 +1256,24 @@ class PipelineRunner:
                     "before the next call of the model"
                 )
             return
-        _, own, params = pending
+        if math.isfinite(scale) and scale != 0.0:  # a zero or non-finite factor would spoil the next backward
+            self._backward_scale = scale
+        self._apply_factor(pending, scale)
+
+    @staticmethod
+    def _apply_factor(pending: tuple, scale: float) -> None:
+        """Scale a call's gradients, computed at `computed_at`, to `scale`; then agree on non-finite ones."""
+        _, own, params, computed_at = pending
+        factor = scale / computed_at
         with torch.no_grad():
-            if scale != 1.0:
+            if factor != 1.0:
                 if own is None:  # no earlier gradients: every gradient is this call's
                     for p in params:
                         if p.grad is not None:
-                            p.grad.mul_(scale)
+                            p.grad.mul_(factor)
                 else:
                     for p, grad in own.items():
-                        p.grad.add_(grad, alpha=scale - 1.0)
+                        p.grad.add_(grad, alpha=factor - 1.0)
             # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
             _agree_on_non_finite([local_value(p.grad) for p in params if p.grad is not None])
 
@@ -1343,6 +1366,19 @@ def _no_backward_in_eval_mode(grad) -> None:
         "pipeline parallel: this loss came from a call in eval mode, which runs the schedule's forward only (no "
         "gradients); to train, call model.train() before the call (switch dropout off per module if needed)"
     )
+
+
+class _ScaledBackward(torch.autograd.Function):
+    """The loss itself; its backward starts from `scale` instead of 1 (as `(loss * scale).backward()` would)."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 class _ReturnedLoss(torch.autograd.Function):

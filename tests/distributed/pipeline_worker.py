@@ -403,6 +403,55 @@ def check_scaling_the_returned_loss_scales_the_gradients():
     optimizer.zero_grad()
 
 
+class _SmallLossModel(SeedLlamaModel):
+    """The cross-entropy times 2^-16, so that its fp16 gradients (~1e-3 here) fall below fp16's smallest
+    subnormal (6e-8) unless a loss scaler's factor multiplies them, as a large model's do at any loss."""
+
+    def forward(self, input_ids, labels=None):
+        loss, logits = super().forward(input_ids, labels=labels)
+        return loss * 2.0**-16, logits
+
+
+def check_a_loss_scalers_factor_reaches_an_fp16_backward():
+    """fp16 under dp2 x pp2 with a loss scaler's factor: `(loss * 65,536).backward()` each call, then the
+    gradients over 65,536 (the scaler's unscale), and a back-off to 32,768 on the third call. The schedule's
+    backward runs at the last call's factor, so from the second call on the gradients are as far from the
+    fp32 ones as one process's fp16 gradients (measured 9.3e-4 and 9.0e-4 relative: fp16 roundings, 2^-11 each,
+    along the same chain in another order). Allowed: twice one process's error. Unscaled, as the first call
+    runs (the factor is not known yet), they underflow: an error of 1.29 (one process unscaled: 1.64)."""
+    inputs, labels = _batches()[0]
+    scale = 65536.0
+
+    def built(dtype):
+        torch.manual_seed(0)
+        return _SmallLossModel(tiny_seed_config(num_hidden_layers=LAYERS)).to(dtype)
+
+    def gradients(model, factor):
+        return {name: g.double() / factor for name, g in equivalence.gradients(model).items()}
+
+    def error(got, want):  # norm-wise over the tensors of `got` (this stage's)
+        return (sum(float((got[n] - want[n]).norm() ** 2) for n in got) / sum(float(want[n].norm() ** 2) for n in got)) ** 0.5
+
+    exact = built(torch.float32)
+    exact(inputs, labels=labels)[0].backward()
+    one = built(torch.float16)
+    (one(inputs, labels=labels)[0] * scale).backward()
+    want, one_process = gradients(exact, 1.0), gradients(one, scale)
+    model = built(torch.float16)
+    model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), DP2_PP2,
+                                            {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
+    rows = _local_rows(DP2_PP2, inputs, labels)
+    for call, factor in enumerate((scale, scale, scale / 2)):
+        loss, _ = model(rows[0], labels=rows[1])
+        (loss * factor).backward()
+        got = gradients(model, factor)
+        optimizer.zero_grad(set_to_none=True)
+        if call:
+            allowed = 2 * error({n: one_process[n] for n in got}, want)
+            assert error(got, want) <= allowed, (call, error(got, want), allowed)
+            equivalence.record("fp16 gradient error / allowed", error(got, want) / allowed)
+
+
 class _LogitsLossModel(SeedLlamaModel):
     """A loss computed from the logits without F.cross_entropy (a z-loss-like term): with a vocabulary-
     parallel head it is a DTensor reduced over the split vocabulary, a partial sum on each mp rank."""
