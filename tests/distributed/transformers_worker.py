@@ -808,6 +808,54 @@ def check_bf16_mixed_precision_trains_with_the_fused_loss_like_one_process():
         lce_module._deferred_gradients_impl = deferred
 
 
+def check_fp16_mixed_precision_with_a_loss_scaler_trains_like_one_process():
+    """to_distributed's mixed_precision="float16" with torch.amp.GradScaler at its default scale (65,536) in the
+    loop, fused kernels on: the fused LM head + loss sees an fp16 head, whose gradients all wait for the backward
+    (linear_cross_entropy recomputes the logits there, times the scaler's factor, which fp16 could not hold as a
+    factor of its own: the review of 2026-11-27 found all-inf gradients there). Under dp 2 x tp 2 vocabulary-
+    parallel the factor is 65,536 at every call; under dp 2 x pp 2 each micro-batch's loss is halved and the
+    schedule's backward runs at the previous call's factor: 1/2 on the first call, 65,536/2 on the second. No step
+    overflows (the scale stays), and training equals one fp32 process to half-precision rounding (the bf16
+    tolerances: fp16's unit roundoff is 8x finer, and the scaler keeps its gradients in range)."""
+    from tridist.kernels.ops import linear_cross_entropy as lce_module
+
+    factors, row_scale = [], lce_module._row_scale
+
+    def spied(grad_loss, *args, **kwargs):
+        factors.append(grad_loss.item())
+        return row_scale(grad_loss, *args, **kwargs)
+
+    lce_module._row_scale = spied
+    try:
+        for label, expected in (("dp 2 x tp 2, level 2", {65536.0}), ("dp 2 x pp 2, 2 micro-batches", {0.5, 32768.0})):
+            factors.clear()
+            model, optimizer = _model("llama")
+            model, optimizer, loader = distcore.to_distributed(
+                model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                config=distcore.ToDistributedConfig(strategy=MATRIX[label], mixed_precision="float16"))
+            scaler, trace = torch.amp.GradScaler("cpu"), equivalence.Trace()
+            for batch in loader():
+                out = model(**batch)
+                scaler.scale(out.loss).backward()
+                scaler.unscale_(optimizer)
+                trace.step(model, out.loss)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+            assert scaler.get_scale() == 65536.0, (label, scaler.get_scale())  # no step skipped
+            computes_loss = model.distributed_strategy.pp == 1 or dist.get_rank() in _last_stage_ranks(model)
+            # pp: the second call's two micro-batches at 65,536 / 2 (the first call's run at 1/2, counted with torch's
+            # shape inference of the first micro-batch)
+            assert set(factors) == (expected if computes_loss else set()), (label, factors)
+            assert not computes_loss or factors[-2:] == [max(expected)] * 2, (label, factors)
+            trace.end(model)
+            trace.add_loss(_evaluate(model, logits=False)[0])
+            equivalence.assert_same_training(trace, _reference("llama"), rtol=equivalence.BF16_RTOL,
+                                             loss_rtol=equivalence.BF16_LOSS_RTOL)
+    finally:
+        lce_module._row_scale = row_scale
+
+
 def _plain_loop(model, optimizer, loader) -> equivalence.Trace:
     """The user's loop over the loader, then an evaluation, whose loss is the trace's last as in the references'
     runs. The parameters are read before the evaluation: a forward without backward leaves FSDP2's parameters
