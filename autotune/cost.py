@@ -101,7 +101,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 12  # 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 13  # 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
