@@ -21,16 +21,19 @@ How a model written for one device becomes pipeline stages, without tracing it:
   its output is the last owned layer's.
 - torch's schedules (1F1B, GPipe, interleaved 1F1B) drive the stages. `model(inputs, labels=...)`
   runs the whole schedule (forward and backward of every micro-batch) and returns the mean loss on
-  every rank; the `loss.backward()` that follows in the user's loop only applies the factor the loop
-  scaled the loss by (`(loss / accumulation_steps).backward()`, a loss scaler) to that call's gradients,
-  so call it on each loss before the next call. The schedule's backward runs at the factor the loop applied
-  to the previous call's loss, and the loss's backward corrects by the ratio of the two (1 while the factor
-  holds), so a loss scaler's factor reaches an fp16 backward as on one device, except on the first call and
-  on the call after the factor changed: those ran at the old factor, so a scaler's back-off after an overflow
-  takes effect one call later (one more skipped step). A call whose loss gets no backward counts with factor 1.
-  A non-finite gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
-  (_agree_on_non_finite). Gradients accumulate over
-  calls, also across evaluations and batches of other shapes (which re-run torch's shape inference).
+  every rank. The call's gradients are kept apart until the `loss.backward()` in the user's loop adds them to
+  the parameters', times the factor the loop scaled the loss by (`(loss / accumulation_steps).backward()`, a
+  loss scaler), as one device's backward would: a zero_grad() between the call and its backward clears only
+  earlier gradients, a loss that gets no backward adds nothing, losses may get their backward in any order,
+  each once (a second one raises), and a call's gradients live as long as its loss's graph. The schedule's
+  backward runs at the factor the loop applied to the previous loss, and the loss's backward corrects by the
+  ratio of the two (1 while the factor holds), so a loss scaler's factor reaches an fp16 backward as on one
+  device, except on the first call and on the call after the factor changed: those ran at the old factor, so
+  a scaler's back-off after an overflow takes effect one call later (one more skipped step; the scale settles
+  one halving lower). A non-finite
+  gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
+  (_agree_on_non_finite). Gradients accumulate over calls, also across evaluations and batches of other
+  shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
 - The loss (and gradient) is the mean of the micro-batch losses, as in Megatron-LM and Paddle. With
@@ -1152,7 +1155,6 @@ class PipelineRunner:
         # The loss returned to the loop hangs off this leaf; its backward only applies the loop's scale.
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self._shapes = None  # the micro-batch shapes the stages' buffers were sized for
-        self._pending = None  # (token, this call's own gradients or None: all of them, parameters, backward scale)
         self._output_form = None  # the model's kind of output, as the last stage last sent it
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
@@ -1173,9 +1175,9 @@ class PipelineRunner:
             state.logits.clear()
         index = torch.arange(self.config.micro_batches, device=self.device)
         losses: list[torch.Tensor] = []
-        token = self._run_keeping_gradients(model, index, losses, training)
+        call = self._run_keeping_gradients(model, index, losses, training)
         self.micro_batches.clear()  # the batch is the loop's to free
-        return self._outputs(losses, token)
+        return self._outputs(losses, call)
 
     def _follow_shapes(self) -> None:
         """torch infers the activations' shapes from the first call's micro-batches and sizes its receive
@@ -1194,90 +1196,70 @@ class PipelineRunner:
         self._shapes = shapes
 
     def _run_keeping_gradients(self, model: torch.nn.Module, index: torch.Tensor, losses: list, training: bool):
-        """One step of the schedule (training) or its forward only. Gradients accumulated by earlier calls
-        are set aside during it (torch's stage re-initialisation, on the first call, at a switch between
-        evaluation and training or a shape change, clears FSDP2's gradients) and added back after. A
-        training call's own gradients are remembered until the returned loss's backward, which scales them
-        by the factor the loop applied to the loss (while accumulating, this call's gradients are held
-        apart from the earlier ones until then: one more set of gradients in memory); returns its token
-        (None for an evaluation)."""
-        if training and self._pending is not None:  # the last call's loss got no backward: its factor is 1
-            pending, self._pending = self._pending, None
-            self._apply_factor(pending, 1.0)
+        """One step of the schedule (training) or its forward only. The gradients the parameters hold (earlier
+        calls', accumulated) are set aside during it (torch's stage re-initialisation, on the first call, at a
+        switch between evaluation and training or a shape change, clears FSDP2's gradients) and put back after.
+        A training call's own gradients are kept apart from them until its returned loss's backward adds them,
+        times the factor the loop applied to the loss (`_CallGradients`), as a backward on one device would: a
+        zero_grad() between the call and that backward clears only the earlier gradients, and a call whose loss
+        gets no backward adds nothing. Returns the call's gradients (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
         if held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
-            held = {}  # zeroed, not freed (Paddle's clear_grad()): nothing to keep apart, no second copy
+            held = {}  # zeroed, not freed (Paddle's clear_grad()): the schedule accumulates into them, no second set
         for p in held:
             p.grad = None
+        call = None
         try:
             if training:
                 # Checkpointing enabled after parallelize (model.activation_checkpointing_enable(...)): refused here,
                 # on every rank alike, before the schedule's ranks could part.
                 _refuse_reentrant_checkpointing(model)
                 self.schedule.step(index, target=index, losses=losses, return_outputs=False)
-                self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are held apart
+                self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are set aside
+                call = _CallGradients({p: p.grad for p in params if p.grad is not None}, params, self._backward_scale)
             else:
                 with torch.no_grad():
                     self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
         finally:
-            own = {}  # this call's gradients, needed apart only when earlier ones were added back
             for p in params:
-                if p.grad is not None and held:
-                    own[p] = p.grad
                 if p in held:
-                    if p.grad is not None:
-                        held[p].add_(p.grad)
                     p.grad = held[p]
-        if not training:
-            return None
-        token = object()
-        self._pending = (token, own if held else None, params, self._backward_scale)
-        return token
+                elif training:  # this call's (in the call's gradients), or a zeroed tensor the schedule added to
+                    p.grad = None
+        return call
 
     def _micro_batch_loss(self, output, target):
         """A micro-batch's share of the mean loss; its backward runs at the factor of the last loss's backward."""
         loss = output / self.config.micro_batches
         return _ScaledBackward.apply(loss, self._backward_scale) if self._backward_scale != 1.0 else loss
 
-    def _scale_gradients(self, token: object, scale: torch.Tensor) -> None:
-        """Backward of a returned loss: apply the loop's factor (`(loss / steps).backward()`, a loss scaler)
-        to the gradients of the call that returned it, which the schedule computed at the last factor (exactly
-        1 apart while the factor holds), and keep the factor for the next call's backward."""
-        pending, scale = self._pending, float(scale)
-        current = pending is not None and pending[0] is token
-        if current:
-            self._pending = None
-        if not current:
-            if scale != 1.0:
-                raise RuntimeError(
-                    "pipeline parallel: a loss was scaled after its gradients were merged with a later call's; "
-                    "the pipeline computes gradients inside model(...), so call backward() on each returned loss "
-                    "before the next call of the model"
-                )
-            return
+    def _add_gradients(self, call: "_CallGradients", scale: torch.Tensor) -> None:
+        """Backward of a returned loss: add its call's gradients to the parameters' times the loop's factor
+        (`(loss / steps).backward()`, a loss scaler's), over the factor the schedule's backward ran at (exactly 1
+        while the factor holds); keep the factor for the next call's backward; agree on non-finite gradients."""
+        scale = float(scale)
+        if call.grads is None:
+            raise RuntimeError(
+                "pipeline parallel: backward() ran a second time on one returned loss, whose gradients the first "
+                "backward already added (the pipeline computes them inside model(...)); call the model again for "
+                "another backward")
         if math.isfinite(scale) and scale != 0.0:  # a zero or non-finite factor would spoil the next backward
             self._backward_scale = scale
-        self._apply_factor(pending, scale)
-
-    @staticmethod
-    def _apply_factor(pending: tuple, scale: float) -> None:
-        """Scale a call's gradients, computed at `computed_at`, to `scale`; then agree on non-finite ones."""
-        _, own, params, computed_at = pending
-        factor = scale / computed_at
+        factor = scale / call.computed_at
+        grads, call.grads = call.grads, None
         with torch.no_grad():
-            if factor != 1.0:
-                if own is None:  # no earlier gradients: every gradient is this call's
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(factor)
+            for p, grad in grads.items():
+                if factor != 1.0:
+                    grad.mul_(factor)
+                if p.grad is None:
+                    p.grad = grad
                 else:
-                    for p, grad in own.items():
-                        p.grad.add_(grad, alpha=factor - 1.0)
+                    p.grad.add_(grad)
             # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
-            _agree_on_non_finite([local_value(p.grad) for p in params if p.grad is not None])
+            _agree_on_non_finite([local_value(p.grad) for p in call.params if p.grad is not None])
 
-    def _outputs(self, losses: list[torch.Tensor], token: object | None):
+    def _outputs(self, losses: list[torch.Tensor], call: "_CallGradients | None"):
         """The model's kind of output on every rank of the pipeline: the global mean loss (training: also
         averaged over data-parallel replicas) and, for an evaluation, the logits as `eval_logits` says."""
         last = next((s for s in self.states if s.is_last), None)
@@ -1293,19 +1275,18 @@ class PipelineRunner:
             if dist.get_world_size(self.pp_group) > 1:
                 dist.broadcast_object_list(form, src=self.last_rank, group=self.pp_group)
             self._output_form = form[0]
-        if packed[2] and token is not None:  # on every rank: the schedule ran on a stand-in zero loss
-            self._pending = None
+        if packed[2] and call is not None:  # on every rank: the schedule ran on a stand-in zero loss (dropped)
             raise ValueError(_NO_LOSS)
-        logits = self._eval_logits(last) if token is None else None
+        logits = self._eval_logits(last) if call is None else None
         if packed[2]:  # an evaluation without labels
             return self._output_form.build(None, logits)
         # Training steps only, as data parallel reports its loss: an evaluation by one replica (or by
         # replicas with different numbers of batches) must not wait for a collective the others never join.
-        if self.dp_group is not None and token is not None:
+        if self.dp_group is not None and call is not None:
             all_reduce_mean_(packed[:1], self.dp_group)
         loss = packed[0].clone()
-        if token is not None:  # requires grad: the loop's loss.backward() applies its scale, nothing more
-            loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._scale_gradients, token))
+        if call is not None:  # requires grad: the loop's loss.backward() adds the call's gradients at its scale
+            loss = _ReturnedLoss.apply(self._anchor, loss, partial(self._add_gradients, call))
         elif torch.is_grad_enabled():  # eval mode with autograd on: no gradients were computed; say so on backward
             loss = _ReturnedLoss.apply(self._anchor, loss, _no_backward_in_eval_mode)
         return self._output_form.build(loss, logits)
@@ -1366,6 +1347,16 @@ def _no_backward_in_eval_mode(grad) -> None:
         "pipeline parallel: this loss came from a call in eval mode, which runs the schedule's forward only (no "
         "gradients); to train, call model.train() before the call (switch dropout off per module if needed)"
     )
+
+
+@dataclass
+class _CallGradients:
+    """A training call's gradients, apart from the parameters' until its returned loss's backward adds them
+    (PipelineRunner._add_gradients; None once added). They live as long as that loss's graph."""
+
+    grads: dict | None  # parameter -> this call's gradient
+    params: list  # the parameters that train
+    computed_at: float  # the factor the schedule's backward ran at
 
 
 class _ScaledBackward(torch.autograd.Function):

@@ -754,9 +754,10 @@ def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
 
 
 def _run_with_a_loss_scaler(model, optimizer, batches, overflow) -> equivalence.Trace:
-    """The plain loop with torch.amp.GradScaler; `overflow(model)` after the first call's gradients exist (after
-    its backward; under pp after model(...), which computed them) puts an inf where a weight gradient would
-    overflow."""
+    """The plain loop with torch.amp.GradScaler; `overflow(model, gradients)` after the first call's gradients exist
+    puts an inf where a weight gradient would overflow: after its backward, in the parameters' .grad (gradients
+    None); under pp after model(...), which computed them, in the call's gradients that the loss's backward then
+    adds (and checks for non-finite values on every rank)."""
     scaler, trace = torch.amp.GradScaler("cpu", init_scale=1024.0), equivalence.Trace()
     trace.initial, trace.gradients = equivalence.parameters(model), {}  # (the first step's overflow on purpose)
     trace.trainable = set(trace.initial)
@@ -765,10 +766,10 @@ def _run_with_a_loss_scaler(model, optimizer, batches, overflow) -> equivalence.
         loss = scaler.scale(out.loss)
         pipelined = getattr(model, "distributed_strategy", None) is not None and model.distributed_strategy.pp > 1
         if index == 0 and pipelined:
-            overflow(model)
+            overflow(model, out.loss.grad_fn.on_backward.args[0].grads)  # the pipeline's _CallGradients
         loss.backward()
         if index == 0 and not pipelined:
-            overflow(model)
+            overflow(model, None)
         trace.add_loss(out.loss)
         scaler.step(optimizer)
         scaler.update()
@@ -925,11 +926,11 @@ def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
     every rank skips that step and halves its scale, as one device does, then trains like it. Under dp x pp the
     first stage's ranks stepped while the last stage's skipped, and their scales parted (1,024 against 512);
     the shards of one mesh agree through DTensor's reduction of the scaler's check."""
-    def overflow(model):
+    def overflow(model, gradients):
         head = dict(model.named_parameters()).get("lm_head.weight")
         one_device = getattr(model, "distributed_strategy", None) is None
         if head is not None and (one_device or dist.get_rank() == dist.get_world_size() - 1):
-            grad = distcore.local_value(head.grad)
+            grad = distcore.local_value(head.grad if gradients is None else gradients[head])
             grad[(0,) * grad.dim()] = float("inf")
 
     def run(model, optimizer, batches):
