@@ -610,8 +610,8 @@ def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1
     one chunk, the fp32 accumulator of its weight's gradient (the gradient itself becomes the parameter's
     .grad, counted with the model state). Under tp the head is vocabulary-parallel: chunks and accumulator cover this rank's
     ceil(V / tp) rows, the hidden gradient is whole (summed over the ranks). Its time is eager's: the same
-    three GEMMs (nothing is recomputed for a mean or sum loss, except with an fp16 head: a fourth GEMM, which
-    `_pace` prices from the cluster's dtype), and its elementwise passes read and write the
+    three GEMMs (nothing is recomputed for a mean or sum loss, except with an fp16 head: a fourth GEMM and the
+    statistics again, which `_pace` prices from the cluster's dtype), and its elementwise passes read and write the
     chunks in the input dtype, no more than eager's; under tp each chunk adds two small all-reduces of its
     statistics (`_pace`)."""
     v, h = -(-spec.head_width // tp), spec.hidden_size
@@ -729,11 +729,13 @@ def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequ
     ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
                           virtual_pp)
     head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
-    if cluster.engine.fused_loss and cluster.dtype == "fp16":
-        # An fp16 head's fused loss computes its gradients in the backward, recomputing the logits: a fourth GEMM
-        # (linear_cross_entropy's _gradients_in_backward; grad_output 1 would underflow fp16's logits' gradient).
-        head_compute += c.head_gemm_fwd
-    head_tp = 2 * c.tp_collective + _fused_loss_statistics_time(spec, cluster, t, micro_batch_size)
+    # An fp16 head's fused loss computes its gradients in the backward, re-running its forward's chunk loop: the
+    # logits' GEMM (a fourth), their statistics' pass and, under tp, their all-reduces (linear_cross_entropy's
+    # _gradients_in_backward; grad_output 1 would underflow fp16's logits' gradient).
+    recomputes = cluster.engine.fused_loss and cluster.dtype == "fp16"
+    if recomputes:
+        head_compute += c.head_gemm_fwd + c.head_elementwise_fwd
+    head_tp = 2 * c.tp_collective + (1 + recomputes) * _fused_loss_statistics_time(spec, cluster, t, micro_batch_size)
     stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
                rank.tp + c.tp_collective * (r == 0) + head_tp * (r == pp - 1), rank.ep, r) for r, rank in enumerate(ranks)]
     return max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])

@@ -30,7 +30,8 @@ How a model written for one device becomes pipeline stages, without tracing it:
   ratio of the two (1 while the factor holds), so a loss scaler's factor reaches an fp16 backward as on one
   device, except on the first call and on the call after the factor changed: those ran at the old factor, so
   a scaler's back-off after an overflow takes effect one call later (one more skipped step; the scale settles
-  one halving lower). A non-finite
+  one halving lower; a factor that changes at every call, such as a token-weighted loss's, runs each backward at
+  the last one's, which in fp16 can overflow where one device would not). A non-finite
   gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
   (_agree_on_non_finite). Gradients accumulate over calls, also across evaluations and batches of other
   shapes (which re-run torch's shape inference).

@@ -307,7 +307,8 @@ def test_fused_loss_holds_a_chunk_and_the_gradients_instead_of_the_logits(layout
 def test_fused_loss_of_an_fp16_head_prices_the_recomputed_logits():
     """An fp16 head's fused loss recomputes its logits in the backward (linear_cross_entropy's
     _gradients_in_backward): one more head GEMM per micro-batch than bf16's, 2·T·h·V = 2·4·8·32 flops at
-    1e12 flop/s, twice (2 micro-batches). Unfused, fp16 and bf16 cost the same."""
+    1e12 flop/s, twice (2 micro-batches); its statistics' pass too, free at this infinite memory bandwidth.
+    Unfused, fp16 and bf16 cost the same."""
     fused_engine = replace(MEGATRON, name="megatron+fused-loss", fused_loss=True)
     strategy = dict(dp=1, tp=1, pp=1, num_micro_batches=2)
     for engine, extra in ((MEGATRON, 0.0), (fused_engine, 2 * (2 * 4 * 8 * 32) / 1e12)):

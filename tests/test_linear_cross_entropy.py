@@ -666,10 +666,12 @@ def test_bad_input_errors(call, message):
         call()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or _common.TRITON_INTERPRET, reason="compiled Triton on a GPU"))])
 @pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
                                              (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                              (torch.float16, torch.float16)])
-def test_times_is_the_fp32_product_rounded_once(monkeypatch, src_dtype, dtype):
+def test_times_is_the_fp32_product_rounded_once(monkeypatch, src_dtype, dtype, device):
     """`_times` (grad_output applied in the backward): the Triton pass on a contiguous tensor, two blocks and a
     partial one, equals the fp32 product rounded once to `dtype`, bit for bit (to nearest even; toward zero in
     bf16 under the interpreter: `converts_toward_zero`), with a loss scaler's 65,536 that fp16 could not hold as a
@@ -686,14 +688,41 @@ def test_times_is_the_fp32_product_rounded_once(monkeypatch, src_dtype, dtype):
 
     monkeypatch.setattr(lce_module, "_times_kernel", Spy())
     generator = torch.Generator().manual_seed(0)
-    t = (torch.randn(2 * lce_module.TIMES_BLOCK + 3, generator=generator) * 1e-3).to(src_dtype)
+    t = (torch.randn(2 * lce_module.TIMES_BLOCK + 3, generator=generator) * 1e-3).to(device, src_dtype)
+    launched = 2 if _common.use_triton(t) else 0
     for factor in (0.37, 65536.0):
-        grad_loss = torch.tensor(factor)
-        expected = round_to(t.float() * torch.tensor(factor, dtype=torch.float32), dtype,
+        grad_loss = torch.tensor(factor, device=device)
+        expected = round_to(t.float() * torch.tensor(factor, dtype=torch.float32, device=device), dtype,
                             toward_zero=converts_toward_zero(t.device, dtype))
         out = lce_module._times(t, grad_loss, dtype)
         assert out.dtype == dtype and torch.equal(out, expected)
-    assert len(launches) == (2 if _common.TRITON_INTERPRET else 0)
+    assert len(launches) == launched
     square = t[:64 * 64].reshape(64, 64).t()  # not contiguous: torch's mul, same values
-    out = lce_module._times(square, torch.tensor(0.37), dtype)
-    assert torch.equal(out, (square.float() * 0.37).to(dtype)) and len(launches) == (2 if _common.TRITON_INTERPRET else 0)
+    out = lce_module._times(square, torch.tensor(0.37, device=device), dtype)
+    assert torch.equal(out, (square.float() * 0.37).to(dtype)) and len(launches) == launched
+
+
+def test_times_takes_torch_mul_for_fake_and_traced_tensors(monkeypatch):
+    """`_times` launches its Triton pass on real tensors only: a fake tensor (FakeTensorMode, a compiled graph's
+    shape propagation) or a traced call (torch.compile: the graph keeps the mul, which inductor fuses) take torch's
+    mul. Under the interpreter the pass would otherwise run (it does for the real call at the end)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    launches = []
+    kernel = lce_module._times_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(lce_module, "_times_kernel", Spy())
+    with FakeTensorMode():
+        out = lce_module._times(torch.empty(8, 5), torch.tensor(2.0), torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (8, 5)
+    traced = torch.compile(lambda t, g: lce_module._times(t, g, torch.bfloat16), fullgraph=True, backend="aot_eager")
+    t, g = torch.randn(8, 5), torch.tensor(2.0)
+    assert torch.equal(traced(t, g), (t * 2.0).to(torch.bfloat16))
+    assert launches == []
+    lce_module._times(t, g, torch.bfloat16)
+    assert len(launches) == (1 if _common.TRITON_INTERPRET else 0)

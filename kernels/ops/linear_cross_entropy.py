@@ -464,8 +464,9 @@ def _times(t: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torc
     mul, which inductor fuses with the rounding."""
     factor = grad_loss.reshape(1).float()
     out = t.new_empty(t.shape, dtype=dtype)
-    if (use_triton(t) and t.is_contiguous() and t.numel() > 0 and not is_fake(t)
-            and not torch.compiler.is_compiling()):
+    # is_compiling() first: dynamo does not trace is_fake, and reads is_compiling() as a constant
+    if (not torch.compiler.is_compiling() and use_triton(t) and t.is_contiguous() and t.numel() > 0
+            and not is_fake(t)):
         _times_kernel[(cdiv(t.numel(), TIMES_BLOCK),)](t, factor, out, t.numel(), BLOCK=TIMES_BLOCK, num_warps=8)
         return out
     return torch.mul(t, factor, out=out)
