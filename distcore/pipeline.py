@@ -33,7 +33,8 @@ How a model written for one device becomes pipeline stages, without tracing it:
   one halving lower; a factor that changes at every call, such as a token-weighted loss's, runs each backward at
   the last one's, which in fp16 can overflow where one device would not). A non-finite
   gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
-  (_agree_on_non_finite). Gradients accumulate over calls, also across evaluations and batches of other
+  (_agree_on_non_finite: one all-reduce at each loss's backward, so every rank calls backward() on a returned
+  loss, or none does, as under DDP and FSDP). Gradients accumulate over calls, also across evaluations and batches of other
   shapes (which re-run torch's shape inference).
 
 Semantics and limits worth knowing:
@@ -1206,23 +1207,37 @@ class PipelineRunner:
         gets no backward adds nothing. Returns the call's gradients (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
+        zeroed = []  # zeroed, not freed (Paddle's clear_grad()): the schedule accumulates into them, no second set
         if held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
-            held = {}  # zeroed, not freed (Paddle's clear_grad()): the schedule accumulates into them, no second set
+            zeroed, held = list(held), {}
         for p in held:
             p.grad = None
+        # The unused-parameter trackers' record of this call (their hooks fire inside the schedule), kept with its
+        # gradients: a call whose loss gets no backward marks nothing used.
+        trackers = {t for p in params if (t := getattr(p, "_tridist_unused", lambda: None)()) is not None}
+        earlier_used = {t: t.used for t in trackers}
         call = None
         try:
             if training:
+                for tracker in trackers:
+                    tracker.used = set()
                 # Checkpointing enabled after parallelize (model.activation_checkpointing_enable(...)): refused here,
                 # on every rank alike, before the schedule's ranks could part.
                 _refuse_reentrant_checkpointing(model)
                 self.schedule.step(index, target=index, losses=losses, return_outputs=False)
                 self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are set aside
-                call = _CallGradients({p: p.grad for p in params if p.grad is not None}, params, self._backward_scale)
+                call = _CallGradients({p: p.grad for p in params if p.grad is not None}, params, self._backward_scale,
+                                      {t: t.used for t in trackers})
+                if zeroed:  # if the loss gets no backward, they are zeros again, as the call had not run
+                    call.restore = weakref.finalize(call, _zero_again, [(p, call.grads[p]) for p in zeroed
+                                                                         if p in call.grads])
+                    call.restore.atexit = False
             else:
                 with torch.no_grad():
                     self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
         finally:
+            for tracker, used in earlier_used.items():
+                tracker.used = used
             for p in params:
                 if p in held:
                     p.grad = held[p]
@@ -1249,6 +1264,10 @@ class PipelineRunner:
             self._backward_scale = scale
         factor = scale / call.computed_at
         grads, call.grads = call.grads, None
+        if call.restore is not None:
+            call.restore.detach()
+        for tracker, used in call.used.items():
+            tracker.used |= used
         with torch.no_grad():
             for p, grad in grads.items():
                 if factor != 1.0:
@@ -1358,6 +1377,17 @@ class _CallGradients:
     grads: dict | None  # parameter -> this call's gradient
     params: list  # the parameters that train
     computed_at: float  # the factor the schedule's backward ran at
+    used: dict  # unused-parameter tracker -> the parameters this call used (added to its record at the backward)
+    restore: "weakref.finalize | None" = None  # gives zeroed gradients back as zeros if the loss gets no backward
+
+
+def _zero_again(zeroed: list) -> None:
+    """A call whose loss got no backward, freed: the zeroed gradients the schedule accumulated into are the
+    parameters' zeros again (where nothing else was put in their place since)."""
+    with torch.no_grad():
+        for p, grad in zeroed:
+            if p.grad is None:
+                p.grad = grad.zero_()
 
 
 class _ScaledBackward(torch.autograd.Function):

@@ -446,6 +446,70 @@ def check_each_loss_adds_its_gradients_at_its_backward():
     optimizer.zero_grad()
 
 
+class _Branchy(torch.nn.Module):
+    """Four blocks h + a(h).tanh(), plus b(h).tanh() where the call asks (use_b): b is used by some calls only, as a
+    mixture of experts routes tokens (the unused-parameter rule: distcore/unused_parameters.py)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+        def forward(self, h, use_b):
+            out = h + self.a(h).tanh()
+            return out + self.b(h).tanh() if use_b else out
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, width)
+        self.layers = torch.nn.ModuleList([self.Block(width) for _ in range(LAYERS)])
+        self.norm = torch.nn.LayerNorm(width)
+        self.lm_head = torch.nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, input_ids, labels=None, use_b=False):
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h, use_b)
+        logits = self.lm_head(self.norm(h))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()), logits
+
+
+def check_a_loss_without_backward_changes_nothing():
+    """A call whose loss gets no backward (a loop skipping a nan loss) leaves the parameters' gradients and the
+    optimizer's step as one process, which never made that call, has them; SGD with weight decay, which moves a
+    parameter whose gradient is a zero but not one whose gradient is None:
+    - dp2 x pp2 at levels 0 and 1: the skipped call used b on dp rank 0; b's gradients stay None at the next step
+      (before, the unused-parameter rule's record counted that call: b decayed by lr x wd = 5%);
+    - pp4 after zero_grad(set_to_none=False): b's zeroed gradients, which the skipped call accumulated into, are
+      zeros again at the next step (before, None: b did not decay)."""
+    generator = torch.Generator().manual_seed(61)
+    a, b, c = (tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2))
+               for _ in range(3))
+    for mesh, level, first_uses_b, set_to_none in ((DP2_PP2, 0, False, True), (DP2_PP2, 1, False, True),
+                                                    (PP4, None, True, False)):
+        trained = []
+        for parallel in (False, True):
+            torch.manual_seed(0)
+            model = _Branchy()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1)
+            rows = (lambda t: _local_rows(mesh, *t)) if parallel else (lambda t: t)
+            if parallel:
+                config = {"pp_config": {"split_spec": "layers"}}
+                if level is not None:
+                    config["dp_config"] = {"sharding_level": level}
+                model, optimizer = distcore.parallelize(model, optimizer, mesh, config)
+            model(*rows(a)[:1], labels=rows(a)[1], use_b=first_uses_b)[0].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            if parallel:  # the skipped call: b on the first dp rank's data (every rank under pp4)
+                model(*rows(b)[:1], labels=rows(b)[1], use_b="dp" not in mesh.dim_names or mesh.coordinate()[0] == 0)
+            model(*rows(c)[:1], labels=rows(c)[1], use_b=False)[0].backward()
+            optimizer.step()
+            trained.append(equivalence.parameters(model))
+        reference, got = trained
+        equivalence.assert_tensors_close(f"parameters ({mesh.dim_names}, level {level})", got, reference)
+
+
 class _SmallLossModel(SeedLlamaModel):
     """The cross-entropy times 2^-16, so that its fp16 gradients (~1e-3 here) fall below fp16's smallest
     subnormal (6e-8) unless a loss scaler's factor multiplies them, as a large model's do at any loss."""
