@@ -666,6 +666,19 @@ def test_bad_input_errors(call, message):
         call()
 
 
+def _spy_on_times_kernel(monkeypatch) -> list:
+    """The grids `_times_kernel` is launched with from now on (the launches still run)."""
+    launches, kernel = [], lce_module._times_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(lce_module, "_times_kernel", Spy())
+    return launches
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or _common.TRITON_INTERPRET, reason="compiled Triton on a GPU"))])
 @pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
@@ -678,15 +691,7 @@ def test_times_is_the_fp32_product_rounded_once(monkeypatch, src_dtype, dtype, d
     factor; a transposed tensor takes torch's mul."""
     from tridist.kernels.testing import converts_toward_zero, round_to
 
-    launches = []
-    kernel = lce_module._times_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(lce_module, "_times_kernel", Spy())
+    launches = _spy_on_times_kernel(monkeypatch)
     generator = torch.Generator().manual_seed(0)
     t = (torch.randn(2 * lce_module.TIMES_BLOCK + 3, generator=generator) * 1e-3).to(device, src_dtype)
     launched = 2 if _common.use_triton(t) else 0
@@ -708,15 +713,7 @@ def test_times_takes_torch_mul_for_fake_and_traced_tensors(monkeypatch):
     mul. Under the interpreter the pass would otherwise run (it does for the real call at the end)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    launches = []
-    kernel = lce_module._times_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(lce_module, "_times_kernel", Spy())
+    launches = _spy_on_times_kernel(monkeypatch)
     with FakeTensorMode():
         out = lce_module._times(torch.empty(8, 5), torch.tensor(2.0), torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.shape == (8, 5)
