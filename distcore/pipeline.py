@@ -1204,7 +1204,9 @@ class PipelineRunner:
         A training call's own gradients are kept apart from them until its returned loss's backward adds them,
         times the factor the loop applied to the loss (`_CallGradients`), as a backward on one device would: a
         zero_grad() between the call and that backward clears only the earlier gradients, and a call whose loss
-        gets no backward adds nothing. Returns the call's gradients (None for an evaluation)."""
+        gets no backward adds nothing. Zeroed gradients (Paddle's clear_grad()) are accumulated into instead of set
+        aside: they come back through the loss's backward, or as zeros when the loss is freed without one. Returns
+        the call's gradients (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
         zeroed = []  # zeroed, not freed (Paddle's clear_grad()): the schedule accumulates into them, no second set
