@@ -1209,15 +1209,15 @@ class PipelineRunner:
         the call's gradients (None for an evaluation)."""
         params = [p for p in model.parameters() if p.requires_grad]
         held = {p: p.grad for p in params if p.grad is not None}
-        zeroed = []  # zeroed, not freed (Paddle's clear_grad()): the schedule accumulates into them, no second set
-        if held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
-            zeroed, held = list(held), {}
+        zeroed = {}  # zeroed, not freed (Paddle's clear_grad()): a training schedule accumulates into them, no second set
+        if training and held and not bool(torch.stack([local_value(g).any() for g in held.values()]).any()):
+            zeroed, held = held, {}
         for p in held:
             p.grad = None
         # The unused-parameter trackers' record of this call (their hooks fire inside the schedule), kept with its
         # gradients: a call whose loss gets no backward marks nothing used.
         trackers = {t for p in params if (t := getattr(p, "_tridist_unused", lambda: None)()) is not None}
-        earlier_used = {t: t.used for t in trackers}
+        earlier = {t: (t.used, t.training) for t in trackers}
         call = None
         try:
             if training:
@@ -1231,20 +1231,23 @@ class PipelineRunner:
                 call = _CallGradients({p: p.grad for p in params if p.grad is not None}, params, self._backward_scale,
                                       {t: t.used for t in trackers})
                 if zeroed:  # if the loss gets no backward, they are zeros again, as the call had not run
-                    call.restore = weakref.finalize(call, _zero_again, [(p, call.grads[p]) for p in zeroed
-                                                                         if p in call.grads])
+                    # (torch's stage re-initialisation may have freed some: their own tensors then)
+                    call.zeroed = {p: call.grads.get(p, grad) for p, grad in zeroed.items()}
+                    call.restore = weakref.finalize(call, _zero_again, call.zeroed)
                     call.restore.atexit = False
             else:
                 with torch.no_grad():
                     self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
         finally:
-            for tracker, used in earlier_used.items():
-                tracker.used = used
+            for tracker, (used, trained) in earlier.items():  # a training forward counts from its backward on
+                tracker.used, tracker.training = used, trained
             for p in params:
                 if p in held:
                     p.grad = held[p]
                 elif training:  # this call's (in the call's gradients), or a zeroed tensor the schedule added to
                     p.grad = None
+            if training and call is None:  # the schedule raised: the zeroed gradients are zeros again
+                _zero_again(zeroed)
         return call
 
     def _micro_batch_loss(self, output, target):
@@ -1270,6 +1273,7 @@ class PipelineRunner:
             call.restore.detach()
         for tracker, used in call.used.items():
             tracker.used |= used
+            tracker.training = True
         with torch.no_grad():
             for p, grad in grads.items():
                 if factor != 1.0:
@@ -1278,6 +1282,8 @@ class PipelineRunner:
                     p.grad = grad
                 else:
                     p.grad.add_(grad)
+            # Zeroed gradients the call did not reach (torch's stage re-initialisation frees FSDP2's): zeros again
+            _zero_again({p: grad for p, grad in call.zeroed.items() if p not in grads})
             # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
             _agree_on_non_finite([local_value(p.grad) for p in call.params if p.grad is not None])
 
@@ -1380,14 +1386,16 @@ class _CallGradients:
     params: list  # the parameters that train
     computed_at: float  # the factor the schedule's backward ran at
     used: dict  # unused-parameter tracker -> the parameters this call used (added to its record at the backward)
+    zeroed: dict = field(default_factory=dict)  # parameter -> its gradient, zeros before the call (clear_grad())
     restore: "weakref.finalize | None" = None  # gives zeroed gradients back as zeros if the loss gets no backward
 
 
-def _zero_again(zeroed: list) -> None:
-    """A call whose loss got no backward, freed: the zeroed gradients the schedule accumulated into are the
-    parameters' zeros again (where nothing else was put in their place since)."""
+def _zero_again(zeroed: dict) -> None:
+    """Zeroed gradients that a call accumulated into or freed, given back to their parameters as zeros where
+    nothing else was put in their place since: a call whose loss got no backward, once freed (a loop that sets
+    gradients to None meanwhile and frees that loss later gets the zeros back), or one that raised."""
     with torch.no_grad():
-        for p, grad in zeroed:
+        for p, grad in zeroed.items():
             if p.grad is None:
                 p.grad = grad.zero_()
 

@@ -481,7 +481,8 @@ def check_a_loss_without_backward_changes_nothing():
     - dp2 x pp2 at levels 0 and 1: the skipped call used b on dp rank 0; b's gradients stay None at the next step
       (before, the unused-parameter rule's record counted that call: b decayed by lr x wd = 5%);
     - pp4 after zero_grad(set_to_none=False): b's zeroed gradients, which the skipped call accumulated into, are
-      zeros again at the next step (before, None: b did not decay)."""
+      zeros again at the next step (before, None: b did not decay);
+    - an evaluation after zero_grad(set_to_none=False) under dp2 x pp2 keeps the zeroed gradients (before, None)."""
     generator = torch.Generator().manual_seed(61)
     a, b, c = (tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2))
                for _ in range(3))
@@ -508,6 +509,19 @@ def check_a_loss_without_backward_changes_nothing():
             trained.append(equivalence.parameters(model))
         reference, got = trained
         equivalence.assert_tensors_close(f"parameters ({mesh.dim_names}, level {level})", got, reference)
+    # An evaluation after clear_grad() leaves the zeroed gradients as they were (FSDP2 under dp2 x pp2: torch's
+    # stage re-initialisation for the switch to evaluation frees FSDP2's gradients: before, they became None).
+    model, _ = distcore.parallelize(_Branchy(), None, DP2_PP2, {"dp_config": {"sharding_level": 1},
+                                                                "pp_config": {"split_spec": "layers"}})
+    model(*_local_rows(DP2_PP2, *a)[:1], labels=_local_rows(DP2_PP2, *a)[1], use_b=True)[0].backward()
+    model.zero_grad(set_to_none=False)
+    zeroed = {name for name, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    with torch.no_grad():
+        model(*_local_rows(DP2_PP2, *b)[:1], labels=_local_rows(DP2_PP2, *b)[1])
+    model.train()
+    kept = {name for name, p in model.named_parameters() if p.grad is not None and not distcore.local_value(p.grad).any()}
+    assert zeroed and kept == zeroed, sorted(zeroed - kept)
 
 
 class _SmallLossModel(SeedLlamaModel):
