@@ -58,6 +58,9 @@ class UnusedParameters:
     def __init__(self, units: list[torch.nn.Module], dp_group, *, apart: list[torch.nn.Module] = ()):
         self.dp_group = dp_group
         self.used: set[tuple[int, str]] = set()  # (module, name) of the parameters that received a gradient
+        # (module, name) of the parameters whose gradient the loop zeroed rather than freed since the last step
+        # (Paddle's clear_grad(), zero_grad(set_to_none=False)): one device keeps those zeros, used or not
+        self.kept: set[tuple[int, str]] = set()
         self.hooked: set[int] = set()  # the gathered parameters that carry the hook
         self.training = False  # a forward that may be backpropagated ran since the last optimizer step
         # (module, name) -> the parameter as the optimizer holds it (sharded, or replicated): each once, in an order
@@ -80,6 +83,8 @@ class UnusedParameters:
     def _before_forward(self, unit: torch.nn.Module, args, *, own: list) -> None:
         # Zeros for unused parameters where a backward may follow only: torch's pipeline schedules run FSDP2's
         # post-backward after an evaluation too, where they would reduce zeros, and one replica may evaluate alone.
+        if torch.is_grad_enabled() and not self.training:  # the first training forward since the last step
+            self.kept = {key for key, parameter in self.parameters.items() if parameter.grad is not None}
         self.training |= torch.is_grad_enabled()
         unit.set_reduce_scatter_unused_params(torch.is_grad_enabled(), recurse=False)
         for module, name, key in own:
@@ -93,7 +98,8 @@ class UnusedParameters:
             parameter._tridist_gathered_copy = True
 
     def drop_unused_gradients(self) -> None:
-        """Before an optimizer step: None for the gradients no rank's backward produced since the last step. Only
+        """Before an optimizer step: None for the gradients no rank's backward produced since the last step, except
+        those the loop had zeroed rather than freed (one device steps on their zeros: weight decay, momentum). Only
         after a training forward: a step without one (torch.distributed.checkpoint's, with zero gradients, to create
         the optimizer's state before loading it) is left alone."""
         if not self.training:
@@ -101,9 +107,10 @@ class UnusedParameters:
         self.training = False
         by_parameter: dict[int, list] = {}  # a tied parameter under several (module, name)
         for key, parameter in self.parameters.items():
-            by_parameter.setdefault(id(parameter), [parameter, False])[1] |= key in self.used
+            by_parameter.setdefault(id(parameter), [parameter, False])[1] |= key in self.used or key in self.kept
         entries = list(by_parameter.values())
         self.used.clear()
+        self.kept = set()
         if not entries:
             return
         used = [seen or (p.grad is not None and bool(local_value(p.grad).any())) for p, seen in entries]

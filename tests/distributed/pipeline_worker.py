@@ -482,12 +482,14 @@ def check_a_loss_without_backward_changes_nothing():
       (before, the unused-parameter rule's record counted that call: b decayed by lr x wd = 5%);
     - pp4 after zero_grad(set_to_none=False): b's zeroed gradients, which the skipped call accumulated into, are
       zeros again at the next step (before, None: b did not decay);
+    - dp2 x pp2 after zero_grad(set_to_none=False), b used before it: b's zeros stay at the next step, where the
+      unused-parameter rule made them None (no decay) before;
     - an evaluation after zero_grad(set_to_none=False) under dp2 x pp2 keeps the zeroed gradients (before, None)."""
     generator = torch.Generator().manual_seed(61)
     a, b, c = (tuple(torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(2))
                for _ in range(3))
     for mesh, level, first_uses_b, set_to_none in ((DP2_PP2, 0, False, True), (DP2_PP2, 1, False, True),
-                                                    (PP4, None, True, False)):
+                                                    (PP4, None, True, False), (DP2_PP2, 1, True, False)):
         trained = []
         for parallel in (False, True):
             torch.manual_seed(0)
