@@ -117,6 +117,7 @@ from .env import all_reduce_mean_
 from .fake_tensor_log import expected_failures_unlogged
 from .outputs import OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
+from .unused_parameters import trackers_of
 
 log = logging.getLogger(__name__)
 
@@ -1214,40 +1215,38 @@ class PipelineRunner:
             zeroed, held = held, {}
         for p in held:
             p.grad = None
-        # The unused-parameter trackers' record of this call (their hooks fire inside the schedule), kept with its
-        # gradients: a call whose loss gets no backward marks nothing used.
-        trackers = {t for p in params if (t := getattr(p, "_tridist_unused", lambda: None)()) is not None}
-        earlier = {t: (t.used, t.training) for t in trackers}
-        call = None
+        # The unused-parameter trackers' record of this call (their hooks fire inside the schedule) waits with its
+        # gradients: a call whose loss gets no backward marks nothing used, and its forward counts from the backward on.
+        earlier = {tracker: tracker.begin_apart() for tracker in (trackers_of(params) if training else ())}
+        grads = None
         try:
             if training:
-                for tracker in trackers:
-                    tracker.used = set()
                 # Checkpointing enabled after parallelize (model.activation_checkpointing_enable(...)): refused here,
                 # on every rank alike, before the schedule's ranks could part.
                 _refuse_reentrant_checkpointing(model)
                 self.schedule.step(index, target=index, losses=losses, return_outputs=False)
                 self.tied.sum_gradients(self.views)  # this call's gradients only: earlier ones are set aside
-                call = _CallGradients({p: p.grad for p in params if p.grad is not None}, params, self._backward_scale,
-                                      {t: t.used for t in trackers})
-                if zeroed:  # if the loss gets no backward, they are zeros again, as the call had not run
-                    # (torch's stage re-initialisation may have freed some: their own tensors then)
-                    call.zeroed = {p: call.grads.get(p, grad) for p, grad in zeroed.items()}
-                    call.restore = weakref.finalize(call, _zero_again, call.zeroed)
-                    call.restore.atexit = False
+                grads = {p: p.grad for p in params if p.grad is not None}
             else:
                 with torch.no_grad():
                     self.schedule.eval(index, target=index, losses=losses, return_outputs=False)
         finally:
-            for tracker, (used, trained) in earlier.items():  # a training forward counts from its backward on
-                tracker.used, tracker.training = used, trained
+            used = {tracker: tracker.end_apart(record) for tracker, record in earlier.items()}
             for p in params:
                 if p in held:
                     p.grad = held[p]
-                elif training:  # this call's (in the call's gradients), or a zeroed tensor the schedule added to
+                elif training:  # this call's (in its gradients), or a zeroed tensor the schedule added to
                     p.grad = None
-            if training and call is None:  # the schedule raised: the zeroed gradients are zeros again
+            if training and grads is None:  # the schedule raised: the zeroed gradients are zeros again
                 _zero_again(zeroed)
+        if not training:
+            return None
+        call = _CallGradients(grads, params, self._backward_scale, used)
+        if zeroed:  # if the loss gets no backward, they are zeros again, as the call had not run
+            # (torch's stage re-initialisation may have freed some: their own tensors then)
+            call.zeroed = {p: grads.get(p, grad) for p, grad in zeroed.items()}
+            call.restore = weakref.finalize(call, _zero_again, call.zeroed)
+            call.restore.atexit = False
         return call
 
     def _micro_batch_loss(self, output, target):
@@ -1272,8 +1271,7 @@ class PipelineRunner:
         if call.restore is not None:
             call.restore.detach()
         for tracker, used in call.used.items():
-            tracker.used |= used
-            tracker.training = True
+            tracker.add_apart(used)
         with torch.no_grad():
             for p, grad in grads.items():
                 if factor != 1.0:

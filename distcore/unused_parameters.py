@@ -37,15 +37,20 @@ import torch.distributed as dist
 from .api import local_value
 
 
-def drop_unused_gradients_before_step(parameters) -> None:
-    """Before an optimizer step over `parameters`: each tracker that one of them names drops its unused gradients."""
+def trackers_of(parameters) -> list["UnusedParameters"]:
+    """The live trackers that `parameters` name, each once."""
     trackers = {}
     for parameter in parameters:
         reference = getattr(parameter, "_tridist_unused", None)
         tracker = reference() if reference is not None else None
         if tracker is not None:
             trackers[id(tracker)] = tracker
-    for tracker in trackers.values():
+    return list(trackers.values())
+
+
+def drop_unused_gradients_before_step(parameters) -> None:
+    """Before an optimizer step over `parameters`: each tracker that one of them names drops its unused gradients."""
+    for tracker in trackers_of(parameters):
         tracker.drop_unused_gradients()
 
 
@@ -96,6 +101,23 @@ class UnusedParameters:
             # What model.parameters() yields between a forward and the next backward: an optimizer holding it would
             # step a tensor that never gets a gradient (the step pre-hook refuses it: optimizer.py).
             parameter._tridist_gathered_copy = True
+
+    # A call recorded apart: pipeline parallel runs a call's backward inside model(...), and its gradients count only
+    # once its loss's backward comes (pipeline.py's _CallGradients), so its record waits with them.
+    def begin_apart(self) -> tuple:
+        """Record from here on apart; returns the record so far, for `end_apart`."""
+        earlier, self.used = (self.used, self.training), set()
+        return earlier
+
+    def end_apart(self, earlier: tuple) -> set:
+        """The parameters used since `begin_apart` (for `add_apart`); the record before it back in place."""
+        used, (self.used, self.training) = self.used, earlier
+        return used
+
+    def add_apart(self, used: set) -> None:
+        """A call recorded apart got its backward: its parameters count as used, its forward as a training one."""
+        self.used |= used
+        self.training = True
 
     def drop_unused_gradients(self) -> None:
         """Before an optimizer step: None for the gradients no rank's backward produced since the last step, except
