@@ -28,10 +28,13 @@ How a model written for one device becomes pipeline stages, without tracing it:
   each once (a second one raises), and a call's gradients live as long as its loss's graph. The schedule's
   backward runs at the factor the loop applied to the previous loss, and the loss's backward corrects by the
   ratio of the two (1 while the factor holds), so a loss scaler's factor reaches an fp16 backward as on one
-  device, except on the first call and on the call after the factor changed: those ran at the old factor, so
-  a scaler's back-off after an overflow takes effect one call later (one more skipped step; the scale settles
-  one halving lower; a factor that changes at every call, such as a token-weighted loss's, runs each backward at
-  the last one's, which in fp16 can overflow where one device would not). A non-finite
+  device. The first call, before any factor is known, runs at torch.amp.GradScaler's default init_scale
+  (PROVISIONAL_SCALE, 65,536: exact for a loop with that scaler; for fp32 and bf16 a power of two that the
+  correction undoes exactly; an fp16 loop with a lower factor whose first call overflows at 65,536 gets that
+  call's gradients non-finite, with a warning, so its scaler skips the step). The call after the factor changed
+  ran at the old factor, so a scaler's back-off after an overflow takes effect one call later (one more skipped
+  step; the scale settles one halving lower; a factor that changes at every call, such as a token-weighted
+  loss's, runs each backward at the last one's, which in fp16 can overflow where one device would not). A non-finite
   gradient on one rank is made visible on every rank, so a scaler skips the step everywhere
   (_agree_on_non_finite: one all-reduce at each loss's backward, so every rank calls backward() on a returned
   loss, or none does, as under DDP and FSDP). Gradients accumulate over calls, also across evaluations and batches of other
@@ -143,6 +146,10 @@ PP_KEYS = ("split_spec", "global_spec", "schedule", "micro_batches", "accumulate
 # stage: each rank then holds what one device would), on the last stage's ranks only (None elsewhere,
 # no communication), or nowhere (an evaluation of the loss alone keeps no logits).
 EVAL_LOGITS = ("every_rank", "last_stage", "none")
+# The factor the first training call's backward runs at, before the loop's is known (PipelineRunner): a loss
+# scaler's usual one (torch.amp.GradScaler's default init_scale), without which fp16 gradients underflow; a power
+# of two, so the correction to the loop's factor is exact wherever the gradients stay in range.
+PROVISIONAL_SCALE = 65536.0
 
 
 # ------------------------------------------------------------------------------------------ the config
@@ -1152,7 +1159,9 @@ class PipelineRunner:
         target = stages if config.chunks_per_rank > 1 else stages[0]
         self.schedule = schedule_cls(target, n_microbatches=count, loss_fn=self._micro_batch_loss, scale_grads=False)
         # The factor the loop applied to the last loss it called backward() on: the next schedule's backward runs at it.
-        self._backward_scale = 1.0
+        # Before the first backward it is unknown: the first call runs at a loss scaler's usual factor (PROVISIONAL_SCALE).
+        self._backward_scale = PROVISIONAL_SCALE
+        self._factor_known = False
         self.device = stages[0].device
         self.last_rank = dist.get_global_rank(pp_group, (config.num_stages - 1) % dist.get_world_size(pp_group))
         # The loss returned to the loop hangs off this leaf; its backward only applies the loop's scale.
@@ -1241,7 +1250,7 @@ class PipelineRunner:
                 _zero_again(zeroed)
         if not training:
             return None
-        call = _CallGradients(grads, params, self._backward_scale, used)
+        call = _CallGradients(grads, params, self._backward_scale, used, provisional=not self._factor_known)
         if zeroed:  # if the loss gets no backward, they are zeros again, as the call had not run
             # (torch's stage re-initialisation may have freed some: their own tensors then)
             call.zeroed = {p: grads.get(p, grad) for p, grad in zeroed.items()}
@@ -1265,7 +1274,7 @@ class PipelineRunner:
                 "backward already added (the pipeline computes them inside model(...)); call the model again for "
                 "another backward")
         if math.isfinite(scale) and scale != 0.0:  # a zero or non-finite factor would spoil the next backward
-            self._backward_scale = scale
+            self._backward_scale, self._factor_known = scale, True
         factor = scale / call.computed_at
         grads, call.grads = call.grads, None
         if call.restore is not None:
@@ -1283,7 +1292,15 @@ class PipelineRunner:
             # Zeroed gradients the call did not reach (torch's stage re-initialisation frees FSDP2's): zeros again
             _zero_again({p: grad for p, grad in call.zeroed.items() if p not in grads})
             # Also unscaled: a loss scaler whose scale came down to 1, a loop's own skip on non-finite gradients.
-            _agree_on_non_finite([local_value(p.grad) for p in call.params if p.grad is not None])
+            overflow = _agree_on_non_finite([local_value(p.grad) for p in call.params if p.grad is not None])
+        if overflow and call.provisional and factor < 1.0:
+            warnings.warn(
+                f"pipeline parallel: the first training call's backward ran before the loop's loss factor was known, "
+                f"at {PROVISIONAL_SCALE:,.0f} (torch.amp.GradScaler's default init_scale), and its gradients overflowed "
+                f"where the loop's factor, {scale:g}, may not have: they are non-finite on every rank, so a loss scaler "
+                f"skips this step and lowers its scale (the next calls run at the loop's factor). fp16 training needs a "
+                f"loss scaler: torch.amp.GradScaler() at its default init_scale computes this call as one device does",
+                RuntimeWarning, stacklevel=2)
 
     def _outputs(self, losses: list[torch.Tensor], call: "_CallGradients | None"):
         """The model's kind of output on every rank of the pipeline: the global mean loss (training: also
@@ -1352,20 +1369,23 @@ def _refuse_a_cache(kwargs: dict) -> None:
             "one device from distcore.full_state_dict(model)")
 
 
-def _agree_on_non_finite(grads: list[torch.Tensor]) -> None:
+def _agree_on_non_finite(grads: list[torch.Tensor]) -> bool:
     """Where a stage's gradients hold an inf or a nan, every rank's do (a nan in its first gradient's first
     element). A loss scaler (torch.amp.GradScaler) skips a step whose gradients overflowed and lowers its scale:
     on one device it sees every gradient, here each rank its own stage's (data and tensor parallel shards agree
     through DTensor's reduction of the check), so an overflow in a weight gradient of one stage, which does not
     flow back to the stages before it, left them stepping while that stage skipped, and their scales apart.
     Called at each training call's backward: one check of this rank's gradients and a one-element all-reduce
-    over every rank."""
+    over every rank. Returns whether any rank's gradients were non-finite."""
     device = grads[0].device if grads else env.device()
     finite = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True, device=device)
     overflow = (~finite).to(torch.int32).reshape(1)
     dist.all_reduce(overflow, op=dist.ReduceOp.MAX)
-    if overflow.item() and bool(finite) and grads:
+    if not overflow.item():
+        return False
+    if bool(finite) and grads:
         grads[0][(0,) * grads[0].dim()] = float("nan")
+    return True
 
 
 def _no_backward_in_eval_mode(grad) -> None:
@@ -1384,6 +1404,7 @@ class _CallGradients:
     params: list  # the parameters that train
     computed_at: float  # the factor the schedule's backward ran at
     used: dict  # unused-parameter tracker -> the parameters this call used (added to its record at the backward)
+    provisional: bool = False  # computed_at was PROVISIONAL_SCALE: no loss had got its backward yet
     zeroed: dict = field(default_factory=dict)  # parameter -> its gradient, zeros before the call (clear_grad())
     restore: "weakref.finalize | None" = None  # gives zeroed gradients back as zeros if the loss gets no backward
 

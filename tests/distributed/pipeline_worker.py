@@ -526,28 +526,36 @@ def check_a_loss_without_backward_changes_nothing():
     assert zeroed and kept == zeroed, sorted(zeroed - kept)
 
 
-class _SmallLossModel(SeedLlamaModel):
-    """The cross-entropy times 2^-16, so that its fp16 gradients (~1e-3 here) fall below fp16's smallest
-    subnormal (6e-8) unless a loss scaler's factor multiplies them, as a large model's do at any loss."""
+class _ScaledLossModel(SeedLlamaModel):
+    """The cross-entropy times `factor`: 2^-16 makes its fp16 gradients (~1e-3 at factor 1) fall below fp16's
+    smallest subnormal (6e-8) unless a loss scaler's factor multiplies them, as a large model's do at any loss;
+    2^10 makes them ~1, which fp16 holds, but not times 65,536 (fp16's largest is 65,504)."""
+
+    def __init__(self, config, factor: float):
+        super().__init__(config)
+        self.factor = factor
 
     def forward(self, input_ids, labels=None):
         loss, logits = super().forward(input_ids, labels=labels)
-        return loss * 2.0**-16, logits
+        return loss * self.factor, logits
 
 
 def check_a_loss_scalers_factor_reaches_an_fp16_backward():
     """fp16 under dp2 x pp2 with a loss scaler's factor: `(loss * 65,536).backward()` each call, then the
     gradients over 65,536 (the scaler's unscale), and a back-off to 32,768 on the third call. The schedule's
-    backward runs at the last call's factor, so from the second call on the gradients are as far from the
-    fp32 ones as one process's fp16 gradients (measured 9.3e-4 and 9.0e-4 relative: fp16 roundings, 2^-11 each,
-    along the same chain in another order). Allowed: twice one process's error. Unscaled, as the first call
-    runs (the factor is not known yet), they underflow: an error of 1.29 (one process unscaled: 1.64)."""
+    backward runs at the last call's factor, and the first call's at 65,536 (a loss scaler's default, before the
+    loop's factor is known), so at every call the gradients are as far from the fp32 ones as one process's fp16
+    gradients (measured 9.3e-4 and 9.0e-4 relative: fp16 roundings, 2^-11 each, along the same chain in another
+    order). Allowed: twice one process's error. Unscaled, as the first call ran before, they underflow: an error
+    of 1.29 (one process unscaled: 1.64).
+    A loop without a scaler whose gradients (~1) fp16 holds but not times 65,536: the first call's overflow is
+    non-finite on every rank, with a warning; the next call runs at the loop's factor, 1, and is finite."""
     inputs, labels = _batches()[0]
     scale = 65536.0
 
-    def built(dtype):
+    def built(dtype, factor=2.0**-16):
         torch.manual_seed(0)
-        return _SmallLossModel(tiny_seed_config(num_hidden_layers=LAYERS)).to(dtype)
+        return _ScaledLossModel(tiny_seed_config(num_hidden_layers=LAYERS), factor).to(dtype)
 
     def gradients(model, factor):
         return {name: g.double() / factor for name, g in equivalence.gradients(model).items()}
@@ -560,19 +568,33 @@ def check_a_loss_scalers_factor_reaches_an_fp16_backward():
     one = built(torch.float16)
     (one(inputs, labels=labels)[0] * scale).backward()
     want, one_process = gradients(exact, 1.0), gradients(one, scale)
-    model = built(torch.float16)
-    model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), DP2_PP2,
-                                            {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
     rows = _local_rows(DP2_PP2, inputs, labels)
+
+    def parallel(factor=2.0**-16):
+        model = built(torch.float16, factor)
+        return distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.1), DP2_PP2,
+                                    {"dp_config": {"sharding_level": 1}, **_pp("seed-llama")})
+
+    model, optimizer = parallel()
     for call, factor in enumerate((scale, scale, scale / 2)):
         loss, _ = model(rows[0], labels=rows[1])
         (loss * factor).backward()
         got = gradients(model, factor)
         optimizer.zero_grad(set_to_none=True)
-        if call:
-            allowed = 2 * error({n: one_process[n] for n in got}, want)
-            assert error(got, want) <= allowed, (call, error(got, want), allowed)
-            equivalence.record("fp16 gradient error / allowed", error(got, want) / allowed)
+        allowed = 2 * error({n: one_process[n] for n in got}, want)
+        assert error(got, want) <= allowed, (call, error(got, want), allowed)
+        equivalence.record("fp16 gradient error / allowed", error(got, want) / allowed)
+
+    model, optimizer = parallel(2.0**10)
+    for call in range(2):
+        loss, _ = model(rows[0], labels=rows[1])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss.backward()
+        finite = all(bool(torch.isfinite(g).all()) for g in equivalence.gradients(model).values())
+        warned = any("first training call" in str(w.message) for w in caught)
+        assert (finite, warned) == ((False, True) if call == 0 else (True, False)), (call, finite, warned)
+        optimizer.zero_grad(set_to_none=True)
 
 
 class _LogitsLossModel(SeedLlamaModel):
