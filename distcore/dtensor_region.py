@@ -32,9 +32,10 @@ def replicate_parameters(module: torch.nn.Module, tp_mesh, *, recurse: bool) -> 
                 owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=param.requires_grad))
 
 
-def install_dtensor_boundary(module: torch.nn.Module, tp_mesh, *, entry_placement) -> None:
+def install_dtensor_boundary(module: torch.nn.Module, tp_mesh, *, entry_placement, modes: tuple = ()) -> None:
     """Inputs in as DTensors (the hidden states with `entry_placement`, a list of one placement), outputs
-    out as local tensors; the contexts live for the module's forward."""
+    out as local tensors; the contexts live for the module's forward, with one of each of `modes` (context
+    factories: a TorchFunctionMode class, say) entered last."""
     contexts: list = []
 
     def save_as_dtensor(tensor: torch.Tensor):
@@ -51,7 +52,8 @@ def install_dtensor_boundary(module: torch.nn.Module, tp_mesh, *, entry_placemen
         args, kwargs = map_first_activation(args, kwargs, lambda x: wrap(x, entry_placement))
         args = tuple(tree_map(lambda x: wrap(x, [Replicate()]), list(args)))
         kwargs = tree_map(lambda x: wrap(x, [Replicate()]), kwargs)
-        for context in (implicit_replication(), torch.autograd.graph.saved_tensors_hooks(save_as_dtensor, _identity)):
+        for context in (implicit_replication(), torch.autograd.graph.saved_tensors_hooks(save_as_dtensor, _identity),
+                        *(mode() for mode in modes)):
             context.__enter__()
             contexts.append(context)
         return args, kwargs
@@ -78,3 +80,9 @@ def install_dtensor_boundary(module: torch.nn.Module, tp_mesh, *, entry_placemen
 
 def _identity(tensor):
     return tensor
+
+
+def saved_as_they_are():
+    """Within the module's forward: tensors saved for the backward kept as they are (plain local tensors of a
+    computation on shards), not taken for replicated DTensors."""
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)

@@ -13,7 +13,9 @@ projection instead of one per region).
 The boundary (inputs in as DTensors, outputs out as local tensors, plain tensors the code creates taken
 as replicated) is dtensor_region.install_dtensor_boundary. CPU attention
 (`_scaled_dot_product_flash_attention_for_cpu`) has no DTensor sharding rule in torch; one is
-registered here (batch- or head-sharded, or replicated).
+registered here (batch- or head-sharded, or replicated). Attention with dropout takes torch's math path,
+which DTensor cannot run (it builds a causal mask as a plain tensor and fails on the mix, or on a view):
+`_LocalAttention` runs such a call on each rank's own heads or batch rows, as local view does.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.overrides import TorchFunctionMode
 
-from .dtensor_region import install_dtensor_boundary, replicate_parameters
+from .dtensor_region import install_dtensor_boundary, replicate_parameters, saved_as_they_are
 from .sequence_layout import SEQUENCE_DIM
 from .tensor_parallel import (
     ColWiseParallel,
@@ -76,6 +80,71 @@ def _mask_placement(mask, query, split):
     return split
 
 
+class _LocalAttention(TorchFunctionMode):
+    """Within a block in global view: `F.scaled_dot_product_attention` with dropout runs on each rank's local
+    shards (`attention_on_local_shards`); every other call, and attention without dropout, as DTensor runs it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is F.scaled_dot_product_attention and _dropout_p(args, kwargs) > 0.0
+                and any(isinstance(t, DTensor) for t in args[:3])):
+            return attention_on_local_shards(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout_p(args, kwargs) -> float:
+    return float(args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0))
+
+
+def attention_on_local_shards(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False):
+    """`F.scaled_dot_product_attention` of DTensors on one 1-D mesh (plain tensors among them count as replicated),
+    computed by each rank on its own batch rows or heads ([batch, heads, seq, dim]: attention is independent per
+    each) and returned as a DTensor split alike. The split is the query's where it splits the batch or the heads
+    and every input divides evenly over the ranks on that dim (key and value then move to it), else nothing is
+    split (each rank computes the whole). A mask takes the split's slice where it does not broadcast over it.
+    Dropout draws from this rank's generator, as in local view: the tensor-parallel ranks' generators are kept
+    alike (random_state.py), so replicated attention draws one mask on every rank, and head-split attention the
+    same pattern for each rank's heads."""
+    mesh = next(t for t in (query, key, value) if isinstance(t, DTensor)).device_mesh
+    split = _attention_split(query, key, value, mesh.size())
+
+    def local_part(t):
+        placed = t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return placed.redistribute(mesh, [split]).to_local()
+
+    q, k, v = (local_part(t) for t in (query, key, value))
+    mask = _mask_slice(attn_mask, query.dim(), split, mesh)
+    with saved_as_they_are():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
+    return DTensor.from_local(out, mesh, [split], run_check=False)
+
+
+def _attention_split(query, key, value, ranks: int):
+    placement = query.placements[0] if isinstance(query, DTensor) else Replicate()
+    if not (isinstance(placement, Shard) and placement.dim in (0, 1) and query.dim() == 4):
+        return Replicate()
+    dim = placement.dim
+    if all(t.dim() == 4 and t.shape[dim] % ranks == 0 for t in (query, key, value)):
+        return placement
+    return Replicate()
+
+
+def _mask_slice(mask, dims: int, split, mesh):
+    """This rank's part of an attention mask (a plain tensor: the whole mask) for `split`: the mask itself where
+    nothing is split or it broadcasts over the split dim (its dims align with the query's from the right)."""
+    if isinstance(mask, DTensor):
+        mask = mask.full_tensor()
+    if mask is None or not isinstance(split, Shard):
+        return mask
+    mask_dim = split.dim - (dims - mask.dim())
+    if mask_dim < 0 or mask.shape[mask_dim] == 1:
+        return mask
+    size = mask.shape[mask_dim] // mesh.size()
+    return mask.narrow(mask_dim, mesh.get_local_rank() * size, size)
+
+
 def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh,
                       sequence_split: bool) -> list[str]:
     """Apply the block's part of the plan (`plan.within(block_name)`) in global view. `sequence_split`:
@@ -100,7 +169,8 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
         changes += [f"{name}: {style!r} (global view)" for style in styles]
     replicate_parameters(block, tp_mesh, recurse=True)  # norm weights, biases: gradients reduced where computed on shards
     block.register_forward_pre_hook(functools.partial(_caches_take_whole_tensors, tp_mesh=tp_mesh), with_kwargs=True)
-    install_dtensor_boundary(block, tp_mesh, entry_placement=[Shard(SEQUENCE_DIM)] if sequence_split else [Replicate()])
+    install_dtensor_boundary(block, tp_mesh, entry_placement=[Shard(SEQUENCE_DIM)] if sequence_split else [Replicate()],
+                             modes=(_LocalAttention,))
     return changes
 
 

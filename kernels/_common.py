@@ -68,15 +68,32 @@ def note_unfused(op: str, why: str) -> None:
 
 def as_dtensor_like(local: torch.Tensor, like, placements=None, shape=None) -> torch.Tensor:
     """`local` (this rank's shard of an op's output) as a DTensor on `like`'s mesh: with `like`'s placements and
-    shape unless given (uneven shards keep their true global shape)."""
+    shape unless given (uneven shards keep their true global shape). Its global strides lay the dims out in
+    `local`'s memory order (an output that kept a transposed input's layout stays so): DTensor decides views by
+    them, and strides that disagreed with the local tensor's made a later view fail (`torch.matmul` of a rotated
+    query in global view: "view size is not compatible")."""
     from torch.distributed.tensor import DTensor
 
     shape = tuple(like.shape if shape is None else shape)
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
+    if not _dense(local):
+        local = local.contiguous()
+    stride = [0] * len(shape)
+    running = 1
+    for dim in sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d])):  # innermost first
+        stride[dim] = running
+        running *= shape[dim]
     return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill its memory in some order of its dims (a permutation of a contiguous tensor)."""
+    expected = 1
+    for dim in sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.shape[d])):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
+            return False
+        expected *= tensor.shape[dim]
+    return True
 
 
 def no_autocast(device: torch.device):

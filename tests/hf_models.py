@@ -93,11 +93,11 @@ MORE_FAMILIES = {
 
 
 def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | None = None) -> torch.nn.Module:
-    """`config`: more settings of a MORE_FAMILIES family's config (dropouts, ...)."""
+    """`config`: more settings of a MORE_FAMILIES family's or Phi-3's config (dropouts, ...)."""
     import transformers as hf
 
-    if config and family not in MORE_FAMILIES:
-        raise ValueError(f"build: config settings are taken for MORE_FAMILIES only, not {family!r}")
+    if config and family not in MORE_FAMILIES and family != "phi3":
+        raise ValueError(f"build: config settings are taken for MORE_FAMILIES and phi3 only, not {family!r}")
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
@@ -116,7 +116,9 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
     if family == "olmo2":  # q_norm/k_norm: RMSNorm over num_heads x head_dim (post-norm blocks)
         return hf.Olmo2ForCausalLM(hf.Olmo2Config(**common))
     if family == "phi3":
-        return hf.Phi3ForCausalLM(hf.Phi3Config(**common))
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**common, **(config or {})))
+    if family == "phi3-eager":  # transformers' eager attention (explicit matmuls) instead of SDPA
+        return hf.Phi3ForCausalLM(hf.Phi3Config(**common, attn_implementation="eager"))
     if family == "gemma":
         return hf.GemmaForCausalLM(hf.GemmaConfig(**common, head_dim=16))
     if family == "gemma2":  # local (sliding-window) and global layers alternate, its default

@@ -810,6 +810,63 @@ def check_block_check_tolerance_and_verdicts_unit():
     assert not block_check._relative_error(nan, expected, 0.0) <= tolerance
 
 
+def check_attention_with_dropout_in_global_view_runs_on_local_shards():
+    """Attention with dropout in a block in global view takes torch's math path, which DTensor cannot run (a
+    causal mask built as a plain tensor: "mixed torch.Tensor and DTensor"; Phi-3 crashed on a view). It runs
+    on each rank's own batch rows or heads instead (global_view.attention_on_local_shards). At dropout 0 it
+    equals the attention of the whole tensors, output and the gradients of q, k and v, for every split of the
+    query (rows, heads, none), key and value split alike or replicated, grouped-query heads, and masks causal,
+    boolean per row, float per head, or a replicated DTensor. Allowed: 2^-20 of the largest value: each rank
+    runs the same kernel on the same (row, head) slices, whose blocking does not depend on how many there are
+    (equal bit for bit here); a kernel whose blocking did would round differently, 2^-24 per operation over 16
+    terms. With dropout, replicated attention draws one mask on every rank of the group, and a head split the
+    one this rank's generator gives its local heads (as in local view)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from tridist.distcore.global_view import _LocalAttention, attention_on_local_shards
+
+    mesh = MESH.device_mesh["mp"]
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, seq, dim = 2, 4, 8, 16
+    rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    splits = (Shard(0), Shard(1), Replicate())
+    for query_split, kv_split, grouped, mask_kind in [(q, kv, g, m) for q in splits for kv in (None, Replicate())
+                                                      for g in (False, True) for m in ("causal", "bool", "float", "dtensor")]:
+        q = rand(batch, heads, seq, dim).requires_grad_()
+        k, v = (rand(batch, heads // 2 if grouped else heads, seq, dim).requires_grad_() for _ in range(2))
+        mask = {"causal": None, "bool": rand(batch, 1, seq, seq) > -0.5, "float": rand(batch, heads, seq, seq),
+                "dtensor": rand(1, 1, seq, seq)}[mask_kind]
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
+        grad = rand(*want.shape)
+        want.backward(grad)
+        dq = distribute_tensor(q.detach(), mesh, [query_split]).requires_grad_()
+        dk, dv = (distribute_tensor(t.detach(), mesh, [kv_split or query_split]).requires_grad_() for t in (k, v))
+        dmask = distribute_tensor(mask, mesh, [Replicate()]) if mask_kind == "dtensor" else mask
+        got = attention_on_local_shards(dq, dk, dv, attn_mask=dmask, is_causal=mask is None, enable_gqa=grouped)
+        got.backward(distribute_tensor(grad, mesh, got.placements))
+        case = (query_split, kv_split, grouped, mask_kind)
+        for name, value, expected in (("out", got, want), ("dq", dq.grad, q.grad), ("dk", dk.grad, k.grad),
+                                      ("dv", dv.grad, v.grad)):
+            scale = float(expected.abs().max())
+            torch.testing.assert_close(value.full_tensor(), expected, rtol=0, atol=2**-20 * scale, msg=lambda m: f"{case} {name}: {m}")
+    # With dropout, through the global view's mode: the output is a mask's (not the whole attention at dropout 0)
+    q, k, v = (rand(batch, heads, seq, dim) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for split in (Replicate(), Shard(1)):
+        placed = [distribute_tensor(t, mesh, [split]) for t in (q, k, v)]
+        state = torch.get_rng_state()
+        with _LocalAttention():
+            out = F.scaled_dot_product_attention(*placed, dropout_p=0.5, is_causal=True)
+        torch.set_rng_state(state)
+        local = F.scaled_dot_product_attention(*(t.to_local() for t in placed), dropout_p=0.5, is_causal=True)
+        assert isinstance(out, DTensor) and out.placements == (split,), out
+        assert torch.equal(out.to_local(), local) and not torch.allclose(local, whole if split == Replicate() else
+                                                                         whole.chunk(2, dim=1)[mesh.get_local_rank()])
+        others = [None] * mesh.size()
+        torch.distributed.all_gather_object(others, out.to_local(), group=mesh.get_group())
+        assert (split != Replicate()) or all(torch.equal(o, others[0]) for o in others), "replicas drew apart"
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

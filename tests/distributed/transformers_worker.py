@@ -445,6 +445,19 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
 
 
+def check_phi3_with_eager_attention_trains_in_global_view_like_one_process():
+    """Phi-3 with transformers' eager attention (explicit matmuls of q and k, where SDPA takes one op), its blocks in
+    global view, fused kernels on, under dp 2 x tp 2 and tp 2 x pp 2 with sequence parallel: equal to one process. The fused
+    rotary returned its DTensors with contiguous strides over a transposed local tensor, so the matmul's view of
+    the query failed ("view size is not compatible")."""
+    for label, strategy in (("dp 2 x tp 2, level 2", MATRIX["dp 2 x tp 2, level 2"]),
+                            ("tp 2 x pp 2 + sp", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"])):
+        try:
+            _train("phi3-eager", strategy, global_view=True)
+        except Exception as error:
+            raise AssertionError(f"phi3-eager under {label}: {type(error).__name__}: {error}") from error
+
+
 def check_to_distributed_with_uneven_pipeline_stages():
     """Three decoder layers on pp 2 (2 + 1, as the cost model priced them), given and searched."""
     reference = _run(*_model("qwen2", layers=3))
@@ -684,16 +697,25 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
     to_distributed (as a user does for per-rank data augmentation) and reads a shuffled loader for 2 epochs.
     No two ranks may then disagree about a parameter both hold: before, the tp ranks' residual dropout drew
     different masks and their replicas drifted apart silently (0.15 after 2 steps under dp 2 x tp 2). Dropout
-    puts one process's numbers out of reach; the same model with dropout 0 is checked against it elsewhere."""
-    dropouts = dict(residual_dropout=0.1, embedding_dropout=0.1, attention_dropout=0.1)
+    puts one process's numbers out of reach; the same model with dropout 0 is checked against it elsewhere.
+    Phi-3 (its blocks in global view: it slices q/k/v at the config's head count) with its dropouts at 0.1, under
+    SDPA and eager attention: SDPA with dropout crashed on DTensors there (torch's math path); it now runs on each
+    rank's heads (tensor_parallel_worker checks that path against whole attention)."""
     samples = _samples(_batches())
-    for strategy in (MATRIX["dp 2 x tp 2, level 2"], _strategy(1, 2, 2, num_micro_batches=2)):
+    starcoder2 = dict(residual_dropout=0.1, embedding_dropout=0.1, attention_dropout=0.1)
+    phi3 = dict(attention_dropout=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    for family, dropouts, strategy in (
+            ("starcoder2", starcoder2, MATRIX["dp 2 x tp 2, level 2"]),
+            ("starcoder2", starcoder2, _strategy(1, 2, 2, num_micro_batches=2)),
+            ("phi3", phi3, MATRIX["dp 2 x tp 2, level 2"]),
+            ("phi3", {**phi3, "attn_implementation": "eager"}, MATRIX["dp 2 x tp 2, level 2"])):
         torch.manual_seed(0)
-        model = build("starcoder2", config=dropouts)
+        model = build(family, config=dropouts)
         model, optimizer, loader = distcore.to_distributed(
             model, torch.optim.SGD(model.parameters(), lr=0.5),
             torch.utils.data.DataLoader(samples, batch_size=BATCH, shuffle=True), device_num=dist.get_world_size(),
             config=distcore.ToDistributedConfig(strategy=strategy))
+        assert family != "phi3" or model.model.layers[0]._tridist_global_view, "Phi-3's blocks ran in local view"
         assert not _shared_parameters_disagree(model)
         torch.manual_seed(1000 + dist.get_rank())
         losses = []
@@ -706,7 +728,7 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
                 optimizer.clear_grad()
         assert len(losses) == 2 * BATCHES and all(math.isfinite(loss) for loss in losses), losses
         disagree = _shared_parameters_disagree(model)
-        assert not disagree, f"{strategy.describe()}: {len(disagree)} parameter(s) differ between ranks: {disagree[:4]}"
+        assert not disagree, f"{family}, {strategy.describe()}: {len(disagree)} parameter(s) differ between ranks: {disagree[:4]}"
 
 
 def _two_optimizers(model):
