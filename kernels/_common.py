@@ -79,17 +79,22 @@ def as_dtensor_like(local: torch.Tensor, like, placements=None, shape=None) -> t
         local = local.contiguous()
     stride = [0] * len(shape)
     running = 1
-    for dim in sorted(range(len(shape)), key=lambda d: (local.stride(d), local.shape[d])):  # innermost first
+    for dim in _memory_order(local):
         stride[dim] = running
         running *= shape[dim]
     return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
                               shape=torch.Size(shape), stride=tuple(stride))
 
 
+def _memory_order(tensor: torch.Tensor) -> list[int]:
+    """`tensor`'s dims from the innermost (smallest stride) out."""
+    return sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.shape[d]))
+
+
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether `tensor`'s elements fill its memory in some order of its dims (a permutation of a contiguous tensor)."""
     expected = 1
-    for dim in sorted(range(tensor.dim()), key=lambda d: (tensor.stride(d), tensor.shape[d])):
+    for dim in _memory_order(tensor):
         if tensor.shape[dim] != 1 and tensor.stride(dim) != expected:
             return False
         expected *= tensor.shape[dim]

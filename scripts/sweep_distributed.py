@@ -4,7 +4,7 @@ gloo processes (torchrun) with the users' default config (fused kernels on) and 
 on padded batches and compared with one process by tests/distributed/equivalence.py's criteria. Run it after a
 transformers upgrade or a change to distcore: the verdicts say which families still train as one process does.
 
-    python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--out sweep.jsonl]
+    python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--attention eager] [--out sweep.jsonl]
 
 One JSON line per model type (also written to --out), progress on stderr, a count per verdict at the end:
 - equal: the first-step gradients, the losses and the parameters after the steps are one process's (the
@@ -22,7 +22,8 @@ One JSON line per model type (also written to --out), progress on stderr, a coun
 Strategies (--strategy): dp2-tp2-sp (dp 2 x tp 2 with sequence parallel, the default: the strategy that asks most
 of a model's code), dp2-tp2, tp2-pp2 (2 micro-batches), dp2-pp2 (2 micro-batches, full recompute: the layer
 list alone, also of models whose layers tensor parallel cannot read), dp4-zero3, searched (to_distributed's own
-choice).
+choice). --attention: transformers' attention implementation ("eager": explicit matmuls and softmax; "sdpa"; the
+default: each model's own, SDPA for most).
 SGD at lr 0.1 (the tests' 0.5 makes some tiny models diverge, whose parameters then differ by amplified rounding);
 dropout and router jitter off (`build_tiny(deterministic=True)`: ranks would draw other masks than one process;
 PhiMoE's router samples in training regardless).
@@ -106,7 +107,7 @@ def _ours(error: BaseException) -> bool:
     return module.startswith("tridist.") and isinstance(error, ours)
 
 
-def worker(model_type: str, strategy_name: str) -> dict:
+def worker(model_type: str, strategy_name: str, attention: str | None = None) -> dict:
     """One model type on this process's rank (under torchrun): its row, the same on every rank but for errors."""
     import torch
     import torch.distributed as dist
@@ -115,9 +116,9 @@ def worker(model_type: str, strategy_name: str) -> dict:
     from tridist import autotune, distcore
 
     distcore.init_parallel_env()
-    row = {"type": model_type, "strategy": strategy_name}
+    row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {})}
     try:
-        model, _ = build_tiny(model_type, deterministic=True)  # no dropout: ranks draw other masks than one process
+        model, _ = build_tiny(model_type, deterministic=True, attention=attention)  # no dropout: ranks draw other masks than one process
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # training: no key/value cache (hybrid models' caches refuse padded calls)
         reference = _one_process(copy.deepcopy(model))
@@ -166,12 +167,13 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-def _launch(model_type: str, strategy: str) -> dict:
+def _launch(model_type: str, strategy: str, attention: str | None = None) -> dict:
     """torchrun on NPROC processes for one model type: rank 0's row (any rank's error where rank 0 has none)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as rows_dir:  # a file per rank: their stdout lines may interleave
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-                   os.path.abspath(__file__), "--worker", model_type, "--strategy", strategy, "--rows", rows_dir]
+                   os.path.abspath(__file__), "--worker", model_type, "--strategy", strategy, "--rows", rows_dir,
+                   *(["--attention", attention] if attention else [])]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limited,
                                   env=env)
@@ -192,6 +194,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("types", nargs="*", help="model types (default: every AutoModelForCausalLM one)")
     parser.add_argument("--strategy", default="dp2-tp2-sp", choices=list(STRATEGIES))
+    parser.add_argument("--attention", choices=["eager", "sdpa"], help="transformers' attention implementation "
+                        "(default: each model's own)")
     parser.add_argument("--out", help="also write the JSON lines here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun process: one model type
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # where each rank writes its row
@@ -200,7 +204,7 @@ def main() -> None:
         import logging
 
         logging.getLogger("tridist").setLevel(logging.ERROR)
-        row = worker(args.worker, args.strategy)
+        row = worker(args.worker, args.strategy, args.attention)
         with open(os.path.join(args.rows, f"rank{int(os.environ.get('RANK', 0)):03d}.json"), "w") as file:
             json.dump(row, file)
         return
@@ -212,7 +216,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     start = time.monotonic()
     for i, model_type in enumerate(types, 1):
-        row = _launch(model_type, args.strategy)
+        row = _launch(model_type, args.strategy, args.attention)
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
         print(json.dumps(row), flush=True)
         if out:
@@ -220,7 +224,7 @@ def main() -> None:
         detail = row.get("chosen", "") if row["verdict"] == "equal" else row.get("error", "")[:70]
         print(f"[{i}/{len(types)}, {time.monotonic() - start:.0f} s] {model_type}: {row['verdict']} {detail}",
               file=sys.stderr, flush=True)
-    print(f"{len(types)} model types under {args.strategy}: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())),
+    print(f"{len(types)} model types under {args.strategy}{', ' + args.attention + ' attention' if args.attention else ''}: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())),
           file=sys.stderr)
 
 
