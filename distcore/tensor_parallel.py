@@ -969,22 +969,36 @@ def install_lazy_split(model: torch.nn.Module, names: tuple[str, ...], *, tp_mes
 
 
 def _check_exit(name: str, exits: list[torch.nn.Module]):
-    """The region's output must be its row-parallel exit's (already reduce-scattered) output."""
+    """The region's output must be its row-parallel exit's (already reduce-scattered) output, or a dropout of it
+    (Starcoder2's and Seed-OSS's residual dropout after o_proj, inside the attention): elementwise on the rank's
+    sequence slice, as one device applies it to the whole sequence."""
 
     def hook(module, args, output):
         first = output[0] if isinstance(output, tuple) else output
-        if not any(first is getattr(e, "_tridist_last_output", None) for e in exits):
+        if not any(first is e_out or _dropout_of(first, e_out) for e_out in
+                   (getattr(e, "_tridist_last_output", None) for e in exits) if e_out is not None):
             raise RuntimeError(
                 f"parallelize: the output of SequenceParallelDisable region {name!r} is not the output of its "
-                "row-parallel linear (something runs after it inside the region, e.g. a residual add or Seed-OSS's "
-                "dropout after o_proj); put the Disable style on the module whose output is that linear's, or (with "
-                "to_distributed) choose a strategy without sequence_parallel"
+                "row-parallel linear (something runs after it inside the region, e.g. a residual add); put the "
+                "Disable style on the module whose output is that linear's, or (with to_distributed) choose a "
+                "strategy without sequence_parallel"
             )
         for e in exits:
             e._tridist_last_output = None
         return output
 
     return hook
+
+
+def _dropout_of(tensor, source: torch.Tensor) -> bool:
+    """Whether autograd made `tensor` from `source` by a dropout (training mode): one product with a mask that needs
+    no gradient (the CPU's dropout), or the fused dropout op (CUDA's), of `source`'s shape. A product with anything
+    built from the gathered sequence could not keep the slice's shape; anything else is refused."""
+    node = getattr(tensor, "grad_fn", None)
+    if node is None or source.grad_fn is None or tensor.shape != source.shape:
+        return False
+    inputs = [fn for fn, _ in node.next_functions if fn is not None]
+    return node.name() in ("MulBackward0", "NativeDropoutBackward0") and inputs == [source.grad_fn]
 
 
 def _replicate_over_sequence_slices(module: torch.nn.Module, tp_mesh) -> None:

@@ -23,7 +23,10 @@ Strategies (--strategy): dp2-tp2-sp (dp 2 x tp 2 with sequence parallel, the def
 of a model's code), dp2-tp2, tp2-pp2 (2 micro-batches), dp2-pp2 (2 micro-batches, full recompute: the layer
 list alone, also of models whose layers tensor parallel cannot read), dp4-zero3, searched (to_distributed's own
 choice). --attention: transformers' attention implementation ("eager": explicit matmuls and softmax; "sdpa"; the
-default: each model's own, SDPA for most).
+default: each model's own, SDPA for most). --dropout P: every dropout of the config at P instead of 0; one
+process's numbers are then out of reach (the ranks draw their own masks), so the verdict is whether the ranks that
+hold a parameter still agree on it after the steps ("replicas agree"; "replicas differ": a bug, silent in training)
+with finite losses.
 SGD at lr 0.1 (the tests' 0.5 makes some tiny models diverge, whose parameters then differ by amplified rounding);
 dropout and router jitter off (`build_tiny(deterministic=True)`: ranks would draw other masks than one process;
 PhiMoE's router samples in training regardless).
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import resource
 import subprocess
@@ -107,7 +111,7 @@ def _ours(error: BaseException) -> bool:
     return module.startswith("tridist.") and isinstance(error, ours)
 
 
-def worker(model_type: str, strategy_name: str, attention: str | None = None) -> dict:
+def worker(model_type: str, strategy_name: str, attention: str | None = None, dropout: float | None = None) -> dict:
     """One model type on this process's rank (under torchrun): its row, the same on every rank but for errors."""
     import torch
     import torch.distributed as dist
@@ -116,12 +120,13 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None) ->
     from tridist import autotune, distcore
 
     distcore.init_parallel_env()
-    row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {})}
+    row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {}),
+           **({"dropout": dropout} if dropout is not None else {})}
     try:
-        model, _ = build_tiny(model_type, deterministic=True, attention=attention)  # no dropout: ranks draw other masks than one process
+        model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)  # no dropout: ranks draw other masks than one process
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # training: no key/value cache (hybrid models' caches refuse padded calls)
-        reference = _one_process(copy.deepcopy(model))
+        reference = _one_process(copy.deepcopy(model)) if dropout is None else None
     except Exception as error:  # noqa: BLE001 - reported
         memory = "can't allocate memory" in str(error)  # the address-space limit (a vision tower's fixed sizes)
         return {**row, "verdict": "memory" if memory else "build", "error": f"{type(error).__name__}: {error}"[:300]}
@@ -139,16 +144,23 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None) ->
         row["global view"] = sorted(n for n, m in model.named_modules() if hasattr(m, "_tridist_global_view"))[:4]
         row["fused"] = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")})
         stage = "training"
-        trace = equivalence.Trace()
+        trace, losses = equivalence.Trace(), []
         for batch in loader():
             torch.manual_seed(1)
             out = model(**batch)
             out.loss.backward()
             trace.step(model, out.loss)
+            losses.append(out.loss.item())
             optimizer.step()
             optimizer.clear_grad()
         trace = trace.end(model)
         stage = "comparison"
+        if dropout is not None:
+            disagree = equivalence.shared_parameters_disagree(model)
+            if disagree or not all(math.isfinite(loss) for loss in losses):
+                return {**row, "verdict": "replicas differ", "error": f"losses {losses}; {len(disagree)} parameter(s) "
+                                                                     f"differ between ranks: {disagree[:4]}"}
+            return {**row, "verdict": "replicas agree"}
         equivalence.MEASURED.clear()
         equivalence.assert_same_training(trace, reference, unused_zero=True)  # experts no rank's tokens chose
         return {**row, "verdict": "equal", "measured": {k: round(v, 4) for k, v in equivalence.MEASURED.items()}}
@@ -167,13 +179,14 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-def _launch(model_type: str, strategy: str, attention: str | None = None) -> dict:
+def _launch(model_type: str, strategy: str, attention: str | None = None, dropout: float | None = None) -> dict:
     """torchrun on NPROC processes for one model type: rank 0's row (any rank's error where rank 0 has none)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as rows_dir:  # a file per rank: their stdout lines may interleave
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                    os.path.abspath(__file__), "--worker", model_type, "--strategy", strategy, "--rows", rows_dir,
-                   *(["--attention", attention] if attention else [])]
+                   *(["--attention", attention] if attention else []),
+                   *(["--dropout", str(dropout)] if dropout is not None else [])]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limited,
                                   env=env)
@@ -185,7 +198,7 @@ def _launch(model_type: str, strategy: str, attention: str | None = None) -> dic
         return {"type": model_type, "strategy": strategy, "verdict": "process",
                 "error": "a rank was killed (out of memory?)" if killed else f"exit {done.returncode}: {done.stderr[-300:]}"}
     # The rank whose own error stopped the run, not one that lost its peer (gloo: "... caused by a remote worker ...")
-    failed = sorted((r for r in rows if r["verdict"] not in ("equal", "build")),
+    failed = sorted((r for r in rows if r["verdict"] not in ("equal", "replicas agree", "build")),
                     key=lambda r: "remote worker" in r.get("error", ""))
     return failed[0] if failed else rows[0]
 
@@ -196,6 +209,8 @@ def main() -> None:
     parser.add_argument("--strategy", default="dp2-tp2-sp", choices=list(STRATEGIES))
     parser.add_argument("--attention", choices=["eager", "sdpa"], help="transformers' attention implementation "
                         "(default: each model's own)")
+    parser.add_argument("--dropout", type=float, help="every dropout of the config at this probability; the verdict "
+                        "is whether the replicas agree after the steps")
     parser.add_argument("--out", help="also write the JSON lines here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun process: one model type
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # where each rank writes its row
@@ -204,7 +219,7 @@ def main() -> None:
         import logging
 
         logging.getLogger("tridist").setLevel(logging.ERROR)
-        row = worker(args.worker, args.strategy, args.attention)
+        row = worker(args.worker, args.strategy, args.attention, args.dropout)
         with open(os.path.join(args.rows, f"rank{int(os.environ.get('RANK', 0)):03d}.json"), "w") as file:
             json.dump(row, file)
         return
@@ -216,12 +231,12 @@ def main() -> None:
     counts: dict[str, int] = {}
     start = time.monotonic()
     for i, model_type in enumerate(types, 1):
-        row = _launch(model_type, args.strategy, args.attention)
+        row = _launch(model_type, args.strategy, args.attention, args.dropout)
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
         print(json.dumps(row), flush=True)
         if out:
             print(json.dumps(row), file=out, flush=True)
-        detail = row.get("chosen", "") if row["verdict"] == "equal" else row.get("error", "")[:70]
+        detail = row.get("chosen", "") if row["verdict"] in ("equal", "replicas agree") else row.get("error", "")[:70]
         print(f"[{i}/{len(types)}, {time.monotonic() - start:.0f} s] {model_type}: {row['verdict']} {detail}",
               file=sys.stderr, flush=True)
     print(f"{len(types)} model types under {args.strategy}{', ' + args.attention + ' attention' if args.attention else ''}: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())),

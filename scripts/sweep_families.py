@@ -48,13 +48,15 @@ TRIES = [dict(head_dim=HEAD_DIM, **_MOE), dict(_MOE), dict(head_dim=HEAD_DIM, **
          dict(**_LATENT, qk_nope_head_dim=12, head_dim=8, **_MOE), dict(**_LATENT, qk_nope_head_dim=8, head_dim=16, **_MOE)]
 
 
-def build_tiny(model_type: str, *, deterministic: bool = False, attention: str | None = None):
+def build_tiny(model_type: str, *, deterministic: bool = False, attention: str | None = None,
+               dropout: float | None = None):
     """(model, config extras) of the first try whose model runs a labelled forward on a left-padded batch, else
     raises the last error. (GLM-4.7-Flash's latent attention with fewer key/value heads than heads, an unnatural
     config, runs unpadded but fails padded in transformers itself: its next try, heads alike, builds.)
     `deterministic`: every dropout probability and router jitter of the config set to 0, so that training draws
-    nothing at random (runs laid out differently, as distributed ones, draw differently). `attention`: transformers'
-    attention implementation ("eager", "sdpa"; None: the model's default)."""
+    nothing at random (runs laid out differently, as distributed ones, draw differently). `dropout`: every dropout
+    probability set to it instead (router jitter to 0). `attention`: transformers' attention implementation ("eager",
+    "sdpa"; None: the model's default)."""
     import torch
     import transformers
 
@@ -63,10 +65,10 @@ def build_tiny(model_type: str, *, deterministic: bool = False, attention: str |
         try:
             torch.manual_seed(0)
             config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **extra})
-            if deterministic:
+            if deterministic or dropout is not None:
                 for key, value in config.to_dict().items():
                     if any(word in key for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):
-                        setattr(config, key, 0.0)
+                        setattr(config, key, dropout if dropout is not None and "jitter" not in key else 0.0)
             chosen = {} if attention is None else {"attn_implementation": attention}
             model = transformers.AutoModelForCausalLM.from_config(config, **chosen).float()
             ids = torch.randint(3, VOCAB, (2, 8))

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -232,3 +233,16 @@ def assert_same_training(trace: Trace, reference: Trace, *, rtol: float = RTOL, 
     frozen = [n for n, p in trace.parameters.items() if torch.equal(p, trace.initial[n]) and n in trace.trainable
               and not torch.equal(reference.parameters[n], reference.initial[n])]
     assert not frozen, f"never updated: {frozen}"
+
+
+def shared_parameters_disagree(model) -> list[str]:
+    """The parameters whose whole value differs between two ranks that hold it (a ranks' pair of the same
+    pipeline stage; replicas of one computation agree bit for bit): a fingerprint of each (fp64 sums of its
+    values and of its values weighted by their index), compared exactly over every rank."""
+    mine = {}
+    for name, whole in parameters(model).items():  # (DTensors gathered a mesh's alike ones at once)
+        whole = whole.double().flatten()
+        mine[name] = (whole.sum().item(), (whole * torch.arange(whole.numel(), dtype=torch.float64)).sum().item())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted({name for other in everyone for name, value in other.items() if name in mine and value != mine[name]})

@@ -678,19 +678,6 @@ def check_a_model_that_differs_between_ranks_is_refused():
                 raise AssertionError(f"a model that differs between ranks was distributed ({strategy})")
 
 
-def _shared_parameters_disagree(model) -> list[str]:
-    """The parameters whose whole value differs between two ranks that hold it (a ranks' pair of the same
-    pipeline stage; replicas of one computation agree bit for bit): a fingerprint of each (fp64 sums of its
-    values and of its values weighted by their index), compared exactly over every rank."""
-    mine = {}
-    for name, whole in equivalence.parameters(model).items():  # (DTensors gathered a mesh's alike ones at once)
-        whole = whole.double().flatten()
-        mine[name] = (whole.sum().item(), (whole * torch.arange(whole.numel(), dtype=torch.float64)).sum().item())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return sorted({name for other in everyone for name, value in other.items() if name in mine and value != mine[name]})
-
-
 def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
     """Starcoder2 with its dropouts at 0.1: after o_proj and the MLP's c_proj (the replicated activations of the
     tp ranks), of this rank's attention heads, of the embeddings. Each rank reseeds its RNG apart after
@@ -700,13 +687,18 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
     puts one process's numbers out of reach; the same model with dropout 0 is checked against it elsewhere.
     Phi-3 (its blocks in global view: it slices q/k/v at the config's head count) with its dropouts at 0.1, under
     SDPA and eager attention: SDPA with dropout crashed on DTensors there (torch's math path); it now runs on each
-    rank's heads (tensor_parallel_worker checks that path against whole attention)."""
+    rank's heads (tensor_parallel_worker checks that path against whole attention). Under sequence parallel,
+    Starcoder2's residual dropout after o_proj (inside the attention module, after the reduce-scatter onto sequence
+    slices) was refused as "something runs after the row-parallel linear": a dropout of that output is elementwise
+    on the slice, and trains."""
     samples = _samples(_batches())
     starcoder2 = dict(residual_dropout=0.1, embedding_dropout=0.1, attention_dropout=0.1)
     phi3 = dict(attention_dropout=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
     for family, dropouts, strategy in (
             ("starcoder2", starcoder2, MATRIX["dp 2 x tp 2, level 2"]),
             ("starcoder2", starcoder2, _strategy(1, 2, 2, num_micro_batches=2)),
+            # its residual dropout after o_proj, inside the attention, runs on the sequence slice (it was refused)
+            ("starcoder2", starcoder2, MATRIX["dp 2 x tp 2 + sp + overlap, level 1"]),
             ("phi3", phi3, MATRIX["dp 2 x tp 2, level 2"]),
             ("phi3", {**phi3, "attn_implementation": "eager"}, MATRIX["dp 2 x tp 2, level 2"])):
         torch.manual_seed(0)
@@ -716,7 +708,7 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
             torch.utils.data.DataLoader(samples, batch_size=BATCH, shuffle=True), device_num=dist.get_world_size(),
             config=distcore.ToDistributedConfig(strategy=strategy))
         assert family != "phi3" or model.model.layers[0]._tridist_global_view, "Phi-3's blocks ran in local view"
-        assert not _shared_parameters_disagree(model)
+        assert not equivalence.shared_parameters_disagree(model)
         torch.manual_seed(1000 + dist.get_rank())
         losses = []
         for _ in range(2):
@@ -727,7 +719,7 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
                 optimizer.step()
                 optimizer.clear_grad()
         assert len(losses) == 2 * BATCHES and all(math.isfinite(loss) for loss in losses), losses
-        disagree = _shared_parameters_disagree(model)
+        disagree = equivalence.shared_parameters_disagree(model)
         assert not disagree, f"{family}, {strategy.describe()}: {len(disagree)} parameter(s) differ between ranks: {disagree[:4]}"
 
 
