@@ -4,7 +4,8 @@ gloo processes (torchrun) with the users' default config (fused kernels on) and 
 on padded batches and compared with one process by tests/distributed/equivalence.py's criteria. Run it after a
 transformers upgrade or a change to distcore: the verdicts say which families still train as one process does.
 
-    python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--attention eager] [--out sweep.jsonl]
+    python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--attention eager] [--dropout 0.1]
+                                         [--out sweep.jsonl]
 
 One JSON line per model type (also written to --out), progress on stderr, a count per verdict at the end:
 - equal: the first-step gradients, the losses and the parameters after the steps are one process's (the
@@ -123,7 +124,8 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
     row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {}),
            **({"dropout": dropout} if dropout is not None else {})}
     try:
-        model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)  # no dropout: ranks draw other masks than one process
+        # Dropout off unless asked for: the ranks draw other masks than one process
+        model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # training: no key/value cache (hybrid models' caches refuse padded calls)
         reference = _one_process(copy.deepcopy(model)) if dropout is None else None
