@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -54,6 +55,9 @@ def compile_variant(label, fn, pointers, constexprs, floats=(), num_warps=4):
     result["loads"] = sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx)))
     result["stores"] = sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx)))
     result["barriers"] = len(re.findall(r"\bbar\.sync\b", ptx))  # layout conversions through shared memory, mostly
+    # Instructions of the special function units (MUFU on sm_90: a quarter of an SM's lanes, 16 per clock) by
+    # kind; a division `div.full` is one reciprocal. Each is one per element of the thread's tile.
+    result["special"] = dict(Counter(re.findall(r"\b(ex2|lg2|rcp|rsqrt|sqrt|sin|cos|tanh|div)\.", ptx)))
     result.update(resource_usage(compiled.asm["cubin"]))
     result["warps_per_sm"] = occupancy(result["registers"], num_warps)
     return result

@@ -73,3 +73,14 @@ def test_rotary_tiles_of_wide_heads_hold_one_token(compiled):
     for name in ("rotary[interleaved=False, BLOCK_T=1, BLOCK_H=16]", "rotary[interleaved=False, BLOCK_T=1, BLOCK_H=32]"):
         assert compiled[name]["barriers"] == 0, (name, compiled[name]["barriers"])
         assert compiled[name]["warps_per_sm"] >= 16, (name, compiled[name]["registers"])
+
+
+def test_geglu_backward_takes_one_exp_and_one_division_per_element(compiled):
+    """gelu's tanh approximation's backward needs sigmoid(z) and sigmoid(-z) to their last digit; as e = exp(-|z|)
+    and 1 / (1 + e) it takes one exp and one division per element, as SwiGLU's. Two of each (sigmoid(z) and
+    sigmoid(-z) apart) took 1.12x torch.compile's time on an H200, whose bandwidth leaves the backward's
+    arithmetic exposed (bench/results/h200-2026-11-28); 96 registers there, 64 now. A tile of 4 x 1024 at 4 warps
+    holds 32 elements per thread."""
+    for name in ("swiglu_flat_bwd", "geglu_tanh_flat_bwd"):
+        assert compiled[name]["special"] == {"ex2": 32, "div": 32}, (name, compiled[name]["special"])
+    assert compiled["geglu_tanh_flat_bwd"]["registers"] <= compiled["swiglu_flat_bwd"]["registers"], compiled
