@@ -58,7 +58,8 @@ pipeline rank by the layers it holds):
   on every tp rank (etp = 1: their weights are not divided by tp). Without sequence parallel each tp rank runs
   the same tokens through them (GEMMs and activations not divided by tp); with it, its own slice of the
   sequence (GEMMs, all-to-all and activations on tokens / tp), and the blocks' gradients are then summed over
-  the tp ranks once per step (an all-reduce of their parameters, exposed; no expert parallel with it).
+  the tp ranks once per step (an all-reduce of their parameters, exposed), expert-parallel experts' in each
+  backward (one all-reduce per layer and micro-batch).
 
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
@@ -811,12 +812,17 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     tp_s = m * stage_tp
     ep_s = m * stage_ep
     if spec.is_moe and s.sequence_parallel and t > 1 and _expert_tp(cluster, t) == 1:
-        # Whole MoE blocks on each tp rank's slice of the sequence: their gradients cover the slice, and DTensor
-        # sums them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters
-        # of the rank holding the most MoE layers, exposed).
-        block = spec.router_parameters + spec.shared_expert_parameters + spec.num_experts // s.ep * spec.expert_parameters
+        # Whole MoE blocks on each tp rank's slice of the sequence: their gradients cover the slice. DTensor sums
+        # them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters of the
+        # rank holding the most MoE layers, exposed); expert-parallel experts sum theirs in each backward, one
+        # all-reduce per layer and micro-batch (distcore's ExpertParallelExperts).
+        moe_layers = max(k[1] for k in kinds)
+        experts = spec.num_experts // s.ep * spec.expert_parameters
+        block = spec.router_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
         bw_tp, lat_tp = cluster.link(t, 1)
-        tp_s += all_reduce_time(e * max(k[1] for k in kinds) * block, t, bw_tp, lat_tp)
+        tp_s += all_reduce_time(e * moe_layers * block, t, bw_tp, lat_tp)
+        if s.ep > 1:
+            tp_s += m * moe_layers * all_reduce_time(e * experts, t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time
     pp_s = 0.0
     if pp > 1:

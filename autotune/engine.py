@@ -55,7 +55,8 @@ class EngineProfile:
     # The routed and shared experts split over tp like the dense MLP (Megatron-Core's default: expert tensor
     # parallel = tp); False: whole on every tp rank (distcore's tensor_parallel_plan; Megatron's
     # expert_tensor_parallel_size=1), which runs the same tokens through them, or under sequence parallel each
-    # rank's slice of the sequence (their gradients then summed over tp; no expert parallel with it).
+    # rank's slice of the sequence (their gradients then summed over tp; with expert parallel, each tp rank
+    # routes its slice's tokens through its own ep group).
     expert_tensor_parallel: bool = True
     source: str = ""
 

@@ -295,8 +295,6 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         for v, level, (sp, overlap), rc, ep in itertools.product(vpps, levels, tp_modes, recompute, eps):
             if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
                 continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
-            if sp and ep > 1 and not cluster.engine.expert_tensor_parallel:
-                continue  # whole MoE blocks on sequence slices keep all their experts (strategy.py)
             yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
 
 

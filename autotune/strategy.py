@@ -171,10 +171,6 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
             reasons.append(f"ep={s.ep} does not divide num_experts={spec.num_experts}; pick an ep that divides it")
         if s.dp % s.ep:
             reasons.append(f"ep={s.ep} must divide dp={s.dp} (the experts are split over data-parallel ranks)")
-        if spec.is_moe and s.sequence_parallel and not cluster.engine.expert_tensor_parallel:
-            reasons.append(f"ep={s.ep} with sequence_parallel: the {cluster.engine.name} engine runs the MoE blocks "
-                           "on each tp rank's slice of the sequence with the whole block's parameters, which expert "
-                           "parallel would split; use ep=1 with sequence parallel, or tp without it")
     # Stages need not hold equal layer counts (stage_layers), but each holds one at least.
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "

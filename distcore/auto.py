@@ -591,9 +591,9 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     expert-parallel share of them, so their gradients come out equal on the tp ranks and need no reduction.
     With it, each tp rank routes its own slice of the sequence through the whole block (ShardLocalParameters
     on each of the block's modules with parameters: the module code sees plain local tensors, the gradients
-    are summed over the tp ranks), so no rank repeats another's expert compute. A router whose load-balancing
-    loss takes every token's logits cannot see a slice (refused by `to_distributed`), nor can expert parallel
-    split the block's experts then (`autotune.validate`)."""
+    are summed over the tp ranks), so no rank repeats another's expert compute; expert parallel takes the
+    experts modules over from there (expert_parallel.py). A router whose load-balancing loss takes every token's
+    logits cannot see a slice (refused by `to_distributed`)."""
     if structure.is_moe and sequence_parallel and router_aux_loss_on(model):
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
                          "loss takes every token's logits: each tp rank would see its own slice; set "

@@ -28,8 +28,12 @@ kind is refused, and `to_distributed`'s search keeps ep at 1 for it. Pipeline st
 every mp rank, as Megatron's expert tensor parallel of 1: the mp ranks hold the same tokens, route them
 alike and each sends them to the experts' ranks of its own ep group (the dp ranks at its mp coordinate,
 the [dp / ep, ep, mp] mesh), so each mp rank computes the same expert gradients and none is reduced over
-mp. (Under sequence parallel the blocks run on each mp rank's slice of the sequence instead, their gradients
-summed over mp: `distcore.auto.tensor_parallel_plan`; expert parallel is not combined with that.)
+mp. Under sequence parallel the blocks run on each mp rank's slice of the sequence instead, every module of the
+block with parameters kept whole by ShardLocalParameters (their gradients summed over mp:
+`distcore.auto.tensor_parallel_plan`). Expert parallel takes such an experts module over (ShardLocalParameters.
+release) and splits it as any other: each mp rank routes its own tokens through its ep group, and the experts'
+gradients, each mp rank's for its tokens, are summed over mp in the backward (one all-reduce per experts module
+and backward).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from .tensor_parallel import _elsewhere
+from .tensor_parallel import ShardLocalParameters, _elsewhere
 
 __all__ = ["ExpertParallelDenseExperts", "ExpertParallelExperts", "EP_KEYS", "apply_expert_parallel", "expert_mesh",
            "split_kind"]
@@ -175,10 +179,12 @@ class ExpertParallelExperts(torch.nn.Module):
     """One MoE layer's routed experts, this rank holding `num_experts / ep` of them. The parameters keep the
     replaced module's names (`gate_up_proj`, `down_proj`, biases) as DTensors sharded on the expert dimension
     over `ep_mesh`; `forward` is Hugging Face's experts interface. `kind` (`split_kind`): the kernels' routed
-    SwiGLU, or the replaced module's own forward on this rank's experts (probed here when not given)."""
+    SwiGLU, or the replaced module's own forward on this rank's experts (probed here when not given).
+    `sum_gradients_over`: the mesh of ranks that hold the same experts and route other tokens to them (the mp
+    ranks under sequence parallel), over which the experts' gradients are summed in the backward."""
 
     def __init__(self, experts: torch.nn.Module, ep_mesh: DeviceMesh, *, fused_activation: bool,
-                 kind: str | None = None):
+                 kind: str | None = None, sum_gradients_over: DeviceMesh | None = None):
         super().__init__()
         from tridist.kernels.ops.swiglu import eager_swiglu, swiglu
 
@@ -194,7 +200,7 @@ class ExpertParallelExperts(torch.nn.Module):
         if self.num_experts % self.ep:
             raise ValueError(f"expert parallel: {self.num_experts} experts do not split over ep={self.ep} ranks; "
                              "pick an ep degree that divides the expert count")
-        self.ep_mesh = ep_mesh
+        self.ep_mesh, self.sum_gradients_over = ep_mesh, sum_gradients_over
         self.local_experts = self.num_experts // self.ep
         for name, weight in params.items():
             sharded = distribute_tensor(weight.detach(), ep_mesh, [Shard(0)])  # rank 0's experts, scattered
@@ -213,7 +219,17 @@ class ExpertParallelExperts(torch.nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return f"{self.local_experts} of {self.num_experts} experts, {self.kind}"
+        summed = f", gradients summed over {self.sum_gradients_over.size()} ranks" if self.sum_gradients_over else ""
+        return f"{self.local_experts} of {self.num_experts} experts, {self.kind}{summed}"
+
+    def _local_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's experts as plain tensors, their gradients scaled by 1 / ep (the module docstring) and summed
+        over `sum_gradients_over`."""
+        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
+        if self.sum_gradients_over is not None:
+            group = self.sum_gradients_over.get_group()
+            local = {name: _SumGradient.apply(p, group) for name, p in local.items()}
+        return local
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from tridist.kernels.ops.swiglu import routed_swiglu, sort_by_expert
@@ -230,7 +246,7 @@ class ExpertParallelExperts(torch.nn.Module):
             local_ids = local_ids.repeat_interleave(received)  # each received row's local expert
         tokens = order // k
         rows = all_to_all_single_autograd(hidden_states[tokens], receive, send, group)
-        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
+        local = self._local_parameters()
         unit = rows.new_ones(rows.shape[0], 1)
         if self.own is None:
             out = routed_swiglu(rows, local_ids[:, None], unit, local["gate_up_proj"], local["down_proj"],
@@ -267,10 +283,25 @@ class ExpertParallelDenseExperts(ExpertParallelExperts):
         send, receive = [held * tokens] * self.ep, [held * t for t in theirs]
         rows = all_to_all_single_autograd(hidden_states, receive, send, group)  # rank r's blocks of my experts
         rows = torch.cat([block.view(held, t, width) for block, t in zip(rows.split(receive), theirs)], dim=1)
-        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
+        local = self._local_parameters()
         out = torch.func.functional_call(self.own, local, (rows.reshape(-1, width),)).view(held, -1, width)
         out = torch.cat([block.reshape(-1, width) for block in out.split(theirs, dim=1)])
         return all_to_all_single_autograd(out, send, receive, group)
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over `group`'s ranks (each computed it for its tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -308,7 +339,8 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
                           fused_activation: bool = True) -> list[ExpertParallelExperts]:
     """Replace each named experts module of `model` by its expert-parallel split (in place); returns them.
     Each must be of a kind `split_kind` knows (checked by its probes). Another pipeline stage's modules (a stage
-    holds some layers only) are passed over."""
+    holds some layers only) are passed over. An experts module a tensor-parallel plan keeps whole on every mp rank
+    for its own tokens (ShardLocalParameters, under sequence parallel) is taken over, its gradients summed over mp."""
     modules = dict(model.named_modules())
     replaced, kinds = [], {}  # split_kind's verdict per _probe_key, probed once
     for name in experts:
@@ -319,9 +351,11 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
         module = modules[name]
         if isinstance(module, ExpertParallelExperts):
             raise ValueError(f"expert parallel: {name} is split already")
+        on_sequence_slices = ShardLocalParameters.release(module)  # the mp mesh, or None
         if any(isinstance(p, DTensor) for p in module.parameters()):
             raise ValueError(f"expert parallel: {name}'s parameters are already DTensors (split by a tensor-parallel "
-                             "plan?); leave the experts out of mp_config's plan: expert parallel splits them")
+                             "plan?); leave the experts out of mp_config's plan (or give them ShardLocalParameters, "
+                             "under sequence parallel): expert parallel splits them")
         key = _probe_key(module)
         if key not in kinds:
             kinds[key] = split_kind(module)
@@ -332,7 +366,8 @@ def apply_expert_parallel(model: torch.nn.Module, experts: list[str], ep_mesh: D
                              "top_k_index, top_k_weights) and experts that run every token (forward(hidden_states) "
                              "on [experts x tokens] rows); keep ep=1 for this model")
         split = (ExpertParallelDenseExperts if kind == EVERY_TOKEN else ExpertParallelExperts)(
-            module, ep_mesh, fused_activation=fused_activation, kind=kind)
+            module, ep_mesh, fused_activation=fused_activation, kind=kind,
+            sum_gradients_over=on_sequence_slices)
         split.training = module.training
         parent_name, _, child = name.rpartition(".")
         (model.get_submodule(parent_name) if parent_name else model)._modules[child] = split

@@ -242,6 +242,26 @@ class ShardLocalParameters(_Style):
         module.register_forward_hook(_swap_back_parameters, always_call=True)
         return f"{target.name}: {self!r} (gradients summed over the mp ranks)"
 
+    @staticmethod
+    def release(module: torch.nn.Module):
+        """Undo `apply` on `module` for a transformation that takes it over (expert parallel splits the experts
+        of an MoE block that runs on sequence slices, and sums their gradients itself): its parameters plain
+        again (their local values, the same on every mp rank), its swap hooks removed. Returns the mesh the
+        gradients were to be summed over, or None where the module has not this style."""
+        pre = [key for key, hook in module._forward_pre_hooks.items() if hook is _swap_in_local_parameters]
+        params = dict(module.named_parameters(recurse=False))
+        if not pre or not params or not all(isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements)
+                              for p in params.values()):
+            return None  # not this style's (ShardHeadParameters uses the same hooks, on split rows)
+        for key in pre:
+            del module._forward_pre_hooks[key]
+        for key in [key for key, hook in module._forward_hooks.items() if hook is _swap_back_parameters]:
+            del module._forward_hooks[key]
+            module._forward_hooks_always_called.pop(key, None)
+        for pname, param in params.items():
+            module.register_parameter(pname, torch.nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad))
+        return next(iter(params.values())).device_mesh
+
 
 @dataclass(repr=False)
 class ShardHeadParameters(_Style):

@@ -196,7 +196,7 @@ def test_experts_whole_on_every_tp_rank_under_the_torch_engines():
     ranked = search(spec, Cluster(1, 4, megatron.profile, engine="torch+tridist"), global_batch_size=4, storage=None,
                     top_k=1000)
     assert any(c.strategy.sequence_parallel for c in ranked.ranked)
-    assert not any(c.strategy.sequence_parallel and c.strategy.ep > 1 for c in ranked.ranked)
+    assert any(c.strategy.sequence_parallel and c.strategy.ep > 1 for c in ranked.ranked)
     assert any("overlap_tp_comm kept at False" in line for line in ranked.pruned), ranked.pruned
 
 
@@ -204,8 +204,9 @@ def test_moe_blocks_on_sequence_slices_by_hand():
     """Under sequence parallel the torch engines run each whole MoE block on the tp rank's slice of the sequence.
     TINY_MOE, tp 2, FLOP-bound: attention 1536 / 2, the router on 2 of the 4 tokens (256 / 2), the 4 experts on
     2 x 2 / 4 = 1 routed row each (768 / 2); the blocks' gradients summed over the 2 tp ranks once per step: an
-    all-reduce of 3 MoE layers x (router 32 + 4 experts of 192) parameters. Expert parallel with it is refused
-    (the block's experts are whole on each slice); Megatron's split experts are priced as before."""
+    all-reduce of 3 MoE layers x (router 32 + 4 experts of 192) parameters. With expert parallel (ep 2) the router's
+    sum stays once per step and each layer's 2 local experts are summed in each backward: once per micro-batch
+    and layer. Megatron's split experts are priced as before."""
     from tridist.autotune.cost import all_reduce_time
 
     megatron = _cluster(1, 2, **COMPUTE_ONLY)
@@ -226,7 +227,12 @@ def test_moe_blocks_on_sequence_slices_by_hand():
     assert tp_terms[True] == pytest.approx(tp_terms[False])
     assert with_sp.time.tp_comm_s - without.time.tp_comm_s == pytest.approx(all_reduce_time(E * block, 2, bw, latency),
                                                                             rel=1e-9)
-    with pytest.raises(InvalidStrategy, match="ep=2 with sequence_parallel"):
-        estimate(TINY_MOE, replace(_cluster(1, 4), engine=ENGINES["torch+tridist"]),
-                 Strategy(dp=2, tp=2, pp=1, ep=2, sequence_parallel=True), global_batch_size=2)
+    cluster = replace(_cluster(1, 4), engine=ENGINES["torch+tridist"])
+    for micro in (1, 2):
+        with_sp, without = (estimate(TINY_MOE, cluster, Strategy(dp=2, tp=2, pp=1, ep=2, sequence_parallel=sp,
+                                                                 micro_batch_size=2 // micro, num_micro_batches=micro),
+                                     global_batch_size=4) for sp in (True, False))
+        bw, latency = cluster.link(2, 1)
+        expected = all_reduce_time(E * 3 * 32, 2, bw, latency) + micro * 3 * all_reduce_time(E * 2 * 192, 2, bw, latency)
+        assert with_sp.time.tp_comm_s - without.time.tp_comm_s == pytest.approx(expected, rel=1e-9)
     estimate(TINY_MOE, _cluster(1, 4), Strategy(dp=2, tp=2, pp=1, ep=2, sequence_parallel=True), global_batch_size=2)

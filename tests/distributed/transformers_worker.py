@@ -1382,8 +1382,10 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     through the whole MoE block (the attention sees the whole sequence, the block half of it), the block's
     gradients summed over tp; equal to one process for Mixtral, Qwen2-MoE (a gated shared expert), DeepSeek-V3
     (latent attention, group-limited routing), gpt-oss (its own experts' forward), Llama 4 (every token through
-    every expert) and ERNIE 4.5 MoE. A router's load-balancing loss over every token, and expert parallel with
-    it, are refused with their reasons."""
+    every expert) and ERNIE 4.5 MoE. With expert parallel too (dp 2 = ep 2 x tp 2 + sp), each tp rank routes
+    its slice through its own ep group and the experts' gradients are summed over tp: equal to one process for
+    the three kinds of experts split (Mixtral's fused SwiGLU, gpt-oss's own forward, Llama 4's every-token
+    experts). A router's load-balancing loss over every token is refused with its reason."""
     def halves_the_tokens(model):
         """Record the sequence length the last layer's attention and MoE block see first (an MoE layer in every
         family here)."""
@@ -1409,7 +1411,17 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
         seen = halves_the_tokens.seen
         assert seen["moe"] * 2 == seen["attention"], (family, seen)
     _expect_refused("mixtral-aux", _strategy(2, 2, 1, sequence_parallel=True), "load-balancing loss")
-    _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, ep=2), "ep=2 with sequence_parallel")
+    from tridist.distcore.expert_parallel import ExpertParallelExperts
+
+    def experts_split_on_slices(model):
+        halves_the_tokens(model)
+        split = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        assert split and all(m.sum_gradients_over is not None and m.sum_gradients_over.size() == 2 for m in split), split
+
+    for family, level in (("mixtral", 1), ("gpt-oss", 3), ("llama4", 2)):
+        _train(family, _strategy(2, 2, 1, sequence_parallel=True, ep=2, sharding_level=level),
+               inspect=experts_split_on_slices)
+        assert halves_the_tokens.seen["moe"] * 2 == halves_the_tokens.seen["attention"], (family, halves_the_tokens.seen)
     # A block that needs global view cannot run its MoE block on token-split DTensors: the search then leaves
     # sequence parallel out, not tensor parallel (local view refused here to force global view).
     from tridist.distcore import block_check
