@@ -21,6 +21,7 @@ which DTensor cannot run (it builds a causal mask as a plain tensor and fails on
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.overrides import TorchFunctionMode
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters, saved_as_they_are
+from .random_state import ShardedRegionRandomState
 from .sequence_layout import SEQUENCE_DIM
 from .tensor_parallel import (
     ColWiseParallel,
@@ -82,13 +84,18 @@ def _mask_placement(mask, query, split):
 
 class _LocalAttention(TorchFunctionMode):
     """Within a block in global view: `F.scaled_dot_product_attention` with dropout runs on each rank's local
-    shards (`attention_on_local_shards`); every other call, and attention without dropout, as DTensor runs it."""
+    shards (`attention_on_local_shards`, its dropout on split heads or rows from `random_state`'s stream of this
+    rank); every other call, and attention without dropout, as DTensor runs it."""
+
+    def __init__(self, random_state: ShardedRegionRandomState | None = None):
+        super().__init__()
+        self.random_state = random_state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (func is F.scaled_dot_product_attention and _dropout_p(args, kwargs) > 0.0
                 and any(isinstance(t, DTensor) for t in args[:3])):
-            return attention_on_local_shards(*args, **kwargs)
+            return attention_on_local_shards(*args, **kwargs, random_state=self.random_state)
         return func(*args, **kwargs)
 
 
@@ -97,15 +104,15 @@ def _dropout_p(args, kwargs) -> float:
 
 
 def attention_on_local_shards(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                              enable_gqa=False):
+                              enable_gqa=False, *, random_state: ShardedRegionRandomState | None = None):
     """`F.scaled_dot_product_attention` of DTensors on one 1-D mesh (plain tensors among them count as replicated),
     computed by each rank on its own batch rows or heads ([batch, heads, seq, dim]: attention is independent per
     each) and returned as a DTensor split alike. The split is the query's where it splits the batch or the heads
     and every input divides evenly over the ranks on that dim (key and value then move to it), else nothing is
     split (each rank computes the whole). A mask takes the split's slice where it does not broadcast over it.
-    Dropout draws from this rank's generator, as in local view: the tensor-parallel ranks' generators are kept
-    alike (random_state.py), so replicated attention draws one mask on every rank, and head-split attention the
-    same pattern for each rank's heads."""
+    Dropout draws from this rank's generator: the tensor-parallel ranks' generators are kept alike
+    (random_state.py), so replicated attention draws one mask on every rank; split attention draws from
+    `random_state`'s stream of this rank where given (its heads' masks of their own, as in local view)."""
     mesh = next(t for t in (query, key, value) if isinstance(t, DTensor)).device_mesh
     split = _attention_split(query, key, value, mesh.size())
 
@@ -115,7 +122,8 @@ def attention_on_local_shards(query, key, value, attn_mask=None, dropout_p=0.0, 
 
     q, k, v = (local_part(t) for t in (query, key, value))
     mask = _mask_slice(attn_mask, query.dim(), split, mesh)
-    with saved_as_they_are():
+    own_stream = random_state.region() if random_state is not None and isinstance(split, Shard) else nullcontext()
+    with saved_as_they_are(), own_stream:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                              scale=scale, enable_gqa=enable_gqa)
     return DTensor.from_local(out, mesh, [split], run_check=False)
@@ -170,7 +178,8 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
     replicate_parameters(block, tp_mesh, recurse=True)  # norm weights, biases: gradients reduced where computed on shards
     block.register_forward_pre_hook(functools.partial(_caches_take_whole_tensors, tp_mesh=tp_mesh), with_kwargs=True)
     install_dtensor_boundary(block, tp_mesh, entry_placement=[Shard(SEQUENCE_DIM)] if sequence_split else [Replicate()],
-                             modes=(_LocalAttention,))
+                             modes=(functools.partial(_LocalAttention, ShardedRegionRandomState(
+                                 tp_mesh.get_local_rank(), torch.device(tp_mesh.device_type))),))
     return changes
 
 

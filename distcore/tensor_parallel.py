@@ -54,6 +54,7 @@ from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
+from .random_state import ShardedRegionRandomState
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation, map_output, split_sequence
 from .vocab_parallel import split_bare_weight
 
@@ -77,6 +78,8 @@ class StyleTarget:
     scatter_sequence: bool = False
     sequence_split: "SequenceSplit | None" = None
     overlap_comm: str | None = None  # mp_config["overlap_comm"]'s backend ("ring", "symm_mem"); None: off
+    # The root's dropout stream of this rank between a column-parallel output and a row-parallel input.
+    random_state: ShardedRegionRandomState | None = None
 
 
 class _Style:
@@ -127,6 +130,9 @@ class ColWiseParallel(_Style):
             parallelize_module(target.module, target.tp_mesh, torch_style)
         if isinstance(target.module, torch.nn.Linear):
             target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
+            if target.random_state is not None and not self.gather_output and target.parent is not None:
+                target.module.register_forward_hook(target.random_state.enter)  # a sharded region opens
+                target.random_state.guard(target.parent)
         return f"{target.name}: {self!r}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
@@ -147,6 +153,8 @@ class RowWiseParallel(_Style):
                                use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
+        if target.random_state is not None and isinstance(target.module, torch.nn.Linear) and self.is_input_parallel:
+            target.module.register_forward_pre_hook(target.random_state.leave)  # the sharded region closes
         if target.overlap_comm and target.scatter_sequence:
             how = apply_overlapped_exit(self, target, self.torch_style(target))
         else:
@@ -568,6 +576,8 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
     tp = tp_mesh.size()
     marks_split = any(isinstance(st, SequenceParallelBegin) for styles in plan.styles.values() for st in styles)
     sequence_split = sequence_split_of(root, tp_mesh) if marks_split else None  # only a Begin module marks one
+    random_state = ShardedRegionRandomState(tp_mesh.get_local_rank(), torch.device(tp_mesh.device_type))
+    root.register_forward_pre_hook(random_state.forget)
     changes: list[str] = []
     for name in reversed(list(modules)):
         parent = name.rpartition(".")[0] if name else None  # the root has none
@@ -581,7 +591,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
                 in_region=name in plan.sequence_span, sequence_split=sequence_split,
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
                 scatter_sequence=parent in plan.disabled and isinstance(module, torch.nn.Linear),
-                overlap_comm=plan.overlap_comm,
+                overlap_comm=plan.overlap_comm, random_state=random_state,
             )))
     for name, styles in plan.bare.items():
         changes += [_apply_bare(root, name, style, tp_mesh=tp_mesh) for style in styles]

@@ -116,7 +116,9 @@ def check_sequence_parallel():
     assert isinstance(norm.weight, torch.distributed.tensor.DTensor)
     attention = model.layers[0].self_attn  # its exit reduce-scatters onto sequence shards: no extra split
     hooks = [hook.__qualname__ for hook in attention._forward_hooks.values()]
-    assert attention.o_proj._tridist_scatters_sequence and hooks == ["_check_exit.<locals>.hook"], hooks
+    # (and the guard that closes a sharded region's dropout stream: ShardedRegionRandomState)
+    assert attention.o_proj._tridist_scatters_sequence and hooks == ["ShardedRegionRandomState.leave",
+                                                                     "_check_exit.<locals>.hook"], hooks
 
 
 def check_sequence_parallel_hf_style_model():
@@ -819,11 +821,13 @@ def check_attention_with_dropout_in_global_view_runs_on_local_shards():
     boolean per row, float per head, or a replicated DTensor. Allowed: 2^-20 of the largest value: each rank
     runs the same kernel on the same (row, head) slices, whose blocking does not depend on how many there are
     (equal bit for bit here); a kernel whose blocking did would round differently, 2^-24 per operation over 16
-    terms. With dropout, replicated attention draws one mask on every rank of the group, and a head split the
-    one this rank's generator gives its local heads (as in local view)."""
+    terms. With dropout, replicated attention draws one mask on every rank of the group, and a head split masks of
+    this rank's own (ShardedRegionRandomState, as in local view): with every head's inputs alike, the two ranks'
+    outputs differ."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     from tridist.distcore.global_view import _LocalAttention, attention_on_local_shards
+    from tridist.distcore.random_state import ShardedRegionRandomState
 
     mesh = MESH.device_mesh["mp"]
     generator = torch.Generator().manual_seed(0)
@@ -849,23 +853,102 @@ def check_attention_with_dropout_in_global_view_runs_on_local_shards():
                                       ("dv", dv.grad, v.grad)):
             scale = float(expected.abs().max())
             torch.testing.assert_close(value.full_tensor(), expected, rtol=0, atol=2**-20 * scale, msg=lambda m: f"{case} {name}: {m}")
-    # With dropout, through the global view's mode: the output is a mask's (not the whole attention at dropout 0)
-    q, k, v = (rand(batch, heads, seq, dim) for _ in range(3))
+    # With dropout, through the global view's mode: the output is a mask's (not the whole attention at dropout 0).
+    # Every head's inputs alike, so that both ranks' local heads are too.
+    q, k, v = (rand(batch, 1, seq, dim).expand(batch, heads, seq, dim).contiguous() for _ in range(3))
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     for split in (Replicate(), Shard(1)):
         placed = [distribute_tensor(t, mesh, [split]) for t in (q, k, v)]
-        state = torch.get_rng_state()
-        with _LocalAttention():
+        torch.manual_seed(5)  # alike on every rank, as TensorParallelRandomState keeps them
+        with _LocalAttention(ShardedRegionRandomState(mesh.get_local_rank(), torch.device("cpu"))):
             out = F.scaled_dot_product_attention(*placed, dropout_p=0.5, is_causal=True)
-        torch.set_rng_state(state)
-        local = F.scaled_dot_product_attention(*(t.to_local() for t in placed), dropout_p=0.5, is_causal=True)
         assert isinstance(out, DTensor) and out.placements == (split,), out
-        assert torch.equal(out.to_local(), local) and not torch.allclose(local, whole if split == Replicate() else
-                                                                         whole.chunk(2, dim=1)[mesh.get_local_rank()])
+        assert not torch.allclose(out.to_local(), whole if split == Replicate() else whole.chunk(2, dim=1)[0])
+        if split == Replicate():  # on the shared stream: as the same call on plain tensors
+            torch.manual_seed(5)
+            assert torch.equal(out.to_local(), F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True))
         others = [None] * mesh.size()
         torch.distributed.all_gather_object(others, out.to_local(), group=mesh.get_group())
-        assert (split != Replicate()) or all(torch.equal(o, others[0]) for o in others), "replicas drew apart"
+        alike = all(torch.equal(o, others[0]) for o in others)
+        assert alike if split == Replicate() else not alike, (
+            split, "both ranks drew one mask" if alike else "replicas drew apart")
 
+
+
+class _DropoutBlock(torch.nn.Module):
+    """up (column-parallel) -> dropout of this rank's features -> down (row-parallel) -> dropout of the replicated
+    output (`outer`; else none)."""
+
+    def __init__(self, outer: bool = True):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.inner, self.outer = torch.nn.Dropout(0.5), torch.nn.Dropout(0.5) if outer else torch.nn.Identity()
+
+    def forward(self, x):
+        return self.outer(self.down(self.inner(self.up(x))))
+
+
+def check_dropout_in_a_sharded_region_draws_this_ranks_own_masks():
+    """Between a column-parallel output and the row-parallel input each tp rank holds its own features (heads):
+    a dropout there draws from this rank's stream (ShardedRegionRandomState, Megatron's RNG tracker), so the two
+    ranks' masks differ (with one stream, feature f and f + 32 shared theirs), while the dropout of the replicated
+    output after the row-parallel linear draws one mask on both. Two blocks draw different masks, also with no
+    draw from the shared stream between them (the first block has no outer dropout). Activation
+    recompute (torch's checkpoint, as distcore's recompute and Hugging Face's gradient checkpointing run it)
+    replays each region's masks: the output and every gradient equal the run without it, bit for bit. A forward
+    stopped inside a region (an error there) leaves it closed (the guard on the column-parallel linear's parent)."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh, peers = MESH.device_mesh["mp"], MESH.device_mesh["mp"].get_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_DropoutBlock(outer=False), _DropoutBlock())
+    model, _ = distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": {
+        r"\d\.up": ColWiseParallel(), r"\d\.down": RowWiseParallel()}}})
+    masks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.register_forward_hook(lambda m, args, out, name=name: masks.__setitem__(name, out == 0))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+
+    def run(recompute: bool):
+        for block in model:
+            vars(block).pop("forward", None)
+            if recompute:
+                block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
+        torch.manual_seed(2)  # alike on both tp ranks, as TensorParallelRandomState keeps them per call
+        out = model(x)
+        out.square().sum().backward()
+        grads = {n: p.grad.to_local().clone() if hasattr(p.grad, "to_local") else p.grad.clone()
+                 for n, p in model.named_parameters()}
+        model.zero_grad()
+        return out.detach(), grads, dict(masks), torch.get_rng_state()
+
+    out, grads, drawn, state = run(recompute=False)
+    theirs = [None] * mesh.size()
+    torch.distributed.all_gather_object(theirs, (drawn, state), group=peers)
+    other = theirs[1 - mesh.get_local_rank()]
+    assert torch.equal(drawn["1.outer"], other[0]["1.outer"]), "the replicated output's masks differ"
+    for block in ("0", "1"):
+        assert not torch.equal(drawn[f"{block}.inner"], other[0][f"{block}.inner"]), "both ranks drew one inner mask"
+    assert not torch.equal(drawn["0.inner"], drawn["1.inner"]), "two regions drew one mask"
+    assert torch.equal(state, other[1]), "the shared stream parted"
+    again, grads_again, drawn_again, _ = run(recompute=True)
+    assert torch.equal(out, again) and all(torch.equal(drawn[n], drawn_again[n]) for n in drawn)
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_again[name]), f"{name}: the recomputed regions drew other masks"
+    tracker = next(hook.__self__ for hook in model[0].up._forward_hooks.values() if hook.__name__ == "enter")
+
+    def stop(*_):
+        raise RuntimeError("stopped inside the region")
+
+    handle = model[0].inner.register_forward_hook(stop)
+    try:
+        model(x)
+    except RuntimeError as error:
+        assert "stopped inside" in str(error), error
+    finally:
+        handle.remove()
+    assert tracker._shared is None, "a region stayed open after the forward raised"
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
