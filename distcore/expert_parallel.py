@@ -225,11 +225,9 @@ class ExpertParallelExperts(torch.nn.Module):
     def _local_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's experts as plain tensors, their gradients scaled by 1 / ep (the module docstring) and summed
         over `sum_gradients_over`."""
-        local = {name: _ScaleGradient.apply(p.to_local(), 1.0 / self.ep) for name, p in self._parameters.items()}
-        if self.sum_gradients_over is not None:
-            group = self.sum_gradients_over.get_group()
-            local = {name: _SumGradient.apply(p, group) for name, p in local.items()}
-        return local
+        group = self.sum_gradients_over.get_group() if self.sum_gradients_over is not None else None
+        return {name: _ExpertGradient.apply(p.to_local(), 1.0 / self.ep, group)
+                for name, p in self._parameters.items()}
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from tridist.kernels.ops.swiglu import routed_swiglu, sort_by_expert
@@ -289,32 +287,21 @@ class ExpertParallelDenseExperts(ExpertParallelExperts):
         return all_to_all_single_autograd(out, send, receive, group)
 
 
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over `group`'s ranks (each computed it for its tokens)."""
+class _ExpertGradient(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by `scale` and, given a `group`, sums it over the
+    group's ranks (each computed it for its own tokens)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, scale, group):
+        ctx.scale, ctx.group = scale, group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by `scale`."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
+        grad = grad * ctx.scale
+        if ctx.group is not None:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
 
 
 def expert_mesh(mesh, ep: int, device_type: str) -> DeviceMesh:

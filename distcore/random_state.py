@@ -65,11 +65,14 @@ class ShardedRegionRandomState:
     number and this rank's index; leaving restores the shared states. Activation recompute (torch's checkpoint
     restores the generators to their state at the recomputed module's start) replays the same regions from the
     same shared states: the same seeds, the same masks. About 6 us per region on a CPU core, in training calls
-    only (eval mode draws nothing). Under torch.compile the regions are not forked (the shared stream, as before
-    2026-11-28): the generator calls would split the graph, and DTensor's vocabulary-parallel embedding then
-    fails across the graphs ("Mixing fake modes"). A region left open (a column-parallel output with no row-parallel input after it, a forward
-    stopped by an exception or by checkpoint's early stop of a recomputation) closes when the column-parallel
-    linear's parent module returns (`guard`)."""
+    only (eval mode draws nothing). A region left open closes when the column-parallel linear's parent module
+    returns (`guard`: a column-parallel output with no row-parallel input after it, a forward stopped by an
+    error), or, left open by checkpoint's early stop of a recomputation, at the next call (`forget`).
+
+    Not forked: under torch.compile (the shared stream, as before 2026-11-28: the generator calls would split the
+    graph, and DTensor's vocabulary-parallel embedding then fails across the graphs, "Mixing fake modes"); and a
+    dropout of the sequence slices between blocks under sequence parallel, because a recomputed decoder layer
+    would begin inside such a region, from its forked state, with the shared state to restore lost."""
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
