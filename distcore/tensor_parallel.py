@@ -258,8 +258,8 @@ class ShardLocalParameters(_Style):
         gradients were to be summed over, or None where the module has not this style."""
         pre = [key for key, hook in module._forward_pre_hooks.items() if hook is _swap_in_local_parameters]
         params = dict(module.named_parameters(recurse=False))
-        if not pre or not params or not all(isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements)
-                              for p in params.values()):
+        replicated = all(isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements) for p in params.values())
+        if not pre or not params or not replicated:
             return None  # not this style's (ShardHeadParameters uses the same hooks, on split rows)
         for key in pre:
             del module._forward_pre_hooks[key]
@@ -267,7 +267,8 @@ class ShardLocalParameters(_Style):
             del module._forward_hooks[key]
             module._forward_hooks_always_called.pop(key, None)
         for pname, param in params.items():
-            module.register_parameter(pname, torch.nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad))
+            local = torch.nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+            module.register_parameter(pname, local)
         return next(iter(params.values())).device_mesh
 
 
