@@ -26,6 +26,19 @@ import torch
 import torch.distributed as dist
 
 
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    """torch's CPU generator's state, and the device's where it is an accelerator."""
+    return [torch.get_rng_state(), *([torch.cuda.get_rng_state(device)] if device.type == "cuda" else [])]
+
+
+def _set_generator_states(states, device: torch.device) -> None:
+    """The generators back to `states` (`_generator_states`')."""
+    cpu, *device_state = states
+    torch.set_rng_state(cpu)
+    if device_state:
+        torch.cuda.set_rng_state(device_state[0], device)
+
+
 class TensorParallelRandomState:
     """A forward pre-hook of the model (prepended: before any hook that could draw): in a training call (grad
     enabled or the model in train mode: every rank of the group decides alike), this rank's generators take the
@@ -37,14 +50,10 @@ class TensorParallelRandomState:
     def __call__(self, module: torch.nn.Module, args) -> None:
         if not (torch.is_grad_enabled() or module.training):
             return
-        accelerator = self.device.type == "cuda"
-        states = [torch.get_rng_state(), *([torch.cuda.get_rng_state(self.device)] if accelerator else [])]
+        states = _generator_states(self.device)
         flat = torch.cat(states).to(self.device)
         dist.broadcast(flat, group=self.group, group_src=0)
-        cpu, *device_state = flat.cpu().split([state.numel() for state in states])
-        torch.set_rng_state(cpu)
-        if accelerator:
-            torch.cuda.set_rng_state(device_state[0], self.device)
+        _set_generator_states(flat.cpu().split([state.numel() for state in states]), self.device)
 
 
 def keep_tensor_parallel_random_state_alike(model: torch.nn.Module, *, tp_group, device: torch.device) -> None:
@@ -76,11 +85,7 @@ class ShardedRegionRandomState:
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
-        self._shared: tuple | None = None  # the shared generators' states while a region is open
-
-    def _states(self) -> tuple:
-        accelerator = self.device.type == "cuda"
-        return (torch.get_rng_state(), *([torch.cuda.get_rng_state(self.device)] if accelerator else []))
+        self._shared: list[torch.Tensor] | None = None  # the shared generators' states while a region is open
 
     def enter(self, module: torch.nn.Module | None = None, *_) -> None:
         """Open a region (a forward hook of a column-parallel linear, in training); within one (q, k and v), or in
@@ -89,7 +94,7 @@ class ShardedRegionRandomState:
         if self._shared is not None or not training or torch.compiler.is_compiling():
             return
         drawn = int(torch.randint(1 << 62, (1,)))  # the shared stream moves on: the next region seeds apart
-        self._shared = self._states()
+        self._shared = _generator_states(self.device)
         seed = (drawn * _GOLDEN + self.rank + 1) % (1 << 63)  # ranks apart (generators take seeds below 2^63)
         torch.random.default_generator.manual_seed(seed)
         if self.device.type == "cuda":
@@ -100,11 +105,8 @@ class ShardedRegionRandomState:
         """Close the open region (a forward pre-hook of a row-parallel linear, and `guard`'s hook); else nothing."""
         if self._shared is None or torch.compiler.is_compiling():
             return
-        cpu, *device_state = self._shared
-        self._shared = None
-        torch.set_rng_state(cpu)
-        if device_state:
-            torch.cuda.set_rng_state(device_state[0], self.device)
+        shared, self._shared = self._shared, None
+        _set_generator_states(shared, self.device)
 
     def forget(self, *_) -> None:
         """Drop a region a recomputation left open (checkpoint's early stop ends it inside a region, and restores
