@@ -59,18 +59,26 @@ def compile_variant(label, fn, pointers, constexprs, floats=(), num_warps=4):
     # kind; a division `div.full` is one reciprocal. Each is one per element of the thread's tile.
     result["special"] = dict(Counter(re.findall(r"\b(ex2|lg2|rcp|rsqrt|sqrt|sin|cos|tanh|div)\.", ptx)))
     result.update(resource_usage(compiled.asm["cubin"]))
+    # Global loads that come after a global store in the machine code: a load cannot move above a store the
+    # compiler cannot prove apart, so each such load waits a further round trip to memory after the first.
+    memory = re.findall(r"\b(LDG|STG)\.", cuobjdump("-sass", compiled.asm["cubin"]))
+    result["loads_after_first_store"] = memory[memory.index("STG"):].count("LDG") if "STG" in memory else 0
     result["warps_per_sm"] = occupancy(result["registers"], num_warps)
     return result
 
 
-def resource_usage(cubin: bytes) -> dict:
-    """Registers per thread and the spill stack (bytes per thread) of a cubin, by Triton's bundled cuobjdump."""
+def cuobjdump(option: str, cubin: bytes) -> str:
+    """What Triton's bundled cuobjdump prints of a cubin with `option` (-res-usage, -sass)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
-        usage = subprocess.run([tool, "-res-usage", file.name], capture_output=True, text=True, check=True).stdout
-    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+        return subprocess.run([tool, option, file.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and the spill stack (bytes per thread) of a cubin."""
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump("-res-usage", cubin)).groups()
     return {"registers": int(registers), "spill_stack_bytes": int(stack)}
 
 
@@ -139,22 +147,26 @@ def variants():
              **unit("dy_stride_col", "dh_stride_col", "h_stride_col", "w_stride")},
             ("offset",), config["num_warps"],
         )
-    # Llama's 32 heads x 64 pairs (one token per tile), short heads (tiles of several tokens of 4 heads x 32 pairs)
-    # and Qwen's 16 heads x 64 pairs, in the tiles the launcher builds for the heuristic's configuration
-    # (rotary.heuristic_config, rotary.tokens_per_tile). DeepSeek-V3's deinterleaving forward too (interleaved
-    # pairs read, halves written).
-    for interleaved, deinterleave, tokens, block_h, block_r in (
-            (False, False, 1, 32, 64), (True, False, 1, 32, 64), (True, True, 1, 32, 64), (False, False, 16, 4, 32),
-            (False, False, rotary.heuristic_config(64, 16)["TOKENS_PER_PROGRAM"], 16, 64)):
+    # Llama's 32 heads x 64 pairs (one token per tile), short heads (tiles of several tokens of 4 heads x 32 pairs),
+    # Qwen's 16 heads x 64 pairs and 64 heads x 64 pairs (two tiles of 32 heads: the loop over head tiles), in the
+    # tiles the launcher builds for the heuristic's configuration (rotary.heuristic_config, rotary.tokens_per_tile,
+    # the plan's ONE_HEAD_TILE and BLOCK_HK), with a quarter as many key heads (grouped-query attention).
+    # DeepSeek-V3's deinterleaving forward too (interleaved pairs read, halves written).
+    for interleaved, deinterleave, heads, block_r in (
+            (False, False, 32, 64), (True, False, 32, 64), (True, True, 32, 64), (False, False, 4, 32),
+            (False, False, 16, 64), (False, False, 64, 64)):
+        config = rotary.heuristic_config(block_r, heads)
+        tokens, block_h = config["TOKENS_PER_PROGRAM"], config["BLOCK_H"]
         block_t = rotary.tokens_per_tile(tokens, block_h, block_r, 16)
         yield (
             f"rotary[interleaved={interleaved}{', deinterleave' if deinterleave else ''}, BLOCK_T={block_t}, "
-            f"BLOCK_H={block_h}]",
+            f"BLOCK_H={block_h}{'' if block_h >= heads else f', heads={heads}'}]",
             rotary._rotary_kernel,
             {"q_ptr": BF16, "k_ptr": BF16, "q_out_ptr": BF16, "k_out_ptr": BF16, "cos_ptr": FP32, "sin_ptr": FP32, "pos_ptr": "*i64"},
             {"HAS_POSITIONS": True, "X_INTERLEAVED": interleaved, "Y_INTERLEAVED": interleaved and not deinterleave,
              "HALF_TABLE": False, "CONJUGATE": False, "HAS_PASS": True,
              "TOKENS_PER_PROGRAM": tokens, "BLOCK_T": block_t, "BLOCK_H": block_h, "BLOCK_R": block_r, "BLOCK_P": 16,
+             "ONE_HEAD_TILE": block_h >= heads, "BLOCK_HK": min(block_h, max(1, heads // 4)),
              **unit("q_stride_d", "k_stride_d", "qo_stride_d", "ko_stride_d", "table_stride_d")},
             (), 4,
         )

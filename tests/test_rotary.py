@@ -158,6 +158,38 @@ def test_gqa_k_layout_partial_rotary_and_per_sequence_tables(backend, layout, pa
     check(q, k, cos, sin, position_ids, grads=grads, layout=layout, rotary_dim=rotary_dim, **PAIRINGS[pairing])
 
 
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+@pytest.mark.parametrize("q_heads, k_heads", [(6, 2), (2, 3)])  # grouped-query; more key heads than query heads
+@pytest.mark.parametrize("block_h, tokens", [(1, 1), (2, 4), (4, 1), (8, 4)])
+def test_every_tiling_of_heads_and_tokens(pairing, q_heads, k_heads, block_h, tokens):
+    """The kernel's two paths, forward and backward (the conjugate rotation): tiles of fewer heads than q or k has
+    (a loop over tiles of heads) and tiles of all q heads with k's in a tile of its own count (every load before
+    the first store), 1 or 4 tokens per program (7 tokens: the last program's are partly masked), strided
+    inputs, partial rotary with pass-through features, per-sequence positions."""
+    from tridist.kernels.ops import rotary as rotary_ops
+
+    batch, seq_len, head_dim, rotary_dim, table_len = 1, 7, 18, 8, 9
+    q, k = (unlike_q((batch, seq_len, heads, head_dim), torch.float32).detach() for heads in (q_heads, k_heads))
+    cos, sin = per_sequence_tables(batch, table_len, rotary_dim, layout="bshd")
+    positions = torch.randint(0, table_len, (batch, seq_len))
+    options = dict(interleaved=False, deinterleave=False) | PAIRINGS[pairing]
+    config = {"BLOCK_H": block_h, "TOKENS_PER_PROGRAM": tokens, "num_warps": 1}
+    for conjugate in (False, True):
+        outs = rotary_ops._rotary(q, k, cos, sin, positions, False, options["interleaved"], options["deinterleave"],
+                                  rotary_dim, conjugate, config)
+        # Exact: the reference in fp64; the backward (conjugate) rotates gradients: the reference's vector-Jacobian
+        # product with q and k as the outputs' gradients (the map is linear: any point will do).
+        at = [torch.zeros(t.shape, dtype=torch.float64, requires_grad=True) for t in (q, k)]
+        reference = rotary_reference(*(at if conjugate else (q.double(), k.double())), cos.double(), sin.double(),
+                                     positions, rotary_dim=rotary_dim, **PAIRINGS[pairing])
+        exact = torch.autograd.grad(reference, at, (q.double(), k.double())) if conjugate else reference
+        for name, ours, gold, x in zip(("q", "k"), outs, exact, (q, k)):
+            # Two fp32 products and a sum per output, |table| <= 1: within 2 u (|x_a c| + |x_b s|) <= 4 u max|x|;
+            # twice that for margin.
+            bound = 8 * U32 * x.double().abs().amax(-1, keepdim=True)
+            assert_rounded_once(ours, gold, bound=bound, name=f"{name} {'backward' if conjugate else 'forward'}")
+
+
 def test_expanded_gradient_and_partial_rotary(backend):
     """`loss = q_out.sum() + k_out.sum()` hands the backward stride-0 gradients, whose outputs are laid
     out unlike them: the pass-through features too."""

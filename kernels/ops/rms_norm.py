@@ -137,14 +137,18 @@ def _rms_norm_fwd_kernel(
 
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        # The weight is read with the row, before any store: a load after a store cannot move above it (the
+        # compiler cannot rule out that they alias). Read after the reduction and 1/rms's store, it was a second
+        # round trip to memory per row, unhidden where few rows share an SM (hidden 8,192: 16 warps a row); now
+        # sm_90's code issues it amid the reduction (tests/test_gpu_codegen.py).
+        w = tl.load(w_ptr + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
         h = _load_h(x_ptr, x_rows, x_stride_col, res_ptr, res_rows, res_stride_col, h_ptr, cols, mask, HAS_RESIDUAL)
         if HAS_RESIDUAL:
             tl.store(h_ptr + out_rows[:, None] + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-        w = tl.load(w_ptr + cols * w_stride, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
         normed = _round_normed(h * rstd[:, None], x_ptr, w_ptr, h_ptr, ROUND, HAS_RESIDUAL)
         tl.store(y_ptr + out_rows[:, None] + cols[None, :], (normed * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):

@@ -53,6 +53,22 @@ MULTI_TOKEN_ELEMENTS_PER_THREAD = 8
 
 
 @triton.jit
+def _head_rows(ptr, b, s, h0, n_heads, stride_b, stride_s, stride_h, token_valid, BLOCK_H: tl.constexpr):
+    """A tile's rows: the addresses of heads h0 .. h0 + BLOCK_H of a tile of tokens ([BLOCK_T, BLOCK_H, 1]), and
+    which of them are heads of valid tokens. b, s and token_valid are [BLOCK_T] vectors."""
+    heads = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
+    rows = (ptr + b * stride_b + s * stride_s)[:, None, None] + heads.to(tl.int64) * stride_h
+    return rows, (heads < n_heads) & token_valid[:, None, None]
+
+
+@triton.jit
+def _rotate(x_a, x_b, c_a, c_b, s_a, s_b, CONJUGATE: tl.constexpr):
+    if CONJUGATE:
+        return x_a * c_a + x_b * s_b, x_b * c_b - x_a * s_a
+    return x_a * c_a - x_b * s_a, x_b * c_b + x_a * s_b
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, y_ptr, b, s, n_heads,
     x_stride_b, x_stride_s, x_stride_h, x_stride_d,
@@ -60,34 +76,21 @@ def _rotate_heads(
     c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
     CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Rotate all heads of a tile of tokens of x into y (pass-through features copied): pairs read from x's
-    cols_a / cols_b, written to y's y_cols_a / y_cols_b. b, s and token_valid are [BLOCK_T] vectors, the
-    table rows c_a ... s_b [BLOCK_T, BLOCK_R]; heads go in tiles of [BLOCK_T, BLOCK_H, BLOCK_R]."""
-    x_base = (x_ptr + b * x_stride_b + s * x_stride_s)[:, None, None]
-    y_base = (y_ptr + b * y_stride_b + s * y_stride_s)[:, None, None]
-    c_a, c_b, s_a, s_b = c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :]
-    cols_a, cols_b = cols_a[None, None, :], cols_b[None, None, :]
-    y_cols_a, y_cols_b = y_cols_a[None, None, :], y_cols_b[None, None, :]
+    """Rotate all heads of a tile of tokens of x into y (pass-through features copied), BLOCK_H heads at a time:
+    pairs read from x's cols_a / cols_b, written to y's y_cols_a / y_cols_b. The table rows c_a ... s_b are
+    [BLOCK_T, 1, BLOCK_R], the columns [1, 1, BLOCK_R] (pass_cols, pass_mask: [1, 1, BLOCK_P])."""
     for h0 in range(0, n_heads, BLOCK_H):
-        heads = (h0 + tl.arange(0, BLOCK_H))[None, :, None]
-        head_mask = (heads < n_heads) & token_valid[:, None, None]
-        mask = head_mask & pair_mask[None, None, :]
-        x_rows = x_base + heads.to(tl.int64) * x_stride_h
-        y_rows = y_base + heads.to(tl.int64) * y_stride_h
+        x_rows, valid = _head_rows(x_ptr, b, s, h0, n_heads, x_stride_b, x_stride_s, x_stride_h, token_valid, BLOCK_H)
+        y_rows, _ = _head_rows(y_ptr, b, s, h0, n_heads, y_stride_b, y_stride_s, y_stride_h, token_valid, BLOCK_H)
+        mask = valid & pair_mask
         x_a = tl.load(x_rows + cols_a * x_stride_d, mask=mask, other=0.0).to(tl.float32)
         x_b = tl.load(x_rows + cols_b * x_stride_d, mask=mask, other=0.0).to(tl.float32)
-        if CONJUGATE:
-            out_a = x_a * c_a + x_b * s_b
-            out_b = x_b * c_b - x_a * s_a
-        else:
-            out_a = x_a * c_a - x_b * s_a
-            out_b = x_b * c_b + x_a * s_b
+        out_a, out_b = _rotate(x_a, x_b, c_a, c_b, s_a, s_b, CONJUGATE)
         tl.store(y_rows + y_cols_a * y_stride_d, out_a.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(y_rows + y_cols_b * y_stride_d, out_b.to(y_ptr.dtype.element_ty), mask=mask)
         if HAS_PASS:
-            mask = head_mask & pass_mask[None, None, :]
-            passed = tl.load(x_rows + pass_cols[None, None, :] * x_stride_d, mask=mask, other=0.0)
-            tl.store(y_rows + pass_cols[None, None, :] * y_stride_d, passed, mask=mask)
+            passed = tl.load(x_rows + pass_cols * x_stride_d, mask=valid & pass_mask, other=0.0)
+            tl.store(y_rows + pass_cols * y_stride_d, passed, mask=valid & pass_mask)
 
 
 @triton.jit
@@ -103,7 +106,7 @@ def _rotary_kernel(
     HAS_POSITIONS: tl.constexpr, X_INTERLEAVED: tl.constexpr, Y_INTERLEAVED: tl.constexpr,
     HALF_TABLE: tl.constexpr, CONJUGATE: tl.constexpr, HAS_PASS: tl.constexpr,
     TOKENS_PER_PROGRAM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, ONE_HEAD_TILE: tl.constexpr, BLOCK_HK: tl.constexpr,
 ):
     pairs = tl.arange(0, BLOCK_R).to(tl.int64)  # large feature strides must not overflow int32
     pair_mask = pairs < half_rotary
@@ -126,8 +129,12 @@ def _rotary_kernel(
         table_a, table_b = interleaved_a, interleaved_b
     else:
         table_a, table_b = halves_a, halves_b
-    pass_cols = 2 * half_rotary + tl.arange(0, BLOCK_P).to(tl.int64)
-    pass_mask = tl.arange(0, BLOCK_P) < n_pass
+    pass_cols = (2 * half_rotary + tl.arange(0, BLOCK_P).to(tl.int64))[None, None, :]
+    pass_mask = (tl.arange(0, BLOCK_P) < n_pass)[None, None, :]
+    # Tiles are [BLOCK_T tokens, BLOCK_H heads, BLOCK_R pairs]: the columns broadcast over tokens and heads.
+    cols_a, cols_b = cols_a[None, None, :], cols_b[None, None, :]
+    y_cols_a, y_cols_b = y_cols_a[None, None, :], y_cols_b[None, None, :]
+    pair_mask3 = pair_mask[None, None, :]
 
     # BLOCK_T tokens at a time (it divides TOKENS_PER_PROGRAM): short heads fill a tile with several tokens.
     for t0 in range(0, TOKENS_PER_PROGRAM, BLOCK_T):
@@ -146,20 +153,48 @@ def _rotary_kernel(
         c_b = tl.load(cos_ptr + table_row + table_b[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
         s_a = tl.load(sin_ptr + table_row + table_a[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
         s_b = tl.load(sin_ptr + table_row + table_b[None, :] * table_stride_d, mask=table_mask, other=0.0).to(tl.float32)
-        _rotate_heads(
-            q_ptr, q_out_ptr, b, s, n_q_heads,
-            q_stride_b, q_stride_s, q_stride_h, q_stride_d,
-            qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
-            c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
-            CONJUGATE, HAS_PASS, BLOCK_H,
-        )
-        _rotate_heads(
-            k_ptr, k_out_ptr, b, s, n_k_heads,
-            k_stride_b, k_stride_s, k_stride_h, k_stride_d,
-            ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
-            c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask, pass_cols, pass_mask, token_valid,
-            CONJUGATE, HAS_PASS, BLOCK_H,
-        )
+        c_a, c_b, s_a, s_b = c_a[:, None, :], c_b[:, None, :], s_a[:, None, :], s_b[:, None, :]
+        if ONE_HEAD_TILE:
+            # Every head of q in one tile, k's in one of BLOCK_HK heads (its own count: grouped-query attention's
+            # fewer heads take no masked lanes' registers): all of the tokens' loads are issued before the first
+            # store. A load after a store cannot move above it (the compiler cannot rule out that they alias), and
+            # rotating q and then k (the loop below) takes two round trips to memory per token.
+            q_rows, q_valid = _head_rows(q_ptr, b, s, 0, n_q_heads, q_stride_b, q_stride_s, q_stride_h, token_valid, BLOCK_H)
+            k_rows, k_valid = _head_rows(k_ptr, b, s, 0, n_k_heads, k_stride_b, k_stride_s, k_stride_h, token_valid, BLOCK_HK)
+            q_mask, k_mask = q_valid & pair_mask3, k_valid & pair_mask3
+            q_a = tl.load(q_rows + cols_a * q_stride_d, mask=q_mask, other=0.0).to(tl.float32)
+            q_b = tl.load(q_rows + cols_b * q_stride_d, mask=q_mask, other=0.0).to(tl.float32)
+            k_a = tl.load(k_rows + cols_a * k_stride_d, mask=k_mask, other=0.0).to(tl.float32)
+            k_b = tl.load(k_rows + cols_b * k_stride_d, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_PASS:
+                q_pass = tl.load(q_rows + pass_cols * q_stride_d, mask=q_valid & pass_mask, other=0.0)
+                k_pass = tl.load(k_rows + pass_cols * k_stride_d, mask=k_valid & pass_mask, other=0.0)
+            qo_rows, _ = _head_rows(q_out_ptr, b, s, 0, n_q_heads, qo_stride_b, qo_stride_s, qo_stride_h, token_valid, BLOCK_H)
+            ko_rows, _ = _head_rows(k_out_ptr, b, s, 0, n_k_heads, ko_stride_b, ko_stride_s, ko_stride_h, token_valid, BLOCK_HK)
+            out_a, out_b = _rotate(q_a, q_b, c_a, c_b, s_a, s_b, CONJUGATE)
+            tl.store(qo_rows + y_cols_a * qo_stride_d, out_a.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(qo_rows + y_cols_b * qo_stride_d, out_b.to(q_out_ptr.dtype.element_ty), mask=q_mask)
+            out_a, out_b = _rotate(k_a, k_b, c_a, c_b, s_a, s_b, CONJUGATE)
+            tl.store(ko_rows + y_cols_a * ko_stride_d, out_a.to(k_out_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(ko_rows + y_cols_b * ko_stride_d, out_b.to(k_out_ptr.dtype.element_ty), mask=k_mask)
+            if HAS_PASS:
+                tl.store(qo_rows + pass_cols * qo_stride_d, q_pass, mask=q_valid & pass_mask)
+                tl.store(ko_rows + pass_cols * ko_stride_d, k_pass, mask=k_valid & pass_mask)
+        else:
+            _rotate_heads(
+                q_ptr, q_out_ptr, b, s, n_q_heads,
+                q_stride_b, q_stride_s, q_stride_h, q_stride_d,
+                qo_stride_b, qo_stride_s, qo_stride_h, qo_stride_d,
+                c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask3, pass_cols, pass_mask, token_valid,
+                CONJUGATE, HAS_PASS, BLOCK_H,
+            )
+            _rotate_heads(
+                k_ptr, k_out_ptr, b, s, n_k_heads,
+                k_stride_b, k_stride_s, k_stride_h, k_stride_d,
+                ko_stride_b, ko_stride_s, ko_stride_h, ko_stride_d,
+                c_a, c_b, s_a, s_b, cols_a, cols_b, y_cols_a, y_cols_b, pair_mask3, pass_cols, pass_mask, token_valid,
+                CONJUGATE, HAS_PASS, BLOCK_H,
+            )
 
 
 # ------------------------------------------------------------------------------------ input normalising
@@ -194,7 +229,7 @@ def _bshd(sizes_or_strides, layout_bhsd: bool) -> tuple:
 # One kernel serves both directions, but CONJUGATE compiles a different binary: each has its entries.
 TUNABLES = {
     kind: configs.Tunable(f"rotary_{kind}", frozenset({"BLOCK_H", "TOKENS_PER_PROGRAM", "num_warps"}),
-                          (_rotary_kernel, _rotate_heads))
+                          (_rotary_kernel, _rotate_heads, _head_rows, _rotate))
     for kind in ("fwd", "bwd")
 }
 
@@ -306,7 +341,8 @@ def _plan(q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, 
         CONJUGATE=conjugate, HAS_PASS=n_pass > 0,
         TOKENS_PER_PROGRAM=cfg["TOKENS_PER_PROGRAM"], BLOCK_H=cfg["BLOCK_H"],
         BLOCK_T=tokens_per_tile(cfg["TOKENS_PER_PROGRAM"], cfg["BLOCK_H"], block_r, block_p, cfg["num_warps"]),
-        BLOCK_R=block_r, BLOCK_P=block_p,
+        BLOCK_R=block_r, BLOCK_P=block_p, ONE_HEAD_TILE=cfg["BLOCK_H"] >= max(q_heads, k_heads),
+        BLOCK_HK=min(cfg["BLOCK_H"], next_power_of_2(k_heads)),
         num_warps=cfg["num_warps"],
     ))
 
