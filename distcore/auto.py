@@ -17,6 +17,7 @@ carries the chosen strategy as `.distributed_strategy`.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import functools
 import logging
@@ -116,8 +117,26 @@ class ToDistributedConfig:
                              f"'layouts' (the best of each dp x tp x pp layout), got {self.measure_pick!r}")
 
 
+def _as_config(config) -> ToDistributedConfig:
+    """`config` as a ToDistributedConfig: None is the default, a dict names its fields (`parallelize`'s config is a
+    dict, so users pass one here too); anything else, or a dict naming no field, is refused with the fields."""
+    if config is None or isinstance(config, ToDistributedConfig):
+        return config or ToDistributedConfig()
+    names = [f.name for f in dataclasses.fields(ToDistributedConfig)]
+    if not isinstance(config, dict):
+        raise TypeError(f"to_distributed: config must be a ToDistributedConfig or a dict of its fields, got "
+                        f"{type(config).__name__}; e.g. ToDistributedConfig(sequence_parallel=True)")
+    unknown = [key for key in config if key not in names]
+    if unknown:
+        hints = "; ".join(f"{key!r}: did you mean {difflib.get_close_matches(str(key), names, n=2, cutoff=0.5)}?"
+                          for key in unknown)
+        raise TypeError(f"to_distributed: config names no field {unknown} of ToDistributedConfig ({hints}); "
+                        f"its fields are {names}")
+    return ToDistributedConfig(**config)
+
+
 def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: int, node_num: int | None = 1,
-                   config: ToDistributedConfig | None = None):
+                   config: ToDistributedConfig | dict | None = None):
     """Choose the fastest strategy for `device_num` devices on each of `node_num` nodes and apply it.
 
     Returns (model, optimizer, dataloader) for the user's unchanged training loop. `optimizer` may be None, as
@@ -127,7 +146,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     from tridist import autotune
 
     refuse_compiled(model, "to_distributed")
-    config = config or ToDistributedConfig()
+    config = _as_config(config)
     node_num = node_num or 1
     env.init_parallel_env()
     # An overlap backend these devices cannot run is an error now, not a knob the search quietly drops

@@ -12,7 +12,8 @@ to real module names, each module's sequence-parallel context worked out), then 
 Local view (Megatron's, the fast one): Linear outputs stay local (torch's default), and attention
 modules whose q/k/v projections are split get their head counts divided (`num_heads`,
 `num_key_value_heads`, ...), so `reshape(b, s, self.num_heads, d)` sees the local heads. Embeddings
-give full (replicated) outputs, so norms are unchanged. Code not written for that (a module-level
+give full (replicated) outputs, so norms are unchanged (one split on its vocabulary sums the ranks' lookups:
+vocab_embedding.py). Code not written for that (a module-level
 head count in a reshape) would compute wrong numbers: each decoder-block type is checked first
 (block_check.py), and a block whose local view differs from one device runs in global view
 (global_view.py: DTensors with global shapes, as Paddle does).
@@ -55,6 +56,7 @@ from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
 from .random_state import ShardedRegionRandomState
+from .vocab_embedding import split_embedding_vocabulary
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation, map_output, split_sequence
 from .vocab_parallel import split_bare_weight
 
@@ -153,6 +155,9 @@ class RowWiseParallel(_Style):
                                use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
+        if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split (vocab_embedding.py)
+            split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
+            return split_embedding_vocabulary(target.name, target.module, target.tp_mesh)
         if target.random_state is not None and isinstance(target.module, torch.nn.Linear) and self.is_input_parallel:
             target.module.register_forward_pre_hook(target.random_state.leave)  # the sharded region closes
         if target.overlap_comm and target.scatter_sequence:

@@ -83,3 +83,17 @@ def test_a_compiled_model_is_refused_naming_the_fix():
         with pytest.raises(TypeError, match=rf"{api}: the model is a torch.compile wrapper \(OptimizedModule around "
                                             r"\w+\).*pass the model itself \(model._orig_mod\)"):
             call()
+
+
+def test_config_may_be_a_dict_of_its_fields_and_a_misspelt_field_is_named():
+    """`parallelize` takes its config as a dict, so users pass one to to_distributed too: it names the fields; a
+    key that is no field, or a config of another type, is refused before any process group starts (it read
+    `config.overlap_backend` off the dict: an AttributeError)."""
+    import torch
+
+    assert td._as_config({"sequence_parallel": True, "top_k": 2}) == td.ToDistributedConfig(sequence_parallel=True, top_k=2)
+    assert td._as_config(None) == td.ToDistributedConfig()
+    with pytest.raises(TypeError, match=r"\['sequnce_parallel'\].*did you mean \['sequence_parallel'\]"):
+        td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config={"sequnce_parallel": True})
+    with pytest.raises(TypeError, match="a ToDistributedConfig or a dict of its fields, got list"):
+        td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config=["sequence_parallel"])

@@ -3,6 +3,7 @@ losses and parameters equal to one process on the same global batches."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import warnings
@@ -949,6 +950,36 @@ def check_dropout_in_a_sharded_region_draws_this_ranks_own_masks():
     finally:
         handle.remove()
     assert tracker._shared is None, "a region stayed open after the forward raised"
+
+def check_a_vocabulary_split_embedding_equals_one_device():
+    """RowWiseParallel on an nn.Embedding (vocab_embedding.py): each mp rank looks up the ids in its rows of the
+    vocabulary and the ranks sum their outputs, which equal one device's bit for bit (a row plus zeros), and so does
+    the weight's gradient. The padding row's gradient is zero, and only it: the padding index is shifted into the
+    rank's rows with the ids (rank 1's local row 3 is token 11, whose gradient the global index 3 would zero). An
+    option a rank cannot honour on its rows alone (max_norm) is refused."""
+    torch.manual_seed(0)
+    whole = torch.nn.Embedding(16, 6, padding_idx=3)
+    model, _ = distcore.parallelize(torch.nn.Sequential(copy.deepcopy(whole)), None, MESH,
+                                    {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
+    assert _placements(model[0].weight) == (distcore.Replicate(), Shard(0)), model[0].weight.placements
+    ids = torch.tensor([[1, 11, 3, 8], [15, 0, 11, 9]])
+    out, expected = model(ids), whole(ids)
+    assert type(out) is torch.Tensor and torch.equal(out, expected), (out - expected).abs().max()
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad)
+    expected.backward(grad)
+    got = model[0].weight.grad.full_tensor()
+    assert torch.equal(got, whole.weight.grad), (got - whole.weight.grad).abs().amax(1)
+    assert not got[3].any() and got[11].any()
+    assert model[0].padding_idx == 3 and type(model[0].weight).__name__ == "DTensor"  # swapped back after the call
+    try:
+        distcore.parallelize(torch.nn.Sequential(torch.nn.Embedding(16, 6, max_norm=1.0)), None, MESH,
+                             {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
+    except NotImplementedError as error:
+        assert "with max_norm" in str(error) and "leave '0' out of the plan" in str(error), error
+    else:
+        raise AssertionError("an embedding with max_norm was split on its vocabulary")
+
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
