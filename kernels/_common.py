@@ -52,7 +52,11 @@ def split_dim(placement, ndim: int) -> int | None:
 def local_saved_tensors():
     """For an op computed on DTensors' local shards: the tensors its backward saves stay the plain local
     tensors, whatever saved-tensor hooks an enclosing context set (tensor parallel's global view saves plain
-    tensors as replicated DTensors, which a shard's backward must not meet)."""
+    tensors as replicated DTensors, which a shard's backward must not meet). Under torch.compile nothing: the op
+    is a node of the traced graph, whose saved tensors AOTAutograd decides, and Dynamo cannot trace the hooks'
+    context (a graph break at every fused op on sequence-parallel shards)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 

@@ -954,10 +954,10 @@ def _local_inputs(op, hidden, weight, labels, bias):
     hidden, labels = local(hidden), local(labels)
     if layout == "replicated":
         return (hidden, weight.to_local(), labels, local(bias)), (0, vocab, None)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    # Shard(0) splits the rows as torch.chunk does: ceil(vocab / ranks) a rank, in rank order. (torch's offset
+    # helper reads the mesh coordinate with .item() under torch.compile: a graph break.)
     mesh = weight.device_mesh
-    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    vocab_start = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
     return (hidden, weight.to_local(), labels, local(bias)), (vocab_start, vocab, mesh.get_group().group_name)
 
 

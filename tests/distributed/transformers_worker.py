@@ -942,7 +942,8 @@ def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
 def check_compiled_after_to_distributed_trains_like_one_process():
     """torch.compile(model) after to_distributed under dp 2 x tp 2 + sp with the default config (fused kernels, the
     embedding and the LM head tied to it split on the vocabulary, the fused vocabulary-parallel loss): losses,
-    first-step gradients and parameters equal one uncompiled process. The aot_eager backend: Dynamo and AOTAutograd
+    first-step gradients and parameters equal one uncompiled process; and each decoder block compiled alone with
+    fullgraph=True (no graph break inside a block) gives the uncompiled model's gradients. The aot_eager backend: Dynamo and AOTAutograd
     trace the graphs Inductor would compile (Inductor itself took 45 s of C++ builds per world on this machine, by
     hand: gradients within fp32 rounding). torch's own vocabulary-split embedding failed in that tracing
     (pytorch/pytorch#160697); distcore's is plain tensor code (vocab_embedding.py)."""
@@ -953,6 +954,18 @@ def check_compiled_after_to_distributed_trains_like_one_process():
         config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1, sequence_parallel=True)))
     trace = _plain_loop(model, optimizer, loader, forward=torch.compile(model, backend="aot_eager"))
     equivalence.assert_same_training(trace, _reference("llama-tied", layers=1))
+    # torchtitan's way: each decoder block compiled alone with fullgraph=True, which a graph break inside the block
+    # refuses (the fused kernels on sequence-parallel shards broke the graph at each op: kernels/_common.py's
+    # local_saved_tensors). A training call then gives the eager distributed model's loss and gradients.
+    torch._dynamo.reset()
+    batch = _batches()[0]
+    model(**batch).loss.backward()
+    eager = equivalence.gradients(model)
+    model.zero_grad()
+    for block in model.model.layers:
+        block.compile(backend="aot_eager", fullgraph=True)
+    model(**batch).loss.backward()
+    equivalence.assert_tensors_close("blocks compiled with fullgraph=True", equivalence.gradients(model), eager)
 
 
 def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
