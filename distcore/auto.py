@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-
 import functools
 import logging
 import sys

@@ -56,8 +56,8 @@ from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
 from .random_state import ShardedRegionRandomState
-from .vocab_embedding import split_embedding_vocabulary
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation, map_output, split_sequence
+from .vocab_embedding import split_embedding_vocabulary
 from .vocab_parallel import split_bare_weight
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ def split_embedding_vocabulary(name: str, module: torch.nn.Embedding, tp_mesh) -
     weight = distribute_tensor(module.weight.detach(), tp_mesh, [Shard(0)])
     module.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=module.weight.requires_grad))
     rows, (start, _) = compute_local_shape_and_global_offset(weight.shape, tp_mesh, [Shard(0)])
-    lookup = _LocalLookup(start, rows[0], tp_mesh)
+    lookup = _LocalLookup(start, rows[0], weight.shape[0], tp_mesh)
     module.register_forward_pre_hook(lookup.enter, with_kwargs=True)
     module.register_forward_hook(lookup.leave, always_call=True)
     return f"{name}: RowWiseParallel (vocabulary rows {start}..{start + rows[0] - 1} here; outputs summed over the mp ranks)"
@@ -45,13 +45,17 @@ class _LocalLookup:
     row 0, masked) and swaps in the local weight and padding index; `leave` swaps them back, zeroes the masked
     positions' outputs and sums the outputs over the mp ranks."""
 
-    def __init__(self, start: int, rows: int, tp_mesh):
-        self.start, self.rows, self.tp_mesh = start, rows, tp_mesh
+    def __init__(self, start: int, rows: int, vocab: int, tp_mesh):
+        self.start, self.rows, self.vocab, self.tp_mesh = start, rows, vocab, tp_mesh
 
     def enter(self, module: torch.nn.Embedding, args, kwargs):
         saved = {"weight": module._parameters["weight"], "padding_idx": module.padding_idx}
 
         def local_ids(ids: torch.Tensor) -> torch.Tensor:
+            # An id outside the vocabulary is outside every rank's rows: its embedding would be zeros, where one
+            # device raises. Checked on the device, in stream order (no host sync on an accelerator).
+            torch._assert_async(((ids >= 0) & (ids < self.vocab)).all(),
+                                f"embedding: token ids must lie in [0, {self.vocab}) (the vocabulary)")
             saved["outside"] = (ids < self.start) | (ids >= self.start + self.rows)
             return (ids - self.start).masked_fill(saved["outside"], 0)
 
@@ -70,6 +74,8 @@ class _LocalLookup:
         if saved is None:  # the forward stopped before `enter` swapped anything
             return output
         module._parameters["weight"], module.padding_idx = saved["weight"], saved["padding_idx"]
+        if output is None:  # the forward raised (an always-call hook): its error goes on
+            return None
         output = output.masked_fill(saved["outside"].unsqueeze(-1), 0)
         # The global shape given (a Partial's is the local one): working it out is a call torch.compile cannot trace.
         partial = DTensor.from_local(output, self.tp_mesh, [Partial()], run_check=False, shape=output.shape,

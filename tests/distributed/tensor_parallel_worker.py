@@ -955,8 +955,9 @@ def check_a_vocabulary_split_embedding_equals_one_device():
     """RowWiseParallel on an nn.Embedding (vocab_embedding.py): each mp rank looks up the ids in its rows of the
     vocabulary and the ranks sum their outputs, which equal one device's bit for bit (a row plus zeros), and so does
     the weight's gradient. The padding row's gradient is zero, and only it: the padding index is shifted into the
-    rank's rows with the ids (rank 1's local row 3 is token 11, whose gradient the global index 3 would zero). An
-    option a rank cannot honour on its rows alone (max_norm) is refused."""
+    rank's rows with the ids (rank 1's local row 3 is token 11, whose gradient the global index 3 would zero). An id
+    outside the vocabulary raises, as on one device. An option a rank cannot honour on its rows alone (max_norm) is
+    refused."""
     torch.manual_seed(0)
     whole = torch.nn.Embedding(16, 6, padding_idx=3)
     model, _ = distcore.parallelize(torch.nn.Sequential(copy.deepcopy(whole)), None, MESH,
@@ -972,6 +973,13 @@ def check_a_vocabulary_split_embedding_equals_one_device():
     assert torch.equal(got, whole.weight.grad), (got - whole.weight.grad).abs().amax(1)
     assert not got[3].any() and got[11].any()
     assert model[0].padding_idx == 3 and type(model[0].weight).__name__ == "DTensor"  # swapped back after the call
+    try:  # an id outside the vocabulary: an error, as on one device (not zeros, which no rank's rows hold)
+        model(torch.tensor([[1, 16]]))
+    except RuntimeError as error:
+        assert "token ids must lie in [0, 16)" in str(error), error
+    else:
+        raise AssertionError("an id outside the vocabulary was looked up")
+    assert model[0].padding_idx == 3 and type(model[0].weight).__name__ == "DTensor"  # swapped back after the error
     try:
         distcore.parallelize(torch.nn.Sequential(torch.nn.Embedding(16, 6, max_norm=1.0)), None, MESH,
                              {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
