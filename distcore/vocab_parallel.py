@@ -236,6 +236,11 @@ def _cross_entropy(*args, **kwargs) -> torch.Tensor:
 
 def _vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignore_index: int, reduction: str) -> torch.Tensor:
     class_dim = 0 if logits.dim() == 1 else 1
+    vocab = logits.shape[class_dim]
+    # A target outside the vocabulary lies in no rank's columns: its logit would count as 0, where one device
+    # raises. Checked on the device, in stream order (no host sync on an accelerator).
+    torch._assert_async((((target >= 0) & (target < vocab)) | (target == ignore_index)).all(),
+                        f"cross_entropy: targets must be class indices in [0, {vocab}) or ignore_index ({ignore_index})")
     local = logits.to_local()
     rows = local.movedim(class_dim, -1).reshape(-1, local.shape[class_dim])
     vocab_start = logits.device_mesh.get_local_rank() * local.shape[class_dim]

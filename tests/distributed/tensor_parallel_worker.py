@@ -384,7 +384,7 @@ def check_packed_projection_gather_output():
 def check_vocab_parallel_cross_entropy_matches_torch():
     """Losses and gradients of F.cross_entropy on vocabulary-split logits equal torch's on full logits:
     reductions, ignore_index, class dim 1 of a 3-D input, an unbatched input; label smoothing (not
-    vocabulary-parallel) gathers with a warning and stays correct."""
+    vocabulary-parallel) gathers with a warning and stays correct; a target outside the vocabulary raises."""
     from torch.distributed.tensor import distribute_tensor
 
     from tridist.distcore.vocab_parallel import _GlobalView
@@ -418,6 +418,15 @@ def check_vocab_parallel_cross_entropy_matches_torch():
         # One cross entropy: sums over <= 128 logits and 6 rows, far inside RTOL (equivalence.py).
         equivalence.assert_tensors_close("cross entropy", {f"loss {options}": loss.detach(), f"grad {options}": split.grad.full_tensor()},
                                          {f"loss {options}": expected.detach(), f"grad {options}": reference.grad})
+    # A target outside the vocabulary: an error, as on one device (it lies in no rank's columns).
+    split = distribute_tensor(torch.randn(2, VOCAB, generator=generator), tp_mesh, [Shard(1)])
+    try:
+        with _GlobalView([]):
+            F.cross_entropy(split, torch.tensor([1, VOCAB]))
+    except RuntimeError as error:
+        assert f"targets must be class indices in [0, {VOCAB})" in str(error), error
+    else:
+        raise AssertionError("a target outside the vocabulary was taken")
 
 
 class _StageExit(BaseException):
