@@ -5,12 +5,12 @@ its launch (argument checks, the autograd.Function, output allocation, the launc
 launch's arguments) decides the time at common shapes. This benchmark times that path alone: Triton's
 launcher is stubbed out (`stubbed_launches`: our direct launch of the compiled kernel runs, as on a GPU, up to
 the C launcher) and the ops take their Triton path on tiny CPU tensors, so any machine measures it, with or
-without a GPU. The baseline
-is `torch.mul` on the same tensors, forward and forward+backward, in the same process. Floors are shown beside
-the ops: a minimal autograd.Function (forward returns a view), and each op's "torch part": a Function entered as
-the ops enter theirs (the C entry point) with the op's arguments, allocations, saved tensors and outputs, which
-launches nothing (no checks, no plan): what an op of that shape costs before any code of ours runs. "ours" is
-the op's time above its torch part.
+without a GPU. The baseline is `torch.mul` on the same tensors, forward and forward+backward, in the same
+process. Floors are shown beside the ops: a minimal autograd.Function (forward returns a view); torch's own
+`F.layer_norm` (a C++ op with C++ autograd) and `F.rms_norm` (a composite of elementwise ops) on the same tensors;
+and each op's "torch part": a Function entered as the ops enter theirs (the C entry point) with the op's
+arguments, allocations, saved tensors and outputs, which launches nothing (no checks, no plan): what an op of
+that shape costs before any code of ours runs. "ours" is the op's time above its torch part.
 
 Targets (kernels issue): forward at most 3x `torch.mul`'s forward, forward+backward at most 2x its
 forward+backward. Each row is the best of `repeats` means over `calls` calls (perf_counter); Triton's own
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 FORWARD_TARGET = 3.0  # x torch.mul's forward
 FORWARD_BACKWARD_TARGET = 2.0  # x torch.mul's forward+backward
@@ -121,6 +122,7 @@ _TORCH_PARTS = {
                           lambda s, g: (_empty(s[0]), _empty(s[1]))),
 }
 OPS = tuple(_TORCH_PARTS)
+BASELINES = ("torch.mul", "minimal autograd.Function", "torch F.layer_norm", "torch F.rms_norm")
 
 
 def cases() -> dict[str, Callable[[], object]]:
@@ -136,6 +138,10 @@ def cases() -> dict[str, Callable[[], object]]:
     calls = {
         "torch.mul": lambda: torch.mul(x, y),
         "minimal autograd.Function": lambda: _Minimal.apply(x),
+        # torch's own norms on the same tensors: a C++ op with C++ autograd (and its statistics saved), and a
+        # composite of elementwise ops: what the targets ask of an op, measured on torch's side.
+        "torch F.layer_norm": lambda: F.layer_norm(x, (64,), weight),
+        "torch F.rms_norm": lambda: F.rms_norm(x, (64,), weight, 1e-6),
         "rms_norm": lambda: kernels.rms_norm(x, weight, 1e-6),
         "add_rms_norm": lambda: kernels.rms_norm(x, weight, 1e-6, residual=residual),
         "rotary": lambda: kernels.apply_rotary_pos_emb(q, k, cos, sin, layout="bhsd"),
@@ -188,7 +194,7 @@ def run_launch_benchmark(*, calls: int = 2000, repeats: int = 5, out_dir: str | 
         backward = _time_together({name: _forward_backward(c) for name, c in timed.items()}, max(1, calls // 4), repeats)
     mul_fwd, mul_fwd_bwd = forward["torch.mul"], backward["torch.mul"]
     rows = []
-    for name in ("torch.mul", "minimal autograd.Function", *OPS):
+    for name in (*BASELINES, *OPS):
         row = {"op": name, "fwd_us": forward[name], "fwd_bwd_us": backward[name],
                "fwd_x_mul": forward[name] / mul_fwd, "fwd_bwd_x_mul": backward[name] / mul_fwd_bwd}
         part = f"{name} torch part"

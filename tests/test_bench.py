@@ -268,7 +268,7 @@ def test_launch_benchmark_times_every_op_against_torch_mul_and_restores_the_laun
     saved = KernelInterface.__getitem__, _common.TRITON_INTERPRET, _common._current_device, _common._current_stream
     frame = run_launch_benchmark(calls=20, repeats=1, out_dir=tmp_path)
     ops = ["rms_norm", "add_rms_norm", "rotary", "swiglu"]
-    assert list(frame.index) == ["torch.mul", "minimal autograd.Function", *ops]
+    assert list(frame.index) == ["torch.mul", "minimal autograd.Function", "torch F.layer_norm", "torch F.rms_norm", *ops]
     assert (frame[["fwd_us", "fwd_bwd_us"]] > 0).all().all() and frame.loc["torch.mul", "fwd_x_mul"] == 1.0
     # Each op beside its torch part (what its autograd.Function costs torch), which launches nothing.
     floors = frame.loc[ops, ["floor_fwd_x_mul", "floor_fwd_bwd_x_mul", "ours_fwd_us", "ours_fwd_bwd_us"]]
