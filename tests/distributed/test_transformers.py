@@ -13,7 +13,9 @@ NPROC = 4
 # In the session's merged launch of NPROC (conftest.py). The fused kernels (on by default, as users get them)
 # take their CPU path here, as in every check not marked `interprets_kernels` (harness.py): the same ops,
 # autograd and DTensor handling around the kernels' math in PyTorch.
-MERGED = {"transformers_worker": {NPROC: None}}
+# The checks needing 8 processes (expert x tensor x pipeline parallel) run in the session's 8-process launch.
+EIGHT = transformers_worker.EIGHT_PROCESS_CHECKS
+MERGED = {"transformers_worker": {NPROC: [c for c in transformers_worker.CHECKS if c not in EIGHT], 8: EIGHT}}
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +23,11 @@ def results(merged_launches):
     return module_results(merged_launches[NPROC], "transformers_worker")
 
 
-@pytest.mark.parametrize("check", list(transformers_worker.CHECKS))
+@pytest.mark.parametrize("check", [c for c in transformers_worker.CHECKS if c not in EIGHT])
 def test_transformers_models(results, check):
     assert_check(results, check, nproc=NPROC)
+
+
+@pytest.mark.parametrize("check", EIGHT)
+def test_transformers_models_on_eight_processes(merged_launches, check):
+    assert_check(module_results(merged_launches[8], "transformers_worker"), check, nproc=8)

@@ -1512,6 +1512,21 @@ def _expect_refused(family, strategy, why):
         raise AssertionError(f"{strategy.describe()} on {family} was accepted")
 
 
+def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
+    """Mixtral, Qwen2-MoE (a shared expert) and Qwen3-MoE on 8 processes under dp 2 (= ep 2) x tp 2 + sp x pp 2 with
+    2 micro-batches: the experts split over the data-parallel ranks run on each tp rank's sequence slice, with
+    their gradients summed over tp, inside pipeline stages; each trains equal to one process. (Run in the 8-process
+    world only: test_transformers.py.)"""
+    if dist.get_world_size() != 8:
+        return
+    for family in ("mixtral", "qwen2-moe", "qwen3-moe"):
+        try:
+            _train(family, _strategy(2, 2, 2, sequence_parallel=True, ep=2, num_micro_batches=2))
+        except Exception as error:
+            raise AssertionError(f"{family} under ep 2 x tp 2 + sp x pp 2: {type(error).__name__}: {error}") from error
+
+
+EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
