@@ -1104,7 +1104,9 @@ def _guard_stand_in_zeros(layer, args, kwargs, state: _StageState, *, replaced=N
 
 def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, state: _StageState) -> None:
     """On the stage's first layer, take the received activation; on its layers, guard the arguments computed from
-    stand-ins' zeros; on its last, remember the output."""
+    stand-ins' zeros; on its last, remember the output. The hooks are bookkeeping that torch.compile does not trace
+    (weak references to storages): torch.compiler.disable'd, they run eagerly around a block compiled alone, even
+    with fullgraph=True."""
     owned = [layer for i, layer in enumerate(model_layers) if config.stage_of_layer(i) == state.stage]
     first, last = owned[0], owned[-1]
     if not state.is_first:
@@ -1133,18 +1135,18 @@ def install_layer_hooks(model_layers: torch.nn.Module, config: PipelineConfig, s
                 "layer outputs, so move that code into the layers"
             )
 
-        first.register_forward_pre_hook(take_received, with_kwargs=True, prepend=True)
+        first.register_forward_pre_hook(torch.compiler.disable(take_received), with_kwargs=True, prepend=True)
 
         def guard_arguments(module, args, kwargs):
             return _guard_stand_in_zeros(module, args, kwargs, state)
 
         for layer in owned[1:]:  # the first is guarded in take_received; the first stage has no earlier stand-ins
-            layer.register_forward_pre_hook(guard_arguments, with_kwargs=True, prepend=True)
+            layer.register_forward_pre_hook(torch.compiler.disable(guard_arguments), with_kwargs=True, prepend=True)
 
     def remember(module, args, output):  # on every stage: a stand-in called after it is misplaced (_StandIn)
         state.last_output = output
 
-    last.register_forward_hook(remember)
+    last.register_forward_hook(torch.compiler.disable(remember))
 
 
 class PipelineRunner:
