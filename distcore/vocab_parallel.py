@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map
 
+from tridist.kernels.ops.linear_cross_entropy import check_class_indices
+
 _HEADS_ATTR = "_tridist_global_view_heads"  # [(path relative to the module, parameter name, gather_output)]
 _MODE_ATTR = "_tridist_global_view"  # the mode a module's forward pushed, popped by its forward hook
 _DERIVED_ATTR = "_tridist_from_head"  # on tensors computed from a head weight: its gather_output
@@ -236,11 +238,8 @@ def _cross_entropy(*args, **kwargs) -> torch.Tensor:
 
 def _vocab_parallel_cross_entropy(logits: DTensor, target: torch.Tensor, *, ignore_index: int, reduction: str) -> torch.Tensor:
     class_dim = 0 if logits.dim() == 1 else 1
-    vocab = logits.shape[class_dim]
-    # A target outside the vocabulary lies in no rank's columns: its logit would count as 0, where one device
-    # raises. Checked on the device, in stream order (no host sync on an accelerator).
-    torch._assert_async((((target >= 0) & (target < vocab)) | (target == ignore_index)).all(),
-                        f"cross_entropy: targets must be class indices in [0, {vocab}) or ignore_index ({ignore_index})")
+    # A target outside the vocabulary lies in no rank's columns: its logit would count as 0, where one device raises.
+    check_class_indices(target, logits.shape[class_dim], ignore_index, op="cross_entropy", name="targets")
     local = logits.to_local()
     rows = local.movedim(class_dim, -1).reshape(-1, local.shape[class_dim])
     vocab_start = logits.device_mesh.get_local_rank() * local.shape[class_dim]

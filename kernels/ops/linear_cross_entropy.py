@@ -594,14 +594,16 @@ class VocabShard:
         return cls(start, vocab_size, group, -(-vocab_size // group.size()))
 
 
-def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+def check_class_indices(labels: torch.Tensor, vocab: int, ignore_index: int, *, op: str = "linear_cross_entropy",
+                        name: str = "labels") -> None:
     """Labels in [0, vocab) or ignore_index, as F.cross_entropy requires; asynchronous on CUDA (no host
-    sync: a device-side assert, as F.cross_entropy gives there), an error right away on the CPU."""
+    sync: a device-side assert, as F.cross_entropy gives there), an error right away on the CPU. A loss split
+    over the vocabulary needs it most: a label outside lies in no rank's columns, its logit counted as 0."""
     if labels.numel():
         valid = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
         torch._assert_async(
             valid.all(),
-            f"linear_cross_entropy: labels must be class indices in [0, {vocab}) or ignore_index ({ignore_index}); "
+            f"{op}: {name} must be class indices in [0, {vocab}) or ignore_index ({ignore_index}); "
             "found one outside (a label beyond the vocabulary, or padding marked with another value than ignore_index)",
         )
 
@@ -640,7 +642,7 @@ def _linear_cross_entropy_impl(
     vocabulary rows vocab_start .. of vocab_size, split over that group (VocabShard)."""
     shard = VocabShard.of(vocab_start, vocab_size, group_name)
     with no_autocast(hidden.device):
-        _check_labels(labels, vocab_size, ignore_index)
+        check_class_indices(labels, vocab_size, ignore_index)
         flat_labels = labels.reshape(-1)  # a copy of the labels only if they are strided
         n_tokens = flat_labels.shape[0]
         denominator = scale = None
