@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import hashlib
 import itertools
 import logging
@@ -477,7 +478,7 @@ def initialize(tensor: torch.Tensor, device=None) -> torch.Tensor:
     real = torch.empty_like(tensor, device=device)
     with torch.no_grad():
         real.copy_(recipe.value(device))
-    _install(tensor, real)
+    _install(tensor, real, f"the tensor of shape {tuple(tensor.shape)}")
     return tensor
 
 
@@ -501,17 +502,17 @@ def materialize(module: torch.nn.Module, device=None, *, strict: bool = True) ->
         if strict:
             raise LazyInitError(message)
         log.warning("%s; left on meta", message)
-    if any(isinstance(tensor, DTensor) for _, _, tensor, _ in plan):
+    if any(isinstance(tensor, DTensor) for _, _, tensor, _, _ in plan):
         _check_seeds_agree(plan)
     with torch.no_grad():
-        for owner, name, tensor, recipe in plan:
-            _install(tensor, _local_value(tensor, recipe.value(device), device))
+        for owner, name, tensor, recipe, qualified in plan:
+            _install(tensor, _local_value(tensor, recipe.value(device), device), qualified)
             getattr(owner, _MODULE_RECIPES, {}).pop(name, None)
     return module
 
 
 def _plan(module: torch.nn.Module):
-    """(owner, name, tensor, recipe) for each distinct meta tensor of the tree, and the names of
+    """(owner, name, tensor, recipe, qualified name) for each distinct meta tensor of the tree, and the names of
     meta tensors without a recipe."""
     plan, unknown, seen = [], [], set()
     for prefix, owner in module.named_modules():
@@ -526,7 +527,7 @@ def _plan(module: torch.nn.Module):
                     unknown.append(qualified)
                     continue
                 recipe.check(tensor, qualified)
-                plan.append((owner, name, tensor, recipe))
+                plan.append((owner, name, tensor, recipe, qualified))
     return plan, unknown
 
 
@@ -551,10 +552,11 @@ def _local_value(tensor: torch.Tensor, full: torch.Tensor, device: torch.device)
     return real
 
 
-def _install(tensor: torch.Tensor, real: torch.Tensor) -> None:
+def _install(tensor: torch.Tensor, real: torch.Tensor, name: str) -> None:
     """Put `real` in place of meta `tensor`, keeping the Python object (optimizers, tied weights and
     FSDP2 hold it) and its attributes other than the recipe. A meta tensor cannot take a real one
     through `.data =` (incompatible tensor types), so the two are swapped."""
+    _release_weak_references(tensor, name)
     attributes = {k: v for k, v in tensor.__dict__.items() if k != _RECIPE}
     if isinstance(tensor, torch.nn.Parameter):
         real = torch.nn.Parameter(real, requires_grad=tensor.requires_grad)
@@ -562,12 +564,30 @@ def _install(tensor: torch.Tensor, real: torch.Tensor) -> None:
     tensor.__dict__.update(attributes)
 
 
+def _release_weak_references(tensor: torch.Tensor, name: str) -> None:
+    """torch.utils.swap_tensors refuses a tensor that a weak reference points to. torch leaves such references in
+    garbage cycles: a FakeTensorMode that saw the meta parameters (the pipeline's probe forward runs the model on
+    fake tensors before parallelize materialises it) holds one to each until the collector frees the mode, which
+    depends on when the collector last ran (a young collection during the probe promotes the mode to an older
+    generation, collected far more rarely). One full collection frees every dead one; a weak reference that a
+    live object holds is an error naming the tensor."""
+    if not weakref.getweakrefs(tensor):
+        return
+    gc.collect()  # once per materialisation: after it, only live references remain
+    if weakref.getweakrefs(tensor):
+        raise LazyInitError(
+            f"LazyGuard: cannot materialise {name}: a weak reference to it is alive (torch.utils.swap_tensors, which "
+            "keeps the tensor's identity for the optimizers and tied weights that hold it, refuses such a tensor); "
+            "drop the weak references (a weakref.ref, a WeakKeyDictionary or WeakTensorKeyDictionary keyed on the "
+            "parameter) before materialising")
+
+
 def _check_seeds_agree(plan) -> None:
     """Shards from different ranks form one tensor only if every rank replays the same seeds: compare
     each guard's seed across ranks (guards are numbered in program order, alike on SPMD ranks)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    mine = {recipe.guard[0]: recipe.guard[1] for *_, recipe in plan}
+    mine = {recipe.guard[0]: recipe.guard[1] for *_, recipe, _ in plan}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for rank, theirs in enumerate(everyone):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -241,3 +244,62 @@ def test_strict_false_leaves_unrecorded_meta_tensors():
     materialize(model, strict=False)
     assert not model[0].weight.is_meta and not model[1].bias.is_meta
     assert model[1].weight.is_meta and model[2].weight.is_meta
+
+
+class _Cycle:
+    """Garbage the collector has not freed yet: a reference cycle holding a weak reference."""
+
+    def __init__(self, tensor):
+        self.cycle, self.ref = self, weakref.ref(tensor)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("materialise", ["initialize", "materialize"])
+def test_weak_references_in_uncollected_garbage_do_not_stop_materialisation(materialise):
+    """torch.utils.swap_tensors refuses a tensor a weak reference points to. A garbage cycle holding one (as a
+    FakeTensorMode that saw the meta parameters does until the collector runs) is freed first; a live one is an
+    error naming the tensor."""
+    model, expected = _lazy(lambda: build_model("seed-llama")), _lazy(lambda: build_model("seed-llama"))
+    for tensor in _tensors(expected):
+        tensor.initialize()
+    with _collector_paused():
+        for tensor in _tensors(model):
+            _Cycle(tensor)  # garbage at once: only the collector frees it
+        assert all(weakref.getweakrefs(t) for t in _tensors(model))
+        if materialise == "initialize":
+            for tensor in _tensors(model):
+                tensor.initialize()
+        else:
+            materialize(model)
+    assert all(torch.equal(got, expected_value) for got, expected_value in zip(_values(model).values(),
+                                                                               _values(expected).values()))
+    model = _lazy(lambda: nn.Linear(4, 4))
+    held = weakref.ref(model.weight)
+    with pytest.raises(LazyInitError, match=r"cannot materialise weight: a weak reference to it is alive"):
+        materialize(model)
+    assert held() is model.weight and model.weight.is_meta
+
+
+def test_a_lazy_model_materialises_after_the_pipelines_probe_forward():
+    """The pipeline's probe forward runs the meta model on fake tensors, whose FakeTensorMode keeps a weak reference
+    to every parameter until the collector frees it (parallelize materialises after the probe: with the collector
+    not run in between, every swap failed)."""
+    from tridist.distcore.pipeline import probe_forward
+
+    model = _lazy(lambda: build_model("hf-llama"))
+    with _collector_paused():
+        assert probe_forward(model, "model.layers").reused == []
+        vars(model).pop("_tridist_forward_probe")  # its weak references, as the pipeline's placement drops it
+        assert any(weakref.getweakrefs(p) for p in model.parameters())  # what failed the swap
+        materialize(model)
+    assert not any(t.is_meta for t in _tensors(model))
