@@ -10,12 +10,32 @@ first, so the guard below is in place before anything else is imported.
 
 from __future__ import annotations
 
+import gc
 import importlib.machinery
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHADOWED = ("kernels", "autotune", "distcore", "bench")
+
+
+# The collector's thresholds once the imports are frozen. Python's defaults (700, 10, 10) run a young collection
+# every 700 net allocations of containers; a training step through DTensor and FSDP2 allocates hundreds of
+# thousands of short-lived ones (specs, pytrees, fake tensors), almost all freed by reference counting, so those
+# collections find little. Measured on a 4-process transformers check: 5-8% less CPU (paired runs). The test
+# processes' garbage in cycles is small (tiny models), so collecting it 70x less often costs little memory.
+GC_THRESHOLDS = (50_000, 50, 100)
+
+
+def settle_garbage_collector() -> None:
+    """Once a test process has imported what it lives with (torch, transformers: ~400,000 objects, kept until
+    exit): collect once, freeze the survivors so that no later collection scans them (6% of a transformers
+    check's CPU time), and collect the rest at GC_THRESHOLDS. Turns the collector on (the imports ran with it
+    paused: tests/conftest.py, tests/distributed/__init__.py)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+    gc.enable()
 
 
 class _RootFinder(importlib.machinery.FileFinder):

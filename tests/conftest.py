@@ -44,8 +44,7 @@ def _seed():
 
 
 def pytest_collection_finish(session):
-    """Every module the tests import is loaded by now and lives until exit: frozen, the collector no longer
-    scans it at every full collection (see tests/distributed/harness.run_checks)."""
-    gc.collect()
-    gc.freeze()
-    gc.enable()
+    """Every module the tests import is loaded by now and lives until exit (tests.settle_garbage_collector)."""
+    from tests import settle_garbage_collector
+
+    settle_garbage_collector()

@@ -57,12 +57,32 @@ def _import_everything(phases: list[dict]) -> None:
     for package, module in PRELOAD.items():
         if package in sys.modules:
             importlib.import_module(module)
+    if "torch._dynamo" in sys.modules:
+        _warm_up_compile()
     # Forking a process with more than one thread copies only the forking thread: a lock another thread
     # held stays locked in the children forever.
     threads = threading.enumerate()
     if len(threads) > 1:
         raise RuntimeError(f"forked_launch: the imports started threads {[t.name for t in threads]}; forking "
                            "now could deadlock the workers. Import that module lazily or launch with torchrun.")
+
+
+def _warm_up_compile() -> None:
+    """One torch.compile of a tiny function (forward and backward, the suite's aot_eager backend): its first call
+    in a process imports ~550 more modules and fills Dynamo's and AOTAutograd's lookup tables (1.6 CPU-seconds
+    after the imports above), which every worker of a world that compiles would otherwise repeat. Dynamo's caches
+    are reset after it: the workers start with none of its compiled code. torch.fx's interpreter opens a (disabled)
+    tqdm bar, whose first one starts tqdm's monitor thread: ended here, before any fork (a worker's own first bar
+    starts its own)."""
+    import torch
+    import tqdm
+
+    x = torch.ones(2, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sin().sum(), backend="aot_eager")(x).backward()
+    torch._dynamo.reset()
+    if tqdm.tqdm.monitor is not None:
+        tqdm.tqdm.monitor.exit()  # sets its event and joins it
+        tqdm.tqdm.monitor = None
 
 
 def _worker(phase: dict, rank: int, port: int, run_id: str) -> None:

@@ -13,7 +13,6 @@ of the output.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from tridist.distcore.env import destroy_parallel_env
 from tridist.kernels import _common
+from tests import settle_garbage_collector
 from tests.distributed import equivalence
 from tests.distributed.forked_launch import free_port
 
@@ -247,11 +247,7 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> None:
     if only:
         checks = {name: fn for name, fn in checks.items() if name in only.split(",")}
     interpreter = _common.TRITON_INTERPRET  # the launch's: the kernels were decorated for the interpreter
-    # The imported modules (torch, transformers: ~400,000 objects) live until exit; frozen, the collector
-    # stops scanning them at every full collection (measured: 6% of a transformers check's CPU time).
-    gc.collect()
-    gc.freeze()
-    gc.enable()  # paused while the worker imported (tests/distributed/__init__.py)
+    settle_garbage_collector()  # the imports, paused while the worker imported (tests/distributed/__init__.py)
     for name, check in checks.items():
         _common.TRITON_INTERPRET = interpreter and getattr(check, "interprets_kernels", False)
         equivalence.MEASURED.clear()
