@@ -190,6 +190,29 @@ def test_every_tiling_of_heads_and_tokens(pairing, q_heads, k_heads, block_h, to
             assert_rounded_once(ours, gold, bound=bound, name=f"{name} {'backward' if conjugate else 'forward'}")
 
 
+@pytest.mark.parametrize("q_heads, k_heads", [(4, 4), (32, 8), (6, 2), (64, 16)])
+def test_the_plan_loads_every_head_before_storing_wherever_one_tile_holds_them(q_heads, k_heads):
+    """The launch plan under the heuristic's configuration (what a GPU without a tuned table runs): where one
+    tile of BLOCK_H heads holds every head of q and of k, ONE_HEAD_TILE (q and k loaded before any store:
+    tests/test_gpu_codegen.py), and k's tile sized to its own heads (BLOCK_HK: 8 key heads do not take 32 heads'
+    registers); above one tile (64 heads of 128 features), the loop over tiles. Both are speed only: every
+    tiling computes the same (`test_every_tiling_of_heads_and_tokens`), so only the plan itself shows them."""
+    from tridist.kernels.ops import rotary as rotary_ops
+    from triton import next_power_of_2
+
+    head_dim = 128
+    q, k = torch.empty(2, 8, q_heads, head_dim), torch.empty(2, 8, k_heads, head_dim)
+    cos = torch.empty(8, head_dim)
+    config = rotary_ops.heuristic_config(head_dim // 2, max(q_heads, k_heads))
+    launch = rotary_ops._plan.__wrapped__(
+        q.shape, q.stride(), k.shape, k.stride(), q.stride(), k.stride(), cos.shape, cos.stride(), cos.stride(),
+        None, None, torch.bfloat16, q.device, False, False, False, head_dim, False, config)
+    one_tile = config["BLOCK_H"] >= max(q_heads, k_heads)
+    assert one_tile == (q_heads <= 32), config  # 32 heads x 64 pairs fill one tile
+    assert launch.kwargs["ONE_HEAD_TILE"] == one_tile, (config, launch.kwargs)
+    assert launch.kwargs["BLOCK_HK"] == min(config["BLOCK_H"], next_power_of_2(k_heads)), (config, launch.kwargs)
+
+
 def test_expanded_gradient_and_partial_rotary(backend):
     """`loss = q_out.sum() + k_out.sum()` hands the backward stride-0 gradients, whose outputs are laid
     out unlike them: the pass-through features too."""

@@ -1,6 +1,8 @@
 """to_distributed's single-process parts: the tensor/sequence-parallel plan it builds from a recognised
 structure, and the batch shape it prices."""
 
+import types
+
 import pytest
 
 from tridist import autotune
@@ -93,7 +95,10 @@ def test_config_may_be_a_dict_of_its_fields_and_a_misspelt_field_is_named():
 
     assert td._as_config({"sequence_parallel": True, "top_k": 2}) == td.ToDistributedConfig(sequence_parallel=True, top_k=2)
     assert td._as_config(None) == td.ToDistributedConfig()
+    given = td.ToDistributedConfig(sequence_parallel=True, top_k=3)
+    assert td._as_config(given) is given  # a config object as it was given
     with pytest.raises(TypeError, match=r"\['sequnce_parallel'\].*did you mean \['sequence_parallel'\]"):
         td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config={"sequnce_parallel": True})
-    with pytest.raises(TypeError, match="a ToDistributedConfig or a dict of its fields, got list"):
-        td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config=["sequence_parallel"])
+    for other in (["sequence_parallel"], "sequence_parallel", types.SimpleNamespace(sequence_parallel=True)):
+        with pytest.raises(TypeError, match=f"a ToDistributedConfig or a dict of its fields, got {type(other).__name__}"):
+            td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config=other)

@@ -383,7 +383,8 @@ def check_packed_projection_gather_output():
 
 def check_vocab_parallel_cross_entropy_matches_torch():
     """Losses and gradients of F.cross_entropy on vocabulary-split logits equal torch's on full logits:
-    reductions, ignore_index, class dim 1 of a 3-D input, an unbatched input; label smoothing (not
+    reductions, ignored targets (the default -100, a given index, a given negative one), class dim 1 of a 3-D
+    input, an unbatched input; label smoothing (not
     vocabulary-parallel) gathers with a warning and stays correct; a target outside the vocabulary raises."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -394,6 +395,7 @@ def check_vocab_parallel_cross_entropy_matches_torch():
     cases = [
         ((6, VOCAB), (6,), 1, {"reduction": "mean"}),
         ((6, VOCAB), (6,), 1, {"reduction": "sum", "ignore_index": 7}),
+        ((6, VOCAB), (6,), 1, {"ignore_index": -1}),  # a negative one, outside [0, vocab) as -100 is
         ((2, VOCAB, 3), (2, 3), 1, {"reduction": "none"}),
         ((VOCAB,), (), 0, {}),
         ((6, VOCAB), (6,), 1, {"label_smoothing": 0.1}),
@@ -402,7 +404,9 @@ def check_vocab_parallel_cross_entropy_matches_torch():
         full = torch.randn(logits_shape, generator=generator)
         target = torch.randint(0, VOCAB, target_shape, generator=generator)
         if target.dim():
-            target[0] = 7  # an ignored target where ignore_index=7
+            target[0] = options.get("ignore_index", 7)  # an ignored target where ignore_index is given
+            if "ignore_index" not in options:
+                target[-1] = -100  # F.cross_entropy's default ignore_index
         reference = full.clone().requires_grad_()
         expected = F.cross_entropy(reference, target, **options)
         expected.sum().backward()
@@ -964,31 +968,41 @@ def check_a_vocabulary_split_embedding_equals_one_device():
     """RowWiseParallel on an nn.Embedding (vocab_embedding.py): each mp rank looks up the ids in its rows of the
     vocabulary and the ranks sum their outputs, which equal one device's bit for bit (a row plus zeros), and so does
     the weight's gradient. The padding row's gradient is zero, and only it: the padding index is shifted into the
-    rank's rows with the ids (rank 1's local row 3 is token 11, whose gradient the global index 3 would zero). An id
-    outside the vocabulary raises, as on one device. An option a rank cannot honour on its rows alone (max_norm) is
-    refused."""
-    torch.manual_seed(0)
-    whole = torch.nn.Embedding(16, 6, padding_idx=3)
-    model, _ = distcore.parallelize(torch.nn.Sequential(copy.deepcopy(whole)), None, MESH,
-                                    {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
-    assert _placements(model[0].weight) == (distcore.Replicate(), Shard(0)), model[0].weight.placements
-    ids = torch.tensor([[1, 11, 3, 8], [15, 0, 11, 9]])
-    out, expected = model(ids), whole(ids)
-    assert type(out) is torch.Tensor and torch.equal(out, expected), (out - expected).abs().max()
-    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-    out.backward(grad)
-    expected.backward(grad)
-    got = model[0].weight.grad.full_tensor()
-    assert torch.equal(got, whole.weight.grad), (got - whole.weight.grad).abs().amax(1)
-    assert not got[3].any() and got[11].any()
-    assert model[0].padding_idx == 3 and type(model[0].weight).__name__ == "DTensor"  # swapped back after the call
-    try:  # an id outside the vocabulary: an error, as on one device (not zeros, which no rank's rows hold)
-        model(torch.tensor([[1, 16]]))
+    rank's rows with the ids (rank 1's local row 3 is token 11, whose gradient the global index 3 would zero), also
+    at either end of a rank's rows (0 and 7 on rank 0, 8 on rank 1: local 0, the last row, one past it). An id
+    outside the vocabulary, above or below, raises, as on one device; a lookup that fails inside the embedding leaves
+    the module as it was. An option a rank cannot honour on its rows alone (max_norm) is refused."""
+    ids = torch.tensor([[1, 11, 3, 8], [15, 0, 7, 9]])  # each padding index below and its row on the other rank
+    for padding in (3, 0, 7, 8):
+        torch.manual_seed(0)
+        whole = torch.nn.Embedding(16, 6, padding_idx=padding)
+        model, _ = distcore.parallelize(torch.nn.Sequential(copy.deepcopy(whole)), None, MESH,
+                                        {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
+        assert _placements(model[0].weight) == (distcore.Replicate(), Shard(0)), model[0].weight.placements
+        out, expected = model(ids), whole(ids)
+        assert type(out) is torch.Tensor and torch.equal(out, expected), (padding, (out - expected).abs().max())
+        grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+        out.backward(grad)
+        expected.backward(grad)
+        got = model[0].weight.grad.full_tensor()
+        assert torch.equal(got, whole.weight.grad), (padding, (got - whole.weight.grad).abs().amax(1))
+        assert not got[padding].any() and got[(padding + 8) % 16].any(), padding
+        assert model[0].padding_idx == padding and type(model[0].weight).__name__ == "DTensor"  # swapped back
+    for bad in (16, -1):  # an id outside the vocabulary: an error, as on one device (not zeros, which no rank's rows hold)
+        try:
+            model(torch.tensor([[1, bad]]))
+        except RuntimeError as error:
+            assert "token ids must lie in [0, 16)" in str(error), error
+        else:
+            raise AssertionError(f"the id {bad}, outside the vocabulary, was looked up")
+    try:  # fails in F.embedding itself, after the lookup swapped in the local weight and padding index
+        model(torch.tensor([[1.0, 2.0]]))
     except RuntimeError as error:
-        assert "token ids must lie in [0, 16)" in str(error), error
+        assert "indices" in str(error), error
     else:
-        raise AssertionError("an id outside the vocabulary was looked up")
-    assert model[0].padding_idx == 3 and type(model[0].weight).__name__ == "DTensor"  # swapped back after the error
+        raise AssertionError("floating-point ids were looked up")
+    assert model[0].padding_idx == 8 and type(model[0].weight).__name__ == "DTensor", model[0].padding_idx  # put back
+    assert "_tridist_vocab_lookup" not in vars(model[0])
     try:
         distcore.parallelize(torch.nn.Sequential(torch.nn.Embedding(16, 6, max_norm=1.0)), None, MESH,
                              {"mp_config": {"parallelize_plan": {"0": RowWiseParallel()}}})
