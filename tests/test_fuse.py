@@ -869,3 +869,23 @@ def test_probes_are_not_fooled_by_values_or_precision():
     skipped = dict(report.skipped)
     assert report.replaced == [("geglu", "geglu (gelu): FusedSwiGLUMLP")] and container["geglu"].activation == "gelu"
     assert NOT_RMS_NORM in skipped["layer_norm"]
+
+
+def test_a_module_with_only_some_of_a_gated_mlps_projections_is_left_alone():
+    """`gate_proj` and `down_proj` without `up_proj` (a plain MLP whose first projection is named gate_proj) is no
+    gated MLP: left as it is, and fusing it does not raise (strict included)."""
+
+    class GateDown(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.down_proj = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)))
+
+    model = torch.nn.Sequential(GateDown())
+    x = torch.randn(2, 8)
+    expected = model(x)
+    report = kernels.fuse(model, strict=True)
+    assert type(model[0]) is GateDown and not report.replaced, report
+    assert torch.equal(model(x), expected)
