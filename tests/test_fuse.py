@@ -889,3 +889,15 @@ def test_a_module_with_only_some_of_a_gated_mlps_projections_is_left_alone():
     report = kernels.fuse(model, strict=True)
     assert type(model[0]) is GateDown and not report.replaced, report
     assert torch.equal(model(x), expected)
+
+
+def test_the_model_itself_as_a_candidate_is_left_alone_with_the_reason():
+    """fuse replaces a module by rebinding it in its parent: a model that is itself an RMSNorm has none, and is
+    named as skipped (not rebound under the name "" as a child of itself)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    model = LlamaRMSNorm(8)
+    report = kernels.fuse(model)
+    assert not report.replaced and report.skipped == [("", "the model itself is the candidate; fuse the model that "
+                                                            "contains it")], report
+    assert "" not in model._modules and type(model) is LlamaRMSNorm
