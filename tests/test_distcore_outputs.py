@@ -1,7 +1,7 @@
 """distcore.outputs: the loss and the logits are found in every kind of output users' models return,
 the loss replaced without touching the caller's object, and an output's form rebuilds the same kind
 elsewhere (with or without a loss, with or without logits); packed
-`query_key_value` projections must state their layout."""
+`query_key_value` projections must state their layout; distcore's global token mean keeps a caller's count."""
 
 import pytest
 import torch
@@ -114,3 +114,22 @@ def test_exact_token_mean_only_for_transformers_causal_lm_loss():
             return ids
 
     assert not takes_num_items(OwnLoss())
+
+
+def test_the_global_token_mean_keeps_a_callers_num_items_in_batch():
+    """distcore's token mean passes the batch's label count as `num_items_in_batch` where the caller gave none, and
+    keeps the caller's where given (Hugging Face's Trainer counts over its own gradient-accumulation steps): the
+    loss is then the token sum over the caller's count, as without distcore."""
+    from tests.hf_models import build
+    from tridist.distcore.token_mean import install_global_token_mean
+
+    model = build("llama")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    plain_mean = model(ids, labels=labels).loss
+    token_sum = model(ids, labels=labels, num_items_in_batch=torch.tensor(1.0)).loss
+    install_global_token_mean(model, dp_group=None, micro_batches=1)
+    assert torch.allclose(model(ids, labels=labels).loss, token_sum / 12)  # labelled after the shift: 5 + 7
+    assert torch.allclose(model(ids, labels=labels).loss, plain_mean)
+    assert torch.allclose(model(ids, labels=labels, num_items_in_batch=torch.tensor(7.0)).loss, token_sum / 7)
