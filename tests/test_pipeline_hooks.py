@@ -415,3 +415,17 @@ def test_micro_batches_split_only_the_tensors_of_the_batch():
     for index, (args, kwargs) in enumerate(micro):
         assert torch.equal(args[0], ids[2 * index:2 * index + 2]) and torch.equal(kwargs["attention_mask"], mask[:2])
         assert kwargs["position_ids"] is positions and kwargs["table"] is table and kwargs["scale"].item() == 2.0
+
+
+def test_an_earlier_stages_module_stands_in_with_zeros_of_its_output_dtype_and_shape():
+    """On a later stage, a module of an earlier one (an embedding) returns zeros of the shape and dtype its code
+    gives on the meta device (bf16 here, not the default fp32: the received activation replaces them, and the
+    layers' input must keep the model's dtype)."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    state = _StageState(stage=1, is_first=False, is_last=True, device=torch.device("cpu"))
+    stand_in = _StandIn("model.embed_tokens", 0, _meta_copy(torch.nn.Embedding(10, 4, dtype=torch.bfloat16)), state,
+                        "earlier")
+    out = stand_in(torch.ones(2, 3, dtype=torch.long))
+    assert (out.dtype, tuple(out.shape), out.device) == (torch.bfloat16, (2, 3, 4), torch.device("cpu"))
+    assert not out.any() and state.last_placeholder is out
