@@ -15,7 +15,8 @@ NPROC = 4
 # autograd and DTensor handling around the kernels' math in PyTorch.
 # The checks needing 8 processes (expert x tensor x pipeline parallel) run in the session's 8-process launch.
 EIGHT = transformers_worker.EIGHT_PROCESS_CHECKS
-MERGED = {"transformers_worker": {NPROC: [c for c in transformers_worker.CHECKS if c not in EIGHT], 8: EIGHT}}
+FOUR = [c for c in transformers_worker.CHECKS if c not in EIGHT]
+MERGED = {"transformers_worker": {NPROC: FOUR, 8: EIGHT}}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def results(merged_launches):
     return module_results(merged_launches[NPROC], "transformers_worker")
 
 
-@pytest.mark.parametrize("check", [c for c in transformers_worker.CHECKS if c not in EIGHT])
+@pytest.mark.parametrize("check", FOUR)
 def test_transformers_models(results, check):
     assert_check(results, check, nproc=NPROC)
 

@@ -1531,8 +1531,7 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
     micro-batches: the experts split over the data-parallel ranks run on each tp rank's sequence slice, with their
     gradients summed over tp, inside pipeline stages; each trains equal to one process (Qwen3-MoE too, by hand).
     Run in the 8-process world only (test_transformers.py)."""
-    if dist.get_world_size() != 8:
-        return
+    assert dist.get_world_size() == 8, f"runs on 8 processes (dp 2 x tp 2 x pp 2), not {dist.get_world_size()}"
     for family in ("mixtral", "qwen2-moe"):
         try:
             _train(family, _strategy(2, 2, 2, sequence_parallel=True, ep=2, num_micro_batches=2))
