@@ -259,6 +259,37 @@ def test_modules_are_placed_on_the_stage_where_the_forward_calls_them():
     assert owner == {"head": 0, "embed": 0, "norm": 0, "layers.0": 0, "layers.1": 1}, owner
 
 
+class _CalledBetweenLayers(torch.nn.Module):
+    """Modules with parameters that the forward first calls between two decoder layers, one registered before the
+    layer list and one after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.early = torch.nn.Linear(4, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.late = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, ids):
+        x = self.layers[0](self.embed(ids))
+        x = self.late(self.early(x))
+        return self.head(self.layers[1](x))
+
+
+def test_a_module_first_called_between_the_layers_is_placed_where_it_is_registered():
+    """The probe forward places only modules called before the first layer or after the last; one called between
+    them stays where it is registered: after the layer list, the last stage, whose stand-in on stage 0 then refuses
+    the call before stage 0's last layer ran (test_a_later_stages_module_called_before...). Placed on the first stage
+    instead (as called "before"), the last stage would compute from its stand-in's zeros."""
+    from tridist.distcore.pipeline import _placement, probe_forward
+
+    model = _CalledBetweenLayers()
+    assert probe_forward(model, "layers").after == {"embed": False, "head": True}
+    owner = _placement(model, PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)).owner
+    assert owner == {"embed": 0, "early": 0, "late": 1, "head": 1, "layers.0": 0, "layers.1": 1}, owner
+
+
 class _Mixed(torch.nn.Module):
     """Layers whose outputs model code reuses: an ELMo-style mix of every layer's output (`mix`), the embeddings
     fed to every layer beside the hidden states (`embeddings`, Zamba's), or a value one layer hands the next that

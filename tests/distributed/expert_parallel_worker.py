@@ -28,10 +28,10 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 class _StackedExperts(torch.nn.Module):
     """Hugging Face's stacked SwiGLU experts (what ExpertParallelExperts splits, after its probe)."""
 
-    def __init__(self, generator):
+    def __init__(self, generator, experts: int = EXPERTS):
         super().__init__()
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN, generator=generator) / HIDDEN**0.5)
-        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN, generator=generator) / FFN**0.5)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * FFN, HIDDEN, generator=generator) / HIDDEN**0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, HIDDEN, FFN, generator=generator) / FFN**0.5)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):  # Hugging Face's experts' math and interface
         return routed_swiglu(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
@@ -124,6 +124,28 @@ def check_experts_that_run_every_token_with_uneven_tokens_equal_one_process():
     for name in ("gate_up_proj", "down_proj"):
         got = getattr(split, name).grad.full_tensor()
         torch.testing.assert_close(got, getattr(reference, name).grad / world, msg=lambda m: f"{name}: {m}", **TOLERANCE)
+
+
+def check_an_ep_degree_that_does_not_divide_the_experts_is_refused_and_the_split_keeps_the_mode():
+    """3 experts over ep 2: an error naming both and the fix. apply_expert_parallel on a model in eval mode: the split
+    module is in eval mode too, and follows the model's train(); unfused, it runs the eager activation."""
+    from tridist.distcore.expert_parallel import apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    try:
+        ExpertParallelExperts(_StackedExperts(torch.Generator().manual_seed(0), experts=3), mesh, fused_activation=False)
+    except ValueError as error:
+        assert "3 experts do not split over ep=2" in str(error) and "divides the expert count" in str(error), str(error)
+    else:
+        raise AssertionError("3 experts split over ep=2")
+    model = torch.nn.Module()
+    model.experts = _StackedExperts(torch.Generator().manual_seed(0))
+    model.eval()
+    (split,) = apply_expert_parallel(model, ["experts"], mesh, fused_activation=False)
+    assert model.experts is split and not split.training
+    assert split.activation is eager_swiglu  # fused_activation=False: the CPU path computes alike, so asked by name
+    model.train()
+    assert split.training
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tridist import distcore
 from tridist.bench.models import build_model
-from tridist.distcore import ProcessMesh, Shard
+from tridist.distcore import ProcessMesh, Replicate, Shard
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
@@ -38,8 +38,14 @@ def _model_and_optimizer():
 def _train(model, optimizer, mesh=None, batches=None) -> equivalence.Trace:
     batches = batches or _batches()
     if mesh is not None:  # global-view inputs, as shard_dataloader yields them; parallelize unwraps this rank's rows
-        batches = [tuple(distcore.shard_tensor(t, mesh, [Shard(0)]) for t in batch) for batch in batches]
+        batches = [_global_view(mesh, *batch) for batch in batches]
     return equivalence.train(model, optimizer, batches)
+
+
+def _global_view(mesh: ProcessMesh, *tensors) -> tuple:
+    """`tensors` as shard_dataloader yields them: rows split over dp, replicated over the other dimensions."""
+    placements = [Shard(0) if name == "dp" else Replicate() for name in mesh.dim_names]
+    return tuple(distcore.shard_tensor(t, mesh, placements) for t in tensors)
 
 
 @functools.cache  # one single-process run, shared by the checks (they only read it)
@@ -208,6 +214,39 @@ def check_own_mean_losses_over_uneven_labels_train_as_one_process():
         raise AssertionError("an own mean loss over uneven labels, not known to be a token mean, was accepted")
 
 
+def check_own_mean_loss_reweighed_by_the_data_parallel_rank_under_tensor_parallel():
+    """dp2 x mp2: each rank's own mean loss is reweighed by its data-parallel rank's share of the labelled tokens
+    (its position in the dp group, not its global rank: global ranks 2 and 3 are dp rank 1), as one process."""
+    from tests.distributed.tensor_parallel_worker import SEED_PLAN
+
+    mesh = ProcessMesh([[0, 1], [2, 3]], ["dp", "mp"])
+    model, optimizer = _model_and_optimizer()
+    reference = _train(model, optimizer, batches=_uneven_batches())
+    model, optimizer = distcore.parallelize(*_model_and_optimizer(), mesh, {"dp_config": {"sharding_level": 1},
+                                                                           "mp_config": {"parallelize_plan": SEED_PLAN}})
+    equivalence.assert_same_training(_train(model, optimizer, mesh, batches=_uneven_batches()), reference)
+
+
+def check_own_mean_loss_that_one_rank_cannot_identify_is_refused_everywhere():
+    """The first training call finds what the model's loss averages over on each rank; the ranks agree on it. Rank 0's
+    rows hold one labelled token, too few to tell a token mean: the ranks' common finding is "unknown", so every rank
+    refuses the uneven batch (a rank keeping its own finding would reweigh while rank 0 refuses)."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    model, optimizer = distcore.parallelize(*_model_and_optimizer(), mesh, {"dp_config": {"sharding_level": 0}})
+    inputs, labels = _batches()[0]
+    labels = labels.clone()
+    labels[: GLOBAL_BATCH // WORLD] = -100
+    labels[0, 3] = 7
+    try:
+        model(*_global_view(mesh, inputs), labels=_global_view(mesh, labels)[0])
+        message = ""
+    except RuntimeError as error:
+        message = str(error)
+    messages = [None] * WORLD
+    dist.all_gather_object(messages, message)
+    assert all("hold 1 to 24 labelled tokens" in m and "found on its first training call" in m for m in messages), messages
+
+
 class _SharedBlockModel(torch.nn.Module):
     """Layers that share parts, as hand-written hybrids do: layers 0 and 2 call one MLP object (Zamba's shared
     transformer block in older transformers), layers 1 and 3 hold separate norms whose weight is one tensor
@@ -342,6 +381,61 @@ def check_experts_some_ranks_do_not_run():
             # them None): the parameters after the steps tell whether AdamW decayed them
             equivalence.assert_same_training(_train(model, optimizer_, mesh, batches=_routed_batches()), reference,
                                              unused_zero=True)
+
+
+def check_unused_experts_over_accumulation_zeroed_and_loop_set_gradients():
+    """The unused-parameter rule in loops other than one backward per step, each against one process, AdamW with
+    weight decay (which moves a parameter whose gradient is zeros, not one whose gradient is None), levels 0 and 3:
+    - two backwards per step (gradient accumulation): expert 3, which no rank uses, is None at the step; FSDP2's zeros
+      from the first backward are not taken, at the second forward, for gradients the loop zeroed;
+    - zero_grad(set_to_none=False) after a step whose tokens chose experts 0-2, then a step whose tokens all choose
+      expert 0: experts 1 and 2 keep their zeros, which one device steps on (decay, and Adam's momentum);
+    - a gradient the loop sets outside autograd (a regulariser's: ones) on expert 3, which no hook saw: kept."""
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    routed = _routed_batches()
+    only_expert_0 = [(inputs % (VOCAB // 3), labels) for inputs, labels in routed]  # ids below 43 on every rank
+
+    def accumulate(model, optimizer, feed, trace):
+        for inputs, labels in routed:
+            loss, _ = model(*feed(inputs), labels=feed(labels)[0])
+            (loss / 2).backward()
+            trace.add_loss(loss)
+        trace.before_first_update(model)
+        optimizer.step()
+
+    def zeroed(model, optimizer, feed, trace):
+        for inputs, labels in (routed[0], only_expert_0[1]):
+            loss, _ = model(*feed(inputs), labels=feed(labels)[0])
+            loss.backward()
+            trace.step(model, loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+    def set_by_the_loop(model, optimizer, feed, trace):
+        loss, _ = model(*feed(routed[0][0]), labels=feed(routed[0][1])[0])
+        loss.backward()
+        for layer in model.layers:
+            for p in layer.experts[3].parameters():
+                p.grad = torch.ones_like(p) if p.grad is None else p.grad.fill_(1.0)  # FSDP2's zeros here
+        trace.step(model, loss)
+        optimizer.step()
+
+    for loop in (accumulate, zeroed, set_by_the_loop):
+        model = _RoutedModel()
+        reference = equivalence.Trace()
+        loop(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1), lambda t: (t,), reference)
+        reference.end(model)
+        for level in (0, 3):
+            model = _RoutedModel()
+            model, optimizer = distcore.parallelize(
+                model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1), mesh,
+                {"dp_config": {"sharding_level": level}})
+            trace = equivalence.Trace()
+            loop(model, optimizer, functools.partial(_global_view, mesh), trace)
+            try:
+                equivalence.assert_same_training(trace.end(model), reference, unused_zero=True)
+            except AssertionError as error:
+                raise AssertionError(f"{loop.__name__}, level {level}: {error}") from None
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

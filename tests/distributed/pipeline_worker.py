@@ -5,6 +5,7 @@ parameters), with the user's plain loop."""
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import warnings
 from pathlib import Path
@@ -399,6 +400,10 @@ def check_each_loss_adds_its_gradients_at_its_backward():
     - discard a window: `(la / 2).backward()`, lb gets no backward (a nan loss skipped), zero_grad (both
       set_to_none values), `(lc / 2).backward()`: the gradients are lc's / 2;
     - torch's tutorial order: `loss = model(...)`, zero_grad, `loss.backward()`, each batch: the last batch's;
+    - a factor of 0 (a loop's skip), `(la * 0).backward()`, then `lb.backward()`: lb's (the next call's backward
+      runs at the last usable factor, not 0);
+    - zero_grad(set_to_none=False), lb with no backward, `lc.backward()`, then lb freed: lc's (lb's zeros given
+      back only where nothing took their place);
     - late and repeated: la, lb computed, then `(lb * 0.5).backward()` and `la.backward()`: la + lb / 2; a
       second backward of la (its graph retained) raises.
     Before, the gradients were merged into .grad inside model(...): the first loop gave 0.92 of relative error
@@ -418,6 +423,18 @@ def check_each_loss_adds_its_gradients_at_its_backward():
             optimizer.zero_grad()
             loss.backward()
 
+    def zero_factor(model, optimizer, rows):  # a loop's skip by a factor of 0: the next backward runs as before
+        (model(*rows(a)[:1], labels=rows(a)[1])[0] * 0).backward()
+        model(*rows(b)[:1], labels=rows(b)[1])[0].backward()
+
+    def freed_after_a_later_backward(model, optimizer, rows):
+        model(*rows(a)[:1], labels=rows(a)[1])[0].backward()
+        optimizer.zero_grad(set_to_none=False)
+        skipped = model(*rows(b)[:1], labels=rows(b)[1])[0]  # no backward; freed after c's: c's gradients stay
+        model(*rows(c)[:1], labels=rows(c)[1])[0].backward()
+        del skipped
+        gc.collect()
+
     def late(model, optimizer, rows):
         first = model(*rows(a)[:1], labels=rows(a)[1])[0]
         (model(*rows(b)[:1], labels=rows(b)[1])[0] * 0.5).backward()
@@ -425,7 +442,8 @@ def check_each_loss_adds_its_gradients_at_its_backward():
         return first
 
     loops = {"discard, zeroed": lambda *m: discard_window(*m, False), "discard, freed": lambda *m: discard_window(*m, True),
-             "zero before backward": zero_before_backward, "late": late}
+             "zero before backward": zero_before_backward, "zero factor": zero_factor,
+             "freed after a later backward": freed_after_a_later_backward, "late": late}
     for name, loop in loops.items():
         grads = []
         for parallel in (False, True):
