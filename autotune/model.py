@@ -1247,9 +1247,17 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        latent_attention=latent, **moe_fields,
+        latent_attention=latent, flash_attention=_attention_stores_no_scores(model), **moe_fields,
     )
     return structure, fields
+
+
+def _attention_stores_no_scores(model) -> bool:
+    """`flash_attention` from the model's attention implementation (transformers' `config._attn_implementation`):
+    "eager" multiplies q and k into the s x s scores and keeps them (and their softmax) for the backward; SDPA,
+    FlashAttention and flex attention store none. A model without that setting (hand-written): True, what its
+    `F.scaled_dot_product_attention` does on a GPU."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) != "eager"
 
 
 def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> None:

@@ -195,7 +195,9 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
             limits["pp"] = (f"the logits are computed from {reused} besides the hidden states each decoder layer passes "
                             "to the next: a pipeline stage would hold zeros in their place")
             strategy, searched = _choose(spec, cluster, global_batch, config, world, limits=limits)
-    while strategy.tp > 1 and config.strategy is None:  # every rank runs the same checks: all choose alike
+    # Every rank runs the same checks: all choose alike. A given strategy that recomputes is checked too: the
+    # recompute wrappers go on before parallelize, whose own refusal would leave them on the caller's model.
+    while strategy.tp > 1 and (config.strategy is None or strategy.recompute != "none"):
         found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()
                  if dim not in limits}
         if not found:

@@ -318,3 +318,26 @@ def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.1 in its MLP .*mlp\.up_proj\.weight missing, "
                                                  r"mlp\.w_in\.weight only here"):
         ModelSpec.from_module(model)
+
+
+def test_eager_attention_keeps_its_scores_for_the_cost_model():
+    """transformers' eager attention keeps the s x s scores (and their softmax) for the backward: flash_attention
+    is False, so the cost model prices them and selective recompute (of the attention core) is a valid choice.
+    SDPA, transformers' default, and a hand-written model: True."""
+    from tridist.autotune import Cluster, Strategy, estimate, validate
+    from tests.hf_models import build
+
+    eager, sdpa = (ModelSpec.from_module(build(family), seq_len=4096) for family in ("phi3-eager", "phi3"))
+    assert (eager.flash_attention, sdpa.flash_attention) == (False, True)
+    assert dataclasses.replace(eager, flash_attention=True) == sdpa  # nothing else differs
+    assert ModelSpec.from_module(build_model("seed-llama"), seq_len=64).flash_attention
+    strategy = Strategy(dp=1, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1)
+    cluster = Cluster(1, 1)
+    # The attention probabilities the backward reads, 4 heads x 4096^2 at 2 bytes in each of 2 layers, less what
+    # flash attention keeps instead (a statistic per row: 1/4096 of that)
+    extra = estimate(eager, cluster, strategy, global_batch_size=1).memory.activations - \
+        estimate(sdpa, cluster, strategy, global_batch_size=1).memory.activations
+    assert extra == pytest.approx(2 * 4 * 4096**2 * 2, rel=1e-3), extra
+    selective = dataclasses.replace(strategy, recompute="selective")
+    assert not validate(eager, cluster, selective, global_batch_size=1)
+    assert "flash attention" in " ".join(validate(sdpa, cluster, selective, global_batch_size=1))

@@ -102,3 +102,12 @@ def test_config_may_be_a_dict_of_its_fields_and_a_misspelt_field_is_named():
     for other in (["sequence_parallel"], "sequence_parallel", types.SimpleNamespace(sequence_parallel=True)):
         with pytest.raises(TypeError, match=f"a ToDistributedConfig or a dict of its fields, got {type(other).__name__}"):
             td.to_distributed(torch.nn.Linear(2, 2), None, None, 1, config=other)
+
+
+def test_the_search_space_keeps_sequence_parallel_where_the_config_asks_for_it():
+    """ToDistributedConfig(sequence_parallel=True) restricts the search to sequence parallel; the default searches
+    both; a space given in search_options is taken as it is."""
+    assert td._search_space(td.ToDistributedConfig(sequence_parallel=True))[0].sequence_parallel == (True,)
+    assert td._search_space(td.ToDistributedConfig())[0].sequence_parallel == (False, True)
+    space = autotune.SearchSpace(tp=(2,))
+    assert td._search_space(td.ToDistributedConfig(search_options={"space": space, "n_trials": 3})) == (space, {"n_trials": 3})

@@ -121,6 +121,13 @@ def check_mixed_precision_computes_in_bf16_with_fp32_master_weights():
         opt.clear_grad()
     assert seen and set(seen) == {torch.bfloat16}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded fp32 master weights
+    # Gradients reduced in fp32 (FSDP2's policy; its state is private API, read here only): bf16 sums would pass the
+    # bf16 tolerance below
+    from torch.distributed.fsdp import FSDPModule
+
+    policies = {(m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
+                for m in model.modules() if isinstance(m, FSDPModule)}
+    assert policies == {(torch.bfloat16, torch.float32)}, policies
     equivalence.assert_same_training(trace.end(model), _reference("seed-llama"), rtol=equivalence.BF16_RTOL,
                                      loss_rtol=equivalence.BF16_LOSS_RTOL)  # bf16 rounding only
 
@@ -140,6 +147,53 @@ def check_invalid_forced_strategy_is_refused():
         assert "torchrun" in str(error), str(error)
     else:
         raise AssertionError("a device count that is not the world size was accepted")
+
+
+class _LogitsFromEmbeddings(torch.nn.Module):
+    """A hand-written decoder whose logits read the embeddings beside the last layer's output (a skip over every
+    layer): no split into pipeline stages computes them (a later stage holds zeros for the embeddings)."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.linear = torch.nn.Linear(width, width)
+
+        def forward(self, hidden):
+            return hidden + self.linear(hidden).tanh()
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, width)
+        self.layers = torch.nn.ModuleList([self.Block(width) for _ in range(LAYERS)])
+        self.norm = torch.nn.LayerNorm(width)
+        self.lm_head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        hidden = embeddings = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        logits = self.lm_head(self.norm(hidden) + embeddings)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def check_pipeline_parallel_is_refused_for_logits_that_read_other_outputs():
+    """Forced pp 2: refused with the strategy (InvalidStrategy, naming the embeddings), before parallelize splits
+    the model; searched over pp 2 only: the search keeps pp at 1 and says why, and the model trains."""
+    world = dist.get_world_size()
+    if world != 2:  # the probe does not depend on the world size: one launch covers it
+        return
+    torch.manual_seed(0)
+    model = _LogitsFromEmbeddings()
+    forced = autotune.Strategy(dp=1, tp=1, pp=2, micro_batch_size=BATCH // 2, num_micro_batches=2)
+    try:
+        distcore.to_distributed(model, None, _loader(), device_num=world, config=distcore.ToDistributedConfig(strategy=forced))
+    except autotune.InvalidStrategy as error:
+        assert "from ['embed_tokens'] besides" in str(error) and "would hold zeros" in str(error), str(error)
+    else:
+        raise AssertionError("pipeline parallel was accepted for logits computed from the embeddings")
+    config = distcore.ToDistributedConfig(search_options={"space": autotune.SearchSpace(pp=(2,))})
+    model, _, _ = distcore.to_distributed(model, None, _loader(), device_num=world, config=config)
+    assert model.distributed_strategy.pp == 1, model.distributed_strategy
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

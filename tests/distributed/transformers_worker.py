@@ -528,18 +528,31 @@ def check_measured_search_applies_the_measured_fastest_and_drops_failures():
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
     """Recompute re-runs a block outside the global view's context: a search restricted to tp 2 with full
     recompute chooses again without recompute for Phi-3 (its blocks run in global view) and trains; the
-    same strategy forced is refused by name before the model changes."""
+    same strategy forced, with full recompute or (eager attention, whose scores selective recompute drops) selective,
+    is refused by name before the model changes (its parameters still plain tensors, its modules its own, no forward
+    wrapped for recompute: before, parallelize refused it after to_distributed had wrapped the layers' forwards, so
+    the same model given again with recompute "none" was refused for recompute)."""
     space = autotune.SearchSpace(tp=(2,), pp=(1,), recompute=("full",), overlap_tp_comm=(False,))
     strategy = _train("phi3", search_options={"space": space}, global_view=True)
     assert (strategy.tp, strategy.recompute) == (2, "none"), strategy
-    model, optimizer = _model("phi3")
-    try:
+    for family, recompute in (("phi3", "full"), ("phi3-eager", "selective")):
+        model, optimizer = _model(family)
+        modules = [type(m) for m in model.modules()]
+        try:
+            distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
+                strategy=_strategy(2, 2, 1, recompute=recompute), fuse_kernels=False))
+        except autotune.InvalidStrategy as error:
+            assert f"recompute={recompute} cannot be applied" in str(error) and "global view" in str(error), error
+        else:
+            raise AssertionError(f"{recompute} recompute of blocks in global view was accepted")
+        assert [type(m) for m in model.modules()] == modules and not any(
+            isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()), recompute
+        # No forward wrapped for recompute either (a second to_distributed of this model, with recompute "none",
+        # would still recompute)
+        wrapped = [n for n, m in model.named_modules() if "forward" in vars(m) or hasattr(m, "_tridist_recompute")]
+        assert not wrapped, (recompute, wrapped)
         distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
-            strategy=_strategy(2, 2, 1, recompute="full"), fuse_kernels=False))
-    except NotImplementedError as error:
-        assert "global view" in str(error) and "recompute" in str(error), error
-    else:
-        raise AssertionError("full recompute of blocks in global view was accepted")
+            strategy=_strategy(2, 2, 1), fuse_kernels=False))  # the same model again, without recompute
 
 
 def check_labels_passed_by_position_count_like_keyword_ones():
