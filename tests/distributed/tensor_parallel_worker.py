@@ -190,19 +190,20 @@ class _Toy(torch.nn.Module):
 
 
 def check_sequence_parallel_refusals():
-    def expect(error_type, message, plan, model=None):
+    def expect(error_type, message, plan, model=None, sequence: int = 2):
         model = model or _Toy()
         try:
             model, _ = distcore.parallelize(model, None, MESH, {"mp_config": {"parallelize_plan": plan}})
-            model(torch.randn(2, 2, 8))  # a sequence of 2 = tp: a wrong exit would broadcast silently
+            model(torch.randn(2, sequence, 8))  # a sequence of 2 = tp: a wrong exit would broadcast silently
         except error_type as error:
             assert message in str(error), str(error)
         else:
             raise AssertionError(f"expected {error_type.__name__}: {message}")
 
     Begin, End, Disable = distcore.SequenceParallelBegin, distcore.SequenceParallelEnd, distcore.SequenceParallelDisable
-    expect(RuntimeError, "is not the output of its row-parallel linear",
-           {"inp": Begin(), "block": Disable(), "block.up": ColWiseParallel(), "block.o_proj": RowWiseParallel(), "out": End()})
+    region = {"inp": Begin(), "block": Disable(), "block.up": ColWiseParallel(), "block.o_proj": RowWiseParallel(), "out": End()}
+    expect(RuntimeError, "is not the output of its row-parallel linear", region)
+    expect(ValueError, "(3 tokens) over 2 ranks, which does not divide it", region, sequence=3)  # refused at the split
     expect(ValueError, "run on sequence slices", {"inp": Begin(), "out": End()})  # block's weights uncovered
     expect(ValueError, "assume activations already split", {"block": Disable()})
     tied = build_model("hf-llama", tie_word_embeddings=True)
@@ -379,6 +380,9 @@ def check_packed_projection_gather_output():
     }
     model = _equal_to_one_process("paddle-llama", {"mp_config": {"parallelize_plan": plan}})
     assert model.llama.layers[0].self_attn.num_heads == 4  # full q/k/v: all heads
+    # In local view: a wrong local view (heads localised, or the row-parallel input taken as split) would fall back to
+    # global view, still equal to one process
+    assert not _global_view_reasons(model), _global_view_reasons(model)
 
 
 def check_vocab_parallel_cross_entropy_matches_torch():
@@ -963,6 +967,18 @@ def check_dropout_in_a_sharded_region_draws_this_ranks_own_masks():
     finally:
         handle.remove()
     assert tracker._shared is None, "a region stayed open after the forward raised"
+    # A column-parallel linear that gathers its output opens no region: the activations after it are replicated, and
+    # a dropout there draws one mask on both ranks
+    torch.manual_seed(0)
+    gathered, _ = distcore.parallelize(torch.nn.Sequential(_DropoutBlock(outer=False)), None, MESH, {"mp_config": {
+        "parallelize_plan": {r"0\.up": ColWiseParallel(gather_output=True), r"0\.down": RowWiseParallel(is_input_parallel=False)}}})
+    gathered[0].inner.register_forward_hook(lambda m, args, out: masks.__setitem__("gathered", out == 0))
+    torch.manual_seed(3)
+    gathered(x)
+    theirs = [None] * mesh.size()
+    torch.distributed.all_gather_object(theirs, masks["gathered"], group=peers)
+    assert masks["gathered"].shape[-1] == 64 and all(torch.equal(m, theirs[0]) for m in theirs), \
+        "a dropout after a gathered output drew apart"
 
 def check_a_vocabulary_split_embedding_equals_one_device():
     """RowWiseParallel on an nn.Embedding (vocab_embedding.py): each mp rank looks up the ids in its rows of the

@@ -675,8 +675,16 @@ def check_a_model_that_differs_between_ranks_is_refused():
         return model
 
     # Seeded per rank, every weight but the norms' (ones) differs: 7 matrices per layer, the embedding and the head.
+    def negated_on_rank_1():  # the same magnitudes (a fingerprint of absolute values alone would pass it)
+        model = build("llama", layers=LAYERS)
+        if dist.get_rank() == 1:
+            with torch.no_grad():
+                model.model.norm.weight.neg_()
+        return model
+
     for make, expected in ((lambda: build("llama", layers=LAYERS, seed=dist.get_rank()), f"({7 * LAYERS + 2} tensor(s): "),
-                           (loaded_on_rank_0, "(1 tensor(s): ['model.norm.weight'])")):
+                           (loaded_on_rank_0, "(1 tensor(s): ['model.norm.weight'])"),
+                           (negated_on_rank_1, "(1 tensor(s): ['model.norm.weight'])")):
         for strategy in (MATRIX["dp 4, level 3"], MATRIX["dp 2 x tp 2, level 2"]):
             model = make()
             try:
@@ -734,6 +742,25 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
         assert len(losses) == 2 * BATCHES and all(math.isfinite(loss) for loss in losses), losses
         disagree = equivalence.shared_parameters_disagree(model)
         assert not disagree, f"{family}, {strategy.describe()}: {len(disagree)} parameter(s) differ between ranks: {disagree[:4]}"
+        if family == "starcoder2" and strategy is MATRIX["dp 2 x tp 2, level 2"]:  # local view: our hook alone syncs
+            _assert_tensor_parallel_peers_agree_in_a_rollout(model)
+
+
+def _assert_tensor_parallel_peers_agree_in_a_rollout(model) -> None:
+    """A forward in train mode under no_grad (a rollout with dropout on) syncs the tp ranks' generators too, seeded
+    apart just before: the tp peers' hidden states agree (ranks 2r and 2r + 1 under dp 2 x tp 2, tp innermost; not the
+    logits, which the vocabulary-split head gathers from both), the dp peers' differ (their own masks: the dropout is
+    on). Blocks in global view would agree anyway: DTensor's own random-op tracker draws one mask for a replicated
+    DTensor."""
+    batch = _batches()[0]
+    torch.manual_seed(2000 + dist.get_rank())
+    with torch.no_grad():
+        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       output_hidden_states=True).hidden_states[-1]
+    peers = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, hidden)
+    assert torch.equal(hidden, peers[dist.get_rank() ^ 1]), "the tp ranks' dropout drew apart in a no_grad forward"
+    assert not torch.equal(hidden, peers[dist.get_rank() ^ 2]), "no dropout in the rollout: the check cannot fail"
 
 
 def _two_optimizers(model):
