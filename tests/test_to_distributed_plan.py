@@ -111,3 +111,18 @@ def test_the_search_space_keeps_sequence_parallel_where_the_config_asks_for_it()
     assert td._search_space(td.ToDistributedConfig())[0].sequence_parallel == (False, True)
     space = autotune.SearchSpace(tp=(2,))
     assert td._search_space(td.ToDistributedConfig(search_options={"space": space, "n_trials": 3})) == (space, {"n_trials": 3})
+
+
+def test_a_blocks_plan_holds_its_own_modules_only_with_ten_or_more_layers():
+    """`within("layers.1")` is layer 1's plan, names relative to it; `layers.10` is not under `layers.1` (a name
+    prefix without its dot); `excluding(["layers.1"])` keeps layer 10's styles."""
+    from tridist.distcore.tensor_parallel import TensorParallelPlan
+
+    col, row = ColWiseParallel(), RowWiseParallel()
+    plan = TensorParallelPlan(styles={"layers.1.q": [col], "layers.10.q": [col], "layers.1.o": [row]},
+                              bare={"layers.10.scale": [col]}, disabled=frozenset({"layers.1", "layers.10"}))
+    inner = plan.within("layers.1")
+    assert (inner.styles, inner.bare, inner.disabled) == ({"q": [col], "o": [row]}, {}, frozenset({""})), inner
+    rest = plan.excluding(["layers.1"])
+    assert (rest.styles, rest.bare, rest.disabled) == (
+        {"layers.10.q": [col]}, {"layers.10.scale": [col]}, frozenset({"layers.10"})), rest

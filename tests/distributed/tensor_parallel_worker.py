@@ -179,10 +179,22 @@ class _ToyBlock(torch.nn.Module):
         return self.o_proj(self.up(x)) + x  # a residual add after the row-parallel exit, inside the region
 
 
-class _Toy(torch.nn.Module):
+class _ScaledExitBlock(_ToyBlock):
+    """The row-parallel output times a learnt scale: a product, like the CPU's dropout, but with a parameter, whose
+    gradient on sequence slices would be partial."""
+
     def __init__(self):
         super().__init__()
-        self.inp, self.block, self.out = torch.nn.Linear(8, 8), _ToyBlock(), torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.full((8,), 2.0))
+
+    def forward(self, x):
+        return self.o_proj(self.up(x)) * self.scale
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self, block: type = _ToyBlock):
+        super().__init__()
+        self.inp, self.block, self.out = torch.nn.Linear(8, 8), block(), torch.nn.Linear(8, 8)
         self.qkv_proj = torch.nn.Linear(8, 24)
 
     def forward(self, x):
@@ -204,6 +216,7 @@ def check_sequence_parallel_refusals():
     region = {"inp": Begin(), "block": Disable(), "block.up": ColWiseParallel(), "block.o_proj": RowWiseParallel(), "out": End()}
     expect(RuntimeError, "is not the output of its row-parallel linear", region)
     expect(ValueError, "(3 tokens) over 2 ranks, which does not divide it", region, sequence=3)  # refused at the split
+    expect(RuntimeError, "is not the output of its row-parallel linear", region, model=_Toy(_ScaledExitBlock))
     expect(ValueError, "run on sequence slices", {"inp": Begin(), "out": End()})  # block's weights uncovered
     expect(ValueError, "assume activations already split", {"block": Disable()})
     tied = build_model("hf-llama", tie_word_embeddings=True)
@@ -248,6 +261,14 @@ def check_degree_must_divide_the_model():
         assert "num_key_value_heads = 2 heads cannot be split over 4" in str(error), str(error)
     else:
         raise AssertionError("expected a ValueError")
+    # Packed projections of unequal sizes are split through their input features: 5 of them over mp 2
+    try:
+        distcore.parallelize(torch.nn.Sequential(torch.nn.Linear(5, 8)), None, MESH,
+                             {"mp_config": {"parallelize_plan": {"0": ColWiseParallel(packed_parts=(4, 2, 2))}}})
+    except ValueError as error:
+        assert "unequal sizes [4, 2, 2], split through its input features (5), which 2 ranks" in str(error), str(error)
+    else:
+        raise AssertionError("unequal packed parts split through 5 input features over 2 ranks were accepted")
 
 
 # ------------------------------------------------------- bare-weight LM heads and packed projections
@@ -852,12 +873,17 @@ def check_attention_with_dropout_in_global_view_runs_on_local_shards():
     batch, heads, seq, dim = 2, 4, 8, 16
     rand = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
     splits = (Shard(0), Shard(1), Replicate())
-    for query_split, kv_split, grouped, mask_kind in [(q, kv, g, m) for q in splits for kv in (None, Replicate())
-                                                      for g in (False, True) for m in ("causal", "bool", "float", "dtensor")]:
-        q = rand(batch, heads, seq, dim).requires_grad_()
-        k, v = (rand(batch, heads // 2 if grouped else heads, seq, dim).requires_grad_() for _ in range(2))
-        mask = {"causal": None, "bool": rand(batch, 1, seq, seq) > -0.5, "float": rand(batch, heads, seq, seq),
-                "dtensor": rand(1, 1, seq, seq)}[mask_kind]
+    cases = [(q, kv, g, m, batch) for q in splits for kv in (None, Replicate()) for g in (False, True)
+             for m in ("causal", "bool", "float", "dtensor")]
+    # Masks of fewer dims, aligned from the right ([seq, seq]; [heads, seq, seq]), under each split; 3 batch rows,
+    # which 2 ranks do not divide: computed whole on each rank (Replicate), not split unevenly
+    cases += [(Shard(1), None, False, "2-d", batch), (Shard(0), None, False, "3-d", batch),
+              (Shard(1), None, False, "3-d", batch), (Shard(0), None, False, "causal", 3), (Shard(0), None, True, "bool", 3)]
+    for query_split, kv_split, grouped, mask_kind, rows in cases:
+        q = rand(rows, heads, seq, dim).requires_grad_()
+        k, v = (rand(rows, heads // 2 if grouped else heads, seq, dim).requires_grad_() for _ in range(2))
+        mask = {"causal": None, "bool": rand(rows, 1, seq, seq) > -0.5, "float": rand(rows, heads, seq, seq),
+                "dtensor": rand(1, 1, seq, seq), "2-d": rand(seq, seq), "3-d": rand(heads, seq, seq)}[mask_kind]
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped)
         grad = rand(*want.shape)
         want.backward(grad)
@@ -866,7 +892,8 @@ def check_attention_with_dropout_in_global_view_runs_on_local_shards():
         dmask = distribute_tensor(mask, mesh, [Replicate()]) if mask_kind == "dtensor" else mask
         got = attention_on_local_shards(dq, dk, dv, attn_mask=dmask, is_causal=mask is None, enable_gqa=grouped)
         got.backward(distribute_tensor(grad, mesh, got.placements))
-        case = (query_split, kv_split, grouped, mask_kind)
+        case = (query_split, kv_split, grouped, mask_kind, rows)
+        assert got.placements == ((Replicate(),) if rows % mesh.size() else (query_split,)), (case, got.placements)
         for name, value, expected in (("out", got, want), ("dq", dq.grad, q.grad), ("dk", dk.grad, k.grad),
                                       ("dv", dv.grad, v.grad)):
             scale = float(expected.abs().max())
