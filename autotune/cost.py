@@ -135,6 +135,7 @@ DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
+SOFTMAX_FP32_BYTES = 4  # an attention softmax computed in fp32 (transformers' eager attention) keeps its fp32 output
 # Optimizer bytes per parameter: fp32 master weights + Adam m and v (12) when training in 16 bits;
 # pure fp32 training needs no master copy (8). Weights and gradients take the dtype's bytes.
 OPTIMIZER_BYTES = {2: 12, 4: 8}
@@ -267,8 +268,11 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
-    else:  # softmax output (+ dropout mask and dropout output)
-        core = spec.num_heads * spec.seq_len * sb * (e + (mask + e if spec.dropout else 0))
+    else:  # the softmax's output; the probabilities the next matmul reads where they are another tensor (a dropout's
+        # output, or transformers' eager cast of an fp32 softmax back to the compute dtype); the dropout mask
+        softmax = SOFTMAX_FP32_BYTES if spec.softmax_fp32 else e
+        probabilities = e if spec.dropout or softmax != e else 0
+        core = spec.num_heads * spec.seq_len * sb * (softmax + probabilities + mask)
     return outside, inside, core, whole
 
 

@@ -220,7 +220,10 @@ class ModelSpec:
 
     Beyond the contract's fields: `head_dim` (default hidden / heads), `gated_mlp` (SwiGLU: three
     MLP matrices; False for GPT's two), `tied_embeddings`, `flash_attention` (no s x s attention
-    matrix is stored: the attention core is recomputed in the backward pass), `dropout` (Megatron's
+    matrix is stored: the attention core is recomputed in the backward pass), `softmax_fp32` (without flash attention:
+    the scores' softmax runs in fp32 and keeps that output for its backward beside the probabilities cast back to
+    the compute dtype, as transformers' eager attention does: 6 bytes per score in bf16 where Megatron's fused
+    softmax keeps 2), `dropout` (Megatron's
     GPT stores dropout masks), `packed_unequal_qkv` (q/k/v packed in one projection with grouped-query
     heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need),
     `qk_norm` (norms of the queries and keys inside attention: "head" for Qwen3-style RMSNorms over
@@ -253,6 +256,7 @@ class ModelSpec:
     gated_mlp: bool = True
     tied_embeddings: bool = False
     flash_attention: bool = True
+    softmax_fp32: bool = False
     dropout: bool = False
     packed_unequal_qkv: bool = False
     qk_norm: str | None = None
@@ -1247,17 +1251,18 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        latent_attention=latent, flash_attention=_attention_stores_no_scores(model), **moe_fields,
+        latent_attention=latent, flash_attention=not _eager_attention(model), softmax_fp32=_eager_attention(model),
+        **moe_fields,
     )
     return structure, fields
 
 
-def _attention_stores_no_scores(model) -> bool:
-    """`flash_attention` from the model's attention implementation (transformers' `config._attn_implementation`):
-    "eager" multiplies q and k into the s x s scores and keeps them (and their softmax) for the backward; SDPA,
-    FlashAttention and flex attention store none. A model without that setting (hand-written): True, what its
-    `F.scaled_dot_product_attention` does on a GPU."""
-    return getattr(getattr(model, "config", None), "_attn_implementation", None) != "eager"
+def _eager_attention(model) -> bool:
+    """Whether the model runs transformers' eager attention (`config._attn_implementation == "eager"`), which
+    multiplies q and k into the s x s scores and keeps their fp32 softmax and its cast for the backward
+    (`flash_attention=False, softmax_fp32=True`); SDPA, FlashAttention and flex attention store no scores. A model
+    without that setting (hand-written): False, as its `F.scaled_dot_product_attention` runs on a GPU."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager"
 
 
 def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> None:

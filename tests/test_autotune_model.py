@@ -321,23 +321,50 @@ def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
 
 
 def test_eager_attention_keeps_its_scores_for_the_cost_model():
-    """transformers' eager attention keeps the s x s scores (and their softmax) for the backward: flash_attention
-    is False, so the cost model prices them and selective recompute (of the attention core) is a valid choice.
-    SDPA, transformers' default, and a hand-written model: True."""
+    """transformers' eager attention keeps the s x s scores' fp32 softmax and its cast to the compute dtype for the
+    backward (6 bytes per score in bf16: measured here with saved-tensor hooks on a tiny bf16 Llama; flash
+    attention's and SDPA's keep none): `flash_attention` is False and `softmax_fp32` True, so the cost model prices
+    them and selective recompute (of the attention core) is a valid choice. SDPA, transformers' default, and a
+    hand-written model: flash attention."""
+    import transformers
+
     from tridist.autotune import Cluster, Strategy, estimate, validate
+    from tridist.autotune.cost import SOFTMAX_FP32_BYTES
     from tests.hf_models import build
 
     eager, sdpa = (ModelSpec.from_module(build(family), seq_len=4096) for family in ("phi3-eager", "phi3"))
-    assert (eager.flash_attention, sdpa.flash_attention) == (False, True)
-    assert dataclasses.replace(eager, flash_attention=True) == sdpa  # nothing else differs
+    assert (eager.flash_attention, eager.softmax_fp32, sdpa.flash_attention, sdpa.softmax_fp32) == (False, True, True, False)
+    assert dataclasses.replace(eager, flash_attention=True, softmax_fp32=False) == sdpa  # nothing else differs
     assert ModelSpec.from_module(build_model("seed-llama"), seq_len=64).flash_attention
     strategy = Strategy(dp=1, tp=1, pp=1, micro_batch_size=1, num_micro_batches=1)
     cluster = Cluster(1, 1)
-    # The attention probabilities the backward reads, 4 heads x 4096^2 at 2 bytes in each of 2 layers, less what
-    # flash attention keeps instead (a statistic per row: 1/4096 of that)
-    extra = estimate(eager, cluster, strategy, global_batch_size=1).memory.activations - \
-        estimate(sdpa, cluster, strategy, global_batch_size=1).memory.activations
-    assert extra == pytest.approx(2 * 4 * 4096**2 * 2, rel=1e-3), extra
+    # bf16 scores: the fp32 softmax (4 bytes) and its bf16 cast (2), 4 heads x 4096^2 in each of 2 layers, less what
+    # flash attention keeps instead (a statistic per row: 1/4096 of a score's bytes)
+    def extra(spec):
+        return (estimate(spec, cluster, strategy, global_batch_size=1).memory.activations
+                - estimate(sdpa, cluster, strategy, global_batch_size=1).memory.activations)
+
+    assert extra(eager) == pytest.approx(2 * 4 * 4096**2 * (SOFTMAX_FP32_BYTES + 2), rel=1e-3), extra(eager)
+    # A softmax in the compute dtype (Megatron's fused one), no dropout: its output alone, which the next matmul reads
+    fused_softmax = dataclasses.replace(sdpa, flash_attention=False)
+    assert extra(fused_softmax) == pytest.approx(2 * 4 * 4096**2 * 2, rel=1e-3), extra(fused_softmax)
     selective = dataclasses.replace(strategy, recompute="selective")
     assert not validate(eager, cluster, selective, global_batch_size=1)
     assert "flash attention" in " ".join(validate(sdpa, cluster, selective, global_batch_size=1))
+
+    # What transformers' eager attention keeps, per score (a sequence of 24, unlike any other width of the model)
+    seq, heads = 24, 4
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=heads,
+                                      num_key_value_heads=heads, vocab_size=64, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    kept = {}
+
+    def pack(tensor):
+        if tensor.dim() >= 2 and tuple(tensor.shape[-2:]) == (seq, seq):
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(ids, labels=ids)
+    assert sum(kept.values()) == heads * seq * seq * (SOFTMAX_FP32_BYTES + 2), kept
