@@ -1244,6 +1244,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,
         expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), notes=tuple(notes),
     )
+    eager = _eager_attention(model)
     fields = dict(
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
@@ -1251,8 +1252,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        latent_attention=latent, flash_attention=not _eager_attention(model), softmax_fp32=_eager_attention(model),
-        **moe_fields,
+        latent_attention=latent, flash_attention=not eager, softmax_fp32=eager, **moe_fields,
     )
     return structure, fields
 

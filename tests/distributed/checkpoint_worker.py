@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tridist import distcore
-from tridist.distcore import ProcessMesh, Shard
+from tridist.distcore import ProcessMesh
 from tridist.bench.models import build_model
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
@@ -87,8 +87,7 @@ def _parallel_model(layout: str, phase: str):
 
 def _step(model, optimizer, mesh, inputs, labels) -> float:
     if mesh is not None:  # split over dp, the same on mp
-        placements = [Shard(0) if name == "dp" else distcore.Replicate() for name in mesh.dim_names]
-        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
+        inputs, labels = equivalence.global_view_batch(mesh, inputs, labels)
     out = model(inputs, labels=labels)
     loss = out.loss if hasattr(out, "loss") else out[0]  # a transformers ModelOutput, or the seeds' tuple
     loss.backward()

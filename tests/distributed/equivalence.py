@@ -193,6 +193,15 @@ class Trace:
         return self
 
 
+def global_view_batch(mesh, *tensors) -> tuple:
+    """`tensors` as shard_dataloader yields them: rows split over the mesh's "dp" dimension, replicated over the
+    others (parallelize unwraps this rank's rows)."""
+    from tridist import distcore
+
+    placements = [Shard(0) if name == "dp" else distcore.Replicate() for name in mesh.dim_names]
+    return tuple(distcore.shard_tensor(t, mesh, placements) for t in tensors)
+
+
 def train(model, optimizer, batches, *, forward=None) -> Trace:
     """Most checks' loop: for each (inputs, labels) batch, `loss, _ = forward(inputs, labels=labels)`
     (forward: the model itself by default, or e.g. its compiled version), backward, record the step,

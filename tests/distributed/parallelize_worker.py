@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tridist import distcore
 from tridist.bench.models import build_model
-from tridist.distcore import ProcessMesh, Replicate, Shard
+from tridist.distcore import ProcessMesh, Shard
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
@@ -38,14 +38,8 @@ def _model_and_optimizer():
 def _train(model, optimizer, mesh=None, batches=None) -> equivalence.Trace:
     batches = batches or _batches()
     if mesh is not None:  # global-view inputs, as shard_dataloader yields them; parallelize unwraps this rank's rows
-        batches = [_global_view(mesh, *batch) for batch in batches]
+        batches = [equivalence.global_view_batch(mesh, *batch) for batch in batches]
     return equivalence.train(model, optimizer, batches)
-
-
-def _global_view(mesh: ProcessMesh, *tensors) -> tuple:
-    """`tensors` as shard_dataloader yields them: rows split over dp, replicated over the other dimensions."""
-    placements = [Shard(0) if name == "dp" else Replicate() for name in mesh.dim_names]
-    return tuple(distcore.shard_tensor(t, mesh, placements) for t in tensors)
 
 
 @functools.cache  # one single-process run, shared by the checks (they only read it)
@@ -238,7 +232,7 @@ def check_own_mean_loss_that_one_rank_cannot_identify_is_refused_everywhere():
     labels[: GLOBAL_BATCH // WORLD] = -100
     labels[0, 3] = 7
     try:
-        model(*_global_view(mesh, inputs), labels=_global_view(mesh, labels)[0])
+        model(*equivalence.global_view_batch(mesh, inputs), labels=equivalence.global_view_batch(mesh, labels)[0])
         message = ""
     except RuntimeError as error:
         message = str(error)
@@ -431,7 +425,7 @@ def check_unused_experts_over_accumulation_zeroed_and_loop_set_gradients():
                 model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, weight_decay=0.1), mesh,
                 {"dp_config": {"sharding_level": level}})
             trace = equivalence.Trace()
-            loop(model, optimizer, functools.partial(_global_view, mesh), trace)
+            loop(model, optimizer, functools.partial(equivalence.global_view_batch, mesh), trace)
             try:
                 equivalence.assert_same_training(trace.end(model), reference, unused_zero=True)
             except AssertionError as error:

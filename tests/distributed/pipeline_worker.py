@@ -15,7 +15,7 @@ import torch
 from tridist import distcore
 from tridist import kernels
 from tridist.bench.models import SeedLlamaModel, build_model, tiny_seed_config
-from tridist.distcore import ColWiseParallel, ProcessMesh, Replicate, RowWiseParallel, Shard, SplitPoint
+from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel, SplitPoint
 from tests.distributed import equivalence
 from tests.distributed.harness import interprets_kernels, run_checks
 
@@ -53,8 +53,7 @@ def _train(model, optimizer, mesh=None, batches=None) -> equivalence.Trace:
 
 def _forward_backward(model, mesh, inputs, labels):
     if mesh is not None and "dp" in mesh.dim_names:  # global-view batches, as shard_dataloader yields them
-        placements = [Shard(0) if d == "dp" else Replicate() for d in mesh.dim_names]
-        inputs, labels = (distcore.shard_tensor(t, mesh, placements) for t in (inputs, labels))
+        inputs, labels = equivalence.global_view_batch(mesh, inputs, labels)
     loss, _ = model(inputs, labels=labels)
     loss.backward()
     return loss

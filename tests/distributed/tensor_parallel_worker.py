@@ -1007,6 +1007,7 @@ def check_dropout_in_a_sharded_region_draws_this_ranks_own_masks():
     assert masks["gathered"].shape[-1] == 64 and all(torch.equal(m, theirs[0]) for m in theirs), \
         "a dropout after a gathered output drew apart"
 
+
 def check_a_vocabulary_split_embedding_equals_one_device():
     """RowWiseParallel on an nn.Embedding (vocab_embedding.py): each mp rank looks up the ids in its rows of the
     vocabulary and the ranks sum their outputs, which equal one device's bit for bit (a row plus zeros), and so does

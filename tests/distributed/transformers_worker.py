@@ -674,7 +674,6 @@ def check_a_model_that_differs_between_ranks_is_refused():
                 model.model.norm.weight.add_(0.5)
         return model
 
-    # Seeded per rank, every weight but the norms' (ones) differs: 7 matrices per layer, the embedding and the head.
     def negated_on_rank_1():  # the same magnitudes (a fingerprint of absolute values alone would pass it)
         model = build("llama", layers=LAYERS)
         if dist.get_rank() == 1:
@@ -682,6 +681,7 @@ def check_a_model_that_differs_between_ranks_is_refused():
                 model.model.norm.weight.neg_()
         return model
 
+    # Seeded per rank, every weight but the norms' (ones) differs: 7 matrices per layer, the embedding and the head.
     for make, expected in ((lambda: build("llama", layers=LAYERS, seed=dist.get_rank()), f"({7 * LAYERS + 2} tensor(s): "),
                            (loaded_on_rank_0, "(1 tensor(s): ['model.norm.weight'])"),
                            (negated_on_rank_1, "(1 tensor(s): ['model.norm.weight'])")):
