@@ -35,6 +35,7 @@ from .dataloader import shard_dataloader
 from .expert_parallel import expert_parallel_refusal
 from .measure import measure_strategies
 from .mesh import ProcessMesh
+from .outputs import CACHE_ARGUMENTS
 from .parallel_dims import ParallelDims
 from .parallelize import parallelize, refuse_compiled, router_aux_loss_on
 from .block_check import TensorParallelCheckError, choose_block_views
@@ -684,7 +685,6 @@ def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | Non
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)
 
 
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value")  # Hugging Face's key/value cache, by version
 
 
 def _is_cache(value) -> bool:
@@ -702,5 +702,5 @@ def _recomputed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     args = tuple(None if _is_cache(value) else value for value in args)
-    kwargs = {key: None if key in _CACHE_ARGUMENTS or _is_cache(value) else value for key, value in kwargs.items()}
+    kwargs = {key: None if key in CACHE_ARGUMENTS or _is_cache(value) else value for key, value in kwargs.items()}
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

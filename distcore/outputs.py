@@ -5,7 +5,8 @@ a mapping: a dict or a Hugging Face `ModelOutput` (an OrderedDict whose `.loss` 
 The logits are the tensor returned alone (not a loss), the tuple's element after its first (where that
 is the loss, or None: `(loss, logits)` called without labels) or else its first, or a mapping's "logits". Data parallel replaces the loss by the global-batch mean on every
 rank; the pipeline rebuilds the same kind of output on every rank from its last stage's loss and logits.
-Other outputs keep their meaning (see each user).
+Other outputs keep their meaning (see each user). `CACHE_ARGUMENTS`: the names a Hugging Face key/value cache is
+passed in by.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+# The names transformers gives a model's key/value cache argument: `cache` since 5.24, `past_key_values` before (5.24
+# still accepts it, renamed by its `deprecate_kwarg`), `past_key_value` in older layers' signatures.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 
 
 def _is_loss(value) -> bool:

@@ -118,7 +118,7 @@ from .api import local_value
 from . import env
 from .env import all_reduce_mean_
 from .fake_tensor_log import expected_failures_unlogged
-from .outputs import OutputForm, find_logits, find_loss
+from .outputs import CACHE_ARGUMENTS, OutputForm, find_logits, find_loss
 from .tensor_parallel import take_pending_split, tied_parameter_names
 from .unused_parameters import trackers_of
 
@@ -1363,9 +1363,9 @@ def _refuse_a_cache(kwargs: dict) -> None:
     (token ids of 0 under dp 2 x pp 2), silently. With use_cache=False every step runs the whole sequence
     through the pipeline and generates what one device does. Every rank passes the same arguments: refused
     alike, before any communication."""
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_ARGUMENTS):
         raise ValueError(
-            "pipeline parallel: a key/value cache was asked for (past_key_values / use_cache=True: "
+            "pipeline parallel: a key/value cache was asked for (cache / past_key_values / use_cache=True: "
             "model.generate(...) by default), which pipeline stages cannot return; generate with "
             "model.generate(..., use_cache=False) (each step runs the whole sequence through the stages), or on "
             "one device from distcore.full_state_dict(model)")

@@ -557,7 +557,7 @@ class _RotaryConvention:
 
 
 def _rotary_function_names(module: torch.nn.Module) -> list[str]:
-    forward = getattr(type(module), "forward", None)
+    forward = _undecorated(getattr(type(module), "forward", None))
     code = getattr(forward, "__code__", None)
     if code is None or "forward" in vars(module):  # already fused, or its forward was replaced by someone
         return []
@@ -574,10 +574,11 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
     if not function_names:
         return
     forward = type(module).forward
+    defined = _undecorated(forward).__globals__
     adapters = {}
     fused_names = []
     for function_name in function_names:
-        original = forward.__globals__[function_name]
+        original = defined[function_name]
         convention = _probed(verdicts, "rotary", original, partial(_rotary_convention, original))
         if convention is None:
             report.skipped.append(
@@ -588,11 +589,51 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
         fused_names.append(f"{function_name} ({convention})")
     if not fused_names:
         return
-    rebound = types.FunctionType(forward.__code__, _fused_globals(type(module), adapters), forward.__name__,
-                                 forward.__defaults__, forward.__closure__)
-    rebound.__kwdefaults__ = forward.__kwdefaults__
+    rebound = _with_globals(forward, _fused_globals(type(module), adapters))
+    if rebound is None:
+        report.skipped.append((name, f"calls {', '.join(fused_names)} inside a decorator whose wrapper does not hold "
+                                     "the forward it wraps (functools.wraps without a closure over it)"))
+        return
     changes.append(partial(setattr, module, "forward", types.MethodType(rebound, module)))
     report.replaced.append((name, "rotary: " + ", ".join(fused_names)))
+
+
+def _undecorated(function):
+    """The function a decorated `function` wraps (functools.wraps' `__wrapped__`, followed to the end): the code
+    that calls the rotary function by global name (transformers decorates attention forwards, e.g. with
+    `deprecate_kwarg` since 5.24)."""
+    return inspect.unwrap(function) if callable(function) else function
+
+
+def _with_globals(function, globals_: dict):
+    """A copy of `function` whose code, and that of every function it wraps (`__wrapped__`), reads `globals_`
+    where it read the innermost function's globals; a decorator's wrapper keeps its own globals and calls the
+    copy of what it wrapped in its place (the closure cell holding it). None when a wrapper holds what it wraps
+    in no closure cell (it could not be made to call the copy)."""
+    wrapped = getattr(function, "__wrapped__", None)
+    if wrapped is None:
+        copied = types.FunctionType(function.__code__, globals_, function.__name__, function.__defaults__,
+                                    function.__closure__)
+        copied.__kwdefaults__ = function.__kwdefaults__
+        return copied
+    cells = function.__closure__ or ()
+    holds = [index for index, cell in enumerate(cells) if _cell_value(cell) is wrapped]
+    inner = _with_globals(wrapped, globals_) if holds else None
+    if inner is None:
+        return None
+    closure = tuple(types.CellType(inner) if index in holds else cell for index, cell in enumerate(cells))
+    copied = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
+                                closure)
+    copied.__kwdefaults__ = function.__kwdefaults__
+    copied.__dict__.update(function.__dict__, __wrapped__=inner)
+    return copied
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name the closure has not bound yet)
+        return None
 
 
 def _fused_globals(cls: type, adapters: dict) -> dict:
@@ -601,7 +642,7 @@ def _fused_globals(cls: type, adapters: dict) -> dict:
     They are a module of their own, registered in sys.modules (one per class and set of adapters):
     torch.compile finds a function's globals by its module name, and would otherwise guard on the
     original module's functions."""
-    forward = cls.forward
+    forward = _undecorated(cls.forward)
     base = forward.__globals__.get("__name__", cls.__module__)
     name = f"{base}.__tridist_fused_{cls.__qualname__.replace('.', '_')}_{'_'.join(sorted(adapters))}__"
     if name not in sys.modules:

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY_VERSION=${PY_VERSION:-3.12}  # the GPU machine's Python
 WHEELS=${WHEELS:-"optuna==5.0.0 alembic sqlalchemy mako colorlog greenlet liger-kernel \
-  transformers==5.23.0 huggingface-hub tokenizers safetensors regex tqdm pyyaml typer click shellingham rich \
+  transformers==5.24.0 huggingface-hub tokenizers safetensors regex tqdm pyyaml typer click shellingham rich \
   markdown-it-py mdurl pygments annotated-doc hf-xet httpx2 httpcore2 h11 anyio idna truststore pydantic \
   pydantic-core annotated-types typing-inspection"}
 rm -rf .whl && mkdir -p .whl

@@ -8,12 +8,15 @@ import collections
 import contextlib
 import copy
 import enum
+import functools
 import importlib
+import inspect
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.utils.deprecation import deprecate_kwarg
 from triton.runtime.jit import KernelInterface
 
 from tridist import kernels
@@ -591,6 +594,73 @@ def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
     cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
     _assert_fused_rotary_matches(attention, _hf_interleaved_rotary, cos, sin, seed=3, dtype=torch.float32,
                                  budget=4 * U_FP32)
+
+
+def _renaming_keyword(old: str, new: str):
+    """A decorator as transformers' `deprecate_kwarg` (on attention forwards since 5.24, renaming
+    `past_key_values` to `cache`): a functools.wraps wrapper that renames a keyword and calls the function it
+    closes over."""
+    def decorator(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+        return wrapper
+    return decorator
+
+
+_BY_NAME = {}
+
+
+def _looked_up_by_name(function):
+    """A decorator whose wrapper finds the function it wraps by name at each call: no closure holds it."""
+    _BY_NAME[function.__qualname__] = function
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return _BY_NAME[wrapper.__qualname__](*args, **kwargs)
+    return wrapper
+
+
+class _DecoratedCohereLikeAttention(torch.nn.Module):
+    # Two levels, the outer one transformers' own (its wrapper reads its module's globals, not this one's).
+    @deprecate_kwarg("axis", "99.0", new_name="dim")
+    @_renaming_keyword("dim", "unsqueeze_dim")
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+class _LookedUpCohereLikeAttention(torch.nn.Module):
+    @_looked_up_by_name
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
+
+
+def test_rotary_in_a_decorated_forward_is_fused_and_the_decorators_still_run():
+    """A forward under decorators (transformers 5.24's attention forwards: fuse found no rotary call in the
+    wrapper's code, and left every rotary unfused without a word) is copied level by level: the fused
+    kernel runs, the wrappers still rename their keywords, and the class's own forward is untouched. A wrapper
+    that holds no closure over what it wraps cannot be made to call the copy: left alone, with the reason."""
+    attention = _DecoratedCohereLikeAttention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
+    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
+    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
+    _assert_fused_rotary_matches(attention, _hf_interleaved_rotary, cos, sin, seed=3, dtype=torch.float32,
+                                 budget=4 * U_FP32)  # the bound of the undecorated test above
+    q = torch.randn(_ROTARY_BATCH, seq, _ROTARY_HEADS, dim)
+    with _kernel_launches() as counted, pytest.warns(FutureWarning, match="axis"):  # transformers' wrapper ran
+        renamed = attention(q, q, cos, sin, axis=2)  # axis -> dim -> unsqueeze_dim: the bshd layout
+    assert counted.get("rotary", 0) == 1
+    _assert_within(renamed[0], _hf_interleaved_rotary(q, q, cos, sin, unsqueeze_dim=2)[0], 4 * U_FP32, "q")
+    assert inspect.unwrap(_DecoratedCohereLikeAttention.forward).__globals__["_hf_interleaved_rotary"] is _hf_interleaved_rotary
+
+    looked_up = _LookedUpCohereLikeAttention()
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": looked_up}))
+    assert report.replaced == [] and "does not hold the forward it wraps" in dict(report.skipped)["attention"], str(report)
+    assert "forward" not in vars(looked_up)
 
 
 _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM = 2, 6, 4, 2, 16

@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from transformers import DynamicCache
 from transformers.utils import ModelOutput
 
 from tridist import autotune, distcore
@@ -1180,6 +1181,13 @@ def check_generate_matches_one_device():
                     assert "use_cache=False" in str(error), error
                 else:
                     raise AssertionError("generate with a cache ran through pipeline stages")
+                for name in ("cache", "past_key_values"):  # a cache passed in by hand, by either name (5.24 renamed it)
+                    try:
+                        model(prompt, use_cache=False, **{name: DynamicCache(config=model.config)})
+                    except ValueError as error:
+                        assert "use_cache=False" in str(error), error
+                    else:
+                        raise AssertionError(f"a cache passed as {name}= ran through pipeline stages")
                 got = model.generate(prompt, use_cache=False, **settings)
             else:
                 got = model.generate(prompt, **settings)
