@@ -890,7 +890,7 @@ def _looks_like_causal_lm(module: torch.nn.Module) -> bool:
 
 def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
     head_name = f"{name}.lm_head" if name else "lm_head"
-    why = _why_not_probeable(module.lm_head)
+    why = _why_not_probeable(module.lm_head) or _why_not_a_plain_linear(module.lm_head)
     if why:
         report.skipped.append((head_name, f"LM head + loss candidate: {why}"))
         return
@@ -915,6 +915,24 @@ def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:
     changes.append(apply)
     report.replaced.append((head_name, "linear_cross_entropy: FusedLMHead + the loss over token chunks "
                                        "(calls with labels return logits=None)"))
+
+
+def _why_not_a_plain_linear(head: torch.nn.Linear) -> str | None:
+    """Why a head that is an nn.Linear may compute more than `hidden @ weight.T + bias`, or None. The probe runs
+    a thin nn.Linear in the head's place, so a subclass's own forward or state would go unseen and be dropped by
+    FusedLMHead: transformers 5.24's Dory multiplies its logits by a learned per-token `logit_scale`, whose
+    product with a constant is 1 at initialisation (the losses agree) and which would never have been trained."""
+    extra = []
+    if type(head).forward is not torch.nn.Linear.forward:
+        extra.append(f"its own forward ({type(head).__name__}.forward)")
+    state = sorted(({name for name, _ in head.named_parameters()} | {name for name, _ in head.named_buffers()})
+                   - {"weight", "bias"})
+    if state:
+        extra.append(f"{', '.join(state)} beside weight and bias")
+    if not extra:
+        return None
+    return (f"the head is an nn.Linear with {' and '.join(extra)}, which the fused loss (hidden @ weight.T + bias) "
+            "would drop; left as is")
 
 
 def _logit_transform(module: torch.nn.Module) -> tuple[float | None, float]:

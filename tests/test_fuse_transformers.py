@@ -201,6 +201,61 @@ def test_gpt2_fuses_only_its_head_and_loss():
         _assert_within(q.grad, p.grad, 2 * VOCAB * U_FP32 + 2 * HIDDEN * U_FP32, name)
 
 
+class _ScaledHead(torch.nn.Linear):
+    """Dory's LM head (transformers 5.24) written out: logits times a learned per-token scale that starts at 1."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__(hidden, vocab, bias=False)
+        self.logit_scale = torch.nn.Parameter(torch.full((vocab,), 0.02))
+        self.logit_scale_factor = 1 / 0.02
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * (self.logit_scale * self.logit_scale_factor)
+
+
+class _OwnForwardHead(torch.nn.Linear):
+    """No state beside weight and bias, but a forward of its own (its output is the logits times 2)."""
+
+    def forward(self, hidden_states):
+        return 2 * super().forward(hidden_states)
+
+
+@pytest.mark.parametrize("head", ["dory", "scaled", "own forward"])
+def test_a_head_with_its_own_forward_or_parameters_is_left_alone(head):
+    """The probe runs a thin nn.Linear in the head's place, so an nn.Linear subclass's forward and state went
+    unseen: Dory's learned logit scale is 1 at initialisation (the probe's losses agreed), and the fused head
+    dropped it, silently: it never got a gradient. Such a head is left alone with the reason, and the loss and every
+    gradient (the scale's included) stay the unfused model's."""
+    import transformers as hf
+
+    if head == "dory":
+        config = hf.AutoConfig.for_model("dory", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        model = hf.AutoModelForCausalLM.from_config(config)
+        assert type(model.lm_head).__name__ == "DoryLMHead" and hasattr(model.lm_head, "logit_scale")
+    else:
+        model = build("llama")
+        with torch.no_grad():
+            replaced = (_ScaledHead if head == "scaled" else _OwnForwardHead)(HIDDEN, VOCAB)
+            replaced.weight.copy_(model.lm_head.weight)
+        model.lm_head = replaced
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    why = dict(report.skipped)["lm_head"]
+    assert report.count("linear_cross_entropy") == 0 and type(fused.lm_head) is type(model.lm_head), str(report)
+    assert f"its own forward ({type(model.lm_head).__name__}.forward)" in why, why
+    assert ("logit_scale beside weight and bias" in why) == (head != "own forward"), why
+    ids = _batch()
+    expected, out = model(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    out.loss.backward()
+    ops = sum(1 for _, what in report.replaced)  # norms, MLPs and rotaries: each op's reduction, as _budgets
+    _assert_within(out.loss, expected.loss, ops * HIDDEN * U_FP32, "loss")
+    for (name, p), q in zip(model.named_parameters(), fused.parameters()):
+        assert q.grad is not None, name
+        _assert_within(q.grad, p.grad, 2 * ops * HIDDEN * U_FP32, name)
+
+
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_an_mlp_with_dropout_is_left_alone_in_either_mode(mode):
     """Seed-OSS's MLP applies dropout (residual_dropout, 0.1 by default) after down(act(gate(x)) * up(x)). Probed in
