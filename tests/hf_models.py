@@ -92,6 +92,19 @@ MORE_FAMILIES = {
 }
 
 
+class ScaledLogitsHead(torch.nn.Linear):
+    """Dory's LM head (transformers 5.24) written out: an nn.Linear whose logits are multiplied by a learned
+    per-token scale, 1 at initialisation (0.02 times a constant 50, as Dory's initializer_range)."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__(hidden, vocab, bias=False)
+        self.logit_scale = torch.nn.Parameter(torch.full((vocab,), 0.02))
+        self.logit_scale_factor = 1 / 0.02
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * (self.logit_scale * self.logit_scale_factor)
+
+
 def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | None = None) -> torch.nn.Module:
     """`config`: more settings of a MORE_FAMILIES family's or Phi-3's config (dropouts, ...)."""
     import transformers as hf

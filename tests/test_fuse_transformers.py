@@ -15,7 +15,7 @@ import torch
 from tridist import distcore, kernels
 from tridist.distcore.lazy import materialize
 from tridist.kernels.ops.linear_cross_entropy import FusedLMHead
-from tests.hf_models import HIDDEN, LAYERS, MORE_FAMILIES, SCALED_LOGITS, VOCAB, build
+from tests.hf_models import HIDDEN, LAYERS, MORE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build
 from tests.test_fuse import U_FP32, _assert_within, _kernel_launches
 
 pytest.importorskip("transformers")
@@ -201,18 +201,6 @@ def test_gpt2_fuses_only_its_head_and_loss():
         _assert_within(q.grad, p.grad, 2 * VOCAB * U_FP32 + 2 * HIDDEN * U_FP32, name)
 
 
-class _ScaledHead(torch.nn.Linear):
-    """Dory's LM head (transformers 5.24) written out: logits times a learned per-token scale that starts at 1."""
-
-    def __init__(self, hidden: int, vocab: int):
-        super().__init__(hidden, vocab, bias=False)
-        self.logit_scale = torch.nn.Parameter(torch.full((vocab,), 0.02))
-        self.logit_scale_factor = 1 / 0.02
-
-    def forward(self, hidden_states):
-        return super().forward(hidden_states) * (self.logit_scale * self.logit_scale_factor)
-
-
 class _OwnForwardHead(torch.nn.Linear):
     """No state beside weight and bias, but a forward of its own (its output is the logits times 2)."""
 
@@ -236,7 +224,7 @@ def test_a_head_with_its_own_forward_or_parameters_is_left_alone(head):
     else:
         model = build("llama")
         with torch.no_grad():
-            replaced = (_ScaledHead if head == "scaled" else _OwnForwardHead)(HIDDEN, VOCAB)
+            replaced = (ScaledLogitsHead if head == "scaled" else _OwnForwardHead)(HIDDEN, VOCAB)
             replaced.weight.copy_(model.lm_head.weight)
         model.lm_head = replaced
     fused = copy.deepcopy(model)

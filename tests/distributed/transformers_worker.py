@@ -30,7 +30,7 @@ from tridist import autotune, distcore
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, build
+from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build
 
 # Two decoder layers: a pipeline stage each under pp 2, one local and one global layer of Gemma 2 and 3, Qwen3-MoE's
 # dense first layer and one MoE layer. Four took 1.5-2x the CPU time for the same code run per layer (measured on
@@ -141,13 +141,15 @@ def _cached_reference_evaluation(family, layers) -> tuple[float, torch.Tensor]:
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
-           prepare=None, clip: tuple[float, float] | None = None, layers: int = LAYERS, **config):
+           prepare=None, clip: tuple[float, float] | None = None, layers: int = LAYERS, head_fuses: bool = True,
+           **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view); `inspect`
     asserts what it must of the distributed model before training; `positional`: the training calls pass their
     inputs and labels by position (`model(ids, mask, None, None, None, labels)`), as the forward's signature allows;
     `prepare` changes the model before both runs (freezing parameters); `clip`: (norm type, max norm) the gradients
     are clipped by before each step (distcore.clip_grad_norm_ here, torch's on one device). The config is the users' default (fused
-    kernels on) unless `config` says otherwise; `layers`: the model's decoder layers."""
+    kernels on) unless `config` says otherwise; `layers`: the model's decoder layers; `head_fuses`: whether fuse
+    replaces the LM head + loss (with fused kernels on) of the prepared model."""
     model, optimizer = _model(family, layers=layers, prepare=prepare)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
@@ -173,7 +175,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) with fused kernels
     # on: under tp vocabulary-parallel (the head split on the vocabulary); pipeline stages included.
     chosen = model.distributed_strategy
-    fused_loss = config.get("fuse_kernels", True)
+    fused_loss = config.get("fuse_kernels", True) and head_fuses
     loss, logits = _evaluate(model, fused_loss=fused_loss)
     expected_loss, expected_logits = (_reference_evaluation(family, layers) if prepare is None  # (before any training)
                                       else _evaluate(_model(family, layers=layers, prepare=prepare)[0]))
@@ -280,6 +282,25 @@ def _check_family(family: str) -> None:
 
 for _family in MATRIX_FAMILIES:
     globals()[f"check_{_family.replace('-', '_')}_under_every_strategy"] = functools.partial(_check_family, _family)
+
+
+def _learned_logit_scale(model) -> None:
+    """The model's LM head replaced by one with a learned per-token logit scale (Dory's), the same weight and a
+    scale away from 1 (its gradient then differs from the unscaled head's)."""
+    head = ScaledLogitsHead(model.lm_head.in_features, model.lm_head.out_features)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.logit_scale.copy_(torch.linspace(0.01, 0.03, head.out_features))
+    model.lm_head = head
+
+
+def check_an_lm_head_with_a_learned_logit_scale_trains_like_one_process():
+    """An LM head that is an nn.Linear with a parameter of its own beside its weight, a per-token logit scale
+    (transformers 5.24's Dory): fuse leaves it alone (fused, the scale was dropped: tests/test_fuse_transformers.py),
+    and under tp the head's weight is split on the vocabulary with the scale beside it: with sequence parallel and
+    overlap, and on the last pipeline stage, equal to one process, the scale's gradient included."""
+    for label in ("dp 2 x tp 2 + sp + overlap, level 1", "tp 2 x pp 2 + sp, 2 micro-batches"):
+        _train("llama", MATRIX[label], prepare=_learned_logit_scale, head_fuses=False)
 
 
 def check_layer_norm_families_train_under_tensor_parallel():
