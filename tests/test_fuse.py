@@ -581,19 +581,27 @@ class _SwappingAttention(torch.nn.Module):
         return _hf_rotary_swapping_pairs(q, k, cos, sin)
 
 
-def test_interleaved_rotary_is_fused_and_matches_forward_and_backward():
+@pytest.mark.parametrize("decorated", [False, True])
+def test_interleaved_rotary_is_fused_and_matches_forward_and_backward(decorated):
     """Hugging Face's signature with GPT-J's pairing (Cohere) runs the kernel's interleaved path in both layouts;
     q, k and their gradients within fp32 rounding of the function's own. Each output is x_a c - x_b s (two
     products and a sum, each way): within 2u (|x_a| + |x_b|) <= 2u·√2·|(x_a, x_b)| of exact, and a rotation
-    keeps the pair's norm, which is at most √2 max|output|: 4u of the largest output."""
-    attention = _CohereLikeAttention()
+    keeps the pair's norm, which is at most √2 max|output|: 4u of the largest output. `decorated`: the forward
+    under two decorators (transformers 5.24 wraps every attention forward in one; fuse found no rotary call in
+    the wrapper's code, and left every family's rotary unfused without a word)."""
+    attention = _DecoratedCohereLikeAttention() if decorated else _CohereLikeAttention()
     report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
     assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
-    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
-    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
-    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
+    cos, sin = _interleaved_tables()
     _assert_fused_rotary_matches(attention, _hf_interleaved_rotary, cos, sin, seed=3, dtype=torch.float32,
                                  budget=4 * U_FP32)
+
+
+def _interleaved_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """Cohere's cos and sin tables: each pair's angle repeated for its two adjacent features, [B, S, D]."""
+    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
+    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+    return tuple(f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
 
 
 def _renaming_keyword(old: str, new: str):
@@ -637,25 +645,21 @@ class _LookedUpCohereLikeAttention(torch.nn.Module):
         return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
 
 
-def test_rotary_in_a_decorated_forward_is_fused_and_the_decorators_still_run():
-    """A forward under decorators (transformers 5.24's attention forwards: fuse found no rotary call in the
-    wrapper's code, and left every rotary unfused without a word) is copied level by level: the fused
-    kernel runs, the wrappers still rename their keywords, and the class's own forward is untouched. A wrapper
-    that holds no closure over what it wraps cannot be made to call the copy: left alone, with the reason."""
+def test_a_decorated_forward_keeps_its_decorators_and_its_class_untouched():
+    """A forward under decorators is copied level by level (the fused kernel runs: the interleaved test above):
+    the wrappers still rename their keywords, and the class's own forward is untouched. A wrapper that holds no
+    closure over what it wraps cannot be made to call the copy: left alone, with the reason."""
     attention = _DecoratedCohereLikeAttention()
-    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
-    assert report.replaced == [("attention", "rotary: _hf_interleaved_rotary (hf convention, interleaved pairs)")], str(report)
-    seq, dim = _ROTARY_SEQ, _ROTARY_DIM
-    freqs = torch.outer(torch.arange(seq).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
-    cos, sin = (f(freqs.repeat_interleave(2, -1)).expand(_ROTARY_BATCH, seq, dim) for f in (torch.cos, torch.sin))
-    _assert_fused_rotary_matches(attention, _hf_interleaved_rotary, cos, sin, seed=3, dtype=torch.float32,
-                                 budget=4 * U_FP32)  # the bound of the undecorated test above
-    q = torch.randn(_ROTARY_BATCH, seq, _ROTARY_HEADS, dim)
+    kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    cos, sin = _interleaved_tables()
+    q = torch.randn(_ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_DIM)
     with _kernel_launches() as counted, pytest.warns(FutureWarning, match="axis"):  # transformers' wrapper ran
         renamed = attention(q, q, cos, sin, axis=2)  # axis -> dim -> unsqueeze_dim: the bshd layout
     assert counted.get("rotary", 0) == 1
     _assert_within(renamed[0], _hf_interleaved_rotary(q, q, cos, sin, unsqueeze_dim=2)[0], 4 * U_FP32, "q")
     assert inspect.unwrap(_DecoratedCohereLikeAttention.forward).__globals__["_hf_interleaved_rotary"] is _hf_interleaved_rotary
+    # The copy's `__wrapped__` chain leads to the fused code (what introspection and a later fuse read).
+    assert inspect.unwrap(attention.forward).__globals__["_hf_interleaved_rotary"].__wrapped__ is _hf_interleaved_rotary
 
     looked_up = _LookedUpCohereLikeAttention()
     report = kernels.fuse(torch.nn.ModuleDict({"attention": looked_up}))
