@@ -591,8 +591,9 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
         return
     rebound = _with_globals(forward, _fused_globals(type(module), adapters))
     if rebound is None:
-        report.skipped.append((name, f"calls {', '.join(fused_names)} inside a decorator whose wrapper does not hold "
-                                     "the forward it wraps (functools.wraps without a closure over it)"))
+        report.skipped.append((name, f"calls {', '.join(fused_names)} inside a decorator whose wrapper cannot be made "
+                                     "to call a fused copy (no plain function, no closure over what it wraps, or "
+                                     "another way to call it); left as is"))
         return
     changes.append(partial(setattr, module, "forward", types.MethodType(rebound, module)))
     report.replaced.append((name, "rotary: " + ", ".join(fused_names)))
@@ -608,25 +609,45 @@ def _undecorated(function):
 def _with_globals(function, globals_: dict):
     """A copy of `function` whose code, and that of every function it wraps (`__wrapped__`), reads `globals_`
     where it read the innermost function's globals; a decorator's wrapper keeps its own globals and calls the
-    copy of what it wrapped in its place (the closure cell holding it). None when a wrapper holds what it wraps
-    in no closure cell (it could not be made to call the copy)."""
+    copy of what it wrapped in its place (the closure cells holding it). None where that cannot be made sure: a
+    level that is no plain Python function (a class-based decorator, functools.lru_cache), a wrapper that holds
+    what it wraps in no closure cell, or one that can also reach it another way (a functools.partial of it, or a
+    helper closing over it, in another cell: the copy would not be what runs)."""
+    if not isinstance(function, types.FunctionType):
+        return None
     wrapped = getattr(function, "__wrapped__", None)
     if wrapped is None:
-        copied = types.FunctionType(function.__code__, globals_, function.__name__, function.__defaults__,
-                                    function.__closure__)
-        copied.__kwdefaults__ = function.__kwdefaults__
-        return copied
+        return _copied(function, globals_, function.__closure__)
     cells = function.__closure__ or ()
     holds = [index for index, cell in enumerate(cells) if _cell_value(cell) is wrapped]
-    inner = _with_globals(wrapped, globals_) if holds else None
+    if not holds or any(_reaches(_cell_value(cell), wrapped) for index, cell in enumerate(cells) if index not in holds):
+        return None
+    inner = _with_globals(wrapped, globals_)
     if inner is None:
         return None
-    closure = tuple(types.CellType(inner) if index in holds else cell for index, cell in enumerate(cells))
-    copied = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__,
-                                closure)
-    copied.__kwdefaults__ = function.__kwdefaults__
-    copied.__dict__.update(function.__dict__, __wrapped__=inner)
+    copied = _copied(function, function.__globals__,
+                     tuple(types.CellType(inner) if index in holds else cell for index, cell in enumerate(cells)))
+    copied.__wrapped__ = inner
     return copied
+
+
+def _copied(function: types.FunctionType, globals_: dict, closure) -> types.FunctionType:
+    """`function` with these globals and closure cells, and everything else of it (defaults, keyword-only
+    defaults, the attributes functools.wraps copies); its module is its globals' (`_fused_globals`' own name)."""
+    copied = types.FunctionType(function.__code__, globals_, function.__name__, function.__defaults__, closure)
+    copied.__kwdefaults__ = function.__kwdefaults__
+    copied.__qualname__, copied.__doc__ = function.__qualname__, function.__doc__
+    copied.__annotations__ = dict(function.__annotations__)
+    copied.__dict__.update(function.__dict__)
+    return copied
+
+
+def _reaches(value, target) -> bool:
+    """Whether a closure cell's value is another way to call `target`: a functools.partial of it, or a
+    function whose own closure holds it."""
+    if isinstance(value, partial):
+        return value.func is target
+    return isinstance(value, types.FunctionType) and any(_cell_value(cell) is target for cell in value.__closure__ or ())
 
 
 def _cell_value(cell):
@@ -925,6 +946,8 @@ def _why_not_a_plain_linear(head: torch.nn.Linear) -> str | None:
     extra = []
     if type(head).forward is not torch.nn.Linear.forward:
         extra.append(f"its own forward ({type(head).__name__}.forward)")
+    if "forward" in vars(head):  # put on the instance (accelerate's hooks do so)
+        extra.append("a forward set on the instance")
     state = sorted(({name for name, _ in head.named_parameters()} | {name for name, _ in head.named_buffers()})
                    - {"weight", "bias"})
     if state:

@@ -607,12 +607,17 @@ def _interleaved_tables() -> tuple[torch.Tensor, torch.Tensor]:
 def _renaming_keyword(old: str, new: str):
     """A decorator as transformers' `deprecate_kwarg` (on attention forwards since 5.24, renaming
     `past_key_values` to `cache`): a functools.wraps wrapper that renames a keyword and calls the function it
-    closes over."""
+    closes over. Its wrapper also takes a keyword-only default and holds the function in two cells (the copy
+    must keep both)."""
     def decorator(function):
+        same = function
+
         @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            if old in kwargs:
-                kwargs[new] = kwargs.pop(old)
+        def wrapper(*args, _names=(old, new), **kwargs):
+            if same is not function:
+                raise AssertionError("the wrapper's two cells hold different functions")
+            if _names[0] in kwargs:
+                kwargs[_names[1]] = kwargs.pop(_names[0])
             return function(*args, **kwargs)
         return wrapper
     return decorator
@@ -631,24 +636,51 @@ def _looked_up_by_name(function):
     return wrapper
 
 
+def _calling_a_partial(function):
+    """A wrapper that holds the function (for its name) but calls a functools.partial of it."""
+    call = functools.partial(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        assert function.__name__ == "forward"
+        return call(*args, **kwargs)
+    return wrapper
+
+
+class _ClassDecorator:
+    """A class-based decorator (functools.update_wrapper on an instance): no plain function to copy."""
+
+    def __init__(self, function):
+        functools.update_wrapper(self, function)
+        self.function = function
+
+    def __get__(self, instance, owner):
+        return self if instance is None else functools.partial(self, instance)
+
+    def __call__(self, *args, **kwargs):
+        return self.function(*args, **kwargs)
+
+
 class _DecoratedCohereLikeAttention(torch.nn.Module):
     # Two levels, the outer one transformers' own (its wrapper reads its module's globals, not this one's).
     @deprecate_kwarg("axis", "99.0", new_name="dim")
     @_renaming_keyword("dim", "unsqueeze_dim")
-    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+    def forward(self, q, k, cos, sin, *, unsqueeze_dim=1):  # keyword-only: the copy must keep its default
         return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
 
 
-class _LookedUpCohereLikeAttention(torch.nn.Module):
-    @_looked_up_by_name
-    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
+def _attention_under(decorator) -> torch.nn.Module:
+    class Attention(torch.nn.Module):
+        @decorator
+        def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+            return _hf_interleaved_rotary(q, k, cos, sin, unsqueeze_dim)
+    return Attention()
 
 
 def test_a_decorated_forward_keeps_its_decorators_and_its_class_untouched():
     """A forward under decorators is copied level by level (the fused kernel runs: the interleaved test above):
-    the wrappers still rename their keywords, and the class's own forward is untouched. A wrapper that holds no
-    closure over what it wraps cannot be made to call the copy: left alone, with the reason."""
+    its keyword-only default and the wrappers' own are kept, the wrappers still rename their keywords, and the
+    class's own forward is untouched."""
     attention = _DecoratedCohereLikeAttention()
     kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
     cos, sin = _interleaved_tables()
@@ -657,14 +689,26 @@ def test_a_decorated_forward_keeps_its_decorators_and_its_class_untouched():
         renamed = attention(q, q, cos, sin, axis=2)  # axis -> dim -> unsqueeze_dim: the bshd layout
     assert counted.get("rotary", 0) == 1
     _assert_within(renamed[0], _hf_interleaved_rotary(q, q, cos, sin, unsqueeze_dim=2)[0], 4 * U_FP32, "q")
+    q = q.transpose(1, 2)
+    with _kernel_launches() as counted:
+        default = attention(q, q, cos, sin)  # unsqueeze_dim's default, 1: the bhsd layout
+    assert counted.get("rotary", 0) == 1
+    _assert_within(default[0], _hf_interleaved_rotary(q, q, cos, sin)[0], 4 * U_FP32, "q")
     assert inspect.unwrap(_DecoratedCohereLikeAttention.forward).__globals__["_hf_interleaved_rotary"] is _hf_interleaved_rotary
     # The copy's `__wrapped__` chain leads to the fused code (what introspection and a later fuse read).
     assert inspect.unwrap(attention.forward).__globals__["_hf_interleaved_rotary"].__wrapped__ is _hf_interleaved_rotary
+    assert attention.forward.__qualname__ == _DecoratedCohereLikeAttention.forward.__qualname__
 
-    looked_up = _LookedUpCohereLikeAttention()
-    report = kernels.fuse(torch.nn.ModuleDict({"attention": looked_up}))
-    assert report.replaced == [] and "does not hold the forward it wraps" in dict(report.skipped)["attention"], str(report)
-    assert "forward" not in vars(looked_up)
+
+@pytest.mark.parametrize("decorator", [_looked_up_by_name, _calling_a_partial, _ClassDecorator, functools.lru_cache])
+def test_a_decorator_the_fused_copy_cannot_be_put_into_is_left_alone(decorator):
+    """A wrapper that holds what it wraps in no closure cell, one that calls it through a partial, and decorators
+    that are no plain function (a class's instance, functools.lru_cache) cannot be made to call a fused copy:
+    left alone, with the reason (the last two made fuse crash, the partial was reported fused but never ran it)."""
+    attention = _attention_under(decorator)
+    report = kernels.fuse(torch.nn.ModuleDict({"attention": attention}))
+    assert report.replaced == [] and "cannot be made to call a fused copy" in dict(report.skipped)["attention"], str(report)
+    assert "forward" not in vars(attention)
 
 
 _ROTARY_BATCH, _ROTARY_SEQ, _ROTARY_HEADS, _ROTARY_KV_HEADS, _ROTARY_DIM = 2, 6, 4, 2, 16

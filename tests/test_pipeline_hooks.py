@@ -1,5 +1,5 @@
 """pipeline.py's stage hooks on one process: the first layer of a later stage takes the received activation
-in place of the earlier stages' placeholder, and only that argument."""
+in place of the earlier stages' placeholder, and only that argument; a key/value cache asked for is refused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tridist.distcore.pipeline import PipelineConfig, _StageState, install_layer_hooks
+from tridist.distcore.pipeline import PipelineConfig, _StageState, _refuse_a_cache, install_layer_hooks
 
 
 class _Layer(torch.nn.Module):
@@ -461,3 +461,13 @@ def test_an_earlier_stages_module_stands_in_with_zeros_of_its_output_dtype_and_s
     out = stand_in(torch.ones(2, 3, dtype=torch.long))
     assert (out.dtype, tuple(out.shape), out.device) == (torch.bfloat16, (2, 3, 4), torch.device("cpu"))
     assert not out.any() and state.last_placeholder is out
+
+
+@pytest.mark.parametrize("asked", [dict(use_cache=True), dict(cache=object()), dict(past_key_values=object()),
+                                   dict(past_key_value=object(), use_cache=False)])
+def test_a_key_value_cache_asked_for_by_any_name_is_refused(asked):
+    """The stages return no cache (generate got token ids of 0, silently): refused whichever name passes it in,
+    transformers 5.24's `cache` (which ran through the stages) included; None or use_cache=False pass."""
+    with pytest.raises(ValueError, match="use_cache=False"):
+        _refuse_a_cache({"input_ids": torch.zeros(1, 2, dtype=torch.long), **asked})
+    _refuse_a_cache({"input_ids": None, "use_cache": False, "cache": None, "past_key_values": None})
