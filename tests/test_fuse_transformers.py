@@ -260,6 +260,10 @@ def test_a_head_with_its_own_forward_or_state_is_left_alone(head):
     import transformers as hf
 
     if head == "dory":
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if "dory" not in CONFIG_MAPPING_NAMES:  # the test extra pins 5.24; a user's older transformers runs the rest
+            pytest.skip(f"Dory is a transformers 5.24 model type; this is {hf.__version__}")
         config = hf.AutoConfig.for_model("dory", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
         model = hf.AutoModelForCausalLM.from_config(config)
