@@ -685,8 +685,6 @@ def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | Non
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)
 
 
-
-
 def _is_cache(value) -> bool:
     """A Hugging Face key/value cache (transformers.cache_utils.Cache), without importing transformers."""
     cache_utils = sys.modules.get("transformers.cache_utils")

@@ -557,7 +557,9 @@ class _RotaryConvention:
 
 
 def _rotary_function_names(module: torch.nn.Module) -> list[str]:
-    forward = _undecorated(getattr(type(module), "forward", None))
+    # The code that calls the rotary function by global name is the innermost of a decorated forward's
+    # (`__wrapped__`, followed to the end): transformers decorates attention forwards (`deprecate_kwarg`, 5.24).
+    forward = inspect.unwrap(getattr(type(module), "forward", None))
     code = getattr(forward, "__code__", None)
     if code is None or "forward" in vars(module):  # already fused, or its forward was replaced by someone
         return []
@@ -574,7 +576,7 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
     if not function_names:
         return
     forward = type(module).forward
-    defined = _undecorated(forward).__globals__
+    defined = inspect.unwrap(forward).__globals__
     adapters = {}
     fused_names = []
     for function_name in function_names:
@@ -597,13 +599,6 @@ def _fuse_rotary(name: str, module: torch.nn.Module, report: FuseReport, changes
         return
     changes.append(partial(setattr, module, "forward", types.MethodType(rebound, module)))
     report.replaced.append((name, "rotary: " + ", ".join(fused_names)))
-
-
-def _undecorated(function):
-    """The function a decorated `function` wraps (functools.wraps' `__wrapped__`, followed to the end): the code
-    that calls the rotary function by global name (transformers decorates attention forwards, e.g. with
-    `deprecate_kwarg` since 5.24)."""
-    return inspect.unwrap(function) if callable(function) else function
 
 
 def _with_globals(function, globals_: dict):
@@ -663,7 +658,7 @@ def _fused_globals(cls: type, adapters: dict) -> dict:
     They are a module of their own, registered in sys.modules (one per class and set of adapters):
     torch.compile finds a function's globals by its module name, and would otherwise guard on the
     original module's functions."""
-    forward = _undecorated(cls.forward)
+    forward = inspect.unwrap(cls.forward)
     base = forward.__globals__.get("__name__", cls.__module__)
     name = f"{base}.__tridist_fused_{cls.__qualname__.replace('.', '_')}_{'_'.join(sorted(adapters))}__"
     if name not in sys.modules:
