@@ -115,11 +115,20 @@ class ModelStructure:
     experts: str | None = None  # the experts' container ("mlp.experts"): stacked 3-D weights or a ModuleList
     expert_layout: str | None = None  # "stacked" or "list"
     shared_experts: tuple[str, ...] = ()  # always-active MLPs inside the MoE block ("mlp.shared_expert")
+    # Gated DeltaNet linear attention in some layers (Qwen3-Next, Qwen3.5): those layers' token mixer, which
+    # replaces `attention` (and `q`/`k`/`v`/`qkv`/`o`, read from a layer with attention) there.
+    linear_attention: "LinearAttention | None" = None
     notes: tuple[str, ...] = ()
 
     def pattern(self, relative: str) -> str:
         """A layer-relative name as a pattern over every layer: 'mlp.up_proj' -> 'model.layers.*.mlp.up_proj'."""
         return f"{self.layers}.*.{relative}" if self.layers else f"*.{relative}"
+
+    def mixer(self, index: int) -> str:
+        """Layer `index`'s token mixer, relative to the layer: its linear attention in the layers that have
+        one, else `attention` ("" where the attention's projections sit in the layer itself)."""
+        linear = self.linear_attention
+        return linear.mixer if linear is not None and index in linear.layers else self.attention
 
     @property
     def is_moe(self) -> bool:
@@ -139,6 +148,9 @@ class ModelStructure:
         if self.is_moe:
             raise ValueError("ModelStructure.tp_roles: no tensor-parallel roles for a mixture-of-experts model "
                              f"(MoE blocks {self.pattern(self.moe)} in layers {list(self.moe_layers)})")
+        if self.linear_attention is not None:  # packed parts and per-head rows: no role string says them
+            raise ValueError("ModelStructure.tp_roles: no tensor-parallel roles for linear attention (layers "
+                             f"{list(self.linear_attention.layers)}); distcore.auto.tensor_parallel_plan splits it")
         roles = {}
         for name in (self.q, self.k, self.v, self.qkv, self.latent_kv, self.gate, self.up, self.gate_up):
             if name:
@@ -165,6 +177,10 @@ class ModelStructure:
         else:
             rows += [("attention q/k/v", ", ".join(self.pattern(n) for n in (self.q, self.k, self.v)))]
         rows.append(("attention out", self.pattern(self.o)))
+        if self.linear_attention is not None:
+            linear = self.linear_attention
+            rows.append(("linear attention", f"{self.pattern(linear.mixer)} in layers {_ranges(linear.layers)} "
+                                             f"({linear.num_k_heads} key, {linear.num_v_heads} value heads)"))
         if self.is_moe:
             rows.append(("MoE block", f"{self.pattern(self.moe)} in layers {_ranges(self.moe_layers)}"))
             rows.append(("router", self.pattern(self.router)))
@@ -215,6 +231,29 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet linear-attention mixer (transformers' Qwen3-Next, Qwen3.5, Qwen3.5-MoE): what tensor
+    parallel splits by head, as names relative to the mixer. Its heads are independent, as attention's are: a
+    rank runs whole heads (key heads and the value heads grouped with them). `columns`: the projections from the
+    hidden states, each with its output's part sizes, each part split evenly (one part: a contiguous split, right
+    where the output is one kind of feature or grouped by key head; Qwen3.5's in_proj_qkv packs [q | k | v]).
+    `output`: the projection back to the hidden size (row-parallel). `rows`: parameters with rows per channel or
+    per head, with their part sizes (the depthwise convolution over the packed [q | k | v] channels; the per-head
+    decay and time-step biases). `shared`: modules whose weight every head uses (the gated output norm).
+    `counts`: the mixer's integer attributes that count heads or channels, which each rank holds 1/tp of."""
+
+    mixer: str
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    columns: tuple[tuple[str, tuple[int, ...]], ...]
+    output: str
+    rows: tuple[tuple[str, tuple[int, ...]], ...]
+    shared: tuple[str, ...]
+    counts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shapes of a decoder-only transformer: everything the cost model reads.
 
@@ -261,6 +300,9 @@ class ModelSpec:
     packed_unequal_qkv: bool = False
     qk_norm: str | None = None
     latent_attention: LatentAttention | None = None
+    # Gated DeltaNet layers' (key heads, value heads): tensor parallel splits them too. The cost model prices those
+    # layers as attention layers (the structure's notes say so).
+    linear_attention_heads: tuple[int, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
@@ -928,7 +970,10 @@ def _heads(attn_module, block, model, head_dim_hint: int | None, q_size: int, kv
         head_dim = head_dim_hint
     if heads is None and head_dim:
         heads = q_size // head_dim if q_size % head_dim == 0 else None
-    if heads is None or head_dim is None or heads * head_dim != q_size:
+    # The query projection of Qwen3-Next's and Qwen3.5's gated attention also gives each head its output gate:
+    # [query | gate] per head, twice the heads' width (a contiguous tensor-parallel split keeps heads whole).
+    gated_query = bool(heads and head_dim) and 2 * heads * head_dim == q_size
+    if heads is None or head_dim is None or (heads * head_dim != q_size and not gated_query):
         raise UnrecognisedModel(
             f"could not determine the number of attention heads (query width {q_size}): set a head-count "
             f"attribute such as num_heads on the attention module, or call "
@@ -1180,9 +1225,17 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         raise UnrecognisedModel(f"no projections found in the decoder layer {layers_name}.0 ({type(layers[0]).__name__})")
     moe_blocks, moe_fields = _moe_layers(layers, hidden, overrides)
     dense = [i for i in range(len(layers)) if i not in moe_blocks]
-    # Attention (and the dense MLP) are read from a dense layer where there is one, else from an MoE layer
-    # without its MoE block's projections.
-    index = dense[0] if dense else 0
+    mixers = {i: found for i, layer in enumerate(layers) if (found := _gated_delta_net(layer)) is not None}
+    attention_layers = [i for i in range(len(layers)) if i not in mixers]
+    if not attention_layers:
+        raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
+                                "attention layer to read the structure from")
+    # Attention (and the dense MLP) are read from a dense attention layer where there is one, else from an MoE
+    # layer without its MoE block's projections.
+    index = next((i for i in dense if i in attention_layers), attention_layers[0])
+    if dense and index in moe_blocks:
+        raise UnrecognisedModel(f"{layers_name}: the dense layers ({_ranges(tuple(dense))}) all mix tokens by linear "
+                                "attention, so no layer shows both the attention and the dense MLP")
     block = layers[index]
     moe = moe_blocks.get(index) or (next(iter(moe_blocks.values())) if moe_blocks else None)
     linears = _linears(block)
@@ -1205,7 +1258,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
             f"{layers_name}.{index}.{attention or ''}: {heads} query heads of width {head_dim} do not group over "
             f"{kv_heads} key/value heads (projection widths {attn['q_size']} and {attn['kv_size']}): not attention "
             "as tridist reads it; call ModelSpec.from_module(model, num_heads=..., num_kv_heads=...) if it is")
-    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks)
+    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks, tuple(mixers))
+    linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
     if attn.get("latent_kv"):  # the latents' norms (q_a_layernorm, kv_a_layernorm) are not q/k norms
@@ -1222,6 +1276,12 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
+    if attn["q_size"] == 2 * heads * head_dim:
+        notes.append(f"{attn.get('q') or attn.get('qkv')} also gives each query head its output gate (twice the "
+                     "heads' width); the cost model prices it as the query projection alone")
+    if linear is not None:
+        notes.append(f"layers {_ranges(linear.layers)} mix tokens by Gated DeltaNet linear attention; the cost model "
+                     "prices them as the attention layers")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
         notes.append(f"multi-head latent attention priced as it runs ({latent})")
@@ -1242,7 +1302,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
         moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,
-        expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), notes=tuple(notes),
+        expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), linear_attention=linear,
+        notes=tuple(notes),
     )
     eager = _eager_attention(model)
     fields = dict(
@@ -1252,9 +1313,81 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        latent_attention=latent, flash_attention=not eager, softmax_fp32=eager, **moe_fields,
+        latent_attention=latent, flash_attention=not eager, softmax_fp32=eager,
+        linear_attention_heads=(linear.num_k_heads, linear.num_v_heads) if linear else (), **moe_fields,
     )
     return structure, fields
+
+
+# transformers' Gated DeltaNet mixers (Qwen3-Next, Qwen3.5, Lara Mini) keep their head counts and widths as these
+# attributes; `_LINEAR_ATTENTION_COUNTS` are those a rank holds 1/tp of (the head widths are whole on every rank).
+_GATED_DELTA_NET_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+_LINEAR_ATTENTION_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+
+
+def _gated_delta_net(layer) -> str | None:
+    """The name (relative to `layer`) of its Gated DeltaNet mixer, or None: a module with transformers' head
+    attributes for one (`_GATED_DELTA_NET_ATTRS`) and a depthwise nn.Conv1d child (a group per channel)."""
+    from torch import nn
+
+    for name, module in layer.named_modules():
+        if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
+            continue
+        if any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels for c in module.children()):
+            return name
+    return None
+
+
+def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: int) -> LinearAttention:
+    """The Gated DeltaNet mixer of the `mixers` layers ({index: its name}), read from the first of them (the others
+    hold the same parameters: _check_layers_alike). Anything of it that is not a projection from the hidden size,
+    the output projection, the depthwise convolution over the packed [q | k | v] channels, a per-value-head
+    parameter or a norm over one value head's features is refused, naming it."""
+    from torch import nn
+
+    index = min(mixers)
+    if len(set(mixers.values())) > 1:
+        raise UnrecognisedModel(f"{layers_name}: linear-attention mixers under different names in different layers "
+                                f"({sorted(set(mixers.values()))})")
+    name = mixers[index]
+    module = layers[index].get_submodule(name)
+    where = f"{layers_name}.{index}.{name}"
+    num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
+    if num_v_heads % num_k_heads:
+        raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
+    packed = (num_k_heads * head_k_dim, num_k_heads * head_k_dim, num_v_heads * head_v_dim)  # [q | k | v]
+    value_dim = packed[2]
+    columns, outputs, rows, shared = [], [], [], []
+    for child_name, child in module.named_children():
+        params = dict(child.named_parameters())
+        if isinstance(child, nn.Linear) and child.in_features == hidden:
+            columns.append((child_name, packed if child.out_features == sum(packed) else (child.out_features,)))
+        elif isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (value_dim, hidden):
+            outputs.append(child_name)
+        elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == sum(packed):
+            rows += [(f"{child_name}.{pname}", packed) for pname in params]
+        elif params and all(p.dim() == 1 and p.shape[0] == head_v_dim for p in params.values()):
+            shared.append(child_name)
+        elif params:
+            shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
+            raise UnrecognisedModel(
+                f"{where}.{child_name} ({type(child).__name__}: {shapes}) is none of a Gated DeltaNet mixer's parts "
+                f"tensor parallel splits (projections from the hidden size {hidden}, one back to it from the "
+                f"{value_dim} value features, the depthwise convolution over the {sum(packed)} packed [q | k | v] "
+                f"channels, norms over a value head's {head_v_dim} features)")
+    for pname, param in module.named_parameters(recurse=False):
+        if param.dim() != 1 or param.shape[0] != num_v_heads:
+            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one entry per value "
+                                    f"head ({num_v_heads}), which tensor parallel would split with the heads")
+        rows.append((pname, (num_v_heads,)))
+    if len(outputs) != 1 or not columns or not any(size == packed for _, size in rows):
+        raise UnrecognisedModel(f"{where}: a Gated DeltaNet mixer needs projections from the hidden size, one output "
+                                f"projection and a convolution over its [q | k | v] channels; found {outputs or 'no'} "
+                                f"output projection(s), columns {[n for n, _ in columns]}")
+    return LinearAttention(
+        mixer=name, layers=tuple(sorted(mixers)), num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+        columns=tuple(columns), output=outputs[0], rows=tuple(rows), shared=tuple(shared),
+        counts=tuple(a for a in _LINEAR_ATTENTION_COUNTS if isinstance(readable_attr(module, a), int)))
 
 
 def _eager_attention(model) -> bool:
@@ -1279,14 +1412,16 @@ def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> 
             "tensor parallel does not split; pipeline and data parallel need only the decoder-layer list")
 
 
-def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict) -> list[str]:
+def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict,
+                        linear_layers: tuple[int, ...] = ()) -> list[str]:
     """Every decoder layer holds the template layer's parameters (by name) outside its MLP or MoE block, and every
     dense layer the template's dense MLP: the structure names one layer's modules, and the tensor-parallel,
-    pipeline and recompute plans apply those names to every layer. Layers of one class can differ (MiniMax's
-    linear-attention layers beside full-attention ones). Shapes may differ (Gemma 4's global layers have wider
-    heads): the plans split each layer's own weights and the tensor-parallel check runs every kind of block; the
-    notes say the cost model prices every layer as the template. An MoE block's shape is checked by _moe_layers.
-    Returns the notes."""
+    pipeline and recompute plans apply those names to every layer. The `linear_layers` (Gated DeltaNet's, whose
+    mixer the structure names apart) are held to the first of them outside their MLP instead. Layers of one class
+    can differ otherwise too (MiniMax's linear-attention layers beside full-attention ones: refused). Shapes may
+    differ (Gemma 4's global layers have wider heads): the plans split each layer's own weights and the
+    tensor-parallel check runs every kind of block; the notes say the cost model prices every layer as the
+    template. An MoE block's shape is checked by _moe_layers. Returns the notes."""
 
     def parameters(i: int) -> tuple[dict, dict]:  # (outside the MLP or MoE block, inside a dense MLP)
         inner = moe_blocks[i].block if i in moe_blocks else mlp
@@ -1296,10 +1431,12 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
             (inside if inner_part else outside)[name] = tuple(param.shape)
         return outside, inside
 
-    want_outside, want_mlp = parameters(template)
+    want_attention, want_mlp = parameters(template)
+    want_linear = parameters(linear_layers[0])[0] if linear_layers else None
     reshaped = set()
     for i in range(len(layers)):
         outside, inside = parameters(i)
+        like, want_outside = (linear_layers[0], want_linear) if i in linear_layers else (template, want_attention)
         for what, got, want in (("outside its MLP", outside, want_outside),
                                 ("in its MLP", None if i in moe_blocks or mlp is None else inside, want_mlp)):
             if got is None or got == want:
@@ -1310,9 +1447,9 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
             differ = sorted(set(got) ^ set(want))
             shown = ", ".join(f"{n} {'only here' if n in got else 'missing'}" for n in differ[:3])
             raise UnrecognisedModel(
-                f"decoder layers differ: {layers_name}.{i} {what} is not {layers_name}.{template}'s ({shown}"
+                f"decoder layers differ: {layers_name}.{i} {what} is not {layers_name}.{like}'s ({shown}"
                 f"{', ...' if len(differ) > 3 else ''}): the structure names one layer's modules in every layer "
-                "(layers of another kind beside the others, such as linear-attention layers, are not supported); "
+                "(layers of another kind beside the others are read for Gated DeltaNet linear attention alone); "
                 "fall back to data parallel (with sharding)")
     if not reshaped:
         return []

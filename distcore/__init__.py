@@ -29,6 +29,7 @@ from .tensor_parallel import (
     ReduceSharedOutputGradient,
     ShardHeadParameters,
     ShardLocalParameters,
+    ShardParameterRows,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
@@ -49,6 +50,7 @@ __all__ = [
     "ReduceSharedOutputGradient",
     "ShardHeadParameters",
     "ShardLocalParameters",
+    "ShardParameterRows",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

@@ -22,6 +22,7 @@ import functools
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnd,
     ShardLocalParameters,
+    ShardParameterRows,
     TensorParallelPlan,
     plan_from_names,
 )
@@ -320,6 +322,11 @@ def unsupported(spec) -> dict[str, str]:
         limits["overlap_tp_comm"] = (
             f"multi-head latent attention: its column-parallel projections ({structure.q}, {structure.latent_kv}) "
             "take the low-rank latents, not the attention's input, which the overlapped all-gather ring gathers")
+    if structure.linear_attention is not None:
+        limits["overlap_tp_comm"] = (f"the Gated DeltaNet mixers ({structure.pattern(structure.linear_attention.mixer)}) "
+                                     "project their input after masking its padding (transformers' "
+                                     "apply_mask_to_padding_states), not the region's input that the overlapped "
+                                     "all-gather ring computes their projections from")
     if getattr(spec, "packed_unequal_qkv", False):
         limits["overlap_tp_comm"] = (f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query heads): split on "
                                      "its input features, it reduce-scatters its output, which the overlapped "
@@ -575,7 +582,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         report = kernels.fuse(model)
         log.info("to_distributed: %s", report)
     if strategy.recompute != "none":
-        apply_recompute(model, layers=layers, attention=structure and structure.attention, mode=strategy.recompute)
+        apply_recompute(model, layers=layers, mixer=structure and structure.mixer, mode=strategy.recompute)
     parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
@@ -623,6 +630,9 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     indices = range(structure.num_layers)
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
     dense_layers = [layer for i, layer in zip(indices, layers) if i not in set(structure.moe_layers)]
+    linear = structure.linear_attention
+    linear_layers = [layer for i, layer in zip(indices, layers) if linear is not None and i in linear.layers]
+    attention_layers = [layer for layer in layers if layer not in linear_layers]
 
     def add(name, *styles):
         if name:
@@ -634,11 +644,15 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
                 add(f"{layer}.{relative}", *styles)
 
     for projection in (structure.q, structure.k, structure.v, structure.latent_kv):  # latent_kv: DeepSeek's kv_b_proj
-        add_per_layer(projection, ColWiseParallel())
-    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes))  # each part split on its own
-    add_per_layer(structure.o, RowWiseParallel())
+        add_per_layer(projection, ColWiseParallel(), among=attention_layers)
+    # each part split on its own
+    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes), among=attention_layers)
+    add_per_layer(structure.o, RowWiseParallel(), among=attention_layers)
     if structure.latent_kv_down and structure.latent_rotary_features:  # DeepSeek's rotary key, one for every head
-        add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features))
+        add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features),
+                      among=attention_layers)
+    if linear is not None:
+        _add_linear_attention(add, [f"{layer}.{linear.mixer}" for layer in linear_layers], linear)
     for projection in (structure.gate, structure.up):
         add_per_layer(projection, ColWiseParallel(), among=dense_layers)
     add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2), among=dense_layers)
@@ -651,7 +665,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         add(structure.lm_head_param, ColWiseParallel(gather_output=structure.lm_head_layout == "linear"))
     if sequence_parallel:
         add(structure.embedding, SequenceParallelBegin())
-        add_per_layer(structure.attention, SequenceParallelDisable())
+        add_per_layer(structure.attention, SequenceParallelDisable(), among=attention_layers)
+        add_per_layer(linear and linear.mixer, SequenceParallelDisable(), among=linear_layers)
         add_per_layer(structure.mlp, SequenceParallelDisable(), among=dense_layers)
         moe_layers = [layer for i, layer in zip(indices, layers) if i in set(structure.moe_layers)]
         if moe_layers and not structure.moe:
@@ -669,17 +684,34 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     return plan_from_names(model, plan)
 
 
-def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str) -> None:
+def _add_linear_attention(add, mixers: list[str], linear) -> None:
+    """Each Gated DeltaNet mixer split by head (autotune.model.LinearAttention says how): its projections from the
+    hidden states column-parallel (a packed one part by part), its output projection row-parallel, the rows of its
+    convolution and per-head parameters this rank's (ShardParameterRows, which also localises its head counts and
+    widths), and its gated output norm, one weight for every head, with its gradients summed over the mp ranks."""
+    for mixer in mixers:
+        for name, parts in linear.columns:
+            add(f"{mixer}.{name}", ColWiseParallel(packed_parts=parts if len(parts) > 1 else 1))
+        add(f"{mixer}.{linear.output}", RowWiseParallel())
+        for name in linear.shared:
+            add(f"{mixer}.{name}", ShardLocalParameters())
+        add(mixer, ShardParameterRows(rows=dict(linear.rows), counts=linear.counts))
+
+
+def apply_recompute(model: torch.nn.Module, *, layers: str, mixer: Callable[[int], str] | None = None,
+                    mode: str) -> None:
     """Activation recompute: "full" re-runs each decoder layer of the list `layers` in backward, "selective"
-    its `attention` (the part whose activations grow with the sequence; a name inside the layer). The forward
+    each layer's token mixer, `mixer(index)` (a name inside the layer, as ModelStructure.mixer gives: its
+    attention, or its linear attention; the part whose activations grow with the sequence). The forward
     is wrapped per instance, so parameter names (and checkpoints) do not change, and the recomputation re-runs
     the forward only, not the hooks distcore puts on the module (pipeline inputs, sequence splits), which must
     run once. (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames parameters.)"""
-    if mode == "selective" and not attention:
-        raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
-                         "structure names; use recompute='full'")
-    for layer in model.get_submodule(layers):
-        target = layer if mode == "full" else layer.get_submodule(attention)
+    for index, layer in enumerate(model.get_submodule(layers)):
+        name = mixer(index) if mode == "selective" and mixer is not None else None
+        if mode == "selective" and not name:
+            raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
+                             "structure names; use recompute='full'")
+        target = layer if mode == "full" else layer.get_submodule(name)
         target.forward = functools.partial(_recomputed, target.forward)
         target._tridist_recompute_wrapper = mode  # an overlapped region refuses it (overlap.py)
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)

@@ -304,6 +304,60 @@ class ShardHeadParameters(_Style):
         return f"{target.name}: {', '.join(split)} split by query head"
 
 
+@dataclass(repr=False)
+class ShardParameterRows(_Style):
+    """A module whose heads mp splits through its column-parallel projections and that holds parameters with
+    rows per head or per channel of them: a Gated DeltaNet mixer's depthwise convolution over its packed
+    [q | k | v] channels and its per-head decay and time-step biases, which its code reads itself
+    (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward. Each parameter named in `rows`
+    (relative to the module) stays whole on every rank (a Replicate DTensor: a few values per channel); for the
+    module's forward its owner holds this rank's rows of each part (`rows[name]`: the parts' sizes, each split
+    evenly, in order), whose gradients are summed over the mp ranks. `counts`: the module's integer attributes
+    that count heads or channels (num_v_heads, key_dim, conv_dim, ...), which become this rank's share."""
+
+    rows: dict
+    counts: tuple = ()
+
+    def apply(self, target: StyleTarget) -> str:
+        module, tp = target.module, target.tp_mesh.size()
+        rank = target.tp_mesh.get_local_rank()
+        slices = []  # (owner, parameter name, [(start, length) of this rank's rows in each part])
+        for name, parts in self.rows.items():
+            owner_name, _, pname = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            param = owner._parameters.get(pname)
+            if param is None or param.shape[0] != sum(parts) or any(part % tp for part in parts):
+                shape = None if param is None else tuple(param.shape)
+                raise ValueError(f"parallelize: {target.name}.{name} (shape {shape}) does not split as rows of parts "
+                                 f"{list(parts)} over {tp} ranks; use a degree that divides each part")
+            starts = [sum(parts[:i]) for i in range(len(parts))]
+            slices.append((owner, pname, [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)]))
+            replicate_parameters(owner, target.tp_mesh, recurse=False)
+        for attribute in self.counts:
+            value = getattr(module, attribute)
+            if value % tp:
+                raise ValueError(f"parallelize: {target.name}.{attribute} = {value} cannot be split over {tp} "
+                                 "tensor-parallel ranks; use a degree that divides it")
+            setattr(module, attribute, value // tp)
+
+        def swap_in(module, args) -> None:
+            module._tridist_whole_rows = [(owner, pname, owner._parameters[pname]) for owner, pname, _ in slices]
+            for owner, pname, spans in slices:
+                whole = owner._parameters[pname]
+                local = whole.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in whole.placements])
+                pieces = [local.narrow(0, start, length) for start, length in spans]
+                owner._parameters[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+        def swap_back(module, args, output) -> None:
+            for owner, pname, whole in vars(module).pop("_tridist_whole_rows", ()):
+                owner._parameters[pname] = whole
+
+        module.register_forward_pre_hook(swap_in)
+        module.register_forward_hook(swap_back, always_call=True)
+        counted = f"; {', '.join(self.counts)} divided by {tp}" if self.counts else ""
+        return f"{target.name}: this rank's rows of {', '.join(self.rows)} (gradients summed over the mp ranks){counted}"
+
+
 def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module) -> list[str]:
     """Modules of `parallel` (a block in local view) whose query projection outputs local heads and that hold a
     plain parameter with one row per query head of their `whole` counterpart: ShardHeadParameters' candidates."""

@@ -58,6 +58,10 @@ MORE_FAMILIES = {
     "qwen3-next": ("qwen3_next", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, linear_num_value_heads=4,
                                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_MOE)),
+    # Qwen3.5's dense text model: its Gated DeltaNet packs [q | k | v] in one projection (unequal: 2 x 16 and 32
+    # features) and the convolution runs over those channels; gated full attention in the other layers.
+    "qwen3.5": ("qwen3_5_text", dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                                     linear_key_head_dim=8, linear_value_head_dim=8)),
     # Local (sliding-window, its own rotary base) and global layers alternating (the config's default pattern
     # would make every layer of a small model local), q/k norms, 1 + w norms, GeGLU.
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW)),
@@ -167,7 +171,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
     if family in MORE_FAMILIES:
         model_type, extra = MORE_FAMILIES[family]
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
-        alternating = {"qwen3-next": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention")}
+        alternating = {"qwen3-next": ("linear_attention", "full_attention"),
+                       "qwen3.5": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention")}
         if family in alternating:  # the two kinds of layers alternate, the first kind first
             settings.layer_types = [alternating[family][i % 2] for i in range(layers)]
         return hf.AutoModelForCausalLM.from_config(settings)

@@ -162,18 +162,104 @@ def test_unrecognised_models_say_what_is_missing():
     assert issubclass(UnrecognisedModel, ValueError)
 
 
-@pytest.mark.parametrize("family, mixer", [("bamba", "mamba"), ("qwen3-next", "linear_attn")])
-def test_linear_attention_mixers_are_refused_naming_them(family, mixer):
-    """State-space and linear-attention mixers (a causal conv1d over packed projections that hold per-head
-    state parameters beside q/k/v) are no attention tensor parallel can split. Bamba's Mamba-2 mixer was read
-    as a packed qkv of 128 heads over 384 key/value heads, and ModelSpec then raised a ValueError that
-    to_distributed did not catch (its search crashed); both name the mixer now, and the layer list."""
+def test_mamba_mixers_are_refused_naming_them():
+    """State-space mixers (a causal conv1d over packed projections that hold per-head state parameters beside
+    q/k/v) are no attention tensor parallel can split. Bamba's Mamba-2 mixer was read as a packed qkv of 128 heads
+    over 384 key/value heads, and ModelSpec then raised a ValueError that to_distributed did not catch (its search
+    crashed); it names the mixer now, and the layer list."""
     from tests.hf_models import build
 
     pytest.importorskip("transformers")
-    with pytest.raises(UnrecognisedModel, match=rf"model\.layers\.0: {mixer} holds a convolution \(conv1d\)") as caught:
-        ModelSpec.from_module(build(family))
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0: mamba holds a convolution \(conv1d\)") as caught:
+        ModelSpec.from_module(build("bamba"))
     assert caught.value.layers == "model.layers"
+
+
+def test_gated_deltanet_layers_are_read_beside_attention():
+    """Qwen3.5 and Qwen3-Next: Gated DeltaNet linear-attention layers beside gated full-attention ones. The attention
+    is read from a full-attention layer (its query projection twice the heads' width: [query | gate] per head), the
+    mixer from the first linear one, with what tensor parallel splits and how: Qwen3.5 packs [q | k | v] in one
+    projection, Qwen3-Next groups its projections by key head (a contiguous split). Every layer is its kind's
+    template's; validate asks tp to divide the mixers' head counts too."""
+    from tests.hf_models import build
+    from tridist.autotune import Cluster, Strategy, validate
+
+    pytest.importorskip("transformers")
+    spec = ModelSpec.from_module(build("qwen3.5", layers=4), seq_len=16)
+    s, linear = spec.structure, spec.structure.linear_attention
+    assert (s.q, s.o, s.qk_norms) == ("self_attn.q_proj", "self_attn.o_proj", ("self_attn.q_norm", "self_attn.k_norm"))
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.linear_attention_heads) == (4, 2, 16, (2, 4))
+    key, value = 2 * 8, 4 * 8
+    assert linear == dataclasses.replace(
+        linear, mixer="linear_attn", layers=(0, 2), num_k_heads=2, num_v_heads=4,
+        columns=(("in_proj_qkv", (key, key, value)), ("in_proj_z", (value,)), ("in_proj_b", (4,)), ("in_proj_a", (4,))),
+        output="out_proj", rows=(("conv1d.weight", (key, key, value)), ("dt_bias", (4,)), ("A_log", (4,))),
+        shared=("norm",), counts=("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"))
+    assert [s.mixer(i) for i in range(4)] == ["linear_attn", "self_attn", "linear_attn", "self_attn"]
+    assert any("output gate" in note for note in s.notes) and any("layers 0, 2 mix tokens" in note for note in s.notes), s.notes
+    assert "linear attention  model.layers.*.linear_attn in layers 0, 2" in s.describe()
+    with pytest.raises(ValueError, match="no tensor-parallel roles for linear attention"):
+        s.tp_roles()
+    strategy = Strategy(dp=1, tp=4, pp=1, micro_batch_size=1, num_micro_batches=1)
+    assert "tp=4 does not divide linear_num_key_heads=2" in " ".join(validate(spec, Cluster(1, 4), strategy, global_batch_size=1))
+    next_linear = ModelSpec.from_module(build("qwen3-next"), seq_len=16).structure.linear_attention
+    assert next_linear.columns == (("in_proj_qkvz", (2 * key + 2 * value,)), ("in_proj_ba", (8,)))  # by key head
+    assert (next_linear.layers, next_linear.rows[0]) == ((0,), ("conv1d.weight", (key, key, value)))
+
+
+def test_linear_attention_that_is_not_read_whole_is_refused():
+    """A Gated DeltaNet mixer with a part tensor parallel would not know how to split, a model whose every layer is
+    linear attention (no attention layer to read), and a linear layer unlike the first: refused, naming them."""
+    from tests.hf_models import build
+
+    pytest.importorskip("transformers")
+    model = build("qwen3.5", layers=4)
+    model.model.layers[0].linear_attn.extra = nn.Linear(8, 8)
+    model.model.layers[2].linear_attn.extra = nn.Linear(8, 8)
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0\.linear_attn\.extra \(Linear: weight \(8, 8\), "
+                                                 r"bias \(8,\)\) is none of a Gated DeltaNet mixer's parts"):
+        ModelSpec.from_module(model)
+    model = build("qwen3.5", layers=4)
+    model.model.layers[2].linear_attn.register_parameter("scale", nn.Parameter(torch.ones(3)))
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.2 outside its MLP is not model\.layers\.0's "
+                                                 r"\(linear_attn\.scale only here\)"):
+        ModelSpec.from_module(model)
+    model = build("qwen3.5", layers=2)
+    model.model.layers[1] = build("qwen3.5", layers=2).model.layers[0]
+    with pytest.raises(UnrecognisedModel, match="every layer of model.layers mixes tokens by linear attention"):
+        ModelSpec.from_module(model)
+
+
+def test_gated_deltanet_plan_splits_each_mixer_by_head():
+    """to_distributed's tensor-parallel plan for Qwen3.5: in the linear layers each mixer's projections column-
+    (in_proj_qkv part by part) and row-parallel, its gated norm's gradient summed over the ranks, its convolution's
+    and per-head parameters' rows and its counts this rank's, the whole mixer gathering the sequence under sequence
+    parallel; attention's styles in the attention layers only. Selective recompute wraps each layer's own mixer."""
+    from tests.hf_models import build
+    from tridist import distcore
+    from tridist.distcore.auto import apply_recompute, tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    model = build("qwen3.5")
+    structure = ModelSpec.from_module(model, seq_len=16).structure
+    styles = tensor_parallel_plan(model, structure, sequence_parallel=True).styles
+    mixer = "model.layers.0.linear_attn"
+    assert {name: [type(x).__name__ for x in kinds] for name, kinds in styles.items() if name.startswith(mixer)} == {
+        f"{mixer}.in_proj_qkv": ["ColWiseParallel"], f"{mixer}.in_proj_z": ["ColWiseParallel"],
+        f"{mixer}.in_proj_b": ["ColWiseParallel"], f"{mixer}.in_proj_a": ["ColWiseParallel"],
+        f"{mixer}.out_proj": ["RowWiseParallel"], f"{mixer}.norm": ["ShardLocalParameters"],
+        mixer: ["ShardParameterRows", "SequenceParallelDisable"]}
+    assert styles[f"{mixer}.in_proj_qkv"][0].packed_parts == (16, 16, 32) and styles[f"{mixer}.in_proj_z"][0].packed_parts == 1
+    rows = styles[mixer][0]
+    assert rows.rows == {"conv1d.weight": (16, 16, 32), "dt_bias": (4,), "A_log": (4,)}
+    assert rows.counts == ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+    assert isinstance(rows, distcore.ShardParameterRows)
+    assert not any(name.startswith("model.layers.0.self_attn") or name.startswith("model.layers.1.linear_attn")
+                   for name in styles)
+    assert {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"} <= set(styles)
+    apply_recompute(model, layers=structure.layers, mixer=structure.mixer, mode="selective")
+    wrapped = [n for n, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None) == "selective"]
+    assert wrapped == ["model.layers.0.linear_attn", "model.layers.1.self_attn"], wrapped
 
 
 def test_spec_validation_and_presets():

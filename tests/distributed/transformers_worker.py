@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -636,13 +637,42 @@ def check_unrecognised_and_ambiguous_models():
     # decoder-layer list is all they need (before, refused with tensor parallel)
     _train("gpt2", _strategy(2, 1, 2, num_micro_batches=2, recompute="full"))
     _expect_refused("gpt2", _strategy(4, 1, 1, recompute="selective"), "selective recompute need(s) a recognised")
-    # Hybrids of linear attention (Gated DeltaNet, Mamba-2) and attention: refused under tp, naming the mixer
-    # (Bamba's crashed to_distributed, searched too: 'num_heads=128 must be a multiple of num_kv_heads=384');
-    # they train under pp, and searched under dp
-    _expect_refused("qwen3-next", _strategy(2, 2, 1), "linear_attn holds a convolution (conv1d)")
+    # Hybrids of Mamba-2 and attention: refused under tp, naming the mixer (Bamba's crashed to_distributed, searched
+    # too: 'num_heads=128 must be a multiple of num_kv_heads=384'); they train searched under dp. (Gated DeltaNet's
+    # hybrids train under tp: check_gated_deltanet_layers_train_under_tensor_parallel.)
     _expect_refused("bamba", _strategy(2, 2, 1), "mamba holds a convolution (conv1d)")
-    _train("qwen3-next", _strategy(2, 1, 2, num_micro_batches=2))
     assert _train("bamba").pp == 1
+
+
+def check_gated_deltanet_layers_train_under_tensor_parallel():
+    """Gated DeltaNet linear attention beside gated full attention: Qwen3.5 (dense; one projection packs [q | k | v],
+    unequal: 16, 16 and 32 features) and Qwen3-Next (experts; its projections grouped by key head). Each mixer is
+    split by head (its projections column- and row-parallel, this rank's rows of its convolution and per-head
+    parameters, its head counts and widths divided: asserted) and both train equal to one process (logits, losses,
+    first-step gradients, trained parameters) under dp 2 x tp 2 and tp 2 + sp x pp 2, in local view. Before, tp was
+    refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input first)."""
+
+    def split_by_head(model):
+        mixers = [m for n, m in model.named_modules() if n.endswith("linear_attn") and next(m.parameters(), None) is not None]
+        held = [None] * dist.get_world_size()
+        dist.all_gather_object(held, len(mixers))
+        assert any(held), held  # pipeline stages hold the mixers on some ranks
+        def on_mp(param):
+            assert isinstance(param, DTensor), param
+            return param.placements[param.device_mesh.mesh_dim_names.index("mp")]
+
+        for mixer in mixers:
+            assert (mixer.num_k_heads, mixer.num_v_heads, mixer.key_dim, mixer.value_dim) == (1, 2, 8, 16), vars(mixer)
+            out = mixer.out_proj.weight
+            assert on_mp(out) == distcore.Shard(1) and out.to_local().shape[1] == 16, out
+            for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight"):  # whole on every rank, rows taken per call
+                assert on_mp(mixer.get_parameter(name)).is_replicate(), name
+
+    for family in ("qwen3.5", "qwen3-next"):
+        _train(family, _strategy(2, 2, 1, sharding_level=2), inspect=split_by_head)
+        _train(family, _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), inspect=split_by_head)
+    _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
+                    "project their input after masking its padding")
 
 
 def _freeze_embedding_and_first_layer(model) -> None:
@@ -1615,3 +1645,4 @@ if __name__ == "__main__":
     logging.getLogger("tridist").setLevel(logging.ERROR)
     distcore.init_parallel_env()
     run_checks(CHECKS)  # ends the process group
+
