@@ -23,6 +23,10 @@ runs on the meta device (no forward, no memory for the weights):
   beside it, Qwen2-MoE's, counts as its part); top-k comes from an attribute (top_k,
   num_experts_per_tok, ...) of the block, the router or a config. The attention group is then found
   among the layer's other projections;
+* Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): a module with transformers' head attributes for it
+  (num_k_heads, num_v_heads, head_k_dim, head_v_dim) and a depthwise convolution marks a layer whose token mixer
+  it is; the attention is then read from another layer, and each part of the mixer is classified by its shapes
+  (`LinearAttention`);
 * outside the layers: the embedding ([vocab, hidden]), the final norm (a 1-D `weight` of hidden
   entries) and the LM head: a Linear [vocab, hidden], or a bare [hidden, vocab] parameter (Paddle's
   `x @ weight`); tied to the embedding, a Linear whose weight is the embedding's (Hugging Face's
@@ -42,7 +46,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["LatentAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise"]
+__all__ = ["LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset",
+           "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
 
@@ -123,12 +128,6 @@ class ModelStructure:
     def pattern(self, relative: str) -> str:
         """A layer-relative name as a pattern over every layer: 'mlp.up_proj' -> 'model.layers.*.mlp.up_proj'."""
         return f"{self.layers}.*.{relative}" if self.layers else f"*.{relative}"
-
-    def mixer(self, index: int) -> str:
-        """Layer `index`'s token mixer, relative to the layer: its linear attention in the layers that have
-        one, else `attention` ("" where the attention's projections sit in the layer itself)."""
-        linear = self.linear_attention
-        return linear.mixer if linear is not None and index in linear.layers else self.attention
 
     @property
     def is_moe(self) -> bool:
@@ -883,7 +882,11 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
         if k.out_features != v.out_features:
             raise UnrecognisedModel(f"key and value projections differ in width ({k.name}: {k.out_features}, "
                                     f"{v.name}: {v.out_features}); expected equal k/v projections")
-        return dict(q=q.name, k=k.name, v=v.name, o=o.name, q_size=q.out_features, kv_size=k.out_features)
+        # Qwen3-Next's and Qwen3.5's gated attention: the query projection also gives each head its output gate,
+        # [query | gate] per head, twice what the output projection takes (a contiguous tp split keeps heads whole).
+        gated_query = q.out_features == 2 * o.in_features
+        return dict(q=q.name, k=k.name, v=v.name, o=o.name, kv_size=k.out_features, gated_query=gated_query,
+                    q_size=o.in_features if gated_query else q.out_features)
     if len(ins) == 1:
         qkv = ins[0]
         rest = qkv.out_features - q_size
@@ -970,10 +973,7 @@ def _heads(attn_module, block, model, head_dim_hint: int | None, q_size: int, kv
         head_dim = head_dim_hint
     if heads is None and head_dim:
         heads = q_size // head_dim if q_size % head_dim == 0 else None
-    # The query projection of Qwen3-Next's and Qwen3.5's gated attention also gives each head its output gate:
-    # [query | gate] per head, twice the heads' width (a contiguous tensor-parallel split keeps heads whole).
-    gated_query = bool(heads and head_dim) and 2 * heads * head_dim == q_size
-    if heads is None or head_dim is None or (heads * head_dim != q_size and not gated_query):
+    if heads is None or head_dim is None or heads * head_dim != q_size:
         raise UnrecognisedModel(
             f"could not determine the number of attention heads (query width {q_size}): set a head-count "
             f"attribute such as num_heads on the attention module, or call "
@@ -1276,7 +1276,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
-    if attn["q_size"] == 2 * heads * head_dim:
+    if attn.get("gated_query"):
         notes.append(f"{attn.get('q') or attn.get('qkv')} also gives each query head its output gate (twice the "
                      "heads' width); the cost model prices it as the query projection alone")
     if linear is not None:
@@ -1357,13 +1357,19 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
     packed = (num_k_heads * head_k_dim, num_k_heads * head_k_dim, num_v_heads * head_v_dim)  # [q | k | v]
     value_dim = packed[2]
+    # The output projection takes the value heads back to the hidden size; where both are one width (a square
+    # gate projection beside it, Qwen3.5's in_proj_z), its name tells it (out_proj, o_proj), as for attention.
+    linears = [_Linear(child_name, name, child.in_features, child.out_features)
+               for child_name, child in module.named_children() if isinstance(child, nn.Linear)]
+    candidates = [l for l in linears if (l.in_features, l.out_features) == (value_dim, hidden)]
+    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
     columns, outputs, rows, shared = [], [], [], []
     for child_name, child in module.named_children():
         params = dict(child.named_parameters())
-        if isinstance(child, nn.Linear) and child.in_features == hidden:
-            columns.append((child_name, packed if child.out_features == sum(packed) else (child.out_features,)))
-        elif isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (value_dim, hidden):
+        if child_name == output:
             outputs.append(child_name)
+        elif isinstance(child, nn.Linear) and child.in_features == hidden:
+            columns.append((child_name, packed if child.out_features == sum(packed) else (child.out_features,)))
         elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == sum(packed):
             rows += [(f"{child_name}.{pname}", packed) for pname in params]
         elif params and all(p.dim() == 1 and p.shape[0] == head_v_dim for p in params.values()):
@@ -1453,7 +1459,8 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
                 "fall back to data parallel (with sharding)")
     if not reshaped:
         return []
-    return [f"layers {_ranges(tuple(sorted(reshaped)))} have other parameter shapes than layer {template}; the cost "
+    like = f"layer {template}" + (f" (or, linear attention, layer {linear_layers[0]})" if linear_layers else "")
+    return [f"layers {_ranges(tuple(sorted(reshaped)))} have other parameter shapes than {like}; the cost "
             f"model prices every layer as layer {template}"]
 
 

@@ -29,7 +29,7 @@ from .tensor_parallel import (
     ReduceSharedOutputGradient,
     ShardHeadParameters,
     ShardLocalParameters,
-    ShardParameterRows,
+    LocalParameterRows,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 
@@ -50,7 +50,7 @@ __all__ = [
     "ReduceSharedOutputGradient",
     "ShardHeadParameters",
     "ShardLocalParameters",
-    "ShardParameterRows",
+    "LocalParameterRows",
     "PrepareLayerInput",
     "PrepareLayerOutput",
     "RowWiseParallel",

@@ -22,7 +22,6 @@ import functools
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -48,7 +47,7 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnd,
     ShardLocalParameters,
-    ShardParameterRows,
+    LocalParameterRows,
     TensorParallelPlan,
     plan_from_names,
 )
@@ -582,7 +581,9 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         report = kernels.fuse(model)
         log.info("to_distributed: %s", report)
     if strategy.recompute != "none":
-        apply_recompute(model, layers=layers, mixer=structure and structure.mixer, mode=strategy.recompute)
+        linear = structure and structure.linear_attention
+        apply_recompute(model, layers=layers, attention=structure and structure.attention, mode=strategy.recompute,
+                        linear_layers=linear.layers if linear else ())
     parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
@@ -611,7 +612,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
-    when they are tied).
+    when they are tied). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
+    instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
     (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1).
@@ -631,8 +633,9 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
     dense_layers = [layer for i, layer in zip(indices, layers) if i not in set(structure.moe_layers)]
     linear = structure.linear_attention
-    linear_layers = [layer for i, layer in zip(indices, layers) if linear is not None and i in linear.layers]
-    attention_layers = [layer for layer in layers if layer not in linear_layers]
+    linear_indices = set(linear.layers) if linear else set()
+    linear_layers = [layer for i, layer in zip(indices, layers) if i in linear_indices]
+    attention_layers = [layer for i, layer in zip(indices, layers) if i not in linear_indices]
 
     def add(name, *styles):
         if name:
@@ -666,7 +669,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     if sequence_parallel:
         add(structure.embedding, SequenceParallelBegin())
         add_per_layer(structure.attention, SequenceParallelDisable(), among=attention_layers)
-        add_per_layer(linear and linear.mixer, SequenceParallelDisable(), among=linear_layers)
+        if linear is not None:
+            add_per_layer(linear.mixer, SequenceParallelDisable(), among=linear_layers)
         add_per_layer(structure.mlp, SequenceParallelDisable(), among=dense_layers)
         moe_layers = [layer for i, layer in zip(indices, layers) if i in set(structure.moe_layers)]
         if moe_layers and not structure.moe:
@@ -687,7 +691,7 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
 def _add_linear_attention(add, mixers: list[str], linear) -> None:
     """Each Gated DeltaNet mixer split by head (autotune.model.LinearAttention says how): its projections from the
     hidden states column-parallel (a packed one part by part), its output projection row-parallel, the rows of its
-    convolution and per-head parameters this rank's (ShardParameterRows, which also localises its head counts and
+    convolution and per-head parameters this rank's (LocalParameterRows, which also localises its head counts and
     widths), and its gated output norm, one weight for every head, with its gradients summed over the mp ranks."""
     for mixer in mixers:
         for name, parts in linear.columns:
@@ -695,23 +699,26 @@ def _add_linear_attention(add, mixers: list[str], linear) -> None:
         add(f"{mixer}.{linear.output}", RowWiseParallel())
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
-        add(mixer, ShardParameterRows(rows=dict(linear.rows), counts=linear.counts))
+        add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts))
 
 
-def apply_recompute(model: torch.nn.Module, *, layers: str, mixer: Callable[[int], str] | None = None,
-                    mode: str) -> None:
+def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str,
+                    linear_layers: tuple[int, ...] = ()) -> None:
     """Activation recompute: "full" re-runs each decoder layer of the list `layers` in backward, "selective"
-    each layer's token mixer, `mixer(index)` (a name inside the layer, as ModelStructure.mixer gives: its
-    attention, or its linear attention; the part whose activations grow with the sequence). The forward
-    is wrapped per instance, so parameter names (and checkpoints) do not change, and the recomputation re-runs
-    the forward only, not the hooks distcore puts on the module (pipeline inputs, sequence splits), which must
-    run once. (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames parameters.)"""
+    its `attention` (the part whose activations grow with the sequence, its s x s scores; a name inside the
+    layer), except in `linear_layers`, whose token mixer is linear attention: no scores to drop, left as they
+    are (and their mixer's tensor-parallel split takes its rows in hooks a recomputed forward would not run). The
+    forward is wrapped per instance, so parameter names (and checkpoints) do not change, and the recomputation
+    re-runs the forward only, not the hooks distcore puts on the module (pipeline inputs, sequence splits), which
+    must run once. (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames
+    parameters.)"""
+    if mode == "selective" and not attention:
+        raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
+                         "structure names; use recompute='full'")
     for index, layer in enumerate(model.get_submodule(layers)):
-        name = mixer(index) if mode == "selective" and mixer is not None else None
-        if mode == "selective" and not name:
-            raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
-                             "structure names; use recompute='full'")
-        target = layer if mode == "full" else layer.get_submodule(name)
+        if mode == "selective" and index in linear_layers:
+            continue
+        target = layer if mode == "full" else layer.get_submodule(attention)
         target.forward = functools.partial(_recomputed, target.forward)
         target._tridist_recompute_wrapper = mode  # an overlapped region refuses it (overlap.py)
         layer._tridist_recompute = mode  # a block in global view refuses it (global_view.refuse_recompute)

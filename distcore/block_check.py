@@ -208,6 +208,8 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
         return BlockViews()
     samples = capture(model, tp=tp_mesh.size())
     if isinstance(samples, str):
+        for name, block in planned:
+            _refuse_without_global_view(plan, name, block, f"cannot be checked: {samples}")
         log.warning("parallelize: tensor parallel blocks cannot be checked: %s; they run in global view", samples)
         return BlockViews({name: f"not checked: {samples}" for name, _ in planned})
     verdicts: dict[tuple, tuple[str | None, dict]] = {}  # kind -> (why global view, or None; repairs relative to the block)
@@ -218,6 +220,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             continue
         sample = samples.get(kind)
         if sample is None:
+            _refuse_without_global_view(plan, name, block, "cannot be checked: no input of it was captured")
             verdicts[kind] = (f"not checked: no input of {kind_name} was captured", {})
             continue
         check = _Check(sample_plan=plan.within(name), tp_mesh=tp_mesh, process_mesh=process_mesh,
@@ -225,6 +228,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
         try:
             reference = _Reference.of(sample, torch.device(tp_mesh.device_type))
         except _Unchecked as reason:
+            _refuse_without_global_view(plan, name, block, f"cannot be checked: {reason}")
             verdicts[kind] = (f"not checked: {reason}", {})
             log.warning("parallelize: %s (%s) runs in global view, not checked: %s", kind_name, name, reason)
             continue
@@ -232,6 +236,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
         if local is None:
             verdicts[kind] = (None, repairs)
             continue
+        _refuse_without_global_view(plan, name, block, f"in local view {local}")
         global_ = check.difference(reference, view="global")
         if global_ is not None:
             raise TensorParallelCheckError(
@@ -248,6 +253,18 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             views.global_view[name] = reason
         views.repairs.update({f"{name}.{module}": styles for module, styles in repairs.items()})
     return views
+
+
+def _refuse_without_global_view(plan, name: str, block: torch.nn.Module, why: str) -> None:
+    """Raise TensorParallelCheckError where block `name`, which `why` keeps out of local view, holds a style that
+    runs in local view only (`global_view` False: LocalParameterRows, a Gated DeltaNet mixer's rows)."""
+    local_only = sorted(module for module, styles in plan.within(name).styles.items()
+                        if any(not getattr(style, "global_view", True) for style in styles))
+    if local_only:
+        raise TensorParallelCheckError(
+            f"parallelize: {type(block).__name__} ({name!r}) {why}; its {local_only} run in local view only (their "
+            "split takes each rank's rows of parameters its code reads), so it has no global view to fall back to. "
+            "Use tp=1 for this model (data and pipeline parallel need none of it)")
 
 
 def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> None:

@@ -87,7 +87,10 @@ class StyleTarget:
 class _Style:
     """Base of Paddle's parallel styles: configuration (the plan's values) that applies itself to one
     module in local view (`apply`), as torch's ParallelStyle._apply does: a new style needs no change
-    anywhere else."""
+    anywhere else. `global_view`: whether a block holding the style may run in global view instead (the
+    block check's fallback, global_view.py)."""
+
+    global_view = True
 
     def apply(self, target: StyleTarget) -> str:
         """Change `target.module` in place; returns a line for the log."""
@@ -305,55 +308,57 @@ class ShardHeadParameters(_Style):
 
 
 @dataclass(repr=False)
-class ShardParameterRows(_Style):
+class LocalParameterRows(_Style):
     """A module whose heads mp splits through its column-parallel projections and that holds parameters with
     rows per head or per channel of them: a Gated DeltaNet mixer's depthwise convolution over its packed
     [q | k | v] channels and its per-head decay and time-step biases, which its code reads itself
     (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward. Each parameter named in `rows`
-    (relative to the module) stays whole on every rank (a Replicate DTensor: a few values per channel); for the
-    module's forward its owner holds this rank's rows of each part (`rows[name]`: the parts' sizes, each split
-    evenly, in order), whose gradients are summed over the mp ranks. `counts`: the module's integer attributes
-    that count heads or channels (num_v_heads, key_dim, conv_dim, ...), which become this rank's share."""
+    (relative to the module) stays whole on every rank (a Replicate DTensor: a few values per channel); around
+    every call of the module's forward (its forward hooks) its owner holds this rank's rows of each part
+    (`rows[name]`: the parts' sizes, each split evenly, in order), whose gradients are summed over the mp ranks.
+    `counts`: the module's integer attributes that count heads or channels (num_v_heads, key_dim, conv_dim,
+    ...), which become this rank's share. Local view only: a global-view block has no local rows to take."""
 
-    rows: dict
-    counts: tuple = ()
+    rows: dict[str, tuple[int, ...]]
+    counts: tuple[str, ...] = ()
+    global_view = False  # block_check: no fallback to global view for a block holding this style
 
     def apply(self, target: StyleTarget) -> str:
         module, tp = target.module, target.tp_mesh.size()
         rank = target.tp_mesh.get_local_rank()
-        slices = []  # (owner, parameter name, [(start, length) of this rank's rows in each part])
+        spans = {}  # (owner, parameter name) -> this rank's (start, length) in each part
         for name, parts in self.rows.items():
             owner_name, _, pname = name.rpartition(".")
             owner = module.get_submodule(owner_name)
             param = owner._parameters.get(pname)
-            if param is None or param.shape[0] != sum(parts) or any(part % tp for part in parts):
-                shape = None if param is None else tuple(param.shape)
-                raise ValueError(f"parallelize: {target.name}.{name} (shape {shape}) does not split as rows of parts "
-                                 f"{list(parts)} over {tp} ranks; use a degree that divides each part")
+            if param is None:
+                raise ValueError(f"parallelize: {type(self).__name__} names {target.name}.{name}, which is no "
+                                 f"parameter of {type(module).__name__}; name its parameters relative to it")
+            if param.shape[0] != sum(parts) or any(part % tp for part in parts):
+                raise ValueError(f"parallelize: {target.name}.{name} (shape {tuple(param.shape)}) does not split as "
+                                 f"rows of parts {list(parts)} over {tp} ranks; use a degree that divides each part")
             starts = [sum(parts[:i]) for i in range(len(parts))]
-            slices.append((owner, pname, [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)]))
-            replicate_parameters(owner, target.tp_mesh, recurse=False)
+            spans[owner, pname] = [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)]
         for attribute in self.counts:
-            value = getattr(module, attribute)
-            if value % tp:
-                raise ValueError(f"parallelize: {target.name}.{attribute} = {value} cannot be split over {tp} "
-                                 "tensor-parallel ranks; use a degree that divides it")
-            setattr(module, attribute, value // tp)
+            if getattr(module, attribute) % tp:
+                raise ValueError(f"parallelize: {target.name}.{attribute} = {getattr(module, attribute)} cannot be "
+                                 f"split over {tp} tensor-parallel ranks; use a degree that divides it")
+        for owner, pname in spans:  # all checked: now change the module
+            whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
+            owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
+        for attribute in self.counts:
+            setattr(module, attribute, getattr(module, attribute) // tp)
 
-        def swap_in(module, args) -> None:
-            module._tridist_whole_rows = [(owner, pname, owner._parameters[pname]) for owner, pname, _ in slices]
-            for owner, pname, spans in slices:
-                whole = owner._parameters[pname]
-                local = whole.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in whole.placements])
-                pieces = [local.narrow(0, start, length) for start, length in spans]
-                owner._parameters[pname] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        def take_local_rows(mixer, args) -> None:
+            whole = {(owner, pname): owner._parameters[pname] for owner, pname in spans}
+            for (owner, pname), param in whole.items():
+                local = _local_value(param)
+                rows = [local.narrow(0, start, length) for start, length in spans[owner, pname]]
+                owner._parameters[pname] = rows[0] if len(rows) == 1 else torch.cat(rows)
+            mixer._tridist_whole_parameters = whole
 
-        def swap_back(module, args, output) -> None:
-            for owner, pname, whole in vars(module).pop("_tridist_whole_rows", ()):
-                owner._parameters[pname] = whole
-
-        module.register_forward_pre_hook(swap_in)
-        module.register_forward_hook(swap_back, always_call=True)
+        module.register_forward_pre_hook(take_local_rows)
+        module.register_forward_hook(_swap_back_parameters, always_call=True)
         counted = f"; {', '.join(self.counts)} divided by {tp}" if self.counts else ""
         return f"{target.name}: this rank's rows of {', '.join(self.rows)} (gradients summed over the mp ranks){counted}"
 
@@ -378,20 +383,25 @@ def _per_head(param: torch.Tensor | None, heads: int | None) -> bool:
 
 
 def _swap_in_local_parameters(module, args) -> None:
-    """For the forward only: each DTensor parameter as its local value whose gradient is Partial on the mesh
-    dims where the parameter is replicated. FSDP2 swaps its unsharded parameters in the same way, around
-    the enclosing block; this runs inside that, on whatever parameter is registered now."""
-    whole = {}
-    for pname, param in module._parameters.items():
-        if isinstance(param, DTensor):
-            whole[pname] = param
-            grad_placements = [Partial() if p.is_replicate() else p for p in param.placements]
-            module._parameters[pname] = param.to_local(grad_placements=grad_placements)
+    """For the forward only: each DTensor parameter as its local value (`_local_value`). FSDP2 swaps its
+    unsharded parameters in the same way, around the enclosing block; this runs inside that, on whatever
+    parameter is registered now."""
+    whole = {(module, pname): param for pname, param in module._parameters.items() if isinstance(param, DTensor)}
+    for (_, pname), param in whole.items():
+        module._parameters[pname] = _local_value(param)
     module._tridist_whole_parameters = whole
 
 
+def _local_value(param: DTensor) -> torch.Tensor:
+    """A DTensor parameter's local value, whose gradient is Partial on the mesh dims where it is replicated
+    (summed over the ranks that each computed a part of it)."""
+    return param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
+
+
 def _swap_back_parameters(module, args, output) -> None:
-    module._parameters.update(vars(module).pop("_tridist_whole_parameters", {}))
+    """After the forward: the parameters a swap-in hook put aside ({(owner, name): parameter}) registered again."""
+    for (owner, pname), param in vars(module).pop("_tridist_whole_parameters", {}).items():
+        owner._parameters[pname] = param
 
 
 @dataclass(repr=False)

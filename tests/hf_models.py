@@ -58,9 +58,10 @@ MORE_FAMILIES = {
     "qwen3-next": ("qwen3_next", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=32, linear_num_value_heads=4,
                                       linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **_MOE)),
-    # Qwen3.5's dense text model: its Gated DeltaNet packs [q | k | v] in one projection (unequal: 2 x 16 and 32
-    # features) and the convolution runs over those channels; gated full attention in the other layers.
-    "qwen3.5": ("qwen3_5_text", dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+    # Qwen3.5's dense text model: its Gated DeltaNet packs [q | k | v] in one projection (unequal: 2 x 32 and 64
+    # features) and the convolution runs over those channels; 4 key heads, each with 2 value heads (2 key heads on
+    # each of 2 tp ranks); gated full attention in the other layers.
+    "qwen3.5": ("qwen3_5_text", dict(head_dim=16, linear_num_value_heads=8, linear_num_key_heads=4,
                                      linear_key_head_dim=8, linear_value_head_dim=8)),
     # Local (sliding-window, its own rotary base) and global layers alternating (the config's default pattern
     # would make every layer of a small model local), q/k norms, 1 + w norms, GeGLU.

@@ -177,10 +177,11 @@ def test_mamba_mixers_are_refused_naming_them():
 
 def test_gated_deltanet_layers_are_read_beside_attention():
     """Qwen3.5 and Qwen3-Next: Gated DeltaNet linear-attention layers beside gated full-attention ones. The attention
-    is read from a full-attention layer (its query projection twice the heads' width: [query | gate] per head), the
-    mixer from the first linear one, with what tensor parallel splits and how: Qwen3.5 packs [q | k | v] in one
-    projection, Qwen3-Next groups its projections by key head (a contiguous split). Every layer is its kind's
-    template's; validate asks tp to divide the mixers' head counts too."""
+    is read from a full-attention layer (its query projection twice what its output projection takes: [query | gate]
+    per head), the mixer from the first linear one, with what tensor parallel splits and how: Qwen3.5 packs
+    [q | k | v] in one projection (its output projection told from the square in_proj_z by its name: the value heads'
+    width is the hidden size here), Qwen3-Next groups its projections by key head (a contiguous split). Every layer
+    is its kind's template's; validate asks tp to divide the mixers' head counts too."""
     from tests.hf_models import build
     from tridist.autotune import Cluster, Strategy, validate
 
@@ -188,28 +189,36 @@ def test_gated_deltanet_layers_are_read_beside_attention():
     spec = ModelSpec.from_module(build("qwen3.5", layers=4), seq_len=16)
     s, linear = spec.structure, spec.structure.linear_attention
     assert (s.q, s.o, s.qk_norms) == ("self_attn.q_proj", "self_attn.o_proj", ("self_attn.q_norm", "self_attn.k_norm"))
-    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.linear_attention_heads) == (4, 2, 16, (2, 4))
-    key, value = 2 * 8, 4 * 8
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.linear_attention_heads) == (4, 2, 16, (4, 8))
+    key, value = 4 * 8, 8 * 8
     assert linear == dataclasses.replace(
-        linear, mixer="linear_attn", layers=(0, 2), num_k_heads=2, num_v_heads=4,
-        columns=(("in_proj_qkv", (key, key, value)), ("in_proj_z", (value,)), ("in_proj_b", (4,)), ("in_proj_a", (4,))),
-        output="out_proj", rows=(("conv1d.weight", (key, key, value)), ("dt_bias", (4,)), ("A_log", (4,))),
+        linear, mixer="linear_attn", layers=(0, 2), num_k_heads=4, num_v_heads=8,
+        columns=(("in_proj_qkv", (key, key, value)), ("in_proj_z", (value,)), ("in_proj_b", (8,)), ("in_proj_a", (8,))),
+        output="out_proj", rows=(("conv1d.weight", (key, key, value)), ("dt_bias", (8,)), ("A_log", (8,))),
         shared=("norm",), counts=("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"))
-    assert [s.mixer(i) for i in range(4)] == ["linear_attn", "self_attn", "linear_attn", "self_attn"]
     assert any("output gate" in note for note in s.notes) and any("layers 0, 2 mix tokens" in note for note in s.notes), s.notes
     assert "linear attention  model.layers.*.linear_attn in layers 0, 2" in s.describe()
     with pytest.raises(ValueError, match="no tensor-parallel roles for linear attention"):
         s.tp_roles()
-    strategy = Strategy(dp=1, tp=4, pp=1, micro_batch_size=1, num_micro_batches=1)
-    assert "tp=4 does not divide linear_num_key_heads=2" in " ".join(validate(spec, Cluster(1, 4), strategy, global_batch_size=1))
+    strategy = Strategy(dp=1, tp=8, pp=1, micro_batch_size=1, num_micro_batches=1)
+    assert "tp=8 does not divide linear_num_key_heads=4" in " ".join(validate(spec, Cluster(1, 8), strategy, global_batch_size=1))
     next_linear = ModelSpec.from_module(build("qwen3-next"), seq_len=16).structure.linear_attention
-    assert next_linear.columns == (("in_proj_qkvz", (2 * key + 2 * value,)), ("in_proj_ba", (8,)))  # by key head
-    assert (next_linear.layers, next_linear.rows[0]) == ((0,), ("conv1d.weight", (key, key, value)))
+    assert next_linear.columns == (("in_proj_qkvz", (96,)), ("in_proj_ba", (8,)))  # 2 key heads, each [q k v v z z], [b b a a]
+    assert (next_linear.layers, next_linear.rows[0]) == ((0,), ("conv1d.weight", (16, 16, 32)))
+    # Not gated: a query projection as wide as the output projection's input, both twice the heads' width by the
+    # attributes, is no [query | gate] (the widths decide, not the arithmetic of the counts)
+    model = build_model("hf-llama", "tiny")
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = nn.Linear(64, 128, bias=False)
+        layer.self_attn.o_proj = nn.Linear(128, 64, bias=False)
+    with pytest.raises(UnrecognisedModel, match="could not determine the number of attention heads"):
+        ModelSpec.from_module(model)
 
 
 def test_linear_attention_that_is_not_read_whole_is_refused():
-    """A Gated DeltaNet mixer with a part tensor parallel would not know how to split, a model whose every layer is
-    linear attention (no attention layer to read), and a linear layer unlike the first: refused, naming them."""
+    """A Gated DeltaNet mixer with a part tensor parallel would not know how to split, value heads that do not group
+    over the key heads, a model whose every layer is linear attention (no attention layer to read), and a linear
+    layer unlike the first: refused, naming them."""
     from tests.hf_models import build
 
     pytest.importorskip("transformers")
@@ -218,6 +227,10 @@ def test_linear_attention_that_is_not_read_whole_is_refused():
     model.model.layers[2].linear_attn.extra = nn.Linear(8, 8)
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0\.linear_attn\.extra \(Linear: weight \(8, 8\), "
                                                  r"bias \(8,\)\) is none of a Gated DeltaNet mixer's parts"):
+        ModelSpec.from_module(model)
+    model = build("qwen3.5", layers=2)
+    model.model.layers[0].linear_attn.num_v_heads = 6
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0\.linear_attn: 6 value heads do not group over 4 key"):
         ModelSpec.from_module(model)
     model = build("qwen3.5", layers=4)
     model.model.layers[2].linear_attn.register_parameter("scale", nn.Parameter(torch.ones(3)))
@@ -234,32 +247,41 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     """to_distributed's tensor-parallel plan for Qwen3.5: in the linear layers each mixer's projections column-
     (in_proj_qkv part by part) and row-parallel, its gated norm's gradient summed over the ranks, its convolution's
     and per-head parameters' rows and its counts this rank's, the whole mixer gathering the sequence under sequence
-    parallel; attention's styles in the attention layers only. Selective recompute wraps each layer's own mixer."""
+    parallel; attention's styles in the attention layers only. Such a block has no global view to fall back to: the
+    block check refuses it by name wherever it could not keep it in local view. Selective recompute wraps the
+    attention layers' attention alone (the linear layers have no scores to drop)."""
     from tests.hf_models import build
     from tridist import distcore
     from tridist.distcore.auto import apply_recompute, tensor_parallel_plan
+    from tridist.distcore.block_check import TensorParallelCheckError, _refuse_without_global_view
 
     pytest.importorskip("transformers")
     model = build("qwen3.5")
     structure = ModelSpec.from_module(model, seq_len=16).structure
-    styles = tensor_parallel_plan(model, structure, sequence_parallel=True).styles
-    mixer = "model.layers.0.linear_attn"
+    plan = tensor_parallel_plan(model, structure, sequence_parallel=True)
+    styles, mixer = plan.styles, "model.layers.0.linear_attn"
     assert {name: [type(x).__name__ for x in kinds] for name, kinds in styles.items() if name.startswith(mixer)} == {
         f"{mixer}.in_proj_qkv": ["ColWiseParallel"], f"{mixer}.in_proj_z": ["ColWiseParallel"],
         f"{mixer}.in_proj_b": ["ColWiseParallel"], f"{mixer}.in_proj_a": ["ColWiseParallel"],
         f"{mixer}.out_proj": ["RowWiseParallel"], f"{mixer}.norm": ["ShardLocalParameters"],
-        mixer: ["ShardParameterRows", "SequenceParallelDisable"]}
-    assert styles[f"{mixer}.in_proj_qkv"][0].packed_parts == (16, 16, 32) and styles[f"{mixer}.in_proj_z"][0].packed_parts == 1
+        mixer: ["LocalParameterRows", "SequenceParallelDisable"]}
+    assert styles[f"{mixer}.in_proj_qkv"][0].packed_parts == (32, 32, 64) and styles[f"{mixer}.in_proj_z"][0].packed_parts == 1
     rows = styles[mixer][0]
-    assert rows.rows == {"conv1d.weight": (16, 16, 32), "dt_bias": (4,), "A_log": (4,)}
+    assert rows.rows == {"conv1d.weight": (32, 32, 64), "dt_bias": (8,), "A_log": (8,)}
     assert rows.counts == ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
-    assert isinstance(rows, distcore.ShardParameterRows)
+    assert isinstance(rows, distcore.LocalParameterRows) and not rows.global_view
     assert not any(name.startswith("model.layers.0.self_attn") or name.startswith("model.layers.1.linear_attn")
                    for name in styles)
     assert {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"} <= set(styles)
-    apply_recompute(model, layers=structure.layers, mixer=structure.mixer, mode="selective")
+    layers = model.model.layers
+    with pytest.raises(TensorParallelCheckError, match=r"\('model\.layers\.0'\) cannot be checked: probe; its "
+                                                       r"\['linear_attn'\] run in local view only"):
+        _refuse_without_global_view(plan, "model.layers.0", layers[0], "cannot be checked: probe")
+    _refuse_without_global_view(plan, "model.layers.1", layers[1], "cannot be checked: probe")  # attention: global view
+    apply_recompute(model, layers=structure.layers, attention=structure.attention, mode="selective",
+                    linear_layers=structure.linear_attention.layers)
     wrapped = [n for n, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None) == "selective"]
-    assert wrapped == ["model.layers.0.linear_attn", "model.layers.1.self_attn"], wrapped
+    assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
 def test_spec_validation_and_presets():

@@ -189,7 +189,7 @@ def check_overlap_that_cannot_be_honoured_is_refused():
 
     model, _ = _model("seed-llama")
     structure = ModelSpec.from_module(model, seq_len=8).structure
-    apply_recompute(model, layers=structure.layers, mixer=structure.mixer, mode="selective")
+    apply_recompute(model, layers=structure.layers, attention=structure.attention, mode="selective")
     expect(ValueError, "self_attn's forward is wrapped for activation recompute on its own", SEED_SP_PLAN, model=model)
     expect(ValueError, "mp_config['overlap_comm'] must be True, False or a backend's name ['ring', 'symm_mem']",
            TOY_PLAN, overlap="yes")

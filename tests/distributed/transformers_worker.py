@@ -646,33 +646,60 @@ def check_unrecognised_and_ambiguous_models():
 
 def check_gated_deltanet_layers_train_under_tensor_parallel():
     """Gated DeltaNet linear attention beside gated full attention: Qwen3.5 (dense; one projection packs [q | k | v],
-    unequal: 16, 16 and 32 features) and Qwen3-Next (experts; its projections grouped by key head). Each mixer is
-    split by head (its projections column- and row-parallel, this rank's rows of its convolution and per-head
-    parameters, its head counts and widths divided: asserted) and both train equal to one process (logits, losses,
-    first-step gradients, trained parameters) under dp 2 x tp 2 and tp 2 + sp x pp 2, in local view. Before, tp was
-    refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input first)."""
+    unequal: 32, 32 and 64 features; 2 key heads per tp rank) and Qwen3-Next (experts; its projections grouped by
+    key head). Each mixer is split by head (its projections column- and row-parallel, this rank's rows of its
+    convolution and per-head parameters, its head counts and widths divided: asserted) and both train equal to one
+    process (logits, losses, first-step gradients, trained parameters) in local view under tp 2 + sp x pp 2 and
+    dp 2 x tp 2: Qwen3-Next with ep 2 and full recompute, Qwen3.5 with sp and eager attention under selective
+    recompute (its attention layers' scores recomputed; the linear layers have none: left as they are, their rows
+    taken in hooks a recomputed forward would skip: "got mixed torch.Tensor and DTensor" before). Greedy generate
+    under dp 2 x tp 2 (the mixer's one-token convolution update on its rows) gives one device's tokens. Before, tp
+    was refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input
+    first)."""
 
     def split_by_head(model):
         mixers = [m for n, m in model.named_modules() if n.endswith("linear_attn") and next(m.parameters(), None) is not None]
         held = [None] * dist.get_world_size()
         dist.all_gather_object(held, len(mixers))
         assert any(held), held  # pipeline stages hold the mixers on some ranks
+
         def on_mp(param):
             assert isinstance(param, DTensor), param
             return param.placements[param.device_mesh.mesh_dim_names.index("mp")]
 
+        config = model.config
+        whole = (config.linear_num_key_heads, config.linear_num_value_heads,
+                 config.linear_num_key_heads * config.linear_key_head_dim,
+                 config.linear_num_value_heads * config.linear_value_head_dim)
         for mixer in mixers:
-            assert (mixer.num_k_heads, mixer.num_v_heads, mixer.key_dim, mixer.value_dim) == (1, 2, 8, 16), vars(mixer)
+            assert (mixer.num_k_heads, mixer.num_v_heads, mixer.key_dim, mixer.value_dim) == tuple(n // 2 for n in whole)
             out = mixer.out_proj.weight
-            assert on_mp(out) == distcore.Shard(1) and out.to_local().shape[1] == 16, out
+            assert on_mp(out) == distcore.Shard(1) and out.to_local().shape[1] == whole[3] // 2, out
             for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight"):  # whole on every rank, rows taken per call
                 assert on_mp(mixer.get_parameter(name)).is_replicate(), name
 
+    def eager(model):
+        model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
+
     for family in ("qwen3.5", "qwen3-next"):
-        _train(family, _strategy(2, 2, 1, sharding_level=2), inspect=split_by_head)
         _train(family, _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), inspect=split_by_head)
+    _train("qwen3-next", _strategy(2, 2, 1, sharding_level=2, ep=2, recompute="full"), inspect=split_by_head)
+    _train("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, recompute="selective"), inspect=split_by_head,
+           prepare=eager)
     _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
                     "project their input after masking its padding")
+    prompt = _batches()[0]["input_ids"][2:4, :5]  # rows whose greedy steps all lead by 1.6e-2 or more (the first two: 7e-4)
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt), output_scores=True,
+                    return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = _model("qwen3.5")[0].eval().generate(prompt, **settings)
+    gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in expected.scores]
+    assert min(gaps) > 1e-3, gaps  # each step's best token leads by far more than rounding moves it
+    model, optimizer = _model("qwen3.5")
+    model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                          config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1)))
+    with torch.no_grad():
+        assert torch.equal(model.eval().generate(prompt, **settings).sequences, expected.sequences)
 
 
 def _freeze_embedding_and_first_layer(model) -> None:
@@ -1645,4 +1672,3 @@ if __name__ == "__main__":
     logging.getLogger("tridist").setLevel(logging.ERROR)
     distcore.init_parallel_env()
     run_checks(CHECKS)  # ends the process group
-
