@@ -142,14 +142,15 @@ def _cached_reference_evaluation(family, layers) -> tuple[float, torch.Tensor]:
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
-           prepare=None, clip: tuple[float, float] | None = None, layers: int = LAYERS, head_fuses: bool = True,
-           **config):
+           prepare=None, clip: tuple[float, float] | None = None, clip_acts: bool = True, layers: int = LAYERS,
+           head_fuses: bool = True, **config):
     """`global_view`: every decoder block runs in global view under tp (else all in local view); `inspect`
     asserts what it must of the distributed model before training; `positional`: the training calls pass their
     inputs and labels by position (`model(ids, mask, None, None, None, labels)`), as the forward's signature allows;
     `prepare` changes the model before both runs (freezing parameters); `clip`: (norm type, max norm) the gradients
-    are clipped by before each step (distcore.clip_grad_norm_ here, torch's on one device). The config is the users' default (fused
-    kernels on) unless `config` says otherwise; `layers`: the model's decoder layers; `head_fuses`: whether fuse
+    are clipped by before each step (distcore.clip_grad_norm_ here, torch's on one device), below every step's norm
+    (asserted), or above every one with `clip_acts=False` (the gradients left as they are). The config is the users'
+    default (fused kernels on) unless `config` says otherwise; `layers`: the model's decoder layers; `head_fuses`: whether fuse
     replaces the LM head + loss (with fused kernels on) of the prepared model."""
     model, optimizer = _model(family, layers=layers, prepare=prepare)
     model, optimizer, loader = distcore.to_distributed(
@@ -215,7 +216,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     reference = reference or _reference(family, prepare, clip, layers)
     equivalence.assert_same_training(trace.end(model), reference)
     if clip is not None:  # a norm's relative error is at most its gradients' (they match to RTOL: equivalence.py)
-        assert all(norm > clip[1] for norm in reference.clip_norms), reference.clip_norms  # the clip acts
+        assert all((norm > clip[1]) == clip_acts for norm in reference.clip_norms), reference.clip_norms
         assert all(abs(got - want) <= equivalence.RTOL * want for got, want in zip(clip_norms, reference.clip_norms)) \
             and len(clip_norms) == len(reference.clip_norms), (clip_norms, reference.clip_norms)
     return model.distributed_strategy
@@ -1345,7 +1346,7 @@ def check_clip_grad_norm_is_the_whole_model_norm():
     whole model's norm, under every kind of split: parameters on several meshes (dp x tp: torch's own function
     fails there, stacking DTensors of two meshes), pipeline stages (torch's clips each stage by its own norm,
     silently) with a weight tied across them counted once, expert-parallel experts on their own mesh, MoE
-    blocks on sequence slices; the 1-norm and the inf-norm too."""
+    blocks on sequence slices; the 1-norm and the inf-norm too; a max norm above the norm clips nothing."""
     two = (2.0, 0.5)  # below the tiny models' gradient norms (2-norm ~3.6, inf-norm ~0.3): every step clipped
     for name in ("searched", "dp 4, level 0", "dp 2 x tp 2, level 2", "dp 2 x tp 2 + sp + overlap, level 1",
                  "dp 2 x pp 2, 2 micro-batches", "tp 2 x pp 2 + sp, 2 micro-batches"):
@@ -1353,6 +1354,8 @@ def check_clip_grad_norm_is_the_whole_model_norm():
     _train("llama-tied", MATRIX["dp 2 x pp 2, 2 micro-batches"], clip=two)
     _train("mixtral", _strategy(4, 1, 1, ep=2, sharding_level=3), clip=(1.0, 5.0))
     _train("qwen3-moe", _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), clip=(float("inf"), 0.1))
+    # A max norm above the whole model's norm leaves every gradient as it is (the scale is capped at 1), on every rank
+    _train("llama", MATRIX["dp 2 x tp 2, level 2"], clip=(2.0, 100.0), clip_acts=False)
     # A gradient still pending its sum over the ranks (a Partial DTensor, as a hand-written plan may leave one)
     # counts by its sum: each rank holds rank + 1 in every element, the sum 1 + 2 + ... + world
     from torch.distributed.device_mesh import init_device_mesh
