@@ -329,11 +329,14 @@ class LocalParameterRows(_Style):
         spans = {}  # (owner, parameter name) -> this rank's (start, length) in each part
         for name, parts in self.rows.items():
             owner_name, _, pname = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            param = owner._parameters.get(pname)
+            owner = dict(module.named_modules()).get(owner_name)
+            param = owner._parameters.get(pname) if owner is not None else None
             if param is None:
                 raise ValueError(f"parallelize: {type(self).__name__} names {target.name}.{name}, which is no "
                                  f"parameter of {type(module).__name__}; name its parameters relative to it")
+            if isinstance(param, DTensor):
+                raise ValueError(f"parallelize: {target.name}.{name} is split already ({param.placements}); "
+                                 f"{type(self).__name__} takes rows of a plain parameter: give it one style")
             if param.shape[0] != sum(parts) or any(part % tp for part in parts):
                 raise ValueError(f"parallelize: {target.name}.{name} (shape {tuple(param.shape)}) does not split as "
                                  f"rows of parts {list(parts)} over {tp} ranks; use a degree that divides each part")
@@ -350,15 +353,18 @@ class LocalParameterRows(_Style):
             setattr(module, attribute, getattr(module, attribute) // tp)
 
         def take_local_rows(mixer, args) -> None:
-            whole = {(owner, pname): owner._parameters[pname] for owner, pname in spans}
-            for (owner, pname), param in whole.items():
-                local = _local_value(param)
-                rows = [local.narrow(0, start, length) for start, length in spans[owner, pname]]
+            saved = vars(mixer).setdefault("_tridist_whole_parameters", {})
+            for (owner, pname), taken in spans.items():
+                whole = saved.setdefault((owner, pname), owner._parameters[pname])  # another swap may have put it aside
+                local = _local_value(whole)
+                rows = [local.narrow(0, start, length) for start, length in taken]
                 owner._parameters[pname] = rows[0] if len(rows) == 1 else torch.cat(rows)
-            mixer._tridist_whole_parameters = whole
+
+        def put_back(mixer, args, output) -> None:  # its own hook: ShardLocalParameters.release removes only its own
+            _swap_back_parameters(mixer, args, output)
 
         module.register_forward_pre_hook(take_local_rows)
-        module.register_forward_hook(_swap_back_parameters, always_call=True)
+        module.register_forward_hook(put_back, always_call=True)
         counted = f"; {', '.join(self.counts)} divided by {tp}" if self.counts else ""
         return f"{target.name}: this rank's rows of {', '.join(self.rows)} (gradients summed over the mp ranks){counted}"
 
@@ -389,7 +395,8 @@ def _swap_in_local_parameters(module, args) -> None:
     whole = {(module, pname): param for pname, param in module._parameters.items() if isinstance(param, DTensor)}
     for (_, pname), param in whole.items():
         module._parameters[pname] = _local_value(param)
-    module._tridist_whole_parameters = whole
+    # merged: what another style's swap on this module (LocalParameterRows) put aside stays, and is restored with these
+    vars(module).setdefault("_tridist_whole_parameters", {}).update(whole)
 
 
 def _local_value(param: DTensor) -> torch.Tensor:

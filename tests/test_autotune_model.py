@@ -284,6 +284,51 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
+def test_local_parameter_rows_swap_and_refusals():
+    """LocalParameterRows (a Gated DeltaNet mixer's style) on a world of one: the forward sees plain local rows, the
+    parameters stay whole DTensors after every forward (also beside ShardLocalParameters on the same module, whose
+    swap keeps what the other put aside), gradients reach them; a parameter already split, a name that is no
+    parameter and parts that are not its rows are refused naming them, before the module is changed."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from tridist.distcore import LocalParameterRows, ShardLocalParameters
+    from tridist.distcore.tensor_parallel import StyleTarget
+
+    class Mixer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 4, 2, groups=4, bias=False)
+            self.A = nn.Parameter(torch.arange(4.0))
+            self.extra = nn.Parameter(torch.ones(3))
+            self.heads = 4
+
+        def forward(self, x):
+            assert not any(isinstance(p, DTensor) for p in (self.A, self.conv.weight, self.extra))  # local values
+            return (x * self.A).sum() + self.conv.weight.sum() + self.extra.sum()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("mp",))
+        mixer = Mixer()
+        for style in (LocalParameterRows(rows={"conv.weight": (2, 2), "A": (4,)}, counts=("heads",)), ShardLocalParameters()):
+            style.apply(StyleTarget("mixer", mixer, None, tp_mesh=mesh, process_mesh=None))
+        for _ in range(2):
+            mixer(torch.ones(4)).backward()
+            assert all(isinstance(p, DTensor) for p in mixer._parameters.values()), mixer._parameters
+        assert isinstance(mixer.conv.weight, DTensor) and mixer.A.grad.to_local().tolist() == [2.0] * 4
+        for module, rows, why in ((mixer, {"A": (4,)}, "m.A is split already"),  # ShardLocalParameters made it one
+                                  (Mixer(), {"B": (4,)}, "names m.B, which is no parameter of Mixer"),
+                                  (Mixer(), {"nope.weight": (4,)}, "names m.nope.weight, which is no parameter"),
+                                  (Mixer(), {"A": (4,), "conv.weight": (2, 3)}, r"conv.weight \(shape \(4, 1, 2\)\) "
+                                                                               r"does not split as rows of parts \[2, 3\]")):
+            with pytest.raises(ValueError, match=why):
+                LocalParameterRows(rows=rows).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+            assert not isinstance(module.A, DTensor) or module is mixer  # refused before anything changed
+    finally:
+        dist.destroy_process_group()
+
+
 def test_spec_validation_and_presets():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelSpec(2, 64, 4, 128, 100, num_kv_heads=3)

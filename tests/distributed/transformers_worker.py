@@ -682,11 +682,16 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
     def eager(model):
         model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
 
+    def recomputing_attention_alone(model):
+        split_by_head(model)
+        wrapped = {name for name, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None)}
+        assert wrapped == {"model.layers.1.self_attn"}, wrapped
+
     for family in ("qwen3.5", "qwen3-next"):
         _train(family, _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), inspect=split_by_head)
     _train("qwen3-next", _strategy(2, 2, 1, sharding_level=2, ep=2, recompute="full"), inspect=split_by_head)
-    _train("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, recompute="selective"), inspect=split_by_head,
-           prepare=eager)
+    _train("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, recompute="selective"),
+           inspect=recomputing_attention_alone, prepare=eager)
     _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
                     "project their input after masking its padding")
     prompt = _batches()[0]["input_ids"][2:4, :5]  # rows whose greedy steps all lead by 1.6e-2 or more (the first two: 7e-4)
