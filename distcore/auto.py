@@ -357,12 +357,17 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     fed something else than its region's input, a block only right in global view), so that tensor parallel
     itself is judged without it; "sequence_parallel" where a mixture of experts' blocks fail under it only;
     "tp" where a block is wrong in local and in global view; "recompute" where
-    blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why)."""
+    blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why), or where
+    selective recompute would re-run an attention module whose local view swaps its parameters in around its
+    forward (`_swapped_around_recompute`)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
     dims = _dims(strategy)
+    repairs: dict = {}
 
     def views(plan):
-        return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh).global_view
+        chosen = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
+        repairs.update(chosen.repairs)
+        return chosen.global_view
 
     if strategy.overlap_tp_comm:
         try:
@@ -387,7 +392,20 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     if global_view and strategy.recompute != "none":
         return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
                              f"({next(iter(global_view.values()))}), where activation recompute cannot run"}
+    swapped = _swapped_around_recompute(structure, repairs) if strategy.recompute == "selective" else []
+    if swapped:
+        return {"recompute": f"selective recompute re-runs the attention's forward alone, without its hooks, and under "
+                             f"tensor parallel {swapped} swap this rank's parameters in around that forward (gpt-oss's "
+                             "attention sinks split by head); use recompute='full' or 'none'"}
     return {}
+
+
+def _swapped_around_recompute(structure, repairs: dict) -> list[str]:
+    """The attention modules (the ones selective recompute wraps) whose block-check repairs swap parameters in with
+    forward hooks (ShardHeadParameters, ShardLocalParameters, DistributedNorm: all of them), each as 'name (style)'."""
+    wrapped = {f"{structure.layers}.{i}.{structure.attention}" for i in range(structure.num_layers)}
+    return [f"{name} ({', '.join(type(style).__name__ for style in styles)})"
+            for name, styles in sorted(repairs.items()) if name in wrapped]
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
