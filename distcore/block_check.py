@@ -197,6 +197,7 @@ class BlockViews:
                           {n: st for n, st in self.repairs.items() if n in names})
 
 
+@torch.enable_grad()  # the checks differentiate, also where parallelize is called under torch.no_grad()
 def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> BlockViews:
     """Check each block type that the plan changes, forward and backward: its output, the gradient of its
     input and the gradient of every parameter as the optimizer will see it must equal one device's. Returns
@@ -267,6 +268,7 @@ def _refuse_without_global_view(plan, name: str, block: torch.nn.Module, why: st
             "Use tp=1 for this model (data and pipeline parallel need none of it)")
 
 
+@torch.enable_grad()
 def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> None:
     """The parts outside the decoder blocks that the plan changes (the embedding, norms on sequence slices,
     the LM head and the loss, a vocabulary-parallel one included), checked as the blocks are: a copy of the

@@ -660,8 +660,9 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
     dp 2 x tp 2: Qwen3-Next with ep 2 and full recompute, Qwen3.5 with sp and eager attention under selective
     recompute (its attention layers' scores recomputed; the linear layers have none: left as they are, their rows
     taken in hooks a recomputed forward would skip: "got mixed torch.Tensor and DTensor" before). Greedy generate
-    under dp 2 x tp 2 (the mixer's one-token convolution update on its rows) gives one device's tokens. Before, tp
-    was refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input
+    under dp 2 x tp 2 (the mixer's one-token convolution update on its rows) gives one device's tokens, the model
+    distributed under torch.no_grad() (the block check's probe could not differentiate there). Before, tp was
+    refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input
     first)."""
 
     def split_by_head(model):
@@ -708,9 +709,10 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
     gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in expected.scores]
     assert min(gaps) > 1e-3, gaps  # each step's best token leads by far more than rounding moves it
     model, optimizer = _model("qwen3.5")
-    model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                          config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1)))
-    with torch.no_grad():
+    with torch.no_grad():  # to_distributed called under no_grad too: the block check differentiates all the same
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1)))
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # checked, in local view
         assert torch.equal(model.eval().generate(prompt, **settings).sequences, expected.sequences)
 
 
