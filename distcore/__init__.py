@@ -19,6 +19,7 @@ from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_opt
 from .tensor_parallel import (
     ColWiseParallel,
     DistributedNorm,
+    LocalParameterRows,
     PrepareLayerInput,
     PrepareLayerOutput,
     RowWiseParallel,
@@ -29,7 +30,6 @@ from .tensor_parallel import (
     ReduceSharedOutputGradient,
     ShardHeadParameters,
     ShardLocalParameters,
-    LocalParameterRows,
 )
 from .placements import Partial, ReduceType, Replicate, Shard, is_partial
 

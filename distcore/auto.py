@@ -41,13 +41,13 @@ from .parallelize import parallelize, refuse_compiled, router_aux_loss_on
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
+    LocalParameterRows,
     ReduceSharedOutputGradient,
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
     ShardLocalParameters,
-    LocalParameterRows,
     TensorParallelPlan,
     plan_from_names,
 )
@@ -362,23 +362,20 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     forward (`_swapped_around_recompute`)."""
     plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
     dims = _dims(strategy)
-    repairs: dict = {}
 
     def views(plan):
-        chosen = choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
-        repairs.update(chosen.repairs)
-        return chosen.global_view
+        return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
 
     if strategy.overlap_tp_comm:
         try:
-            global_view = views(dataclasses.replace(plan, overlap_comm=config.overlap_backend))
+            global_view = views(dataclasses.replace(plan, overlap_comm=config.overlap_backend)).global_view
         except TensorParallelCheckError as error:
             return {"overlap_tp_comm": str(error)}
         if global_view:
             return {"overlap_tp_comm": f"blocks {sorted(global_view)} cannot run overlapped "
                                        f"({next(iter(global_view.values()))})"}
     try:
-        global_view = views(plan)
+        chosen = views(plan)
     except TensorParallelCheckError as error:
         if strategy.sequence_parallel and structure.is_moe:
             # MoE blocks run on sequence slices in local view only (a block that needs global view gets them
@@ -389,10 +386,10 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
                 return {"tp": str(error)}
             return {"sequence_parallel": str(error)}
         return {"tp": str(error)}
-    if global_view and strategy.recompute != "none":
-        return {"recompute": f"blocks {sorted(global_view)} run in global view under tensor parallel "
-                             f"({next(iter(global_view.values()))}), where activation recompute cannot run"}
-    swapped = _swapped_around_recompute(structure, repairs) if strategy.recompute == "selective" else []
+    if chosen.global_view and strategy.recompute != "none":
+        return {"recompute": f"blocks {sorted(chosen.global_view)} run in global view under tensor parallel "
+                             f"({next(iter(chosen.global_view.values()))}), where activation recompute cannot run"}
+    swapped = _swapped_around_recompute(structure, chosen.repairs) if strategy.recompute == "selective" else []
     if swapped:
         return {"recompute": f"selective recompute re-runs the attention's forward alone, without its hooks, and under "
                              f"tensor parallel {swapped} swap this rank's parameters in around that forward (gpt-oss's "

@@ -327,9 +327,10 @@ class LocalParameterRows(_Style):
         module, tp = target.module, target.tp_mesh.size()
         rank = target.tp_mesh.get_local_rank()
         spans = {}  # (owner, parameter name) -> this rank's (start, length) in each part
+        submodules = dict(module.named_modules())
         for name, parts in self.rows.items():
             owner_name, _, pname = name.rpartition(".")
-            owner = dict(module.named_modules()).get(owner_name)
+            owner = submodules.get(owner_name)
             param = owner._parameters.get(pname) if owner is not None else None
             if param is None:
                 raise ValueError(f"parallelize: {type(self).__name__} names {target.name}.{name}, which is no "

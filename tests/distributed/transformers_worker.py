@@ -702,18 +702,14 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
     _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
                     "project their input after masking its padding")
     prompt = _batches()[0]["input_ids"][2:4, :5]  # rows whose greedy steps all lead by 1.6e-2 or more (the first two: 7e-4)
-    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt), output_scores=True,
-                    return_dict_in_generate=True)
-    with torch.no_grad():
-        expected = _model("qwen3.5")[0].eval().generate(prompt, **settings)
-    gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in expected.scores]
-    assert min(gaps) > 1e-3, gaps  # each step's best token leads by far more than rounding moves it
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    expected = _greedy_reference("qwen3.5", prompt, settings)
     model, optimizer = _model("qwen3.5")
     with torch.no_grad():  # to_distributed called under no_grad too: the block check differentiates all the same
         model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
                                               config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1)))
         assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # checked, in local view
-        assert torch.equal(model.eval().generate(prompt, **settings).sequences, expected.sequences)
+        assert torch.equal(model.eval().generate(prompt, **settings), expected)
 
 
 def _freeze_embedding_and_first_layer(model) -> None:
@@ -1245,6 +1241,18 @@ def check_a_whole_state_dict_loads_into_the_distributed_model():
         raise AssertionError("a state dict without layer 0 loaded")
 
 
+def _greedy_reference(family, prompt, settings: dict) -> torch.Tensor:
+    """One device's greedy tokens for `prompt` (generate's `settings`). Greedy tokens are comparable across layouts
+    where each step's best logit leads the next by far more than rounding can move them (fp32 sums: ~1e-6
+    relative; equivalence.py): checked, not assumed."""
+    with torch.no_grad():
+        reference = _model(family)[0].eval().generate(prompt, output_scores=True, return_dict_in_generate=True,
+                                                       **settings)
+    gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in reference.scores]
+    assert min(gaps) > 1e-3, gaps
+    return reference.sequences
+
+
 def check_generate_matches_one_device():
     """transformers' greedy generate on the distributed model (evaluations and rollouts call it between steps):
     the tokens one device generates, under ZeRO-3 and dp x tp. Under pipeline parallel its default key/value
@@ -1252,14 +1260,7 @@ def check_generate_matches_one_device():
     and with use_cache=False (every step runs the whole sequence through the stages) it generates alike."""
     prompt = _batches()[0]["input_ids"][:2, :5]
     settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    with torch.no_grad():
-        reference = _model("llama")[0].eval().generate(prompt, output_scores=True, return_dict_in_generate=True,
-                                                        **settings)
-    expected = reference.sequences
-    # Greedy tokens are comparable across layouts where each step's best logit leads the next by far more than
-    # rounding can move them (fp32 sums: ~1e-6 relative; equivalence.py): checked, not assumed.
-    gaps = [(step.topk(2).values[:, 0] - step.topk(2).values[:, 1]).min().item() for step in reference.scores]
-    assert min(gaps) > 1e-3, gaps
+    expected = _greedy_reference("llama", prompt, settings)
     for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
         model, optimizer = _model("llama")
         model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
