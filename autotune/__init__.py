@@ -28,7 +28,7 @@ from .cost import (
     stage_parameters,
 )
 from .hardware import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
-from .model import PRESETS, LatentAttention, LinearAttention, ModelSpec, ModelStructure, UnrecognisedModel, preset, recognise
+from .model import PRESETS, GatedDeltaNet, LatentAttention, LinearAttention, ModelSpec, ModelStructure, UnrecognisedModel, preset, recognise
 from .search import (
     Candidate,
     LayoutResult,
@@ -44,7 +44,7 @@ from .search import (
 from .strategy import RECOMPUTE_MODES, InvalidStrategy, Strategy, check, rank_layers, stage_layers, validate
 
 __all__ = [
-    "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise",
+    "GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise",
     "DeviceProfile", "Cluster", "DEVICE_PROFILES", "get_profile", "load_profile", "save_profile",
     "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check", "stage_layers", "rank_layers",
     "estimate", "Estimate", "TimeBreakdown", "MemoryBreakdown", "COST_MODEL_VERSION",

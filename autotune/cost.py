@@ -61,6 +61,17 @@ pipeline rank by the layers it holds):
   the tp ranks once per step (an all-reduce of their parameters, exposed), expert-parallel experts' in each
   backward (one all-reduce per layer and micro-batch).
 
+Gated DeltaNet linear attention (ModelSpec.gated_delta_net: Qwen3-Next, Qwen3.5; its layers priced apart from the
+attention layers, with a dense or MoE MLP as any layer):
+
+* its projections (to q, k, v, the output gate z, β and the decay; back from the value heads) split over tp as
+  attention's; its convolution, per-head biases and decays and gated norm whole on every rank (as distcore holds
+  them), their gradients all-reduced over the tp ranks (a small, latency-bound message per layer);
+* its core as flash-linear-attention's chunk_gated_delta_rule runs it, over chunks of 64 tokens: linear in the
+  sequence, at the attention kernel's rate, its backward recomputing the chunks' states first;
+* its activations: the tensors its mixer keeps for the backward (`_linear_mixer_bytes`), inside the tp region; no
+  attention core, so selective recompute (which distcore does not apply to these layers) frees nothing in them.
+
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
 achievable matmul rate and bytes at the memory bandwidth), so tiny shapes are memory-bound.
@@ -102,7 +113,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 13  # 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 14  # 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -132,6 +143,10 @@ LOSS_FP32_BYTES = 4  # the logits are upcast to fp32 for the cross entropy
 FUSED_LOSS_MIN_CHUNK, FUSED_LOSS_SPEED_CHUNK, FUSED_LOSS_MAX_CHUNK = 128, 4096, 4096
 FUSED_LOSS_ONE_CHUNK_HIDDEN_MULTIPLE = 2
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
+# Gated DeltaNet's core as flash-linear-attention's chunk_gated_delta_rule runs it (its fixed chunk of 64 tokens).
+LINEAR_ATTENTION_CHUNK = 64
+LINEAR_STATISTIC_BYTES = 4  # its per-head statistics are fp32
+LINEAR_FP32_VALUES_PER_HEAD = 6  # per value head and token, kept for the backward (_linear_mixer_bytes)
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
@@ -145,34 +160,62 @@ OPTIMIZER_BYTES = {2: 12, 4: 8}
 
 
 @functools.lru_cache(maxsize=1024)
-def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float]:
-    """(layer matmuls, attention core, logits) forward FLOPs per token, summed over layers (an MoE layer's
-    matmuls: attention, router, shared experts and the k routed experts a token runs)."""
+def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float, float]:
+    """(layer matmuls, attention core, linear-attention core, logits) forward FLOPs per token, summed over layers
+    (an MoE layer's matmuls: attention, router, shared experts and the k routed experts a token runs; a Gated
+    DeltaNet layer's: its mixer's projections in attention's place, and its core in place of attention's)."""
     moe_layer = spec.attention_parameters + spec.moe_active_mlp_parameters
-    matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers)
+    linear = spec.gated_delta_net
+    swapped = linear.matmul_parameters(spec.hidden_size) - spec.attention_parameters if linear else 0
+    matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers
+                    + swapped * spec.num_linear_layers)
     # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
-    core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * spec.num_layers
+    attention_layers = spec.num_layers - spec.num_linear_layers
+    core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * attention_layers
+    linear_core = spec.num_linear_layers * _linear_core_flops(spec)[0] if linear else 0.0
     logits = 2.0 * spec.head_width * spec.hidden_size
-    return matmul, core, logits
+    return matmul, core, linear_core, logits
+
+
+def _linear_chunk(spec: ModelSpec) -> int:
+    """The tokens of a Gated DeltaNet chunk: chunk_gated_delta_rule's, or the whole sequence where shorter."""
+    return min(LINEAR_ATTENTION_CHUNK, spec.seq_len)
+
+
+def _linear_core_flops(spec: ModelSpec) -> tuple[float, float]:
+    """A Gated DeltaNet layer's core per token, as flash-linear-attention's chunk_gated_delta_rule runs it over
+    chunks of C tokens (`_linear_chunk`), for each value head (the keys are repeated to them): (its forward FLOPs, those its backward
+    recomputes first). Multiply-adds of the forward: the chunk's K·Kᵀ (C·dk), the WY representation's w and u
+    (C·dk + C·dv), the pass over the chunks' states S (v_new = u − w·S and the update Kᵀ·v_new: 2·dk·dv) and the
+    output (q·S: dk·dv; the chunk's masked q·Kᵀ and its product with v_new: C·dk + C·dv). The backward first
+    recomputes w, u and the states (C·dk + C·dv + 2·dk·dv; it saves none of them), then does twice the forward's
+    work, as any layer's. Linear in the sequence: no s x s term."""
+    linear = spec.gated_delta_net
+    c, dk, dv = _linear_chunk(spec), linear.head_k_dim, linear.head_v_dim
+    heads = 2.0 * linear.num_v_heads  # 2 FLOPs per multiply-add
+    return heads * (3 * c * dk + 2 * c * dv + 3 * dk * dv), heads * (c * dk + c * dv + 2 * dk * dv)
 
 
 def model_flops_per_step(spec: ModelSpec, global_batch_size: int) -> float:
     """FLOPs of forward + backward without any recomputation (the 'model FLOPs' of MFU)."""
-    matmul, core, logits = _forward_flops_per_token(spec)
-    return FWD_BWD_PASSES * global_batch_size * spec.seq_len * (matmul + core + logits)
+    return FWD_BWD_PASSES * global_batch_size * spec.seq_len * sum(_forward_flops_per_token(spec))
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch_size: int, recompute: str = "none") -> float:
-    """FLOPs actually executed: model FLOPs + recomputation (full layer, attention core, flash's Q·Kᵀ)."""
-    matmul, core, _ = _forward_flops_per_token(spec)
+    """FLOPs actually executed: model FLOPs + recomputation (full layer, attention core, flash's Q·Kᵀ, the
+    linear-attention kernels' states). Selective recompute re-runs the attention layers' core only (distcore leaves
+    Gated DeltaNet layers as they are: apply_recompute)."""
+    matmul, core, linear_core, _ = _forward_flops_per_token(spec)
     tokens = global_batch_size * spec.seq_len
     extra = 0.0
     if recompute == "full":
-        extra += matmul + core
+        extra += matmul + core + linear_core
     elif recompute == "selective":
         extra += core
     if spec.flash_attention:
         extra += FLASH_BWD_RECOMPUTE * core
+    if spec.gated_delta_net:
+        extra += spec.num_linear_layers * _linear_core_flops(spec)[1]
     return model_flops_per_step(spec, global_batch_size) + tokens * extra
 
 
@@ -237,7 +280,8 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 
 
 def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
-                      imbalance: float = 1.0, experts_split: bool = True) -> tuple[float, float, float, float]:
+                      imbalance: float = 1.0, experts_split: bool = True,
+                      linear: bool = False) -> tuple[float, float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
     inside them, the attention core, whole on every tensor-parallel rank even under sequence parallel). For
     Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh, 5·a·s²·b (Korthikanti et al. 2022, eq. 1) and 0.
@@ -245,7 +289,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     sequence (after sequence parallel's all-gather), so no split divides them. `moe`: an MoE layer, its busiest rank receiving
     `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
     rank (etp = 1), their activations outside the split regions (sequence parallel splits them with the rest: the
-    blocks then run on each rank's slice of the sequence)."""
+    blocks then run on each rank's slice of the sequence). `linear`: a Gated DeltaNet layer (`_linear_mixer_bytes`
+    in attention's place: inside the split region, no core term)."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
     h, q, f = spec.hidden_size, spec.q_size, spec.ffn_hidden_size
@@ -262,7 +307,12 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
         outside += sb * (routed * e * h + ROUTER_PROB_BYTES * spec.num_experts)  # dispatched copies, router scores
         if not experts_split:
             outside, mlp = outside + sb * mlp, 0.0
-    inside = sb * (e * q + e * spec.key_size + e * spec.value_size + e * spec.attention_output_size + mlp)
+    if linear:
+        return outside, sb * (_linear_mixer_bytes(spec, e) + mlp), 0.0, 0.0
+    # An output gate from the query projection: that output twice as wide (the query's norm keeps a view of it) and
+    # the gate's sigmoid.
+    gate = 2 * e * q if spec.attention_output_gate else 0
+    inside = sb * (e * q + e * spec.key_size + e * spec.value_size + e * spec.attention_output_size + gate + mlp)
     latent = spec.latent_attention
     # The latents and their norms' inputs, whole on every tensor-parallel rank.
     whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
@@ -278,22 +328,39 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
 
 def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", dtype_bytes: int = 2, *, moe: bool = False,
-                               imbalance: float = 1.0, etp: int | None = None) -> float:
-    """Activation bytes one layer (an MoE layer with `moe`) keeps for one micro-batch on one device.
+                               imbalance: float = 1.0, etp: int | None = None, linear: bool = False) -> float:
+    """Activation bytes one layer (an MoE layer with `moe`, a Gated DeltaNet layer with `linear`) keeps for one
+    micro-batch on one device.
 
     GPT (dropout, no flash): s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t))
     with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
-    recompute; selective recompute drops the attention-core term. `etp` (an MoE layer; default tp): the
-    experts' tensor-parallel split, 1 where they run whole on every tp rank.
+    recompute; selective recompute drops the attention-core term (a Gated DeltaNet layer has none: selective
+    recompute leaves it as it is). `etp` (an MoE layer; default tp): the experts' tensor-parallel split, 1 where
+    they run whole on every tp rank.
     """
     if recompute == "full":
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
         return layer_input / tp if sequence_parallel else layer_input
     experts_split = etp is None or etp == tp
-    outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split)
+    outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split,
+                                                     linear)
     if recompute == "selective":
         core = 0.0
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp + whole
+
+
+def _linear_mixer_bytes(spec: ModelSpec, e: int) -> float:
+    """What a Gated DeltaNet mixer keeps per token for its backward, in the layout of Qwen3.5's mixer (separate
+    projections) on flash-linear-attention's kernels: the convolution's input and output (the packed [q | k | v]:
+    its output stays whole, as v is a view of it), the l2-normalised q and k at the value heads' count, the chunk's
+    WY matrix A (C values per value head), the output gate z, the core's output and the gated norm's output (the
+    output projection's input), β, and `LINEAR_FP32_VALUES_PER_HEAD` fp32 values per value head (the decay's log,
+    its softplus's input and output, q's and k's 1/norm, the gated norm's 1/rms)."""
+    linear = spec.gated_delta_net
+    heads = linear.num_v_heads
+    return (e * (2 * linear.conv_channels + 2 * heads * linear.head_k_dim + heads * _linear_chunk(spec)
+                 + 3 * linear.value_size + heads)
+            + LINEAR_STATISTIC_BYTES * LINEAR_FP32_VALUES_PER_HEAD * heads)
 
 
 def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -324,40 +391,61 @@ def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: 
     return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep, etp))
 
 
+# A decoder layer's kind: (its MLP is a mixture of experts, its token mixer is Gated DeltaNet linear attention).
+# A rank's layers are counted per kind in this order (`_layer_kinds`).
+LAYER_KINDS = ((False, False), (True, False), (False, True), (True, True))
+
+
 @functools.lru_cache(maxsize=65536)
-def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, int], ...]:
-    """Each pipeline rank's (dense, MoE) layer counts."""
+def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, ...], ...]:
+    """Each pipeline rank's layer counts per kind (LAYER_KINDS)."""
     return tuple(_layer_kinds(spec, layers) for layers in rank_layer_indices(spec.num_layers, pp, virtual_pp))
 
 
-def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, int]:
-    """(dense, MoE) counts among the layer indices `layers`."""
-    moe = len(set(layers) & set(spec.moe_layer_indices))
-    return len(layers) - moe, moe
+def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
+    """The counts of each kind (LAYER_KINDS) among the layer indices `layers`."""
+    moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
+    return tuple(sum((i in moe) == m and (i in linear) == l for i in layers) for m, l in LAYER_KINDS)
+
+
+def _moe_layer_count(kinds: tuple[int, ...]) -> int:
+    return sum(n for n, (moe, _) in zip(kinds, LAYER_KINDS) if moe)
+
+
+def _spec_kinds(spec: ModelSpec) -> tuple[tuple[bool, bool], ...]:
+    """The kinds of layer `spec` has (the dense attention layer's always: it prices the model's ends)."""
+    counts = _layer_kinds(spec, range(spec.num_layers))
+    return tuple(kind for i, kind in enumerate(LAYER_KINDS) if counts[i] or i == 0)
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int) -> tuple[float, float]:
-    """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device."""
-    norms, unsplit = spec.layer_norm_parameters, spec.attention_unsplit_parameters  # unsplit: latent down-projections
+def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, linear: bool = False) -> tuple[float, float]:
+    """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device. A
+    Gated DeltaNet layer's mixer in attention's place: its projections split, its other parameters whole (distcore
+    holds them whole on every rank), its norms the two layer norms (no q/k norms)."""
+    if linear:
+        mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
+        norms = 2 * spec.hidden_size
+    else:
+        unsplit = spec.attention_unsplit_parameters  # latent attention's down-projections
+        mixer = (spec.attention_parameters - unsplit) / tp + unsplit
+        norms = spec.layer_norm_parameters
     if not moe:
-        return (spec.layer_matmul_parameters - unsplit) / tp + unsplit + norms, 0.0
-    shared = ((spec.attention_parameters - unsplit) / tp + unsplit + spec.shared_expert_parameters / etp
-              + spec.router_parameters + norms)
+        return mixer + spec.mlp_parameters / tp + norms, 0.0
+    shared = mixer + spec.shared_expert_parameters / etp + spec.router_parameters + norms
     return shared, spec.num_experts // ep * spec.expert_parameters / etp
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple[int, int],
+def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple[int, ...],
                      ep: int, etp: int) -> tuple[float, float]:
-    """(dense, expert) parameters of a rank holding `kinds` = (dense, MoE) decoder layers (see stage_parameters)."""
-    dense_layer, _ = _layer_parameters(spec, tp, ep, False, etp)
-    params = kinds[0] * dense_layer
-    experts = 0.0
-    if kinds[1]:
-        moe_layer, expert_layer = _layer_parameters(spec, tp, ep, True, etp)
-        params += kinds[1] * moe_layer
-        experts = kinds[1] * expert_layer
+    """(dense, expert) parameters of a rank holding `kinds` (its layer counts per LAYER_KINDS; see stage_parameters)."""
+    params = experts = 0.0
+    for count, (moe, linear) in zip(kinds, LAYER_KINDS):
+        if count:
+            layer, expert_layer = _layer_parameters(spec, tp, ep, moe, etp, linear)
+            params += count * layer
+            experts += count * expert_layer
     if stage == 0:
         params += spec.embedding_parameters / tp
     if stage == pp - 1:
@@ -470,6 +558,8 @@ class _LayerCost:
 
     gemm_fwd: float
     core_fwd: float
+    core_bwd: float  # with the core kernel's own recomputation in its backward
+    selective_fwd: float  # what selective recompute re-runs: the attention core (nothing in a Gated DeltaNet layer)
     elementwise_fwd: float
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
@@ -477,6 +567,7 @@ class _LayerCost:
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
     latent_collectives: float  # latent attention: its backward all-reduces in place of the attention's of b·s·h
+    linear_collectives: float  # Gated DeltaNet: its whole parameters' gradients summed across the tp ranks
     head_gemm_fwd: float
     head_elementwise_fwd: float
     activations: dict  # recompute mode -> bytes per layer
@@ -515,7 +606,7 @@ def _expert_imbalance(spec: ModelSpec, ep: int) -> float:
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool,
-                moe: bool = False, ep: int = 1) -> _LayerCost:
+                moe: bool = False, ep: int = 1, linear: bool = False) -> _LayerCost:
     p = cluster.profile
     e = cluster.dtype_bytes
     engine = cluster.engine
@@ -528,8 +619,10 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     etp = _expert_tp(cluster, tp)
     # The tokens an MoE block runs on this rank: under sequence parallel with whole blocks (etp = 1) its slice.
     moe_tokens = tokens / tp if moe and sequence_parallel and etp == 1 else tokens
+    gdn = spec.gated_delta_net if linear else None
+    projections = gdn.projections(h) if gdn else spec.attention_projections
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
-                          flops, bw, e) for n_in, n_out, split in spec.attention_projections)
+                          flops, bw, e) for n_in, n_out, split in projections)
     ep_collective = 0.0
     if moe:
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
@@ -548,17 +641,27 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                                         inter_bandwidth=bw_out, inter_latency=lat_out)
     else:
         gemm += _mlp_gemms(tokens, h, f / tp, spec.gated_mlp, flops, bw, e)
-    if spec.flash_attention and measured and p.attention_flops:
-        core_flops = p.attention_flops
+    # Flash attention's rate (measured, or the engine's share of the GEMM rate). A Gated DeltaNet core runs at it
+    # too: flash-linear-attention's kernels are, like flash attention's, small per-block matmuls in fused Triton
+    # kernels (no separate measurement of theirs exists here).
+    flash_flops = p.attention_flops if measured and p.attention_flops else flops * engine.attention(p.arch)
+    if gdn:
+        linear_fwd, linear_recompute = _linear_core_flops(spec)
+        core = tokens * linear_fwd / tp / flash_flops
+        core_bwd = BWD_TO_FWD * core + tokens * linear_recompute / tp / flash_flops
     else:
-        core_flops = flops * (engine.attention(p.arch) if spec.flash_attention else 1.0)
-    core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
-    outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp)
+        core_flops = flash_flops if spec.flash_attention else flops
+        core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
+        core_bwd = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * core
+    outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp,
+                                                           linear)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp + whole
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
     elementwise = engine.elementwise_traffic * stored / bw_elementwise
     core_elementwise = 0.0 if spec.flash_attention else engine.elementwise_traffic * core_bytes / tp / bw
+    # Selective recompute re-runs the attention core; distcore leaves a Gated DeltaNet layer as it is.
+    selective = 0.0 if gdn else core + core_elementwise
     bw_tp, lat_tp = cluster.link(tp, 1)
     message = e * tokens * h
     tp_collective = all_reduce_time(message, tp, bw_tp, lat_tp)
@@ -567,7 +670,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # _UnequalPackedColwise), on top of the four collectives of b·s·h; priced per layer as a share of them.
     packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
     packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
-                  if spec.packed_unequal_qkv and tp > 1 else 0.0)
+                  if spec.packed_unequal_qkv and tp > 1 and not gdn else 0.0)
     # q/k norms under tensor parallel (distcore's tensor_parallel.py). Per head (Qwen3): each rank's heads
     # give a partial gradient of the q and k norm weights (head_dim each, Replicate), summed over the tp
     # ranks: 2 all-reduces of head_dim elements. Over the whole projection (OLMo2): the normalised dim is
@@ -579,7 +682,9 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # FSDP / the optimizer reads it), not once per micro-batch. (Full recompute's second forward repeats the
     # statistics' all-reduces, not counted, as for the packed q/k/v.) Every message is small (a value per
     # token, a weight of head_dim or q + kv), so the term is latency-bound: ring steps x alpha, not bytes/bw.
-    if spec.qk_norm == "projection" and tp > 1:
+    if gdn:  # no q/k norms (its packed projection is split part by part: no collective of its own either)
+        qk_norm = 0.0
+    elif spec.qk_norm == "projection" and tp > 1:
         qk_norm = (4 * all_reduce_time(NORM_STATISTIC_BYTES * tokens, tp, bw_tp, lat_tp)
                    + all_gather_time(e * (spec.q_size + spec.kv_size), tp, bw_tp, lat_tp))
     elif spec.qk_norm == "head" and tp > 1:
@@ -590,21 +695,25 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # gradients of the query latent (the hidden state without one), of the key/value latent and of the rotary
     # key every head uses (ReduceSharedOutputGradient) instead of the hidden state's: three smaller messages,
     # each paying the latency. (Priced alike under sequence parallel, whose pair per collective has the same size.)
-    latent = spec.latent_attention
+    latent = None if gdn else spec.latent_attention
     latent_collectives = 0.0
     if latent and tp > 1:
         widths = (latent.q_lora_rank or h, latent.kv_lora_rank, latent.rope_head_dim)
         latent_collectives = sum(all_reduce_time(e * tokens * w, tp, bw_tp, lat_tp) for w in widths) - tp_collective
+    # Gated DeltaNet under tp: the parameters distcore keeps whole on every rank (its convolution, per-head biases
+    # and decays, its gated norm's weight) get each rank's partial gradients, summed over the tp ranks: one small
+    # all-reduce, priced per layer and micro-batch as the q/k norms' (latency-bound).
+    linear_collectives = all_reduce_time(e * gdn.other_parameters, tp, bw_tp, lat_tp) if gdn and tp > 1 else 0.0
     head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)
     logits_bytes = tokens * spec.head_width / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
-                                                    etp=etp,
-                                                    imbalance=imbalance)
+                                                    etp=etp, imbalance=imbalance, linear=linear)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, elementwise, core_elementwise, tp_collective, ep_collective, packed_qkv, qk_norm,
-                      latent_collectives, head, head_elementwise, activations, logits_bytes, message / split, message / split)
+    return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective, ep_collective,
+                      packed_qkv, qk_norm, latent_collectives, linear_collectives, head, head_elementwise, activations,
+                      logits_bytes, message / split, message / split)
 
 
 def fused_loss_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tp: int = 1) -> float:
@@ -675,12 +784,11 @@ class _LayerTiming:
 
 @functools.lru_cache(maxsize=65536)
 def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
-                  recompute: str, overlap_tp_comm: bool, moe: bool, ep: int) -> _LayerTiming:
+                  recompute: str, overlap_tp_comm: bool, moe: bool, ep: int, linear: bool = False) -> _LayerTiming:
     p = cluster.profile
-    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep)
-    backward_core = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * c.core_fwd
+    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep, linear)
     fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
-    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + backward_core
+    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + c.core_bwd
     collectives = 4
     all_to_alls = 4  # dispatch and combine, forward and backward
     gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
@@ -690,13 +798,14 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
         all_to_alls += 2
         gemm_total += c.gemm_fwd
     elif recompute == "selective":
-        recompute_s = c.core_fwd + c.core_elementwise_fwd
+        recompute_s = c.selective_fwd
     else:
         recompute_s = 0.0
     # The engine's CPU dispatch of a layer's kernels is a floor under its time (the GPU runs ahead); its
     # ops count a forward and a backward of twice the forward's, and full recompute dispatches one more forward.
     floor = cluster.engine.layer_floor_s() * ((1 + BWD_TO_FWD + 1) / (1 + BWD_TO_FWD) if recompute == "full" else 1.0)
-    tp_layer = collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives + c.latent_collectives
+    tp_layer = (collectives * c.tp_collective + c.packed_qkv_collectives + c.qk_norm_collectives + c.latent_collectives
+                + c.linear_collectives)
     chunked_gemms = 0.0
     if overlap_tp_comm:  # split into t chunks: the first chunk's transfer has nothing to hide behind
         # Every projection GEMM sits at a region's edge and runs in t chunks; a calibrated profile says how
@@ -714,13 +823,14 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
 def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
                   recompute: str, overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[_LayerTiming, ...]:
     """Each pipeline rank's layers summed: a micro-batch's forward, backward, compute, tp and ep time."""
-    timings = [_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm,
-                             moe, ep if moe else 1) for moe in ((False, True) if spec.is_moe else (False,))]
-    columns = [dataclasses.astuple(timing) for timing in timings]
-    summed: dict = {}  # ranks holding the same (dense, MoE) layer counts cost the same
+    columns = {kind: dataclasses.astuple(_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute,
+                                                       overlap_tp_comm, kind[0], ep if kind[0] else 1, kind[1]))
+               for kind in _spec_kinds(spec)}
+    width = len(dataclasses.fields(_LayerTiming))
+    summed: dict = {}  # ranks holding the same layer counts per kind cost the same
     for kinds in set(_rank_kinds(spec, pp, virtual_pp)):
-        summed[kinds] = _LayerTiming(*(sum(n * column[i] for n, column in zip(kinds, columns))
-                                       for i in range(len(columns[0]))))
+        present = [(n, columns[kind]) for n, kind in zip(kinds, LAYER_KINDS) if n]
+        summed[kinds] = _LayerTiming(*(sum(n * column[i] for n, column in present) for i in range(width)))
     return tuple(summed[kinds] for kinds in _rank_kinds(spec, pp, virtual_pp))
 
 
@@ -801,11 +911,10 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     p = cluster.profile
     e = cluster.dtype_bytes
     t, pp, dp, m, v = s.tp, s.pp, s.dp, s.num_micro_batches, s.virtual_pp
-    kinds_of_layer = (False, True) if spec.is_moe else (False,)  # dense layers, MoE layers
-    costs = [_layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, moe, s.ep if moe else 1)
-             for moe in kinds_of_layer]
-    c = costs[0]
-    kinds = _rank_kinds(spec, pp, v)  # each rank's (dense, MoE) layers, uneven where pp does not divide them
+    costs = {kind: _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, kind[0],
+                               s.ep if kind[0] else 1, kind[1]) for kind in _spec_kinds(spec)}
+    c = costs[LAYER_KINDS[0]]  # a dense attention layer's: the model's ends are priced from it
+    kinds = _rank_kinds(spec, pp, v)  # each rank's layers per kind, uneven where pp does not divide them
     per_rank = _rank_layer_counts(spec, pp, v)
     knobs = (spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm, s.ep, pp, v)
     ranks = _rank_timings(*knobs)
@@ -820,7 +929,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters of the
         # rank holding the most MoE layers, exposed); expert-parallel experts sum theirs in each backward, one
         # all-reduce per layer and micro-batch (distcore's ExpertParallelExperts).
-        moe_layers = max(k[1] for k in kinds)
+        moe_layers = max(_moe_layer_count(k) for k in kinds)
         experts = spec.num_experts // s.ep * spec.expert_parameters
         block = spec.router_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
         bw_tp, lat_tp = cluster.link(t, 1)
@@ -876,16 +985,17 @@ def _peak_ranks(per_rank: tuple[int, ...]) -> list[int]:
     return sorted({0, middle, pp - 1})
 
 
-def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: list[_LayerCost], kinds: list[tuple[int, int]],
+def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: tuple[tuple[int, ...], ...],
             per_rank: tuple[int, ...]) -> MemoryBreakdown:
     """Peak memory of the pipeline ranks (the first, the last and the fullest middle one: uneven layouts
-    give middle ranks a layer more); the largest is the device's need. `costs` and `kinds`: the dense and
-    MoE layers' costs and each rank's (dense, MoE) layer counts."""
+    give middle ranks a layer more); the largest is the device's need. `costs` and `kinds`: each kind of layer's
+    costs ({kind: _LayerCost}) and each rank's layer counts per kind (LAYER_KINDS)."""
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
-    c = costs[0]
+    c = costs[LAYER_KINDS[0]]
     etp = _expert_tp(cluster, t)
-    layer_params = [sum(_layer_parameters(spec, t, s.ep, moe, etp)) for moe in (False, True)]  # as stage_parameters counts
+    # One layer's parameters of each kind, as stage_parameters counts them.
+    layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1])) for kind in costs}
     best = None
     for stage in _peak_ranks(per_rank):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
@@ -893,7 +1003,8 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: list[_LayerCo
         if experts:
             states = model_state_bytes(experts, s.dp // s.ep, s.sharding_level, e)
             weights, grads, optimizer = weights + states[0], grads + states[1], optimizer + states[2]
-        present = [kind for kind in (0, 1) if kinds[stage][kind]]
+        present = [kind for n, kind in zip(kinds[stage], LAYER_KINDS) if n]
+        counts = dict(zip(LAYER_KINDS, kinds[stage]))
         largest_layer = max(layer_params[kind] for kind in present)
         buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
         if s.sharding_level == 2:
@@ -902,8 +1013,8 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: list[_LayerCo
             buffers += (ZERO3_PREFETCH_LAYERS + 1) * e * largest_layer  # gathered weights + full grads
         if pp > 1:
             buffers += 2 * c.p2p_bytes  # send and receive buffers
-        # Layer-micro-batches in flight, at the rank's mean activations per layer (its dense and MoE layers).
-        per_layer = sum(kinds[stage][kind] * costs[kind].activations[s.recompute] for kind in present) / per_rank[stage]
+        # Layer-micro-batches in flight, at the rank's mean activations per layer (over its kinds of layer).
+        per_layer = sum(counts[kind] * costs[kind].activations[s.recompute] for kind in present) / per_rank[stage]
         in_flight = _in_flight_layers(per_rank[stage], pp, s.virtual_pp, s.num_micro_batches, stage)
         activations = in_flight * per_layer
         if s.recompute == "full":  # the layer being recomputed holds its full set

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset",
+__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset",
            "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
@@ -230,6 +230,67 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated DeltaNet linear-attention layers (Qwen3-Next, Qwen3.5, Lara Mini) as the cost model prices them; their
+    names in a model are the structure's (`ModelStructure.linear_attention`, a `LinearAttention`). `layers`: their
+    indices (the model's other layers are attention layers). Each mixes tokens with `num_k_heads` query and key
+    heads of `head_k_dim` and `num_v_heads` value heads of `head_v_dim` (a multiple: a key head serves a group of
+    value heads), after a depthwise causal convolution of `conv_kernel_size` over the packed [q | k | v] channels.
+    Its projections are transformers' (packed or not): from the hidden size to q, k, v, the output gate z (one
+    value width) and one β and one decay per value head; and from the value heads back to the hidden size."""
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_size: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GatedDeltaNet: {name} must be a positive integer, got {value!r}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"GatedDeltaNet: num_v_heads={self.num_v_heads} must be a multiple of "
+                             f"num_k_heads={self.num_k_heads} (a key head serves a group of value heads)")
+        layers = tuple(self.layers)
+        if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0:
+            raise ValueError(f"GatedDeltaNet: layers must be increasing layer indices, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+
+    @property
+    def key_size(self) -> int:
+        """The query (and the key) width: key heads x their width."""
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolution's channels: the packed [q | k | v]."""
+        return 2 * self.key_size + self.value_size
+
+    def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
+        """As `ModelSpec.attention_projections`: (in, out, what tensor parallel splits). From the hidden size: q, k,
+        v, z and β and the decay per value head (column-parallel, packed or not); back: row-parallel."""
+        return (hidden, self.conv_channels + self.value_size + 2 * self.num_v_heads, "out"), (self.value_size, hidden, "in")
+
+    def matmul_parameters(self, hidden: int) -> int:
+        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
+
+    @property
+    def other_parameters(self) -> int:
+        """The mixer's parameters besides its projections: the convolution's weight, a time-step bias and a decay
+        per value head, and its gated output norm's weight (one value head wide, used by every head). distcore
+        keeps each whole on every tensor-parallel rank (LocalParameterRows, ShardLocalParameters) and sums their
+        gradients over those ranks."""
+        return self.conv_channels * self.conv_kernel_size + 2 * self.num_v_heads + self.head_v_dim
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """A Gated DeltaNet linear-attention mixer (transformers' Qwen3-Next, Qwen3.5, Qwen3.5-MoE): what tensor
     parallel splits by head, as names relative to the mixer. Its heads are independent, as attention's are: a
@@ -269,8 +330,10 @@ class ModelSpec:
     "projection" for OLMo2-style RMSNorms over all heads' features, whose statistics tensor parallel
     all-reduces; None without; their weights are counted with the layer's norms), `latent_attention`
     (DeepSeek's multi-head latent attention: its projections and attention core priced as they run, the
-    down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections), and a
-    display `name`. `structure` is set by `from_module`.
+    down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections),
+    `attention_output_gate` (Qwen3-Next's and Qwen3.5's gated attention: the query projection also gives each query
+    head a gate on its output, q_size more outputs), `gated_delta_net` (the layers whose token mixer is Gated DeltaNet linear attention, and their shapes; None:
+    attention in every layer), and a display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -299,9 +362,8 @@ class ModelSpec:
     packed_unequal_qkv: bool = False
     qk_norm: str | None = None
     latent_attention: LatentAttention | None = None
-    # Gated DeltaNet layers' (key heads, value heads): tensor parallel splits them too. The cost model prices those
-    # layers as attention layers (the structure's notes say so).
-    linear_attention_heads: tuple[int, ...] = ()
+    attention_output_gate: bool = False
+    gated_delta_net: GatedDeltaNet | None = None
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
@@ -341,9 +403,16 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         latent = self.latent_attention
+        if latent is not None and self.attention_output_gate:
+            raise ValueError("ModelSpec: attention_output_gate is a gate from the query projection, which latent "
+                             "attention has not; set one of them")
         if latent is not None and not latent.rope_head_dim < self.head_dim:
             raise ValueError(f"ModelSpec: latent attention's rotary part ({latent.rope_head_dim}) must be narrower "
                              f"than a query head (head_dim={self.head_dim})")
+        linear = self.gated_delta_net
+        if linear is not None and linear.layers[-1] >= self.num_layers:
+            raise ValueError(f"ModelSpec: gated_delta_net.layers must be layer indices in [0, {self.num_layers}), "
+                             f"got {linear.layers!r}")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -411,7 +480,8 @@ class ModelSpec:
         (split by head)."""
         h, latent = self.hidden_size, self.latent_attention
         if latent is None:
-            return (h, self.q_size + 2 * self.kv_size, "out"), (self.q_size, h, "in")
+            queries = (2 if self.attention_output_gate else 1) * self.q_size
+            return (h, queries + 2 * self.kv_size, "out"), (self.q_size, h, "in")
         query = (((h, latent.q_lora_rank, None), (latent.q_lora_rank, self.q_size, "out")) if latent.q_lora_rank
                  else ((h, self.q_size, "out"),))
         up = self.num_heads * (self.head_dim - latent.rope_head_dim + latent.v_head_dim)  # keys' latent part, values
@@ -486,6 +556,24 @@ class ModelSpec:
     def layer_matmul_parameters(self) -> int:
         return self.attention_parameters + self.mlp_parameters
 
+    # ------------------------------------------------------------------ Gated DeltaNet (linear attention)
+
+    @property
+    def linear_layer_indices(self) -> tuple[int, ...]:
+        """The layers whose token mixer is Gated DeltaNet linear attention (their MLP dense or MoE as any layer's)."""
+        return self.gated_delta_net.layers if self.gated_delta_net else ()
+
+    @property
+    def num_linear_layers(self) -> int:
+        return len(self.linear_layer_indices)
+
+    @property
+    def linear_mixer_parameters(self) -> int:
+        """A Gated DeltaNet layer's mixer, which holds attention's place (and the q/k norms') in it: its projections
+        and its other parameters (0 without such layers)."""
+        linear = self.gated_delta_net
+        return linear.matmul_parameters(self.hidden_size) + linear.other_parameters if linear else 0
+
     @property
     def qk_norm_parameters(self) -> int:
         """The q and k norms' weights per layer: head_dim each (per head), q_size + kv_size (per projection)."""
@@ -528,6 +616,9 @@ class ModelSpec:
     def num_parameters(self) -> int:
         """Total parameters: layers (dense and MoE) + embedding + (untied) LM head + final norm."""
         layers = self.num_dense_layers * self.layer_parameters + self.num_moe_layers * self.moe_layer_parameters
+        # A Gated DeltaNet layer: its mixer in place of attention and the q/k norms.
+        layers += self.num_linear_layers * (self.linear_mixer_parameters - self.attention_parameters
+                                            - self.qk_norm_parameters)
         return layers + self.embedding_parameters + self.head_parameters + self.hidden_size
 
     @property
@@ -546,6 +637,10 @@ class ModelSpec:
             dense = f", {self.num_dense_layers} dense layers" if self.num_dense_layers else ""
             size += (f" ({self.active_parameters / 1e9:.2f}B active), MoE {self.num_experts} experts top-"
                      f"{self.experts_per_token} of ffn {self.expert_ffn_hidden_size}{shared}{dense}")
+        linear = self.gated_delta_net
+        if linear:
+            size += (f", {self.num_linear_layers} Gated DeltaNet layers ({linear.num_k_heads} key heads of "
+                     f"{linear.head_k_dim}, {linear.num_v_heads} value heads of {linear.head_v_dim})")
         return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} heads={self.num_heads}{kv} "
                 f"ffn={self.ffn_hidden_size} ({mlp}) vocab={self.vocab_size} seq={self.seq_len}")
 
@@ -614,6 +709,17 @@ PRESETS: dict[str, ModelSpec] = {
     # per-head q/k RMSNorms, 128 experts of 768 top-8 in every layer, vocab 151936: 30.5B, 3.3B active.
     "qwen3-30b-a3b": ModelSpec(48, 2048, 32, 768, 151936, num_kv_heads=4, head_dim=128, qk_norm="head",
                                num_experts=128, experts_per_token=8, seq_len=4096, name="qwen3-30b-a3b"),
+    # Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct config.json; transformers' Qwen3NextConfig defaults): 48
+    # layers, hidden 2048; every fourth layer gated attention (16 heads of 256, 2 kv heads, per-head q/k norms), the
+    # others Gated DeltaNet (16 key heads, 32 value heads, both 128 wide, convolution of 4); 512 experts of 512
+    # top-10 and a shared expert of 512 in every layer, vocab 151936: 79.7B (the model: 80B; its shared experts'
+    # one-output gates, 98k parameters, not counted).
+    "qwen3-next-80b-a3b": ModelSpec(48, 2048, 16, 512, 151936, num_kv_heads=2, head_dim=256, qk_norm="head",
+                                    attention_output_gate=True, num_experts=512, experts_per_token=10,
+                                    shared_ffn_hidden_size=512, seq_len=4096, name="qwen3-next-80b-a3b",
+                                    gated_delta_net=GatedDeltaNet(layers=tuple(i for i in range(48) if i % 4 != 3),
+                                                                  num_k_heads=16, num_v_heads=32, head_k_dim=128,
+                                                                  head_v_dim=128)),
     # gpt-oss-20b (openai/gpt-oss-20b config.json): 24 layers, hidden 2880, 64 heads of 64, 8 kv heads, 32
     # experts of 2880 top-4, vocab 201088: 20.9B. Priced as full causal attention in every layer (the model
     # alternates 128-token sliding windows) and without the experts' biases.
@@ -1260,6 +1366,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
             "as tridist reads it; call ModelSpec.from_module(model, num_heads=..., num_kv_heads=...) if it is")
     shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks, tuple(mixers))
     linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
+    linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
     if attn.get("latent_kv"):  # the latents' norms (q_a_layernorm, kv_a_layernorm) are not q/k norms
@@ -1276,12 +1383,14 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
-    if attn.get("gated_query"):
-        notes.append(f"{attn.get('q') or attn.get('qkv')} also gives each query head its output gate (twice the "
-                     "heads' width); the cost model prices it as the query projection alone")
     if linear is not None:
-        notes.append(f"layers {_ranges(linear.layers)} mix tokens by Gated DeltaNet linear attention; the cost model "
-                     "prices them as the attention layers")
+        notes.append(f"layers {_ranges(linear.layers)} mix tokens by Gated DeltaNet linear attention, priced as "
+                     "flash-linear-attention's chunked kernels run it")
+        widths = sum(sum(parts) for _, parts in linear.columns)
+        expected = linear_shape.projections(hidden)[0][1]
+        if widths != expected:
+            notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
+                         f"transformers' q, k, v, z, b and a ({expected})")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
         notes.append(f"multi-head latent attention priced as it runs ({latent})")
@@ -1313,8 +1422,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
-        latent_attention=latent, flash_attention=not eager, softmax_fp32=eager,
-        linear_attention_heads=(linear.num_k_heads, linear.num_v_heads) if linear else (), **moe_fields,
+        latent_attention=latent, attention_output_gate=bool(attn.get("gated_query")), flash_attention=not eager,
+        softmax_fp32=eager,
+        gated_delta_net=linear_shape, **moe_fields,
     )
     return structure, fields
 
@@ -1394,6 +1504,16 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         mixer=name, layers=tuple(sorted(mixers)), num_k_heads=num_k_heads, num_v_heads=num_v_heads,
         columns=tuple(columns), output=outputs[0], rows=tuple(rows), shared=tuple(shared),
         counts=tuple(a for a in _LINEAR_ATTENTION_COUNTS if isinstance(readable_attr(module, a), int)))
+
+
+def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> GatedDeltaNet:
+    """The cost model's shapes of the `linear` layers (read from the first one's mixer: the others are alike)."""
+    from torch import nn
+
+    mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
+    conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
+    return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0],
+                         **{a: int(getattr(mixer, a)) for a in _GATED_DELTA_NET_ATTRS})
 
 
 def _eager_attention(model) -> bool:

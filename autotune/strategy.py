@@ -152,7 +152,9 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         reasons.append(f"dp*micro_batch_size*num_micro_batches = {s.dp}*{s.micro_batch_size}*{s.num_micro_batches} "
                        f"= {s.global_batch_size} must equal the global batch size {global_batch_size}")
     # Tensor parallel splits heads (q and kv), the hidden and ffn widths and the vocabulary evenly.
-    linear_heads = tuple(zip(("linear_num_key_heads", "linear_num_value_heads"), spec.linear_attention_heads))
+    linear = spec.gated_delta_net
+    linear_heads = (("gated_delta_net.num_k_heads", linear.num_k_heads),
+                    ("gated_delta_net.num_v_heads", linear.num_v_heads)) if linear else ()
     for quantity_name, quantity in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
                                     ("hidden_size", spec.hidden_size), ("ffn_hidden_size", spec.ffn_hidden_size),
                                     ("vocab_size", spec.vocab_size), *linear_heads):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tridist.autotune import ModelSpec, UnrecognisedModel, preset, recognise
+from tridist.autotune import GatedDeltaNet, ModelSpec, UnrecognisedModel, preset, recognise
 from tridist.autotune.model import readable_attr
 from tridist.bench.models import build_model
 
@@ -189,19 +189,21 @@ def test_gated_deltanet_layers_are_read_beside_attention():
     spec = ModelSpec.from_module(build("qwen3.5", layers=4), seq_len=16)
     s, linear = spec.structure, spec.structure.linear_attention
     assert (s.q, s.o, s.qk_norms) == ("self_attn.q_proj", "self_attn.o_proj", ("self_attn.q_norm", "self_attn.k_norm"))
-    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.linear_attention_heads) == (4, 2, 16, (4, 8))
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_output_gate) == (4, 2, 16, True)
+    assert spec.gated_delta_net == GatedDeltaNet(layers=(0, 2), num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
+                                                 conv_kernel_size=4)
     key, value = 4 * 8, 8 * 8
     assert linear == dataclasses.replace(
         linear, mixer="linear_attn", layers=(0, 2), num_k_heads=4, num_v_heads=8,
         columns=(("in_proj_qkv", (key, key, value)), ("in_proj_z", (value,)), ("in_proj_b", (8,)), ("in_proj_a", (8,))),
         output="out_proj", rows=(("conv1d.weight", (key, key, value)), ("dt_bias", (8,)), ("A_log", (8,))),
         shared=("norm",), counts=("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"))
-    assert any("output gate" in note for note in s.notes) and any("layers 0, 2 mix tokens" in note for note in s.notes), s.notes
+    assert any("layers 0, 2 mix tokens" in note for note in s.notes), s.notes
     assert "linear attention  model.layers.*.linear_attn in layers 0, 2" in s.describe()
     with pytest.raises(ValueError, match="no tensor-parallel roles for linear attention"):
         s.tp_roles()
     strategy = Strategy(dp=1, tp=8, pp=1, micro_batch_size=1, num_micro_batches=1)
-    assert "tp=8 does not divide linear_num_key_heads=4" in " ".join(validate(spec, Cluster(1, 8), strategy, global_batch_size=1))
+    assert "tp=8 does not divide gated_delta_net.num_k_heads=4" in " ".join(validate(spec, Cluster(1, 8), strategy, global_batch_size=1))
     next_linear = ModelSpec.from_module(build("qwen3-next"), seq_len=16).structure.linear_attention
     assert next_linear.columns == (("in_proj_qkvz", (96,)), ("in_proj_ba", (8,)))  # 2 key heads, each [q k v v z z], [b b a a]
     assert (next_linear.layers, next_linear.rows[0]) == ((0,), ("conv1d.weight", (16, 16, 32)))

@@ -353,7 +353,7 @@ def test_latent_attention_is_priced_as_it_runs():
     assert mla.attention_parameters == (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
                                         + 128 * 128 * 7168) == 187_105_280
     assert mla.attention_unsplit_parameters == 7168 * 1536 + 7168 * 576
-    _, core, _ = _forward_flops_per_token(mla)
+    _, core, _, _ = _forward_flops_per_token(mla)
     assert core == 2.0 * 4096 * (128 * 192 + 128 * 128) * 2
     split, _ = _layer_parameters(mla, 4, 1, False, 1)
     unsplit = mla.attention_unsplit_parameters
