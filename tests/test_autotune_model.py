@@ -289,7 +289,7 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
 def test_local_parameter_rows_swap_and_refusals():
     """LocalParameterRows (a Gated DeltaNet mixer's style) on a world of one: the forward sees plain local rows, the
     parameters stay whole DTensors after every forward (also beside ShardLocalParameters on the same module, whose
-    swap keeps what the other put aside), gradients reach them; a parameter already split, a name that is no
+    swap keeps what the other put aside), and after a forward that raised, gradients reach them; a parameter already split, a name that is no
     parameter and parts that are not its rows are refused naming them, before the module is changed."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -304,9 +304,12 @@ def test_local_parameter_rows_swap_and_refusals():
             self.A = nn.Parameter(torch.arange(4.0))
             self.extra = nn.Parameter(torch.ones(3))
             self.heads = 4
+            self.fail = False
 
         def forward(self, x):
             assert not any(isinstance(p, DTensor) for p in (self.A, self.conv.weight, self.extra))  # local values
+            if self.fail:
+                raise RuntimeError("the forward failed")
             return (x * self.A).sum() + self.conv.weight.sum() + self.extra.sum()
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -319,6 +322,16 @@ def test_local_parameter_rows_swap_and_refusals():
             mixer(torch.ones(4)).backward()
             assert all(isinstance(p, DTensor) for p in mixer._parameters.values()), mixer._parameters
         assert isinstance(mixer.conv.weight, DTensor) and mixer.A.grad.to_local().tolist() == [2.0] * 4
+        # A forward that raises: each style's swap-back runs regardless (each alone on a module, where no other
+        # style's would put its parameters back; and both together).
+        for style in (LocalParameterRows(rows={"A": (4,)}), ShardLocalParameters(), None):
+            module = mixer if style is None else Mixer()
+            if style is not None:
+                style.apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+            module.fail = True
+            with pytest.raises(RuntimeError, match="the forward failed"):
+                module(torch.ones(4))
+            assert isinstance(module.A, DTensor), (style, module.A)
         for module, rows, why in ((mixer, {"A": (4,)}, "m.A is split already"),  # ShardLocalParameters made it one
                                   (Mixer(), {"B": (4,)}, "names m.B, which is no parameter of Mixer"),
                                   (Mixer(), {"nope.weight": (4,)}, "names m.nope.weight, which is no parameter"),
