@@ -90,7 +90,7 @@ from dataclasses import dataclass
 
 from .hardware import Cluster
 from .model import ModelSpec
-from .strategy import Strategy, check, rank_layer_indices
+from .strategy import Strategy, check, kv_head_replicas, rank_layer_indices
 
 __all__ = [
     "Estimate",
@@ -145,8 +145,11 @@ FUSED_LOSS_ONE_CHUNK_HIDDEN_MULTIPLE = 2
 DROPOUT_MASK_BYTES = 1  # Korthikanti et al.: masks stored as bytes
 # Gated DeltaNet's core as flash-linear-attention's chunk_gated_delta_rule runs it (its fixed chunk of 64 tokens).
 LINEAR_ATTENTION_CHUNK = 64
-LINEAR_STATISTIC_BYTES = 4  # its per-head statistics are fp32
-LINEAR_FP32_VALUES_PER_HEAD = 6  # per value head and token, kept for the backward (_linear_mixer_bytes)
+LINEAR_STATISTIC_BYTES = 4  # its per-head statistics and its gated norm's upcast features are fp32
+# transformers' gated RMSNorm (eager: tridist's fuse leaves it) keeps per value feature 3 fp32 tensors (its upcast
+# input, the gate's SiLU, their product) and 2 in the compute dtype, measured with saved-tensor hooks
+# (_linear_mixer_bytes).
+GATED_NORM_FP32_PER_FEATURE, GATED_NORM_TENSORS_PER_FEATURE = 3, 2
 NORM_STATISTIC_BYTES = 4  # a split RMSNorm's sum of squares (and its gradient) is all-reduced in fp32
 ROUTER_PROB_BYTES = 4  # the router's softmax / sigmoid scores are kept in fp32 (Hugging Face, Megatron-Core)
 FLASH_LSE_BYTES = 4  # flash attention stores an fp32 log-sum-exp per head and token
@@ -184,7 +187,7 @@ def _linear_chunk(spec: ModelSpec) -> int:
 
 def _linear_core_flops(spec: ModelSpec) -> tuple[float, float]:
     """A Gated DeltaNet layer's core per token, as flash-linear-attention's chunk_gated_delta_rule runs it over
-    chunks of C tokens (`_linear_chunk`), for each value head (the keys are repeated to them): (its forward FLOPs, those its backward
+    chunks of C tokens (`_linear_chunk`), for each value head (a key head serves a group of them): (its forward FLOPs, those its backward
     recomputes first). Multiply-adds of the forward: the chunk's K·Kᵀ (C·dk), the WY representation's w and u
     (C·dk + C·dv), the pass over the chunks' states S (v_new = u − w·S and the update Kᵀ·v_new: 2·dk·dv) and the
     output (q·S: dk·dv; the chunk's masked q·Kᵀ and its product with v_new: C·dk + C·dv). The backward first
@@ -280,8 +283,8 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 
 
 def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
-                      imbalance: float = 1.0, experts_split: bool = True,
-                      linear: bool = False) -> tuple[float, float, float, float]:
+                      imbalance: float = 1.0, experts_split: bool = True, linear: bool = False,
+                      kv_replicas: int = 1) -> tuple[float, float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
     inside them, the attention core, whole on every tensor-parallel rank even under sequence parallel). For
     Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh, 5·a·s²·b (Korthikanti et al. 2022, eq. 1) and 0.
@@ -290,7 +293,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
     rank (etp = 1), their activations outside the split regions (sequence parallel splits them with the rest: the
     blocks then run on each rank's slice of the sequence). `linear`: a Gated DeltaNet layer (`_linear_mixer_bytes`
-    in attention's place: inside the split region, no core term)."""
+    in attention's place: inside the split region, no core term). `kv_replicas`: the tp ranks that compute each
+    key/value head (tp above the key/value heads): their keys and values that many times in the split region."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
     h, q, f = spec.hidden_size, spec.q_size, spec.ffn_hidden_size
@@ -312,7 +316,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     # An output gate from the query projection: that output twice as wide (the query's norm keeps a view of it) and
     # the gate's sigmoid.
     gate = 2 * e * q if spec.attention_output_gate else 0
-    inside = sb * (e * q + e * spec.key_size + e * spec.value_size + e * spec.attention_output_size + gate + mlp)
+    keys_values = kv_replicas * e * (spec.key_size + spec.value_size)
+    inside = sb * (e * q + keys_values + e * spec.attention_output_size + gate + mlp)
     latent = spec.latent_attention
     # The latents and their norms' inputs, whole on every tensor-parallel rank.
     whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
@@ -336,31 +341,34 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
     with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
     recompute; selective recompute drops the attention-core term (a Gated DeltaNet layer has none: selective
     recompute leaves it as it is). `etp` (an MoE layer; default tp): the experts' tensor-parallel split, 1 where
-    they run whole on every tp rank.
+    they run whole on every tp rank. Where tp exceeds the key/value heads each rank holds the one head its query
+    heads use (strategy.kv_head_replicas).
     """
     if recompute == "full":
         layer_input = dtype_bytes * spec.seq_len * micro_batch_size * spec.hidden_size
         return layer_input / tp if sequence_parallel else layer_input
     experts_split = etp is None or etp == tp
     outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split,
-                                                     linear)
+                                                     linear, 1 if linear else kv_head_replicas(spec, tp))
     if recompute == "selective":
         core = 0.0
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp + whole
 
 
 def _linear_mixer_bytes(spec: ModelSpec, e: int) -> float:
-    """What a Gated DeltaNet mixer keeps per token for its backward, in the layout of Qwen3.5's mixer (separate
-    projections) on flash-linear-attention's kernels: the convolution's input and output (the packed [q | k | v]:
-    its output stays whole, as v is a view of it), the l2-normalised q and k at the value heads' count, the chunk's
-    WY matrix A (C values per value head), the output gate z, the core's output and the gated norm's output (the
-    output projection's input), β, and `LINEAR_FP32_VALUES_PER_HEAD` fp32 values per value head (the decay's log,
-    its softplus's input and output, q's and k's 1/norm, the gated norm's 1/rms)."""
+    """What a Gated DeltaNet mixer keeps per token for its backward, as transformers runs Qwen3.5's and Qwen3-Next's
+    on flash-linear-attention's and causal-conv1d's kernels. In the compute dtype: the convolution's input (the
+    packed [q | k | v]; the fused convolution and SiLU keep nothing else), q and k l2-normalised at the key heads'
+    count (flash-linear-attention groups value heads over them, GVA) and v's contiguous copy, the chunk's WY matrix A
+    (C values per value head), β, the gated norm's two tensors per value feature and the output projection's input.
+    In fp32: the gated norm's three per value feature and its 1/rms per value head; per value head the decay's log
+    (its chunk sum), its softplus's input and output; per key head q's and k's 1/norm."""
     linear = spec.gated_delta_net
-    heads = linear.num_v_heads
-    return (e * (2 * linear.conv_channels + 2 * heads * linear.head_k_dim + heads * _linear_chunk(spec)
-                 + 3 * linear.value_size + heads)
-            + LINEAR_STATISTIC_BYTES * LINEAR_FP32_VALUES_PER_HEAD * heads)
+    nk, nv, value = linear.num_k_heads, linear.num_v_heads, linear.value_size
+    kept = (linear.conv_channels + 2 * linear.key_size + value + nv * _linear_chunk(spec) + nv
+            + GATED_NORM_TENSORS_PER_FEATURE * value + value)
+    fp32 = GATED_NORM_FP32_PER_FEATURE * value + nv + 3 * nv + 2 * nk
+    return e * kept + LINEAR_STATISTIC_BYTES * fp32
 
 
 def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -427,7 +435,11 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
         norms = 2 * spec.hidden_size
     else:
-        unsplit = spec.attention_unsplit_parameters  # latent attention's down-projections
+        # Whole on every rank: latent attention's down-projections; the key/value projections where tp exceeds their
+        # heads (each rank computes the head its query heads use from the whole weight: ReplicatedColWiseParallel).
+        unsplit = spec.attention_unsplit_parameters
+        if kv_head_replicas(spec, tp) > 1:
+            unsplit += 2 * spec.kv_size * spec.hidden_size
         mixer = (spec.attention_parameters - unsplit) / tp + unsplit
         norms = spec.layer_norm_parameters
     if not moe:
@@ -621,6 +633,10 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     moe_tokens = tokens / tp if moe and sequence_parallel and etp == 1 else tokens
     gdn = spec.gated_delta_net if linear else None
     projections = gdn.projections(h) if gdn else spec.attention_projections
+    replicas = 1 if gdn else kv_head_replicas(spec, tp)
+    if replicas > 1:  # tp above the key/value heads: each rank computes the one its query heads use, replicas / tp of k, v
+        (n_in, n_out, split), output = projections
+        projections = ((n_in, n_out + 2 * spec.kv_size * (replicas - 1), split), output)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections)
     ep_collective = 0.0
@@ -654,7 +670,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
         core_bwd = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * core
     outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp,
-                                                           linear)
+                                                           linear, replicas)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp + whole
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
@@ -936,6 +952,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         tp_s += all_reduce_time(e * moe_layers * block, t, bw_tp, lat_tp)
         if s.ep > 1:
             tp_s += m * moe_layers * all_reduce_time(e * experts, t, bw_tp, lat_tp)
+    if kv_head_replicas(spec, t) > 1:
+        # The key/value projections whole on every tp rank, each rank's gradient its own query heads' share: summed
+        # over the tp ranks once per step, when read (an all-reduce of the rank holding the most attention layers).
+        attention_layers = max(sum(n for n, (_, linear) in zip(k, LAYER_KINDS) if not linear) for k in kinds)
+        bw_tp, lat_tp = cluster.link(t, 1)
+        tp_s += all_reduce_time(e * attention_layers * 2 * spec.kv_size * spec.hidden_size, t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time
     pp_s = 0.0
     if pp > 1:
@@ -948,7 +970,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters; the
     # routed experts' over the dp / ep ranks holding the same experts (ep ranks are dp ranks tp apart).
     params, experts = max((_rank_parameters(spec, t, pp, rank, kinds[rank], s.ep, _expert_tp(cluster, t))
-                           for rank in _peak_ranks(per_rank)),
+                           for rank in _peak_ranks(kinds)),
                           key=sum)
     level = s.sharding_level
     windows = (ranks[slowest].fwd, ranks[slowest].bwd, per_rank[slowest])
@@ -976,19 +998,20 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
 
 
 @functools.lru_cache(maxsize=65536)
-def _peak_ranks(per_rank: tuple[int, ...]) -> list[int]:
-    """The pipeline ranks that can hold the most: the first (embedding, most micro-batches in flight),
-    the last (LM head, logits) and the fullest middle one (uneven layouts give middle ranks a layer
-    more; the earliest of them has the most in flight)."""
-    pp = len(per_rank)
-    middle = max(range(1, pp - 1), key=lambda r: (per_rank[r], -r), default=0)
-    return sorted({0, middle, pp - 1})
+def _peak_ranks(kinds: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The pipeline ranks that can hold the most, given each rank's layer counts per kind: the first (embedding,
+    most micro-batches in flight), the last (LM head, logits) and of the middle ones holding the same layers the
+    earliest (the most in flight); middle ranks may hold more layers (uneven layouts) or other kinds of layer."""
+    pp = len(kinds)
+    earliest = {}
+    for rank in range(1, pp - 1):
+        earliest.setdefault(kinds[rank], rank)
+    return sorted({0, pp - 1, *earliest.values()})
 
 
 def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: tuple[tuple[int, ...], ...],
             per_rank: tuple[int, ...]) -> MemoryBreakdown:
-    """Peak memory of the pipeline ranks (the first, the last and the fullest middle one: uneven layouts
-    give middle ranks a layer more); the largest is the device's need. `costs` and `kinds`: each kind of layer's
+    """Peak memory of the pipeline ranks that can hold the most (`_peak_ranks`); the largest is the device's need. `costs` and `kinds`: each kind of layer's
     costs ({kind: _LayerCost}) and each rank's layer counts per kind (LAYER_KINDS)."""
     e = cluster.dtype_bytes
     t, pp = s.tp, s.pp
@@ -997,7 +1020,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
     # One layer's parameters of each kind, as stage_parameters counts them.
     layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1])) for kind in costs}
     best = None
-    for stage in _peak_ranks(per_rank):
+    for stage in _peak_ranks(kinds):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
         weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e)
         if experts:

@@ -58,6 +58,9 @@ class EngineProfile:
     # rank's slice of the sequence (their gradients then summed over tp; with expert parallel, each tp rank
     # routes its slice's tokens through its own ep group).
     expert_tensor_parallel: bool = True
+    # tp may exceed the key/value heads, each then computed on tp / kv ranks (distcore's ReplicatedColWiseParallel);
+    # Megatron-Core requires tp to divide them (num_query_groups_per_partition = divide(num_query_groups, tp)).
+    replicated_kv_heads: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -126,6 +129,7 @@ TORCH = EngineProfile(
     overlap_tp_comm=True,
     overlap_wire_factor=1.5,
     overlap_with_selective_recompute=False,  # the recomputed attention would run without the region's gather
+    replicated_kv_heads=True,
     source="torch-native eager (FSDP2, DTensor, SDPA FlashAttention-2); fitted to torchtitan's published runs",
 )
 

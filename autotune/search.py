@@ -38,7 +38,7 @@ from .cost import COST_MODEL_VERSION, estimate
 from .hardware import Cluster, cache_dir
 from .measured import MEASURE_PICKS
 from .model import ModelSpec
-from .strategy import RECOMPUTE_MODES, SHARDING_LEVELS, Strategy, validate
+from .strategy import RECOMPUTE_MODES, SHARDING_LEVELS, Strategy, kv_head_replicas, tensor_parallel_problems, validate
 
 __all__ = [
     "Candidate",
@@ -201,14 +201,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[int]:
-    """Tensor-parallel degrees the model allows: divisors of the device count that split heads,
-    kv heads, hidden, ffn and vocabulary evenly (the same for every trial of a study)."""
+    """Tensor-parallel degrees the model allows on the cluster's engine: divisors of the device count that split
+    its heads and widths (strategy.tensor_parallel_problems; the same for every trial of a study)."""
     allowed = set(space.tp) if space.tp is not None else None
-    widths = (spec.num_heads, spec.num_kv_heads, spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size)
-    if spec.is_moe:
-        widths += (spec.expert_ffn_hidden_size, spec.shared_ffn_hidden_size)
     return [t for t in _divisors(cluster.num_devices)
-            if all(q % t == 0 for q in widths) and (allowed is None or t in allowed)]
+            if not tensor_parallel_problems(spec, cluster, t) and (allowed is None or t in allowed)]
 
 
 def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[int]:
@@ -275,7 +272,7 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
     tp_modes = [(False, False)]
     if tp > 1 and spec.seq_len % tp == 0 and True in space.sequence_parallel:
         tp_modes.append((True, False))
-        if True in space.overlap_tp_comm:
+        if True in space.overlap_tp_comm and kv_head_replicas(spec, tp) == 1:  # replicated k/v: no overlap
             tp_modes.append((True, True))
     if False not in space.sequence_parallel and tp > 1:
         tp_modes = [mode for mode in tp_modes if mode[0]]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .model import ModelSpec
 
 __all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check", "stage_layers",
-           "rank_layers", "rank_layer_indices"]
+           "rank_layers", "rank_layer_indices", "kv_head_replicas", "tensor_parallel_problems"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
@@ -136,6 +136,47 @@ def _divides(name: str, degree: int, quantity_name: str, quantity: int) -> str |
     return None
 
 
+def kv_head_replicas(spec: "ModelSpec", tp: int) -> int:
+    """On how many tp ranks each key/value head is computed: 1 where tp divides them (each rank its own), tp / kv
+    where tp exceeds them and they divide tp (each rank the head its local query heads use; `tensor_parallel_problems`
+    says where that is allowed)."""
+    kv = spec.num_kv_heads
+    return tp // kv if tp > kv and tp % kv == 0 else 1
+
+
+def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> list[str]:
+    """Why `tp` cannot split this model on the cluster's engine, as fix-it sentences ([] = it can): tensor parallel
+    splits the query heads, the hidden and ffn widths, the vocabulary and the Gated DeltaNet heads evenly (the
+    experts' ffn too where the engine splits them), and the key/value heads evenly or, where they are fewer than the
+    ranks and the engine replicates them (EngineProfile.replicated_kv_heads), each head over tp / kv ranks."""
+    problems = []
+    linear = spec.gated_delta_net
+    linear_heads = (("gated_delta_net.num_k_heads", linear.num_k_heads),
+                    ("gated_delta_net.num_v_heads", linear.num_v_heads)) if linear else ()
+    widths = [("num_heads", spec.num_heads), ("hidden_size", spec.hidden_size),
+              ("ffn_hidden_size", spec.ffn_hidden_size), ("vocab_size", spec.vocab_size), *linear_heads]
+    if spec.is_moe and cluster.engine.expert_tensor_parallel:  # the experts' ffn split over tp as the dense MLP's
+        widths += [("expert_ffn_hidden_size", spec.expert_ffn_hidden_size),
+                   ("shared_ffn_hidden_size", spec.shared_ffn_hidden_size)]
+    problems += [f"{problem}; pick a tp that divides it" for name, quantity in widths
+                 if (problem := _divides("tp", tp, name, quantity))]
+    kv = spec.num_kv_heads
+    if kv % tp == 0:
+        return problems
+    replicable = tp % kv == 0 and cluster.engine.replicated_kv_heads
+    if replicable and spec.packed_unequal_qkv:
+        problems.append(f"tp={tp} exceeds num_kv_heads={kv}, whose heads would be replicated over the tp ranks, which "
+                        "a projection packing q, k and v together cannot be; pick a tp that divides num_kv_heads")
+    elif replicable and spec.qk_norm == "projection":
+        problems.append(f"tp={tp} exceeds num_kv_heads={kv}: the key norm over the whole projection cannot run on "
+                        "replicated key heads; pick a tp that divides num_kv_heads")
+    elif not replicable:
+        how = (f" or that it divides (the {cluster.engine.name} engine then replicates each key/value head)"
+               if cluster.engine.replicated_kv_heads else f" (the {cluster.engine.name} engine splits them evenly)")
+        problems.append(f"tp={tp} does not divide num_kv_heads={kv}; pick a tp that divides it{how}")
+    return problems
+
+
 def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, global_batch_size: int) -> list[str]:
     """Every rule `strategy` breaks for this model, cluster and batch, as fix-it sentences ([] = valid)."""
     s = strategy
@@ -151,22 +192,7 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     if s.global_batch_size != global_batch_size:
         reasons.append(f"dp*micro_batch_size*num_micro_batches = {s.dp}*{s.micro_batch_size}*{s.num_micro_batches} "
                        f"= {s.global_batch_size} must equal the global batch size {global_batch_size}")
-    # Tensor parallel splits heads (q and kv), the hidden and ffn widths and the vocabulary evenly.
-    linear = spec.gated_delta_net
-    linear_heads = (("gated_delta_net.num_k_heads", linear.num_k_heads),
-                    ("gated_delta_net.num_v_heads", linear.num_v_heads)) if linear else ()
-    for quantity_name, quantity in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
-                                    ("hidden_size", spec.hidden_size), ("ffn_hidden_size", spec.ffn_hidden_size),
-                                    ("vocab_size", spec.vocab_size), *linear_heads):
-        problem = _divides("tp", s.tp, quantity_name, quantity)
-        if problem:
-            reasons.append(problem + "; pick a tp that divides it")
-    if spec.is_moe and cluster.engine.expert_tensor_parallel:  # the experts' ffn split over tp as the dense MLP's
-        for quantity_name, quantity in (("expert_ffn_hidden_size", spec.expert_ffn_hidden_size),
-                                        ("shared_ffn_hidden_size", spec.shared_ffn_hidden_size)):
-            problem = _divides("tp", s.tp, quantity_name, quantity)
-            if problem:
-                reasons.append(problem + "; pick a tp that divides it")
+    reasons += tensor_parallel_problems(spec, cluster, s.tp)
     if s.ep > 1:
         if not spec.is_moe:
             reasons.append(f"ep={s.ep}: expert parallel needs a mixture-of-experts model; use ep=1")
@@ -210,6 +236,10 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     elif s.overlap_tp_comm and s.recompute == "selective" and not cluster.engine.overlap_with_selective_recompute:
         reasons.append(f"overlap_tp_comm with selective recompute: the {cluster.engine.name} engine recomputes the "
                        "attention core outside the overlapped region's gather; recompute 'full' or 'none'")
+    elif s.overlap_tp_comm and kv_head_replicas(spec, s.tp) > 1:
+        reasons.append(f"overlap_tp_comm with tp={s.tp} above num_kv_heads={spec.num_kv_heads}: the replicated key/value "
+                       "projections take their input whole, not from the overlapped all-gather ring; use "
+                       "overlap_tp_comm=False")
     return reasons
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from tridist.autotune.strategy import kv_head_replicas
 from tridist.kernels.comm_matmul import check_backend_available
 
 from . import env
@@ -43,6 +44,7 @@ from .tensor_parallel import (
     ColWiseParallel,
     LocalParameterRows,
     ReduceSharedOutputGradient,
+    ReplicatedColWiseParallel,
     RowWiseParallel,
     SequenceParallelBegin,
     SequenceParallelDisable,
@@ -200,7 +202,7 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     # Every rank runs the same checks: all choose alike. A given strategy that recomputes is checked too: the
     # recompute wrappers go on before parallelize, whose own refusal would leave them on the caller's model.
     while strategy.tp > 1 and (config.strategy is None or strategy.recompute != "none"):
-        found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec.structure, config).items()
+        found = {dim: why for dim, why in _tensor_parallel_limits(model, strategy, spec, config).items()
                  if dim not in limits}
         if not found:
             break
@@ -351,7 +353,7 @@ def _violates(strategy, dim: str) -> bool:
     return getattr(strategy, dim) not in KEPT_AT[dim]
 
 
-def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config: ToDistributedConfig) -> dict[str, str]:
+def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDistributedConfig) -> dict[str, str]:
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
     not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
     fed something else than its region's input, a block only right in global view), so that tensor parallel
@@ -360,7 +362,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
     blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why), or where
     selective recompute would re-run an attention module whose local view swaps its parameters in around its
     forward (`_swapped_around_recompute`)."""
-    plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel)
+    structure, replicas = spec.structure, kv_head_replicas(spec, strategy.tp)
+    plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel, kv_head_replicas=replicas)
     dims = _dims(strategy)
 
     def views(plan):
@@ -381,7 +384,7 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, structure, config:
             # MoE blocks run on sequence slices in local view only (a block that needs global view gets them
             # token-split): judge tensor parallel itself without sequence parallel.
             try:
-                views(tensor_parallel_plan(model, structure, sequence_parallel=False))
+                views(tensor_parallel_plan(model, structure, sequence_parallel=False, kv_head_replicas=replicas))
             except TensorParallelCheckError:
                 return {"tp": str(error)}
             return {"sequence_parallel": str(error)}
@@ -607,7 +610,9 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "degree": strategy.ep, "fused_activation": config.fuse_kernels,
             "experts": structure.experts_modules()}
     if strategy.tp > 1:
-        parallel_config["mp_config"] = {"parallelize_plan": tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel),
+        plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel,
+                                    kv_head_replicas=kv_head_replicas(spec, strategy.tp))
+        parallel_config["mp_config"] = {"parallelize_plan": plan,
                                         "overlap_comm": strategy.overlap_tp_comm and config.overlap_backend}
     if strategy.pp > 1 or strategy.num_micro_batches > 1:
         # Without pipeline stages, micro-batching is gradient accumulation: a one-stage pipeline
@@ -623,11 +628,13 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
     return parallelize(model, optimizer, mesh or _dims(strategy).mesh, parallel_config)
 
 
-def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel: bool) -> TensorParallelPlan:
+def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel: bool,
+                         kv_head_replicas: int = 1) -> TensorParallelPlan:
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
-    when they are tied). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
+    when they are tied). `kv_head_replicas` > 1 (autotune.kv_head_replicas: tp above the key/value heads): the k and
+    v projections ReplicatedColWiseParallel, each head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
     instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
@@ -661,8 +668,15 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             for layer in among:
                 add(f"{layer}.{relative}", *styles)
 
-    for projection in (structure.q, structure.k, structure.v, structure.latent_kv):  # latent_kv: DeepSeek's kv_b_proj
-        add_per_layer(projection, ColWiseParallel(), among=attention_layers)
+    if kv_head_replicas > 1 and not (structure.k and structure.v):
+        raise ValueError(f"tensor_parallel_plan: the key/value heads would be replicated over {kv_head_replicas} "
+                         f"tensor-parallel ranks each, which needs separate k and v projections; "
+                         f"{structure.qkv or structure.latent_kv} holds them with others: use a tp that divides them")
+    key_value = ReplicatedColWiseParallel(replicas=kv_head_replicas) if kv_head_replicas > 1 else ColWiseParallel()
+    add_per_layer(structure.q, ColWiseParallel(), among=attention_layers)
+    for projection in (structure.k, structure.v):
+        add_per_layer(projection, key_value, among=attention_layers)
+    add_per_layer(structure.latent_kv, ColWiseParallel(), among=attention_layers)  # DeepSeek's kv_b_proj
     # each part split on its own
     add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes), among=attention_layers)
     add_per_layer(structure.o, RowWiseParallel(), among=attention_layers)

@@ -135,10 +135,16 @@ class ColWiseParallel(_Style):
             parallelize_module(target.module, target.tp_mesh, torch_style)
         if isinstance(target.module, torch.nn.Linear):
             target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
-            if target.random_state is not None and not self.gather_output and target.parent is not None:
-                target.module.register_forward_hook(target.random_state.enter)  # a sharded region opens
-                target.random_state.guard(target.parent)
+            if not self.gather_output:
+                _open_sharded_region(target)
         return f"{target.name}: {self!r}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _open_sharded_region(target: StyleTarget) -> None:
+    """A column-parallel Linear's split output opens a sharded region: its dropout stream is this rank's."""
+    if target.random_state is not None and target.parent is not None:
+        target.module.register_forward_hook(target.random_state.enter)
+        target.random_state.guard(target.parent)
 
 
 @dataclass(repr=False)
@@ -368,6 +374,73 @@ class LocalParameterRows(_Style):
         module.register_forward_hook(put_back, always_call=True)
         counted = f"; {', '.join(self.counts)} divided by {tp}" if self.counts else ""
         return f"{target.name}: this rank's rows of {', '.join(self.rows)} (gradients summed over the mp ranks){counted}"
+
+
+@dataclass(repr=False)
+class ReplicatedColWiseParallel(_Style):
+    """Column-parallel over groups of `replicas` ranks: a Linear's output features split into tp / replicas equal
+    chunks, chunk i computed by the `replicas` ranks i·replicas ... (i+1)·replicas - 1. For grouped-query attention's
+    key and value projections when the tp ranks outnumber their heads (tensor_parallel_plan's
+    `kv_head_replicas`): each rank computes the one key/value head its local query heads use, as vLLM does
+    (Megatron-Core requires tp to divide the heads). The weight (and bias) stays whole on every rank, a Replicate
+    DTensor (the key/value projections are the attention's smallest); around every forward the Linear holds this
+    rank's chunk as a Shard(0) DTensor of a [tp x chunk] stand-in, so that its input enters replicated and the
+    input's gradient is summed over the mp ranks as a column-parallel Linear's is, and the chunk's gradient reaches
+    the whole weight as this rank's share, summed over the mp ranks (each rank's own query heads' part). The
+    attention's key/value head counts become the local one (`_localise_head_counts`). Local view only; the
+    overlapped edges (overlap_comm) do not feed it."""
+
+    replicas: int
+    global_view = False  # block_check: no fallback to global view for a block holding this style
+
+    def apply(self, target: StyleTarget) -> str:
+        module, mesh = target.module, target.tp_mesh
+        tp = mesh.size()
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"parallelize: {type(self).__name__} on {target.name!r}: a {type(module).__name__}, not an "
+                             "nn.Linear")
+        if not (isinstance(self.replicas, int) and self.replicas >= 1 and tp % self.replicas == 0):
+            raise ValueError(f"parallelize: {type(self).__name__}(replicas={self.replicas!r}) on {target.name!r}: "
+                             f"replicas must be a positive integer dividing the {tp} tensor-parallel ranks")
+        groups = tp // self.replicas
+        if module.out_features % groups:
+            raise ValueError(f"parallelize: {type(self).__name__} on {target.name!r} splits out_features="
+                             f"{module.out_features} into {groups} chunks, which does not divide it; use replicas "
+                             "that leave a whole number of heads per chunk")
+        if target.overlap_comm and target.scatter_sequence:
+            raise ValueError(f"parallelize: overlap_comm cannot feed {target.name}: its key/value heads are replicated "
+                             f"over the tensor-parallel ranks ({type(self).__name__}), so it takes its input whole; "
+                             "leave overlap_comm off for this model at this tp, or use a tp that divides its heads")
+        names = [n for n in ("weight", "bias") if module._parameters.get(n) is not None]
+        split = [n for n in names if isinstance(module._parameters[n], DTensor)]
+        if split:
+            raise ValueError(f"parallelize: {target.name}.{split[0]} is split already; give {target.name} one style")
+        chunk = module.out_features // groups
+        start = mesh.get_local_rank() // self.replicas * chunk
+        for name in names:
+            param = module._parameters[name]
+            whole = distribute_tensor(param.detach(), mesh, [Replicate()])
+            module.register_parameter(name, torch.nn.Parameter(whole, requires_grad=param.requires_grad))
+
+        def take_chunk(linear, args):
+            saved = vars(linear).setdefault("_tridist_whole_parameters", {})
+            for name in names:
+                whole = saved.setdefault((linear, name), linear._parameters[name])
+                rows = _local_value(whole).narrow(0, start, chunk)
+                linear._parameters[name] = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)
+            return (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:])
+
+        def put_back(linear, args, output):
+            _swap_back_parameters(linear, args, output)
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        module.register_forward_pre_hook(take_chunk)
+        module.register_forward_hook(put_back, always_call=True)
+        module._tridist_local_heads = True
+        module._tridist_head_replicas = self.replicas
+        _open_sharded_region(target)
+        return (f"{target.name}: {self!r} (this rank computes chunk {start // chunk} of {groups}, on "
+                f"{self.replicas} ranks each)")
 
 
 def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module) -> list[str]:
@@ -950,18 +1023,40 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
             local = [getattr(p, "_tridist_local_heads", False) for p in present]
             if not any(local):
                 continue
-            if not all(local):
+            replicas = {getattr(p, "_tridist_head_replicas", 1) for p in present}
+            if not all(local) or len(replicas) > 1:
                 raise ValueError(
                     f"parallelize: {name}: {projections} must be split alike (all column-parallel with local outputs, or none)"
                 )
-            if value % tp:
+            groups = tp // replicas.pop()  # the ranks holding different heads (replicated heads: fewer than tp)
+            if value % groups:
+                hint = (f", or ReplicatedColWiseParallel(replicas={tp // value}) on its key/value projections (each "
+                        "head then computed on that many ranks)" if attribute in _KV_HEADS and tp % value == 0 else "")
                 raise ValueError(
-                    f"parallelize: {name}.{attribute} = {value} heads cannot be split over {tp} tensor-parallel "
-                    f"ranks; use a degree that divides the number of heads"
+                    f"parallelize: {name}.{attribute} = {value} heads cannot be split over {groups} groups of "
+                    f"tensor-parallel ranks; use a degree that divides the number of heads{hint}"
                 )
-            setattr(module, attribute, value // tp)
-            changes.append(f"{name}.{attribute}: {value} -> {value // tp} (local heads)")
+            setattr(module, attribute, value // groups)
+            changes.append(f"{name}.{attribute}: {value} -> {value // groups} (local heads)")
+        changes += _localise_head_groups(name, module)
     return changes
+
+
+def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:
+    """Where an attention module's key/value heads are replicated over `r` ranks (ReplicatedColWiseParallel), each
+    rank's query heads share its one key/value head: transformers' `num_key_value_groups` (query heads per key/value
+    head, what repeat_kv repeats by) becomes 1/r of itself; an even split leaves that ratio as it is."""
+    kv = [getattr(module, p) for p in _KV_PROJECTIONS if isinstance(getattr(module, p, None), torch.nn.Module)]
+    replicas = max((getattr(p, "_tridist_head_replicas", 1) for p in kv), default=1)
+    groups = getattr(module, "num_key_value_groups", None)
+    if replicas == 1 or not isinstance(groups, int) or isinstance(groups, bool):
+        return []
+    if groups % replicas:
+        raise ValueError(f"parallelize: {name}.num_key_value_groups = {groups} query heads per key/value head cannot "
+                         f"be shared by {replicas} ranks each; use a tensor-parallel degree that divides the query heads")
+    module.num_key_value_groups = groups // replicas
+    return [f"{name}.num_key_value_groups: {groups} -> {groups // replicas} (each rank's query heads share one "
+            "key/value head)"]
 
 
 # ------------------------------------------------------------------------------------ sequence parallel

@@ -66,6 +66,8 @@ MORE_FAMILIES = {
     # Local (sliding-window, its own rotary base) and global layers alternating (the config's default pattern
     # would make every layer of a small model local), q/k norms, 1 + w norms, GeGLU.
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW)),
+    # Gemma 3 1B's multi-query attention: 4 query heads share one key/value head (tensor parallel replicates it).
+    "gemma3-mqa": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW, num_key_value_heads=1)),
     # Per-layer inputs, wider global heads, its rotary one tensor per call (x, cos, sin, unsqueeze_dim).
     "gemma4": ("gemma4_text", dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)),
     "glm4": ("glm4", {}),  # partial interleaved rotary, norms after each sublayer too, packed gate_up
@@ -173,7 +175,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
         model_type, extra = MORE_FAMILIES[family]
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
         alternating = {"qwen3-next": ("linear_attention", "full_attention"),
-                       "qwen3.5": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention")}
+                       "qwen3.5": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention"),
+                       "gemma3-mqa": ("sliding_attention", "full_attention")}
         if family in alternating:  # the two kinds of layers alternate, the first kind first
             settings.layer_types = [alternating[family][i % 2] for i in range(layers)]
         return hf.AutoModelForCausalLM.from_config(settings)

@@ -291,7 +291,15 @@ def test_validity_rules_and_messages():
     assert validate(LLAMA, Cluster(1, 8), ok, global_batch_size=16) == []
     assert "must equal the cluster's 8 devices" in _reasons(Strategy(2, 2, 1, micro_batch_size=4, num_micro_batches=2))
     assert "must equal the global batch size 16" in _reasons(Strategy(2, 2, 2, micro_batch_size=1, num_micro_batches=4))
-    assert "does not divide num_kv_heads=2" in _reasons(Strategy(1, 4, 2, micro_batch_size=2, num_micro_batches=8))
+    # tp above the 2 key/value heads: Megatron-Core refuses (tp must divide them), the torch engines replicate each
+    # head over tp / 2 ranks (distcore's ReplicatedColWiseParallel); a tp they do not divide is refused by both.
+    above = Strategy(1, 4, 2, micro_batch_size=2, num_micro_batches=8)
+    assert "does not divide num_kv_heads=2; pick a tp that divides it (the megatron engine splits them evenly)" in \
+        _reasons(above, cluster=Cluster(1, 8, engine="megatron"))
+    assert _reasons(above) == ""
+    odd = dataclasses.replace(LLAMA, num_heads=6, num_kv_heads=3, head_dim=LLAMA.head_dim)
+    assert "tp=2 does not divide num_kv_heads=3; pick a tp that divides it or that it divides" in _reasons(
+        Strategy(1, 2, 4, micro_batch_size=2, num_micro_batches=8), spec=odd)
     # pp need not divide the layers (uneven stages: 8 layers on 3 stages are 3, 3, 2), but each stage needs one.
     assert _reasons(Strategy(1, 1, 3, num_micro_batches=3), cluster=Cluster(1, 3), batch=3) == ""
     assert "exceed the 8 layers" in _reasons(Strategy(1, 1, 3, num_micro_batches=6, virtual_pp=3), cluster=Cluster(1, 3), batch=6)

@@ -344,6 +344,42 @@ def test_local_parameter_rows_swap_and_refusals():
         dist.destroy_process_group()
 
 
+def test_replicated_colwise_on_a_world_of_one_and_its_refusals():
+    """ReplicatedColWiseParallel on a world of one (one group of one rank: the whole output) computes the Linear's
+    output and gradients; its parameters stay whole DTensors after a forward; what it cannot split is refused naming
+    it before the module changes (replicas that do not divide the ranks, not a Linear, a parameter split already)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from tridist.distcore import ReplicatedColWiseParallel
+    from tridist.distcore.tensor_parallel import StyleTarget
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("mp",))
+        torch.manual_seed(0)
+        linear, x = nn.Linear(4, 6), torch.randn(3, 4, requires_grad=True)
+        reference = nn.Linear(4, 6)
+        reference.load_state_dict(linear.state_dict())
+        ReplicatedColWiseParallel(replicas=1).apply(StyleTarget("k", linear, None, tp_mesh=mesh, process_mesh=None))
+        out = linear(x)
+        assert type(out) is torch.Tensor and torch.equal(out, reference(x))
+        out.sum().backward()
+        reference(x).sum().backward()
+        assert isinstance(linear.weight, DTensor) and isinstance(linear.bias, DTensor)
+        assert torch.equal(linear.weight.grad.full_tensor(), reference.weight.grad)
+        for module, replicas, why in ((nn.Linear(4, 6), 2, r"replicas=2\) on 'k': replicas must be a positive integer "
+                                                            "dividing the 1 tensor-parallel ranks"),
+                                      (nn.Conv1d(4, 4, 1), 1, "a Conv1d, not an nn.Linear"),
+                                      (linear, 1, "k.weight is split already")):
+            with pytest.raises(ValueError, match=why):
+                ReplicatedColWiseParallel(replicas=replicas).apply(StyleTarget("k", module, None, tp_mesh=mesh,
+                                                                               process_mesh=None))
+            assert module is linear or not isinstance(module.weight, DTensor)  # refused before anything changed
+    finally:
+        dist.destroy_process_group()
+
+
 def test_spec_validation_and_presets():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelSpec(2, 64, 4, 128, 100, num_kv_heads=3)

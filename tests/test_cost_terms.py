@@ -531,3 +531,40 @@ def test_overlap_on_the_torch_engine_and_a_calibrated_profile():
         m * (layers * per_layer * one_fp32 * _exposed_share(2) + ends * one_fp32 + loss_statistics), rel=1e-12)
     compute = [_run(TINY, cluster(overlap_chunking_overhead=x), **base).time.compute_s for x in (0.0, 0.1, 0.2)]
     assert compute[2] - compute[0] == pytest.approx(2 * (compute[1] - compute[0]), rel=1e-9) and compute[1] > compute[0]
+
+
+# ------------------------------------------------------------------------ key/value heads below tp
+
+
+def test_key_value_heads_replicated_when_tp_exceeds_them_by_hand():
+    """TINY's 2 key/value heads under tp 4 on the torch engines (each head computed on 2 ranks, distcore's
+    ReplicatedColWiseParallel; Megatron-Core refuses such a tp). Per rank, FLOP-bound: q/k/v as one GEMM of
+    8/4 query and 2 x 2 key/value features (one head each), 2·4·8·6 = 384; o 2·4·2·8 = 128; SwiGLU split
+    2·4·8·8 + 2·4·4·8 = 768. Parameters: the k and v weights (2·4·8 = 64) whole on every rank, the rest of
+    attention (128) and the MLP (384) split: 64 + 32 + 96 + norms 16 = 208 per layer. Activations: the keys and
+    values twice (replicated) inside the split region: 4·(16 + 2·16 + 16 + 96) / 4 and the log-sum-exp's 64 / 4
+    beside the outside 256. Once per step the k and v weights' gradients (4 layers of 64) are summed over the 4
+    ranks: the only tp term a model whose 4 key/value heads split evenly has not (its k and v 8 wide)."""
+    from tridist.autotune.cost import _layer_cost, all_reduce_time
+    from tridist.autotune.engine import ENGINES
+    from tridist.autotune.search import enumerate_layouts, layout_strategies
+
+    cluster = replace(_cluster(1, 4, **COMPUTE_ONLY), engine=ENGINES["torch+tridist"])
+    assert _layer_cost(TINY, cluster, 4, 1, False).gemm_fwd == pytest.approx((384 + 128 + 768) / 1e12)
+    assert stage_parameters(TINY, 4, 1, 0) == 4 * 208 + 64 + 64 + 8
+    assert activation_bytes_per_layer(TINY, 1, tp=4) == 256 + (4 * (16 + 32 + 16 + 96) + 64) / 4
+    even = replace(TINY, num_kv_heads=4)  # k and v 8 wide: split one head per rank, nothing replicated
+    cluster = replace(_cluster(1, 4), engine=ENGINES["torch+tridist"])
+    replicated, split = (_run(spec, cluster, dp=1, tp=4, pp=1) for spec in (TINY, even))
+    assert replicated.time.tp_comm_s - split.time.tp_comm_s == pytest.approx(
+        all_reduce_time(E * 4 * 64, 4, *cluster.link(4, 1)), rel=1e-9)
+    # The search offers tp 4 on the torch engines, never with overlapped edges (the replicated projections take
+    # their input whole); Megatron's engine does not offer it.
+    assert (4, 1) in enumerate_layouts(TINY, cluster, 4)
+    assert not any(s.overlap_tp_comm for s in layout_strategies(TINY, cluster, 4, 4, 1))
+    assert (4, 1) not in enumerate_layouts(TINY, _cluster(1, 4), 4)
+    from tridist.autotune import validate
+
+    overlapped = Strategy(dp=1, tp=4, pp=1, sequence_parallel=True, overlap_tp_comm=True)
+    assert any("replicated key/value projections take their input whole" in r
+               for r in validate(TINY, cluster, overlapped, global_batch_size=1))

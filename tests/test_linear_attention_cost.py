@@ -21,10 +21,11 @@ from tridist.autotune import (
     preset,
     stage_parameters,
 )
-from tridist.autotune.cost import LINEAR_ATTENTION_CHUNK, _layer_cost
-from tridist.autotune.engine import MEGATRON
+from tridist.autotune.cost import LINEAR_ATTENTION_CHUNK, _layer_cost, _layer_timing, _linear_core_flops, all_reduce_time
+from tridist.autotune.engine import ENGINES, MEGATRON
 
 from tests.test_cost_terms import COMPUTE_ONLY, INTRA, TINY, _cluster, _ring
+from tests.test_moe_cost import TINY_MOE
 
 # TINY (test_cost_terms.py: h 8, 4 heads of 2, 2 kv heads, ffn 16, vocab 32, seq 4) with layers 0 and 2 Gated
 # DeltaNet: 2 key heads and 4 value heads, both 2 wide; key width 4, value width 8, convolution channels
@@ -68,11 +69,13 @@ def test_flops_by_hand():
 
 def test_activations_by_hand():
     """4 tokens, e = 2. Outside the split regions as an attention layer's: the two norms' inputs, the mixer's and
-    the MLP's inputs, 4·(2·16 + 16 + 16) = 256. Inside, per token: the convolution's input and output 2·16, q and k
-    normalised at the 4 value heads 2·4·2, the chunk's matrix A 4·C, z, the core's and the norm's outputs 3·8, β 4,
-    all in bf16: 2·92 = 184; 6 fp32 values per value head 4·6·4 = 96; SwiGLU's three ffn tensors 2·3·16 = 96:
-    4·(184 + 96 + 96) = 1504. No core term: selective recompute keeps it all; full keeps the layer's input."""
-    outside, inside = 256, 4 * (184 + 96 + 96)
+    the MLP's inputs, 4·(2·16 + 16 + 16) = 256. Inside, per token, in bf16: the convolution's input 16, q and k
+    normalised at the 2 key heads 2·4, v's copy 8, the chunk's matrix A 4·C, β 4, the gated norm's two tensors 2·8
+    and the output projection's input 8: 2·76 = 152; in fp32: the gated norm's three 3·8 and its 1/rms per value
+    head 4, the decay's three values per value head 3·4, q's and k's 1/norm per key head 2·2: 4·44 = 176; SwiGLU's
+    three ffn tensors 2·3·16 = 96: 4·(152 + 176 + 96) = 1696. No core term: selective recompute keeps it all; full
+    keeps the layer's input."""
+    outside, inside = 256, 4 * (152 + 176 + 96)
     assert activation_bytes_per_layer(TINY_GDN, 1, linear=True) == outside + inside
     assert activation_bytes_per_layer(TINY_GDN, 1, tp=2, linear=True) == outside + inside / 2
     assert activation_bytes_per_layer(TINY_GDN, 1, tp=2, sequence_parallel=True, linear=True) == (outside + inside) / 2
@@ -103,12 +106,73 @@ def test_layer_time_by_hand():
 
 def test_pipeline_ranks_hold_their_own_kinds_of_layer():
     """pp 2, two micro-batches: each rank holds a linear and an attention layer, priced at their mean activations,
-    1760 (test_activations_by_hand) and 896 (TINY's attention layer: test_cost_terms.py). The first rank, the
+    1952 (test_activations_by_hand) and 896 (TINY's attention layer: test_cost_terms.py). The first rank, the
     device's peak, has both micro-batches in flight (4 layer-micro-batches) and their embedding outputs (2 x 4
     tokens x 8 in bf16)."""
     est = estimate(TINY_GDN, _cluster(1, 2), Strategy(dp=1, tp=1, pp=2, num_micro_batches=2), global_batch_size=2)
-    assert est.memory.activations == 4 * (1760 + 896) / 2 + 2 * E * 4 * 8
+    assert est.memory.activations == 4 * (1952 + 896) / 2 + 2 * E * 4 * 8
     assert est.memory.weights == E * (794 + 592 + 256)
+
+
+def test_full_recompute_holds_the_largest_kind_of_layer_whole():
+    """Full recompute keeps each layer's input (4 layers x 4 tokens x 8 in bf16) and, while one layer is recomputed,
+    its whole set: the linear layer's 1952, larger than an attention layer's 896; with the embedding's output and
+    the logits (4 x 32 x 6) on the one rank."""
+    est = estimate(TINY_GDN, _cluster(1, 1), Strategy(dp=1, tp=1, pp=1, recompute="full"), global_batch_size=1)
+    assert est.memory.activations == 4 * 64 + 1952 + 64 + 4 * 32 * 6
+
+
+def test_selective_recompute_re_runs_no_linear_core():
+    """Without flash attention (transformers' eager attention) selective recompute re-runs the attention layers'
+    core and its elementwise work; a Gated DeltaNet layer's compute is the same with and without it."""
+    eager = replace(TINY_GDN, flash_attention=False)
+    cluster = _cluster(1, 1)
+    timing = {rc: _layer_timing(eager, cluster, 1, 1, False, rc, False, False, 1, True) for rc in ("none", "selective")}
+    assert timing["selective"].compute == timing["none"].compute
+    attention = {rc: _layer_timing(eager, cluster, 1, 1, False, rc, False, False, 1) for rc in ("none", "selective")}
+    cost = _layer_cost(eager, cluster, 1, 1, False)
+    assert attention["selective"].compute - attention["none"].compute == pytest.approx(
+        cost.core_fwd + cost.core_elementwise_fwd)
+
+
+def test_chunks_of_64_tokens_in_longer_sequences():
+    """At 128 tokens the chunk is chunk_gated_delta_rule's 64: per value head 3·64·2 + 2·64·2 + 3·2·2 = 652
+    multiply-adds forward and 64·2 + 64·2 + 2·2·2 = 264 recomputed, x 2 FLOPs x 4 value heads."""
+    assert _linear_core_flops(replace(TINY_GDN, seq_len=128)) == (8 * 652, 8 * 264)
+
+
+# TINY_MOE (test_moe_cost.py: layers 1-3 MoE, 4 experts of ffn 8, top-2) with layers 0 and 2 Gated DeltaNet: every kind
+# of layer (0 linear and dense, 1 and 3 attention and MoE, 2 linear and MoE), as Qwen3-Next's MoE and linear layers.
+#   Layer 0: 794; layers 1, 3: 1008 (test_moe_cost.py); layer 2: the mixer 394, 4 experts of 192, router 32, norms 16:
+#   1210. Total 794 + 2·1008 + 1210 + 256 + 256 + 8 = 4540; a token skips 2 experts in each of the 3 MoE layers.
+TINY_MOE_GDN = replace(TINY_MOE, gated_delta_net=GDN, name="tiny-moe-gdn")
+
+
+def test_every_kind_of_layer_in_one_model():
+    """Parameters per pipeline rank follow each rank's kinds (pp 2: layers 0, 1 with the embedding; 2, 3 with the head
+    and final norm). Under the torch engines with tp 2 and sequence parallel the whole MoE blocks' gradients are
+    summed over the tp ranks once per step, in all 3 MoE layers (the linear one among them): an all-reduce of 3 x
+    (router 32 + 4 experts of 192) parameters, the only tp term sequence parallel adds."""
+    assert TINY_MOE_GDN.num_parameters == 4540 and TINY_MOE_GDN.active_parameters == 4540 - 3 * 2 * 192
+    assert [stage_parameters(TINY_MOE_GDN, 1, 2, r) for r in range(2)] == [794 + 1008 + 256, 1210 + 1008 + 256 + 8]
+    cluster = replace(_cluster(1, 2), engine=ENGINES["torch+tridist"])
+    with_sp, without = (estimate(TINY_MOE_GDN, cluster, Strategy(dp=1, tp=2, pp=1, sequence_parallel=sp),
+                                 global_batch_size=1) for sp in (True, False))
+    bw, latency = cluster.link(2, 1)
+    assert with_sp.time.tp_comm_s - without.time.tp_comm_s == pytest.approx(
+        all_reduce_time(E * 3 * (32 + 4 * 192), 2, bw, latency), rel=1e-9)
+
+
+def test_the_memory_peak_is_found_on_a_middle_rank_of_another_kind():
+    """Eight layers on pp 4 (two each), four micro-batches: 1F1B keeps min(m, pp - r) of them on rank r, 4, 3, 2 and 1.
+    The two middle ranks hold as many layers, but only the later one (layers 4 and 5) the linear ones, whose
+    activations (1952 each) exceed an attention layer's (896): it is the peak (more than the first rank's 4 x 2
+    attention layers and embedding outputs), though the earlier middle rank has more micro-batches in flight."""
+    spec = replace(TINY_GDN, num_layers=8, gated_delta_net=replace(GDN, layers=(4, 5)))
+    est = estimate(spec, _cluster(1, 4), Strategy(dp=1, tp=1, pp=4, num_micro_batches=4), global_batch_size=4)
+    first, earlier, later = 4 * 2 * 896 + 4 * 64, 3 * 2 * 896, 2 * 2 * 1952
+    assert later > first > earlier and est.memory.activations == later
+    assert est.memory.weights == E * 2 * 794
 
 
 def test_linear_layers_are_cheaper_than_attention_at_long_sequences():

@@ -41,6 +41,28 @@ def test_plan_names_every_projection_by_its_own_name(name, head, end_module):
     assert f"{structure.layers}.0" in plan.sequence_span and plan.lazy_split
 
 
+def test_key_value_heads_below_tp_are_replicated_in_the_plan():
+    """With kv_head_replicas (tp above the key/value heads: autotune.kv_head_replicas) the k and v projections
+    compute their heads on that many ranks each; q and the rest split as before. A projection packing q, k and v
+    together cannot replicate its k and v alone: refused, naming it."""
+    from tridist.autotune.strategy import kv_head_replicas
+    from tridist.distcore import ReplicatedColWiseParallel
+
+    model = build_model("hf-llama")  # 4 query heads, 2 key/value heads
+    spec = autotune.ModelSpec.from_module(model, seq_len=8)
+    assert [kv_head_replicas(spec, tp) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
+    plan = td.tensor_parallel_plan(model, spec.structure, sequence_parallel=False, kv_head_replicas=2)
+    layer = f"{spec.structure.layers}.0"
+    for projection in (spec.structure.k, spec.structure.v):
+        (style,) = plan.styles[f"{layer}.{projection}"]
+        assert type(style) is ReplicatedColWiseParallel and style.replicas == 2 and not style.global_view
+    assert type(plan.styles[f"{layer}.{spec.structure.q}"][0]) is ColWiseParallel
+    packed = build_model("paddle-llama")
+    with pytest.raises(ValueError, match="needs separate k and v projections; .*qkv.* holds them with others"):
+        td.tensor_parallel_plan(packed, autotune.ModelSpec.from_module(packed, seq_len=8).structure,
+                                sequence_parallel=False, kv_head_replicas=2)
+
+
 def test_plan_from_names_refuses_a_name_the_model_lacks():
     from tridist.distcore.tensor_parallel import plan_from_names
 

@@ -305,7 +305,7 @@ def _overlap_limits(config) -> dict:
     model, _ = _model("seed-llama")
     strategy = autotune.Strategy(dp=1, tp=_world(), pp=1, sequence_parallel=True, overlap_tp_comm=True,
                                  micro_batch_size=4, num_micro_batches=1)
-    return _tensor_parallel_limits(model, strategy, autotune.ModelSpec.from_module(model, seq_len=8).structure, config)
+    return _tensor_parallel_limits(model, strategy, autotune.ModelSpec.from_module(model, seq_len=8), config)
 
 
 def check_symm_mem_backend_trains_like_one_process():

@@ -259,6 +259,7 @@ def check_degree_must_divide_the_model():
         distcore.parallelize(model, optimizer, mesh, {"mp_config": {"parallelize_plan": HF_PLAN}})
     except ValueError as error:
         assert "num_key_value_heads = 2 heads cannot be split over 4" in str(error), str(error)
+        assert "or ReplicatedColWiseParallel(replicas=2) on its key/value projections" in str(error), str(error)
     else:
         raise AssertionError("expected a ValueError")
     # Packed projections of unequal sizes are split through their input features: 5 of them over mp 2

@@ -726,6 +726,29 @@ def _freeze_experts_and_a_norm(model) -> None:
     model.model.layers[0].post_attention_layernorm.requires_grad_(False)
 
 
+def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
+    """tp above the key/value heads (Megatron-Core refuses such a tp): each rank computes the key/value head its
+    query heads use, from k/v weights whole on every rank. Qwen2 (2 key/value heads, with biases) under tp 4 with
+    selective recompute (the recomputed attention runs the replicated projections' hooks again), and Gemma 3 1B's
+    multi-query attention (one key/value head; per-head q/k norms, local and global layers) under dp 2 x tp 2 with
+    sequence parallel: losses, first-step gradients and parameters equal to one process, in local view."""
+
+    def replicated(replicas, groups):
+        def inspect(model):
+            attention = model.model.layers[0].self_attn
+            for projection in (attention.k_proj, attention.v_proj):
+                assert projection._tridist_head_replicas == replicas, vars(projection)
+                assert all(p.is_replicate() for p in projection.weight.placements[-1:]), projection.weight.placements
+            assert attention.num_key_value_groups == groups, attention.num_key_value_groups
+        return inspect
+
+    def eager(model):
+        model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
+
+    _train("qwen2", _strategy(1, 4, 1, recompute="selective"), inspect=replicated(2, 1), prepare=eager)
+    _train("gemma3-mqa", _strategy(2, 2, 1, sequence_parallel=True), inspect=replicated(2, 2))
+
+
 def check_frozen_parameters_stay_frozen():
     """Frozen parameters (requires_grad False), the optimizer given every parameter as users write it: none gets
     a gradient or moves, and the rest train like one process. torch's SequenceParallel style made every norm it
@@ -1617,12 +1640,12 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     from tridist import kernels
 
     model, _ = _model("mixtral")
-    structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
+    spec = autotune.ModelSpec.from_module(model, seq_len=8)
     kernels.fuse(model)  # the fused experts run on replicated DTensors in global view (without sequence parallel)
     local_view = block_check._Check.local_view
     block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
     try:
-        limits = _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), structure,
+        limits = _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), spec,
                                          distcore.ToDistributedConfig())
     finally:
         block_check._Check.local_view = local_view
@@ -1633,8 +1656,8 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     block_check._Check.local_view = lambda self, reference: (checked.append(1), local_view(self, reference))[1]
     try:
         model, _ = _model("qwen3-moe")
-        structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
-        assert _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), structure,
+        spec = autotune.ModelSpec.from_module(model, seq_len=8)
+        assert _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), spec,
                                        distcore.ToDistributedConfig()) == {}
     finally:
         block_check._Check.local_view = local_view
