@@ -22,8 +22,8 @@ One JSON line per model type (also written to --out), progress on stderr, a coun
 
 Strategies (--strategy): dp2-tp2-sp (dp 2 x tp 2 with sequence parallel, the default: the strategy that asks most
 of a model's code), dp2-tp2, tp2-pp2 (2 micro-batches), dp2-pp2 (2 micro-batches, full recompute: the layer
-list alone, also of models whose layers tensor parallel cannot read), dp4-zero3, searched (to_distributed's own
-choice). --attention: transformers' attention implementation ("eager": explicit matmuls and softmax; "sdpa"; the
+list alone, also of models whose layers tensor parallel cannot read), dp4-zero3, tp4-sp (tp 4 with sequence
+parallel: the tiny configs' 2 key/value heads each computed on 2 ranks), searched (to_distributed's own choice). --attention: transformers' attention implementation ("eager": explicit matmuls and softmax; "sdpa"; the
 default: each model's own, SDPA for most). --dropout P: every dropout of the config at P instead of 0; one
 process's numbers are then out of reach (the ranks draw their own masks), so the verdict is whether the ranks that
 hold a parameter still agree on it after the steps ("replicas agree"; "replicas differ": a bug, silent in training)
@@ -64,6 +64,7 @@ STRATEGIES = {  # name -> autotune.Strategy fields (None: searched); the global 
     "tp2-pp2": dict(dp=1, tp=2, pp=2, micro_batch_size=2, num_micro_batches=2),
     "dp2-pp2": dict(dp=2, tp=1, pp=2, micro_batch_size=1, num_micro_batches=2, recompute="full"),
     "dp4-zero3": dict(dp=4, tp=1, pp=1, micro_batch_size=1, sharding_level=3),
+    "tp4-sp": dict(dp=1, tp=4, pp=1, micro_batch_size=4, sequence_parallel=True),
     "searched": None,
 }
 
