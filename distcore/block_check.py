@@ -258,14 +258,15 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
 
 def _refuse_without_global_view(plan, name: str, block: torch.nn.Module, why: str) -> None:
     """Raise TensorParallelCheckError where block `name`, which `why` keeps out of local view, holds a style that
-    runs in local view only (`global_view` False: LocalParameterRows, a Gated DeltaNet mixer's rows)."""
-    local_only = sorted(module for module, styles in plan.within(name).styles.items()
-                        if any(not getattr(style, "global_view", True) for style in styles))
+    runs in local view only (`global_view` False: LocalParameterRows, a Gated DeltaNet mixer's rows;
+    ReplicatedColWiseParallel, key/value heads below tp), each style's `local_only` saying why and the fix."""
+    local_only = {module: style for module, styles in plan.within(name).styles.items()
+                  for style in styles if not getattr(style, "global_view", True)}
     if local_only:
+        reasons = "; ".join(dict.fromkeys(f"{type(style).__name__}: {style.local_only}" for style in local_only.values()))
         raise TensorParallelCheckError(
-            f"parallelize: {type(block).__name__} ({name!r}) {why}; its {local_only} run in local view only (their "
-            "split takes each rank's rows of parameters its code reads), so it has no global view to fall back to. "
-            "Use tp=1 for this model (data and pipeline parallel need none of it)")
+            f"parallelize: {type(block).__name__} ({name!r}) {why}; its {sorted(local_only)} run in local view only, "
+            f"so it has no global view to fall back to ({reasons})")
 
 
 @torch.enable_grad()

@@ -88,9 +88,11 @@ class _Style:
     """Base of Paddle's parallel styles: configuration (the plan's values) that applies itself to one
     module in local view (`apply`), as torch's ParallelStyle._apply does: a new style needs no change
     anywhere else. `global_view`: whether a block holding the style may run in global view instead (the
-    block check's fallback, global_view.py)."""
+    block check's fallback, global_view.py); where not, `local_only` says why and what to do instead (the block
+    check's refusal quotes it)."""
 
     global_view = True
+    local_only = ""
 
     def apply(self, target: StyleTarget) -> str:
         """Change `target.module` in place; returns a line for the log."""
@@ -328,6 +330,8 @@ class LocalParameterRows(_Style):
     rows: dict[str, tuple[int, ...]]
     counts: tuple[str, ...] = ()
     global_view = False  # block_check: no fallback to global view for a block holding this style
+    local_only = ("its split takes each rank's rows of parameters its code reads; use tp=1 for this model (data and "
+                  "pipeline parallel need none of it)")
 
     def apply(self, target: StyleTarget) -> str:
         module, tp = target.module, target.tp_mesh.size()
@@ -392,6 +396,8 @@ class ReplicatedColWiseParallel(_Style):
 
     replicas: int
     global_view = False  # block_check: no fallback to global view for a block holding this style
+    local_only = ("each rank computes its own key/value head from the whole weights; use a tp that divides the "
+                  "key/value heads")
 
     def apply(self, target: StyleTarget) -> str:
         module, mesh = target.module, target.tp_mesh

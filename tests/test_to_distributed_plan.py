@@ -57,6 +57,13 @@ def test_key_value_heads_below_tp_are_replicated_in_the_plan():
         (style,) = plan.styles[f"{layer}.{projection}"]
         assert type(style) is ReplicatedColWiseParallel and style.replicas == 2 and not style.global_view
     assert type(plan.styles[f"{layer}.{spec.structure.q}"][0]) is ColWiseParallel
+    # A block the block check cannot keep in local view is refused, saying why and what to do (DiffLlama's attention
+    # splits its one local value head in two).
+    from tridist.distcore.block_check import TensorParallelCheckError, _refuse_without_global_view
+
+    with pytest.raises(TensorParallelCheckError, match=r"ReplicatedColWiseParallel: each rank computes its own "
+                                                       r"key/value head from the whole weights; use a tp that divides"):
+        _refuse_without_global_view(plan, layer, model.get_submodule(layer), "in local view fails")
     packed = build_model("paddle-llama")
     with pytest.raises(ValueError, match="needs separate k and v projections; .*qkv.* holds them with others"):
         td.tensor_parallel_plan(packed, autotune.ModelSpec.from_module(packed, seq_len=8).structure,
