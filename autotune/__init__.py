@@ -41,12 +41,23 @@ from .search import (
     pareto_front,
     search,
 )
-from .strategy import RECOMPUTE_MODES, InvalidStrategy, Strategy, check, rank_layers, stage_layers, validate
+from .strategy import (
+    RECOMPUTE_MODES,
+    InvalidStrategy,
+    Strategy,
+    check,
+    kv_head_replicas,
+    rank_layers,
+    stage_layers,
+    tensor_parallel_problems,
+    validate,
+)
 
 __all__ = [
     "GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset", "recognise",
     "DeviceProfile", "Cluster", "DEVICE_PROFILES", "get_profile", "load_profile", "save_profile",
     "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check", "stage_layers", "rank_layers",
+    "kv_head_replicas", "tensor_parallel_problems",
     "estimate", "Estimate", "TimeBreakdown", "MemoryBreakdown", "COST_MODEL_VERSION",
     "model_flops_per_step", "hardware_flops_per_step", "megatron_flops_per_step",
     "all_reduce_time", "all_gather_time", "reduce_scatter_time", "p2p_time", "pipeline_bubble_fraction",
