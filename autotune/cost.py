@@ -420,6 +420,7 @@ def _moe_layer_count(kinds: tuple[int, ...]) -> int:
     return sum(n for n, (moe, _) in zip(kinds, LAYER_KINDS) if moe)
 
 
+@functools.lru_cache(maxsize=1024)
 def _spec_kinds(spec: ModelSpec) -> tuple[tuple[bool, bool], ...]:
     """The kinds of layer `spec` has (the dense attention layer's always: it prices the model's ends)."""
     counts = _layer_kinds(spec, range(spec.num_layers))
@@ -596,7 +597,7 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 def clear_caches() -> None:
     """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
     for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings,
-                   _pace, _rank_layer_counts, _peak_ranks, _rank_parameters):
+                   _pace, _rank_layer_counts, _peak_ranks, _rank_parameters, _spec_kinds):
         cached.cache_clear()
 
 
