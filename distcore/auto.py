@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from tridist.autotune.strategy import kv_head_replicas
+from tridist.autotune.model import readable_attr
 from tridist.kernels.comm_matmul import check_backend_available
 
 from . import env
@@ -362,8 +362,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
     blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why), or where
     selective recompute would re-run an attention module whose local view swaps its parameters in around its
     forward (`_swapped_around_recompute`)."""
-    structure, replicas = spec.structure, kv_head_replicas(spec, strategy.tp)
-    plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel, kv_head_replicas=replicas)
+    structure = spec.structure
+    plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel, tp=strategy.tp)
     dims = _dims(strategy)
 
     def views(plan):
@@ -384,7 +384,7 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
             # MoE blocks run on sequence slices in local view only (a block that needs global view gets them
             # token-split): judge tensor parallel itself without sequence parallel.
             try:
-                views(tensor_parallel_plan(model, structure, sequence_parallel=False, kv_head_replicas=replicas))
+                views(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))
             except TensorParallelCheckError:
                 return {"tp": str(error)}
             return {"sequence_parallel": str(error)}
@@ -610,8 +610,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "degree": strategy.ep, "fused_activation": config.fuse_kernels,
             "experts": structure.experts_modules()}
     if strategy.tp > 1:
-        plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel,
-                                    kv_head_replicas=kv_head_replicas(spec, strategy.tp))
+        plan = tensor_parallel_plan(model, structure, sequence_parallel=strategy.sequence_parallel, tp=strategy.tp)
         parallel_config["mp_config"] = {"parallelize_plan": plan,
                                         "overlap_comm": strategy.overlap_tp_comm and config.overlap_backend}
     if strategy.pp > 1 or strategy.num_micro_batches > 1:
@@ -629,12 +628,13 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
 
 
 def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel: bool,
-                         kv_head_replicas: int = 1) -> TensorParallelPlan:
+                         tp: int = 1) -> TensorParallelPlan:
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
-    when they are tied). `kv_head_replicas` > 1 (autotune.kv_head_replicas: tp above the key/value heads): the k and
-    v projections ReplicatedColWiseParallel, each head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
+    when they are tied). Where `tp` exceeds a layer's own key/value heads (read from its k projection: layers may
+    differ, Gemma 4's per-layer configs) and they divide it, that layer's k and v projections get
+    ReplicatedColWiseParallel(tp // heads), each head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
     instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
@@ -668,14 +668,12 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             for layer in among:
                 add(f"{layer}.{relative}", *styles)
 
-    if kv_head_replicas > 1 and not (structure.k and structure.v):
-        raise ValueError(f"tensor_parallel_plan: the key/value heads would be replicated over {kv_head_replicas} "
-                         f"tensor-parallel ranks each, which needs separate k and v projections; "
-                         f"{structure.qkv or structure.latent_kv} holds them with others: use a tp that divides them")
-    key_value = ReplicatedColWiseParallel(replicas=kv_head_replicas) if kv_head_replicas > 1 else ColWiseParallel()
     add_per_layer(structure.q, ColWiseParallel(), among=attention_layers)
-    for projection in (structure.k, structure.v):
-        add_per_layer(projection, key_value, among=attention_layers)
+    for layer in attention_layers:
+        replicas = _kv_head_replicas(model, layer, structure, tp)
+        for projection in (structure.k, structure.v):
+            add_per_layer(projection, ReplicatedColWiseParallel(replicas) if replicas > 1 else ColWiseParallel(),
+                          among=[layer])
     add_per_layer(structure.latent_kv, ColWiseParallel(), among=attention_layers)  # DeepSeek's kv_b_proj
     # each part split on its own
     add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes), among=attention_layers)
@@ -715,6 +713,33 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         # so gather before the final norm.
         add(structure.lm_head or structure.final_norm, SequenceParallelEnd())
     return plan_from_names(model, plan)
+
+
+def _kv_head_replicas(model: torch.nn.Module, layer: str, structure, tp: int) -> int:
+    """On how many of the `tp` ranks each key/value head of `layer` is computed: 1 where tp divides its heads (or
+    they cannot be read: no k projection, no head_dim), tp // heads where they divide tp (autotune.kv_head_replicas's
+    rule, for this layer's own heads). Anything else is refused, naming the layer."""
+    if not (structure.k and structure.v) or tp == 1:
+        return 1  # a packed qkv: autotune.tensor_parallel_problems refuses tp above its heads
+    heads = _layer_kv_heads(model, layer, structure)
+    if heads is None or heads % tp == 0:
+        return 1
+    if tp % heads:
+        raise ValueError(f"tensor_parallel_plan: {layer}.{structure.k} computes {heads} key/value heads, which "
+                         f"tp={tp} neither divides nor is a multiple of; use a tp that divides them or that they divide")
+    return tp // heads
+
+
+def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None:
+    """The key/value heads `layer`'s k projection computes: its outputs over its attention's head_dim (None where
+    either cannot be read)."""
+    attention = model.get_submodule(f"{layer}.{structure.attention}") if structure.attention else None
+    head_dim = readable_attr(attention, "head_dim") if attention is not None else None
+    k = model.get_submodule(f"{layer}.{structure.k}")
+    out = getattr(k, "out_features", None)
+    if not isinstance(head_dim, int) or not isinstance(out, int) or out % head_dim:
+        return None
+    return out // head_dim
 
 
 def _add_linear_attention(add, mixers: list[str], linear) -> None:

@@ -444,6 +444,7 @@ class ReplicatedColWiseParallel(_Style):
         module.register_forward_hook(put_back, always_call=True)
         module._tridist_local_heads = True
         module._tridist_head_replicas = self.replicas
+        module._tridist_chunk = chunk  # the outputs this rank computes
         _open_sharded_region(target)
         return (f"{target.name}: {self!r} (this rank computes chunk {start // chunk} of {groups}, on "
                 f"{self.replicas} ranks each)")
@@ -536,7 +537,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
-          ReduceSharedOutputGradient,
+          ReduceSharedOutputGradient, ReplicatedColWiseParallel, LocalParameterRows,
           DistributedNorm,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
@@ -1053,9 +1054,25 @@ def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:
     rank's query heads share its one key/value head: transformers' `num_key_value_groups` (query heads per key/value
     head, what repeat_kv repeats by) becomes 1/r of itself; an even split leaves that ratio as it is."""
     kv = [getattr(module, p) for p in _KV_PROJECTIONS if isinstance(getattr(module, p, None), torch.nn.Module)]
-    replicas = max((getattr(p, "_tridist_head_replicas", 1) for p in kv), default=1)
+    replicas = {getattr(p, "_tridist_head_replicas", 1) for p in kv}
+    if replicas == {1} or not replicas:
+        return []
+    if len(replicas) > 1:
+        raise ValueError(f"parallelize: {name}'s key/value projections are split differently (replicas "
+                         f"{sorted(replicas)}); give k and v the same style")
+    replicas = replicas.pop()
+    head_dim = readable_attr(module, "head_dim")
+    chunks = {p._tridist_chunk for p in kv}
+    if isinstance(head_dim, int) and chunks != {head_dim}:  # each rank must compute the one head its queries use
+        out, chunk = kv[0].out_features, chunks.pop()
+        heads, tp = out // head_dim, replicas * (out // chunk)
+        right = ("ColWiseParallel()" if heads % tp == 0 else f"ReplicatedColWiseParallel(replicas={tp // heads})"
+                 if tp % heads == 0 else "a tensor-parallel degree that divides the heads or that they divide")
+        raise ValueError(f"parallelize: {name}: ReplicatedColWiseParallel(replicas={replicas}) has each of the {tp} "
+                         f"ranks compute {chunk} key/value features, not the one head of {head_dim} its query heads "
+                         f"use ({heads} heads); use {right} on its key/value projections")
     groups = getattr(module, "num_key_value_groups", None)
-    if replicas == 1 or not isinstance(groups, int) or isinstance(groups, bool):
+    if not isinstance(groups, int) or isinstance(groups, bool):
         return []
     if groups % replicas:
         raise ValueError(f"parallelize: {name}.num_key_value_groups = {groups} query heads per key/value head cannot "

@@ -66,6 +66,11 @@ MORE_FAMILIES = {
     # Local (sliding-window, its own rotary base) and global layers alternating (the config's default pattern
     # would make every layer of a small model local), q/k norms, 1 + w norms, GeGLU.
     "gemma3": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW)),
+    # Gemma 4 with its layers' own key/value heads (per_layer_config): one in layer 0, two in layer 1 (tensor parallel
+    # replicates the one and splits the two).
+    "gemma4-mixed-kv": ("gemma4_text", dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
+                                            global_head_dim=16, num_key_value_heads=1,
+                                            per_layer_config={1: {"head_dim": 16, "num_key_value_heads": 2}})),
     # Gemma 3 1B's multi-query attention: 4 query heads share one key/value head (tensor parallel replicates it).
     "gemma3-mqa": ("gemma3_text", dict(head_dim=16, sliding_window=SLIDING_WINDOW, num_key_value_heads=1)),
     # Per-layer inputs, wider global heads, its rotary one tensor per call (x, cos, sin, unsqueeze_dim).

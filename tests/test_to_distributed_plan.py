@@ -42,32 +42,45 @@ def test_plan_names_every_projection_by_its_own_name(name, head, end_module):
 
 
 def test_key_value_heads_below_tp_are_replicated_in_the_plan():
-    """With kv_head_replicas (tp above the key/value heads: autotune.kv_head_replicas) the k and v projections
-    compute their heads on that many ranks each; q and the rest split as before. A projection packing q, k and v
-    together cannot replicate its k and v alone: refused, naming it."""
+    """Where tp exceeds a layer's key/value heads (read from its own k projection) and they divide it, its k and v
+    projections compute each head on tp / heads ranks; q and the rest split as before. Layers may differ (Gemma 4's
+    per-layer configs): each follows its own heads; a tp they neither divide nor are divided by is refused, naming
+    the layer. A packed qkv is left to autotune's rule (it cannot replicate k and v alone)."""
+    from torch import nn
     from tridist.autotune.strategy import kv_head_replicas
     from tridist.distcore import ReplicatedColWiseParallel
 
     model = build_model("hf-llama")  # 4 query heads, 2 key/value heads
     spec = autotune.ModelSpec.from_module(model, seq_len=8)
     assert [kv_head_replicas(spec, tp) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
-    plan = td.tensor_parallel_plan(model, spec.structure, sequence_parallel=False, kv_head_replicas=2)
-    layer = f"{spec.structure.layers}.0"
-    for projection in (spec.structure.k, spec.structure.v):
-        (style,) = plan.styles[f"{layer}.{projection}"]
-        assert type(style) is ReplicatedColWiseParallel and style.replicas == 2 and not style.global_view
-    assert type(plan.styles[f"{layer}.{spec.structure.q}"][0]) is ColWiseParallel
+    structure = spec.structure
+    head_dim = model.model.layers[1].self_attn.head_dim
+    model.model.layers[1].self_attn.k_proj = nn.Linear(spec.hidden_size, head_dim, bias=False)  # one head here
+    model.model.layers[1].self_attn.v_proj = nn.Linear(spec.hidden_size, head_dim, bias=False)
+    plan = td.tensor_parallel_plan(model, structure, sequence_parallel=False, tp=4)
+    for layer, replicas in ((0, 2), (1, 4)):
+        for projection in (structure.k, structure.v):
+            (style,) = plan.styles[f"{structure.layers}.{layer}.{projection}"]
+            assert type(style) is ReplicatedColWiseParallel and style.replicas == replicas and not style.global_view
+    plan = td.tensor_parallel_plan(model, structure, sequence_parallel=False, tp=2)
+    assert type(plan.styles[f"{structure.layers}.0.{structure.k}"][0]) is ColWiseParallel  # 2 heads: split evenly
+    assert plan.styles[f"{structure.layers}.1.{structure.k}"][0].replicas == 2
+    layer = f"{structure.layers}.0"
+    assert type(plan.styles[f"{layer}.{structure.q}"][0]) is ColWiseParallel
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj computes 2 key/value heads, which tp=3"):
+        td.tensor_parallel_plan(model, structure, sequence_parallel=False, tp=3)
     # A block the block check cannot keep in local view is refused, saying why and what to do (DiffLlama's attention
     # splits its one local value head in two).
     from tridist.distcore.block_check import TensorParallelCheckError, _refuse_without_global_view
 
+    plan = td.tensor_parallel_plan(model, structure, sequence_parallel=False, tp=4)
     with pytest.raises(TensorParallelCheckError, match=r"ReplicatedColWiseParallel: each rank computes its own "
                                                        r"key/value head from the whole weights; use a tp that divides"):
         _refuse_without_global_view(plan, layer, model.get_submodule(layer), "in local view fails")
     packed = build_model("paddle-llama")
-    with pytest.raises(ValueError, match="needs separate k and v projections; .*qkv.* holds them with others"):
-        td.tensor_parallel_plan(packed, autotune.ModelSpec.from_module(packed, seq_len=8).structure,
-                                sequence_parallel=False, kv_head_replicas=2)
+    plan = td.tensor_parallel_plan(packed, autotune.ModelSpec.from_module(packed, seq_len=8).structure,
+                                   sequence_parallel=False, tp=4)
+    assert not any(type(s) is ReplicatedColWiseParallel for styles in plan.styles.values() for s in styles)
 
 
 def test_plan_from_names_refuses_a_name_the_model_lacks():

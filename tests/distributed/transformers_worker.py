@@ -748,6 +748,16 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     _train("qwen2", _strategy(1, 4, 1, recompute="selective"), inspect=replicated(2, 1), prepare=eager)
     _train("gemma3-mqa", _strategy(2, 2, 1, sequence_parallel=True), inspect=replicated(2, 2))
 
+    # Layers with their own key/value heads (Gemma 4's per-layer configs; the spec reads one count): each layer's
+    # split follows its own heads. Replicating both layers' by the model-wide count paired query and key/value heads
+    # wrongly in the second, silently (the block check runs one block per kind).
+    def per_layer(model):
+        first, second = (layer.self_attn for layer in model.model.layers)
+        assert first.k_proj._tridist_head_replicas == 2 and first.num_key_value_groups == 2, vars(first.k_proj)
+        assert not hasattr(second.k_proj, "_tridist_head_replicas") and second.num_key_value_groups == 2
+
+    _train("gemma4-mixed-kv", _strategy(2, 2, 1, sharding_level=2), inspect=per_layer)
+
 
 def check_frozen_parameters_stay_frozen():
     """Frozen parameters (requires_grad False), the optimizer given every parameter as users write it: none gets
