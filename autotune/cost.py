@@ -416,8 +416,9 @@ def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
     return tuple(sum((i in moe) == m and (i in linear) == l for i in layers) for m, l in LAYER_KINDS)
 
 
-def _moe_layer_count(kinds: tuple[int, ...]) -> int:
-    return sum(n for n, (moe, _) in zip(kinds, LAYER_KINDS) if moe)
+def _count_layers(kinds: tuple[int, ...], *, moe: bool | None = None, linear: bool | None = None) -> int:
+    """How many of the layers counted per kind in `kinds` are (or are not) MoE, linear (None: either)."""
+    return sum(n for n, (m, l) in zip(kinds, LAYER_KINDS) if moe in (None, m) and linear in (None, l))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -946,7 +947,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters of the
         # rank holding the most MoE layers, exposed); expert-parallel experts sum theirs in each backward, one
         # all-reduce per layer and micro-batch (distcore's ExpertParallelExperts).
-        moe_layers = max(_moe_layer_count(k) for k in kinds)
+        moe_layers = max(_count_layers(k, moe=True) for k in kinds)
         experts = spec.num_experts // s.ep * spec.expert_parameters
         block = spec.router_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
         bw_tp, lat_tp = cluster.link(t, 1)
@@ -956,7 +957,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     if kv_head_replicas(spec, t) > 1:
         # The key/value projections whole on every tp rank, each rank's gradient its own query heads' share: summed
         # over the tp ranks once per step, when read (an all-reduce of the rank holding the most attention layers).
-        attention_layers = max(sum(n for n, (_, linear) in zip(k, LAYER_KINDS) if not linear) for k in kinds)
+        attention_layers = max(_count_layers(k, linear=False) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * attention_layers * 2 * spec.kv_size * spec.hidden_size, t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time

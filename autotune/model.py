@@ -209,6 +209,15 @@ class ModelStructure:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def _check_integers(owner: str, obj, names: tuple[str, ...], *, minimum: int = 1,
+                    what: str = "a positive integer") -> None:
+    """Raise naming the first of `obj`'s fields `names` that is not an integer (bools are not) of at least `minimum`."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{owner}: {name} must be {what}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class LatentAttention:
     """Multi-head latent attention's widths (DeepSeek-V2/V3): the query through a `q_lora_rank` latent (0: a
@@ -223,10 +232,9 @@ class LatentAttention:
     q_lora_rank: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("kv_lora_rank", "rope_head_dim", "v_head_dim", "q_lora_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "q_lora_rank" else 1):
-                raise ValueError(f"LatentAttention: {name} must be a positive integer (q_lora_rank: or 0), got {value!r}")
+        what = "a positive integer (q_lora_rank: or 0)"
+        _check_integers("LatentAttention", self, ("kv_lora_rank", "rope_head_dim", "v_head_dim"), what=what)
+        _check_integers("LatentAttention", self, ("q_lora_rank",), minimum=0, what=what)
 
 
 @dataclass(frozen=True)
@@ -247,10 +255,8 @@ class GatedDeltaNet:
     conv_kernel_size: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GatedDeltaNet: {name} must be a positive integer, got {value!r}")
+        _check_integers("GatedDeltaNet", self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
+                                                "conv_kernel_size"))
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"GatedDeltaNet: num_v_heads={self.num_v_heads} must be a multiple of "
                              f"num_k_heads={self.num_k_heads} (a key head serves a group of value heads)")
@@ -385,10 +391,8 @@ class ModelSpec:
         return cached
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size", "seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelSpec: {name} must be a positive integer, got {value!r}")
+        _check_integers("ModelSpec", self, ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
+                                            "seq_len"))
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"ModelSpec: qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.num_kv_heads is None:
@@ -416,10 +420,8 @@ class ModelSpec:
         self._check_experts()
 
     def _check_experts(self) -> None:
-        for name in ("num_experts", "experts_per_token", "shared_ffn_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"ModelSpec: {name} must be a non-negative integer, got {value!r}")
+        _check_integers("ModelSpec", self, ("num_experts", "experts_per_token", "shared_ffn_hidden_size"), minimum=0,
+                        what="a non-negative integer")
         if not (isinstance(self.expert_load_imbalance, (int, float)) and self.expert_load_imbalance >= 1.0):
             raise ValueError(f"ModelSpec: expert_load_imbalance is the busiest rank's tokens over the mean, at least "
                              f"1.0, got {self.expert_load_imbalance!r}")

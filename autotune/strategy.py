@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .model import ModelSpec
 
 __all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check", "stage_layers",
-           "rank_layers", "rank_layer_indices", "kv_head_replicas", "tensor_parallel_problems"]
+           "rank_layers", "rank_layer_indices", "head_replicas", "kv_head_replicas", "tensor_parallel_problems"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
@@ -137,11 +137,15 @@ def _divides(name: str, degree: int, quantity_name: str, quantity: int) -> str |
 
 
 def kv_head_replicas(spec: "ModelSpec", tp: int) -> int:
-    """On how many tp ranks each key/value head is computed: 1 where tp divides them (each rank its own), tp / kv
-    where tp exceeds them and they divide tp (each rank the head its local query heads use; `tensor_parallel_problems`
-    says where that is allowed)."""
-    kv = spec.num_kv_heads
-    return tp // kv if tp > kv and tp % kv == 0 else 1
+    """On how many tp ranks each key/value head is computed (`head_replicas` of the model's key/value heads;
+    `tensor_parallel_problems` says where replicas are allowed)."""
+    return head_replicas(spec.num_kv_heads, tp)
+
+
+def head_replicas(heads: int, tp: int) -> int:
+    """On how many of `tp` ranks each of `heads` heads is computed: 1 where tp divides them (each rank its own),
+    tp / heads where tp exceeds them and they divide tp (each rank the head its local query heads use)."""
+    return tp // heads if tp > heads and tp % heads == 0 else 1
 
 
 def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> list[str]:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from tridist.autotune.model import readable_attr
+from tridist.autotune.strategy import head_replicas
 from tridist.kernels.comm_matmul import check_backend_available
 
 from . import env
@@ -716,18 +717,16 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
 
 
 def _kv_head_replicas(model: torch.nn.Module, layer: str, structure, tp: int) -> int:
-    """On how many of the `tp` ranks each key/value head of `layer` is computed: 1 where tp divides its heads (or
-    they cannot be read: no k projection, no head_dim), tp // heads where they divide tp (autotune.kv_head_replicas's
-    rule, for this layer's own heads). Anything else is refused, naming the layer."""
+    """On how many of the `tp` ranks each key/value head of `layer` is computed: autotune's `head_replicas` of this
+    layer's own heads (1 where they cannot be read: no separate k projection, no head_dim). Heads that tp neither
+    divides nor is a multiple of are refused, naming the layer."""
     if not (structure.k and structure.v) or tp == 1:
         return 1  # a packed qkv: autotune.tensor_parallel_problems refuses tp above its heads
     heads = _layer_kv_heads(model, layer, structure)
-    if heads is None or heads % tp == 0:
-        return 1
-    if tp % heads:
+    if heads is not None and heads % tp and tp % heads:
         raise ValueError(f"tensor_parallel_plan: {layer}.{structure.k} computes {heads} key/value heads, which "
                          f"tp={tp} neither divides nor is a multiple of; use a tp that divides them or that they divide")
-    return tp // heads
+    return 1 if heads is None else head_replicas(heads, tp)
 
 
 def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None:

@@ -423,10 +423,7 @@ class ReplicatedColWiseParallel(_Style):
             raise ValueError(f"parallelize: {target.name}.{split[0]} is split already; give {target.name} one style")
         chunk = module.out_features // groups
         start = mesh.get_local_rank() // self.replicas * chunk
-        for name in names:
-            param = module._parameters[name]
-            whole = distribute_tensor(param.detach(), mesh, [Replicate()])
-            module.register_parameter(name, torch.nn.Parameter(whole, requires_grad=param.requires_grad))
+        replicate_parameters(module, mesh, recurse=False)
 
         def take_chunk(linear, args):
             saved = vars(linear).setdefault("_tridist_whole_parameters", {})
