@@ -113,7 +113,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 14  # 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 15  # 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -688,7 +688,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # _UnequalPackedColwise), on top of the four collectives of b·s·h; priced per layer as a share of them.
     packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
     packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
-                  if spec.packed_unequal_qkv and tp > 1 and not gdn else 0.0)
+                  if spec.packed_unequal_qkv and not spec.qkv_interleaved and tp > 1 and not gdn else 0.0)
     # q/k norms under tensor parallel (distcore's tensor_parallel.py). Per head (Qwen3): each rank's heads
     # give a partial gradient of the q and k norm weights (head_dim each, Replicate), summed over the tp
     # ranks: 2 all-reduces of head_dim elements. Over the whole projection (OLMo2): the normalised dim is

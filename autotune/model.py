@@ -97,6 +97,9 @@ class ModelStructure:
     up: str | None = None
     gate_up: str | None = None
     qkv_sizes: tuple[int, ...] | None = None  # the packed qkv's [q, k, v] widths (unequal with grouped-query heads)
+    # The packed qkv holds [q..q k v] per key/value head (`_INTERLEAVED_QKV`), not [q | k | v]: a contiguous split
+    # over ranks that divide the key/value heads gives each rank its own heads whole.
+    qkv_interleaved: bool = False
     # Multi-head latent attention (DeepSeek-V2/V3): the projection from the compressed key/value latent to
     # every head's keys and values ("self_attn.kv_b_proj"); `q` is then the query's per-head projection
     # (q_b_proj, or q_proj without a query latent) and `k`/`v` are None.
@@ -330,7 +333,8 @@ class ModelSpec:
     the compute dtype, as transformers' eager attention does: 6 bytes per score in bf16 where Megatron's fused
     softmax keeps 2), `dropout` (Megatron's
     GPT stores dropout masks), `packed_unequal_qkv` (q/k/v packed in one projection with grouped-query
-    heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need),
+    heads: distcore's tensor parallel reduce-scatters its output, which equal parts do not need, unless
+    `qkv_interleaved`: [q..q k v] per key/value head, split contiguously as GPT-NeoX's and Falcon's are),
     `qk_norm` (norms of the queries and keys inside attention: "head" for Qwen3-style RMSNorms over
     head_dim applied to every head, whose weights' gradients tensor parallel sums over its ranks;
     "projection" for OLMo2-style RMSNorms over all heads' features, whose statistics tensor parallel
@@ -366,6 +370,7 @@ class ModelSpec:
     softmax_fp32: bool = False
     dropout: bool = False
     packed_unequal_qkv: bool = False
+    qkv_interleaved: bool = False
     qk_norm: str | None = None
     latent_attention: LatentAttention | None = None
     attention_output_gate: bool = False
@@ -962,6 +967,12 @@ def _name_matches(leaf: str, word: str) -> bool:
     return leaf == word or leaf.startswith(word + "_") or (len(word) > 2 and word in leaf)
 
 
+# Packed q/k/v projections that hold [q..q k v] per key/value head: every transformers model naming it so (GPT-NeoX,
+# Bloom, Persimmon: [q k v] per head; Falcon: per key/value head, its multi-query layout's one head making it
+# [q | k | v]). Code packing [q | k | v] with several key/value heads under this name (ChatGLM's remote code) computes
+# other numbers when split so, which distcore's block check finds before training: the block then runs in global
+# view, whatever the layout (block_check.py).
+_INTERLEAVED_QKV = ("query_key_value",)
 _O_WORDS = ("o_proj", "out_proj", "o", "wo", "dense", "c_proj", "proj_out")
 _DOWN_WORDS = ("down", "w2", "fc2", "out", "c_proj", "dense_4h_to_h")
 
@@ -1402,13 +1413,15 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if moe is not None and moe.gated != mlp_parts.get("gated", moe.gated):
         notes.append("the experts' MLP form (gated or not) differs from the dense layers'; the cost model prices "
                      "both as the dense one")
+    interleaved = bool(attn.get("qkv")) and attn["qkv"].rpartition(".")[2] in _INTERLEAVED_QKV
     structure = ModelStructure(
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
         mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
         v=attn.get("v"), qkv=attn.get("qkv"), latent_kv=attn.get("latent_kv"), latent_kv_down=attn.get("latent_kv_down"),
         latent_rotary_features=attn["latent_widths"][2] if attn.get("latent_kv") else 0,  # the down-projection's rotary key
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
-        qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None, layer_norms=norms,
+        qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None,
+        qkv_interleaved=interleaved, layer_norms=norms,
         qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
@@ -1423,7 +1436,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         gated_mlp=mlp_parts.get("gated", moe.gated if moe else True),
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
-        packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qk_norm=qk_norm,
+        packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qkv_interleaved=interleaved,
+        qk_norm=qk_norm,
         latent_attention=latent, attention_output_gate=bool(attn.get("gated_query")), flash_attention=not eager,
         softmax_fp32=eager,
         gated_delta_net=linear_shape, **moe_fields,

@@ -317,9 +317,6 @@ def unsupported(spec) -> dict[str, str]:
             "the embedding's weight is also the LM head, used by the model's forward itself (no head module): "
             "a tied weight is split by tensor parallel, and shared across pipeline stages, only between an "
             "embedding and a Linear head")
-    if structure.qkv and structure.qkv.rpartition(".")[2] == "query_key_value":
-        limits.setdefault("tp", f"{structure.qkv} may pack q/k/v per head (GPT-NeoX, Bloom) or contiguously; "
-                                "its layout cannot be told from the structure")
     if structure.latent_kv:
         limits["overlap_tp_comm"] = (
             f"multi-head latent attention: its column-parallel projections ({structure.q}, {structure.latent_kv}) "
@@ -329,7 +326,7 @@ def unsupported(spec) -> dict[str, str]:
                                      "project their input after masking its padding (transformers' "
                                      "apply_mask_to_padding_states), not the region's input that the overlapped "
                                      "all-gather ring computes their projections from")
-    if getattr(spec, "packed_unequal_qkv", False):
+    if getattr(spec, "packed_unequal_qkv", False) and not getattr(spec, "qkv_interleaved", False):
         limits["overlap_tp_comm"] = (f"{structure.qkv} packs q/k/v of unequal sizes (grouped-query heads): split on "
                                      "its input features, it reduce-scatters its output, which the overlapped "
                                      "all-gather ring cannot feed")
@@ -632,8 +629,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
                          tp: int = 1) -> TensorParallelPlan:
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
-    recognised) and gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split
-    when they are tied). Where `tp` exceeds a layer's own key/value heads (read from its k projection: layers may
+    recognised; one held per key/value head, [q..q k v], split contiguously: GPT-NeoX's, Bloom's, Falcon's) and
+    gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split when they are tied). Where `tp` exceeds a layer's own key/value heads (read from its k projection: layers may
     differ, Gemma 4's per-layer configs) and they divide it, that layer's k and v projections get
     ReplicatedColWiseParallel(tp // heads), each head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
     instead of the attention's plan (`_add_linear_attention`).
@@ -676,8 +673,10 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             add_per_layer(projection, ReplicatedColWiseParallel(replicas) if replicas > 1 else ColWiseParallel(),
                           among=[layer])
     add_per_layer(structure.latent_kv, ColWiseParallel(), among=attention_layers)  # DeepSeek's kv_b_proj
-    # each part split on its own
-    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=structure.qkv_sizes), among=attention_layers)
+    # each part split on its own, or, where the projection holds [q..q k v] per key/value head, contiguously (the
+    # block check runs the block in global view if its code packs otherwise)
+    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=1 if structure.qkv_interleaved else structure.qkv_sizes),
+                  among=attention_layers)
     add_per_layer(structure.o, RowWiseParallel(), among=attention_layers)
     if structure.latent_kv_down and structure.latent_rotary_features:  # DeepSeek's rotary key, one for every head
         add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features),

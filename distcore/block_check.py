@@ -35,8 +35,8 @@ from .fake_tensor_log import expected_failures_unlogged
 from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
-from .tensor_parallel import (DistributedNorm, ShardHeadParameters, ShardLocalParameters, apply_local_view,
-                              install_lazy_split, per_head_parameter_owners)
+from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel, ShardHeadParameters,
+                              ShardLocalParameters, apply_local_view, install_lazy_split, per_head_parameter_owners)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,10 @@ _RELATIVE_TOLERANCE = 1e-3
 # or a gradient of one rank's shard only is off by a fraction of order 1/tp of the gradient.
 _GRADIENT_FLOOR = 1e-2
 _SEED = 1234
+# autograd's refusal of an in-place change of DTensor.to_local's output (a view made inside an autograd Function),
+# as torch words it: a block failing with it gets FreshLocalOutput on its row-parallel Linears. Should torch reword
+# it, the block runs in global view instead, as before the repair existed.
+_LOCAL_OUTPUT_CHANGED_IN_PLACE = "of _ToTorchTensor is a view and is being modified inplace"
 
 
 class TensorParallelCheckError(RuntimeError):
@@ -416,7 +420,8 @@ class _Check:
         split dim (DistributedNorm); a parameter kept whole whose gradients summed over the mp ranks equal
         one device's while a rank's own does not saw only its shard (ShardLocalParameters); a failed run whose
         attention module holds a parameter with one row per query head (gpt-oss's sinks) splits it with the
-        heads (ShardHeadParameters)."""
+        heads (ShardHeadParameters); a run failing where the block changes a row-parallel Linear's local output in
+        place (Falcon's `mlp_output += attention_output`) hands on copies of those outputs (FreshLocalOutput)."""
         repairs: dict = {}
         while True:
             run = self._run(reference, view="local", repairs=repairs)
@@ -424,6 +429,9 @@ class _Check:
             if run.failure is not None:
                 found = {name: [DistributedNorm()] for name in run.split_dim_norms if name not in repairs}
                 found.update({name: [ShardHeadParameters()] for name in run.head_parameter_owners if name not in repairs})
+                if _LOCAL_OUTPUT_CHANGED_IN_PLACE in run.failure:
+                    found.update({name: [FreshLocalOutput()] for name, styles in self.sample_plan.styles.items()
+                                  if name not in repairs and any(isinstance(st, RowWiseParallel) for st in styles)})
             elif run.partial_grads:
                 owners = {name.rpartition(".")[0] for name in run.partial_grads}
                 found = {owner: [ShardLocalParameters()] for owner in owners if owner not in repairs}

@@ -505,6 +505,23 @@ class DistributedNorm(_Style):
         return f"{target.name}: {self!r} (statistics reduced over the mp ranks)"
 
 
+@dataclass(repr=False)
+class FreshLocalOutput(_Style):
+    """A row-parallel Linear whose local output the block's code then changes in place (Falcon's parallel attention
+    and MLP: `mlp_output += attention_output`). torch's DTensor.to_local returns that output as a view made inside
+    an autograd Function, which autograd refuses to change in place ("Output 0 of _ToTorchTensor is a view and is
+    being modified inplace"); this style hands on a copy instead (one more read and write of the output per call).
+    The block check adds it to a block's row-parallel Linears where its local view fails so (block_check.py)."""
+
+    def apply(self, target: StyleTarget) -> str:
+        target.module.register_forward_hook(_copied_output)  # after the split's own hook: it sees the local output
+        return f"{target.name}: {self!r} (its local output copied, which the block changes in place)"
+
+
+def _copied_output(module, args, output):
+    return output.clone() if isinstance(output, torch.Tensor) else output
+
+
 class _SequenceParallelBoundary(_Style):
     def apply(self, target: StyleTarget) -> str:  # see the sequence-parallel section below
         return _apply_sequence_parallel(target.name, target.module, self, tp_mesh=target.tp_mesh,
@@ -535,7 +552,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
           ReduceSharedOutputGradient, ReplicatedColWiseParallel, LocalParameterRows,
-          DistributedNorm,
+          DistributedNorm, FreshLocalOutput,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 

@@ -37,6 +37,10 @@ MORE_FAMILIES = {
     "phi": ("phi", {}),  # LayerNorm, partial rotary, GELU MLP beside the attention (one norm per block)
     "starcoder2": ("starcoder2", {}),  # LayerNorm, biases everywhere, GELU MLP
     "falcon": ("falcon", dict(num_kv_heads=KV_HEADS, new_decoder_architecture=True)),  # one query_key_value
+    # [q k v] per head in one query_key_value, as GPT-NeoX's; ALiBi (the model's per-head biases, built for every head)
+    "bloom": ("bloom", {}),
+    # [q k v] per head in one query_key_value, LayerNorm'd queries and keys (one weight for every head), partial rotary
+    "persimmon": ("persimmon", {}),
     # Multi-head latent attention (low-rank q and kv, a decoupled rotary part), a dense first layer, then
     # routed experts with a shared one and group-limited routing.
     "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=32,
@@ -102,6 +106,43 @@ MORE_FAMILIES = {
     "ernie4_5": ("ernie4_5", {}),
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=EXPERTS, moe_k=TOP_K, moe_intermediate_size=32)),
 }
+
+
+class ContiguousQueryKeyValue(torch.nn.Module):
+    """A Llama attention whose q, k and v projections are packed into one `query_key_value` as [q | k | v] (ChatGLM's
+    layout under GPT-NeoX's name, which distcore splits per key/value head): it computes what the attention it
+    replaces computes (the same weights and attention implementation)."""
+
+    def __init__(self, attention):
+        super().__init__()
+        q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+        self.query_key_value = torch.nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=False)
+        with torch.no_grad():
+            self.query_key_value.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+        self.o_proj = attention.o_proj
+        self.config, self.layer_idx, self.is_causal = attention.config, attention.layer_idx, True
+        self.head_dim, self.scaling, self.attention_dropout = attention.head_dim, attention.scaling, 0.0
+        self.num_heads, self.num_key_value_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+        self.num_key_value_groups = attention.num_key_value_groups
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        batch, seq = hidden_states.shape[:2]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        q, k, v = self.query_key_value(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0)
+        return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+def contiguous_query_key_value(model) -> None:
+    """Every attention of a transformers Llama replaced by its ContiguousQueryKeyValue."""
+    for layer in model.model.layers:
+        layer.self_attn = ContiguousQueryKeyValue(layer.self_attn)
 
 
 class ScaledLogitsHead(torch.nn.Linear):

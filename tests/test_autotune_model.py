@@ -421,6 +421,57 @@ def test_distcore_limits_overlap_for_unequal_packed_qkv():
     assert "overlap_tp_comm" not in unsupported(ModelSpec.from_module(build_model("paddle-llama"), seq_len=16))
 
 
+def _query_key_value_models():
+    """GPT-NeoX ([q k v] per head), Bloom (the same, and ALiBi), Persimmon (the same, per-head q/k norms) and Falcon's
+    three layouts ([q..q k v] per key/value head; multi-query: one head, so [q | k | v]; per head), tiny."""
+    hf = pytest.importorskip("transformers")
+    common = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
+    falcon = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_hidden_layers=1)
+    return {
+        "gpt-neox": hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(**common, intermediate_size=128, rotary_pct=0.5)),
+        "bloom": hf.BloomForCausalLM(hf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4)),
+        "persimmon": hf.PersimmonForCausalLM(hf.PersimmonConfig(**common, intermediate_size=128)),
+        "falcon-grouped": hf.FalconForCausalLM(hf.FalconConfig(**falcon, num_kv_heads=2, new_decoder_architecture=True)),
+        "falcon-multi-query": hf.FalconForCausalLM(hf.FalconConfig(**falcon)),
+        "falcon-per-head": hf.FalconForCausalLM(hf.FalconConfig(**falcon, multi_query=False)),
+    }
+
+
+def test_query_key_value_is_split_by_key_value_head_and_tensor_parallel_allowed():
+    """Every transformers model naming its packed projection `query_key_value` holds [q..q k v] per key/value head:
+    the structure says so, distcore's plan splits it contiguously (each rank's heads whole, no reduce-scatter, so
+    the overlapped ring may feed it) and tensor parallel is no longer refused for it (it was, the layout "not told";
+    the block check now tells a code that packs otherwise: tests/distributed/transformers_worker.py). Phi-3's
+    `qkv_proj` stays [q | k | v], split part by part."""
+    from tests.hf_models import build
+    from tridist.distcore.auto import tensor_parallel_plan, unsupported
+    from tridist.distcore.tensor_parallel import ColWiseParallel
+
+    for name, model in _query_key_value_models().items():
+        spec = ModelSpec.from_module(model, seq_len=16)
+        assert spec.structure.qkv.endswith("query_key_value") and spec.structure.qkv_interleaved, name
+        assert spec.qkv_interleaved and unsupported(spec) == {}, (name, unsupported(spec))
+        heads = spec.num_kv_heads
+        plan = tensor_parallel_plan(model, spec.structure, sequence_parallel=False, tp=2 if heads % 2 == 0 else 1)
+        styles = plan.styles[f"{spec.structure.layers}.0.{spec.structure.qkv}"]
+        assert styles == [ColWiseParallel(packed_parts=1)], (name, styles)
+    assert ModelSpec.from_module(_query_key_value_models()["falcon-grouped"], seq_len=16).packed_unequal_qkv
+    phi3 = ModelSpec.from_module(build("phi3", layers=1), seq_len=16)
+    assert not phi3.qkv_interleaved and not phi3.structure.qkv_interleaved and phi3.structure.qkv_sizes == (64, 32, 32)
+
+
+def test_replicated_key_value_heads_stay_refused_inside_a_packed_qkv():
+    """Falcon's multi-query attention packs its one key/value head with the queries: tp 2 would replicate that head,
+    which a packed projection cannot; refused with that reason (tp 1 only), as Phi-3's packed grouped-query qkv."""
+    from tridist.autotune import Cluster
+    from tridist.autotune.strategy import tensor_parallel_problems
+
+    spec = ModelSpec.from_module(_query_key_value_models()["falcon-multi-query"], seq_len=16)
+    assert spec.num_kv_heads == 1
+    problems = tensor_parallel_problems(spec, Cluster(1, 2), 2)
+    assert any("packing q, k and v together cannot be" in p for p in problems), problems
+
+
 def test_a_task_head_is_told_apart_from_a_tied_lm_head():
     """Sequence and token classifiers (reward models' `score`) and question answering end in a head of their
     own, not the vocabulary's: the structure names it, and distcore allows tp and pp for it (it refused them,

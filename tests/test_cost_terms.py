@@ -465,6 +465,9 @@ def test_unequal_packed_qkv_adds_a_reduce_scatter_and_its_gradients_all_gather_p
     message = E * 1 * 4 * (8 + 2 * 4)
     per_layer = _ring("reduce-scatter", message, 2, INTRA) + _ring("all-gather", message, 2, INTRA)
     assert packed.time.tp_comm_s - equal.time.tp_comm_s == pytest.approx(TINY.num_layers * per_layer, rel=1e-12)
+    # Held per key/value head ([q..q k v]: Falcon's query_key_value), it splits contiguously: no collective more
+    interleaved = _run(replace(TINY, packed_unequal_qkv=True, qkv_interleaved=True), _cluster(1, 2), dp=1, tp=2, pp=1)
+    assert interleaved.time.tp_comm_s == equal.time.tp_comm_s
 
 
 @pytest.mark.parametrize("kind", ["projection", "head"])

@@ -31,7 +31,8 @@ from tridist import autotune, distcore
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build
+from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
+                              contiguous_query_key_value)
 
 # Two decoder layers: a pipeline stage each under pp 2, one local and one global layer of Gemma 2 and 3, Qwen3-MoE's
 # dense first layer and one MoE layer. Four took 1.5-2x the CPU time for the same code run per layer (measured on
@@ -186,7 +187,8 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     equivalence.assert_tensors_close("evaluation logits", {"logits": logits}, {"logits": expected_logits})
     reasons = {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
     if global_view and model.distributed_strategy.tp > 1:  # every decoder block this rank holds
-        held = {n for n, m in model.named_modules() if re.fullmatch(r"model\.layers\.\d+", n) and next(m.parameters(), None) is not None}
+        held = {n for n, m in model.named_modules()
+                if re.fullmatch(r"(model\.layers|transformer\.h)\.\d+", n) and next(m.parameters(), None) is not None}
         assert held and set(reasons) == held, (reasons, held)
     else:
         assert not reasons, reasons  # transformers' blocks pass the tensor-parallel check in local view (the fast one)
@@ -308,21 +310,38 @@ def check_an_lm_head_with_a_learned_logit_scale_trains_like_one_process():
 def check_layer_norm_families_train_under_tensor_parallel():
     """Families with LayerNorms, GELU MLPs and biases (Phi: partial rotary, the MLP beside the attention;
     Starcoder2: biases everywhere), which fuse leaves to their own modules but for the LM head and loss, under
-    tensor parallel with and without sequence parallel: equal to one process. Falcon's packed query_key_value
-    (per head, as GPT-NeoX and Bloom pack theirs, or contiguous: the structure does not tell) is refused under
-    tp with that reason rather than split one way at a guess."""
+    tensor parallel with and without sequence parallel: equal to one process."""
     for family in ("phi", "starcoder2"):
         for label in ("dp 2 x tp 2, level 2", "dp 2 x tp 2 + sp + overlap, level 1"):
             try:
                 _train(family, MATRIX[label])
             except Exception as error:
                 raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
-    try:
-        _train("falcon", MATRIX["dp 2 x tp 2, level 2"])
-    except autotune.InvalidStrategy as error:
-        assert "query_key_value may pack q/k/v per head" in str(error), error
-    else:
-        raise AssertionError("falcon: tensor parallel over its packed query_key_value was not refused")
+
+
+def check_query_key_value_families_train_under_tensor_parallel():
+    """A packed `query_key_value` holds [q..q k v] per key/value head in every transformers model that names it so,
+    split contiguously over the tp ranks (each rank's heads whole; refused before, "its layout cannot be told"), each
+    equal to one process. In local view: GPT-NeoX ([q k v] per head; with overlapped sequence parallel, the ring
+    feeding the packed projection), Persimmon (its queries' and keys' LayerNorms, one weight for every head, their
+    gradients summed over tp) and Falcon ([q q k v] per key/value head), whose block adds the attention's output
+    into the MLP's in place: the row-parallel output that torch's DTensor.to_local returns as a view, which autograd
+    refuses to change in place (so its local view failed and it ran in global view), now handed on as a copy
+    (FreshLocalOutput, the block check's repair). In global view, where the block check finds the local view
+    failing: Bloom, whose ALiBi biases the model builds for every head while a rank's attention holds its own. And
+    a code that packs [q | k | v] under that name (ChatGLM's layout; here a Llama's q, k and v packed so): its local
+    view computes other heads, which the block check finds, so its blocks run in global view, equal to one process."""
+    for family, label, global_view, prepare in (
+            ("gpt-neox", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
+            ("falcon", "dp 2 x tp 2, level 2", False, None),  # its MLP's output the row-parallel Linear's (a copy)
+            ("falcon", "dp 2 x tp 2 + sp + overlap, level 1", False, None),  # the reduce-scatter's (fresh already)
+            ("persimmon", "dp 2 x tp 2, level 2", False, None),
+            ("bloom", "dp 2 x tp 2, level 2", True, None),
+            ("llama", "dp 2 x tp 2, level 2", True, contiguous_query_key_value)):
+        try:
+            _train(family, MATRIX[label], global_view=global_view, prepare=prepare)
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
 def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
@@ -631,8 +650,6 @@ def check_unrecognised_and_ambiguous_models():
     assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
     # tp given for it: refused with the reason its structure is not recognised (before, only a log line said why)
     _expect_refused("gpt2", _strategy(2, 2, 1), "could not find separate attention and MLP blocks")
-    assert _train("gpt-neox").tp == 1  # per-head packed query_key_value: its layout is not guessed
-    _expect_refused("gpt-neox", _strategy(2, 2, 1), "query_key_value")
     # Gemma 4's per-layer input embedding, registered after the layers and looked up before them: no pp (it crashed
     # in training, "stage 0 ends with NoneType"); searched, it trains without
     _expect_refused("gemma4", _strategy(2, 1, 2, num_micro_batches=2), "registered after the decoder layers")
