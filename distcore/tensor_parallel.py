@@ -519,7 +519,12 @@ class FreshLocalOutput(_Style):
 
 
 def _copied_output(module, args, output):
-    return output.clone() if isinstance(output, torch.Tensor) else output
+    if not isinstance(output, torch.Tensor):
+        return output
+    copied = output.clone()
+    if getattr(module, "_tridist_last_output", None) is output:  # a sequence-parallel exit: its region checks that
+        module._tridist_last_output = copied  # it returns this Linear's output (_remember_exit_output), now the copy
+    return copied
 
 
 class _SequenceParallelBoundary(_Style):

@@ -334,7 +334,10 @@ def check_query_key_value_families_train_under_tensor_parallel():
     for family, label, global_view, prepare in (
             ("gpt-neox", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
             ("falcon", "dp 2 x tp 2, level 2", False, None),  # its MLP's output the row-parallel Linear's (a copy)
-            ("falcon", "dp 2 x tp 2 + sp + overlap, level 1", False, None),  # the reduce-scatter's (fresh already)
+            # the sequence-parallel exit's reduce-scatter (a copy, which the region's exit check must take for the
+            # Linear's output: it ran in global view); overlapped, the ring's own output (fresh already)
+            ("falcon", "tp 2 x pp 2 + sp, 2 micro-batches", False, None),
+            ("falcon", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
             ("persimmon", "dp 2 x tp 2, level 2", False, None),
             ("bloom", "dp 2 x tp 2, level 2", True, None),
             ("llama", "dp 2 x tp 2, level 2", True, contiguous_query_key_value)):
