@@ -19,6 +19,7 @@ from .optimizer import ShardingStage1, ShardingStage2, ShardingStage3, shard_opt
 from .tensor_parallel import (
     ColWiseParallel,
     DistributedNorm,
+    FreshLocalOutput,
     LocalParameterRows,
     PrepareLayerInput,
     PrepareLayerOutput,
@@ -29,6 +30,7 @@ from .tensor_parallel import (
     SequenceParallelEnable,
     SequenceParallelEnd,
     ReduceSharedOutputGradient,
+    ShardHeadInput,
     ShardHeadParameters,
     ShardLocalParameters,
 )
@@ -50,6 +52,8 @@ __all__ = [
     "DistributedNorm",
     "ReduceSharedOutputGradient",
     "ShardHeadParameters",
+    "ShardHeadInput",
+    "FreshLocalOutput",
     "ShardLocalParameters",
     "LocalParameterRows",
     "ReplicatedColWiseParallel",

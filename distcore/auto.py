@@ -50,6 +50,7 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
+    ShardHeadInput,
     ShardLocalParameters,
     TensorParallelPlan,
     plan_from_names,
@@ -402,8 +403,10 @@ def _swapped_around_recompute(structure, repairs: dict) -> list[str]:
     """The attention modules (the ones selective recompute wraps) whose block-check repairs swap parameters in with
     forward hooks (ShardHeadParameters, ShardLocalParameters, DistributedNorm: all of them), each as 'name (style)'."""
     wrapped = {f"{structure.layers}.{i}.{structure.attention}" for i in range(structure.num_layers)}
+    # ShardHeadInput cuts a keyword input before the forward, which the recomputation then re-runs with: no swap
     return [f"{name} ({', '.join(type(style).__name__ for style in styles)})"
-            for name, styles in sorted(repairs.items()) if name in wrapped]
+            for name, styles in sorted(repairs.items())
+            if name in wrapped and not all(isinstance(style, ShardHeadInput) for style in styles)]
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):

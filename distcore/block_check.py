@@ -36,7 +36,8 @@ from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
 from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel, ShardHeadParameters,
-                              ShardLocalParameters, apply_local_view, install_lazy_split, per_head_parameter_owners)
+                              ShardLocalParameters, apply_local_view, head_input_owners, install_lazy_split,
+                              per_head_parameter_owners)
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +422,12 @@ class _Check:
         one device's while a rank's own does not saw only its shard (ShardLocalParameters); a failed run whose
         attention module holds a parameter with one row per query head (gpt-oss's sinks) splits it with the
         heads (ShardHeadParameters); a run failing where the block changes a row-parallel Linear's local output in
-        place (Falcon's `mlp_output += attention_output`) hands on copies of those outputs (FreshLocalOutput)."""
+        place (Falcon's `mlp_output += attention_output`) hands on copies of those outputs (FreshLocalOutput); a run
+        still wrong or failing whose attention takes a keyword input with one row per head (ALiBi biases built
+        outside it: Bloom, MPT, Falcon) cuts that input to this rank's heads (ShardHeadInput)."""
+        head_inputs = head_input_owners(reference.block, {
+            keyword: spec.shape for keyword, spec in reference.sample.kwargs.items()
+            if isinstance(spec, _TensorSpec) and spec.dtype.is_floating_point})
         repairs: dict = {}
         while True:
             run = self._run(reference, view="local", repairs=repairs)
@@ -437,7 +443,10 @@ class _Check:
                 found = {owner: [ShardLocalParameters()] for owner in owners if owner not in repairs}
             if not found:
                 problem = run.failure or self._compare(reference, run)
-                return (None, repairs) if problem is None else (problem, {})
+                if problem is not None:
+                    found = {name: [style] for name, style in head_inputs.items() if name not in repairs}
+                if not found:
+                    return (None, repairs) if problem is None else (problem, {})
             repairs.update(found)
 
     def difference(self, reference: _Reference, *, view: str) -> str | None:

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from tridist.autotune.model import readable_attr
 from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_available
+from tridist.kernels.fuse import forward_takes
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
@@ -506,6 +507,50 @@ class DistributedNorm(_Style):
 
 
 @dataclass(repr=False)
+class ShardHeadInput(_Style):
+    """An attention's keyword input that the model builds for every head outside the attention, the heads in its
+    first dim ([batch x heads, ...] batch-major, or [heads, ...]): Bloom's and Falcon's ALiBi biases (`alibi`), MPT's
+    (`position_bias`). In local view the attention holds this rank's heads of the model's `heads`, so the input is
+    cut to them as it enters. The block check adds it where a block's local view is wrong or fails and such an input
+    reaches an attention whose heads are split (block_check.py)."""
+
+    keyword: str
+    heads: int
+
+    def apply(self, target: StyleTarget) -> str:
+        tp, rank = target.tp_mesh.size(), target.tp_mesh.get_local_rank()
+        if self.heads % tp:
+            raise ValueError(f"parallelize: {target.name}: {self!r} cannot split {self.heads} heads over {tp} ranks")
+        local = self.heads // tp
+        keyword, heads = self.keyword, self.heads
+
+        def take(module, args, kwargs):
+            value = kwargs.get(keyword)
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] % heads:
+                return None
+            mine = value.unflatten(0, (-1, heads))[:, rank * local:(rank + 1) * local].flatten(0, 1)
+            return args, {**kwargs, keyword: mine}
+
+        target.module.register_forward_pre_hook(take, with_kwargs=True)
+        return f"{target.name}: {self!r} (this rank's {local} heads of its {keyword!r})"
+
+
+def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple]) -> dict[str, ShardHeadInput]:
+    """Modules of a block (its single-device copy `whole`) that hold query heads and take a keyword input whose
+    first dim is their head count (`shapes`: the block's keyword inputs' shapes, from a probe of batch 1):
+    ShardHeadInput's candidates, {module name: the style}."""
+    owners = {}
+    for name, module in whole.named_modules():
+        heads = _head_count(module, _Q_HEADS)
+        if not heads or not any(isinstance(getattr(module, p, None), torch.nn.Module) for p in _Q_PROJECTIONS):
+            continue
+        for keyword, shape in shapes.items():
+            if len(shape) >= 2 and shape[0] == heads and forward_takes(module, keyword):
+                owners[name] = ShardHeadInput(keyword, heads)
+    return owners
+
+
+@dataclass(repr=False)
 class FreshLocalOutput(_Style):
     """A row-parallel Linear whose local output the block's code then changes in place (Falcon's parallel attention
     and MLP: `mlp_output += attention_output`). torch's DTensor.to_local returns that output as a view made inside
@@ -557,7 +602,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
           ReduceSharedOutputGradient, ReplicatedColWiseParallel, LocalParameterRows,
-          DistributedNorm, FreshLocalOutput,
+          DistributedNorm, FreshLocalOutput, ShardHeadInput,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 
@@ -1025,8 +1070,8 @@ def _head_count(module: torch.nn.Module | None, attributes: tuple[str, ...]) -> 
     return None
 
 
-_Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value")
-_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value")
+_Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value", "Wqkv")
+_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value", "Wqkv")
 _HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
     "num_heads": _Q_PROJECTIONS, "num_attention_heads": _Q_PROJECTIONS, "n_heads": _Q_PROJECTIONS,
     "num_key_value_heads": _KV_PROJECTIONS, "num_kv_heads": _KV_PROJECTIONS, "n_kv_heads": _KV_PROJECTIONS,

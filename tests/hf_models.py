@@ -41,6 +41,8 @@ MORE_FAMILIES = {
     "bloom": ("bloom", {}),
     # [q k v] per head in one query_key_value, LayerNorm'd queries and keys (one weight for every head), partial rotary
     "persimmon": ("persimmon", {}),
+    # [q | k | v] in one Wqkv, ALiBi (a position bias the model builds for every head), its MLP adding the residual
+    "mpt": ("mpt", dict(max_seq_len=64)),
     # Multi-head latent attention (low-rank q and kv, a decoupled rotary part), a dense first layer, then
     # routed experts with a shared one and group-limited routing.
     "deepseek-v3": ("deepseek_v3", dict(num_key_value_heads=HEADS, n_routed_experts=EXPERTS, moe_intermediate_size=32,

@@ -321,16 +321,18 @@ def check_layer_norm_families_train_under_tensor_parallel():
 
 def check_query_key_value_families_train_under_tensor_parallel():
     """A packed `query_key_value` holds [q..q k v] per key/value head in every transformers model that names it so,
-    split contiguously over the tp ranks (each rank's heads whole; refused before, "its layout cannot be told"), each
-    equal to one process. In local view: GPT-NeoX ([q k v] per head; with overlapped sequence parallel, the ring
-    feeding the packed projection), Persimmon (its queries' and keys' LayerNorms, one weight for every head, their
-    gradients summed over tp) and Falcon ([q q k v] per key/value head), whose block adds the attention's output
-    into the MLP's in place: the row-parallel output that torch's DTensor.to_local returns as a view, which autograd
-    refuses to change in place (so its local view failed and it ran in global view), now handed on as a copy
-    (FreshLocalOutput, the block check's repair). In global view, where the block check finds the local view
-    failing: Bloom, whose ALiBi biases the model builds for every head while a rank's attention holds its own. And
-    a code that packs [q | k | v] under that name (ChatGLM's layout; here a Llama's q, k and v packed so): its local
-    view computes other heads, which the block check finds, so its blocks run in global view, equal to one process."""
+    split contiguously over the tp ranks (each rank's heads whole; refused before, "its layout cannot be told"). Each
+    trains equal to one process in local view, with the block check's repairs where its code needs them:
+    - GPT-NeoX ([q k v] per head), with overlapped sequence parallel (the ring feeding the packed projection);
+    - Persimmon: its queries' and keys' LayerNorms, one weight for every head, their gradients summed over tp;
+    - Falcon ([q q k v] per key/value head): its block adds the attention's output into the MLP's in place, the
+      row-parallel output that torch's DTensor.to_local returns as a view, which autograd refuses to change in place;
+      handed on as a copy (FreshLocalOutput; it ran in global view before);
+    - Bloom, and MPT (whose Wqkv packs [q | k | v]): their ALiBi biases, which the model builds for every head outside
+      the attention, cut to this rank's heads as they enter it (ShardHeadInput; both ran in global view before).
+    And a code that packs [q | k | v] under that name (ChatGLM's layout; here a Llama's q, k and v packed so): its
+    local view computes other heads, which the block check finds, so its blocks run in global view, equal to one
+    process."""
     for family, label, global_view, prepare in (
             ("gpt-neox", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
             ("falcon", "dp 2 x tp 2, level 2", False, None),  # its MLP's output the row-parallel Linear's (a copy)
@@ -339,7 +341,8 @@ def check_query_key_value_families_train_under_tensor_parallel():
             ("falcon", "tp 2 x pp 2 + sp, 2 micro-batches", False, None),
             ("falcon", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
             ("persimmon", "dp 2 x tp 2, level 2", False, None),
-            ("bloom", "dp 2 x tp 2, level 2", True, None),
+            ("bloom", "dp 2 x tp 2, level 2", False, None),
+            ("mpt", "dp 2 x tp 2, level 2", False, None),
             ("llama", "dp 2 x tp 2, level 2", True, contiguous_query_key_value)):
         try:
             _train(family, MATRIX[label], global_view=global_view, prepare=prepare)
