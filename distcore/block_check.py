@@ -15,7 +15,7 @@ Blocks whose local view differs from the reference run in global view (global_vi
 with global shapes, as Paddle's auto-parallel does), if that copy matches; otherwise parallelize
 raises `TensorParallelCheckError` naming the block and what differs.
 
-Cost: one forward of the model on batch 1 and 4 x tp tokens (stopped after the last block type
+Cost: one forward of the model on batch 2 and 4 x tp tokens (stopped after the last block type
 is seen), and two copies of one block per type (fp32, freed after the check).
 """
 
@@ -42,6 +42,9 @@ from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel
 log = logging.getLogger(__name__)
 
 _PROBE_TOKENS_PER_RANK = 4  # probe sequence = 4 x tp: divisible by tp (sequence parallel), more than one token per rank
+# Two rows: code that mixes up the batch with another dim merged into it (an input laid out [heads x batch] where
+# ShardHeadInput cuts [batch x heads]) computes the same as one device on a single row, and differs on two.
+_PROBE_BATCH = 2
 # fp32 rounding of a tensor-parallel block differs from one device only in the order of its sums
 # (row-parallel partial sums added by an all-reduce): about sqrt(K) * 2^-24 relative for a sum of K
 # terms, under 1e-5 for any K up to 10^5. A wrong head split or a scrambled layout changes the output
@@ -139,7 +142,7 @@ def block_kind(block: torch.nn.Module) -> tuple:
 
 
 def capture(model: torch.nn.Module, *, tp: int) -> dict[tuple, BlockSample] | str:
-    """One forward of `model` on `4 x tp` token ids (batch 1, under no_grad, in eval mode, the RNG
+    """One forward of `model` on `4 x tp` token ids (batch _PROBE_BATCH, under no_grad, in eval mode, the RNG
     untouched) that records what the first block of each kind (`block_kind`) receives; a string says why it
     could not run (the blocks then run in global view). On meta (LazyGuard) models the forward runs on meta."""
     firsts: dict[tuple, tuple[str, torch.nn.Module]] = {}
@@ -165,7 +168,7 @@ def capture(model: torch.nn.Module, *, tp: int) -> dict[tuple, BlockSample] | st
                for kind, (_, block) in firsts.items()]
     modes = {module: module.training for module in model.modules()}
     device = embedding.weight.device
-    ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp, device=device) % embedding.num_embeddings).unsqueeze(0)
+    ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp, device=device) % embedding.num_embeddings).repeat(_PROBE_BATCH, 1)
     try:
         model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -427,7 +430,7 @@ class _Check:
         outside it: Bloom, MPT, Falcon) cuts that input to this rank's heads (ShardHeadInput)."""
         head_inputs = head_input_owners(reference.block, {
             keyword: spec.shape for keyword, spec in reference.sample.kwargs.items()
-            if isinstance(spec, _TensorSpec) and spec.dtype.is_floating_point})
+            if isinstance(spec, _TensorSpec) and spec.dtype.is_floating_point}, batch=_PROBE_BATCH)
         repairs: dict = {}
         while True:
             run = self._run(reference, view="local", repairs=repairs)

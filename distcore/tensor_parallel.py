@@ -535,17 +535,18 @@ class ShardHeadInput(_Style):
         return f"{target.name}: {self!r} (this rank's {local} heads of its {keyword!r})"
 
 
-def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple]) -> dict[str, ShardHeadInput]:
+def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple], *, batch: int) -> dict[str, ShardHeadInput]:
     """Modules of a block (its single-device copy `whole`) that hold query heads and take a keyword input whose
-    first dim is their head count (`shapes`: the block's keyword inputs' shapes, from a probe of batch 1):
-    ShardHeadInput's candidates, {module name: the style}."""
+    first dim is their head count, alone or times the batch (`shapes`: the block's keyword inputs' shapes, from a
+    probe of `batch` rows): ShardHeadInput's candidates, {module name: the style}. The check then tells whether the
+    cut is right (a probe of several rows tells [batch x heads] from [heads x batch])."""
     owners = {}
     for name, module in whole.named_modules():
         heads = _head_count(module, _Q_HEADS)
         if not heads or not any(isinstance(getattr(module, p, None), torch.nn.Module) for p in _Q_PROJECTIONS):
             continue
         for keyword, shape in shapes.items():
-            if len(shape) >= 2 and shape[0] == heads and forward_takes(module, keyword):
+            if len(shape) >= 2 and shape[0] in (heads, batch * heads) and forward_takes(module, keyword):
                 owners[name] = ShardHeadInput(keyword, heads)
     return owners
 

@@ -10,6 +10,8 @@ with a shared expert), their experts as transformers stores them: 3-D stacked we
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 128, 64, 2, 4, 2
@@ -145,6 +147,37 @@ def contiguous_query_key_value(model) -> None:
     """Every attention of a transformers Llama replaced by its ContiguousQueryKeyValue."""
     for layer in model.model.layers:
         layer.self_attn = ContiguousQueryKeyValue(layer.self_attn)
+
+
+@functools.cache
+def _head_major_alibi_classes():
+    """Bloom's model and attention with its ALiBi biases laid out [heads x batch, 1, s] between them (Bloom's own:
+    [batch x heads, 1, s]), the attention putting them back before Bloom's own code: one device computes as Bloom."""
+    from transformers.models.bloom import modeling_bloom as bloom
+
+    def swap(alibi, rows):
+        return alibi.unflatten(0, (rows, -1)).transpose(0, 1).flatten(0, 1)
+
+    class HeadMajorAlibiModel(bloom.BloomModel):
+        def build_alibi_tensor(self, attention_mask, num_heads, dtype):
+            return swap(bloom.build_alibi_tensor(attention_mask, num_heads, dtype), attention_mask.shape[0])
+
+    class HeadMajorAlibiAttention(bloom.BloomAttention):
+        def forward(self, hidden_states, residual, alibi, *args, **kwargs):
+            return super().forward(hidden_states, residual, swap(alibi, alibi.shape[0] // hidden_states.shape[0]),
+                                   *args, **kwargs)
+
+    return HeadMajorAlibiModel, HeadMajorAlibiAttention
+
+
+def head_major_alibi(model) -> None:
+    """A transformers Bloom made to pass its ALiBi biases head-major ([heads x batch, 1, s]) to its attention, which
+    computes what Bloom computes: code that lays a per-head input out otherwise than the batch-major
+    [batch x heads] ShardHeadInput cuts."""
+    model_class, attention_class = _head_major_alibi_classes()
+    model.transformer.__class__ = model_class
+    for block in model.transformer.h:
+        block.self_attention.__class__ = attention_class
 
 
 class ScaledLogitsHead(torch.nn.Linear):

@@ -172,8 +172,9 @@ def test_a_blocks_plan_holds_its_own_modules_only_with_ten_or_more_layers():
 
 def test_per_head_inputs_built_outside_the_attention_are_found_by_their_first_dim():
     """The block check's ShardHeadInput candidates: an attention holding query heads whose forward takes a keyword input
-    with one row per head (the probe's batch of 1): Bloom's `alibi` ([batch x heads, 1, s]) and MPT's `position_bias`
-    ([heads, 1, s]); not an input of another first dim (the mask), nor a keyword the attention does not take."""
+    with one row per head, or per row and head (the probe's batch of 2): Bloom's `alibi` ([batch x heads, 1, s]) and
+    MPT's `position_bias` ([heads, 1, s]); not an input of another first dim (the mask), nor a keyword the attention
+    does not take."""
     pytest.importorskip("transformers")
     from tests.hf_models import build
     from tridist.distcore.tensor_parallel import ShardHeadInput, head_input_owners
@@ -181,8 +182,8 @@ def test_per_head_inputs_built_outside_the_attention_are_found_by_their_first_di
     bloom, mpt, llama = (build(family).transformer.h[0] if family == "bloom" else
                          build(family).transformer.blocks[0] if family == "mpt" else build(family).model.layers[0]
                          for family in ("bloom", "mpt", "llama"))
-    shapes = {"alibi": (4, 1, 8), "attention_mask": (1, 1, 8, 8), "position_bias": (4, 1, 8)}
-    assert head_input_owners(bloom, shapes) == {"self_attention": ShardHeadInput("alibi", 4)}
-    assert head_input_owners(mpt, shapes) == {"attn": ShardHeadInput("position_bias", 4)}
-    assert head_input_owners(bloom, {"alibi": (8, 1, 8)}) == {}  # not one row per head
-    assert head_input_owners(llama, shapes) == {}  # Llama's attention takes neither
+    shapes = {"alibi": (2 * 4, 1, 8), "attention_mask": (2, 1, 8, 8), "position_bias": (4, 1, 8)}
+    assert head_input_owners(bloom, shapes, batch=2) == {"self_attention": ShardHeadInput("alibi", 4)}
+    assert head_input_owners(mpt, shapes, batch=2) == {"attn": ShardHeadInput("position_bias", 4)}
+    assert head_input_owners(bloom, {"alibi": (12, 1, 8)}, batch=2) == {}  # neither heads nor batch x heads rows
+    assert head_input_owners(llama, shapes, batch=2) == {}  # Llama's attention takes neither

@@ -32,7 +32,7 @@ from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
-                              contiguous_query_key_value)
+                              contiguous_query_key_value, head_major_alibi)
 
 # Two decoder layers: a pipeline stage each under pp 2, one local and one global layer of Gemma 2 and 3, Qwen3-MoE's
 # dense first layer and one MoE layer. Four took 1.5-2x the CPU time for the same code run per layer (measured on
@@ -329,7 +329,10 @@ def check_query_key_value_families_train_under_tensor_parallel():
       row-parallel output that torch's DTensor.to_local returns as a view, which autograd refuses to change in place;
       handed on as a copy (FreshLocalOutput; it ran in global view before);
     - Bloom, and MPT (whose Wqkv packs [q | k | v]): their ALiBi biases, which the model builds for every head outside
-      the attention, cut to this rank's heads as they enter it (ShardHeadInput; both ran in global view before).
+      the attention, cut to this rank's heads as they enter it (ShardHeadInput; both ran in global view before). A
+      Bloom passing them head-major ([heads x batch], not the [batch x heads] the repair cuts; a review's case) runs
+      in global view: the check's probe of 2 rows finds the cut wrong (on 1 row it was right, and training silently
+      off).
     And a code that packs [q | k | v] under that name (ChatGLM's layout; here a Llama's q, k and v packed so): its
     local view computes other heads, which the block check finds, so its blocks run in global view, equal to one
     process."""
@@ -343,6 +346,7 @@ def check_query_key_value_families_train_under_tensor_parallel():
             ("persimmon", "dp 2 x tp 2, level 2", False, None),
             ("bloom", "dp 2 x tp 2, level 2", False, None),
             ("mpt", "dp 2 x tp 2, level 2", False, None),
+            ("bloom", "dp 2 x tp 2, level 2", True, head_major_alibi),
             ("llama", "dp 2 x tp 2, level 2", True, contiguous_query_key_value)):
         try:
             _train(family, MATRIX[label], global_view=global_view, prepare=prepare)
