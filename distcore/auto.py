@@ -50,7 +50,6 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
-    ShardHeadInput,
     ShardLocalParameters,
     TensorParallelPlan,
     plan_from_names,
@@ -400,13 +399,13 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
 
 
 def _swapped_around_recompute(structure, repairs: dict) -> list[str]:
-    """The attention modules (the ones selective recompute wraps) whose block-check repairs swap parameters in with
-    forward hooks (ShardHeadParameters, ShardLocalParameters, DistributedNorm: all of them), each as 'name (style)'."""
+    """The attention modules (the ones selective recompute wraps) whose block-check repairs work in forward hooks that
+    a recomputation would not run (ShardHeadParameters, ShardLocalParameters and DistributedNorm swap parameters in;
+    a style that is `recomputable`, ShardHeadInput, is not counted), each as 'name (styles)'."""
     wrapped = {f"{structure.layers}.{i}.{structure.attention}" for i in range(structure.num_layers)}
-    # ShardHeadInput cuts a keyword input before the forward, which the recomputation then re-runs with: no swap
     return [f"{name} ({', '.join(type(style).__name__ for style in styles)})"
             for name, styles in sorted(repairs.items())
-            if name in wrapped and not all(isinstance(style, ShardHeadInput) for style in styles)]
+            if name in wrapped and not all(style.recomputable for style in styles)]
 
 
 def _choose(spec, cluster, global_batch: int, config: ToDistributedConfig, world: int, limits: dict | None = None):
@@ -633,10 +632,11 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
     recognised; one held per key/value head, [q..q k v], split contiguously: GPT-NeoX's, Bloom's, Falcon's) and
-    gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split when they are tied). Where `tp` exceeds a layer's own key/value heads (read from its k projection: layers may
-    differ, Gemma 4's per-layer configs) and they divide it, that layer's k and v projections get
-    ReplicatedColWiseParallel(tp // heads), each head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear attention get their mixer split by head
-    instead of the attention's plan (`_add_linear_attention`).
+    gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split when they are tied). Where
+    `tp` exceeds a layer's own key/value heads (read from its k projection: layers may differ, Gemma 4's per-layer
+    configs) and they divide it, that layer's k and v projections get ReplicatedColWiseParallel(tp // heads), each
+    head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear
+    attention get their mixer split by head instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
     (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1).

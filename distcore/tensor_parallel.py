@@ -90,10 +90,13 @@ class _Style:
     module in local view (`apply`), as torch's ParallelStyle._apply does: a new style needs no change
     anywhere else. `global_view`: whether a block holding the style may run in global view instead (the
     block check's fallback, global_view.py); where not, `local_only` says why and what to do instead (the block
-    check's refusal quotes it)."""
+    check's refusal quotes it). `recomputable`: whether selective recompute, which re-runs the module's forward alone
+    without its hooks, keeps what the style does (a repair on an attention module that does not is refused with it:
+    to_distributed's `_swapped_around_recompute`)."""
 
     global_view = True
     local_only = ""
+    recomputable = False
 
     def apply(self, target: StyleTarget) -> str:
         """Change `target.module` in place; returns a line for the log."""
@@ -516,6 +519,7 @@ class ShardHeadInput(_Style):
 
     keyword: str
     heads: int
+    recomputable = True  # the input is cut before the forward, which a recomputation re-runs with
 
     def apply(self, target: StyleTarget) -> str:
         tp, rank = target.tp_mesh.size(), target.tp_mesh.get_local_rank()
@@ -543,7 +547,7 @@ def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple], *, batch
     owners = {}
     for name, module in whole.named_modules():
         heads = _head_count(module, _Q_HEADS)
-        if not heads or not any(isinstance(getattr(module, p, None), torch.nn.Module) for p in _Q_PROJECTIONS):
+        if not heads or not _projections(module, _Q_PROJECTIONS):
             continue
         for keyword, shape in shapes.items():
             if len(shape) >= 2 and shape[0] in (heads, batch * heads) and forward_takes(module, keyword):
@@ -1071,6 +1075,11 @@ def _head_count(module: torch.nn.Module | None, attributes: tuple[str, ...]) -> 
     return None
 
 
+def _projections(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """`module`'s children of these names (its projections among _Q_PROJECTIONS or _KV_PROJECTIONS)."""
+    return [getattr(module, name) for name in names if isinstance(getattr(module, name, None), torch.nn.Module)]
+
+
 _Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value", "Wqkv")
 _KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value", "Wqkv")
 _HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
@@ -1089,7 +1098,7 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
     for name, module in model.named_modules():
         for attribute, projections in _HEADS_OF.items():
             value = getattr(module, attribute, None)
-            present = [getattr(module, p) for p in projections if isinstance(getattr(module, p, None), torch.nn.Module)]
+            present = _projections(module, projections)
             if not isinstance(value, int) or isinstance(value, bool) or not present:
                 continue
             local = [getattr(p, "_tridist_local_heads", False) for p in present]
@@ -1118,7 +1127,7 @@ def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:
     """Where an attention module's key/value heads are replicated over `r` ranks (ReplicatedColWiseParallel), each
     rank's query heads share its one key/value head: transformers' `num_key_value_groups` (query heads per key/value
     head, what repeat_kv repeats by) becomes 1/r of itself; an even split leaves that ratio as it is."""
-    kv = [getattr(module, p) for p in _KV_PROJECTIONS if isinstance(getattr(module, p, None), torch.nn.Module)]
+    kv = _projections(module, _KV_PROJECTIONS)
     replicas = {getattr(p, "_tridist_head_replicas", 1) for p in kv}
     if replicas == {1} or not replicas:
         return []
