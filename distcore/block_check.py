@@ -36,8 +36,8 @@ from .global_view import apply_global_view
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
 from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel, ShardHeadParameters,
-                              ShardLocalParameters, apply_local_view, head_input_owners, install_lazy_split,
-                              per_head_parameter_owners)
+                              ShardLocalParameters, apply_local_view, head_input_owners, head_width_owners,
+                              install_lazy_split, per_head_parameter_owners)
 
 log = logging.getLogger(__name__)
 
@@ -427,30 +427,40 @@ class _Check:
         heads (ShardHeadParameters); a run failing where the block changes a row-parallel Linear's local output in
         place (Falcon's `mlp_output += attention_output`) hands on copies of those outputs (FreshLocalOutput); a run
         still wrong or failing whose attention takes a keyword input with one row per head (ALiBi biases built
-        outside it: Bloom, MPT, Falcon) cuts that input to this rank's heads (ShardHeadInput)."""
-        head_inputs = head_input_owners(reference.block, {
+        outside it: Bloom, MPT, Falcon) cuts that input to this rank's heads (ShardHeadInput); one still wrong or
+        failing after that, whose attention reads its query width from an attribute or its head counts from its
+        config (XGLM's `embed_dim`, Phi-3's `config.num_attention_heads`), gets them local (LocalHeadWidths)."""
+        # Tried in this order, each only once the repairs before it leave the run wrong or failing.
+        last_resorts = [head_input_owners(reference.block, {
             keyword: spec.shape for keyword, spec in reference.sample.kwargs.items()
-            if isinstance(spec, _TensorSpec) and spec.dtype.is_floating_point}, batch=_PROBE_BATCH)
-        repairs: dict = {}
+            if isinstance(spec, _TensorSpec) and spec.dtype.is_floating_point}, batch=_PROBE_BATCH),
+            head_width_owners(reference.block)]
+        repairs: dict = {}  # module name -> the styles added to it
+
+        def new(candidates: dict) -> dict:
+            """The candidates {module name: style} not on that module yet."""
+            return {name: [style] for name, style in candidates.items()
+                    if not any(type(added) is type(style) for added in repairs.get(name, ()))}
+
         while True:
             run = self._run(reference, view="local", repairs=repairs)
             found = {}
             if run.failure is not None:
-                found = {name: [DistributedNorm()] for name in run.split_dim_norms if name not in repairs}
-                found.update({name: [ShardHeadParameters()] for name in run.head_parameter_owners if name not in repairs})
+                found = new({name: DistributedNorm() for name in run.split_dim_norms})
+                found.update(new({name: ShardHeadParameters() for name in run.head_parameter_owners}))
                 if _LOCAL_OUTPUT_CHANGED_IN_PLACE in run.failure:
-                    found.update({name: [FreshLocalOutput()] for name, styles in self.sample_plan.styles.items()
-                                  if name not in repairs and any(isinstance(st, RowWiseParallel) for st in styles)})
+                    found.update(new({name: FreshLocalOutput() for name, styles in self.sample_plan.styles.items()
+                                      if any(isinstance(st, RowWiseParallel) for st in styles)}))
             elif run.partial_grads:
-                owners = {name.rpartition(".")[0] for name in run.partial_grads}
-                found = {owner: [ShardLocalParameters()] for owner in owners if owner not in repairs}
+                found = new({name.rpartition(".")[0]: ShardLocalParameters() for name in run.partial_grads})
             if not found:
                 problem = run.failure or self._compare(reference, run)
-                if problem is not None:
-                    found = {name: [style] for name, style in head_inputs.items() if name not in repairs}
+                while problem is not None and not found and last_resorts:
+                    found = new(last_resorts.pop(0))
                 if not found:
                     return (None, repairs) if problem is None else (problem, {})
-            repairs.update(found)
+            for name, styles in found.items():
+                repairs.setdefault(name, []).extend(styles)
 
     def difference(self, reference: _Reference, *, view: str) -> str | None:
         """None if the block's `view` tensor-parallel copy computes what its whole copy computes, else how not."""

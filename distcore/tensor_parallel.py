@@ -37,6 +37,7 @@ that builds masks or positions from the embedding output (Hugging Face does) see
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -555,6 +556,69 @@ def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple], *, batch
     return owners
 
 
+# Attributes that attention code reads as its query heads' width (every head's features): XGLM's and GPTBigCode's
+# `embed_dim` (`attn_output.reshape(b, s, self.embed_dim)`; the query's share of GPTBigCode's packed projection), the
+# `split_size` of GPT-2-style code, `all_head_size`, `inner_dim`. A candidate only where it equals heads x head_dim.
+_Q_WIDTHS = ("embed_dim", "split_size", "all_head_size", "inner_dim")
+
+
+@dataclass(repr=False)
+class LocalHeadWidths(_Style):
+    """An attention module whose code reads the query heads' width from an attribute (`widths`: XGLM's and
+    GPTBigCode's `embed_dim`) or its head counts from its `config` (Phi-3: `config.num_attention_heads * head_dim`,
+    where its packed projection's query part ends), which local view leaves global: the attributes are divided as
+    the query heads are, and the module gets a copy of its config with the local head counts (`config`; the
+    model's config, which every module shares, is not changed: a later `set_attn_implementation` on the model does
+    not reach the copies). The block check adds it where a block's local view is wrong or fails and its attention
+    holds such settings (block_check.py)."""
+
+    widths: tuple[str, ...] = ()
+    config: bool = False
+    recomputable = True  # settings, which a recomputation reads again
+
+    def apply(self, target: StyleTarget) -> str:
+        module, tp, name = target.module, target.tp_mesh.size(), target.name
+        if not any(getattr(p, "_tridist_local_heads", False) for p in _projections(module, _Q_PROJECTIONS)):
+            raise ValueError(f"parallelize: {name}: {self!r} needs its query projection split (ColWiseParallel)")
+        changes = []
+        for attribute in self.widths:
+            value = readable_attr(module, attribute)
+            if not isinstance(value, int) or isinstance(value, bool) or value % tp:
+                raise ValueError(f"parallelize: {name}: {self!r} cannot split {attribute} = {value!r} over {tp} ranks")
+            setattr(module, attribute, value // tp)
+            changes.append(f"{attribute} {value} -> {value // tp}")
+        if self.config:
+            local = copy.copy(module.config)
+            for attribute in _HEADS_OF:
+                value = readable_attr(module.config, attribute)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    groups = _head_groups(name, module, attribute, value, tp)
+                    if groups is not None and readable_attr(local, attribute) == value:  # aliases set once
+                        setattr(local, attribute, value // groups)
+                        changes.append(f"config.{attribute} {value} -> {value // groups}")
+            module.config = local
+        return f"{name}: {self!r} ({', '.join(changes)})"
+
+
+def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:
+    """Modules of a block (its single-device copy `whole`) that hold query heads and either a `config` with head
+    counts or an attribute of _Q_WIDTHS equal to their heads x head_dim: LocalHeadWidths' candidates, {module name:
+    the style}. The check then tells whether local settings make the block right."""
+    owners = {}
+    for name, module in whole.named_modules():
+        heads, head_dim = _head_count(module, _Q_HEADS), readable_attr(module, "head_dim")
+        if not heads or not _projections(module, _Q_PROJECTIONS):
+            continue
+        config = getattr(module, "config", None)
+        counted = config is not None and not isinstance(config, torch.nn.Module) and any(
+            isinstance(readable_attr(config, attribute), int) for attribute in _HEADS_OF)
+        widths = tuple(attribute for attribute in _Q_WIDTHS
+                       if isinstance(head_dim, int) and readable_attr(module, attribute) == heads * head_dim)
+        if counted or widths:
+            owners[name] = LocalHeadWidths(widths, config=counted)
+    return owners
+
+
 @dataclass(repr=False)
 class FreshLocalOutput(_Style):
     """A row-parallel Linear whose local output the block's code then changes in place (Falcon's parallel attention
@@ -607,7 +671,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
           ReduceSharedOutputGradient, ReplicatedColWiseParallel, LocalParameterRows,
-          DistributedNorm, FreshLocalOutput, ShardHeadInput,
+          DistributedNorm, FreshLocalOutput, ShardHeadInput, LocalHeadWidths,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 
@@ -1096,31 +1160,43 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
     """
     changes = []
     for name, module in model.named_modules():
-        for attribute, projections in _HEADS_OF.items():
+        for attribute in _HEADS_OF:
             value = getattr(module, attribute, None)
-            present = _projections(module, projections)
-            if not isinstance(value, int) or isinstance(value, bool) or not present:
+            if not isinstance(value, int) or isinstance(value, bool):
                 continue
-            local = [getattr(p, "_tridist_local_heads", False) for p in present]
-            if not any(local):
-                continue
-            replicas = {getattr(p, "_tridist_head_replicas", 1) for p in present}
-            if not all(local) or len(replicas) > 1:
-                raise ValueError(
-                    f"parallelize: {name}: {projections} must be split alike (all column-parallel with local outputs, or none)"
-                )
-            groups = tp // replicas.pop()  # the ranks holding different heads (replicated heads: fewer than tp)
-            if value % groups:
-                hint = (f", or ReplicatedColWiseParallel(replicas={tp // value}) on its key/value projections (each "
-                        "head then computed on that many ranks)" if attribute in _KV_HEADS and tp % value == 0 else "")
-                raise ValueError(
-                    f"parallelize: {name}.{attribute} = {value} heads cannot be split over {groups} groups of "
-                    f"tensor-parallel ranks; use a degree that divides the number of heads{hint}"
-                )
-            setattr(module, attribute, value // groups)
-            changes.append(f"{name}.{attribute}: {value} -> {value // groups} (local heads)")
+            groups = _head_groups(name, module, attribute, value, tp)
+            if groups is not None:
+                setattr(module, attribute, value // groups)
+                changes.append(f"{name}.{attribute}: {value} -> {value // groups} (local heads)")
         changes += _localise_head_groups(name, module)
     return changes
+
+
+def _head_groups(name: str, module: torch.nn.Module, attribute: str, value: int, tp: int) -> int | None:
+    """Over how many groups of tensor-parallel ranks the `value` heads that `module`'s `attribute` counts (a name of
+    _HEADS_OF) are split: tp for query heads, tp / replicas for key/value heads that ReplicatedColWiseParallel
+    computes on `replicas` ranks each; None where the projections producing them keep them whole (or there are
+    none). Raises where those projections are split unalike or the heads do not divide into the groups."""
+    projections = _HEADS_OF[attribute]
+    present = _projections(module, projections)
+    local = [getattr(p, "_tridist_local_heads", False) for p in present]
+    if not any(local):
+        return None
+    # A packed projection's replicas are its key/value heads' (its query heads are split over every rank).
+    replicas = {getattr(p, "_tridist_head_replicas", 1) if attribute in _KV_HEADS else 1 for p in present}
+    if not all(local) or len(replicas) > 1:
+        raise ValueError(
+            f"parallelize: {name}: {projections} must be split alike (all column-parallel with local outputs, or none)"
+        )
+    groups = tp // replicas.pop()  # the ranks holding different heads (replicated heads: fewer than tp)
+    if value % groups:
+        hint = (f", or ReplicatedColWiseParallel(replicas={tp // value}) on its key/value projections (each "
+                "head then computed on that many ranks)" if attribute in _KV_HEADS and tp % value == 0 else "")
+        raise ValueError(
+            f"parallelize: {name}.{attribute} = {value} heads cannot be split over {groups} groups of "
+            f"tensor-parallel ranks; use a degree that divides the number of heads{hint}"
+        )
+    return groups
 
 
 def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:

@@ -125,13 +125,13 @@ class ContiguousQueryKeyValue(torch.nn.Module):
             self.query_key_value.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
         self.o_proj = attention.o_proj
         self.config, self.layer_idx, self.is_causal = attention.config, attention.layer_idx, True
-        self.head_dim, self.scaling, self.attention_dropout = attention.head_dim, attention.scaling, 0.0
+        self.head_dim, self.scaling, self.attention_dropout = attention.head_dim, attention.scaling, attention.attention_dropout
         self.num_heads, self.num_key_value_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
         self.num_key_value_groups = attention.num_key_value_groups
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+        from transformers.models.llama.modeling_llama import eager_attention_forward
 
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         batch, seq = hidden_states.shape[:2]
@@ -139,8 +139,17 @@ class ContiguousQueryKeyValue(torch.nn.Module):
         q, k, v = self.query_key_value(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling, dropout=0.0)
+        out, weights = attend(self, q, k, v, attention_mask, scaling=self.scaling,
+                              dropout=self.attention_dropout if self.training else 0.0)
         return self.o_proj(out.reshape(batch, seq, -1)), weights
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers Llama's rotary, which ContiguousQueryKeyValue calls by global name as transformers' attentions
+    call theirs (so that kernels.fuse replaces it there too)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rotary
+
+    return llama_rotary(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
 def contiguous_query_key_value(model) -> None:
@@ -194,18 +203,20 @@ class ScaledLogitsHead(torch.nn.Linear):
 
 
 def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | None = None) -> torch.nn.Module:
-    """`config`: more settings of a MORE_FAMILIES family's or Phi-3's config (dropouts, ...)."""
+    """`config`: more settings of a MORE_FAMILIES family's, Llama's or Phi-3's config (dropouts, ...)."""
     import transformers as hf
 
-    if config and family not in MORE_FAMILIES and family != "phi3":
-        raise ValueError(f"build: config settings are taken for MORE_FAMILIES and phi3 only, not {family!r}")
+    if config and family not in MORE_FAMILIES and family not in ("llama", "phi3"):
+        raise ValueError(f"build: config settings are taken for MORE_FAMILIES, llama and phi3 only, not {family!r}")
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=layers,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
                   bos_token_id=0, eos_token_id=1, pad_token_id=2)
     if family == "llama":
-        return hf.LlamaForCausalLM(hf.LlamaConfig(**common))
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**common, **(config or {})))
+    if family == "llama-eager":  # transformers' eager attention (explicit matmuls) instead of SDPA
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**common, attn_implementation="eager"))
     if family == "llama-tied":  # Llama 3.2-style: the LM head is the embedding's weight
         return hf.LlamaForCausalLM(hf.LlamaConfig(**common, tie_word_embeddings=True))
     if family == "mistral":

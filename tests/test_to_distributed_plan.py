@@ -187,3 +187,24 @@ def test_per_head_inputs_built_outside_the_attention_are_found_by_their_first_di
     assert head_input_owners(mpt, shapes, batch=2) == {"attn": ShardHeadInput("position_bias", 4)}
     assert head_input_owners(bloom, {"alibi": (12, 1, 8)}, batch=2) == {}  # neither heads nor batch x heads rows
     assert head_input_owners(llama, shapes, batch=2) == {}  # Llama's attention takes neither
+
+
+def test_attention_settings_read_as_global_widths_are_found():
+    """The block check's LocalHeadWidths candidates: an attention holding query heads and a config with head counts
+    (Phi-3 slices its packed q/k/v at `config.num_attention_heads`; Llama's holds one too, tried only where local view
+    is still wrong), or an attribute of the query heads' width (XGLM's `embed_dim`, equal to heads x head_dim), not
+    an attribute of another name or width."""
+    pytest.importorskip("transformers")
+    import transformers as hf
+
+    from tests.hf_models import build
+    from tridist.distcore.tensor_parallel import LocalHeadWidths, head_width_owners
+
+    phi3, llama = build("phi3").model.layers[0], build("llama").model.layers[0]
+    xglm = hf.XGLMForCausalLM(hf.XGLMConfig(vocab_size=128, d_model=64, ffn_dim=128, num_layers=1, attention_heads=4))
+    assert head_width_owners(phi3) == {"self_attn": LocalHeadWidths((), config=True)}
+    assert head_width_owners(llama) == {"self_attn": LocalHeadWidths((), config=True)}
+    assert head_width_owners(xglm.model.layers[0]) == {"self_attn": LocalHeadWidths(("embed_dim",), config=False)}
+    attention = llama.self_attn
+    attention.embed_dim, attention.inner_dim, attention.hidden_size = 4 * 16, 4 * 16 + 1, 4 * 16  # only the first
+    assert head_width_owners(llama) == {"self_attn": LocalHeadWidths(("embed_dim",), config=True)}

@@ -249,9 +249,10 @@ MATRIX = {
 # The families every strategy of the matrix runs on: the Llama-like ones and Gemma 3 (local and global layers,
 # q/k norms, `1 + w` norms, GeGLU).
 MATRIX_FAMILIES = [*LLAMA_LIKE, "gemma3"]
-# Phi-3 slices q/k/v at the config's `num_attention_heads`, which local view does not divide (the slices
-# come out wrong): the block check puts its blocks in global view. Every other family runs in local view.
-GLOBAL_VIEW = {"phi3"}
+# Phi-3's packed grouped-query qkv (unequal parts, split on its input features: packed.UnequalPackedColwise) cannot
+# take its input from the overlapped all-gather ring. Every family runs in local view (Phi-3 since its attention gets a
+# copy of the config with the local head counts, LocalHeadWidths: it slices q/k/v at `config.num_attention_heads`).
+NO_OVERLAP = {"phi3"}
 
 
 # The same families unfused (fuse_kernels=False), under the strategy that changes most (tp with sequence
@@ -268,18 +269,17 @@ def _check_family(family: str) -> None:
     default config (fused kernels on), and once unfused."""
     for label, strategy, fuse in [*((label, strategy, True) for label, strategy in MATRIX.items()),
                                   (f"{UNFUSED}, unfused", MATRIX[UNFUSED], False)]:
-        if family in GLOBAL_VIEW and strategy is not None and strategy.overlap_tp_comm:
-            # Phi-3's packed grouped-query qkv cannot feed the overlapped ring: refused with the reason,
-            # then the same strategy without overlap.
+        if family in NO_OVERLAP and strategy is not None and strategy.overlap_tp_comm:
+            # refused with the reason, then the same strategy without overlap
             try:
-                _train(family, strategy, global_view=True, fuse_kernels=fuse)
+                _train(family, strategy, fuse_kernels=fuse)
             except autotune.InvalidStrategy as error:
                 assert "unequal sizes" in str(error), error
             else:
                 raise AssertionError(f"{family}: overlap was not refused")
             strategy = dataclasses.replace(strategy, overlap_tp_comm=False)
         try:
-            _train(family, strategy, global_view=family in GLOBAL_VIEW, fuse_kernels=fuse)
+            _train(family, strategy, fuse_kernels=fuse)
         except Exception as error:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
@@ -487,10 +487,12 @@ class _Collect(logging.Handler):
 
 def check_phi3_packed_qkv_is_split_part_by_part():
     """Phi-3's packed qkv: the recogniser measured its unequal parts (4 query and 2 key/value heads of
-    16) and the plan carries them. Its blocks' local view fails the block check on a shape (then they run in
-    global view, one warning says): torch's fake-tensor logger, which printed a traceback per rank for it, stays
-    silent."""
+    16) and the plan carries them. Its attention slices q/k/v at `config.num_attention_heads`, so the block check's
+    first local-view run fails on a shape (torch's fake-tensor logger, which printed a traceback per rank for it,
+    stays silent), and the next gives the attention a copy of the config with the local head counts
+    (LocalHeadWidths): its blocks run in local view (global view before), the model's own config unchanged."""
     model, optimizer = _model("phi3")
+    config = model.config
     logged, fake_tensor_log = [], logging.getLogger("torch._subclasses.fake_tensor")
     handler = _Collect(logged)  # its tracebacks came at ERROR
     fake_tensor_log.addHandler(handler)
@@ -500,23 +502,31 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     finally:
         fake_tensor_log.removeHandler(handler)
     assert not logged, logged
-    assert model.model.layers[0]._tridist_global_view, "Phi-3's blocks ran in local view: nothing was checked here"
-    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    attention = model.model.layers[0].self_attn
+    assert not hasattr(model.model.layers[0], "_tridist_global_view"), "Phi-3's blocks ran in global view"
+    assert attention.config is not config and model.config is config, "the attention's config is the model's"
+    heads = [(c.num_attention_heads, c.num_key_value_heads) for c in (attention.config, config)]
+    assert heads == [(2, 1), (4, 2)], heads
+    qkv = attention.qkv_proj.weight
     assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
     assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
 
 
-def check_phi3_with_eager_attention_trains_in_global_view_like_one_process():
-    """Phi-3 with transformers' eager attention (explicit matmuls of q and k, where SDPA takes one op), its blocks in
-    global view, fused kernels on, under dp 2 x tp 2 and tp 2 x pp 2 with sequence parallel: equal to one process. The fused
-    rotary returned its DTensors with contiguous strides over a transposed local tensor, so the matmul's view of
-    the query failed ("view size is not compatible")."""
+def check_eager_attention_trains_in_global_view_like_one_process():
+    """A Llama packing [q | k | v] in one query_key_value (ChatGLM's layout, which the plan splits per key/value head:
+    its blocks run in global view) with transformers' eager attention (explicit matmuls of q and k, where SDPA takes
+    one op), fused kernels on (its rotary too), under dp 2 x tp 2 and tp 2 x pp 2 with sequence parallel: equal to one
+    process. The fused rotary returned its DTensors with contiguous strides over a transposed local tensor, so the
+    matmul's view of the query failed ("view size is not compatible"; found on Phi-3, whose blocks ran in global view
+    then)."""
     for label, strategy in (("dp 2 x tp 2, level 2", MATRIX["dp 2 x tp 2, level 2"]),
                             ("tp 2 x pp 2 + sp", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"])):
+        def rotary_fused(model):  # fuse rebinds the forward of an instance calling a rotary it fuses
+            assert all("forward" in vars(m) for m in model.modules() if type(m).__name__ == "ContiguousQueryKeyValue")
         try:
-            _train("phi3-eager", strategy, global_view=True)
+            _train("llama-eager", strategy, global_view=True, prepare=contiguous_query_key_value, inspect=rotary_fused)
         except Exception as error:
-            raise AssertionError(f"phi3-eager under {label}: {type(error).__name__}: {error}") from error
+            raise AssertionError(f"llama-eager under {label}: {type(error).__name__}: {error}") from error
 
 
 def check_to_distributed_with_uneven_pipeline_stages():
@@ -588,16 +598,17 @@ def check_measured_search_applies_the_measured_fastest_and_drops_failures():
 
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
     """Recompute re-runs a block outside the global view's context: a search restricted to tp 2 with full
-    recompute chooses again without recompute for Phi-3 (its blocks run in global view) and trains; the
-    same strategy forced, with full recompute or (eager attention, whose scores selective recompute drops) selective,
+    recompute chooses again without recompute for a Llama packing [q | k | v] in one query_key_value (its blocks run in
+    global view) and trains; the same strategy forced, with full recompute or (eager attention, whose scores
+    selective recompute drops) selective,
     is refused by name before the model changes (its parameters still plain tensors, its modules its own, no forward
     wrapped for recompute: before, parallelize refused it after to_distributed had wrapped the layers' forwards, so
     the same model given again with recompute "none" was refused for recompute)."""
     space = autotune.SearchSpace(tp=(2,), pp=(1,), recompute=("full",), overlap_tp_comm=(False,))
-    strategy = _train("phi3", search_options={"space": space}, global_view=True)
+    strategy = _train("llama", search_options={"space": space}, global_view=True, prepare=contiguous_query_key_value)
     assert (strategy.tp, strategy.recompute) == (2, "none"), strategy
-    for family, recompute in (("phi3", "full"), ("phi3-eager", "selective")):
-        model, optimizer = _model(family)
+    for family, recompute in (("llama", "full"), ("llama-eager", "selective")):
+        model, optimizer = _model(family, prepare=contiguous_query_key_value)
         modules = [type(m) for m in model.modules()]
         try:
             distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
@@ -857,29 +868,32 @@ def check_dropout_under_tensor_parallel_keeps_the_replicas_alike():
     No two ranks may then disagree about a parameter both hold: before, the tp ranks' residual dropout drew
     different masks and their replicas drifted apart silently (0.15 after 2 steps under dp 2 x tp 2). Dropout
     puts one process's numbers out of reach; the same model with dropout 0 is checked against it elsewhere.
-    Phi-3 (its blocks in global view: it slices q/k/v at the config's head count) with its dropouts at 0.1, under
-    SDPA and eager attention: SDPA with dropout crashed on DTensors there (torch's math path); it now runs on each
-    rank's heads (tensor_parallel_worker checks that path against whole attention). Under sequence parallel,
+    A Llama packing [q | k | v] in one query_key_value (its blocks in global view) with its attention dropout at 0.1,
+    under SDPA and eager attention: SDPA with dropout crashed on DTensors there (torch's math path; found on Phi-3,
+    whose blocks ran in global view then); it now runs on each rank's heads (tensor_parallel_worker checks that path
+    against whole attention). Under sequence parallel,
     Starcoder2's residual dropout after o_proj (inside the attention module, after the reduce-scatter onto sequence
     slices) was refused as "something runs after the row-parallel linear": a dropout of that output is elementwise
     on the slice, and trains."""
     samples = _samples(_batches())
     starcoder2 = dict(residual_dropout=0.1, embedding_dropout=0.1, attention_dropout=0.1)
-    phi3 = dict(attention_dropout=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    llama = dict(attention_dropout=0.1)
     for family, dropouts, strategy in (
             ("starcoder2", starcoder2, MATRIX["dp 2 x tp 2, level 2"]),
             ("starcoder2", starcoder2, _strategy(1, 2, 2, num_micro_batches=2)),
             # its residual dropout after o_proj, inside the attention, runs on the sequence slice (it was refused)
             ("starcoder2", starcoder2, MATRIX["dp 2 x tp 2 + sp + overlap, level 1"]),
-            ("phi3", phi3, MATRIX["dp 2 x tp 2, level 2"]),
-            ("phi3", {**phi3, "attn_implementation": "eager"}, MATRIX["dp 2 x tp 2, level 2"])):
+            ("llama", llama, MATRIX["dp 2 x tp 2, level 2"]),
+            ("llama", {**llama, "attn_implementation": "eager"}, MATRIX["dp 2 x tp 2, level 2"])):
         torch.manual_seed(0)
         model = build(family, config=dropouts)
+        if family == "llama":
+            contiguous_query_key_value(model)
         model, optimizer, loader = distcore.to_distributed(
             model, torch.optim.SGD(model.parameters(), lr=0.5),
             torch.utils.data.DataLoader(samples, batch_size=BATCH, shuffle=True), device_num=dist.get_world_size(),
             config=distcore.ToDistributedConfig(strategy=strategy))
-        assert family != "phi3" or model.model.layers[0]._tridist_global_view, "Phi-3's blocks ran in local view"
+        assert family != "llama" or model.model.layers[0]._tridist_global_view, "the packed Llama ran in local view"
         assert not equivalence.shared_parameters_disagree(model)
         torch.manual_seed(1000 + dist.get_rank())
         losses = []
