@@ -113,7 +113,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 15  # 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 16  # 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -441,13 +441,21 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         # heads (each rank computes the head its query heads use from the whole weight: ReplicatedColWiseParallel).
         unsplit = spec.attention_unsplit_parameters
         if kv_head_replicas(spec, tp) > 1:
-            unsplit += 2 * spec.kv_size * spec.hidden_size
+            unsplit += _replicated_kv_weights(spec)
         mixer = (spec.attention_parameters - unsplit) / tp + unsplit
         norms = spec.layer_norm_parameters
     if not moe:
         return mixer + spec.mlp_parameters / tp + norms, 0.0
     shared = mixer + spec.shared_expert_parameters / etp + spec.router_parameters + norms
     return shared, spec.num_experts // ep * spec.expert_parameters / etp
+
+
+def _replicated_kv_weights(spec: ModelSpec) -> int:
+    """The weights of one attention that are whole on every rank where tp exceeds the key/value heads: the key and
+    value projections, or a packed [q | k | v] (GPTBigCode's and Falcon's multi-query, Phi-3's) with its query part
+    (ReplicatedColWiseParallel(packed_query=...): the weight is one parameter)."""
+    packed = spec.q_size if spec.packed_unequal_qkv else 0
+    return (packed + 2 * spec.kv_size) * spec.hidden_size
 
 
 @functools.lru_cache(maxsize=65536)
@@ -688,7 +696,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # _UnequalPackedColwise), on top of the four collectives of b·s·h; priced per layer as a share of them.
     packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
     packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
-                  if spec.packed_unequal_qkv and not spec.qkv_interleaved and tp > 1 and not gdn else 0.0)
+                  if spec.packed_unequal_qkv and not spec.qkv_interleaved and tp > 1 and replicas == 1 and not gdn
+                  else 0.0)  # replicated key/value heads: column-parallel on every rank's rows (no reduce-scatter)
     # q/k norms under tensor parallel (distcore's tensor_parallel.py). Per head (Qwen3): each rank's heads
     # give a partial gradient of the q and k norm weights (head_dim each, Replicate), summed over the tp
     # ranks: 2 all-reduces of head_dim elements. Over the whole projection (OLMo2): the normalised dim is
@@ -955,11 +964,12 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         if s.ep > 1:
             tp_s += m * moe_layers * all_reduce_time(e * experts, t, bw_tp, lat_tp)
     if kv_head_replicas(spec, t) > 1:
-        # The key/value projections whole on every tp rank, each rank's gradient its own query heads' share: summed
-        # over the tp ranks once per step, when read (an all-reduce of the rank holding the most attention layers).
+        # The key/value projections (a packed qkv whole) on every tp rank, each rank's gradient its own query heads'
+        # share: summed over the tp ranks once per step, when read (an all-reduce of the rank holding the most
+        # attention layers).
         attention_layers = max(_count_layers(k, linear=False) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
-        tp_s += all_reduce_time(e * attention_layers * 2 * spec.kv_size * spec.hidden_size, t, bw_tp, lat_tp)
+        tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time
     pp_s = 0.0
     if pp > 1:

@@ -152,7 +152,8 @@ def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> 
     """Why `tp` cannot split this model on the cluster's engine, as fix-it sentences ([] = it can): tensor parallel
     splits the query heads, the hidden and ffn widths, the vocabulary and the Gated DeltaNet heads evenly (the
     experts' ffn too where the engine splits them), and the key/value heads evenly or, where they are fewer than the
-    ranks and the engine replicates them (EngineProfile.replicated_kv_heads), each head over tp / kv ranks."""
+    ranks and the engine replicates them (EngineProfile.replicated_kv_heads), each head over tp / kv ranks (also
+    those of a projection packing [q | k | v]; not of one packing [q..q k v] for each of several key/value heads)."""
     problems = []
     linear = spec.gated_delta_net
     linear_heads = (("gated_delta_net.num_k_heads", linear.num_k_heads),
@@ -168,9 +169,10 @@ def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> 
     if kv % tp == 0:
         return problems
     replicable = tp % kv == 0 and cluster.engine.replicated_kv_heads
-    if replicable and spec.packed_unequal_qkv:
+    if replicable and spec.packed_unequal_qkv and spec.qkv_interleaved and kv > 1:
         problems.append(f"tp={tp} exceeds num_kv_heads={kv}, whose heads would be replicated over the tp ranks, which "
-                        "a projection packing q, k and v together cannot be; pick a tp that divides num_kv_heads")
+                        "a projection packing [q..q k v] for each key/value head cannot be; pick a tp that divides "
+                        "num_kv_heads")
     elif replicable and spec.qk_norm == "projection":
         problems.append(f"tp={tp} exceeds num_kv_heads={kv}: the key norm over the whole projection cannot run on "
                         "replicated key heads; pick a tp that divides num_kv_heads")

@@ -670,16 +670,18 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
                 add(f"{layer}.{relative}", *styles)
 
     add_per_layer(structure.q, ColWiseParallel(), among=attention_layers)
+    # each part of a packed qkv split on its own, or, where the projection holds [q..q k v] per key/value head,
+    # contiguously (the block check runs the block in global view if its code packs otherwise)
+    packed = ColWiseParallel(packed_parts=1 if structure.qkv_interleaved else structure.qkv_sizes)
     for layer in attention_layers:
         replicas = _kv_head_replicas(model, layer, structure, tp)
         for projection in (structure.k, structure.v):
             add_per_layer(projection, ReplicatedColWiseParallel(replicas) if replicas > 1 else ColWiseParallel(),
                           among=[layer])
+        if structure.qkv:  # key/value heads fewer than the ranks in a packed [q | k | v]: k and v replicated
+            add_per_layer(structure.qkv, ReplicatedColWiseParallel(replicas, packed_query=structure.qkv_sizes[0])
+                          if replicas > 1 else packed, among=[layer])
     add_per_layer(structure.latent_kv, ColWiseParallel(), among=attention_layers)  # DeepSeek's kv_b_proj
-    # each part split on its own, or, where the projection holds [q..q k v] per key/value head, contiguously (the
-    # block check runs the block in global view if its code packs otherwise)
-    add_per_layer(structure.qkv, ColWiseParallel(packed_parts=1 if structure.qkv_interleaved else structure.qkv_sizes),
-                  among=attention_layers)
     add_per_layer(structure.o, RowWiseParallel(), among=attention_layers)
     if structure.latent_kv_down and structure.latent_rotary_features:  # DeepSeek's rotary key, one for every head
         add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features),
@@ -720,24 +722,30 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
 
 def _kv_head_replicas(model: torch.nn.Module, layer: str, structure, tp: int) -> int:
     """On how many of the `tp` ranks each key/value head of `layer` is computed: autotune's `head_replicas` of this
-    layer's own heads (1 where they cannot be read: no separate k projection, no head_dim). Heads that tp neither
-    divides nor is a multiple of are refused, naming the layer."""
-    if not (structure.k and structure.v) or tp == 1:
-        return 1  # a packed qkv: autotune.tensor_parallel_problems refuses tp above its heads
+    layer's own heads (1 where they cannot be read: no k projection, no head_dim). Heads that tp neither divides
+    nor is a multiple of are refused, naming the layer, as are replicas of a packed qkv laid out [q..q k v] per
+    key/value head with several of them (autotune.tensor_parallel_problems refuses such a tp first)."""
+    if not (structure.k and structure.v or structure.qkv) or tp == 1:
+        return 1
     heads = _layer_kv_heads(model, layer, structure)
+    name = f"{layer}.{structure.k or structure.qkv}"
     if heads is not None and heads % tp and tp % heads:
-        raise ValueError(f"tensor_parallel_plan: {layer}.{structure.k} computes {heads} key/value heads, which "
-                         f"tp={tp} neither divides nor is a multiple of; use a tp that divides them or that they divide")
-    return 1 if heads is None else head_replicas(heads, tp)
+        raise ValueError(f"tensor_parallel_plan: {name} computes {heads} key/value heads, which tp={tp} neither "
+                         "divides nor is a multiple of; use a tp that divides them or that they divide")
+    replicas = 1 if heads is None else head_replicas(heads, tp)
+    if replicas > 1 and structure.qkv and structure.qkv_interleaved and heads > 1:
+        raise ValueError(f"tensor_parallel_plan: {name} packs [q..q k v] for each of its {heads} key/value heads, "
+                         f"which tp={tp} exceeds: their replicas cannot be cut from it; use a tp that divides {heads}")
+    return replicas
 
 
 def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None:
-    """The key/value heads `layer`'s k projection computes: its outputs over its attention's head_dim (None where
-    either cannot be read)."""
+    """The key/value heads `layer`'s k projection (or a packed qkv's key part) computes: its outputs over its
+    attention's head_dim (None where either cannot be read)."""
     attention = model.get_submodule(f"{layer}.{structure.attention}") if structure.attention else None
     head_dim = readable_attr(attention, "head_dim") if attention is not None else None
-    k = model.get_submodule(f"{layer}.{structure.k}")
-    out = getattr(k, "out_features", None)
+    out = structure.qkv_sizes[1] if structure.qkv else getattr(model.get_submodule(f"{layer}.{structure.k}"),
+                                                                 "out_features", None)
     if not isinstance(head_dim, int) or not isinstance(out, int) or out % head_dim:
         return None
     return out // head_dim

@@ -397,9 +397,16 @@ class ReplicatedColWiseParallel(_Style):
     input's gradient is summed over the mp ranks as a column-parallel Linear's is, and the chunk's gradient reaches
     the whole weight as this rank's share, summed over the mp ranks (each rank's own query heads' part). The
     attention's key/value head counts become the local one (`_localise_head_counts`). Local view only; the
-    overlapped edges (overlap_comm) do not feed it."""
+    overlapped edges (overlap_comm) do not feed it.
+
+    `packed_query` (a tridist extension): the Linear packs [q | k | v], its first `packed_query` outputs the query
+    heads (GPTBigCode's multi-query c_attn, Falcon's multi-query query_key_value, Phi-3's qkv_proj): the query part
+    is split over every tp rank, the key and value parts (equal, after it) as above, and this rank's output is
+    [q_r | k_r | v_r]. The whole packed weight, its query part too, is then on every rank (the cost model prices
+    that memory and the gradient's all-reduce)."""
 
     replicas: int
+    packed_query: int = 0
     global_view = False  # block_check: no fallback to global view for a block holding this style
     local_only = ("each rank computes its own key/value head from the whole weights; use a tp that divides the "
                   "key/value heads")
@@ -413,11 +420,7 @@ class ReplicatedColWiseParallel(_Style):
         if not (isinstance(self.replicas, int) and self.replicas >= 1 and tp % self.replicas == 0):
             raise ValueError(f"parallelize: {type(self).__name__}(replicas={self.replicas!r}) on {target.name!r}: "
                              f"replicas must be a positive integer dividing the {tp} tensor-parallel ranks")
-        groups = tp // self.replicas
-        if module.out_features % groups:
-            raise ValueError(f"parallelize: {type(self).__name__} on {target.name!r} splits out_features="
-                             f"{module.out_features} into {groups} chunks, which does not divide it; use replicas "
-                             "that leave a whole number of heads per chunk")
+        rows = self._rows(target.name, module.out_features, tp, mesh.get_local_rank())
         if target.overlap_comm and target.scatter_sequence:
             raise ValueError(f"parallelize: overlap_comm cannot feed {target.name}: its key/value heads are replicated "
                              f"over the tensor-parallel ranks ({type(self).__name__}), so it takes its input whole; "
@@ -426,16 +429,16 @@ class ReplicatedColWiseParallel(_Style):
         split = [n for n in names if isinstance(module._parameters[n], DTensor)]
         if split:
             raise ValueError(f"parallelize: {target.name}.{split[0]} is split already; give {target.name} one style")
-        chunk = module.out_features // groups
-        start = mesh.get_local_rank() // self.replicas * chunk
+        chunk = sum(length for _, length in rows)
         replicate_parameters(module, mesh, recurse=False)
 
         def take_chunk(linear, args):
             saved = vars(linear).setdefault("_tridist_whole_parameters", {})
             for name in names:
-                whole = saved.setdefault((linear, name), linear._parameters[name])
-                rows = _local_value(whole).narrow(0, start, chunk)
-                linear._parameters[name] = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)
+                whole = _local_value(saved.setdefault((linear, name), linear._parameters[name]))
+                mine = torch.cat([whole.narrow(0, start, length) for start, length in rows]) if len(rows) > 1 else \
+                    whole.narrow(0, *rows[0])
+                linear._parameters[name] = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False)
             return (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:])
 
         def put_back(linear, args, output):
@@ -446,10 +449,33 @@ class ReplicatedColWiseParallel(_Style):
         module.register_forward_hook(put_back, always_call=True)
         module._tridist_local_heads = True
         module._tridist_head_replicas = self.replicas
-        module._tridist_chunk = chunk  # the outputs this rank computes
+        module._tridist_chunk = rows[-1][1]  # the key/value features this rank computes (each part's)
+        module._tridist_kv_features = module.out_features - self.packed_query  # of every key/value head (each part's)
+        if self.packed_query:
+            module._tridist_kv_features //= 2
         _open_sharded_region(target)
-        return (f"{target.name}: {self!r} (this rank computes chunk {start // chunk} of {groups}, on "
-                f"{self.replicas} ranks each)")
+        what = " (the query part split over every rank)" if self.packed_query else ""
+        return (f"{target.name}: {self!r} (this rank computes {chunk} of its {module.out_features} outputs{what}, each "
+                f"key/value head on {self.replicas} ranks)")
+
+    def _rows(self, name: str, out_features: int, tp: int, rank: int) -> list[tuple[int, int]]:
+        """(start, length) of each block of output features this rank computes: its query chunk (packed), then its
+        chunk of the key and of the value part (packed), or of the whole output."""
+        groups = tp // self.replicas
+        query = self.packed_query
+        parts = out_features - query
+        if query and (query < 0 or query % tp or parts <= 0 or parts % 2):
+            raise ValueError(f"parallelize: {type(self).__name__}(packed_query={query}) on {name!r}: the query part "
+                             f"must be a positive multiple of the {tp} ranks, followed by equal key and value parts "
+                             f"({out_features} outputs in all)")
+        kv = parts // 2 if query else parts
+        if kv % groups:
+            raise ValueError(f"parallelize: {type(self).__name__} on {name!r} splits {kv} key/value features into {groups} "
+                             "chunks, which does not divide them; use replicas that leave a whole number of heads per chunk")
+        length, start = kv // groups, rank // self.replicas * (kv // groups)
+        if not query:
+            return [(start, length)]
+        return [(rank * (query // tp), query // tp), (query + start, length), (query + kv + start, length)]
 
 
 def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module) -> list[str]:
@@ -1144,8 +1170,8 @@ def _projections(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.
     return [getattr(module, name) for name in names if isinstance(getattr(module, name, None), torch.nn.Module)]
 
 
-_Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value", "Wqkv")
-_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value", "Wqkv")
+_Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value", "Wqkv", "c_attn")
+_KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value", "Wqkv", "c_attn")
 _HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
     "num_heads": _Q_PROJECTIONS, "num_attention_heads": _Q_PROJECTIONS, "n_heads": _Q_PROJECTIONS,
     "num_key_value_heads": _KV_PROJECTIONS, "num_kv_heads": _KV_PROJECTIONS, "n_kv_heads": _KV_PROJECTIONS,
@@ -1214,7 +1240,7 @@ def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:
     head_dim = readable_attr(module, "head_dim")
     chunks = {p._tridist_chunk for p in kv}
     if isinstance(head_dim, int) and chunks != {head_dim}:  # each rank must compute the one head its queries use
-        out, chunk = kv[0].out_features, chunks.pop()
+        out, chunk = kv[0]._tridist_kv_features, chunks.pop()
         heads, tp = out // head_dim, replicas * (out // chunk)
         right = ("ColWiseParallel()" if heads % tp == 0 else f"ReplicatedColWiseParallel(replicas={tp // heads})"
                  if tp % heads == 0 else "a tensor-parallel degree that divides the heads or that they divide")

@@ -39,6 +39,11 @@ MORE_FAMILIES = {
     "phi": ("phi", {}),  # LayerNorm, partial rotary, GELU MLP beside the attention (one norm per block)
     "starcoder2": ("starcoder2", {}),  # LayerNorm, biases everywhere, GELU MLP
     "falcon": ("falcon", dict(num_kv_heads=KV_HEADS, new_decoder_architecture=True)),  # one query_key_value
+    # Falcon-7B's multi-query attention: [q..q k v] with one key/value head, so [q | k | v] (its config's default)
+    "falcon-mqa": ("falcon", {}),
+    # StarCoder's multi-query attention: [q | k | v] in one Linear c_attn with one key/value head, the query's share
+    # split at `embed_dim`; learned positions, GELU MLP, LayerNorm (dropouts 0.1 by default: masks differ by layout)
+    "gpt-bigcode": ("gpt_bigcode", dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     # [q k v] per head in one query_key_value, as GPT-NeoX's; ALiBi (the model's per-head biases, built for every head)
     "bloom": ("bloom", {}),
     # [q k v] per head in one query_key_value, LayerNorm'd queries and keys (one weight for every head), partial rotary

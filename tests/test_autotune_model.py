@@ -460,16 +460,35 @@ def test_query_key_value_is_split_by_key_value_head_and_tensor_parallel_allowed(
     assert not phi3.qkv_interleaved and not phi3.structure.qkv_interleaved and phi3.structure.qkv_sizes == (64, 32, 32)
 
 
-def test_replicated_key_value_heads_stay_refused_inside_a_packed_qkv():
-    """Falcon's multi-query attention packs its one key/value head with the queries: tp 2 would replicate that head,
-    which a packed projection cannot; refused with that reason (tp 1 only), as Phi-3's packed grouped-query qkv."""
+def test_key_value_heads_fewer_than_the_ranks_are_replicated_inside_a_packed_qkv():
+    """A packed [q | k | v] whose key/value heads tp exceeds (Falcon's and GPTBigCode's multi-query attention: one
+    head; Phi-3's grouped-query qkv_proj at tp 4): tp is allowed (it was refused) and the plan splits the query part
+    over the ranks with each key/value head computed on tp / heads of them. Falcon's [q..q k v] for each of several
+    key/value heads cannot give replicas: that tp stays refused, by autotune and by the plan."""
+    hf = pytest.importorskip("transformers")
+    from tests.hf_models import build
     from tridist.autotune import Cluster
     from tridist.autotune.strategy import tensor_parallel_problems
+    from tridist.distcore.auto import tensor_parallel_plan
+    from tridist.distcore.tensor_parallel import ReplicatedColWiseParallel
 
-    spec = ModelSpec.from_module(_query_key_value_models()["falcon-multi-query"], seq_len=16)
-    assert spec.num_kv_heads == 1
-    problems = tensor_parallel_problems(spec, Cluster(1, 2), 2)
-    assert any("packing q, k and v together cannot be" in p for p in problems), problems
+    models = _query_key_value_models()
+    models["gpt-bigcode"] = hf.GPTBigCodeForCausalLM(hf.GPTBigCodeConfig(vocab_size=128, n_embd=64, n_head=4, n_layer=1))
+    models["phi3"] = build("phi3", layers=1)
+    for name, tp, qkv in (("falcon-multi-query", 2, "transformer.h.0.self_attention.query_key_value"),
+                          ("gpt-bigcode", 4, "transformer.h.0.attn.c_attn"),
+                          ("phi3", 4, "model.layers.0.self_attn.qkv_proj")):
+        spec = ModelSpec.from_module(models[name], seq_len=16)
+        assert tensor_parallel_problems(spec, Cluster(1, tp), tp) == [], name
+        plan = tensor_parallel_plan(models[name], spec.structure, sequence_parallel=False, tp=tp)
+        replicas = tp // spec.num_kv_heads
+        assert plan.styles[qkv] == [ReplicatedColWiseParallel(replicas, packed_query=64)], (name, plan.styles[qkv])
+    grouped = models["falcon-grouped"]
+    spec = ModelSpec.from_module(grouped, seq_len=16)
+    problems = tensor_parallel_problems(spec, Cluster(1, 4), 4)
+    assert any("packing [q..q k v] for each key/value head cannot be" in p for p in problems), problems
+    with pytest.raises(ValueError, match="packs \\[q..q k v\\] for each of its 2 key/value heads"):
+        tensor_parallel_plan(grouped, spec.structure, sequence_parallel=False, tp=4)
 
 
 def test_a_task_head_is_told_apart_from_a_tied_lm_head():

@@ -571,3 +571,24 @@ def test_key_value_heads_replicated_when_tp_exceeds_them_by_hand():
     overlapped = Strategy(dp=1, tp=4, pp=1, sequence_parallel=True, overlap_tp_comm=True)
     assert any("replicated key/value projections take their input whole" in r
                for r in validate(TINY, cluster, overlapped, global_batch_size=1))
+
+
+def test_key_value_heads_replicated_inside_a_packed_qkv_by_hand():
+    """TINY with q, k and v packed in one projection (GPTBigCode's, Falcon's multi-query, Phi-3's) under tp 4:
+    distcore keeps the whole packed weight on every rank (ReplicatedColWiseParallel(packed_query=...): one
+    parameter), so the query part is whole too: (8 + 2·4)·8 = 128 per layer, with o split (64 / 4), the MLP split
+    (384 / 4) and the norms 16: 256 per layer. Once per step its gradient (4 layers of 128) is summed over the 4 ranks,
+    where separate k and v projections sum 64 a layer. The same GEMMs as separate projections, and no reduce-scatter
+    of the packed output (a packed qkv whose key/value heads tp divides is split on its input features and pays one)."""
+    from tridist.autotune.cost import _layer_cost, all_reduce_time
+    from tridist.autotune.engine import ENGINES
+
+    packed = replace(TINY, packed_unequal_qkv=True)
+    cluster = replace(_cluster(1, 4, **COMPUTE_ONLY), engine=ENGINES["torch+tridist"])
+    assert _layer_cost(packed, cluster, 4, 1, False).gemm_fwd == _layer_cost(TINY, cluster, 4, 1, False).gemm_fwd
+    assert stage_parameters(packed, 4, 1, 0) == 4 * 256 + 64 + 64 + 8
+    cluster = replace(_cluster(1, 4), engine=ENGINES["torch+tridist"])
+    whole, separate = (_run(spec, cluster, dp=1, tp=4, pp=1) for spec in (packed, TINY))
+    link = cluster.link(4, 1)
+    assert whole.time.tp_comm_s - separate.time.tp_comm_s == pytest.approx(
+        all_reduce_time(E * 4 * 128, 4, *link) - all_reduce_time(E * 4 * 64, 4, *link), rel=1e-9)

@@ -771,7 +771,8 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     query heads use, from k/v weights whole on every rank. Qwen2 (2 key/value heads, with biases) under tp 4 with
     selective recompute (the recomputed attention runs the replicated projections' hooks again), and Gemma 3 1B's
     multi-query attention (one key/value head; per-head q/k norms, local and global layers) under dp 2 x tp 2 with
-    sequence parallel: losses, first-step gradients and parameters equal to one process, in local view."""
+    sequence parallel: losses, first-step gradients and parameters equal to one process, in local view. Also where
+    the key/value heads are packed with the queries in one projection (below)."""
 
     def replicated(replicas, groups):
         def inspect(model):
@@ -797,6 +798,25 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
         assert not hasattr(second.k_proj, "_tridist_head_replicas") and second.num_key_value_groups == 2
 
     _train("gemma4-mixed-kv", _strategy(2, 2, 1, sharding_level=2), inspect=per_layer)
+
+    # Inside a projection packing [q | k | v] (refused before): the query part split over the ranks, each key/value
+    # head computed on tp / heads of them from the whole packed weight. StarCoder's multi-query attention (GPTBigCode:
+    # one key/value head in c_attn, which its code splits at `embed_dim`, made local by the block check's
+    # LocalHeadWidths), Falcon-7B's (one in query_key_value) with sequence parallel over pipeline stages, Phi-3's
+    # grouped-query qkv_proj under tp 4 with sequence parallel.
+    def packed(projection, replicas, groups=None):
+        def inspect(model):  # the attentions of this rank's stage
+            attentions = [m for m in model.modules() if isinstance(getattr(m, projection, None), torch.nn.Linear)]
+            for attention in attentions:
+                qkv = getattr(attention, projection)
+                assert qkv._tridist_head_replicas == replicas and qkv.weight.placements[-1].is_replicate(), vars(qkv)
+                assert groups is None or attention.num_key_value_groups == groups, attention.num_key_value_groups
+            assert attentions
+        return inspect
+
+    _train("gpt-bigcode", _strategy(2, 2, 1, sharding_level=2), inspect=packed("c_attn", 2, 2))
+    _train("falcon-mqa", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"], inspect=packed("query_key_value", 2))
+    _train("phi3", _strategy(1, 4, 1, sequence_parallel=True), inspect=packed("qkv_proj", 2, 1))
 
 
 def check_frozen_parameters_stay_frozen():
