@@ -442,21 +442,33 @@ class _Check:
             return {name: [style] for name, style in candidates.items()
                     if not any(type(added) is type(style) for added in repairs.get(name, ()))}
 
+        guessed, problem = {}, None  # the last resorts added by the run before, and what was wrong without them
         while True:
             run = self._run(reference, view="local", repairs=repairs)
-            found = {}
-            if run.failure is not None:
-                found = new({name: DistributedNorm() for name in run.split_dim_norms})
-                found.update(new({name: ShardHeadParameters() for name in run.head_parameter_owners}))
-                if _LOCAL_OUTPUT_CHANGED_IN_PLACE in run.failure:
-                    found.update(new({name: FreshLocalOutput() for name, styles in self.sample_plan.styles.items()
-                                      if any(isinstance(st, RowWiseParallel) for st in styles)}))
-            elif run.partial_grads:
-                found = new({name.rpartition(".")[0]: ShardLocalParameters() for name in run.partial_grads})
+            if guessed and run.output is None and run.failure is None:
+                # A last resort the block cannot take (its apply raised): taken back, the problem stands.
+                for name, styles in guessed.items():
+                    kept = [style for style in repairs[name] if not any(style is guess for guess in styles)]
+                    if kept:
+                        repairs[name] = kept
+                    else:
+                        del repairs[name]
+                found = {}
+            else:
+                found, problem = {}, None
+                if run.failure is not None:
+                    found = new({name: DistributedNorm() for name in run.split_dim_norms})
+                    found.update(new({name: ShardHeadParameters() for name in run.head_parameter_owners}))
+                    if _LOCAL_OUTPUT_CHANGED_IN_PLACE in run.failure:
+                        found.update(new({name: FreshLocalOutput() for name, styles in self.sample_plan.styles.items()
+                                          if any(isinstance(st, RowWiseParallel) for st in styles)}))
+                elif run.partial_grads:
+                    found = new({name.rpartition(".")[0]: ShardLocalParameters() for name in run.partial_grads})
+            guessed = {}
             if not found:
-                problem = run.failure or self._compare(reference, run)
+                problem = problem or run.failure or self._compare(reference, run)
                 while problem is not None and not found and last_resorts:
-                    found = new(last_resorts.pop(0))
+                    found = guessed = new(last_resorts.pop(0))
                 if not found:
                     return (None, repairs) if problem is None else (problem, {})
             for name, styles in found.items():

@@ -37,7 +37,6 @@ that builds masks or positions from the embedding output (Hugging Face does) see
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import logging
@@ -593,10 +592,9 @@ class LocalHeadWidths(_Style):
     """An attention module whose code reads the query heads' width from an attribute (`widths`: XGLM's and
     GPTBigCode's `embed_dim`) or its head counts from its `config` (Phi-3: `config.num_attention_heads * head_dim`,
     where its packed projection's query part ends), which local view leaves global: the attributes are divided as
-    the query heads are, and the module gets a copy of its config with the local head counts (`config`; the
-    model's config, which every module shares, is not changed: a later `set_attn_implementation` on the model does
-    not reach the copies). The block check adds it where a block's local view is wrong or fails and its attention
-    holds such settings (block_check.py)."""
+    the query heads are, and the module's `config` becomes a LocalHeadConfig, the shared config with the local head
+    counts (`config`; the model's config, which every module shares, is not changed). The block check adds it where
+    a block's local view is wrong or fails and its attention holds such settings (block_check.py)."""
 
     widths: tuple[str, ...] = ()
     config: bool = False
@@ -614,16 +612,48 @@ class LocalHeadWidths(_Style):
             setattr(module, attribute, value // tp)
             changes.append(f"{attribute} {value} -> {value // tp}")
         if self.config:
-            local = copy.copy(module.config)
+            shared, counts = module.config, {}
             for attribute in _HEADS_OF:
-                value = readable_attr(module.config, attribute)
+                value = readable_attr(shared, attribute)
                 if isinstance(value, int) and not isinstance(value, bool):
                     groups = _head_groups(name, module, attribute, value, tp)
-                    if groups is not None and readable_attr(local, attribute) == value:  # aliases set once
-                        setattr(local, attribute, value // groups)
+                    if groups is not None:
+                        counts[attribute] = value // groups
                         changes.append(f"config.{attribute} {value} -> {value // groups}")
-            module.config = local
+            module.config = LocalHeadConfig(shared, counts)
         return f"{name}: {self!r} ({', '.join(changes)})"
+
+
+class LocalHeadConfig:
+    """One module's view of a config that every module shares: its own (local) head counts, every other attribute
+    read from and written to the shared config, so that what changes there later reaches the module too
+    (`model.set_attn_implementation`, which a copy would miss: an eager attention then got an SDPA mask, silently).
+    A view, not a subclass: `isinstance(view, PretrainedConfig)` is False."""
+
+    def __init__(self, shared, counts: dict[str, int]):
+        counts = dict(counts)
+        for alias, attribute in (getattr(shared, "attribute_map", None) or {}).items():  # GPT-2's n_head, ...
+            for one, other in ((alias, attribute), (attribute, alias)):
+                if one in counts:
+                    counts.setdefault(other, counts[one])
+        object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_counts", counts)
+
+    def __getattr__(self, name: str):  # only for what the view itself does not hold
+        counts = object.__getattribute__(self, "_counts")
+        return counts[name] if name in counts else getattr(object.__getattribute__(self, "_shared"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self._counts:
+            setattr(self._shared, name, value)
+            return
+        for alias, attribute in (getattr(self._shared, "attribute_map", None) or {}).items():
+            if name in (alias, attribute):
+                self._counts[alias] = self._counts[attribute] = value
+        self._counts[name] = value
+
+    def __repr__(self) -> str:
+        return f"LocalHeadConfig({self._counts}, of {type(self._shared).__name__})"
 
 
 def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:

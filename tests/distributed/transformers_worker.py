@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from transformers.utils import ModelOutput
 
 from tridist import autotune, distcore
+from tridist.distcore.block_check import TensorParallelCheckError
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
@@ -251,7 +252,7 @@ MATRIX = {
 MATRIX_FAMILIES = [*LLAMA_LIKE, "gemma3"]
 # Phi-3's packed grouped-query qkv (unequal parts, split on its input features: packed.UnequalPackedColwise) cannot
 # take its input from the overlapped all-gather ring. Every family runs in local view (Phi-3 since its attention gets a
-# copy of the config with the local head counts, LocalHeadWidths: it slices q/k/v at `config.num_attention_heads`).
+# view of the config with the local head counts, LocalHeadWidths: it slices q/k/v at `config.num_attention_heads`).
 NO_OVERLAP = {"phi3"}
 
 
@@ -489,8 +490,9 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     """Phi-3's packed qkv: the recogniser measured its unequal parts (4 query and 2 key/value heads of
     16) and the plan carries them. Its attention slices q/k/v at `config.num_attention_heads`, so the block check's
     first local-view run fails on a shape (torch's fake-tensor logger, which printed a traceback per rank for it,
-    stays silent), and the next gives the attention a copy of the config with the local head counts
-    (LocalHeadWidths): its blocks run in local view (global view before), the model's own config unchanged."""
+    stays silent), and the next gives the attention a view of the config with the local head counts
+    (LocalHeadWidths): its blocks run in local view (global view before), the model's own config unchanged and what
+    changes there later seen by the attention."""
     model, optimizer = _model("phi3")
     config = model.config
     logged, fake_tensor_log = [], logging.getLogger("torch._subclasses.fake_tensor")
@@ -507,6 +509,10 @@ def check_phi3_packed_qkv_is_split_part_by_part():
     assert attention.config is not config and model.config is config, "the attention's config is the model's"
     heads = [(c.num_attention_heads, c.num_key_value_heads) for c in (attention.config, config)]
     assert heads == [(2, 1), (4, 2)], heads
+    # a view of the model's config, not a copy: a later change there reaches the attention (a review's case: a copy
+    # kept "sdpa" after set_attn_implementation("eager"), and the eager mask met SDPA's attention, silently)
+    model.set_attn_implementation("eager")
+    assert attention.config._attn_implementation == "eager", attention.config._attn_implementation
     qkv = attention.qkv_proj.weight
     assert qkv.placements[qkv.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(1), qkv.placements
     assert tuple(qkv.shape) == (4 * 16 + 2 * 2 * 16, 64)
@@ -817,6 +823,19 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     _train("gpt-bigcode", _strategy(2, 2, 1, sharding_level=2), inspect=packed("c_attn", 2, 2))
     _train("falcon-mqa", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"], inspect=packed("query_key_value", 2))
     _train("phi3", _strategy(1, 4, 1, sequence_parallel=True), inspect=packed("qkv_proj", 2, 1))
+    # GPTBigCode without multi-query attention (its c_attn [q k v] per head, which a [q | k | v] split gets wrong in
+    # either view; its config also holds a num_key_value_heads = 2 it never uses) under tp 4: the block check refuses
+    # it. Its last resort, LocalHeadWidths, could not localise that unused count over 4 ranks and raised, which the
+    # check took for "the plan does not apply" and accepted: parallelize then refused with that unrelated error
+    # (a review's find).
+    model = build("gpt-bigcode", config={"multi_query": False})
+    try:
+        distcore.to_distributed(model, None, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
+            strategy=_strategy(1, 4, 1), fuse_kernels=False))
+    except TensorParallelCheckError as error:
+        assert "GPTBigCodeBlock" in str(error) and "in local view differs" in str(error), error
+    else:
+        raise AssertionError("GPTBigCode's per-head c_attn was split [q | k | v]")
 
 
 def check_frozen_parameters_stay_frozen():
