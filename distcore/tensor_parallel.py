@@ -628,7 +628,8 @@ class LocalHeadConfig:
     """One module's view of a config that every module shares: its own (local) head counts, every other attribute
     read from and written to the shared config, so that what changes there later reaches the module too
     (`model.set_attn_implementation`, which a copy would miss: an eager attention then got an SDPA mask, silently).
-    A view, not a subclass: `isinstance(view, PretrainedConfig)` is False."""
+    The counts are the view's own attributes and the rest a plain `__getattr__`, which torch.compile traces (a block
+    compiled with fullgraph=True). A view, not a subclass: `isinstance(view, PretrainedConfig)` is False."""
 
     def __init__(self, shared, counts: dict[str, int]):
         counts = dict(counts)
@@ -636,24 +637,25 @@ class LocalHeadConfig:
             for one, other in ((alias, attribute), (attribute, alias)):
                 if one in counts:
                     counts.setdefault(other, counts[one])
-        object.__setattr__(self, "_shared", shared)
-        object.__setattr__(self, "_counts", counts)
+        self.__dict__.update(counts, _shared=shared)
 
-    def __getattr__(self, name: str):  # only for what the view itself does not hold
-        counts = object.__getattribute__(self, "_counts")
-        return counts[name] if name in counts else getattr(object.__getattribute__(self, "_shared"), name)
+    def __getattr__(self, name: str):  # only for what the view does not hold itself
+        if name == "_shared" or name.startswith("__"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self._shared, name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name not in self._counts:
+        if name not in self.__dict__:
             setattr(self._shared, name, value)
             return
         for alias, attribute in (getattr(self._shared, "attribute_map", None) or {}).items():
             if name in (alias, attribute):
-                self._counts[alias] = self._counts[attribute] = value
-        self._counts[name] = value
+                self.__dict__[alias] = self.__dict__[attribute] = value
+        self.__dict__[name] = value
 
     def __repr__(self) -> str:
-        return f"LocalHeadConfig({self._counts}, of {type(self._shared).__name__})"
+        counts = {name: value for name, value in self.__dict__.items() if name != "_shared"}
+        return f"LocalHeadConfig({counts}, of {type(self._shared).__name__})"
 
 
 def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:

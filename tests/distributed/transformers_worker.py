@@ -1188,7 +1188,9 @@ def check_compiled_after_to_distributed_trains_like_one_process():
     embedding and the LM head tied to it split on the vocabulary, the fused vocabulary-parallel loss): losses,
     first-step gradients and parameters equal one uncompiled process. And each decoder block compiled alone with
     fullgraph=True (no graph break inside a block), in pipeline stages under tp 2 x pp 2 + sp, gives the uncompiled
-    model's gradients (by hand also without pipeline stages, under dp 2 x tp 2 + sp and ZeRO-3). The aot_eager backend: Dynamo and AOTAutograd
+    model's gradients (by hand also without pipeline stages, under dp 2 x tp 2 + sp and ZeRO-3), as under tp 4 for
+    Phi-3 (local head counts in a view of its config, key/value heads replicated in its packed qkv; GPTBigCode and
+    multi-query Falcon by hand). The aot_eager backend: Dynamo and AOTAutograd
     trace the graphs Inductor would compile (Inductor itself took 45 s of C++ builds per world on this machine, by
     hand: gradients within fp32 rounding). torch's own vocabulary-split embedding failed in that tracing
     (pytorch/pytorch#160697); distcore's is plain tensor code (vocab_embedding.py)."""
@@ -1208,6 +1210,13 @@ def check_compiled_after_to_distributed_trains_like_one_process():
     model, _, _ = distcore.to_distributed(
         model, None, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
             strategy=_strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True)))
+    _assert_blocks_compile_alone(model)
+    # Phi-3 under tp 4: its attention's LocalHeadConfig (a first version read its counts through
+    # object.__getattribute__, which Dynamo refuses: a graph break in every block) and its packed qkv's replicated
+    # key/value heads (the rows taken around each forward, ReplicatedColWiseParallel)
+    model, _ = _model("phi3", layers=1)
+    model, _, _ = distcore.to_distributed(model, None, _Loader(), device_num=dist.get_world_size(),
+                                          config=distcore.ToDistributedConfig(strategy=_strategy(1, 4, 1)))
     _assert_blocks_compile_alone(model)
 
 
