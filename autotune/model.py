@@ -109,6 +109,10 @@ class ModelStructure:
     layer_norms: tuple[str, ...] = ()
     qk_norms: tuple[str, ...] = ()  # norms of the queries/keys inside attention (ModelSpec.qk_norm says which kind)
     embedding: str | None = None
+    # A learned absolute position embedding beside it (GPT-2's and GPTBigCode's wpe, OPT's and BioGPT's
+    # embed_positions): an nn.Embedding of the hidden width outside the layers with a row per position (the config's
+    # max positions, plus an offset of up to 2: OPT's and BioGPT's).
+    position_embedding: str | None = None
     final_norm: str | None = None
     lm_head: str | None = None
     lm_head_param: str | None = None
@@ -1120,6 +1124,13 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
         raise UnrecognisedModel(f"no token embedding (nn.Embedding of width {hidden}) outside {layers_name}")
     emb_name, emb = embedding
     vocab = emb.num_embeddings
+    config = getattr(model, "config", None)
+    max_positions = _first_attr([config], ("max_position_embeddings", "n_positions"))
+    positions = [name for name, module in model.named_modules()
+                 if isinstance(module, nn.Embedding) and not name.startswith(inside) and module is not emb
+                 and module.embedding_dim == hidden and isinstance(max_positions, int)
+                 and max_positions <= module.num_embeddings <= max_positions + 2]
+    position_embedding = positions[0] if len(positions) == 1 else None
 
     final_norm = None
     lm_head = None
@@ -1149,9 +1160,10 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
     if lm_head is None:  # tied: the head is the embedding's weight, in a Linear of its own or not
         head = (tied_head, f"{tied_head}.weight") if tied_head else (None, emb_name + ".weight")
         return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=head[0], lm_head_param=head[1],
-                    lm_head_layout="linear", tied=True, task_head=None if tied_head else task_head)
+                    lm_head_layout="linear", tied=True, task_head=None if tied_head else task_head,
+                    position_embedding=position_embedding)
     return dict(embedding=emb_name, vocab=vocab, final_norm=final_norm, lm_head=lm_head[0], lm_head_param=lm_head[1],
-                lm_head_layout=lm_head[2], tied=False, task_head=None)
+                lm_head_layout=lm_head[2], tied=False, task_head=None, position_embedding=position_embedding)
 
 
 # Attribute names that hold the number of experts each token is sent to (HF, Megatron, torchtitan).
@@ -1422,7 +1434,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None,
         qkv_interleaved=interleaved, layer_norms=norms,
-        qk_norms=qk_norms, embedding=outer["embedding"], final_norm=outer["final_norm"],
+        qk_norms=qk_norms, embedding=outer["embedding"], position_embedding=outer["position_embedding"],
+        final_norm=outer["final_norm"],
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
         moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,

@@ -699,7 +699,12 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         # embedding is split on the vocabulary as the embedding is: one weight, one split.
         add(structure.lm_head_param, ColWiseParallel(gather_output=structure.lm_head_layout == "linear"))
     if sequence_parallel:
-        add(structure.embedding, SequenceParallelBegin())
+        # The sequence is split after the embeddings: after the later registered of the token embedding and a learned
+        # position embedding, whose lookups the model adds (Megatron scatters that sum). Both run whole on every
+        # rank, outside the region (the split's backward gathers the gradient).
+        order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+        embeddings = [name for name in (structure.embedding, structure.position_embedding) if name in order]
+        add(max(embeddings, key=order.get, default=structure.embedding), SequenceParallelBegin())
         add_per_layer(structure.attention, SequenceParallelDisable(), among=attention_layers)
         if linear is not None:
             add_per_layer(linear.mixer, SequenceParallelDisable(), among=linear_layers)

@@ -491,6 +491,26 @@ def test_key_value_heads_fewer_than_the_ranks_are_replicated_inside_a_packed_qkv
         tensor_parallel_plan(grouped, spec.structure, sequence_parallel=False, tp=4)
 
 
+def test_a_learned_position_embedding_is_found_and_the_sequence_split_after_it():
+    """OPT's and GPTBigCode's learned absolute positions (an nn.Embedding of the hidden width outside the layers, a row
+    per position, OPT's offset by 2) are recognised; under sequence parallel the plan splits the sequence after that
+    lookup, not after the token embedding's (its parameters ran on sequence slices: refused before). Llama has none."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+    from tridist.distcore.auto import tensor_parallel_plan
+    from tridist.distcore.tensor_parallel import SequenceParallelBegin
+
+    for family, embedding, positions in (("opt", "model.decoder.embed_tokens", "model.decoder.embed_positions"),
+                                         ("gpt-bigcode", "transformer.wte", "transformer.wpe"),
+                                         ("llama", "model.embed_tokens", None)):
+        model = build(family, layers=1)
+        structure = ModelSpec.from_module(model, seq_len=16).structure
+        assert (structure.embedding, structure.position_embedding) == (embedding, positions), family
+        plan = tensor_parallel_plan(model, structure, sequence_parallel=True, tp=2)
+        begins = [name for name, styles in plan.styles.items() if any(isinstance(s, SequenceParallelBegin) for s in styles)]
+        assert begins == [positions or embedding], (family, begins)
+
+
 def test_a_task_head_is_told_apart_from_a_tied_lm_head():
     """Sequence and token classifiers (reward models' `score`) and question answering end in a head of their
     own, not the vocabulary's: the structure names it, and distcore allows tp and pp for it (it refused them,

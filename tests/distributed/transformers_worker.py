@@ -189,7 +189,8 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
     reasons = {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
     if global_view and model.distributed_strategy.tp > 1:  # every decoder block this rank holds
         held = {n for n, m in model.named_modules()
-                if re.fullmatch(r"(model\.layers|transformer\.h)\.\d+", n) and next(m.parameters(), None) is not None}
+                if re.fullmatch(r"(model\.layers|model\.decoder\.layers|transformer\.h)\.\d+", n)
+                and next(m.parameters(), None) is not None}
         assert held and set(reasons) == held, (reasons, held)
     else:
         assert not reasons, reasons  # transformers' blocks pass the tensor-parallel check in local view (the fast one)
@@ -367,6 +368,22 @@ def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
         assert "model.layers.0.mamba.A_log" in str(error) and "run on sequence slices" in str(error), error
     else:
         raise AssertionError("falcon-h1: sequence parallel over its Mamba mixers was not refused")
+
+
+def check_learned_positions_train_under_sequence_parallel():
+    """OPT adds a learned position embedding's lookup to the token embedding's: under sequence parallel the sequence
+    is now split after both (it was split after the token embedding, so the position embedding's parameters ran on
+    sequence slices: refused). It trains equal to one process under dp 2 x tp 2 + sp, its blocks in global view (its
+    MLP's Linears are children of the layer, which adds the residual inside the region). GPTBigCode's own code then
+    reshapes the final norm's output to the whole sequence's shape: the check of the parts outside the blocks refuses
+    it, naming them."""
+    _train("opt", _strategy(2, 2, 1, sequence_parallel=True, sharding_level=2), global_view=True)
+    try:
+        _train("gpt-bigcode", _strategy(2, 2, 1, sequence_parallel=True))
+    except TensorParallelCheckError as error:
+        assert "the parts outside the decoder blocks" in str(error) and "transformer.wpe" in str(error), error
+    else:
+        raise AssertionError("GPTBigCode under sequence parallel was accepted")
 
 
 def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
