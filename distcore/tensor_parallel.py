@@ -419,7 +419,7 @@ class ReplicatedColWiseParallel(_Style):
         if not (isinstance(self.replicas, int) and self.replicas >= 1 and tp % self.replicas == 0):
             raise ValueError(f"parallelize: {type(self).__name__}(replicas={self.replicas!r}) on {target.name!r}: "
                              f"replicas must be a positive integer dividing the {tp} tensor-parallel ranks")
-        rows = self._rows(target.name, module.out_features, tp, mesh.get_local_rank())
+        rows, kv = self._rows(target.name, module.out_features, tp, mesh.get_local_rank())
         if target.overlap_comm and target.scatter_sequence:
             raise ValueError(f"parallelize: overlap_comm cannot feed {target.name}: its key/value heads are replicated "
                              f"over the tensor-parallel ranks ({type(self).__name__}), so it takes its input whole; "
@@ -449,17 +449,16 @@ class ReplicatedColWiseParallel(_Style):
         module._tridist_local_heads = True
         module._tridist_head_replicas = self.replicas
         module._tridist_chunk = rows[-1][1]  # the key/value features this rank computes (each part's)
-        module._tridist_kv_features = module.out_features - self.packed_query  # of every key/value head (each part's)
-        if self.packed_query:
-            module._tridist_kv_features //= 2
+        module._tridist_kv_features = kv  # of every key/value head (each part's)
         _open_sharded_region(target)
         what = " (the query part split over every rank)" if self.packed_query else ""
         return (f"{target.name}: {self!r} (this rank computes {chunk} of its {module.out_features} outputs{what}, each "
                 f"key/value head on {self.replicas} ranks)")
 
-    def _rows(self, name: str, out_features: int, tp: int, rank: int) -> list[tuple[int, int]]:
+    def _rows(self, name: str, out_features: int, tp: int, rank: int) -> tuple[list[tuple[int, int]], int]:
         """(start, length) of each block of output features this rank computes: its query chunk (packed), then its
-        chunk of the key and of the value part (packed), or of the whole output."""
+        chunk of the key and of the value part (packed), or of the whole output; and the width of every key/value
+        head together (each part's, packed)."""
         groups = tp // self.replicas
         query = self.packed_query
         parts = out_features - query
@@ -473,8 +472,8 @@ class ReplicatedColWiseParallel(_Style):
                              "chunks, which does not divide them; use replicas that leave a whole number of heads per chunk")
         length, start = kv // groups, rank // self.replicas * (kv // groups)
         if not query:
-            return [(start, length)]
-        return [(rank * (query // tp), query // tp), (query + start, length), (query + kv + start, length)]
+            return [(start, length)], kv
+        return [(rank * (query // tp), query // tp), (query + start, length), (query + kv + start, length)], kv
 
 
 def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module) -> list[str]:
@@ -484,10 +483,22 @@ def per_head_parameter_owners(parallel: torch.nn.Module, whole: torch.nn.Module)
     owners = []
     for name, module in parallel.named_modules():
         heads = _head_count(whole_modules.get(name), _Q_HEADS)
-        local_heads = any(getattr(getattr(module, p, None), "_tridist_local_heads", False) for p in _Q_PROJECTIONS)
-        if local_heads and any(_per_head(v, heads) for v in module._parameters.values()):
+        if _holds_local_query_heads(module) and any(_per_head(v, heads) for v in module._parameters.values()):
             owners.append(name)
     return owners
+
+
+def _holds_local_query_heads(module: torch.nn.Module) -> bool:
+    """Whether a query projection of `module` outputs this rank's heads only (split column-parallel)."""
+    return any(getattr(p, "_tridist_local_heads", False) for p in _projections(module, _Q_PROJECTIONS))
+
+
+def _query_head_modules(whole: torch.nn.Module):
+    """(name, module, query heads) of each module of `whole` holding a query projection and a head count."""
+    for name, module in whole.named_modules():
+        heads = _head_count(module, _Q_HEADS)
+        if heads and _projections(module, _Q_PROJECTIONS):
+            yield name, module, heads
 
 
 def _per_head(param: torch.Tensor | None, heads: int | None) -> bool:
@@ -571,10 +582,7 @@ def head_input_owners(whole: torch.nn.Module, shapes: dict[str, tuple], *, batch
     probe of `batch` rows): ShardHeadInput's candidates, {module name: the style}. The check then tells whether the
     cut is right (a probe of several rows tells [batch x heads] from [heads x batch])."""
     owners = {}
-    for name, module in whole.named_modules():
-        heads = _head_count(module, _Q_HEADS)
-        if not heads or not _projections(module, _Q_PROJECTIONS):
-            continue
+    for name, module, heads in _query_head_modules(whole):
         for keyword, shape in shapes.items():
             if len(shape) >= 2 and shape[0] in (heads, batch * heads) and forward_takes(module, keyword):
                 owners[name] = ShardHeadInput(keyword, heads)
@@ -602,7 +610,7 @@ class LocalHeadWidths(_Style):
 
     def apply(self, target: StyleTarget) -> str:
         module, tp, name = target.module, target.tp_mesh.size(), target.name
-        if not any(getattr(p, "_tridist_local_heads", False) for p in _projections(module, _Q_PROJECTIONS)):
+        if not _holds_local_query_heads(module):
             raise ValueError(f"parallelize: {name}: {self!r} needs its query projection split (ColWiseParallel)")
         changes = []
         for attribute in self.widths:
@@ -632,12 +640,14 @@ class LocalHeadConfig:
     compiled with fullgraph=True). A view, not a subclass: `isinstance(view, PretrainedConfig)` is False."""
 
     def __init__(self, shared, counts: dict[str, int]):
-        counts = dict(counts)
-        for alias, attribute in (getattr(shared, "attribute_map", None) or {}).items():  # GPT-2's n_head, ...
-            for one, other in ((alias, attribute), (attribute, alias)):
-                if one in counts:
-                    counts.setdefault(other, counts[one])
-        self.__dict__.update(counts, _shared=shared)
+        self.__dict__["_shared"] = shared
+        for name, value in counts.items():
+            self.__dict__.update(dict.fromkeys(self._names_of(name), value))
+
+    def _names_of(self, name: str) -> set[str]:
+        """`name` and its aliases in the shared config's `attribute_map` (GPT-2's n_head for num_attention_heads)."""
+        pairs = (getattr(self._shared, "attribute_map", None) or {}).items()
+        return {name, *(other for pair in pairs if name in pair for other in pair)}
 
     def __getattr__(self, name: str):  # only for what the view does not hold itself
         if name == "_shared" or name.startswith("__"):  # not set yet (a copy being made): no recursion
@@ -645,13 +655,10 @@ class LocalHeadConfig:
         return getattr(self._shared, name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name not in self.__dict__:
+        if name in self.__dict__:
+            self.__dict__.update(dict.fromkeys(self._names_of(name), value))
+        else:
             setattr(self._shared, name, value)
-            return
-        for alias, attribute in (getattr(self._shared, "attribute_map", None) or {}).items():
-            if name in (alias, attribute):
-                self.__dict__[alias] = self.__dict__[attribute] = value
-        self.__dict__[name] = value
 
     def __repr__(self) -> str:
         counts = {name: value for name, value in self.__dict__.items() if name != "_shared"}
@@ -663,10 +670,8 @@ def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:
     counts or an attribute of _Q_WIDTHS equal to their heads x head_dim: LocalHeadWidths' candidates, {module name:
     the style}. The check then tells whether local settings make the block right."""
     owners = {}
-    for name, module in whole.named_modules():
-        heads, head_dim = _head_count(module, _Q_HEADS), readable_attr(module, "head_dim")
-        if not heads or not _projections(module, _Q_PROJECTIONS):
-            continue
+    for name, module, heads in _query_head_modules(whole):
+        head_dim = readable_attr(module, "head_dim")
         config = getattr(module, "config", None)
         counted = config is not None and not isinstance(config, torch.nn.Module) and any(
             isinstance(readable_attr(config, attribute), int) for attribute in _HEADS_OF)
