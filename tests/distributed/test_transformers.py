@@ -1,5 +1,5 @@
 """Hugging Face transformers models (tiny configs, nothing downloaded) through to_distributed on 4 gloo
-processes: see transformers_worker.py."""
+processes (a few checks on 2 and on 8): see transformers_worker.py."""
 
 import pytest
 
@@ -13,10 +13,11 @@ NPROC = 4
 # In the session's merged launch of NPROC (conftest.py). The fused kernels (on by default, as users get them)
 # take their CPU path here, as in every check not marked `interprets_kernels` (harness.py): the same ops,
 # autograd and DTensor handling around the kernels' math in PyTorch.
-# The checks needing 8 processes (expert x tensor x pipeline parallel) run in the session's 8-process launch.
-EIGHT = transformers_worker.EIGHT_PROCESS_CHECKS
-FOUR = [c for c in transformers_worker.CHECKS if c not in EIGHT]
-MERGED = {"transformers_worker": {NPROC: FOUR, 8: EIGHT}}
+# The checks needing 8 processes (expert x tensor x pipeline parallel) run in the session's 8-process launch, those
+# of tensor parallel alone in its 2-process launch.
+EIGHT, TWO = transformers_worker.EIGHT_PROCESS_CHECKS, transformers_worker.TWO_PROCESS_CHECKS
+FOUR = [c for c in transformers_worker.CHECKS if c not in EIGHT + TWO]
+MERGED = {"transformers_worker": {NPROC: FOUR, 8: EIGHT, 2: TWO}}
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +33,8 @@ def test_transformers_models(results, check):
 @pytest.mark.parametrize("check", EIGHT)
 def test_transformers_models_on_eight_processes(merged_launches, check):
     assert_check(module_results(merged_launches[8], "transformers_worker"), check, nproc=8)
+
+
+@pytest.mark.parametrize("check", TWO)
+def test_transformers_models_on_two_processes(merged_launches, check):
+    assert_check(module_results(merged_launches[2], "transformers_worker"), check, nproc=2)

@@ -1,12 +1,12 @@
-"""Real Hugging Face transformers models through to_distributed on 4 gloo processes, called as users
-call them: keyword inputs (`model(input_ids=..., attention_mask=..., labels=...)`, left padding in the
-mask, its labels -100) and a `ModelOutput` back. For every Llama-like family (tests/hf_models.py) and
-every strategy of MATRIX (searched; dp levels 0 and 3; dp x tp without and with overlapped sequence parallel; dp x
-pp and tp x pp with micro-batches) the loss returned at every step is the single-device loss of the same
-global batch (its token mean, on every rank; with fused kernels on, the LM head and loss fused, under tp
-vocabulary-parallel), and first-step gradients and parameters after SGD steps
-equal one process (tests/distributed/equivalence.py), and so does an evaluation first (model.eval(),
-no_grad, with labels: the loss; without: the logits of the whole batch, on every rank). Tied embeddings also through a checkpoint and a
+"""Real Hugging Face transformers models through to_distributed on 4 gloo processes (a few checks on 2 or 8:
+TWO_PROCESS_CHECKS, EIGHT_PROCESS_CHECKS), called as users call them: keyword inputs (`model(input_ids=...,
+attention_mask=..., labels=...)`, left padding in the mask, its labels -100) and a `ModelOutput` back. For every
+family of MATRIX_FAMILIES (tests/hf_models.py) and every strategy of MATRIX (searched; dp levels 0 and 3; dp x tp
+without and with overlapped sequence parallel; dp x pp and tp x pp with micro-batches) the loss returned at every
+step is the single-device loss of the same global batch (its token mean, on every rank; with fused kernels on, the
+LM head and loss fused, under tp vocabulary-parallel), and first-step gradients and parameters after SGD steps
+equal one process (tests/distributed/equivalence.py), and so do an evaluation's logits of the whole batch before
+training and its loss after (model.eval(), no_grad, on every rank). Tied embeddings also through a checkpoint and a
 user's pp_config; strategies distcore cannot apply to a model are never chosen, and refused with the
 reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
 
@@ -115,32 +115,31 @@ def _cached_reference(family, prepare, clip, layers) -> equivalence.Trace:
     return _on_rank_0(lambda: _run(*_model(family, layers=layers, prepare=prepare), clip=clip))
 
 
-def _evaluate(model, *, logits: bool = True, fused_loss: bool | None = None) -> tuple[float, torch.Tensor | None]:
-    """The first global batch's evaluation, in eval mode under no_grad, as users call it on every rank:
-    its loss (with labels) and, where asked, its logits (a second call, without labels: no loss).
-    `fused_loss`: whether the labelled call must have run the fused head + loss (then it returns no logits)."""
+def _evaluate(model, *, loss: bool = True, logits: bool = True,
+              fused_loss: bool | None = None) -> tuple[float | None, torch.Tensor | None]:
+    """The first global batch's evaluation, in eval mode under no_grad, as users call it on every rank: where asked,
+    its loss (a call with labels) and its logits (a call without labels: no loss). `fused_loss`: whether the
+    labelled call must have run the fused head + loss (then it returns no logits)."""
     batch, mode = _batches()[0], model.training
     model.eval()
     with torch.no_grad():
-        labelled = model(**batch)
-        loss = labelled.loss
+        labelled = model(**batch) if loss else None
         if fused_loss is not None:
             assert (labelled.logits is None) == fused_loss, (model.distributed_strategy, type(labelled.logits))
         unlabelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]) if logits else None
     model.train(mode)
-    if unlabelled is None:
-        return loss.item(), None
-    assert unlabelled.loss is None and isinstance(unlabelled, ModelOutput), unlabelled.loss
-    return loss.item(), unlabelled.logits
+    if unlabelled is not None:
+        assert unlabelled.loss is None and isinstance(unlabelled, ModelOutput), unlabelled.loss
+    return (None if labelled is None else labelled.loss.item()), (None if unlabelled is None else unlabelled.logits)
 
 
-def _reference_evaluation(family: str, layers: int = LAYERS) -> tuple[float, torch.Tensor]:
-    return _cached_reference_evaluation(family, layers)  # one cache key however the arguments were passed
+def _reference_logits(family: str, layers: int = LAYERS) -> torch.Tensor:
+    return _cached_reference_logits(family, layers)  # one cache key however the arguments were passed
 
 
 @functools.cache
-def _cached_reference_evaluation(family, layers) -> tuple[float, torch.Tensor]:
-    return _on_rank_0(lambda: _evaluate(_model(family, layers=layers)[0]))
+def _cached_reference_logits(family, layers) -> torch.Tensor:
+    return _on_rank_0(lambda: _evaluate(_model(family, layers=layers)[0], loss=False)[1])
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
@@ -162,7 +161,7 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         inspect(model)
     assert "_tridist_forward_probe" not in vars(model)  # the pipeline's probe, kept only while to_distributed runs
     fused = [n for n, m in model.named_modules() if type(m).__name__.startswith("Fused")]
-    if family in MATRIX_FAMILIES:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
+    if family in FUSING_FAMILIES:  # the default really runs the fused kernels (GPT-2, GPT-NeoX: norms and MLPs of other kinds)
         assert bool(fused) == config.get("fuse_kernels", True), fused
     if family.startswith("gemma") and config.get("fuse_kernels", True):  # Gemma's GeGLU MLP, fused as such
         activations = {m.activation for m in model.modules() if type(m).__name__ == "FusedSwiGLUMLP"}
@@ -174,16 +173,14 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, (holds, bool(experts)))
         assert any(h for h, _ in ranks) and all(f == config.get("fuse_kernels", True) for h, f in ranks if h), ranks
-    # Before training the parameters are the single device's: the evaluation matches to a forward's
-    # rounding (whole-batch token mean with padding, also over micro-batches; the logits of every row).
-    # The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits) with fused kernels
-    # on: under tp vocabulary-parallel (the head split on the vocabulary); pipeline stages included.
+    # Before training the parameters are the single device's: an evaluation's logits of every row match to a
+    # forward's rounding (pipeline stages included). Its loss is the first training step's (the same batch and
+    # parameters, compared to the same rounding), and after training the evaluation's loss is compared.
     chosen = model.distributed_strategy
     fused_loss = config.get("fuse_kernels", True) and head_fuses
-    loss, logits = _evaluate(model, fused_loss=fused_loss)
-    expected_loss, expected_logits = (_reference_evaluation(family, layers) if prepare is None  # (before any training)
-                                      else _evaluate(_model(family, layers=layers, prepare=prepare)[0]))
-    equivalence.assert_losses_close([loss], [expected_loss])
+    _, logits = _evaluate(model, loss=False)
+    expected_logits = (_reference_logits(family, layers) if prepare is None  # (before any training)
+                       else _evaluate(_model(family, layers=layers, prepare=prepare)[0], loss=False)[1])
     assert isinstance(logits, torch.Tensor) and logits.shape == expected_logits.shape, getattr(logits, "shape", logits)
     equivalence.assert_tensors_close("evaluation logits", {"logits": logits}, {"logits": expected_logits})
     reasons = {name: m._tridist_global_view for name, m in model.named_modules() if hasattr(m, "_tridist_global_view")}
@@ -215,8 +212,10 @@ def _train(family, strategy=None, *, global_view: bool = False, reference=None, 
         optimizer.clear_grad()
     assert len(trace.losses) == BATCHES, trace.losses
     # After training the losses of single rows differ more: an evaluation weighing micro-batches
-    # instead of tokens shows (at initialisation every token's loss is about log(vocab)).
-    trace.add_loss(_evaluate(model, logits=False)[0])
+    # instead of tokens shows (at initialisation every token's loss is about log(vocab)): the whole-batch token
+    # mean with padding. The LM head + loss run fused (linear_cross_entropy: a labelled call returns no logits)
+    # with fused kernels on: under tp vocabulary-parallel (the head split on the vocabulary).
+    trace.add_loss(_evaluate(model, logits=False, fused_loss=fused_loss)[0])
     reference = reference or _reference(family, prepare, clip, layers)
     equivalence.assert_same_training(trace.end(model), reference)
     if clip is not None:  # a norm's relative error is at most its gradients' (they match to RTOL: equivalence.py)
@@ -248,9 +247,21 @@ MATRIX = {
     "dp 2 x pp 2, 2 micro-batches": _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2),
     "tp 2 x pp 2 + sp, 2 micro-batches": _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True),
 }
-# The families every strategy of the matrix runs on: the Llama-like ones and Gemma 3 (local and global layers,
-# q/k norms, `1 + w` norms, GeGLU).
-MATRIX_FAMILIES = [*LLAMA_LIKE, "gemma3"]
+# Tensor parallel alone, for the checks of a family's own code under tp that run on 2 processes (the session's
+# 2-process launch: half the CPU of 4). Data parallel beside tp does not change what they check: FSDP shards the
+# parameters tp leaves, as the matrix and the checks on 4 processes check for every kind of split.
+TP2 = {
+    "tp 2": _strategy(1, 2, 1),
+    "tp 2 + sp": _strategy(1, 2, 1, sequence_parallel=True),
+    "tp 2 + sp + overlap": _strategy(1, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
+    "tp 2, selective recompute": _strategy(1, 2, 1, recompute="selective"),
+}
+# The families whose norms and MLPs fuse (the Llama-like ones and Gemma 3: local and global layers, q/k norms,
+# `1 + w` norms, GeGLU), and those every strategy of the matrix runs on: all but Llama, whose code runs as Mistral's
+# (transformers' Mistral subclasses every Llama module, adding a sliding window) and as llama-tied's (the same model
+# with tied embeddings); the other checks run Llama itself under every kind of strategy.
+FUSING_FAMILIES = [*LLAMA_LIKE, "gemma3"]
+MATRIX_FAMILIES = [family for family in FUSING_FAMILIES if family != "llama"]
 # Phi-3's packed grouped-query qkv (unequal parts, split on its input features: packed.UnequalPackedColwise) cannot
 # take its input from the overlapped all-gather ring. Every family runs in local view (Phi-3 since its attention gets a
 # view of the config with the local head counts, LocalHeadWidths: it slices q/k/v at `config.num_attention_heads`).
@@ -312,11 +323,11 @@ def check_an_lm_head_with_a_learned_logit_scale_trains_like_one_process():
 def check_layer_norm_families_train_under_tensor_parallel():
     """Families with LayerNorms, GELU MLPs and biases (Phi: partial rotary, the MLP beside the attention;
     Starcoder2: biases everywhere), which fuse leaves to their own modules but for the LM head and loss, under
-    tensor parallel with and without sequence parallel: equal to one process."""
+    tensor parallel with and without sequence parallel: equal to one process. On 2 processes (TP2)."""
     for family in ("phi", "starcoder2"):
-        for label in ("dp 2 x tp 2, level 2", "dp 2 x tp 2 + sp + overlap, level 1"):
+        for label in ("tp 2", "tp 2 + sp + overlap"):
             try:
-                _train(family, MATRIX[label])
+                _train(family, TP2[label])
             except Exception as error:
                 raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
@@ -337,23 +348,22 @@ def check_query_key_value_families_train_under_tensor_parallel():
       off).
     And a code that packs [q | k | v] under that name (ChatGLM's layout; here a Llama's q, k and v packed so): its
     local view computes other heads, which the block check finds, so its blocks run in global view, equal to one
-    process."""
-    strategies = {**MATRIX, "dp 2 x tp 2, selective recompute": _strategy(2, 2, 1, sharding_level=2, recompute="selective")}
+    process. On 2 processes (TP2)."""
     for family, label, global_view, prepare in (
-            ("gpt-neox", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
-            ("falcon", "dp 2 x tp 2, level 2", False, None),  # its MLP's output the row-parallel Linear's (a copy)
+            ("gpt-neox", "tp 2 + sp + overlap", False, None),
+            ("falcon", "tp 2", False, None),  # its MLP's output the row-parallel Linear's (a copy)
             # the sequence-parallel exit's reduce-scatter (a copy, which the region's exit check must take for the
             # Linear's output: it ran in global view); overlapped, the ring's own output (fresh already)
-            ("falcon", "tp 2 x pp 2 + sp, 2 micro-batches", False, None),
-            ("falcon", "dp 2 x tp 2 + sp + overlap, level 1", False, None),
-            ("persimmon", "dp 2 x tp 2, level 2", False, None),
+            ("falcon", "tp 2 + sp", False, None),
+            ("falcon", "tp 2 + sp + overlap", False, None),
+            ("persimmon", "tp 2", False, None),
             # selective recompute re-runs Bloom's attention with its alibi already cut (ShardHeadInput.recomputable)
-            ("bloom", "dp 2 x tp 2, selective recompute", False, None),
-            ("mpt", "dp 2 x tp 2, level 2", False, None),
-            ("bloom", "dp 2 x tp 2, level 2", True, head_major_alibi),
-            ("llama", "dp 2 x tp 2, level 2", True, contiguous_query_key_value)):
+            ("bloom", "tp 2, selective recompute", False, None),
+            ("mpt", "tp 2", False, None),
+            ("bloom", "tp 2", True, head_major_alibi),
+            ("llama", "tp 2", True, contiguous_query_key_value)):
         try:
-            _train(family, strategies[label], global_view=global_view, prepare=prepare)
+            _train(family, TP2[label], global_view=global_view, prepare=prepare)
         except Exception as error:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
@@ -363,7 +373,7 @@ def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
     under sequence parallel (the mixer on each rank's slice) it is refused, naming the mixer's parameters; before,
     its own 1-D A_log, D and dt_bias made it pass for a norm, and replicating it crashed on its children's names."""
     try:
-        _train("falcon-h1", MATRIX["dp 2 x tp 2 + sp + overlap, level 1"])
+        _train("falcon-h1", TP2["tp 2 + sp + overlap"])
     except ValueError as error:
         assert "model.layers.0.mamba.A_log" in str(error) and "run on sequence slices" in str(error), error
     else:
@@ -373,13 +383,13 @@ def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
 def check_learned_positions_train_under_sequence_parallel():
     """OPT adds a learned position embedding's lookup to the token embedding's: under sequence parallel the sequence
     is now split after both (it was split after the token embedding, so the position embedding's parameters ran on
-    sequence slices: refused). It trains equal to one process under dp 2 x tp 2 + sp, its blocks in global view (its
+    sequence slices: refused). It trains equal to one process under tp 2 + sp, its blocks in global view (its
     MLP's Linears are children of the layer, which adds the residual inside the region). GPTBigCode's own code then
     reshapes the final norm's output to the whole sequence's shape: the check of the parts outside the blocks refuses
-    it, naming them."""
-    _train("opt", _strategy(2, 2, 1, sequence_parallel=True, sharding_level=2), global_view=True)
+    it, naming them. On 2 processes (TP2)."""
+    _train("opt", TP2["tp 2 + sp"], global_view=True)
     try:
-        _train("gpt-bigcode", _strategy(2, 2, 1, sequence_parallel=True))
+        _train("gpt-bigcode", TP2["tp 2 + sp"])
     except TensorParallelCheckError as error:
         assert "the parts outside the decoder blocks" in str(error) and "transformer.wpe" in str(error), error
     else:
@@ -388,10 +398,10 @@ def check_learned_positions_train_under_sequence_parallel():
 
 def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
     """Granite (logits / logits_scaling, with embedding, residual and attention multipliers) and Cohere (logits *
-    logit_scale; LayerNorms, parallel attention and MLP) under dp 2 x tp 2 with overlapped sequence parallel:
-    the fused loss (vocabulary-parallel, its hidden states scaled) trains equal to one process."""
+    logit_scale; LayerNorms, parallel attention and MLP) under tp 2 with overlapped sequence parallel (on 2
+    processes): the fused loss (vocabulary-parallel, its hidden states scaled) trains equal to one process."""
     for family in SCALED_LOGITS:
-        _train(family, MATRIX[UNFUSED])
+        _train(family, TP2["tp 2 + sp + overlap"])
 
 
 def check_llama4_trains_under_tensor_and_pipeline_parallel():
@@ -464,9 +474,9 @@ def _train_in_forced_global_view(family, strategy):
 def check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas():
     """A mixture of experts whose decoder blocks fall back to global view (forced here for Mixtral, fused kernels
     on): the MoE block gets replicated DTensors, and the fused experts run on their local values (every tp rank
-    holds every token and expert); it trains equal to one process under dp 2 x tp 2. Before, torch's DTensor
-    dispatch failed inside the experts (no sharding rule for searchsorted)."""
-    _train_in_forced_global_view("mixtral", _strategy(2, 2, 1, sharding_level=2))
+    holds every token and expert); it trains equal to one process under tp 2 (on 2 processes). Before, torch's
+    DTensor dispatch failed inside the experts (no sharding rule for searchsorted)."""
+    _train_in_forced_global_view("mixtral", TP2["tp 2"])
     # Tokens split over the ranks cannot be routed on local values: refused, naming the placement.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -487,11 +497,11 @@ def check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas():
 def check_global_view_of_llama_like_blocks_with_the_key_value_cache():
     """Global view (the fallback of any block whose local view is wrong) of Hugging Face blocks, which fill
     the model's key/value cache in training too (use_cache): forced here for Qwen3 (per-head q/k norms,
-    fused kernels on), it trains equal to one process under dp 2 x tp 2 (the cache stores whole keys and
+    fused kernels on), it trains equal to one process under tp 2 (on 2 processes; the cache stores whole keys and
     values; before, torch.cat of its empty start with a DTensor raised). Gemma 3 too: its GeGLU MLP fused on the
     DTensors' shards (gelu's tanh approximation, not silu), its q/k norms, local and global layers."""
-    _train_in_forced_global_view("qwen3", _strategy(2, 2, 1, sharding_level=2))
-    _train_in_forced_global_view("gemma3", _strategy(2, 2, 1, sharding_level=2))
+    _train_in_forced_global_view("qwen3", TP2["tp 2"])
+    _train_in_forced_global_view("gemma3", TP2["tp 2"])
 
 
 class _Collect(logging.Handler):
@@ -620,8 +630,8 @@ def check_measured_search_applies_the_measured_fastest_and_drops_failures():
 
 
 def check_recompute_is_never_chosen_for_blocks_in_global_view():
-    """Recompute re-runs a block outside the global view's context: a search restricted to tp 2 with full
-    recompute chooses again without recompute for a Llama packing [q | k | v] in one query_key_value (its blocks run in
+    """Recompute re-runs a block outside the global view's context (on 2 processes): a search restricted to tp 2 with
+    full recompute chooses again without recompute for a Llama packing [q | k | v] in one query_key_value (its blocks run in
     global view) and trains; the same strategy forced, with full recompute or (eager attention, whose scores
     selective recompute drops) selective,
     is refused by name before the model changes (its parameters still plain tensors, its modules its own, no forward
@@ -635,7 +645,7 @@ def check_recompute_is_never_chosen_for_blocks_in_global_view():
         modules = [type(m) for m in model.modules()]
         try:
             distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
-                strategy=_strategy(2, 2, 1, recompute=recompute), fuse_kernels=False))
+                strategy=_strategy(1, 2, 1, recompute=recompute), fuse_kernels=False))
         except autotune.InvalidStrategy as error:
             assert f"recompute={recompute} cannot be applied" in str(error) and "global view" in str(error), error
         else:
@@ -647,7 +657,7 @@ def check_recompute_is_never_chosen_for_blocks_in_global_view():
         wrapped = [n for n, m in model.named_modules() if "forward" in vars(m) or hasattr(m, "_tridist_recompute")]
         assert not wrapped, (recompute, wrapped)
         distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
-            strategy=_strategy(2, 2, 1), fuse_kernels=False))  # the same model again, without recompute
+            strategy=TP2["tp 2"], fuse_kernels=False))  # the same model again, without recompute
 
 
 def check_labels_passed_by_position_count_like_keyword_ones():
@@ -1201,23 +1211,29 @@ def check_an_optimizer_built_after_to_distributed_trains_like_one_process():
 
 
 def check_compiled_after_to_distributed_trains_like_one_process():
-    """torch.compile(model) after to_distributed under dp 2 x tp 2 + sp with the default config (fused kernels, the
-    embedding and the LM head tied to it split on the vocabulary, the fused vocabulary-parallel loss): losses,
-    first-step gradients and parameters equal one uncompiled process. And each decoder block compiled alone with
-    fullgraph=True (no graph break inside a block), in pipeline stages under tp 2 x pp 2 + sp, gives the uncompiled
-    model's gradients (by hand also without pipeline stages, under dp 2 x tp 2 + sp and ZeRO-3), as under tp 4 for
-    Phi-3 (local head counts in a view of its config, key/value heads replicated in its packed qkv; GPTBigCode and
-    multi-query Falcon by hand). The aot_eager backend: Dynamo and AOTAutograd
-    trace the graphs Inductor would compile (Inductor itself took 45 s of C++ builds per world on this machine, by
-    hand: gradients within fp32 rounding). torch's own vocabulary-split embedding failed in that tracing
-    (pytorch/pytorch#160697); distcore's is plain tensor code (vocab_embedding.py)."""
+    """torch.compile(model) after to_distributed under tp 2 + sp (on 2 processes; dp 2 x tp 2 + sp by hand, FSDP's
+    hooks traced too) with the default config (fused kernels on the shards, the embedding and the LM head tied to it
+    split on the vocabulary, the fused vocabulary-parallel loss): losses, first-step gradients and parameters equal
+    one uncompiled process. The aot_eager backend: Dynamo and AOTAutograd trace the graphs Inductor would compile
+    (Inductor itself took 45 s of C++ builds per world on this machine, by hand: gradients within fp32 rounding).
+    torch's own vocabulary-split embedding failed in that tracing (pytorch/pytorch#160697); distcore's is plain
+    tensor code (vocab_embedding.py). Dynamo's tracing takes most of the check, the same on each rank: one layer, on
+    2 processes."""
     torch._dynamo.reset()
-    model, optimizer = _model("llama-tied", layers=1)  # Dynamo's tracing takes most of the check: one layer
+    model, optimizer = _model("llama-tied", layers=1)
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
-        config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1, sequence_parallel=True)))
+        config=distcore.ToDistributedConfig(strategy=TP2["tp 2 + sp"]))
     trace = _plain_loop(model, optimizer, loader, forward=torch.compile(model, backend="aot_eager"))
     equivalence.assert_same_training(trace, _reference("llama-tied", layers=1))
+
+
+def check_decoder_blocks_compiled_alone_give_the_eager_gradients():
+    """Each decoder block compiled alone with fullgraph=True (no graph break inside a block), in pipeline stages
+    under tp 2 x pp 2 + sp, gives the uncompiled model's gradients (by hand also without pipeline stages, under
+    dp 2 x tp 2 + sp and ZeRO-3), as under tp 4 for Phi-3 (local head counts in a view of its config, key/value
+    heads replicated in its packed qkv; GPTBigCode and multi-query Falcon by hand). The aot_eager backend, as in
+    check_compiled_after_to_distributed_trains_like_one_process."""
     # torchtitan's way: each decoder block compiled alone with fullgraph=True, which a graph break inside the block
     # refuses (the fused kernels on sequence-parallel shards broke the graph at each op: kernels/_common.py's
     # local_saved_tensors). A training call then gives the eager distributed model's loss and gradients.
@@ -1706,50 +1722,20 @@ def check_router_auxiliary_loss_is_the_mean_of_each_ranks():
 
 
 def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
-    """Mixtures of experts under tp with sequence parallel: each tp rank routes its own slice of the sequence
-    through the whole MoE block (the attention sees the whole sequence, the block half of it), the block's
-    gradients summed over tp; equal to one process for Mixtral, Qwen2-MoE (a gated shared expert), DeepSeek-V3
-    (latent attention, group-limited routing), gpt-oss (its own experts' forward), Llama 4 (every token through
-    every expert) and ERNIE 4.5 MoE. With expert parallel too (dp 2 = ep 2 x tp 2 + sp), each tp rank routes
-    its slice through its own ep group and the experts' gradients are summed over tp: equal to one process for
-    the three kinds of experts split (Mixtral's fused SwiGLU, gpt-oss's own forward, Llama 4's every-token
-    experts). A router's load-balancing loss over every token is refused with its reason."""
-    def halves_the_tokens(model):
-        """Record the sequence length the last layer's attention and MoE block see first (an MoE layer in every
-        family here)."""
-        seen = {}
-        layers = model.model.layers if hasattr(model, "model") else model.layers
-        layer = layers[len(layers) - 1]
-
-        def attention(module, args, kwargs):
-            seen.setdefault("attention", kwargs.get("hidden_states", args[0] if args else None).shape[1])
-
-        def moe(module, args):
-            seen.setdefault("moe", args[0].shape[-2])
-
-        layer.self_attn.register_forward_pre_hook(attention, with_kwargs=True)
-        (layer.mlp if hasattr(layer, "mlp") else layer.feed_forward).register_forward_pre_hook(moe)  # Llama 4's name
-        halves_the_tokens.seen = seen
-
+    """Mixtures of experts under tp with sequence parallel (tp 2 + sp, on 2 processes): each tp rank routes its own
+    slice of the sequence through the whole MoE block (the attention sees the whole sequence, the block half of it),
+    the block's gradients summed over tp; equal to one process for Mixtral, Qwen2-MoE (a gated shared expert),
+    DeepSeek-V3 (latent attention, group-limited routing), gpt-oss (its own experts' forward), Llama 4 (every token
+    through every expert) and ERNIE 4.5 MoE. A router's load-balancing loss over every token is refused with its
+    reason. With expert parallel too: check_moe_blocks_on_sequence_slices_split_over_expert_parallel."""
     for family in ("mixtral", "qwen2-moe", "deepseek-v3", "gpt-oss", "llama4", "ernie4_5_moe"):
         try:
-            _train(family, _strategy(2, 2, 1, sharding_level=1, sequence_parallel=True), inspect=halves_the_tokens)
+            _train(family, TP2["tp 2 + sp"], inspect=_halves_the_tokens)
         except Exception as error:
             raise AssertionError(f"{family} under tp + sp: {type(error).__name__}: {error}") from error
-        seen = halves_the_tokens.seen
+        seen = _halves_the_tokens.seen
         assert seen["moe"] * 2 == seen["attention"], (family, seen)
-    _expect_refused("mixtral-aux", _strategy(2, 2, 1, sequence_parallel=True), "load-balancing loss")
-    from tridist.distcore.expert_parallel import ExpertParallelExperts
-
-    def experts_split_on_slices(model):
-        halves_the_tokens(model)
-        split = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-        assert split and all(m.sum_gradients_over is not None and m.sum_gradients_over.size() == 2 for m in split), split
-
-    for family, level in (("mixtral", 1), ("gpt-oss", 3), ("llama4", 2)):
-        _train(family, _strategy(2, 2, 1, sequence_parallel=True, ep=2, sharding_level=level),
-               inspect=experts_split_on_slices)
-        assert halves_the_tokens.seen["moe"] * 2 == halves_the_tokens.seen["attention"], (family, halves_the_tokens.seen)
+    _expect_refused("mixtral-aux", TP2["tp 2 + sp"], "load-balancing loss")
     # A block that needs global view cannot run its MoE block on token-split DTensors: the search then leaves
     # sequence parallel out, not tensor parallel (local view refused here to force global view).
     from tridist.distcore import block_check
@@ -1763,8 +1749,7 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     local_view = block_check._Check.local_view
     block_check._Check.local_view = lambda self, reference: ("forced by the test", {})
     try:
-        limits = _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), spec,
-                                         distcore.ToDistributedConfig())
+        limits = _tensor_parallel_limits(model, TP2["tp 2 + sp"], spec, distcore.ToDistributedConfig())
     finally:
         block_check._Check.local_view = local_view
     assert set(limits) == {"sequence_parallel"}, limits
@@ -1775,11 +1760,46 @@ def check_moe_blocks_run_on_sequence_slices_under_sequence_parallel():
     try:
         model, _ = _model("qwen3-moe")
         spec = autotune.ModelSpec.from_module(model, seq_len=8)
-        assert _tensor_parallel_limits(model, _strategy(2, 2, 1, sequence_parallel=True), spec,
-                                       distcore.ToDistributedConfig()) == {}
+        assert _tensor_parallel_limits(model, TP2["tp 2 + sp"], spec, distcore.ToDistributedConfig()) == {}
     finally:
         block_check._Check.local_view = local_view
     assert len(checked) == 2, checked
+
+
+def _halves_the_tokens(model):
+    """Record the sequence length the last layer's attention and MoE block see first (an MoE layer in every
+    family here), in `_halves_the_tokens.seen`."""
+    seen = {}
+    layers = model.model.layers if hasattr(model, "model") else model.layers
+    layer = layers[len(layers) - 1]
+
+    def attention(module, args, kwargs):
+        seen.setdefault("attention", kwargs.get("hidden_states", args[0] if args else None).shape[1])
+
+    def moe(module, args):
+        seen.setdefault("moe", args[0].shape[-2])
+
+    layer.self_attn.register_forward_pre_hook(attention, with_kwargs=True)
+    (layer.mlp if hasattr(layer, "mlp") else layer.feed_forward).register_forward_pre_hook(moe)  # Llama 4's name
+    _halves_the_tokens.seen = seen
+
+
+def check_moe_blocks_on_sequence_slices_split_over_expert_parallel():
+    """Mixtures of experts under expert parallel and tp with sequence parallel (dp 2 = ep 2 x tp 2 + sp): each tp
+    rank routes its slice through its own ep group and the experts' gradients are summed over tp: equal to one
+    process for the three kinds of experts split (Mixtral's fused SwiGLU, gpt-oss's own forward, Llama 4's
+    every-token experts)."""
+    from tridist.distcore.expert_parallel import ExpertParallelExperts
+
+    def experts_split_on_slices(model):
+        _halves_the_tokens(model)
+        split = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        assert split and all(m.sum_gradients_over is not None and m.sum_gradients_over.size() == 2 for m in split), split
+
+    for family, level in (("mixtral", 1), ("gpt-oss", 3), ("llama4", 2)):
+        _train(family, _strategy(2, 2, 1, sequence_parallel=True, ep=2, sharding_level=level),
+               inspect=experts_split_on_slices)
+        assert _halves_the_tokens.seen["moe"] * 2 == _halves_the_tokens.seen["attention"], (family, _halves_the_tokens.seen)
 
 
 def check_ernie_4_5_and_glm_4_train_under_tensor_pipeline_and_expert_parallel():
@@ -1824,6 +1844,15 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
 
 
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
+TWO_PROCESS_CHECKS = [  # their strategies from TP2
+    "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
+    "check_mamba_mixers_beside_attention_are_refused_sequence_parallel",
+    "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
+    "check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas",
+    "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
+    "check_moe_blocks_run_on_sequence_slices_under_sequence_parallel",
+    "check_compiled_after_to_distributed_trains_like_one_process",
+    "check_recompute_is_never_chosen_for_blocks_in_global_view"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
