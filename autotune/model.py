@@ -106,6 +106,10 @@ class ModelStructure:
     latent_kv: str | None = None
     latent_kv_down: str | None = None  # its down-projection ("self_attn.kv_a_proj_with_mqa"): latent + rotary key
     latent_rotary_features: int = 0  # that projection's last outputs: the rotary key every head uses
+    # A projection from the hidden states beside q/k/v giving the attention's output a gate per query head, one per
+    # feature (AFMoE's and Beam's gate_proj: heads x head_dim) or one per head (Laguna's g_proj with gate_per_head):
+    # split with the query heads (its outputs head-major).
+    attention_gate: str | None = None
     layer_norms: tuple[str, ...] = ()
     qk_norms: tuple[str, ...] = ()  # norms of the queries/keys inside attention (ModelSpec.qk_norm says which kind)
     embedding: str | None = None
@@ -158,7 +162,8 @@ class ModelStructure:
             raise ValueError("ModelStructure.tp_roles: no tensor-parallel roles for linear attention (layers "
                              f"{list(self.linear_attention.layers)}); distcore.auto.tensor_parallel_plan splits it")
         roles = {}
-        for name in (self.q, self.k, self.v, self.qkv, self.latent_kv, self.gate, self.up, self.gate_up):
+        for name in (self.q, self.k, self.v, self.qkv, self.latent_kv, self.attention_gate, self.gate, self.up,
+                     self.gate_up):
             if name:
                 roles[self.pattern(name)] = "colwise"
         roles[self.pattern(self.o)] = "rowwise"
@@ -182,6 +187,8 @@ class ModelStructure:
             rows.append(("attention q / latent kv", ", ".join(self.pattern(n) for n in (self.q, self.latent_kv))))
         else:
             rows += [("attention q/k/v", ", ".join(self.pattern(n) for n in (self.q, self.k, self.v)))]
+        if self.attention_gate:
+            rows.append(("attention output gate", self.pattern(self.attention_gate)))
         rows.append(("attention out", self.pattern(self.o)))
         if self.linear_attention is not None:
             linear = self.linear_attention
@@ -345,9 +352,10 @@ class ModelSpec:
     all-reduces; None without; their weights are counted with the layer's norms), `latent_attention`
     (DeepSeek's multi-head latent attention: its projections and attention core priced as they run, the
     down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections),
-    `attention_output_gate` (Qwen3-Next's and Qwen3.5's gated attention: the query projection also gives each query
-    head a gate on its output, q_size more outputs), `gated_delta_net` (the layers whose token mixer is Gated DeltaNet linear attention, and their shapes; None:
-    attention in every layer), and a display `name`. `structure` is set by `from_module`.
+    `attention_output_gate` (gated attention: a gate on each query head's output features, q_size more outputs of
+    the query projection in Qwen3-Next and Qwen3.5, of a projection of its own in AFMoE and Beam), `gated_delta_net`
+    (the layers whose token mixer is Gated DeltaNet linear attention, and their shapes; None: attention in every
+    layer), and a display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -977,6 +985,9 @@ def _name_matches(leaf: str, word: str) -> bool:
 # other numbers when split so, which distcore's block check finds before training: the block then runs in global
 # view, whatever the layout (block_check.py).
 _INTERLEAVED_QKV = ("query_key_value",)
+# An attention's own output gate: a projection from the hidden states beside q/k/v of one of these names (AFMoE's and
+# Beam's gate_proj, Laguna's g_proj), read as such where its width fits the query heads (`_recognise_layers`).
+_ATTENTION_GATE_WORDS = ("gate", "g")
 _O_WORDS = ("o_proj", "out_proj", "o", "wo", "dense", "c_proj", "proj_out")
 _DOWN_WORDS = ("down", "w2", "fc2", "out", "c_proj", "dense_4h_to_h")
 
@@ -1008,8 +1019,14 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
         # Qwen3-Next's and Qwen3.5's gated attention: the query projection also gives each head its output gate,
         # [query | gate] per head, twice what the output projection takes (a contiguous tp split keeps heads whole).
         gated_query = q.out_features == 2 * o.in_features
+        q_size = o.in_features if gated_query else q.out_features
+        # A projection of its own for the gate (its width checked against the heads once they are known); any other
+        # projection beside q/k/v stays whole on every rank, which the block check finds wrong if it is
+        gates = [l for l in ins if l not in (q, k, v) and any(_name_matches(l.leaf, w) for w in _ATTENTION_GATE_WORDS)
+                 and q_size % l.out_features == 0]
         return dict(q=q.name, k=k.name, v=v.name, o=o.name, kv_size=k.out_features, gated_query=gated_query,
-                    q_size=o.in_features if gated_query else q.out_features)
+                    q_size=q_size, gate=gates[0].name if len(gates) == 1 else None,
+                    gate_size=gates[0].out_features if len(gates) == 1 else 0)
     if len(ins) == 1:
         qkv = ins[0]
         rest = qkv.out_features - q_size
@@ -1167,7 +1184,8 @@ def _outer_parts(model, layers_name: str, hidden: int) -> dict:
 
 
 # Attribute names that hold the number of experts each token is sent to (HF, Megatron, torchtitan).
-_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "moe_router_topk", "topk")
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "moe_router_topk", "topk",
+                "top_k_experts")  # the last: Gemma 4's
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -1416,6 +1434,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         if widths != expected:
             notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
                          f"transformers' q, k, v, z, b and a ({expected})")
+    gate = attn.get("gate") if attn.get("gate_size") in (heads * head_dim, heads) else None
+    if gate and attn["gate_size"] == heads:
+        notes.append(f"{gate} gives one output gate per head ({heads}), priced as none")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
         notes.append(f"multi-head latent attention priced as it runs ({latent})")
@@ -1430,6 +1451,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
         mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
         v=attn.get("v"), qkv=attn.get("qkv"), latent_kv=attn.get("latent_kv"), latent_kv_down=attn.get("latent_kv_down"),
+        attention_gate=gate,
         latent_rotary_features=attn["latent_widths"][2] if attn.get("latent_kv") else 0,  # the down-projection's rotary key
         gate=mlp_parts.get("gate"), up=mlp_parts.get("up"), gate_up=mlp_parts.get("gate_up"),
         qkv_sizes=(attn["q_size"], attn["kv_size"], attn["kv_size"]) if attn.get("qkv") else None,
@@ -1451,7 +1473,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qkv_interleaved=interleaved,
         qk_norm=qk_norm,
-        latent_attention=latent, attention_output_gate=bool(attn.get("gated_query")), flash_attention=not eager,
+        latent_attention=latent, flash_attention=not eager,
+        attention_output_gate=bool(attn.get("gated_query") or gate and attn["gate_size"] != heads),  # per feature
         softmax_fp32=eager,
         gated_delta_net=linear_shape, **moe_fields,
     )

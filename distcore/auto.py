@@ -310,6 +310,10 @@ def unsupported(spec) -> dict[str, str]:
         limits["overlap_tp_comm"] = (
             f"the MoE blocks ({structure.pattern(structure.moe)} in {len(structure.moe_layers)} of "
             f"{structure.num_layers} layers) have no column-parallel entry for the all-gather to overlap with")
+        if not structure.moe:  # Gemma 4's router and experts are children of the decoder layer itself
+            limits["sequence_parallel"] = (
+                "the MoE block is the whole decoder layer (its router and experts are the layer's own children, its "
+                "attention included): no block runs on the sequence's slices alone")
     # A head of the model's own (structure.task_head: a classifier's score) stays whole on every tp rank, after
     # the final norm's gathered output under sequence parallel, and on the last pipeline stage: nothing to limit.
     if structure.tied_embeddings and not structure.lm_head and not structure.task_head:
@@ -631,8 +635,9 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
                          tp: int = 1) -> TensorParallelPlan:
     """The typed plan for a recognised Llama-like structure (Megatron's split), named with the model's own
     module names (no patterns to re-match): column-parallel q/k/v (or a packed qkv, its part sizes as
-    recognised; one held per key/value head, [q..q k v], split contiguously: GPT-NeoX's, Bloom's, Falcon's) and
-    gate/up, row-parallel o and down, vocabulary-split embedding and LM head (one split when they are tied). Where
+    recognised; one held per key/value head, [q..q k v], split contiguously: GPT-NeoX's, Bloom's, Falcon's), an
+    attention's own output-gate projection (with the query heads) and gate/up, row-parallel o and down,
+    vocabulary-split embedding and LM head (one split when they are tied). Where
     `tp` exceeds a layer's own key/value heads (read from its k projection: layers may differ, Gemma 4's per-layer
     configs) and they divide it, that layer's k and v projections get ReplicatedColWiseParallel(tp // heads), each
     head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear
@@ -682,6 +687,7 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             add_per_layer(structure.qkv, ReplicatedColWiseParallel(replicas, packed_query=structure.qkv_sizes[0])
                           if replicas > 1 else packed, among=[layer])
     add_per_layer(structure.latent_kv, ColWiseParallel(), among=attention_layers)  # DeepSeek's kv_b_proj
+    add_per_layer(structure.attention_gate, ColWiseParallel(), among=attention_layers)  # each rank its heads' gates
     add_per_layer(structure.o, RowWiseParallel(), among=attention_layers)
     if structure.latent_kv_down and structure.latent_rotary_features:  # DeepSeek's rotary key, one for every head
         add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features),
@@ -719,9 +725,11 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             for name, module in model.get_submodule(block).named_modules():
                 if any(True for _ in module.parameters(recurse=False)):
                     add(f"{block}.{name}" if name else block, ShardLocalParameters())
-        # Gather the sequence at the LM head module; a bare head weight on the root (the seed's) has none,
-        # so gather before the final norm.
-        add(structure.lm_head or structure.final_norm, SequenceParallelEnd())
+        # Gather the sequence before the final norm (at the LM head module where the model has none): models' code
+        # may read the final norm's output at the whole sequence's shape (GPTBigCode reshapes it to the input's),
+        # and the head takes the whole sequence anyway. One norm on the whole sequence on every rank, as the head
+        # is: its weight sees every token, so its gradient needs no sum over the tp ranks.
+        add(structure.final_norm or structure.lm_head, SequenceParallelEnd())
     return plan_from_names(model, plan)
 
 

@@ -114,6 +114,20 @@ MORE_FAMILIES = {
     # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
     "ernie4_5": ("ernie4_5", {}),
     "ernie4_5_moe": ("ernie4_5_moe", dict(moe_num_experts=EXPERTS, moe_k=TOP_K, moe_intermediate_size=32)),
+    # Gemma 4's mixture of experts (26B-A4B's layout): in every layer a dense MLP and routed experts side by side, the
+    # router and experts children of the decoder layer itself (no MoE block module); no per-layer inputs.
+    "gemma4-moe": ("gemma4_text", dict(head_dim=16, global_head_dim=16, hidden_size_per_layer_input=0, enable_moe_block=True,
+                                       num_experts=EXPERTS, top_k_experts=TOP_K, moe_intermediate_size=32)),
+    # Attention whose output is gated by a projection of its own beside q/k/v (split with the query heads under tp):
+    # AFMoE (Arcee's Trinity) a gate per feature (gate_proj, heads x head_dim), sliding and full layers, a dense first
+    # layer, then experts with a shared one; Laguna a gate per head (g_proj, its default `gating`); Beam a gate per
+    # feature with a bias per head, the second layer's MLP experts (its mlp_layer_types, set in `build`).
+    "afmoe": ("afmoe", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32, num_shared_experts=1,
+                            num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=SLIDING_WINDOW, **_MOE)),
+    "laguna": ("laguna", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, **_MOE)),
+    "beam": ("beam", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32, sliding_window=SLIDING_WINDOW,
+                          n_group=1, topk_group=1, **_MOE)),
 }
 
 
@@ -271,10 +285,13 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
     if family in MORE_FAMILIES:
         model_type, extra = MORE_FAMILIES[family]
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
-        alternating = {"qwen3-next": ("linear_attention", "full_attention"),
-                       "qwen3.5": ("linear_attention", "full_attention"), "gemma3": ("sliding_attention", "full_attention"),
-                       "gemma3-mqa": ("sliding_attention", "full_attention")}
+        alternating = {"qwen3-next": ("layer_types", "linear_attention", "full_attention"),
+                       "qwen3.5": ("layer_types", "linear_attention", "full_attention"),
+                       "gemma3": ("layer_types", "sliding_attention", "full_attention"),
+                       "gemma3-mqa": ("layer_types", "sliding_attention", "full_attention"),
+                       "beam": ("mlp_layer_types", "dense", "sparse")}
         if family in alternating:  # the two kinds of layers alternate, the first kind first
-            settings.layer_types = [alternating[family][i % 2] for i in range(layers)]
+            attribute, *kinds = alternating[family]
+            setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])
         return hf.AutoModelForCausalLM.from_config(settings)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")

@@ -567,6 +567,38 @@ def test_qk_norms_are_recognised_by_their_size():
     assert spec != preset("llama3-8b") and hash(spec) == hash(dataclasses.replace(preset("llama3-8b"), qk_norm="head"))
 
 
+def test_an_attention_output_gate_of_its_own_is_split_with_the_query_heads():
+    """A projection beside q/k/v gating the attention's output: AFMoE's gate_proj (heads x head_dim: priced as a gated
+    query's extra outputs) and Laguna's g_proj (one gate per head: priced as none, noted), each column-parallel in
+    to_distributed's plan. A projection of another name or width is no gate (it stays whole, for the block check
+    to judge); Qwen3.5's gate inside its query projection is the query's."""
+    from tests.hf_models import build
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    afmoe, laguna = build("afmoe"), build("laguna")
+    a, g = ModelSpec.from_module(afmoe, seq_len=16), ModelSpec.from_module(laguna, seq_len=16)
+    assert (a.structure.attention_gate, a.attention_output_gate) == ("self_attn.gate_proj", True)
+    assert (g.structure.attention_gate, g.attention_output_gate) == ("self_attn.g_proj", False)
+    assert "self_attn.g_proj gives one output gate per head (4), priced as none" in g.structure.notes
+    assert "attention output gate model.layers.*.self_attn.gate_proj" in " ".join(a.structure.describe().split())
+    # the gate's weights priced as a gated query's: q_size more outputs of the column-parallel projections
+    ungated = dataclasses.replace(a, attention_output_gate=False)
+    assert a.attention_parameters - ungated.attention_parameters == a.hidden_size * a.q_size
+    for model, spec, gate in ((afmoe, a, "gate_proj"), (laguna, g, "g_proj")):
+        styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=True).styles
+        assert [type(x).__name__ for x in styles[f"model.layers.1.self_attn.{gate}"]] == ["ColWiseParallel"]
+    assert not ModelSpec.from_module(build("qwen3.5"), seq_len=16).structure.attention_gate
+    # A gate-named projection whose width fits no head count, and one named otherwise, are not read as gates
+    for name, width in (("gate_proj", 24), ("extra_proj", 64)):
+        model = build("llama", layers=1)
+        attention = model.model.layers[0].self_attn
+        delattr(attention, "gate_proj") if hasattr(attention, "gate_proj") else None
+        setattr(attention, name, nn.Linear(64, width, bias=False))
+        spec = ModelSpec.from_module(model, seq_len=16)
+        assert spec.structure.attention_gate is None and not spec.attention_output_gate, name
+
+
 def test_a_heterogeneous_config_is_read_from_the_layers():
     """transformers' heterogeneous configs (Dots 3: per-layer attributes) raise on a global read of a per-layer
     attribute such as num_key_value_heads: the structure reads it as absent (the shapes decide) and refuses the

@@ -43,6 +43,28 @@ def test_transformers_moe_families_are_recognised(family):
     assert "MoE block" in s.describe() and "experts (stacked)" in s.describe()
 
 
+def test_gemma4_experts_beside_a_dense_mlp_in_the_decoder_layer_are_recognised():
+    """Gemma 4's mixture of experts (26B-A4B's layout): the router and the experts are children of the decoder layer
+    itself, beside a dense MLP every token runs, and the config names the experts per token `top_k_experts` (before:
+    unrecognised, "the number of experts per token was not found"). The MoE block is the layer; its dense MLP is
+    read as a shared expert (whole on every tp rank, as the experts are); sequence parallel is left out (nothing runs
+    on sequence slices alone). The spec counts every parameter but the
+    extra norms and the router's scales (noted: 7 norms per layer)."""
+    model = build("gemma4-moe")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    s = spec.structure
+    assert (spec.num_experts, spec.experts_per_token, spec.expert_ffn_hidden_size) == (EXPERTS, TOP_K, 32)
+    assert (s.moe, s.router, s.experts, s.shared_experts, s.moe_layers) == ("", "router.proj.weight", "experts", ("mlp",),
+                                                                            tuple(range(LAYERS)))
+    assert spec.shared_ffn_hidden_size == model.config.intermediate_size
+    hidden = model.config.hidden_size
+    extra = LAYERS * (5 * hidden + hidden + EXPERTS)  # 5 norms beyond 2, the router's scale and per-expert scale
+    assert spec.num_parameters == _counted(model) - extra and "7 norm(s) per layer found" in " ".join(s.notes)
+    assert "MoE block is the whole decoder layer" in unsupported(spec)["sequence_parallel"]  # never searched, refused
+    with pytest.raises(ValueError, match="MoE block is the whole decoder layer"):
+        tensor_parallel_plan(model, s, sequence_parallel=True)
+
+
 class _SwiGLU(nn.Module):
     def __init__(self, hidden, ffn):
         super().__init__()

@@ -11,10 +11,10 @@ from tridist.distcore import auto as td
 from tridist.distcore.tensor_parallel import ColWiseParallel, RowWiseParallel, SequenceParallelBegin, SequenceParallelEnd
 
 
-@pytest.mark.parametrize("name, head, end_module", [
-    ("seed-llama", "weight", "norm"),             # bare root LM head: sequence gathered before the final norm
-    ("hf-llama", "lm_head", "lm_head"),
-    ("paddle-llama", "lm_head.weight", "lm_head"),  # a bare weight in its LlamaLMHead
+@pytest.mark.parametrize("name, head, end_module", [  # the sequence gathered before the final norm
+    ("seed-llama", "weight", "norm"),             # bare root LM head
+    ("hf-llama", "lm_head", "model.norm"),
+    ("paddle-llama", "lm_head.weight", "llama.norm"),  # a bare weight in its LlamaLMHead
 ])
 def test_plan_names_every_projection_by_its_own_name(name, head, end_module):
     """The typed plan holds the model's own module names (no patterns to re-match), the packed parts'

@@ -368,6 +368,25 @@ def check_query_key_value_families_train_under_tensor_parallel():
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
+def check_attention_output_gates_are_split_with_the_query_heads():
+    """An attention whose output a projection of its own gates beside q/k/v: AFMoE's gate_proj (a gate per feature),
+    Laguna's g_proj (one per head) and Beam's gate_proj (a bias per head beside it, which the block check splits by
+    head: ShardHeadParameters). The plan splits the gate with the query heads (column-parallel: each rank its heads'
+    gates); kept whole, it failed the block check on the shapes and the blocks ran in global view, or, with sequence
+    parallel (an MoE block in global view cannot take token-split inputs), were refused. In local view each trains
+    equal to one process under tp 2 + sp, Beam also without sp (on 2 processes, TP2)."""
+    def gate_split(model):
+        gates = [m.weight for n, m in model.named_modules() if n.endswith(("self_attn.gate_proj", "self_attn.g_proj"))]
+        assert gates and all(w.placements[w.device_mesh.mesh_dim_names.index("mp")] == distcore.Shard(0)
+                             and w.to_local().shape[0] * 2 == w.shape[0] for w in gates), [(w.placements, w.shape) for w in gates]
+
+    for family, label in (("afmoe", "tp 2 + sp"), ("laguna", "tp 2 + sp"), ("beam", "tp 2 + sp"), ("beam", "tp 2")):
+        try:
+            _train(family, TP2[label], inspect=gate_split)
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
+
+
 def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
     """Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer. Its scan needs the whole sequence, so
     under sequence parallel (the mixer on each rank's slice) it is refused, naming the mixer's parameters; before,
@@ -381,19 +400,15 @@ def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
 
 
 def check_learned_positions_train_under_sequence_parallel():
-    """OPT adds a learned position embedding's lookup to the token embedding's: under sequence parallel the sequence
-    is now split after both (it was split after the token embedding, so the position embedding's parameters ran on
-    sequence slices: refused). It trains equal to one process under tp 2 + sp, its blocks in global view (its
-    MLP's Linears are children of the layer, which adds the residual inside the region). GPTBigCode's own code then
-    reshapes the final norm's output to the whole sequence's shape: the check of the parts outside the blocks refuses
-    it, naming them. On 2 processes (TP2)."""
+    """OPT and GPTBigCode add a learned position embedding's lookup to the token embedding's: under sequence parallel
+    the sequence is now split after both (it was split after the token embedding, so the position embedding's
+    parameters ran on sequence slices: refused). OPT trains equal to one process under tp 2 + sp, its blocks in
+    global view (its MLP's Linears are children of the layer, which adds the residual inside the region).
+    GPTBigCode's own code reshapes the final norm's output to the whole sequence's shape: with the sequence gathered
+    before the final norm it trains equal in local view (gathered after it, at the LM head, the check of the parts
+    outside the blocks refused it). On 2 processes (TP2)."""
     _train("opt", TP2["tp 2 + sp"], global_view=True)
-    try:
-        _train("gpt-bigcode", TP2["tp 2 + sp"])
-    except TensorParallelCheckError as error:
-        assert "the parts outside the decoder blocks" in str(error) and "transformer.wpe" in str(error), error
-    else:
-        raise AssertionError("GPTBigCode under sequence parallel was accepted")
+    _train("gpt-bigcode", TP2["tp 2 + sp"])
 
 
 def check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss():
@@ -1634,6 +1649,23 @@ def check_mixtures_of_experts_train_data_parallel():
     _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True), "no column-parallel entry")
 
 
+def check_gemma4_experts_beside_a_dense_mlp_train_under_expert_tensor_and_pipeline_parallel():
+    """Gemma 4's mixture of experts (26B-A4B's layout: in each decoder layer a dense MLP and routed experts side by side,
+    the router and the experts children of the layer; unrecognised before, so trained data parallel only): equal to
+    one process with its experts split over ep 2 beside tp 2 (the attention split, the MoE layer's MLP and experts
+    whole on the tp ranks), and under dp 2 x pp 2. Sequence parallel is refused with the reason (the MoE block is the
+    whole layer, attention included: nothing runs on sequence slices alone)."""
+    from tridist.distcore.expert_parallel import ExpertParallelExperts
+
+    def experts_split(model):
+        split = [m for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        assert len(split) == LAYERS, split
+
+    _train("gemma4-moe", _strategy(2, 2, 1, ep=2, sharding_level=2), inspect=experts_split)
+    _train("gemma4-moe", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2))
+    _expect_refused("gemma4-moe", _strategy(2, 2, 1, sequence_parallel=True), "the MoE block is the whole decoder layer")
+
+
 def check_expert_parallel_trains_like_one_process():
     """Expert parallel (the experts split over ep of the dp ranks, tokens sent to them and back by
     all-to-all): ep 4 with the experts replicated nowhere, ep 2 on 4 ranks with ZeRO-3 over both groups
@@ -1845,6 +1877,7 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
 
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
+    "check_attention_output_gates_are_split_with_the_query_heads",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
     "check_mamba_mixers_beside_attention_are_refused_sequence_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
