@@ -725,12 +725,22 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             for name, module in model.get_submodule(block).named_modules():
                 if any(True for _ in module.parameters(recurse=False)):
                     add(f"{block}.{name}" if name else block, ShardLocalParameters())
-        # Gather the sequence before the final norm (at the LM head module where the model has none): models' code
-        # may read the final norm's output at the whole sequence's shape (GPTBigCode reshapes it to the input's),
-        # and the head takes the whole sequence anyway. One norm on the whole sequence on every rank, as the head
-        # is: its weight sees every token, so its gradient needs no sum over the tp ranks.
-        add(structure.final_norm or structure.lm_head, SequenceParallelEnd())
-    return plan_from_names(model, plan)
+        # Gather the sequence before the final norm: models' code may read its output at the whole sequence's shape
+        # (GPTBigCode reshapes it to the input's), and the head takes the whole sequence anyway. One norm on the whole
+        # sequence on every rank, as the head is: its weight sees every token, so its gradient needs no sum over the
+        # tp ranks. The span between Begin and End is read in registration order (_with_sequence_context): a final
+        # norm registered before the layers (OPT's) would leave them out of it, so there the LM head module ends it,
+        # as it did for every model before 2026-11-30.
+        late_norm = structure.final_norm if order.get(structure.final_norm, -1) > order.get(structure.layers, -1) else None
+        end = late_norm or structure.lm_head or structure.final_norm
+        add(end, SequenceParallelEnd())
+    resolved = plan_from_names(model, plan)
+    if sequence_parallel and not set(layers) <= resolved.sequence_span:  # a setting not honoured is an error
+        raise ValueError(f"tensor_parallel_plan: sequence parallel would leave decoder layers out of its span: the span "
+                         f"runs from the embedding to {end!r} in the order the modules are registered, and "
+                         f"{sorted(set(layers) - resolved.sequence_span)[:3]} are not between them; register the final "
+                         "norm and the head after the layer list, or use tp without sequence parallel")
+    return resolved
 
 
 def _kv_head_replicas(model: torch.nn.Module, layer: str, structure, tp: int) -> int:

@@ -41,6 +41,33 @@ def test_plan_names_every_projection_by_its_own_name(name, head, end_module):
     assert f"{structure.layers}.0" in plan.sequence_span and plan.lazy_split
 
 
+def test_the_sequence_is_gathered_before_a_final_norm_registered_after_the_layers():
+    """Under sequence parallel the region ends at the final norm where it is registered after the layer list
+    (GPTBigCode's code reshapes its output to the whole sequence's shape), else at the LM head: the span is read in
+    registration order, and OPT's final norm, registered before its layers, left every layer out of it (sequence
+    parallel silently off: a review's find). A span without every layer is refused, naming the fix."""
+    pytest.importorskip("transformers")
+    import transformers as hf
+
+    from tests.hf_models import build
+
+    for family, end in (("gpt-bigcode", "transformer.ln_f"), ("opt", "lm_head"), ("llama", "model.norm")):
+        model = build(family)
+        structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
+        plan = td.tensor_parallel_plan(model, structure, sequence_parallel=True)
+        ends = [n for n, styles in plan.styles.items() if any(isinstance(s, SequenceParallelEnd) for s in styles)]
+        layers = {f"{structure.layers}.{i}" for i in range(structure.num_layers)}
+        assert ends == [end] and layers <= plan.sequence_span, (family, ends)
+    # A classifier (no LM head module) whose final norm is registered before its layers: nothing to end at after them
+    model = hf.LlamaForSequenceClassification(hf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=3, pad_token_id=2))
+    model.model._modules = {name: model.model._modules[name] for name in ("embed_tokens", "norm", "layers", "rotary_emb")}
+    structure = autotune.ModelSpec.from_module(model, seq_len=8).structure
+    with pytest.raises(ValueError, match=r"would leave decoder layers out of its span.*register the final norm"):
+        td.tensor_parallel_plan(model, structure, sequence_parallel=True)
+
+
 def test_key_value_heads_below_tp_are_replicated_in_the_plan():
     """Where tp exceeds a layer's key/value heads (read from its own k projection) and they divide it, its k and v
     projections compute each head on tp / heads ranks; q and the rest split as before. Layers may differ (Gemma 4's
