@@ -17,24 +17,10 @@ NPROC = 4
 # of tensor parallel alone in its 2-process launch.
 EIGHT, TWO = transformers_worker.EIGHT_PROCESS_CHECKS, transformers_worker.TWO_PROCESS_CHECKS
 FOUR = [c for c in transformers_worker.CHECKS if c not in EIGHT + TWO]
-MERGED = {"transformers_worker": {NPROC: FOUR, 8: EIGHT, 2: TWO}}
+WORLDS = {NPROC: FOUR, 8: EIGHT, 2: TWO}
+MERGED = {"transformers_worker": WORLDS}
 
 
-@pytest.fixture(scope="module")
-def results(merged_launches):
-    return module_results(merged_launches[NPROC], "transformers_worker")
-
-
-@pytest.mark.parametrize("check", FOUR)
-def test_transformers_models(results, check):
-    assert_check(results, check, nproc=NPROC)
-
-
-@pytest.mark.parametrize("check", EIGHT)
-def test_transformers_models_on_eight_processes(merged_launches, check):
-    assert_check(module_results(merged_launches[8], "transformers_worker"), check, nproc=8)
-
-
-@pytest.mark.parametrize("check", TWO)
-def test_transformers_models_on_two_processes(merged_launches, check):
-    assert_check(module_results(merged_launches[2], "transformers_worker"), check, nproc=2)
+@pytest.mark.parametrize("nproc, check", [(nproc, check) for nproc, checks in WORLDS.items() for check in checks])
+def test_transformers_models(merged_launches, nproc, check):
+    assert_check(module_results(merged_launches[nproc], "transformers_worker"), check, nproc=nproc)
