@@ -308,12 +308,8 @@ def unsupported(spec) -> dict[str, str]:
         return limits
     if structure.is_moe:
         limits["overlap_tp_comm"] = (
-            f"the MoE blocks ({structure.pattern(structure.moe)} in {len(structure.moe_layers)} of "
+            f"the MoE blocks ({structure.pattern(structure.moe).rstrip('.')} in {len(structure.moe_layers)} of "
             f"{structure.num_layers} layers) have no column-parallel entry for the all-gather to overlap with")
-        if not structure.moe:  # Gemma 4's router and experts are children of the decoder layer itself
-            limits["sequence_parallel"] = (
-                "the MoE block is the whole decoder layer (its router and experts are the layer's own children, its "
-                "attention included): no block runs on the sequence's slices alone")
     # A head of the model's own (structure.task_head: a classifier's score) stays whole on every tp rank, after
     # the final norm's gathered output under sequence parallel, and on the last pipeline stage: nothing to limit.
     if structure.tied_embeddings and not structure.lm_head and not structure.task_head:
@@ -650,7 +646,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     With it, each tp rank routes its own slice of the sequence through the whole block (ShardLocalParameters
     on each of the block's modules with parameters: the module code sees plain local tensors, the gradients
     are summed over the tp ranks), so no rank repeats another's expert compute; expert parallel takes the
-    experts modules over from there (expert_parallel.py). A router whose load-balancing loss takes every token's
+    experts modules over from there (expert_parallel.py). Where the block is the layer itself (Gemma 4: router and
+    experts beside the attention), all of the layer but its attention does so. A router whose load-balancing loss takes every token's
     logits cannot see a slice (refused by `to_distributed`)."""
     if structure.is_moe and sequence_parallel and router_aux_loss_on(model):
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
@@ -716,13 +713,13 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
             add_per_layer(linear.mixer, SequenceParallelDisable(), among=linear_layers)
         add_per_layer(structure.mlp, SequenceParallelDisable(), among=dense_layers)
         moe_layers = [layer for i, layer in zip(indices, layers) if i in set(structure.moe_layers)]
-        if moe_layers and not structure.moe:
-            raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose MoE block is the "
-                             "whole decoder layer (its attention included): no block runs on the sequence's slices "
-                             "alone; use tp without sequence parallel")
         for layer in moe_layers:  # each tp rank routes its own slice of the sequence through the whole block
-            block = f"{layer}.{structure.moe}"
+            # Where the block is the layer itself (Gemma 4: router and experts beside the attention and a dense MLP
+            # every token runs), all of the layer but its attention, which is a Disable region as in dense layers.
+            block = f"{layer}.{structure.moe}" if structure.moe else layer
             for name, module in model.get_submodule(block).named_modules():
+                if not structure.moe and f"{name}.".startswith(f"{structure.attention}."):
+                    continue
                 if any(True for _ in module.parameters(recurse=False)):
                     add(f"{block}.{name}" if name else block, ShardLocalParameters())
         # Gather the sequence before the final norm: models' code may read its output at the whole sequence's shape

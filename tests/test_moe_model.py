@@ -47,8 +47,11 @@ def test_gemma4_experts_beside_a_dense_mlp_in_the_decoder_layer_are_recognised()
     """Gemma 4's mixture of experts (26B-A4B's layout): the router and the experts are children of the decoder layer
     itself, beside a dense MLP every token runs, and the config names the experts per token `top_k_experts` (before:
     unrecognised, "the number of experts per token was not found"). The MoE block is the layer; its dense MLP is
-    read as a shared expert (whole on every tp rank, as the experts are); sequence parallel is left out (nothing runs
-    on sequence slices alone). The spec counts every parameter but the
+    read as a shared expert (whole on every tp rank, as the experts are). Under sequence parallel (refused at first)
+    each tp rank runs all of the layer but its attention on its own slice of the sequence: every module there with
+    parameters of its own gets ShardLocalParameters (the norms too: the router's input norm takes the tokens
+    flattened, [tokens, hidden], which torch's SequenceParallel style would split on the hidden dim), and the
+    attention is a SequenceParallelDisable region split over the heads. The spec counts every parameter but the
     extra norms and the router's scales (noted: 7 norms per layer)."""
     model = build("gemma4-moe")
     spec = ModelSpec.from_module(model, seq_len=16)
@@ -60,9 +63,15 @@ def test_gemma4_experts_beside_a_dense_mlp_in_the_decoder_layer_are_recognised()
     hidden = model.config.hidden_size
     extra = LAYERS * (5 * hidden + hidden + EXPERTS)  # 5 norms beyond 2, the router's scale and per-expert scale
     assert spec.num_parameters == _counted(model) - extra and "7 norm(s) per layer found" in " ".join(s.notes)
-    assert "MoE block is the whole decoder layer" in unsupported(spec)["sequence_parallel"]  # never searched, refused
-    with pytest.raises(ValueError, match="MoE block is the whole decoder layer"):
-        tensor_parallel_plan(model, s, sequence_parallel=True)
+    assert "sequence_parallel" not in unsupported(spec)
+    plan = tensor_parallel_plan(model, s, sequence_parallel=True, tp=2)
+    layer = dict(model.model.layers[0].named_modules())
+    local = {name.removeprefix("model.layers.0.") for name, styles in plan.styles.items()
+             if name.startswith("model.layers.0.") and any(type(x).__name__ == "ShardLocalParameters" for x in styles)}
+    assert local == {name for name, module in layer.items() if name and not name.startswith("self_attn")
+                     and any(True for _ in module.parameters(recurse=False))}, local
+    assert {"router", "router.proj", "experts", "mlp.down_proj", "pre_feedforward_layernorm_2"} <= local, local
+    assert [type(x).__name__ for x in plan.styles["model.layers.0.self_attn"]] == ["SequenceParallelDisable"]
 
 
 class _SwiGLU(nn.Module):
@@ -463,7 +472,8 @@ def test_the_swiglu_experts_probe_copies_a_few_experts_only_where_that_shows_the
 
 def test_sequence_parallel_plan_finds_the_moe_block_by_its_own_name_and_refuses_router_logits():
     """Under sequence parallel the plan gives ShardLocalParameters to the MoE block by the structure's name for it
-    (`moe`), which may differ from the dense layers' MLP (`mlp`); a block that is the whole layer is refused. The
+    (`moe`), which may differ from the dense layers' MLP (`mlp`); where the block is the whole layer, to all of the
+    layer but its attention (the test below). The
     router's load-balancing loss is seen on a composite model's text config too, and a call passing
     output_router_logits=True is refused once the model runs on sequence slices."""
     import types
@@ -478,8 +488,6 @@ def test_sequence_parallel_plan_finds_the_moe_block_by_its_own_name_and_refuses_
     plan = tensor_parallel_plan(model, renamed, sequence_parallel=True)
     local = {name for name, styles in plan.styles.items() if any(type(x).__name__ == "ShardLocalParameters" for x in styles)}
     assert local == {"model.layers.1.moe.gate", "model.layers.1.moe.experts"}, local
-    with pytest.raises(ValueError, match="MoE block is the whole decoder layer"):
-        tensor_parallel_plan(model, dataclasses.replace(structure, moe=""), sequence_parallel=True)
 
     composite = types.SimpleNamespace(config=types.SimpleNamespace(
         get_text_config=lambda: types.SimpleNamespace(output_router_logits=True)))

@@ -1649,12 +1649,12 @@ def check_mixtures_of_experts_train_data_parallel():
     _expect_refused("mixtral", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True), "no column-parallel entry")
 
 
-def check_gemma4_experts_beside_a_dense_mlp_train_under_expert_tensor_and_pipeline_parallel():
+def check_gemma4_experts_beside_a_dense_mlp_train_under_expert_tensor_sequence_and_pipeline_parallel():
     """Gemma 4's mixture of experts (26B-A4B's layout: in each decoder layer a dense MLP and routed experts side by side,
-    the router and the experts children of the layer; unrecognised before, so trained data parallel only): equal to
-    one process with its experts split over ep 2 beside tp 2 (the attention split, the MoE layer's MLP and experts
-    whole on the tp ranks), and under dp 2 x pp 2. Sequence parallel is refused with the reason (the MoE block is the
-    whole layer, attention included: nothing runs on sequence slices alone)."""
+    the router and the experts children of the layer; unrecognised before 2026-11-30, so trained data parallel only):
+    equal to one process with its experts split over ep 2 beside tp 2 (the attention split, the MoE layer's MLP and
+    experts whole on the tp ranks), the same with sequence parallel (each tp rank runs all of the layer but its
+    attention on its own slice of the sequence; refused at first), tp 2 + sp x pp 2 with micro-batches, and dp 2 x pp 2."""
     from tridist.distcore.expert_parallel import ExpertParallelExperts
 
     def experts_split(model):
@@ -1662,8 +1662,9 @@ def check_gemma4_experts_beside_a_dense_mlp_train_under_expert_tensor_and_pipeli
         assert len(split) == LAYERS, split
 
     _train("gemma4-moe", _strategy(2, 2, 1, ep=2, sharding_level=2), inspect=experts_split)
+    _train("gemma4-moe", _strategy(2, 2, 1, ep=2, sequence_parallel=True, sharding_level=2), inspect=experts_split)
+    _train("gemma4-moe", _strategy(1, 2, 2, sequence_parallel=True, num_micro_batches=2))
     _train("gemma4-moe", _strategy(2, 1, 2, num_micro_batches=2, sharding_level=2))
-    _expect_refused("gemma4-moe", _strategy(2, 2, 1, sequence_parallel=True), "the MoE block is the whole decoder layer")
 
 
 def check_expert_parallel_trains_like_one_process():
