@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import re
 import warnings
@@ -1324,7 +1325,12 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         module.register_forward_hook(sequence_split.mark)
     # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
     elif isinstance(style, SequenceParallelEnd):
-        module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
+        def gather_at_end(_, args, kwargs):
+            if sequence_split is not None:
+                sequence_split.gathered()
+            return gather_input(_, args, kwargs)
+
+        module.register_forward_pre_hook(gather_at_end, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
         if overlap_comm:
             OverlappedRegion.install(name, module, tp_mesh, overlap_comm)  # gathers once, fused with the entries
@@ -1352,16 +1358,36 @@ class SequenceSplit:
     process never take each other's split."""
 
     def __init__(self, tp_mesh):
-        self.tp_mesh, self.pending = tp_mesh, False
+        # `split`: the sequence is on slices now (taken, not yet gathered by the End module) in this forward
+        self.tp_mesh, self.pending, self.split = tp_mesh, False, False
 
     def mark(self, module, args, output) -> None:
-        self.pending = True
+        self.pending, self.split = True, False
 
     def take(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.pending:
             return hidden
-        self.pending = False
+        self.pending, self.split = False, True
         return split_sequence(hidden, self.tp_mesh)
+
+    def gathered(self) -> None:
+        self.split = False
+
+    def forget(self, *_) -> None:
+        """At the model's entry: a forward that raised midway leaves no split behind."""
+        self.pending = self.split = False
+
+    def refuse_on_slices(self, name: str, module, args) -> None:
+        """A module registered after the End module, whose parameters the plan leaves whole and unreduced (it is
+        outside the sequence-parallel span, read in registration order), that runs while the sequence is split: its
+        gradients would cover this rank's slice only, silently."""
+        if self.split:
+            raise ValueError(
+                f"parallelize: {name!r} ({type(module).__name__}) runs on sequence slices: it is registered after the "
+                "sequence-parallel region's end (the final norm or LM head), so the plan leaves its parameters whole "
+                "and their gradients would cover this rank's slice of the sequence only, but the model calls it "
+                "before that end; register it before the final norm (modules are read in registration order), or "
+                "use tp without sequence parallel")
 
     def take_at_entry(self, module, args, kwargs):
         if not self.pending:
@@ -1381,6 +1407,31 @@ def take_pending_split(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
     first module would have taken it, on other ranks, so the activation leaves this stage split."""
     split = vars(model).get("_tridist_sequence_split")
     return hidden if split is None else split.take(hidden)
+
+
+def guard_after_span(model: torch.nn.Module, plan: "TensorParallelPlan") -> None:
+    """Modules registered after the sequence-parallel span with trainable parameters of their own raise if they run
+    while the sequence is split (`SequenceSplit.refuse_on_slices`): the span is read in registration order, which a
+    model may not follow (a projection registered after the LM head but applied before the final norm trained with
+    its gradients from one slice of the sequence, silently, before this guard). Modules before the span are not
+    guarded: they run before the split in every model seen. Installed where the model holds its Begin and its End
+    modules (not on pipeline stages that hold one of them only: there the split state of a forward is not seen
+    whole)."""
+    split = vars(model).get("_tridist_sequence_split")
+    modules = dict(model.named_modules())
+    boundaries = {name: kind for name, styles in plan.styles.items() for st in styles
+                  for kind in (SequenceParallelBegin, SequenceParallelEnd) if isinstance(st, kind)}
+    if split is None or set(boundaries.values()) != {SequenceParallelBegin, SequenceParallelEnd} or any(
+            name not in modules or getattr(modules[name], "_tridist_stand_in", False) for name in boundaries):
+        return
+    order = list(modules)
+    end = max((name for name, kind in boundaries.items() if kind is SequenceParallelEnd), key=order.index)
+    model.register_forward_pre_hook(split.forget)
+    for name in order[order.index(end) + 1:]:
+        if name.startswith(end + "."):
+            continue  # the End module's own children run after its gather
+        if any(p.requires_grad for p in modules[name].parameters(recurse=False)):
+            modules[name].register_forward_pre_hook(functools.partial(split.refuse_on_slices, name))
 
 
 def _split_points(model: torch.nn.Module, names: list[str]) -> list[str]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tridist import autotune
 from tridist import distcore
-from tridist.bench.models import build_model, make_seed_dataloader
+from tridist.bench.models import build_model, make_seed_dataloader, seed_llama
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
 
@@ -194,6 +194,65 @@ def check_pipeline_parallel_is_refused_for_logits_that_read_other_outputs():
     config = distcore.ToDistributedConfig(search_options={"space": autotune.SearchSpace(pp=(2,))})
     model, _, _ = distcore.to_distributed(model, None, _loader(), device_num=world, config=config)
     assert model.distributed_strategy.pp == 1, model.distributed_strategy
+
+
+class _LateModule(torch.nn.Module):
+    """The seed's Llama with a Linear registered after everything else (after the final norm and the head's weight),
+    applied either between the last layer and the final norm (`before_norm`) or after it."""
+
+    def __init__(self, before_norm: bool):
+        super().__init__()
+        self.llama, self.before_norm = _model(layers=2)[0], before_norm
+        self.late = torch.nn.Linear(self.llama.norm.weight.shape[0], self.llama.norm.weight.shape[0])
+
+    def forward(self, input_ids, labels=None):
+        llama, (batch, seq) = self.llama, input_ids.shape
+        hidden = llama.embed_tokens(input_ids)
+        positions = torch.arange(seq).expand(batch, seq)
+        mask = seed_llama._prepare_decoder_attention_mask(torch.ones(batch, seq, dtype=torch.bool), (batch, seq), hidden.dtype)
+        for layer in llama.layers:
+            hidden = layer(hidden, positions, mask)
+        hidden = llama.norm(self.late(hidden)) if self.before_norm else self.late(llama.norm(hidden))
+        logits = hidden @ llama.weight
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def check_a_module_registered_after_the_sequence_parallel_region_is_refused_on_its_slices():
+    """The sequence-parallel span is read in registration order: a Linear registered after the final norm is left
+    whole (its gradients not summed over the tp ranks). Applied after the norm, on the gathered sequence, that is
+    right, and it trains as one process under tp 2 + sp; applied before the norm, on this rank's slice of the
+    sequence, its gradients covered that slice only, silently (before 2026-11-30's guard); now the first forward
+    raises, naming the module and the fix."""
+    if dist.get_world_size() != 2:  # the guard does not depend on the world size: one launch covers it
+        return
+    strategy = autotune.Strategy(dp=1, tp=2, pp=1, sequence_parallel=True, micro_batch_size=BATCH)
+    config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)  # the guard is no kernel's
+    torch.manual_seed(0)
+    after = _LateModule(before_norm=False)
+    reference = equivalence.train(after, torch.optim.SGD(after.parameters(), lr=0.1), _loader())
+    torch.manual_seed(0)
+    after = _LateModule(before_norm=False)
+    model, optimizer, loader = distcore.to_distributed(after, torch.optim.SGD(after.parameters(), lr=0.1), _loader(),
+                                                       device_num=2, config=config)
+    trace = equivalence.Trace()
+    for inputs, labels in loader():
+        loss, _ = model(inputs, labels=labels)
+        loss.backward()
+        trace.step(model, loss)
+        optimizer.step()
+        optimizer.clear_grad()
+    equivalence.assert_same_training(trace.end(model), reference)
+
+    torch.manual_seed(0)
+    before = _LateModule(before_norm=True)
+    model, _, loader = distcore.to_distributed(before, None, _loader(), device_num=2, config=config)
+    inputs, labels = next(iter(loader()))
+    try:
+        model(inputs, labels=labels)
+    except ValueError as error:
+        assert "'late' (Linear) runs on sequence slices" in str(error) and "register it before" in str(error), error
+    else:
+        raise AssertionError("a Linear registered after the final norm ran on sequence slices without an error")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
