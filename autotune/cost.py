@@ -455,7 +455,7 @@ def _replicated_kv_weights(spec: ModelSpec) -> int:
     value projections, or a packed [q | k | v] (GPTBigCode's and Falcon's multi-query, Phi-3's) with its query part
     (ReplicatedColWiseParallel(packed_query=...): the weight is one parameter)."""
     packed = spec.q_size if spec.packed_unequal_qkv else 0
-    return (packed + 2 * spec.kv_size) * spec.hidden_size
+    return (packed + spec.kv_size + spec.value_size) * spec.hidden_size
 
 
 @functools.lru_cache(maxsize=65536)
@@ -646,7 +646,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     replicas = 1 if gdn else kv_head_replicas(spec, tp)
     if replicas > 1:  # tp above the key/value heads: each rank computes the one its query heads use, replicas / tp of k, v
         (n_in, n_out, split), output = projections
-        projections = ((n_in, n_out + 2 * spec.kv_size * (replicas - 1), split), output)
+        projections = ((n_in, n_out + (spec.kv_size + spec.value_size) * (replicas - 1), split), output)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections)
     ep_collective = 0.0

@@ -352,7 +352,8 @@ class ModelSpec:
     all-reduces; None without; their weights are counted with the layer's norms), `latent_attention`
     (DeepSeek's multi-head latent attention: its projections and attention core priced as they run, the
     down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections),
-    `attention_output_gate` (gated attention: a gate on each query head's output features, q_size more outputs of
+    `v_head_dim` (the value heads' width where it is not head_dim's, as in MiMo-V2-Flash: 128 beside query/key heads of
+    192; None: head_dim; latent attention has its own), `attention_output_gate` (gated attention: a gate on each query head's output features, q_size more outputs of
     the query projection in Qwen3-Next and Qwen3.5, of a projection of its own in AFMoE and Beam), `gated_delta_net`
     (the layers whose token mixer is Gated DeltaNet linear attention, and their shapes; None: attention in every
     layer), and a display `name`. `structure` is set by `from_module`.
@@ -376,6 +377,7 @@ class ModelSpec:
     num_kv_heads: int | None = None
     seq_len: int = 2048
     head_dim: int | None = None
+    v_head_dim: int | None = None
     gated_mlp: bool = True
     tied_embeddings: bool = False
     flash_attention: bool = True
@@ -424,6 +426,12 @@ class ModelSpec:
             raise ValueError(
                 f"ModelSpec: num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         latent = self.latent_attention
+        if self.v_head_dim is not None:
+            _check_integers("ModelSpec", self, ("v_head_dim",))
+            if latent is not None or self.attention_output_gate:
+                raise ValueError("ModelSpec: v_head_dim is the value heads' width of plain attention; latent attention "
+                                 "sets its own (LatentAttention.v_head_dim), and a gate from the query projection "
+                                 "takes query-wide heads: set one of them")
         if latent is not None and self.attention_output_gate:
             raise ValueError("ModelSpec: attention_output_gate is a gate from the query projection, which latent "
                              "attention has not; set one of them")
@@ -481,15 +489,20 @@ class ModelSpec:
 
     @property
     def value_size(self) -> int:
-        """Width of the values the attention core reads per token: kv_size, or every value head's."""
+        """Width of the values the attention core reads per token (the value projection's output): kv_size, the
+        key/value heads' of v_head_dim, or, under latent attention, every value head's."""
         latent = self.latent_attention
-        return self.num_heads * latent.v_head_dim if latent else self.kv_size
+        if latent:
+            return self.num_heads * latent.v_head_dim
+        return self.num_kv_heads * self.v_head_dim if self.v_head_dim else self.kv_size
 
     @property
     def attention_output_size(self) -> int:
         """Width of the attention core's output (the output projection's input): q_size, or the value heads'."""
         latent = self.latent_attention
-        return self.num_heads * latent.v_head_dim if latent else self.q_size
+        if latent:
+            return self.num_heads * latent.v_head_dim
+        return self.num_heads * self.v_head_dim if self.v_head_dim else self.q_size
 
     @property
     def attention_projections(self) -> tuple[tuple[int, int, str | None], ...]:
@@ -500,7 +513,7 @@ class ModelSpec:
         h, latent = self.hidden_size, self.latent_attention
         if latent is None:
             queries = (2 if self.attention_output_gate else 1) * self.q_size
-            return (h, queries + 2 * self.kv_size, "out"), (self.q_size, h, "in")
+            return (h, queries + self.kv_size + self.value_size, "out"), (self.attention_output_size, h, "in")
         query = (((h, latent.q_lora_rank, None), (latent.q_lora_rank, self.q_size, "out")) if latent.q_lora_rank
                  else ((h, self.q_size, "out"),))
         up = self.num_heads * (self.head_dim - latent.rope_head_dim + latent.v_head_dim)  # keys' latent part, values
@@ -1013,9 +1026,8 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
             q = next((l for l in ins if l.out_features == q_size), ins[0])
             rest = [l for l in ins if l is not q]
             k, v = rest[0], rest[1]
-        if k.out_features != v.out_features:
-            raise UnrecognisedModel(f"key and value projections differ in width ({k.name}: {k.out_features}, "
-                                    f"{v.name}: {v.out_features}); expected equal k/v projections")
+        # Value heads may be wider or narrower than the query/key heads (MiMo-V2-Flash: 192 and 128): the output
+        # projection then takes heads x the value heads' width, which `_value_head_dim` checks once heads are known.
         # Qwen3-Next's and Qwen3.5's gated attention: the query projection also gives each head its output gate,
         # [query | gate] per head, twice what the output projection takes (a contiguous tp split keeps heads whole).
         gated_query = q.out_features == 2 * o.in_features
@@ -1024,8 +1036,8 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
         # projection beside q/k/v stays whole on every rank, which the block check finds wrong if it is
         gates = [l for l in ins if l not in (q, k, v) and any(_name_matches(l.leaf, w) for w in _ATTENTION_GATE_WORDS)
                  and q_size % l.out_features == 0]
-        return dict(q=q.name, k=k.name, v=v.name, o=o.name, kv_size=k.out_features, gated_query=gated_query,
-                    q_size=q_size, gate=gates[0].name if len(gates) == 1 else None,
+        return dict(q=q.name, k=k.name, v=v.name, o=o.name, kv_size=k.out_features, v_size=v.out_features,
+                    o_size=o.in_features, gated_query=gated_query, q_size=q_size, gate=gates[0].name if len(gates) == 1 else None,
                     gate_size=gates[0].out_features if len(gates) == 1 else 0)
     if len(ins) == 1:
         qkv = ins[0]
@@ -1036,6 +1048,22 @@ def _attention_parts(group: list[_Linear], hidden: int) -> dict:
         return dict(qkv=qkv.name, o=o.name, q_size=q_size, kv_size=rest // 2)
     raise UnrecognisedModel(
         f"attention block has {len(ins)} input projection(s) {[l.name for l in ins]}; expected q/k/v or a fused qkv")
+
+
+def _value_head_dim(attn: dict, heads: int, kv_heads: int, head_dim: int, where: str) -> int | None:
+    """The value heads' width where the value projection's differs from the key projection's (None: equal): the
+    value projection holds kv_heads of them and the output projection takes heads of them; else refused."""
+    v_size, kv_size = attn.get("v_size", attn["kv_size"]), attn["kv_size"]
+    if v_size == kv_size:
+        return None
+    value = v_size // kv_heads
+    if v_size % kv_heads or attn["o_size"] != heads * value or attn.get("gated_query") or attn.get("gate"):
+        raise UnrecognisedModel(
+            f"{where}: key and value projections differ in width ({attn['k']}: {kv_size}, {attn['v']}: {v_size}), and "
+            f"the value projection's {v_size} outputs are not {kv_heads} value heads whose {heads} query heads' outputs "
+            f"the output projection takes ({attn['o']}: {attn['o_size']} inputs); expected equal k/v projections, or "
+            "value heads of their own width")
+    return value
 
 
 def _latent_attention_parts(ins: list[_Linear], latent: list[_Linear], o: _Linear) -> dict:
@@ -1407,7 +1435,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
             f"{layers_name}.{index}.{attention or ''}: {heads} query heads of width {head_dim} do not group over "
             f"{kv_heads} key/value heads (projection widths {attn['q_size']} and {attn['kv_size']}): not attention "
             "as tridist reads it; call ModelSpec.from_module(model, num_heads=..., num_kv_heads=...) if it is")
-    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks, tuple(mixers))
+    v_head_dim = _value_head_dim(attn, heads, kv_heads, head_dim, f"{layers_name}.{index}.{attention or ''}")
+    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks, tuple(mixers),
+                                      attention=attention)
     linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
     linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
@@ -1467,7 +1497,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     eager = _eager_attention(model)
     fields = dict(
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
+        v_head_dim=v_head_dim, ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
         gated_mlp=mlp_parts.get("gated", moe.gated if moe else True),
         tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
         head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
@@ -1591,7 +1621,7 @@ def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> 
 
 
 def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict,
-                        linear_layers: tuple[int, ...] = ()) -> list[str]:
+                        linear_layers: tuple[int, ...] = (), attention: str | None = None) -> list[str]:
     """Every decoder layer holds the template layer's parameters (by name) outside its MLP or MoE block, and every
     dense layer the template's dense MLP: the structure names one layer's modules, and the tensor-parallel,
     pipeline and recompute plans apply those names to every layer. The `linear_layers` (Gated DeltaNet's, whose
@@ -1599,7 +1629,10 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
     can differ otherwise too (MiniMax's linear-attention layers beside full-attention ones: refused). Shapes may
     differ (Gemma 4's global layers have wider heads): the plans split each layer's own weights and the
     tensor-parallel check runs every kind of block; the notes say the cost model prices every layer as the
-    template. An MoE block's shape is checked by _moe_layers. Returns the notes."""
+    template. So may the `attention` module's own parameters (not its submodules'), which no plan names: MiMo-V2-Flash's
+    sliding-window layers hold a sink per head that its full-attention layers have not (the block check finds each
+    layer's per-head parameters and splits them with the heads). An MoE block's shape is checked by _moe_layers.
+    Returns the notes."""
 
     def parameters(i: int) -> tuple[dict, dict]:  # (outside the MLP or MoE block, inside a dense MLP)
         inner = moe_blocks[i].block if i in moe_blocks else mlp
@@ -1609,15 +1642,24 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
             (inside if inner_part else outside)[name] = tuple(param.shape)
         return outside, inside
 
+    def own(name: str) -> bool:  # a parameter of the attention module itself
+        return attention is not None and name.startswith(attention + ".") and "." not in name[len(attention) + 1:]
+
     want_attention, want_mlp = parameters(template)
     want_linear = parameters(linear_layers[0])[0] if linear_layers else None
-    reshaped = set()
+    reshaped, own_parameters = set(), set()
     for i in range(len(layers)):
         outside, inside = parameters(i)
         like, want_outside = (linear_layers[0], want_linear) if i in linear_layers else (template, want_attention)
         for what, got, want in (("outside its MLP", outside, want_outside),
                                 ("in its MLP", None if i in moe_blocks or mlp is None else inside, want_mlp)):
             if got is None or got == want:
+                continue
+            differ = sorted(set(got) ^ set(want))
+            if i not in linear_layers and differ and all(own(n) for n in differ):
+                own_parameters.update(differ)
+                got, want = ({n: v for n, v in d.items() if n not in differ} for d in (got, want))
+            if got == want:
                 continue
             if got.keys() == want.keys():
                 reshaped.add(i)
@@ -1629,11 +1671,12 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
                 f"{', ...' if len(differ) > 3 else ''}): the structure names one layer's modules in every layer "
                 "(layers of another kind beside the others are read for Gated DeltaNet linear attention alone); "
                 "fall back to data parallel (with sharding)")
+    notes = [f"{', '.join(sorted(own_parameters))} in some layers only (priced as none)"] if own_parameters else []
     if not reshaped:
-        return []
+        return notes
     like = f"layer {template}" + (f" (or, linear attention, layer {linear_layers[0]})" if linear_layers else "")
-    return [f"layers {_ranges(tuple(sorted(reshaped)))} have other parameter shapes than {like}; the cost "
-            f"model prices every layer as layer {template}"]
+    return notes + [f"layers {_ranges(tuple(sorted(reshaped)))} have other parameter shapes than {like}; the cost "
+                    f"model prices every layer as layer {template}"]
 
 
 def _hidden_size(block, emb_dims: list[int]) -> int | None:

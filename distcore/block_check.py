@@ -135,10 +135,12 @@ def decoder_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def block_kind(block: torch.nn.Module) -> tuple:
-    """What one check of a block stands for: its type and its children's names and types. Blocks of one class
-    may differ in them (a mixture of experts' dense first layers and its MoE layers: an MLP or an MoE block
-    under one name), and the plan treats them differently."""
-    return (type(block), tuple((name, type(child)) for name, child in block.named_children()))
+    """What one check of a block stands for: its type, its children's names and types, and its parameters' names.
+    Blocks of one class may differ in them (a mixture of experts' dense first layers and its MoE layers: an MLP or
+    an MoE block under one name; MiMo-V2-Flash's sliding-window layers, whose attention holds a sink per head that
+    its full-attention layers have not), and the plan or the check's repairs treat them differently."""
+    return (type(block), tuple((name, type(child)) for name, child in block.named_children()),
+            tuple(name for name, _ in block.named_parameters()))
 
 
 def capture(model: torch.nn.Module, *, tp: int) -> dict[tuple, BlockSample] | str:

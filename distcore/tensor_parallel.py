@@ -1276,14 +1276,18 @@ def _localise_head_groups(name: str, module: torch.nn.Module) -> list[str]:
                          f"{sorted(replicas)}); give k and v the same style")
     replicas = replicas.pop()
     head_dim = readable_attr(module, "head_dim")
-    chunks = {p._tridist_chunk for p in kv}
-    if isinstance(head_dim, int) and chunks != {head_dim}:  # each rank must compute the one head its queries use
-        out, chunk = kv[0]._tridist_kv_features, chunks.pop()
-        heads, tp = out // head_dim, replicas * (out // chunk)
+    # The value heads' own width where the attention has one (MiMo-V2-Flash's v_head_dim): its value projection's
+    # chunk is one value head
+    value_dim = readable_attr(module, "v_head_dim")
+    width = {p: value_dim if isinstance(value_dim, int) and p is getattr(module, "v_proj", None) else head_dim for p in kv}
+    wrong = [p for p in kv if isinstance(width[p], int) and p._tridist_chunk != width[p]]
+    if wrong:  # each rank must compute the one head its queries use
+        out, chunk, head = wrong[0]._tridist_kv_features, wrong[0]._tridist_chunk, width[wrong[0]]
+        heads, tp = out // head, replicas * (out // chunk)
         right = ("ColWiseParallel()" if heads % tp == 0 else f"ReplicatedColWiseParallel(replicas={tp // heads})"
                  if tp % heads == 0 else "a tensor-parallel degree that divides the heads or that they divide")
         raise ValueError(f"parallelize: {name}: ReplicatedColWiseParallel(replicas={replicas}) has each of the {tp} "
-                         f"ranks compute {chunk} key/value features, not the one head of {head_dim} its query heads "
+                         f"ranks compute {chunk} key/value features, not the one head of {head} its query heads "
                          f"use ({heads} heads); use {right} on its key/value projections")
     groups = getattr(module, "num_key_value_groups", None)
     if not isinstance(groups, int) or isinstance(groups, bool):

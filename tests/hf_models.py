@@ -128,6 +128,12 @@ MORE_FAMILIES = {
                               shared_expert_intermediate_size=32, **_MOE)),
     "beam": ("beam", dict(head_dim=16, num_experts=EXPERTS, moe_intermediate_size=32, sliding_window=SLIDING_WINDOW,
                           n_group=1, topk_group=1, **_MOE)),
+    # Value heads wider than the query/key heads (MiMo-V2-Flash: 128 beside 192; here 32 beside 16, the values scaled
+    # by attention_value_scale); full and sliding-window layers alternate, the sliding ones with twice the key/value
+    # heads and a sink per head (a parameter the full layers have not); a dense first layer, then experts.
+    "mimo-v2-flash": ("mimo_v2_flash", dict(head_dim=16, v_head_dim=32, sliding_window=SLIDING_WINDOW,
+                                            n_routed_experts=EXPERTS, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                            first_k_dense_replace=1, **_MOE)),
 }
 
 
@@ -289,7 +295,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                        "qwen3.5": ("layer_types", "linear_attention", "full_attention"),
                        "gemma3": ("layer_types", "sliding_attention", "full_attention"),
                        "gemma3-mqa": ("layer_types", "sliding_attention", "full_attention"),
-                       "beam": ("mlp_layer_types", "dense", "sparse")}
+                       "beam": ("mlp_layer_types", "dense", "sparse"),
+                       "mimo-v2-flash": ("layer_types", "full_attention", "sliding_attention")}
         if family in alternating:  # the two kinds of layers alternate, the first kind first
             attribute, *kinds = alternating[family]
             setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])

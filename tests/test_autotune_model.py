@@ -599,6 +599,38 @@ def test_an_attention_output_gate_of_its_own_is_split_with_the_query_heads():
         assert spec.structure.attention_gate is None and not spec.attention_output_gate, name
 
 
+def test_value_heads_of_their_own_width_are_recognised_and_priced():
+    """MiMo-V2-Flash's value heads are wider than its query/key heads: recognised (refused before, "key and value
+    projections differ in width") with v_head_dim, which the spec prices: the value projection's and the output
+    projection's weights are the model's. Its sliding layers' sinks (a parameter its full layers have not) are noted,
+    not refused; a layer that lacks another parameter still is. A value projection that is no set of value heads of
+    the key/value heads' count, or a v_head_dim beside latent attention, is refused."""
+    from tests.hf_models import build
+    from tridist.autotune.model import LatentAttention
+
+    pytest.importorskip("transformers")
+    model = build("mimo-v2-flash", layers=3)
+    spec = ModelSpec.from_module(model, seq_len=16)
+    assert (spec.head_dim, spec.v_head_dim, spec.num_heads, spec.num_kv_heads) == (16, 32, 4, 2)
+    attention = model.model.layers[0].self_attn  # a full-attention layer, the template
+    weights = sum(p.numel() for n, p in attention.named_parameters() if n.endswith("weight"))
+    assert spec.attention_parameters == weights, (spec.attention_parameters, weights)
+    assert (spec.value_size, spec.attention_output_size) == (2 * 32, 4 * 32)
+    assert "self_attn.sinks in some layers only (priced as none)" in spec.structure.notes
+    del model.model.layers[1].self_attn.q_proj.weight  # a layer lacking a projection's weight is still refused
+    model.model.layers[1].self_attn.q_proj.register_parameter("weight", None)
+    with pytest.raises(UnrecognisedModel, match="decoder layers differ"):
+        ModelSpec.from_module(model, seq_len=16)
+    model = build("mimo-v2-flash", layers=3)
+    for layer in model.model.layers:  # 3 value heads of 32 each: not the 2 key/value heads'
+        layer.self_attn.v_proj = nn.Linear(64, 96, bias=False)
+    with pytest.raises(UnrecognisedModel, match="key and value projections differ in width"):
+        ModelSpec.from_module(model, seq_len=16)
+    with pytest.raises(ValueError, match="v_head_dim is the value heads' width of plain attention"):
+        dataclasses.replace(spec, v_head_dim=32, latent_attention=LatentAttention(
+            kv_lora_rank=16, rope_head_dim=8, v_head_dim=16), structure=None)
+
+
 def test_a_heterogeneous_config_is_read_from_the_layers():
     """transformers' heterogeneous configs (Dots 3: per-layer attributes) raise on a global read of a per-layer
     attribute such as num_key_value_heads: the structure reads it as absent (the shapes decide) and refuses the

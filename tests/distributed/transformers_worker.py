@@ -368,6 +368,26 @@ def check_query_key_value_families_train_under_tensor_parallel():
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
+def check_value_heads_of_their_own_width_train_under_tensor_parallel():
+    """MiMo-V2-Flash's attention: value heads wider than the query and key heads (32 beside 16 here, 128 beside 192 in
+    the model), its sliding-window layers with twice the key/value heads and a sink per head that its full-attention
+    layers have not (3 layers: full and dense, sliding with experts, full with experts). Refused under tp before
+    ("key and value projections differ in width"); now each projection is split by head, each kind of layer checked
+    on its own (the sinks split with the heads in the sliding layers), and it trains equal to one process under tp 2
+    and tp 2 + sp (on 2 processes, TP2)."""
+    def split_by_head(model):
+        sinks = [m.sinks for n, m in model.named_modules() if n.endswith("self_attn") and m.sinks is not None]
+        values = [m.v_proj.weight for n, m in model.named_modules() if n.endswith("self_attn")]
+        assert sinks and all(isinstance(p, DTensor) and p.to_local().shape[0] * 2 == p.shape[0] for p in sinks), sinks
+        assert all(w.to_local().shape[0] * 2 == w.shape[0] for w in values), [w.shape for w in values]
+
+    for label in ("tp 2", "tp 2 + sp"):
+        try:
+            _train("mimo-v2-flash", TP2[label], inspect=split_by_head, layers=3)
+        except Exception as error:
+            raise AssertionError(f"mimo-v2-flash under {label}: {type(error).__name__}: {error}") from error
+
+
 def check_attention_output_gates_are_split_with_the_query_heads():
     """An attention whose output a projection of its own gates beside q/k/v: AFMoE's gate_proj (a gate per feature),
     Laguna's g_proj (one per head) and Beam's gate_proj (a bias per head beside it, which the block check splits by
@@ -846,6 +866,14 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
         assert not hasattr(second.k_proj, "_tridist_head_replicas") and second.num_key_value_groups == 2
 
     _train("gemma4-mixed-kv", _strategy(2, 2, 1, sharding_level=2), inspect=per_layer)
+    # Value heads of their own width (MiMo-V2-Flash's, 32 beside query/key heads of 16) in its full-attention layers
+    # (2 key/value heads) under tp 4: each rank computes one key head of 16 and one value head of 32 (before, the
+    # value projection's chunk was held to the key heads' width and refused)
+    def value_heads(model):
+        attention = model.model.layers[0].self_attn
+        assert (attention.k_proj._tridist_chunk, attention.v_proj._tridist_chunk) == (16, 32), vars(attention.v_proj)
+
+    _train("mimo-v2-flash", _strategy(1, 4, 1, sequence_parallel=True), inspect=value_heads, layers=3)
 
     # Inside a projection packing [q | k | v] (refused before): the query part split over the ranks, each key/value
     # head computed on tp / heads of them from the whole packed weight. StarCoder's multi-query attention (GPTBigCode:
@@ -1878,7 +1906,7 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
 
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
-    "check_attention_output_gates_are_split_with_the_query_heads",
+    "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
     "check_mamba_mixers_beside_attention_are_refused_sequence_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
