@@ -52,7 +52,7 @@ from .optimizer import mark_replaced, with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
 from .overlap import mark_checked
 from .packed import fsdp_shard_placement
-from .tensor_parallel import (TensorParallelPlan, apply_local_view, check_overlap_backend, guard_after_span, install_lazy_split,
+from .tensor_parallel import (TensorParallelPlan, apply_local_view, check_overlap_backend, guard_outside_span, install_lazy_split,
                               resolve_plan)
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,7 @@ def apply_tensor_parallel(model: torch.nn.Module, *, plan: "dict | TensorParalle
         changes += apply_global_view(model.get_submodule(name), resolved.within(name), tp_mesh=tp_mesh,
                                      process_mesh=process_mesh, sequence_split=name in resolved.sequence_span)
     install_lazy_split(model, resolved.lazy_split, tp_mesh=tp_mesh)
-    guard_after_span(model, resolved)
+    guard_outside_span(model, resolved)
     return changes
 
 

@@ -1329,12 +1329,7 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
         module.register_forward_hook(sequence_split.mark)
     # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
     elif isinstance(style, SequenceParallelEnd):
-        def gather_at_end(_, args, kwargs):
-            if sequence_split is not None:
-                sequence_split.gathered()
-            return gather_input(_, args, kwargs)
-
-        module.register_forward_pre_hook(gather_at_end, with_kwargs=True, prepend=True)
+        module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
         if overlap_comm:
             OverlappedRegion.install(name, module, tp_mesh, overlap_comm)  # gathers once, fused with the entries
@@ -1362,36 +1357,41 @@ class SequenceSplit:
     process never take each other's split."""
 
     def __init__(self, tp_mesh):
-        # `split`: the sequence is on slices now (taken, not yet gathered by the End module) in this forward
-        self.tp_mesh, self.pending, self.split = tp_mesh, False, False
+        # `lengths`: (whole, slice) sequence lengths of this forward's split once taken (None: not split in it)
+        self.tp_mesh, self.pending, self.lengths = tp_mesh, False, None
 
     def mark(self, module, args, output) -> None:
-        self.pending, self.split = True, False
+        self.pending, self.lengths = True, None
 
     def take(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.pending:
             return hidden
-        self.pending, self.split = False, True
+        self.pending = False
+        whole = hidden.shape[SEQUENCE_DIM]
+        self.lengths = (whole, whole // self.tp_mesh.size())
         return split_sequence(hidden, self.tp_mesh)
-
-    def gathered(self) -> None:
-        self.split = False
 
     def forget(self, *_) -> None:
         """At the model's entry: a forward that raised midway leaves no split behind."""
-        self.pending = self.split = False
+        self.pending, self.lengths = False, None
 
-    def refuse_on_slices(self, name: str, module, args) -> None:
-        """A module registered after the End module, whose parameters the plan leaves whole and unreduced (it is
-        outside the sequence-parallel span, read in registration order), that runs while the sequence is split: its
-        gradients would cover this rank's slice only, silently."""
-        if self.split:
+    def refuse_on_slices(self, name: str, module, args, kwargs) -> None:
+        """A module outside the sequence-parallel span, whose parameters the plan leaves whole and unreduced (the span
+        is read in registration order), given a slice of the split sequence (its hidden states this forward's slice
+        length, not the whole's): its gradients would cover this rank's slice only, silently. Its input, not the
+        state of the forward, decides: inside a Disable region (attention, MLP) the sequence is whole again."""
+        if self.lengths is None:
+            return
+        hidden = args[0] if args and torch.is_tensor(args[0]) else next(
+            (kwargs[key] for key in ("hidden_states", "x", "input") if torch.is_tensor(kwargs.get(key))), None)
+        whole, piece = self.lengths
+        if hidden is not None and hidden.dim() >= 2 and hidden.shape[SEQUENCE_DIM] == piece != whole:
             raise ValueError(
-                f"parallelize: {name!r} ({type(module).__name__}) runs on sequence slices: it is registered after the "
-                "sequence-parallel region's end (the final norm or LM head), so the plan leaves its parameters whole "
-                "and their gradients would cover this rank's slice of the sequence only, but the model calls it "
-                "before that end; register it before the final norm (modules are read in registration order), or "
-                "use tp without sequence parallel")
+                f"parallelize: {name!r} ({type(module).__name__}) runs on a slice of the sequence ({piece} of its {whole} "
+                "tokens) under sequence parallel, but it is registered outside the region between the embedding and "
+                "the final norm (modules are read in registration order), so the plan leaves its parameters whole and "
+                "their gradients would cover this rank's slice only; register it between the decoder layers' list and "
+                "the final norm (or among the layers), or use tp without sequence parallel")
 
     def take_at_entry(self, module, args, kwargs):
         if not self.pending:
@@ -1413,14 +1413,13 @@ def take_pending_split(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Te
     return hidden if split is None else split.take(hidden)
 
 
-def guard_after_span(model: torch.nn.Module, plan: "TensorParallelPlan") -> None:
-    """Modules registered after the sequence-parallel span with trainable parameters of their own raise if they run
-    while the sequence is split (`SequenceSplit.refuse_on_slices`): the span is read in registration order, which a
-    model may not follow (a projection registered after the LM head but applied before the final norm trained with
-    its gradients from one slice of the sequence, silently, before this guard). Modules before the span are not
-    guarded: they run before the split in every model seen. Installed where the model holds its Begin and its End
-    modules (not on pipeline stages that hold one of them only: there the split state of a forward is not seen
-    whole)."""
+def guard_outside_span(model: torch.nn.Module, plan: "TensorParallelPlan") -> None:
+    """Modules outside the sequence-parallel span with trainable parameters of their own raise if a slice of the
+    split sequence reaches them (`SequenceSplit.refuse_on_slices`): the span is read in registration order, which a
+    model may not follow (a projection registered after the LM head, or before the embedding, but applied between the
+    last layer and the final norm trained with its gradients from one slice of the sequence, silently, before this
+    guard). Installed where the model holds its Begin and its End modules (not on pipeline stages that hold one of
+    them only: there a forward's split is not seen whole)."""
     split = vars(model).get("_tridist_sequence_split")
     modules = dict(model.named_modules())
     boundaries = {name: kind for name, styles in plan.styles.items() for st in styles
@@ -1428,14 +1427,10 @@ def guard_after_span(model: torch.nn.Module, plan: "TensorParallelPlan") -> None
     if split is None or set(boundaries.values()) != {SequenceParallelBegin, SequenceParallelEnd} or any(
             name not in modules or getattr(modules[name], "_tridist_stand_in", False) for name in boundaries):
         return
-    order = list(modules)
-    end = max((name for name, kind in boundaries.items() if kind is SequenceParallelEnd), key=order.index)
     model.register_forward_pre_hook(split.forget)
-    for name in order[order.index(end) + 1:]:
-        if name.startswith(end + "."):
-            continue  # the End module's own children run after its gather
-        if any(p.requires_grad for p in modules[name].parameters(recurse=False)):
-            modules[name].register_forward_pre_hook(functools.partial(split.refuse_on_slices, name))
+    for name, module in modules.items():
+        if name and name not in plan.sequence_span and any(p.requires_grad for p in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(functools.partial(split.refuse_on_slices, name), with_kwargs=True)
 
 
 def _split_points(model: torch.nn.Module, names: list[str]) -> list[str]:

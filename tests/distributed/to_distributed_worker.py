@@ -196,14 +196,23 @@ def check_pipeline_parallel_is_refused_for_logits_that_read_other_outputs():
     assert model.distributed_strategy.pp == 1, model.distributed_strategy
 
 
-class _LateModule(torch.nn.Module):
-    """The seed's Llama with a Linear registered after everything else (after the final norm and the head's weight),
-    applied either between the last layer and the final norm (`before_norm`) or after it."""
+class _OutsideModule(torch.nn.Module):
+    """The seed's Llama with a Linear of its own registered outside the span between the embedding and the final norm:
+    after everything else (the final norm and the head's weight), or first (before the embedding). It is applied after
+    the final norm, between the last layer and the final norm, or to every attention's input (a hook)."""
 
-    def __init__(self, before_norm: bool):
+    def __init__(self, registered: str, applied: str):
         super().__init__()
-        self.llama, self.before_norm = _model(layers=2)[0], before_norm
-        self.late = torch.nn.Linear(self.llama.norm.weight.shape[0], self.llama.norm.weight.shape[0])
+        llama = _model(layers=2)[0]
+        width = llama.norm.weight.shape[0]
+        if registered == "first":
+            self.extra = torch.nn.Linear(width, width)
+        self.llama, self.applied = llama, applied
+        if registered == "last":
+            self.extra = torch.nn.Linear(width, width)
+        if applied == "in attention":
+            for layer in llama.layers:
+                layer.self_attn.register_forward_pre_hook(lambda module, args: (self.extra(args[0]), *args[1:]))
 
     def forward(self, input_ids, labels=None):
         llama, (batch, seq) = self.llama, input_ids.shape
@@ -212,47 +221,56 @@ class _LateModule(torch.nn.Module):
         mask = seed_llama._prepare_decoder_attention_mask(torch.ones(batch, seq, dtype=torch.bool), (batch, seq), hidden.dtype)
         for layer in llama.layers:
             hidden = layer(hidden, positions, mask)
-        hidden = llama.norm(self.late(hidden)) if self.before_norm else self.late(llama.norm(hidden))
+        if self.applied == "before norm":
+            hidden = self.extra(hidden)
+        hidden = llama.norm(hidden)
+        if self.applied == "after norm":
+            hidden = self.extra(hidden)
         logits = hidden @ llama.weight
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
 
 
-def check_a_module_registered_after_the_sequence_parallel_region_is_refused_on_its_slices():
-    """The sequence-parallel span is read in registration order: a Linear registered after the final norm is left
-    whole (its gradients not summed over the tp ranks). Applied after the norm, on the gathered sequence, that is
-    right, and it trains as one process under tp 2 + sp; applied before the norm, on this rank's slice of the
-    sequence, its gradients covered that slice only, silently (before 2026-11-30's guard); now the first forward
+def check_a_module_registered_outside_the_sequence_parallel_span_is_refused_on_its_slices():
+    """The sequence-parallel span is read in registration order: a Linear registered after the final norm (or before
+    the embedding) is left whole, its gradients not summed over the tp ranks. Given the whole sequence it is right,
+    and trains as one process under tp 2 + sp: applied after the final norm, or inside every attention (a Disable
+    region, which gathers the sequence; a first guard, which went by the state of the forward, refused it: a review's
+    find). Applied between the last layer and the final norm, on this rank's slice of the sequence, its gradients
+    covered that slice only, silently (registered last or first: the second a review's find); now the first forward
     raises, naming the module and the fix."""
     if dist.get_world_size() != 2:  # the guard does not depend on the world size: one launch covers it
         return
     strategy = autotune.Strategy(dp=1, tp=2, pp=1, sequence_parallel=True, micro_batch_size=BATCH)
     config = distcore.ToDistributedConfig(strategy=strategy, fuse_kernels=False)  # the guard is no kernel's
-    torch.manual_seed(0)
-    after = _LateModule(before_norm=False)
-    reference = equivalence.train(after, torch.optim.SGD(after.parameters(), lr=0.1), _loader())
-    torch.manual_seed(0)
-    after = _LateModule(before_norm=False)
-    model, optimizer, loader = distcore.to_distributed(after, torch.optim.SGD(after.parameters(), lr=0.1), _loader(),
-                                                       device_num=2, config=config)
-    trace = equivalence.Trace()
-    for inputs, labels in loader():
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        optimizer.step()
-        optimizer.clear_grad()
-    equivalence.assert_same_training(trace.end(model), reference)
+    for registered, applied in (("last", "after norm"), ("last", "in attention")):
+        torch.manual_seed(0)
+        whole = _OutsideModule(registered, applied)
+        reference = equivalence.train(whole, torch.optim.SGD(whole.parameters(), lr=0.1), _loader())
+        torch.manual_seed(0)
+        whole = _OutsideModule(registered, applied)
+        model, optimizer, loader = distcore.to_distributed(whole, torch.optim.SGD(whole.parameters(), lr=0.1), _loader(),
+                                                           device_num=2, config=config)
+        trace = equivalence.Trace()
+        for inputs, labels in loader():
+            loss, _ = model(inputs, labels=labels)
+            loss.backward()
+            trace.step(model, loss)
+            optimizer.step()
+            optimizer.clear_grad()
+        equivalence.assert_same_training(trace.end(model), reference)
 
-    torch.manual_seed(0)
-    before = _LateModule(before_norm=True)
-    model, _, loader = distcore.to_distributed(before, None, _loader(), device_num=2, config=config)
-    inputs, labels = next(iter(loader()))
-    try:
-        model(inputs, labels=labels)
-    except ValueError as error:
-        assert "'late' (Linear) runs on sequence slices" in str(error) and "register it before" in str(error), error
-    else:
-        raise AssertionError("a Linear registered after the final norm ran on sequence slices without an error")
+    for registered in ("last", "first"):
+        torch.manual_seed(0)
+        model, _, loader = distcore.to_distributed(_OutsideModule(registered, "before norm"), None, _loader(),
+                                                   device_num=2, config=config)
+        inputs, labels = next(iter(loader()))
+        try:
+            model(inputs, labels=labels)
+        except ValueError as error:
+            assert "'extra' (Linear) runs on a slice of the sequence (4 of its 8 tokens)" in str(error), error
+            assert "register it between the decoder layers' list and the final norm" in str(error), error
+        else:
+            raise AssertionError(f"a Linear registered {registered} ran on sequence slices without an error")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
