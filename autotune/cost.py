@@ -32,6 +32,10 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
   interleaved); the slowest stage (the last, which also runs the LM head) sets the pace. Where p·v
   does not divide the layers the stages are uneven (strategy.stage_layers) and each rank is priced by
   the layers it holds, interleaved or not.
+* Modules a recognised structure does not plan (ModelSpec.unplanned_parameters: LongCat-Flash's second attention
+  and MLP, Falcon-H1's Mamba mixer) are whole on every tensor-parallel rank: their weights counted there in full and
+  their compute priced as a matmul of all their weights over every token, not divided by tp (their activations not
+  counted).
 * Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
   master/momentum/variance), ZeRO-1/2/3 dividing the 12, then the grads, then the weights by dp.
 
@@ -171,7 +175,7 @@ def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float, floa
     linear = spec.gated_delta_net
     swapped = linear.matmul_parameters(spec.hidden_size) - spec.attention_parameters if linear else 0
     matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers
-                    + swapped * spec.num_linear_layers)
+                    + swapped * spec.num_linear_layers + spec.unplanned_parameters * spec.num_layers)
     # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
     attention_layers = spec.num_layers - spec.num_linear_layers
     core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * attention_layers
@@ -444,6 +448,7 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
             unsplit += _replicated_kv_weights(spec)
         mixer = (spec.attention_parameters - unsplit) / tp + unsplit
         norms = spec.layer_norm_parameters
+    mixer += spec.unplanned_parameters  # modules no plan names: whole on every rank
     if not moe:
         return mixer + spec.mlp_parameters / tp + norms, 0.0
     shared = mixer + spec.shared_expert_parameters / etp + spec.router_parameters + norms
@@ -649,6 +654,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         projections = ((n_in, n_out + (spec.kv_size + spec.value_size) * (replicas - 1), split), output)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections)
+    if spec.unplanned_parameters:  # modules no plan names, whole on every rank: as matmuls of their weights
+        gemm += _gemm_time(tokens, h, spec.unplanned_parameters / h, flops, bw, e)
     ep_collective = 0.0
     if moe:
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of

@@ -134,6 +134,11 @@ class ModelStructure:
     # Gated DeltaNet linear attention in some layers (Qwen3-Next, Qwen3.5): those layers' token mixer, which
     # replaces `attention` (and `q`/`k`/`v`/`qkv`/`o`, read from a layer with attention) there.
     linear_attention: "LinearAttention | None" = None
+    # Modules of a decoder layer holding parameters that no plan names (outside the attention, the MLP or MoE block,
+    # the norms and a linear mixer: LongCat-Flash's second attention and MLP beside its first, Falcon-H1's Mamba mixer
+    # beside its attention), the top-most of each, layer-relative: whole on every tensor-parallel rank, and no
+    # sequence parallel (on a rank's slice their gradients would be partial; `distcore.auto.unsupported`).
+    unplanned: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
     def pattern(self, relative: str) -> str:
@@ -210,6 +215,8 @@ class ModelStructure:
                 rows.append((f"mlp up{dense}", self.pattern(self.up)))
             rows.append((f"mlp down{dense}", self.pattern(self.down)))
         rows.append(("layer norms", ", ".join(self.pattern(n) for n in self.layer_norms) or "-"))
+        if self.unplanned:
+            rows.append(("whole on every tp rank", ", ".join(self.pattern(n) for n in self.unplanned)))
         if self.qk_norms:
             rows.append(("q/k norms", ", ".join(self.pattern(n) for n in self.qk_norms)))
         rows.append(("embedding", self.embedding or "-"))
@@ -398,6 +405,9 @@ class ModelSpec:
     # The head's output width where it is not the vocabulary's: a task head (a classifier's labels; the
     # structure's task_head); None: an LM head of vocab_size outputs.
     head_outputs: int | None = None
+    # Parameters of each decoder layer in modules no plan names (ModelStructure.unplanned): whole on every
+    # tensor-parallel rank, priced as matmuls over every token there.
+    unplanned_parameters: int = 0
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -651,6 +661,7 @@ class ModelSpec:
         # A Gated DeltaNet layer: its mixer in place of attention and the q/k norms.
         layers += self.num_linear_layers * (self.linear_mixer_parameters - self.attention_parameters
                                             - self.qk_norm_parameters)
+        layers += self.num_layers * self.unplanned_parameters
         return layers + self.embedding_parameters + self.head_parameters + self.hidden_size
 
     @property
@@ -850,6 +861,32 @@ def _orient(linears: list[_Linear], hidden: int) -> None:
     for lin in linears:
         if lin.bare and lin.in_features != hidden and lin.out_features == hidden:
             lin.in_features, lin.out_features = lin.out_features, lin.in_features
+
+
+def _unplanned_modules(block, covered: list[str]) -> tuple[tuple[str, ...], int]:
+    """(the top-most modules of `block` holding parameters outside every `covered` name, their parameters): a module
+    with parameters of its own under none of them, not norm-like (1-D parameters only and no child holding any: those
+    run on sequence slices as the layer norms do), taken up to its highest ancestor that holds nothing covered."""
+    def under(name: str, prefix: str) -> bool:
+        return not prefix or name == prefix or name.startswith(prefix + ".")
+
+    modules = dict(block.named_modules())
+    found: list[str] = []
+    for name, module in modules.items():
+        own = list(module.parameters(recurse=False))
+        if not name or not own or any(under(name, c) for c in covered):
+            continue
+        if all(p.dim() == 1 for p in own) and len(own) == sum(1 for _ in module.parameters()):
+            continue  # norm-like
+        top, parts = name, name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            ancestor = ".".join(parts[:i])
+            if any(under(c, ancestor) for c in covered):
+                break
+            top = ancestor
+        if top not in found and not any(under(top, f) for f in found):
+            found = [f for f in found if not under(f, top)] + [top]
+    return tuple(found), sum(p.numel() for f in found for p in modules[f].parameters())
 
 
 def _norm_names(block, hidden: int) -> list[str]:
@@ -1448,6 +1485,21 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if moe is not None:  # norms inside the experts (none in the families known) are not layer norms
         norms = tuple(n for n in norms if not n.startswith(moe.block + "."))
     notes = list(shape_notes)
+    projections = [attn.get(k) for k in ("q", "k", "v", "o", "qkv", "latent_kv", "latent_kv_down", "gate")]
+    covered = [attention or None, *([None] if attention else projections), *norms, *qk_norms,
+               linear.mixer if linear else None]
+    dense_covered = [mlp or None, *([None] if mlp else [mlp_parts.get(k) for k in ("gate", "up", "down", "gate_up")])]
+    unplanned, unplanned_parameters = (), 0
+    if dense:
+        unplanned, unplanned_parameters = _unplanned_modules(block, [c for c in covered + dense_covered if c])
+    if moe is not None:
+        moe_parts = [moe.block] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts, *moe.shared]
+        layer = layers[min(moe_blocks)]
+        found, count = _unplanned_modules(layer, [c for c in covered + moe_parts if c])
+        unplanned, unplanned_parameters = tuple(dict.fromkeys(unplanned + found)), max(unplanned_parameters, count)
+    if unplanned:
+        notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
+                     "tensor-parallel rank, priced as matmuls over every token there")
     biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
     if biases:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
@@ -1492,7 +1544,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
         moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,
         expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), linear_attention=linear,
-        notes=tuple(notes),
+        unplanned=unplanned, notes=tuple(notes),
     )
     eager = _eager_attention(model)
     fields = dict(
@@ -1505,7 +1557,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         qk_norm=qk_norm,
         latent_attention=latent, flash_attention=not eager,
         attention_output_gate=bool(attn.get("gated_query") or gate and attn["gate_size"] != heads),  # per feature
-        softmax_fp32=eager,
+        softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
         gated_delta_net=linear_shape, **moe_fields,
     )
     return structure, fields

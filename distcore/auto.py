@@ -310,6 +310,10 @@ def unsupported(spec) -> dict[str, str]:
         limits["overlap_tp_comm"] = (
             f"the MoE blocks ({structure.pattern(structure.moe).rstrip('.')} in {len(structure.moe_layers)} of "
             f"{structure.num_layers} layers) have no column-parallel entry for the all-gather to overlap with")
+    if getattr(structure, "unplanned", ()):
+        limits["sequence_parallel"] = (
+            f"{[structure.pattern(n) for n in structure.unplanned]} hold parameters no plan names (whole on every tp "
+            "rank): on a rank's slice of the sequence their gradients would cover that slice only")
     # A head of the model's own (structure.task_head: a classifier's score) stays whole on every tp rank, after
     # the final norm's gathered output under sequence parallel, and on the last pipeline stage: nothing to limit.
     if structure.tied_embeddings and not structure.lm_head and not structure.task_head:

@@ -134,6 +134,13 @@ MORE_FAMILIES = {
     "mimo-v2-flash": ("mimo_v2_flash", dict(head_dim=16, v_head_dim=32, sliding_window=SLIDING_WINDOW,
                                             n_routed_experts=EXPERTS, moe_intermediate_size=32, n_group=1, topk_group=1,
                                             first_k_dense_replace=1, **_MOE)),
+    # Two attentions and two MLPs per layer beside a mixture of experts with zero-computation experts (LongCat-Flash):
+    # recognised as its first attention and MLP; the rest no plan names (ModelStructure.unplanned), whole on every tp
+    # rank, priced so, and no sequence parallel.
+    "longcat-flash": ("longcat_flash", dict(ffn_hidden_size=2 * HIDDEN, expert_ffn_hidden_size=32, n_routed_experts=EXPERTS,
+                                            zero_expert_num=2, moe_topk=TOP_K, kv_lora_rank=16, q_lora_rank=32,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, head_dim=8,
+                                            num_key_value_heads=HEADS, num_hidden_layers=2 * LAYERS)),  # 2 per layer
 }
 
 

@@ -631,6 +631,39 @@ def test_value_heads_of_their_own_width_are_recognised_and_priced():
             kv_lora_rank=16, rope_head_dim=8, v_head_dim=16), structure=None)
 
 
+def test_modules_no_plan_names_are_priced_whole_and_rule_out_sequence_parallel():
+    """LongCat-Flash's second attention and MLP and its experts, Falcon-H1's Mamba mixer: modules of the decoder
+    layers holding parameters outside what the structure reads (ModelStructure.unplanned, the top-most of each).
+    The spec counts them (before: LongCat priced without nine tenths of its parameters), the cost model holds them
+    whole on every tp rank and runs them over every token there, and distcore leaves sequence parallel out (on a
+    rank's slice their gradients would be partial). A Llama has none; norm-like modules are not counted as such."""
+    from tests.hf_models import build
+    from tridist.autotune import cost
+    from tridist.distcore.auto import unsupported
+
+    pytest.importorskip("transformers")
+    longcat = build("longcat-flash")
+    spec = ModelSpec.from_module(longcat, seq_len=16)
+    assert spec.structure.unplanned == ("mlp", "self_attn.1", "mlps.1"), spec.structure.unplanned
+    layer = longcat.model.layers[0]
+    assert spec.unplanned_parameters == sum(p.numel() for m in (layer.mlp, layer.self_attn[1], layer.mlps[1])
+                                            for p in m.parameters())
+    counted = sum(p.numel() for p in longcat.parameters())
+    assert abs(spec.num_parameters - counted) < 0.01 * counted, (spec.num_parameters, counted)
+    assert "hold parameters no plan names" in unsupported(spec)["sequence_parallel"]
+    without = dataclasses.replace(spec, unplanned_parameters=0, structure=None)
+    for tp in (1, 2):  # whole on every rank: the same count at any tp
+        got, _ = cost._layer_parameters(spec, tp, 1, False, 1)
+        assert got - cost._layer_parameters(without, tp, 1, False, 1)[0] == spec.unplanned_parameters
+    tokens = 2 * 16  # forward FLOPs: two per weight per token
+    assert cost.model_flops_per_step(spec, 2) - cost.model_flops_per_step(without, 2) == \
+        cost.FWD_BWD_PASSES * tokens * 2 * spec.unplanned_parameters * spec.num_layers
+    falcon = ModelSpec.from_module(build("falcon-h1"), seq_len=16)
+    assert falcon.structure.unplanned == ("mamba",) and "sequence_parallel" in unsupported(falcon)
+    llama = ModelSpec.from_module(build("llama"), seq_len=16)
+    assert llama.structure.unplanned == () and llama.unplanned_parameters == 0
+
+
 def test_a_heterogeneous_config_is_read_from_the_layers():
     """transformers' heterogeneous configs (Dots 3: per-layer attributes) raise on a global read of a per-layer
     attribute such as num_key_value_heads: the structure reads it as absent (the shapes decide) and refuses the

@@ -409,14 +409,29 @@ def check_attention_output_gates_are_split_with_the_query_heads():
 
 def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
     """Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer. Its scan needs the whole sequence, so
-    under sequence parallel (the mixer on each rank's slice) it is refused, naming the mixer's parameters; before,
-    its own 1-D A_log, D and dt_bias made it pass for a norm, and replicating it crashed on its children's names."""
-    try:
-        _train("falcon-h1", TP2["tp 2 + sp + overlap"])
-    except ValueError as error:
-        assert "model.layers.0.mamba.A_log" in str(error) and "run on sequence slices" in str(error), error
-    else:
-        raise AssertionError("falcon-h1: sequence parallel over its Mamba mixers was not refused")
+    under sequence parallel (the mixer on each rank's slice) it is refused; before, its own 1-D A_log, D and dt_bias
+    made it pass for a norm, and replicating it crashed on its children's names. Since the structure names what no
+    plan covers (ModelStructure.unplanned), the strategy is refused before anything changes, naming the mixer (the
+    search leaves sequence parallel out); before, parallelize refused it, naming the mixer's parameters."""
+    _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
+
+
+def check_modules_no_plan_names_stay_whole_under_tensor_parallel():
+    """LongCat-Flash holds two attentions and two MLPs in each layer beside a mixture of experts with zero-computation
+    experts. The structure reads its first attention and MLP; the second ones and the experts no plan names
+    (ModelStructure.unplanned): before, the cost model priced the model without them (a tenth of its parameters
+    here) and the search could pick sequence parallel, which parallelize then refused for their parameters, naming
+    them. Now they are priced whole on every tp rank, and sequence parallel is refused up front (left out by the
+    search); under tp 2 the model trains equal to one process, those modules whole on both ranks (2 processes)."""
+    def whole(model):
+        layer = model.model.layers[0]
+        assert all(not isinstance(p, DTensor) or all(x.is_replicate() for x in p.placements)
+                   for m in (layer.self_attn[1], layer.mlps[1], layer.mlp) for p in m.parameters())
+        assert isinstance(layer.self_attn[0].q_b_proj.weight, DTensor)  # the first attention split
+
+    _train("longcat-flash", TP2["tp 2"], inspect=whole)
+    _expect_refused("longcat-flash", TP2["tp 2 + sp"], "['model.layers.*.mlp', 'model.layers.*.self_attn.1', "
+                                                       "'model.layers.*.mlps.1'] hold parameters no plan names")
 
 
 def check_learned_positions_train_under_sequence_parallel():
@@ -1908,7 +1923,7 @@ EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_par
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
-    "check_mamba_mixers_beside_attention_are_refused_sequence_parallel",
+    "check_mamba_mixers_beside_attention_are_refused_sequence_parallel", "check_modules_no_plan_names_stay_whole_under_tensor_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
     "check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas",
     "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
