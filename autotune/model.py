@@ -327,7 +327,14 @@ class LinearAttention:
     `output`: the projection back to the hidden size (row-parallel). `rows`: parameters with rows per channel or
     per head, with their part sizes (the depthwise convolution over the packed [q | k | v] channels; the per-head
     decay and time-step biases). `shared`: modules whose weight every head uses (the gated output norm).
-    `counts`: the mixer's integer attributes that count heads or channels, which each rank holds 1/tp of."""
+    `counts`: the mixer's integer attributes that count heads or channels, which each rank holds 1/tp of (a dotted
+    name: a submodule's). `row_dims`: the dim of a `rows` parameter its rows lie along where not 0 (Kimi Linear's
+    decay A_log, [1, 1, heads, 1]).
+
+    Kimi Delta Attention mixers (Kimi Linear, Ling's hybrid: `kind` "kda") are read into the same form: separate q, k
+    and v projections with the convolution over their channels, per-channel decay gates and an output gate (from the
+    hidden states, or from a low-rank latent of one head's width, whose down-projection stays whole), one head count
+    for keys and values."""
 
     mixer: str
     layers: tuple[int, ...]
@@ -338,6 +345,8 @@ class LinearAttention:
     rows: tuple[tuple[str, tuple[int, ...]], ...]
     shared: tuple[str, ...]
     counts: tuple[str, ...]
+    row_dims: tuple[tuple[str, int], ...] = ()
+    kind: str = "gdn"
 
 
 @dataclass(frozen=True)
@@ -1128,8 +1137,12 @@ def _latent_attention_parts(ins: list[_Linear], latent: list[_Linear], o: _Linea
     # widths: LatentAttention once the heads are known (`_latent_attention`).
     widths = (q_a[0].out_features if q_b else 0, kv_b[0].in_features, kv_a[0].out_features - kv_b[0].in_features,
               kv_b[0].out_features, o.in_features)
+    # An output gate of its own from the hidden states (Ling's hybrid: one per head), split with the query heads
+    # (its width checked against them once they are known, as for q/k/v attention)
+    gates = [l for l in ins if l not in (q, *kv_a, *q_a) and any(_name_matches(l.leaf, w) for w in _ATTENTION_GATE_WORDS)]
     return dict(q=q.name, latent_kv=kv_b[0].name, latent_kv_down=kv_a[0].name, o=o.name, q_size=q.out_features,
-                kv_size=q.out_features, latent_widths=widths)
+                kv_size=q.out_features, latent_widths=widths, gate=gates[0].name if len(gates) == 1 else None,
+                gate_size=gates[0].out_features if len(gates) == 1 else 0)
 
 
 def _latent_attention(widths: tuple[int, ...], heads: int, head_dim: int) -> LatentAttention | None:
@@ -1439,7 +1452,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         raise UnrecognisedModel(f"no projections found in the decoder layer {layers_name}.0 ({type(layers[0]).__name__})")
     moe_blocks, moe_fields = _moe_layers(layers, hidden, overrides)
     dense = [i for i in range(len(layers)) if i not in moe_blocks]
-    mixers = {i: found for i, layer in enumerate(layers) if (found := _gated_delta_net(layer)) is not None}
+    mixers = {i: found for i, layer in enumerate(layers) if (found := _linear_mixer(layer)) is not None}
     attention_layers = [i for i in range(len(layers)) if i not in mixers]
     if not attention_layers:
         raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
@@ -1509,16 +1522,21 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
     if linear is not None:
-        notes.append(f"layers {_ranges(linear.layers)} mix tokens by Gated DeltaNet linear attention, priced as "
-                     "flash-linear-attention's chunked kernels run it")
+        kind = "Kimi Delta Attention, priced as a Gated DeltaNet of its heads" if linear.kind == "kda" else \
+            "Gated DeltaNet linear attention"
+        notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}, priced as flash-linear-attention's chunked "
+                     "kernels run it")
         widths = sum(sum(parts) for _, parts in linear.columns)
         expected = linear_shape.projections(hidden)[0][1]
         if widths != expected:
             notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
                          f"transformers' q, k, v, z, b and a ({expected})")
-    gate = attn.get("gate") if attn.get("gate_size") in (heads * head_dim, heads) else None
-    if gate and attn["gate_size"] == heads:
-        notes.append(f"{gate} gives one output gate per head ({heads}), priced as none")
+    # a gate per query head, or per output feature of the heads (their values' width under latent attention)
+    gate_widths = (heads, attn["latent_widths"][4] if attn.get("latent_kv") else heads * head_dim)
+    gate = attn.get("gate") if attn.get("gate_size") in gate_widths else None
+    if gate and (attn["gate_size"] == heads or attn.get("latent_kv")):
+        notes.append(f"{gate} gives {'one output gate per head' if attn['gate_size'] == heads else 'an output gate per feature'}"
+                     f" ({attn['gate_size']}), priced as none")
     latent = _latent_attention(attn["latent_widths"], heads, head_dim) if attn.get("latent_kv") else None
     if latent:
         notes.append(f"multi-head latent attention priced as it runs ({latent})")
@@ -1556,7 +1574,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qkv_interleaved=interleaved,
         qk_norm=qk_norm,
         latent_attention=latent, flash_attention=not eager,
-        attention_output_gate=bool(attn.get("gated_query") or gate and attn["gate_size"] != heads),  # per feature
+        attention_output_gate=bool(attn.get("gated_query") or gate and attn["gate_size"] != heads
+                                   and not attn.get("latent_kv")),  # per feature (latent attention's: priced as none)
         softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
         gated_delta_net=linear_shape, **moe_fields,
     )
@@ -1569,17 +1588,93 @@ _GATED_DELTA_NET_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_di
 _LINEAR_ATTENTION_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 
 
-def _gated_delta_net(layer) -> str | None:
-    """The name (relative to `layer`) of its Gated DeltaNet mixer, or None: a module with transformers' head
-    attributes for one (`_GATED_DELTA_NET_ATTRS`) and a depthwise nn.Conv1d child (a group per channel)."""
+def _linear_mixer(layer) -> str | None:
+    """The name (relative to `layer`) of its linear-attention mixer, or None: a Gated DeltaNet mixer (a module with
+    transformers' head attributes for one, `_GATED_DELTA_NET_ATTRS`, and a depthwise nn.Conv1d child: a group per
+    channel), or a Kimi Delta Attention mixer (`_is_kimi_delta_attention`)."""
     from torch import nn
 
     for name, module in layer.named_modules():
+        if _is_kimi_delta_attention(module):
+            return name
         if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
             continue
         if any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels for c in module.children()):
             return name
     return None
+
+
+# transformers' Kimi Delta Attention mixers (Kimi Linear, Ling's bailing_hybrid) keep one head count and width for
+# keys and values; `_KDA_COUNTS` are the attributes a rank holds 1/tp of, on the mixer and on its forget gate.
+_KDA_ATTRS = ("num_heads", "head_dim")
+_KDA_COUNTS = ("num_heads", "qkv_dim", "conv_dim")
+
+
+def _is_kimi_delta_attention(module) -> bool:
+    """A module with `num_heads` and `head_dim` and a depthwise nn.Conv1d child over 3 x heads x head_dim channels
+    (its separate q, k and v projections' outputs), beside a child holding the decay's `A_log`."""
+    from torch import nn
+
+    if not all(isinstance(readable_attr(module, a), int) for a in _KDA_ATTRS):
+        return False
+    width = 3 * module.num_heads * module.head_dim
+    return (any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels == width
+                for c in module.children())
+            and any(isinstance(getattr(c, "A_log", None), nn.Parameter) for c in module.children()))
+
+
+def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[int, ...], hidden: int) -> LinearAttention:
+    """A Kimi Delta Attention mixer as tensor parallel splits it by head (LinearAttention, kind "kda"): every Linear
+    whose outputs are per head (heads x head_dim, or one per head) is column-parallel (q, k, v, the beta and gate
+    projections, the decay gate's projection, also where it takes a low-rank latent); one from the hidden size to a
+    head's width is such a latent's down-projection, whole on every rank; the projection back to the hidden size is
+    row-parallel; the convolution over [q | k | v], the per-channel time-step bias and the per-head decay are this
+    rank's rows; a norm over one head's features is shared. Anything else is refused, naming it."""
+    from torch import nn
+
+    heads, head_dim = int(module.num_heads), int(module.head_dim)
+    width = heads * head_dim
+    # The output projection: from the heads' features to the hidden size, by its name where q, k and v are as wide
+    linears = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_modules() if isinstance(c, nn.Linear)]
+    candidates = [l for l in linears if (l.in_features, l.out_features) == (width, hidden)]
+    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    columns, rows, row_dims, shared = [], [], [], []
+    for child_name, child in module.named_modules():
+        params = dict(child.named_parameters(recurse=False))
+        if not child_name or child_name == output or not params and not isinstance(child, nn.Linear):
+            continue
+        if isinstance(child, nn.Linear):
+            if child.out_features in (width, heads) and child.in_features in (hidden, head_dim):
+                columns.append((child_name, (child.out_features,)))
+            elif (child.in_features, child.out_features) != (hidden, head_dim):  # a latent's down-projection: whole
+                raise UnrecognisedModel(f"{where}.{child_name} ({child.in_features} -> {child.out_features}) is none of "
+                                        f"a Kimi Delta Attention mixer's projections ({heads} heads of {head_dim})")
+            continue
+        if isinstance(child, nn.Conv1d) and child.groups == child.out_channels == 3 * width:
+            rows += [(f"{child_name}.{pname}", (width,) * 3) for pname in params]
+            continue
+        if all(p.dim() == 1 and p.shape[0] == head_dim for p in params.values()):
+            shared.append(child_name)
+            continue
+        for pname, param in params.items():
+            full = f"{child_name}.{pname}"
+            along = [d for d, size in enumerate(param.shape) if size != 1]
+            if len(along) == 1 and param.shape[along[0]] in (heads, width):
+                rows.append((full, (param.shape[along[0]],)))
+                if along[0]:
+                    row_dims.append((full, along[0]))
+            else:
+                raise UnrecognisedModel(f"{where}.{full} {tuple(param.shape)} is no parameter of one entry per head "
+                                        f"({heads}) or per channel ({width}), which tensor parallel would split")
+    if output is None or not any(parts == (width,) * 3 for _, parts in rows):
+        raise UnrecognisedModel(f"{where}: a Kimi Delta Attention mixer needs a projection back to the hidden size "
+                                f"and a convolution over its [q | k | v] channels; found {output or 'no output projection'}")
+    counts = [a for a in _KDA_COUNTS if isinstance(readable_attr(module, a), int)]
+    counts += [f"{c}.{a}" for c, child in module.named_children() for a in _KDA_COUNTS
+               if isinstance(readable_attr(child, a), int) and any(True for _ in child.parameters(recurse=False))]
+    return LinearAttention(mixer=name, layers=layer_indices, num_k_heads=heads, num_v_heads=heads,
+                           columns=tuple(columns), output=output, rows=tuple(rows), shared=tuple(shared),
+                           counts=tuple(counts), row_dims=tuple(row_dims), kind="kda")
 
 
 def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: int) -> LinearAttention:
@@ -1596,6 +1691,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
     name = mixers[index]
     module = layers[index].get_submodule(name)
     where = f"{layers_name}.{index}.{name}"
+    if _is_kimi_delta_attention(module):
+        return _kimi_delta_attention(where, name, module, tuple(sorted(mixers)), hidden)
     num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
     if num_v_heads % num_k_heads:
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
@@ -1646,6 +1743,10 @@ def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> Gate
 
     mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
+    if linear.kind == "kda":  # one head count and width for keys and values: priced as a Gated DeltaNet of them
+        heads, head_dim = int(mixer.num_heads), int(mixer.head_dim)
+        return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], num_k_heads=heads,
+                             num_v_heads=heads, head_k_dim=head_dim, head_v_dim=head_dim)
     return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0],
                          **{a: int(getattr(mixer, a)) for a in _GATED_DELTA_NET_ATTRS})
 

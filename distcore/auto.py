@@ -326,7 +326,7 @@ def unsupported(spec) -> dict[str, str]:
             f"multi-head latent attention: its column-parallel projections ({structure.q}, {structure.latent_kv}) "
             "take the low-rank latents, not the attention's input, which the overlapped all-gather ring gathers")
     if structure.linear_attention is not None:
-        limits["overlap_tp_comm"] = (f"the Gated DeltaNet mixers ({structure.pattern(structure.linear_attention.mixer)}) "
+        limits["overlap_tp_comm"] = (f"the linear-attention mixers ({structure.pattern(structure.linear_attention.mixer)}) "
                                      "project their input after masking its padding (transformers' "
                                      "apply_mask_to_padding_states), not the region's input that the overlapped "
                                      "all-gather ring computes their projections from")
@@ -786,7 +786,7 @@ def _add_linear_attention(add, mixers: list[str], linear) -> None:
         add(f"{mixer}.{linear.output}", RowWiseParallel())
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
-        add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts))
+        add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts, dims=dict(linear.row_dims)))
 
 
 def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str,

@@ -330,10 +330,13 @@ class LocalParameterRows(_Style):
     every call of the module's forward (its forward hooks) its owner holds this rank's rows of each part
     (`rows[name]`: the parts' sizes, each split evenly, in order), whose gradients are summed over the mp ranks.
     `counts`: the module's integer attributes that count heads or channels (num_v_heads, key_dim, conv_dim,
-    ...), which become this rank's share. Local view only: a global-view block has no local rows to take."""
+    ...), or a submodule's (dotted: a Kimi Delta Attention mixer's forget gate's `forget_gate.num_heads`), which
+    become this rank's share. `dims`: the dim a parameter's rows lie along where not 0 (Kimi Linear's decay A_log,
+    [1, 1, heads, 1]). Local view only: a global-view block has no local rows to take."""
 
     rows: dict[str, tuple[int, ...]]
     counts: tuple[str, ...] = ()
+    dims: dict[str, int] = dataclasses.field(default_factory=dict)
     global_view = False  # block_check: no fallback to global view for a block holding this style
     local_only = ("its split takes each rank's rows of parameters its code reads; use tp=1 for this model (data and "
                   "pipeline parallel need none of it)")
@@ -353,28 +356,37 @@ class LocalParameterRows(_Style):
             if isinstance(param, DTensor):
                 raise ValueError(f"parallelize: {target.name}.{name} is split already ({param.placements}); "
                                  f"{type(self).__name__} takes rows of a plain parameter: give it one style")
-            if param.shape[0] != sum(parts) or any(part % tp for part in parts):
+            dim = self.dims.get(name, 0)
+            if param.dim() <= dim or param.shape[dim] != sum(parts) or any(part % tp for part in parts):
                 raise ValueError(f"parallelize: {target.name}.{name} (shape {tuple(param.shape)}) does not split as "
-                                 f"rows of parts {list(parts)} over {tp} ranks; use a degree that divides each part")
+                                 f"rows of parts {list(parts)} along dim {dim} over {tp} ranks; use a degree that "
+                                 "divides each part")
             starts = [sum(parts[:i]) for i in range(len(parts))]
-            spans[owner, pname] = [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)]
+            spans[owner, pname] = (dim, [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)])
+        counted = {}  # (owner, attribute) -> its whole value
         for attribute in self.counts:
-            if getattr(module, attribute) % tp:
-                raise ValueError(f"parallelize: {target.name}.{attribute} = {getattr(module, attribute)} cannot be "
-                                 f"split over {tp} tensor-parallel ranks; use a degree that divides it")
+            owner_name, _, leaf = attribute.rpartition(".")
+            owner = submodules.get(owner_name)
+            value = getattr(owner, leaf, None) if owner is not None else None
+            if not isinstance(value, int) or value % tp:
+                raise ValueError(f"parallelize: {target.name}.{attribute} = {value!r} cannot be split over {tp} "
+                                 "tensor-parallel ranks; use a degree that divides it")
+            counted[owner, leaf] = value
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
             owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
-        for attribute in self.counts:
-            setattr(module, attribute, getattr(module, attribute) // tp)
+        for (owner, leaf), value in counted.items():
+            setattr(owner, leaf, value // tp)
+            # _localise_head_counts leaves it alone (a Kimi Delta Attention mixer's num_heads beside its q_proj)
+            owner._tridist_localised_counts = (*getattr(owner, "_tridist_localised_counts", ()), leaf)
 
         def take_local_rows(mixer, args) -> None:
             saved = vars(mixer).setdefault("_tridist_whole_parameters", {})
-            for (owner, pname), taken in spans.items():
+            for (owner, pname), (dim, taken) in spans.items():
                 whole = saved.setdefault((owner, pname), owner._parameters[pname])  # another swap may have put it aside
                 local = _local_value(whole)
-                rows = [local.narrow(0, start, length) for start, length in taken]
-                owner._parameters[pname] = rows[0] if len(rows) == 1 else torch.cat(rows)
+                rows = [local.narrow(dim, start, length) for start, length in taken]
+                owner._parameters[pname] = rows[0] if len(rows) == 1 else torch.cat(rows, dim=dim)
 
         def put_back(mixer, args, output) -> None:  # its own hook: ShardLocalParameters.release removes only its own
             _swap_back_parameters(mixer, args, output)
@@ -1226,7 +1238,8 @@ def _localise_head_counts(model: torch.nn.Module, *, tp: int) -> list[str]:
     for name, module in model.named_modules():
         for attribute in _HEADS_OF:
             value = getattr(module, attribute, None)
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not isinstance(value, int) or isinstance(value, bool) or attribute in getattr(
+                    module, "_tridist_localised_counts", ()):  # divided by its LocalParameterRows already
                 continue
             groups = _head_groups(name, module, attribute, value, tp)
             if groups is not None:

@@ -141,6 +141,14 @@ MORE_FAMILIES = {
                                             zero_expert_num=2, moe_topk=TOP_K, kv_lora_rank=16, q_lora_rank=32,
                                             qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16, head_dim=8,
                                             num_key_value_heads=HEADS, num_hidden_layers=2 * LAYERS)),  # 2 per layer
+    # Kimi Delta Attention layers (separate q, k, v projections and a convolution over them, a per-channel decay gate,
+    # an output gate; Kimi Linear's gates from a low-rank latent, Ling's from the hidden states) beside multi-head
+    # latent attention, experts with a shared one after a dense first layer.
+    **{family: (model_type, dict(linear_num_heads=HEADS, linear_head_dim=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                 qk_nope_head_dim=8, v_head_dim=16, head_dim=16, num_key_value_heads=HEADS,
+                                 num_experts=EXPERTS, moe_intermediate_size=32, num_experts_per_token=TOP_K,
+                                 num_shared_experts=1, num_expert_group=1, topk_group=1, first_k_dense_replace=1))
+       for family, model_type in (("kimi-linear", "kimi_linear"), ("ling-hybrid", "bailing_hybrid"))},
 }
 
 
@@ -303,7 +311,9 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                        "gemma3": ("layer_types", "sliding_attention", "full_attention"),
                        "gemma3-mqa": ("layer_types", "sliding_attention", "full_attention"),
                        "beam": ("mlp_layer_types", "dense", "sparse"),
-                       "mimo-v2-flash": ("layer_types", "full_attention", "sliding_attention")}
+                       "mimo-v2-flash": ("layer_types", "full_attention", "sliding_attention"),
+                       "kimi-linear": ("layer_types", "full_attention", "linear_attention"),
+                       "ling-hybrid": ("layer_types", "full_attention", "linear_attention")}
         if family in alternating:  # the two kinds of layers alternate, the first kind first
             attribute, *kinds = alternating[family]
             setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])

@@ -286,6 +286,40 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
+def test_kimi_delta_attention_mixers_are_read_for_the_split_by_head():
+    """Kimi Delta Attention mixers (Kimi Linear; Ling's hybrid, transformers' bailing_hybrid) beside latent attention:
+    refused under tp before (a convolution in the attention block). Read as LinearAttention of kind "kda": q, k, v,
+    beta, the decay gate's and the output gate's projections column-parallel (Kimi's from low-rank latents, whose
+    down-projections stay whole), o_proj row-parallel, the convolution's, time-step bias's and decay's rows this
+    rank's (Kimi's decay A_log [1, 1, heads, 1] along dim 2), the gated norm shared, the head counts of the mixer
+    and of its forget gate local. Ling's latent attention's per-head output gate is split with the query heads. A
+    parameter of another shape in the mixer is refused, naming it."""
+    from tests.hf_models import build
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    kimi = build("kimi-linear")
+    linear = ModelSpec.from_module(kimi, seq_len=16).structure.linear_attention
+    assert (linear.kind, linear.layers, linear.output, linear.shared) == ("kda", (1,), "o_proj", ("o_norm",))
+    assert {n for n, _ in linear.columns} == {"q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_b_proj", "g_b_proj"}
+    assert dict(linear.rows) == {"conv1d.weight": (64, 64, 64), "forget_gate.dt_bias": (64,), "forget_gate.A_log": (4,)}
+    assert linear.row_dims == (("forget_gate.A_log", 2),)
+    assert set(linear.counts) == {"num_heads", "qkv_dim", "conv_dim", "forget_gate.num_heads", "forget_gate.qkv_dim"}
+    styles = tensor_parallel_plan(kimi, ModelSpec.from_module(kimi, seq_len=16).structure, sequence_parallel=True).styles
+    assert "model.layers.1.self_attn.forget_gate.f_a_proj" not in styles  # the latent's down-projection: whole
+    rows = next(x for x in styles["model.layers.1.self_attn"] if type(x).__name__ == "LocalParameterRows")
+    assert rows.dims == {"forget_gate.A_log": 2}
+    ling = build("ling-hybrid")
+    spec = ModelSpec.from_module(ling, seq_len=16)
+    assert {n for n, _ in spec.structure.linear_attention.columns} == {"q_proj", "k_proj", "v_proj", "b_proj",
+                                                                       "forget_gate.f_proj", "g_proj"}
+    assert spec.structure.linear_attention.row_dims == () and spec.structure.attention_gate == "self_attn.g_proj"
+    assert "self_attn.g_proj gives one output gate per head (4), priced as none" in spec.structure.notes
+    ling.model.layers[1].self_attn.forget_gate.extra = nn.Parameter(torch.zeros(3))
+    with pytest.raises(UnrecognisedModel, match=r"forget_gate\.extra \(3,\) is no parameter of one entry per head"):
+        ModelSpec.from_module(ling, seq_len=16)
+
+
 def test_local_parameter_rows_swap_and_refusals():
     """LocalParameterRows (a Gated DeltaNet mixer's style) on a world of one: the forward sees plain local rows, the
     parameters stay whole DTensors after every forward (also beside ShardLocalParameters on the same module, whose

@@ -32,7 +32,7 @@ from tridist.distcore.block_check import TensorParallelCheckError
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
+from tests.hf_models import (HEADS, LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
                               contiguous_query_key_value, head_major_alibi)
 
 # Two decoder layers: a pipeline stage each under pp 2, one local and one global layer of Gemma 2 and 3, Qwen3-MoE's
@@ -386,6 +386,32 @@ def check_value_heads_of_their_own_width_train_under_tensor_parallel():
             _train("mimo-v2-flash", TP2[label], inspect=split_by_head, layers=3)
         except Exception as error:
             raise AssertionError(f"mimo-v2-flash under {label}: {type(error).__name__}: {error}") from error
+
+
+def check_kimi_delta_attention_layers_train_under_tensor_parallel():
+    """Kimi Delta Attention layers beside multi-head latent attention: Kimi Linear (its decay and output gates from
+    low-rank latents, the decay's A_log [1, 1, heads, 1]) and Ling's hybrid (the gates from the hidden states; its
+    latent attention with an output gate per head). Both were refused under tp (a convolution in the attention
+    block). Each mixer is split by head (q, k, v and the gates column-parallel, the latents' down-projections whole,
+    this rank's rows of the convolution, time-step bias and decay, the head counts of the mixer and its forget gate
+    local), Ling's attention gate with the query heads; equal to one process under tp 2 and tp 2 + sp, every block in
+    local view (2 processes; dp 2 x tp 2 + sp with ep 2 and tp 2 x pp 2 + sp equal by hand)."""
+    def split_by_head(model):
+        mixer = model.model.layers[1].self_attn
+        counts = (mixer.num_heads, mixer.forget_gate.num_heads, mixer.qkv_dim)
+        assert counts == (HEADS // 2, HEADS // 2, 16 * HEADS // 2), counts
+        assert mixer.q_proj.weight.to_local().shape[0] * 2 == mixer.q_proj.weight.shape[0], mixer.q_proj.weight.shape
+        a_log = mixer.forget_gate.A_log  # whole, this rank's rows taken around every forward
+        assert isinstance(a_log, DTensor) and a_log.placements[-1].is_replicate(), type(a_log)
+        gate = getattr(model.model.layers[0].self_attn, "g_proj", None)  # Ling's latent attention's gate
+        assert gate is None or gate.weight.to_local().shape[0] * 2 == gate.weight.shape[0], gate.weight.shape
+
+    for family in ("kimi-linear", "ling-hybrid"):
+        for label in ("tp 2", "tp 2 + sp"):
+            try:
+                _train(family, TP2[label], inspect=split_by_head)
+            except Exception as error:
+                raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
 def check_attention_output_gates_are_split_with_the_query_heads():
@@ -1922,6 +1948,7 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
+    "check_kimi_delta_attention_layers_train_under_tensor_parallel",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
     "check_mamba_mixers_beside_attention_are_refused_sequence_parallel", "check_modules_no_plan_names_stay_whole_under_tensor_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
