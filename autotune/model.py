@@ -1460,20 +1460,32 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     # Attention (and the dense MLP) are read from a dense attention layer where there is one, else from an MoE
     # layer without its MoE block's projections.
     index = next((i for i in dense if i in attention_layers), attention_layers[0])
-    if dense and index in moe_blocks:
-        raise UnrecognisedModel(f"{layers_name}: the dense layers ({_ranges(tuple(dense))}) all mix tokens by linear "
-                                "attention, so no layer shows both the attention and the dense MLP")
+    # Where every dense layer mixes tokens by linear attention (Kimi Linear's and Ling's first layers), the attention
+    # is read from an MoE layer and the dense MLP from the first dense layer, beside its linear mixer.
+    mlp_layer = dense[0] if dense and index in moe_blocks else index
     block = layers[index]
     moe = moe_blocks.get(index) or (next(iter(moe_blocks.values())) if moe_blocks else None)
     linears = _linears(block)
-    if moe is not None and not dense:
+    if moe is not None and index in moe_blocks:
         linears = [l for l in linears if not (l.name == moe.block or l.name.startswith(moe.block + "."))]
     _orient(linears, hidden)
-    attention, mlp = _group_roles(linears, hidden, block, moe_block=None if dense else moe.block)
+    attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None)
     attn_module = block.get_submodule(attention) if attention else block
     _refuse_sequence_mixers(attn_module, attention or "the layer", layers_name, index)
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)
-    mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
+    if mlp_layer != index:
+        mixer = mixers[mlp_layer]
+        dense_linears = [l for l in _linears(layers[mlp_layer]) if not (l.name == mixer or l.name.startswith(mixer + "."))]
+        _orient(dense_linears, hidden)
+        parents = {l.parent for l in dense_linears}
+        if len(parents) != 1:
+            raise UnrecognisedModel(f"{layers_name}: the dense layers ({_ranges(tuple(dense))}) all mix tokens by linear "
+                                    f"attention, and the projections of {layers_name}.{mlp_layer} beside its mixer "
+                                    f"({[l.name for l in dense_linears]}) are no one MLP module")
+        mlp = parents.pop()
+        mlp_parts = _mlp_parts(dense_linears, hidden)
+    else:
+        mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
     head_overrides = overrides
     if attn.get("latent_kv") and "head_dim" not in overrides and getattr(attn_module, "qk_head_dim", None):
         # DeepSeek's config head_dim is the rotary part alone; a query head is qk_head_dim wide.
@@ -1504,7 +1516,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     dense_covered = [mlp or None, *([None] if mlp else [mlp_parts.get(k) for k in ("gate", "up", "down", "gate_up")])]
     unplanned, unplanned_parameters = (), 0
     if dense:
-        unplanned, unplanned_parameters = _unplanned_modules(block, [c for c in covered + dense_covered if c])
+        unplanned, unplanned_parameters = _unplanned_modules(layers[mlp_layer], [c for c in covered + dense_covered if c])
     if moe is not None:
         moe_parts = [moe.block] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts, *moe.shared]
         layer = layers[min(moe_blocks)]
@@ -1638,15 +1650,26 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
     linears = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_modules() if isinstance(c, nn.Linear)]
     candidates = [l for l in linears if (l.in_features, l.out_features) == (width, hidden)]
     output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    by_name = {l.name: l for l in linears}
+
+    def latent_down(lin: _Linear) -> bool:
+        """A low-rank latent's down-projection (Kimi's f_a_proj, g_a_proj: the hidden size to one head's width), by
+        its up-projection beside it (the same name with _b_, taking that width): whole on every rank. By the pair,
+        not the width alone, which a per-head projection shares where heads == head_dim."""
+        up = by_name.get(lin.name.replace("_a_proj", "_b_proj"))
+        return up is not None and up is not lin and (lin.in_features, lin.out_features) == (hidden, up.in_features)
+
     columns, rows, row_dims, shared = [], [], [], []
     for child_name, child in module.named_modules():
         params = dict(child.named_parameters(recurse=False))
         if not child_name or child_name == output or not params and not isinstance(child, nn.Linear):
             continue
         if isinstance(child, nn.Linear):
+            if latent_down(by_name[child_name]):
+                continue
             if child.out_features in (width, heads) and child.in_features in (hidden, head_dim):
                 columns.append((child_name, (child.out_features,)))
-            elif (child.in_features, child.out_features) != (hidden, head_dim):  # a latent's down-projection: whole
+            else:
                 raise UnrecognisedModel(f"{where}.{child_name} ({child.in_features} -> {child.out_features}) is none of "
                                         f"a Kimi Delta Attention mixer's projections ({heads} heads of {head_dim})")
             continue
@@ -1798,7 +1821,8 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
     def own(name: str) -> bool:  # a parameter of the attention module itself
         return attention is not None and name.startswith(attention + ".") and "." not in name[len(attention) + 1:]
 
-    want_attention, want_mlp = parameters(template)
+    want_attention = parameters(template)[0]
+    want_mlp = parameters(next((i for i in range(len(layers)) if i not in moe_blocks), template))[1]  # a dense layer's
     want_linear = parameters(linear_layers[0])[0] if linear_layers else None
     reshaped, own_parameters = set(), set()
     for i in range(len(layers)):

@@ -150,6 +150,12 @@ MORE_FAMILIES = {
                                  num_shared_experts=1, num_expert_group=1, topk_group=1, first_k_dense_replace=1))
        for family, model_type in (("kimi-linear", "kimi_linear"), ("ling-hybrid", "bailing_hybrid"))},
 }
+# The same in the models' own layer order (linear layers first, the dense first layer a linear one), Kimi's with as
+# many heads as a head's width (8 of 8: its latents' down-projections are then as wide as a per-head projection).
+_LINEAR_FIRST = dict(num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"])
+MORE_FAMILIES["kimi-linear-first"] = ("kimi_linear", {**MORE_FAMILIES["kimi-linear"][1], **_LINEAR_FIRST,
+                                                      "linear_num_heads": 8, "linear_head_dim": 8})
+MORE_FAMILIES["ling-hybrid-first"] = ("bailing_hybrid", {**MORE_FAMILIES["ling-hybrid"][1], **_LINEAR_FIRST})
 
 
 class ContiguousQueryKeyValue(torch.nn.Module):
@@ -314,7 +320,7 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                        "mimo-v2-flash": ("layer_types", "full_attention", "sliding_attention"),
                        "kimi-linear": ("layer_types", "full_attention", "linear_attention"),
                        "ling-hybrid": ("layer_types", "full_attention", "linear_attention")}
-        if family in alternating:  # the two kinds of layers alternate, the first kind first
+        if family in alternating and alternating[family][0] not in (config or {}):  # the kinds alternate, the first first
             attribute, *kinds = alternating[family]
             setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])
         return hf.AutoModelForCausalLM.from_config(settings)

@@ -315,6 +315,16 @@ def test_kimi_delta_attention_mixers_are_read_for_the_split_by_head():
                                                                        "forget_gate.f_proj", "g_proj"}
     assert spec.structure.linear_attention.row_dims == () and spec.structure.attention_gate == "self_attn.g_proj"
     assert "self_attn.g_proj gives one output gate per head (4), priced as none" in spec.structure.notes
+    # The models' own layer order: linear layers first, the dense first layer a linear one (refused before: "the dense
+    # layers all mix tokens by linear attention"); its MLP read there, the attention from the MoE layer. Kimi's with
+    # 8 heads of 8: its latents' down-projections (64 -> 8) stay whole, found by their up-projections beside them.
+    for family in ("kimi-linear-first", "ling-hybrid-first"):
+        spec = ModelSpec.from_module(build(family), seq_len=16)
+        s = spec.structure
+        assert (s.mlp, s.gate, s.down, s.moe_layers, s.linear_attention.layers) == (
+            "mlp", "mlp.gate_proj", "mlp.down_proj", (1, 2), (0, 1)), s.describe()
+    columns = {n for n, _ in ModelSpec.from_module(build("kimi-linear-first"), seq_len=16).structure.linear_attention.columns}
+    assert columns == {"q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_b_proj", "g_b_proj"}, columns
     ling.model.layers[1].self_attn.forget_gate.extra = nn.Parameter(torch.zeros(3))
     with pytest.raises(UnrecognisedModel, match=r"forget_gate\.extra \(3,\) is no parameter of one entry per head"):
         ModelSpec.from_module(ling, seq_len=16)

@@ -32,7 +32,7 @@ from tridist.distcore.block_check import TensorParallelCheckError
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import run_checks
-from tests.hf_models import (HEADS, LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
+from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
                               contiguous_query_key_value, head_major_alibi)
 
 # Two decoder layers: a pipeline stage each under pp 2, one local and one global layer of Gemma 2 and 3, Qwen3-MoE's
@@ -395,23 +395,32 @@ def check_kimi_delta_attention_layers_train_under_tensor_parallel():
     block). Each mixer is split by head (q, k, v and the gates column-parallel, the latents' down-projections whole,
     this rank's rows of the convolution, time-step bias and decay, the head counts of the mixer and its forget gate
     local), Ling's attention gate with the query heads; equal to one process under tp 2 and tp 2 + sp, every block in
-    local view (2 processes; dp 2 x tp 2 + sp with ep 2 and tp 2 x pp 2 + sp equal by hand)."""
+    local view (2 processes; dp 2 x tp 2 + sp with ep 2 and tp 2 x pp 2 + sp equal by hand). Also in the models' own
+    layer order (linear layers first: the dense first layer a linear one, its MLP read there; refused before a
+    review) and, for Kimi, with as many heads as a head's width (8 of 8: its latents' down-projections, as wide as
+    the per-head projections' outputs, were split by that width alone; a review's find)."""
     def split_by_head(model):
-        mixer = model.model.layers[1].self_attn
+        config = model.config
+        mixer = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "forget_gate"))
         counts = (mixer.num_heads, mixer.forget_gate.num_heads, mixer.qkv_dim)
-        assert counts == (HEADS // 2, HEADS // 2, 16 * HEADS // 2), counts
+        heads = config.linear_num_heads // 2
+        assert counts == (heads, heads, heads * config.linear_head_dim), counts
         assert mixer.q_proj.weight.to_local().shape[0] * 2 == mixer.q_proj.weight.shape[0], mixer.q_proj.weight.shape
         a_log = mixer.forget_gate.A_log  # whole, this rank's rows taken around every forward
         assert isinstance(a_log, DTensor) and a_log.placements[-1].is_replicate(), type(a_log)
-        gate = getattr(model.model.layers[0].self_attn, "g_proj", None)  # Ling's latent attention's gate
+        for latent in ("g_a_proj", "f_a_proj"):  # Kimi's: whole
+            down = getattr(mixer, latent, None) or getattr(mixer.forget_gate, latent, None)
+            assert down is None or not isinstance(down.weight, DTensor) or down.weight.placements[-1].is_replicate()
+        attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "kv_b_proj"))
+        gate = getattr(attention, "g_proj", None)  # Ling's latent attention's gate
         assert gate is None or gate.weight.to_local().shape[0] * 2 == gate.weight.shape[0], gate.weight.shape
 
-    for family in ("kimi-linear", "ling-hybrid"):
-        for label in ("tp 2", "tp 2 + sp"):
-            try:
-                _train(family, TP2[label], inspect=split_by_head)
-            except Exception as error:
-                raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
+    for family, label in (("kimi-linear", "tp 2"), ("kimi-linear", "tp 2 + sp"), ("ling-hybrid", "tp 2"),
+                          ("ling-hybrid", "tp 2 + sp"), ("kimi-linear-first", "tp 2 + sp"), ("ling-hybrid-first", "tp 2")):
+        try:
+            _train(family, TP2[label], inspect=split_by_head)
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
 def check_attention_output_gates_are_split_with_the_query_heads():
