@@ -1515,12 +1515,13 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                linear.mixer if linear else None]
     dense_covered = [mlp or None, *([None] if mlp else [mlp_parts.get(k) for k in ("gate", "up", "down", "gate_up")])]
     unplanned, unplanned_parameters = (), 0
-    if dense:
-        unplanned, unplanned_parameters = _unplanned_modules(layers[mlp_layer], [c for c in covered + dense_covered if c])
-    if moe is not None:
-        moe_parts = [moe.block] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts, *moe.shared]
-        layer = layers[min(moe_blocks)]
-        found, count = _unplanned_modules(layer, [c for c in covered + moe_parts if c])
+    moe_parts = ([moe.block] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts, *moe.shared]
+                 ) if moe is not None else []
+    kinds: dict[tuple[bool, bool], int] = {}  # the first layer of each kind (MoE or dense, linear mixer or attention)
+    for i in range(len(layers)):
+        kinds.setdefault((i in moe_blocks, i in mixers), i)
+    for (in_moe, _), i in kinds.items():
+        found, count = _unplanned_modules(layers[i], [c for c in covered + (moe_parts if in_moe else dense_covered) if c])
         unplanned, unplanned_parameters = tuple(dict.fromkeys(unplanned + found)), max(unplanned_parameters, count)
     if unplanned:
         notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "

@@ -706,6 +706,11 @@ def test_modules_no_plan_names_are_priced_whole_and_rule_out_sequence_parallel()
     assert falcon.structure.unplanned == ("mamba",) and "sequence_parallel" in unsupported(falcon)
     llama = ModelSpec.from_module(build("llama"), seq_len=16)
     assert llama.structure.unplanned == () and llama.unplanned_parameters == 0
+    # Every kind of layer is scanned: here the only full-attention layer (an MoE one, after a dense and an MoE linear
+    # layer), which the first version did not look at
+    kimi = build("kimi-linear-first")
+    kimi.model.layers[2].extra = nn.Linear(64, 64)
+    assert ModelSpec.from_module(kimi, seq_len=16).structure.unplanned == ("extra",)
 
 
 def test_a_heterogeneous_config_is_read_from_the_layers():
