@@ -368,11 +368,11 @@ class ModelSpec:
     all-reduces; None without; their weights are counted with the layer's norms), `latent_attention`
     (DeepSeek's multi-head latent attention: its projections and attention core priced as they run, the
     down-projections to the latents whole on every tensor-parallel rank; None: q/k/v projections),
-    `v_head_dim` (the value heads' width where it is not head_dim's, as in MiMo-V2-Flash: 128 beside query/key heads of
-    192; None: head_dim; latent attention has its own), `attention_output_gate` (gated attention: a gate on each query head's output features, q_size more outputs of
-    the query projection in Qwen3-Next and Qwen3.5, of a projection of its own in AFMoE and Beam), `gated_delta_net`
-    (the layers whose token mixer is Gated DeltaNet linear attention, and their shapes; None: attention in every
-    layer), and a display `name`. `structure` is set by `from_module`.
+    `v_head_dim` (the value heads' width where it is not head_dim's, as in MiMo-V2-Flash: 128 beside query/key heads
+    of 192; None: head_dim; latent attention has its own), `attention_output_gate` (gated attention: a gate on each
+    query head's output features, q_size more outputs of the query projection in Qwen3-Next and Qwen3.5, of a
+    projection of its own in AFMoE and Beam), `gated_delta_net` (the layers whose token mixer is Gated DeltaNet linear
+    attention, and their shapes; None: attention in every layer), and a display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -893,8 +893,8 @@ def _unplanned_modules(block, covered: list[str]) -> tuple[tuple[str, ...], int]
             if any(under(c, ancestor) for c in covered):
                 break
             top = ancestor
-        if top not in found and not any(under(top, f) for f in found):
-            found = [f for f in found if not under(f, top)] + [top]
+        if top not in found:  # (the highest such ancestor: one per subtree holding nothing covered)
+            found.append(top)
     return tuple(found), sum(p.numel() for f in found for p in modules[f].parameters())
 
 
@@ -1639,9 +1639,9 @@ def _is_kimi_delta_attention(module) -> bool:
 def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[int, ...], hidden: int) -> LinearAttention:
     """A Kimi Delta Attention mixer as tensor parallel splits it by head (LinearAttention, kind "kda"): every Linear
     whose outputs are per head (heads x head_dim, or one per head) is column-parallel (q, k, v, the beta and gate
-    projections, the decay gate's projection, also where it takes a low-rank latent); one from the hidden size to a
-    head's width is such a latent's down-projection, whole on every rank; the projection back to the hidden size is
-    row-parallel; the convolution over [q | k | v], the per-channel time-step bias and the per-head decay are this
+    projections, the decay gate's projection, also where it takes a low-rank latent); a latent's down-projection
+    (found by its up-projection beside it: `latent_down`) is whole on every rank; the projection back to the hidden
+    size is row-parallel; the convolution over [q | k | v], the per-channel time-step bias and the per-head decay are this
     rank's rows; a norm over one head's features is shared. Anything else is refused, naming it."""
     from torch import nn
 

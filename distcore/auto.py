@@ -651,8 +651,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     on each of the block's modules with parameters: the module code sees plain local tensors, the gradients
     are summed over the tp ranks), so no rank repeats another's expert compute; expert parallel takes the
     experts modules over from there (expert_parallel.py). Where the block is the layer itself (Gemma 4: router and
-    experts beside the attention), all of the layer but its attention does so. A router whose load-balancing loss takes every token's
-    logits cannot see a slice (refused by `to_distributed`)."""
+    experts beside the attention), all of the layer but its attention does so. A router whose load-balancing loss
+    takes every token's logits cannot see a slice (refused by `to_distributed`)."""
     if structure.is_moe and sequence_parallel and router_aux_loss_on(model):
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
                          "loss takes every token's logits: each tp rank would see its own slice; set "

@@ -31,11 +31,21 @@ def split_sequence(x: torch.Tensor, tp_mesh) -> torch.Tensor:
     return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(SEQUENCE_DIM)]).to_local()
 
 
+_ACTIVATION_KEYWORDS = ("hidden_states", "x", "input")  # the hidden states passed by keyword
+
+
+def first_activation(args, kwargs) -> torch.Tensor | None:
+    """The module's hidden states: the first positional argument, else `hidden_states` (None: neither)."""
+    if args and torch.is_tensor(args[0]):
+        return args[0]
+    return next((kwargs[key] for key in _ACTIVATION_KEYWORDS if torch.is_tensor(kwargs.get(key))), None)
+
+
 def map_first_activation(args, kwargs, fn):
-    """Apply fn to the module's hidden states: the first positional argument, else `hidden_states`."""
+    """Apply fn to the module's hidden states (`first_activation`)."""
     if args and torch.is_tensor(args[0]):
         return (fn(args[0]), *args[1:]), kwargs
-    for key in ("hidden_states", "x", "input"):
+    for key in _ACTIVATION_KEYWORDS:
         if torch.is_tensor(kwargs.get(key)):
             return args, {**kwargs, key: fn(kwargs[key])}
     raise ValueError("parallelize: a sequence-parallel boundary found no hidden-states tensor in the module's inputs")

@@ -58,7 +58,8 @@ from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
 from .random_state import ShardedRegionRandomState
-from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation, map_output, split_sequence
+from .sequence_layout import (SEQUENCE_DIM, first_activation, gather_sequence, map_first_activation, map_output,
+                              split_sequence)
 from .vocab_embedding import split_embedding_vocabulary
 from .vocab_parallel import split_bare_weight
 
@@ -1395,8 +1396,7 @@ class SequenceSplit:
         state of the forward, decides: inside a Disable region (attention, MLP) the sequence is whole again."""
         if self.lengths is None:
             return
-        hidden = args[0] if args and torch.is_tensor(args[0]) else next(
-            (kwargs[key] for key in ("hidden_states", "x", "input") if torch.is_tensor(kwargs.get(key))), None)
+        hidden = first_activation(args, kwargs)
         whole, piece = self.lengths
         if hidden is not None and hidden.dim() >= 2 and hidden.shape[SEQUENCE_DIM] == piece != whole:
             raise ValueError(

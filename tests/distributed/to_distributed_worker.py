@@ -112,13 +112,7 @@ def check_mixed_precision_computes_in_bf16_with_fp32_master_weights():
     model, opt, loader = distcore.to_distributed(
         model, opt, _loader(), device_num=world, config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16", fuse_kernels=False)
     )
-    trace = equivalence.Trace()
-    for inputs, labels in loader():
-        loss, _ = model(inputs, labels=labels)
-        loss.backward()
-        trace.step(model, loss)
-        opt.step()
-        opt.clear_grad()
+    trace = equivalence.train(model, opt, loader())
     assert seen and set(seen) == {torch.bfloat16}, seen
     assert all(p.dtype == torch.float32 for p in model.parameters())  # sharded fp32 master weights
     # Gradients reduced in fp32 (FSDP2's policy; its state is private API, read here only): bf16 sums would pass the
@@ -128,7 +122,7 @@ def check_mixed_precision_computes_in_bf16_with_fp32_master_weights():
     policies = {(m._get_fsdp_state()._mp_policy.param_dtype, m._get_fsdp_state()._mp_policy.reduce_dtype)
                 for m in model.modules() if isinstance(m, FSDPModule)}
     assert policies == {(torch.bfloat16, torch.float32)}, policies
-    equivalence.assert_same_training(trace.end(model), _reference("seed-llama"), rtol=equivalence.BF16_RTOL,
+    equivalence.assert_same_training(trace, _reference("seed-llama"), rtol=equivalence.BF16_RTOL,
                                      loss_rtol=equivalence.BF16_LOSS_RTOL)  # bf16 rounding only
 
 
@@ -250,14 +244,7 @@ def check_a_module_registered_outside_the_sequence_parallel_span_is_refused_on_i
         whole = _OutsideModule(registered, applied)
         model, optimizer, loader = distcore.to_distributed(whole, torch.optim.SGD(whole.parameters(), lr=0.1), _loader(),
                                                            device_num=2, config=config)
-        trace = equivalence.Trace()
-        for inputs, labels in loader():
-            loss, _ = model(inputs, labels=labels)
-            loss.backward()
-            trace.step(model, loss)
-            optimizer.step()
-            optimizer.clear_grad()
-        equivalence.assert_same_training(trace.end(model), reference)
+        equivalence.assert_same_training(equivalence.train(model, optimizer, loader()), reference)
 
     for registered in ("last", "first"):
         torch.manual_seed(0)
