@@ -197,8 +197,9 @@ class ModelStructure:
         rows.append(("attention out", self.pattern(self.o)))
         if self.linear_attention is not None:
             linear = self.linear_attention
-            rows.append(("linear attention", f"{self.pattern(linear.mixer)} in layers {_ranges(linear.layers)} "
-                                             f"({linear.num_k_heads} key, {linear.num_v_heads} value heads)"))
+            heads = (f"{linear.num_k_heads} state groups, {linear.num_v_heads} heads" if linear.kind == "mamba2" else
+                     f"{linear.num_k_heads} key, {linear.num_v_heads} value heads")
+            rows.append(("linear attention", f"{self.pattern(linear.mixer)} in layers {_ranges(linear.layers)} ({heads})"))
         if self.is_moe:
             rows.append(("MoE block", f"{self.pattern(self.moe)} in layers {_ranges(self.moe_layers)}"))
             rows.append(("router", self.pattern(self.router)))
@@ -266,7 +267,9 @@ class GatedDeltaNet:
     heads of `head_k_dim` and `num_v_heads` value heads of `head_v_dim` (a multiple: a key head serves a group of
     value heads), after a depthwise causal convolution of `conv_kernel_size` over the packed [q | k | v] channels.
     Its projections are transformers' (packed or not): from the hidden size to q, k, v, the output gate z (one
-    value width) and one β and one decay per value head; and from the value heads back to the hidden size."""
+    value width) and one β and one decay per value head; and from the value heads back to the hidden size.
+    `key_heads_replicable`: tensor parallel may exceed the key heads where they divide it, each computed on tp /
+    num_k_heads ranks (a Mamba-2 mixer's state groups, priced as such a layer: B and C as q and k)."""
 
     layers: tuple[int, ...]
     num_k_heads: int
@@ -274,6 +277,7 @@ class GatedDeltaNet:
     head_k_dim: int
     head_v_dim: int
     conv_kernel_size: int = 4
+    key_heads_replicable: bool = False
 
     def __post_init__(self) -> None:
         _check_integers("GatedDeltaNet", self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
@@ -329,12 +333,16 @@ class LinearAttention:
     decay and time-step biases). `shared`: modules whose weight every head uses (the gated output norm).
     `counts`: the mixer's integer attributes that count heads or channels, which each rank holds 1/tp of (a dotted
     name: a submodule's). `row_dims`: the dim of a `rows` parameter its rows lie along where not 0 (Kimi Linear's
-    decay A_log, [1, 1, heads, 1]).
+    decay A_log, [1, 1, heads, 1]). `units`: a column's or row parameter's count of indivisible units per part
+    (heads, groups) where some part has other units than the heads; `part_counts`: counts of such parts' features
+    ({attribute: ((size, units), ...)}); `group_norm`: a norm whose statistics run over groups of heads, which must
+    be summed over the ranks where tp exceeds the groups (`num_k_heads`).
 
     Kimi Delta Attention mixers (Kimi Linear, Ling's hybrid: `kind` "kda") are read into the same form: separate q, k
     and v projections with the convolution over their channels, per-channel decay gates and an output gate (from the
     hidden states, or from a low-rank latent of one head's width, whose down-projection stays whole), one head count
-    for keys and values."""
+    for keys and values. So are Mamba-2 mixers (Bamba, Granite 4.0-H: `kind` "mamba2", `_mamba2_mixer`), their state
+    groups (n_groups) as the key heads and their heads as the value heads."""
 
     mixer: str
     layers: tuple[int, ...]
@@ -346,6 +354,9 @@ class LinearAttention:
     shared: tuple[str, ...]
     counts: tuple[str, ...]
     row_dims: tuple[tuple[str, int], ...] = ()
+    units: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    part_counts: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    group_norm: str | None = None
     kind: str = "gdn"
 
 
@@ -1453,6 +1464,11 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     moe_blocks, moe_fields = _moe_layers(layers, hidden, overrides)
     dense = [i for i in range(len(layers)) if i not in moe_blocks]
     mixers = {i: found for i, layer in enumerate(layers) if (found := _linear_mixer(layer)) is not None}
+    if len(mixers) == len(layers) and all(_is_mamba2_mixer(layers[i].get_submodule(n)) for i, n in mixers.items()):
+        # A Mamba-2 mixer in every layer runs beside the attention (Falcon-H1's parallel hybrid), not in its place: a
+        # module no plan names (`unplanned`: whole on every tp rank). A model of Mamba-2 layers alone has no attention
+        # to read the structure from, and is refused there.
+        mixers = {}
     attention_layers = [i for i in range(len(layers)) if i not in mixers]
     if not attention_layers:
         raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
@@ -1535,8 +1551,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
     if linear is not None:
-        kind = "Kimi Delta Attention, priced as a Gated DeltaNet of its heads" if linear.kind == "kda" else \
-            "Gated DeltaNet linear attention"
+        kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
+                "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
+                          "k) and heads (x as v)"}.get(linear.kind, "Gated DeltaNet linear attention")
         notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}, priced as flash-linear-attention's chunked "
                      "kernels run it")
         widths = sum(sum(parts) for _, parts in linear.columns)
@@ -1608,7 +1625,7 @@ def _linear_mixer(layer) -> str | None:
     from torch import nn
 
     for name, module in layer.named_modules():
-        if _is_kimi_delta_attention(module):
+        if _is_kimi_delta_attention(module) or _is_mamba2_mixer(module):
             return name
         if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
             continue
@@ -1701,6 +1718,81 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
                            counts=tuple(counts), row_dims=tuple(row_dims), kind="kda")
 
 
+# transformers' Mamba-2 mixers (Mamba2Mixer and its copies in Bamba, Granite 4.0-H, Zamba 2, Nemotron-H, Falcon-H1)
+# keep their shapes as these attributes.
+_MAMBA2_ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
+
+
+def _is_mamba2_mixer(module) -> bool:
+    """A module with Mamba-2's shape attributes (`_MAMBA2_ATTRS`), a per-head `A_log` of its own and a depthwise
+    nn.Conv1d child over its conv_dim channels ([x | B | C])."""
+    from torch import nn
+
+    if not all(isinstance(readable_attr(module, a), int) for a in _MAMBA2_ATTRS):
+        return False
+    a_log = getattr(module, "A_log", None)
+    return (isinstance(a_log, nn.Parameter) and tuple(a_log.shape) == (module.num_heads,)
+            and any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels == module.conv_dim
+                    for c in module.children()))
+
+
+def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...], hidden: int) -> LinearAttention:
+    """A Mamba-2 mixer as tensor parallel splits it by head (LinearAttention, kind "mamba2"; `num_k_heads` its
+    n_groups state groups, `num_v_heads` its heads): the input projection [z | x | B | C | dt] column-parallel part by
+    part (z, x and dt with the heads; B and C with the groups: where tp exceeds the groups, each rank computes its
+    group's, shared with tp / n_groups ranks), the output projection row-parallel, the convolution's rows over
+    [x | B | C], dt_bias, A_log and D (one per head) and the gated norm's weight (one per feature of x) this rank's,
+    the norm's statistics summed over the ranks sharing a group (`group_norm`). Anything else is refused, naming it."""
+    from torch import nn
+
+    heads, head_dim, groups, state = (int(getattr(module, a)) for a in _MAMBA2_ATTRS[:4])
+    inner, conv_dim = int(module.intermediate_size), int(module.conv_dim)
+    bc = groups * state
+    if inner != heads * head_dim or conv_dim != inner + 2 * bc or heads % groups:
+        raise UnrecognisedModel(f"{where}: a Mamba-2 mixer of {heads} heads of {head_dim} in {groups} groups with "
+                                f"intermediate_size={inner} and conv_dim={conv_dim}, which do not add up "
+                                f"(heads x head_dim, intermediate_size + 2 x n_groups x ssm_state_size)")
+    parts, units = (inner, inner, bc, bc, heads), (heads, heads, groups, groups, heads)  # [z | x | B | C | dt]
+    columns, output, rows, row_units, group_norm = [], None, [], [], None
+    for child_name, child in module.named_children():
+        params = dict(child.named_parameters())
+        if isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (hidden, sum(parts)):
+            columns.append((child_name, parts))
+        elif isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (inner, hidden):
+            output = child_name
+        elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == conv_dim:
+            for pname in params:
+                rows.append((f"{child_name}.{pname}", (inner, bc, bc)))
+                row_units.append((f"{child_name}.{pname}", (heads, groups, groups)))
+        elif (set(params) == {"weight"} and tuple(params["weight"].shape) == (inner,)
+              and readable_attr(child, "group_size") == inner // groups):
+            group_norm = child_name
+            rows.append((f"{child_name}.weight", (inner,)))
+            row_units.append((f"{child_name}.weight", (heads,)))
+        elif params:
+            shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
+            raise UnrecognisedModel(
+                f"{where}.{child_name} ({type(child).__name__}: {shapes}) is none of a Mamba-2 mixer's parts tensor "
+                f"parallel splits (the input projection {hidden} -> {sum(parts)} [z | x | B | C | dt], the output "
+                f"projection {inner} -> {hidden}, the convolution over its {conv_dim} [x | B | C] channels, a gated "
+                f"norm over {inner} features in groups of {inner // groups})")
+    for pname, param in module.named_parameters(recurse=False):
+        if tuple(param.shape) != (heads,):
+            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one entry per head "
+                                    f"({heads}), which tensor parallel would split with the heads")
+        rows.append((pname, (heads,)))
+    if len(columns) != 1 or output is None or not any(n.endswith(".weight") and p == (inner, bc, bc) for n, p in rows):
+        raise UnrecognisedModel(f"{where}: a Mamba-2 mixer needs one input projection {hidden} -> {sum(parts)}, an "
+                                f"output projection {inner} -> {hidden} and a convolution over its {conv_dim} channels; "
+                                f"found input projection(s) {[n for n, _ in columns]}, output {output}")
+    return LinearAttention(
+        mixer=name, layers=layer_indices, num_k_heads=groups, num_v_heads=heads, columns=tuple(columns), output=output,
+        rows=tuple(rows), shared=(), counts=("num_heads", "intermediate_size"),
+        units=((columns[0][0], units), *row_units),
+        part_counts=(("n_groups", ((groups, groups),)), ("conv_dim", ((inner, heads), (bc, groups), (bc, groups)))),
+        group_norm=group_norm, kind="mamba2")
+
+
 def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: int) -> LinearAttention:
     """The Gated DeltaNet mixer of the `mixers` layers ({index: its name}), read from the first of them (the others
     hold the same parameters: _check_layers_alike). Anything of it that is not a projection from the hidden size,
@@ -1717,6 +1809,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
     where = f"{layers_name}.{index}.{name}"
     if _is_kimi_delta_attention(module):
         return _kimi_delta_attention(where, name, module, tuple(sorted(mixers)), hidden)
+    if _is_mamba2_mixer(module):
+        return _mamba2_mixer(where, name, module, tuple(sorted(mixers)), hidden)
     num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
     if num_v_heads % num_k_heads:
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
@@ -1767,6 +1861,10 @@ def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> Gate
 
     mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
+    if linear.kind == "mamba2":  # B and C as q and k (a group's state wide), x as v (a head wide), z as the gate
+        return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], num_k_heads=int(mixer.n_groups),
+                             num_v_heads=int(mixer.num_heads), head_k_dim=int(mixer.ssm_state_size),
+                             head_v_dim=int(mixer.head_dim), key_heads_replicable=True)
     if linear.kind == "kda":  # one head count and width for keys and values: priced as a Gated DeltaNet of them
         heads, head_dim = int(mixer.num_heads), int(mixer.head_dim)
         return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], num_k_heads=heads,

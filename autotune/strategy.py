@@ -156,8 +156,12 @@ def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> 
     those of a projection packing [q | k | v]; not of one packing [q..q k v] for each of several key/value heads)."""
     problems = []
     linear = spec.gated_delta_net
-    linear_heads = (("gated_delta_net.num_k_heads", linear.num_k_heads),
-                    ("gated_delta_net.num_v_heads", linear.num_v_heads)) if linear else ()
+    # Key heads that divide tp where they are replicable and the engine replicates heads (Mamba-2's state groups: each
+    # on tp / groups ranks)
+    replicated_keys = (linear and linear.key_heads_replicable and tp % linear.num_k_heads == 0
+                       and cluster.engine.replicated_kv_heads)
+    linear_heads = ((() if replicated_keys else (("gated_delta_net.num_k_heads", linear.num_k_heads),))
+                    + (("gated_delta_net.num_v_heads", linear.num_v_heads),)) if linear else ()
     widths = [("num_heads", spec.num_heads), ("hidden_size", spec.hidden_size),
               ("ffn_hidden_size", spec.ffn_hidden_size), ("vocab_size", spec.vocab_size), *linear_heads]
     if spec.is_moe and cluster.engine.expert_tensor_parallel:  # the experts' ffn split over tp as the dense MLP's

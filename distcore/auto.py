@@ -51,6 +51,7 @@ from .tensor_parallel import (
     SequenceParallelDisable,
     SequenceParallelEnd,
     ShardLocalParameters,
+    SplitGroupNorm,
     TensorParallelPlan,
     plan_from_names,
 )
@@ -694,7 +695,7 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         add_per_layer(structure.latent_kv_down, ReduceSharedOutputGradient(structure.latent_rotary_features),
                       among=attention_layers)
     if linear is not None:
-        _add_linear_attention(add, [f"{layer}.{linear.mixer}" for layer in linear_layers], linear)
+        _add_linear_attention(add, [f"{layer}.{linear.mixer}" for layer in linear_layers], linear, tp)
     for projection in (structure.gate, structure.up):
         add_per_layer(projection, ColWiseParallel(), among=dense_layers)
     add_per_layer(structure.gate_up, ColWiseParallel(packed_parts=2), among=dense_layers)
@@ -775,18 +776,26 @@ def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None
     return out // head_dim
 
 
-def _add_linear_attention(add, mixers: list[str], linear) -> None:
-    """Each Gated DeltaNet mixer split by head (autotune.model.LinearAttention says how): its projections from the
-    hidden states column-parallel (a packed one part by part), its output projection row-parallel, the rows of its
-    convolution and per-head parameters this rank's (LocalParameterRows, which also localises its head counts and
-    widths), and its gated output norm, one weight for every head, with its gradients summed over the mp ranks."""
+def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
+    """Each linear-attention or state-space mixer split by head (autotune.model.LinearAttention says how): its
+    projections from the hidden states column-parallel (a packed one part by part; a part of fewer units than the
+    `tp` ranks, Mamba-2's B and C of n_groups groups, whole on every rank, each keeping its group), its output
+    projection row-parallel, the rows of its convolution and per-head parameters this rank's (LocalParameterRows,
+    which also localises its head counts and widths), its gated output norm, one weight for every head, with its
+    gradients summed over the mp ranks, and a norm over groups of heads that tp splits with its statistics summed
+    over the ranks sharing a group (SplitGroupNorm)."""
+    units = dict(linear.units)
     for mixer in mixers:
         for name, parts in linear.columns:
-            add(f"{mixer}.{name}", ColWiseParallel(packed_parts=parts if len(parts) > 1 else 1))
+            add(f"{mixer}.{name}", ColWiseParallel(packed_parts=parts if len(parts) > 1 else 1, part_units=units.get(name)))
         add(f"{mixer}.{linear.output}", RowWiseParallel())
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
-        add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts, dims=dict(linear.row_dims)))
+        if linear.group_norm and linear.num_k_heads < tp:
+            add(f"{mixer}.{linear.group_norm}", SplitGroupNorm(linear.num_k_heads))
+        add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts, dims=dict(linear.row_dims),
+                                      units={name: units[name] for name, _ in linear.rows if name in units},
+                                      part_counts=dict(linear.part_counts)))
 
 
 def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str,

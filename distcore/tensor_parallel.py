@@ -56,7 +56,7 @@ from tridist.kernels.fuse import forward_takes
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
-from .packed import PackedColwiseParallel, UnequalPackedColwise, packed_colwise
+from .packed import PackedColwiseParallel, UnequalPackedColwise, SumBothWays, check_units, packed_colwise, unit_span
 from .random_state import ShardedRegionRandomState
 from .sequence_layout import (SEQUENCE_DIM, first_activation, gather_sequence, map_first_activation, map_output,
                               split_sequence)
@@ -120,16 +120,22 @@ class ColWiseParallel(_Style):
     parent's head counts, its own or its `config`'s; `gate_up_proj`/`w13`: 2; else 1); `query_key_value`
     must say: 1 for a head-interleaved layout (GPT-NeoX's holds [q k v] per head, which a contiguous split
     keeps together), 3 for [q | k | v].
+
+    `part_units` (with part sizes; local view): each part's count of indivisible units (heads, groups). A part with
+    fewer units than the ranks, which must divide them, is computed whole on every rank and each rank keeps its
+    unit, shared with tp / units ranks (a Mamba-2 mixer's B and C over n_groups where tp exceeds them).
     """
 
     gather_output: bool = False
     packed_parts: int | tuple[int, ...] | None = None
+    part_units: tuple[int, ...] | None = None
 
     def torch_style(self, target: StyleTarget, *, local_output: bool = True) -> ParallelStyle:
         """torch's style for this split: local outputs (local view) or DTensors (global view)."""
         sizes = split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
         if len(sizes) > 1:
-            return packed_colwise(sizes, gather_output=self.gather_output, local_output=local_output)
+            return packed_colwise(sizes, gather_output=self.gather_output, local_output=local_output,
+                                  units=self.part_units)
         if local_output and isinstance(target.module, torch.nn.Embedding):
             return ColwiseParallel(output_layouts=Replicate())  # the hidden dim split, full embeddings out
         return ColwiseParallel(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
@@ -333,11 +339,17 @@ class LocalParameterRows(_Style):
     `counts`: the module's integer attributes that count heads or channels (num_v_heads, key_dim, conv_dim,
     ...), or a submodule's (dotted: a Kimi Delta Attention mixer's forget gate's `forget_gate.num_heads`), which
     become this rank's share. `dims`: the dim a parameter's rows lie along where not 0 (Kimi Linear's decay A_log,
-    [1, 1, heads, 1]). Local view only: a global-view block has no local rows to take."""
+    [1, 1, heads, 1]). `units`: for a parameter whose parts are made of indivisible units (heads, groups), each
+    part's count of them; a part with fewer units than the ranks gives each rank its unit (`packed.unit_span`: a
+    Mamba-2 mixer's convolution over [x | B | C], B and C of n_groups groups, where tp exceeds them). `part_counts`:
+    attributes counting such parts' features ({attribute: ((size, units), ...)}: Mamba-2's `conv_dim`, `n_groups`),
+    which become the sum of this rank's share of each. Local view only: a global-view block has no local rows to take."""
 
     rows: dict[str, tuple[int, ...]]
     counts: tuple[str, ...] = ()
     dims: dict[str, int] = dataclasses.field(default_factory=dict)
+    units: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    part_counts: dict[str, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     global_view = False  # block_check: no fallback to global view for a block holding this style
     local_only = ("its split takes each rank's rows of parameters its code reads; use tp=1 for this model (data and "
                   "pipeline parallel need none of it)")
@@ -358,26 +370,35 @@ class LocalParameterRows(_Style):
                 raise ValueError(f"parallelize: {target.name}.{name} is split already ({param.placements}); "
                                  f"{type(self).__name__} takes rows of a plain parameter: give it one style")
             dim = self.dims.get(name, 0)
-            if param.dim() <= dim or param.shape[dim] != sum(parts) or any(part % tp for part in parts):
+            units = self.units.get(name, (tp,) * len(parts))  # by default each part splits evenly
+            if param.dim() <= dim or param.shape[dim] != sum(parts):
                 raise ValueError(f"parallelize: {target.name}.{name} (shape {tuple(param.shape)}) does not split as "
-                                 f"rows of parts {list(parts)} along dim {dim} over {tp} ranks; use a degree that "
-                                 "divides each part")
+                                 f"rows of parts {list(parts)} along dim {dim}")
+            check_units(f"{target.name}.{name}", parts, units, tp)
             starts = [sum(parts[:i]) for i in range(len(parts))]
-            spans[owner, pname] = (dim, [(start + rank * part // tp, part // tp) for start, part in zip(starts, parts)])
-        counted = {}  # (owner, attribute) -> its whole value
-        for attribute in self.counts:
+            spans[owner, pname] = (dim, [(start + offset, length) for start, part, count in zip(starts, parts, units)
+                                         for offset, length in [unit_span(part, count, tp, rank)]])
+        counted = {}  # attribute -> (owner, leaf, its whole value, this rank's)
+        for attribute in [*self.counts, *self.part_counts]:
             owner_name, _, leaf = attribute.rpartition(".")
             owner = submodules.get(owner_name)
             value = getattr(owner, leaf, None) if owner is not None else None
-            if not isinstance(value, int) or value % tp:
-                raise ValueError(f"parallelize: {target.name}.{attribute} = {value!r} cannot be split over {tp} "
-                                 "tensor-parallel ranks; use a degree that divides it")
-            counted[owner, leaf] = value
+            parts = self.part_counts.get(attribute)
+            if parts is None:  # a plain count: each rank's 1/tp
+                if not isinstance(value, int) or value % tp:
+                    raise ValueError(f"parallelize: {target.name}.{attribute} = {value!r} cannot be split over {tp} "
+                                     "tensor-parallel ranks; use a degree that divides it")
+                parts = ((value, tp),)
+            elif value != sum(size for size, _ in parts):
+                raise ValueError(f"parallelize: {target.name}.{attribute} = {value!r} is not the {sum(s for s, _ in parts)} "
+                                 f"features of parts {list(parts)} that {type(self).__name__} splits")
+            check_units(f"{target.name}.{attribute}", tuple(s for s, _ in parts), tuple(u for _, u in parts), tp)
+            counted[attribute] = (owner, leaf, value, sum(unit_span(size, count, tp, rank)[1] for size, count in parts))
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
             owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
-        for (owner, leaf), value in counted.items():
-            setattr(owner, leaf, value // tp)
+        for owner, leaf, _, local in counted.values():
+            setattr(owner, leaf, local)
             # _localise_head_counts leaves it alone (a Kimi Delta Attention mixer's num_heads beside its q_proj)
             owner._tridist_localised_counts = (*getattr(owner, "_tridist_localised_counts", ()), leaf)
 
@@ -394,7 +415,7 @@ class LocalParameterRows(_Style):
 
         module.register_forward_pre_hook(take_local_rows)
         module.register_forward_hook(put_back, always_call=True)
-        counted = f"; {', '.join(self.counts)} divided by {tp}" if self.counts else ""
+        counted = "".join(f"; {attribute} {value} -> {local}" for attribute, (_, _, value, local) in counted.items())
         return f"{target.name}: this rank's rows of {', '.join(self.rows)} (gradients summed over the mp ranks){counted}"
 
 
@@ -558,6 +579,101 @@ class DistributedNorm(_Style):
         replicate_parameters(module, target.tp_mesh, recurse=False)
         install_dtensor_boundary(module, target.tp_mesh, entry_placement=[Shard(-1)])
         return f"{target.name}: {self!r} (statistics reduced over the mp ranks)"
+
+
+@dataclass(repr=False)
+class SplitGroupNorm(_Style):
+    """A Mamba-2 mixer's grouped gated RMSNorm (transformers' MambaRMSNormGated and its copies in Bamba, Granite
+    4.0-H, Zamba 2, Nemotron-H, Falcon-H1: the features times SiLU(gate), normalised in groups of `group_size`, times a
+    weight per feature) where the mixer's `groups` (n_groups) are fewer than the tp ranks: each group's features then
+    lie on tp / groups ranks (the heads split, B and C replicated). The module becomes a `SplitGroupGatedRMSNorm`
+    holding the same weight under the same name, whose per-row statistics (the sum of squares of this rank's part of
+    its group) are summed over the ranks, forward and backward. Its formula is checked first against the module's own
+    forward on random rows (an unequal one is refused: use a tp that divides n_groups, where each rank holds whole
+    groups and the module runs as it is)."""
+
+    groups: int
+
+    def apply(self, target: StyleTarget) -> str:
+        module, mesh = target.module, target.tp_mesh
+        tp = mesh.size()
+        leaf = target.name.rpartition(".")[2]
+        if target.parent is None or not (self.groups < tp and tp % self.groups == 0):
+            raise ValueError(f"parallelize: {target.name}: {self!r} splits each of {self.groups} groups over the "
+                             f"{tp} ranks, which needs a parent module and fewer groups than ranks, dividing them")
+        _check_grouped_gated_norm(target.name, module, self.groups)
+        target.parent.register_module(leaf, SplitGroupGatedRMSNorm(module, groups=self.groups, mesh=mesh))
+        return (f"{target.name}: {self!r} (each group's statistics summed over its {tp // self.groups} ranks, "
+                "forward and backward)")
+
+
+def _grouped_gated_rms_norm(hidden: torch.Tensor, gate: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            group_size: int, sum_over_ranks=None) -> torch.Tensor:
+    """Mamba-2's gated RMSNorm (norm after the gate): `hidden` x SiLU(`gate`) in fp32, normalised by the root mean
+    square over each group of `group_size` features, cast back, times `weight`. With `sum_over_ranks` the last dim
+    is this rank's part of one group, whose sum of squares that function completes."""
+    h = hidden.float()
+    if gate is not None:
+        h = h * torch.nn.functional.silu(gate.float())
+    if sum_over_ranks is None:
+        grouped = h.unflatten(-1, (-1, group_size))
+        h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    else:
+        h = h * torch.rsqrt(sum_over_ranks(h.pow(2).sum(-1, keepdim=True)) / group_size + eps)
+    return weight * h.to(hidden.dtype)
+
+
+def _check_grouped_gated_norm(name: str, module: torch.nn.Module, groups: int) -> None:
+    """`module` computes `_grouped_gated_rms_norm` in `groups` groups: its settings, then its own forward on random
+    rows against the formula (skipped for a weight not yet materialised, on the meta device)."""
+    weight, eps, group_size = (getattr(module, a, None) for a in ("weight", "variance_epsilon", "group_size"))
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(group_size, int)
+            and isinstance(eps, float) and group_size * groups == weight.shape[0]):
+        raise ValueError(f"parallelize: {name} ({type(module).__name__}) is not a grouped gated RMSNorm of {groups} "
+                         "groups (a 1-D weight, variance_epsilon, group_size): it cannot be split over more ranks than "
+                         "its groups; use a tp that divides the mixer's n_groups")
+    if weight.is_meta:
+        return
+    generator = torch.Generator(device=weight.device).manual_seed(0)
+    hidden, gate = (torch.randn(3, weight.shape[0], generator=generator, device=weight.device) for _ in range(2))
+    with torch.no_grad():
+        local = _local_value(weight) if isinstance(weight, DTensor) else weight
+        expected = _grouped_gated_rms_norm(hidden, gate, local.float(), eps, group_size)
+        got = module(hidden, gate)
+    # The same fp32 arithmetic in another order: a few ulps apart (a different formula, e.g. the norm before the
+    # gate, is off by O(1)).
+    if not torch.allclose(got.float(), expected, rtol=1e-4, atol=1e-5):
+        raise ValueError(f"parallelize: {name} ({type(module).__name__}) computes otherwise than a gated RMSNorm "
+                         f"normalised in {groups} groups after the gate, which tensor parallel can split over more "
+                         "ranks than its groups; use a tp that divides the mixer's n_groups")
+
+
+class SplitGroupGatedRMSNorm(torch.nn.Module):
+    """What SplitGroupNorm puts in place of a grouped gated RMSNorm whose groups lie on several ranks: the same
+    `weight` (this rank's features of it, taken by the mixer's LocalParameterRows), `variance_epsilon` and `group_size`
+    (the whole group's features), and each row's sum of squares summed over the tp ranks: in a slot per group (the
+    ranks holding another group add zeros), so one all-reduce of `groups` values per row serves every group."""
+
+    def __init__(self, norm: torch.nn.Module, *, groups: int, mesh):
+        super().__init__()
+        tp = mesh.size()
+        self.weight = norm.weight
+        self.variance_epsilon, self.group_size = norm.variance_epsilon, norm.group_size
+        self.groups, self.slot = groups, mesh.get_local_rank() // (tp // groups)
+        self._process_group = mesh.get_group()
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        return _grouped_gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon, self.group_size,
+                                       sum_over_ranks=self._sum_over_ranks)
+
+    def _sum_over_ranks(self, squares: torch.Tensor) -> torch.Tensor:
+        if self.groups > 1:
+            slots = torch.nn.functional.one_hot(torch.tensor(self.slot, device=squares.device), self.groups)
+            squares = squares * slots.to(squares.dtype)
+        return SumBothWays.apply(squares, self._process_group).narrow(-1, self.slot if self.groups > 1 else 0, 1)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, groups={self.groups} (this rank's: {self.slot}), eps={self.variance_epsilon}"
 
 
 @dataclass(repr=False)
@@ -1152,13 +1268,15 @@ def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: 
                     f"its {out} outputs; give each part's size: ColWiseParallel(packed_parts=(q, k, v))"
                 )
             sizes = (out // declared,) * declared
-    if any(size % tp for size in sizes):
+    if style.part_units is not None:
+        check_units(name, sizes, style.part_units, tp)
+    elif any(size % tp for size in sizes):
         raise ValueError(
             f"parallelize: ColWiseParallel on {name!r} splits each of its packed projections (sizes {list(sizes)}) "
             f"over {tp} ranks, which does not divide them; use a tensor-parallel degree that divides each "
             "projection's size (or packed_parts=1 for a layout packed per head)"
         )
-    if len(set(sizes)) > 1 and module.in_features % tp:
+    if (len(set(sizes)) > 1 or style.part_units is not None) and module.in_features % tp:
         raise ValueError(
             f"parallelize: ColWiseParallel on {name!r} packs projections of unequal sizes {list(sizes)}, split through "
             f"its input features ({module.in_features}), which {tp} ranks do not divide; use a degree that divides them"

@@ -38,6 +38,10 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
              bos_token_id=0, eos_token_id=1, pad_token_id=2,
              # Gemma 3n's and Gemma 4's per-layer inputs: their own table is 262,144 x 256 per layer by default
              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
+# Hybrids whose config builds state-space layers alone by default, laid out as their released checkpoints are: attention
+# layers among the Mamba-2 ones (Bamba-9B's attn_layer_indices, Granite 4.0-H's layer_types), at the 4 layers above.
+_HYBRID_LAYOUTS = {"bamba": dict(attn_layer_indices=[1, 3]),
+                   "granitemoehybrid": dict(layer_types=["linear_attention", "attention"] * 2)}
 # Every name a config uses for the expert count and top-k (unknown names are plain attributes to a config).
 _MOE = dict(num_experts=EXPERTS, num_local_experts=EXPERTS, n_routed_experts=EXPERTS, moe_num_experts=EXPERTS,
             num_experts_per_tok=TOP_K, moe_k=TOP_K, top_k=TOP_K, moe_topk=TOP_K, n_group=1, topk_group=1,
@@ -64,7 +68,7 @@ def build_tiny(model_type: str, *, deterministic: bool = False, attention: str |
     for extra in TRIES:
         try:
             torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **extra})
+            config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **_HYBRID_LAYOUTS.get(model_type, {}), **extra})
             if deterministic or dropout is not None:
                 for key, value in config.to_dict().items():
                     if any(word in key for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):

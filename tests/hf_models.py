@@ -98,6 +98,15 @@ MORE_FAMILIES = {
     # whose chunked scan cost 96 s of the suite), chunks of 4 tokens: the tests' 8-token rows span 2, so the scan's
     # inter-chunk path runs too (the default 256 held them in one).
     "bamba": ("bamba", dict(head_dim=16, attn_layer_indices=[1], **_MAMBA2)),
+    # Two state groups: tp 2 splits them (a group per rank, its norm local), tp 4 puts each on two ranks.
+    "bamba-2-groups": ("bamba", dict(head_dim=16, attn_layer_indices=[1], **{**_MAMBA2, "mamba_n_groups": 2})),
+    # IBM's Granite 4.0-H (granitemoehybrid): Bamba's Mamba-2 mixer and attention layers, each with routed experts
+    # beside a shared MLP (its packed input_linear [gate | up]); the dense variant (Granite 4.0-H-Micro: no experts)
+    # has the shared MLP alone.
+    "granite-hybrid": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"], num_local_experts=EXPERTS,
+                                                shared_intermediate_size=2 * HIDDEN, **_MOE, **_MAMBA2)),
+    "granite-hybrid-dense": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"],
+                                                      num_local_experts=0, shared_intermediate_size=2 * HIDDEN, **_MAMBA2)),
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).
     "opt": ("opt", dict(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, dropout=0.0)),  # 0.1 by default: masks differ by layout

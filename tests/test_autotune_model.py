@@ -162,17 +162,115 @@ def test_unrecognised_models_say_what_is_missing():
     assert issubclass(UnrecognisedModel, ValueError)
 
 
-def test_mamba_mixers_are_refused_naming_them():
-    """State-space mixers (a causal conv1d over packed projections that hold per-head state parameters beside
-    q/k/v) are no attention tensor parallel can split. Bamba's Mamba-2 mixer was read as a packed qkv of 128 heads
-    over 384 key/value heads, and ModelSpec then raised a ValueError that to_distributed did not catch (its search
-    crashed); it names the mixer now, and the layer list."""
+def test_state_space_mixers_not_read_are_refused_naming_them():
+    """A state-space mixer the recogniser does not read (a causal conv1d over packed projections that hold per-head
+    state parameters beside q/k/v) is no attention tensor parallel can split. Bamba's Mamba-2 mixer was read as a
+    packed qkv of 128 heads over 384 key/value heads, and ModelSpec then raised a ValueError that to_distributed did
+    not catch (its search crashed); a mixer without Mamba-2's attributes (here Bamba's, its n_groups removed) is
+    refused naming it, and the layer list. A model of Mamba-2 layers alone has no attention to read."""
     from tests.hf_models import build
 
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    model = build("bamba")
+    del model.model.layers[0].mamba.n_groups
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0: mamba holds a convolution \(conv1d\)") as caught:
-        ModelSpec.from_module(build("bamba"))
+        ModelSpec.from_module(model)
     assert caught.value.layers == "model.layers"
+    config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                                       state_size=16, n_groups=1, chunk_size=4, expand=2)
+    with pytest.raises(UnrecognisedModel, match="could not find separate attention and MLP blocks"):
+        ModelSpec.from_module(transformers.Mamba2ForCausalLM(config))
+
+
+def test_mamba2_mixers_are_read_for_the_split_by_head():
+    """Mamba-2 layers beside attention layers (Bamba, Granite 4.0-H): read as LinearAttention of kind "mamba2", its
+    state groups (n_groups) as the key heads and its heads as the value heads. in_proj packs [z | x | B | C | dt]: z,
+    x and dt split with the heads, B and C with the groups (`units`); the convolution's rows over [x | B | C], dt_bias,
+    A_log and D (one per head) and the gated norm's weight (one per feature of x) are this rank's; num_heads and
+    intermediate_size are divided, n_groups and conv_dim summed from their parts' shares (`part_counts`). The plan
+    puts SplitGroupNorm on the gated norm where tp exceeds the groups only. Priced as a Gated DeltaNet of its groups
+    and heads (B and C as q and k), whose key heads tp may exceed where they divide it. Falcon-H1's Mamba-2 mixer in
+    every layer, beside the attention, stays a module no plan names (whole on every rank). A part of the mixer no
+    split knows is refused, naming it."""
+    from tests.hf_models import build
+    from tridist.autotune import Cluster, Strategy, validate
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    spec = ModelSpec.from_module(build("bamba"), seq_len=16)
+    linear, inner, bc = spec.structure.linear_attention, 8 * 16, 16
+    assert (linear.kind, linear.mixer, linear.layers, linear.num_k_heads, linear.num_v_heads) == ("mamba2", "mamba", (0,), 1, 8)
+    assert (linear.columns, linear.output, linear.group_norm) == ((("in_proj", (inner, inner, bc, bc, 8)),), "out_proj", "norm")
+    assert dict(linear.rows) == {"conv1d.weight": (inner, bc, bc), "conv1d.bias": (inner, bc, bc), "norm.weight": (inner,),
+                                 "dt_bias": (8,), "A_log": (8,), "D": (8,)}
+    assert dict(linear.units) == {"in_proj": (8, 8, 1, 1, 8), "conv1d.weight": (8, 1, 1), "conv1d.bias": (8, 1, 1),
+                                  "norm.weight": (8,)}
+    assert (linear.counts, dict(linear.part_counts)) == (("num_heads", "intermediate_size"), {
+        "n_groups": ((1, 1),), "conv_dim": ((inner, 8), (bc, 1), (bc, 1))})
+    assert spec.gated_delta_net == GatedDeltaNet(layers=(0,), num_k_heads=1, num_v_heads=8, head_k_dim=16, head_v_dim=16,
+                                                 conv_kernel_size=4, key_heads_replicable=True)
+    model = build("bamba")
+    for tp, split in ((2, True), (1, False)):
+        styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=False, tp=tp).styles
+        assert [type(x).__name__ for x in styles.get("model.layers.0.mamba.norm", [])] == (["SplitGroupNorm"] if split else [])
+    two_groups = build("bamba-2-groups")
+    styles = tensor_parallel_plan(two_groups, ModelSpec.from_module(two_groups, seq_len=16).structure,
+                                  sequence_parallel=False, tp=2).styles
+    assert "model.layers.0.mamba.norm" not in styles  # a group per rank: the norm runs as it is
+    # tp may exceed the groups where they divide it (not the heads)
+    for tp, refused in ((2, False), (4, False), (8, False), (16, True)):
+        strategy = Strategy(dp=1, tp=tp, pp=1, micro_batch_size=1, num_micro_batches=1)
+        problems = " ".join(validate(spec, Cluster(1, tp), strategy, global_batch_size=1))
+        assert "num_k_heads" not in problems and ("gated_delta_net.num_v_heads=8" in problems) == refused, (tp, problems)
+    granite = ModelSpec.from_module(build("granite-hybrid-dense"), seq_len=16).structure
+    assert (granite.linear_attention.kind, granite.gate_up, granite.down) == (
+        "mamba2", "shared_mlp.input_linear", "shared_mlp.output_linear")
+    assert ModelSpec.from_module(build("falcon-h1"), seq_len=16).structure.unplanned == ("mamba",)
+    model = build("bamba")
+    model.model.layers[0].mamba.extra = nn.Linear(8, 8)
+    with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0\.mamba\.extra \(Linear: weight \(8, 8\), bias \(8,\)\) "
+                                                 r"is none of a Mamba-2 mixer's parts"):
+        ModelSpec.from_module(model)
+    model = build("bamba")
+    model.model.layers[0].mamba.register_parameter("scale", nn.Parameter(torch.ones(3)))
+    with pytest.raises(UnrecognisedModel, match=r"mamba\.scale \(3,\) is no parameter of one entry per head \(8\)"):
+        ModelSpec.from_module(model)
+
+
+def test_split_group_norm_checks_the_norm_it_splits():
+    """SplitGroupNorm computes a grouped gated RMSNorm itself (each group's sum of squares summed over its ranks), so
+    it first checks the module it replaces computes that: Bamba's, Granite 4.0-H's and Mamba-2's own pass; a norm
+    taken before the gate, or over the whole width where the groups are two, is refused; so is a module without a
+    group size. The formula on one rank equals transformers' module (the same fp32 arithmetic)."""
+    from tests.hf_models import build
+    from tridist.distcore.tensor_parallel import _check_grouped_gated_norm, _grouped_gated_rms_norm
+
+    transformers = pytest.importorskip("transformers")
+    for family, groups in (("bamba", 1), ("granite-hybrid-dense", 1), ("bamba-2-groups", 2)):
+        norm = build(family).model.layers[0].mamba.norm
+        torch.nn.init.normal_(norm.weight)
+        _check_grouped_gated_norm("norm", norm, groups)
+    norm = build("bamba-2-groups").model.layers[0].mamba.norm
+    with pytest.raises(ValueError, match="is not a grouped gated RMSNorm of 1 groups"):
+        _check_grouped_gated_norm("norm", norm, 1)  # its group_size is half the width
+    norm.group_size = norm.weight.shape[0]  # the whole width, where the mixer has two groups: caught by the probe
+    with pytest.raises(ValueError, match="is not a grouped gated RMSNorm of 2 groups"):
+        _check_grouped_gated_norm("norm", norm, 2)
+
+    class BeforeGate(type(build("bamba").model.layers[0].mamba.norm)):
+        def forward(self, hidden_states, gate=None):
+            variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
+            normed = hidden_states.float() * torch.rsqrt(variance + self.variance_epsilon)
+            return self.weight * (normed * nn.functional.silu(gate.float())).to(hidden_states.dtype)
+
+    with pytest.raises(ValueError, match="computes otherwise than a gated RMSNorm normalised in 1 groups after the gate"):
+        _check_grouped_gated_norm("norm", BeforeGate(128, 128), 1)
+    with pytest.raises(ValueError, match=r"norm \(LayerNorm\) is not a grouped gated RMSNorm"):
+        _check_grouped_gated_norm("norm", nn.LayerNorm(8), 1)
+    mamba_norm = transformers.models.mamba2.modeling_mamba2.MambaRMSNormGated(64, group_size=32)
+    hidden, gate = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    torch.testing.assert_close(_grouped_gated_rms_norm(hidden, gate, mamba_norm.weight, mamba_norm.variance_epsilon, 32),
+                               mamba_norm(hidden, gate))
 
 
 def test_gated_deltanet_layers_are_read_beside_attention():

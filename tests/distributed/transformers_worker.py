@@ -442,12 +442,41 @@ def check_attention_output_gates_are_split_with_the_query_heads():
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
 
 
-def check_mamba_mixers_beside_attention_are_refused_sequence_parallel():
-    """Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer. Its scan needs the whole sequence, so
-    under sequence parallel (the mixer on each rank's slice) it is refused; before, its own 1-D A_log, D and dt_bias
-    made it pass for a norm, and replicating it crashed on its children's names. Since the structure names what no
-    plan covers (ModelStructure.unplanned), the strategy is refused before anything changes, naming the mixer (the
-    search leaves sequence parallel out); before, parallelize refused it, naming the mixer's parameters."""
+def check_mamba2_mixers_train_under_tensor_parallel():
+    """Mamba-2 layers beside attention layers: Bamba and IBM's Granite 4.0-H (dense, and with experts beside a shared
+    MLP). Each mixer is split by head: its input projection [z | x | B | C | dt] part by part (z, x and dt with the
+    heads; B and C with the state groups, and where tp exceeds the groups, each rank computes its group's, the partial
+    sums all-reduced both ways), the output projection row-parallel, this rank's rows of the convolution over
+    [x | B | C], of dt_bias, A_log, D and of the gated norm's weight, the counts local (asserted); the gated norm's
+    statistics summed over the ranks sharing a group where tp exceeds the groups (SplitGroupNorm). Equal to one process
+    in local view under tp 2 with one group (Bamba, Granite: norm split) and two (a group per rank: the norm as it is),
+    tp 2 + sp (Bamba, Granite dense); tp 4 + sp with two groups (each on two ranks) in
+    check_unrecognised_and_ambiguous_models. Before, tp was refused ("mamba holds a convolution"). Granite's shared
+    MLP beside its experts is no plan's: whole on each rank, and sp refused naming it.
+
+    Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer (not in its place). Its scan needs the whole
+    sequence, so under sequence parallel (the mixer on each rank's slice) it is refused: the structure names what no
+    plan covers (ModelStructure.unplanned), so the strategy is refused before anything changes, naming the mixer."""
+    def split_by_head(groups):
+        def inspect(model):
+            mixer = next(layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None)
+            config = model.config
+            heads, local_groups = config.mamba_n_heads // 2, max(config.mamba_n_groups // 2, 1)
+            inner = heads * config.mamba_d_head
+            assert (mixer.num_heads, mixer.n_groups, mixer.intermediate_size) == (heads, local_groups, inner)
+            assert mixer.conv_dim == inner + 2 * local_groups * config.mamba_d_state, mixer.conv_dim
+            assert isinstance(mixer.norm, distcore.tensor_parallel.SplitGroupGatedRMSNorm) == (groups == 1), mixer.norm
+            assert mixer.in_proj.weight.placements[-1] == distcore.Shard(1), mixer.in_proj.weight.placements
+            assert mixer.A_log.placements[-1].is_replicate(), mixer.A_log.placements  # rows taken around the forward
+        return inspect
+
+    for family, label, groups in (("bamba", "tp 2", 1), ("bamba", "tp 2 + sp", 1), ("bamba-2-groups", "tp 2", 2),
+                                  ("granite-hybrid-dense", "tp 2 + sp", 1), ("granite-hybrid", "tp 2", 1)):
+        try:
+            _train(family, TP2[label], inspect=split_by_head(groups))
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
+    _expect_refused("granite-hybrid", TP2["tp 2 + sp"], "['model.layers.*.shared_mlp'] hold parameters no plan names")
     _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
 
 
@@ -802,11 +831,11 @@ def check_unrecognised_and_ambiguous_models():
     # decoder-layer list is all they need (before, refused with tensor parallel)
     _train("gpt2", _strategy(2, 1, 2, num_micro_batches=2, recompute="full"))
     _expect_refused("gpt2", _strategy(4, 1, 1, recompute="selective"), "selective recompute need(s) a recognised")
-    # Hybrids of Mamba-2 and attention: refused under tp, naming the mixer (Bamba's crashed to_distributed, searched
-    # too: 'num_heads=128 must be a multiple of num_kv_heads=384'); they train searched under dp. (Gated DeltaNet's
-    # hybrids train under tp: check_gated_deltanet_layers_train_under_tensor_parallel.)
-    _expect_refused("bamba", _strategy(2, 2, 1), "mamba holds a convolution (conv1d)")
-    assert _train("bamba").pp == 1
+    # Hybrids of Mamba-2 and attention: searched (Bamba's crashed to_distributed: 'num_heads=128 must be a multiple of
+    # num_kv_heads=384'), and under tp 4 + sp with two state groups, each group's B and C computed on two ranks and its
+    # gated norm's statistics summed over them (check_mamba2_mixers_train_under_tensor_parallel runs tp 2)
+    _train("bamba")
+    _train("bamba-2-groups", _strategy(1, 4, 1, sequence_parallel=True))
 
 
 def check_gated_deltanet_layers_train_under_tensor_parallel():
@@ -1959,7 +1988,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
     "check_kimi_delta_attention_layers_train_under_tensor_parallel",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
-    "check_mamba_mixers_beside_attention_are_refused_sequence_parallel", "check_modules_no_plan_names_stay_whole_under_tensor_parallel",
+    "check_mamba2_mixers_train_under_tensor_parallel", "check_modules_no_plan_names_stay_whole_under_tensor_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
     "check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas",
     "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
