@@ -454,6 +454,8 @@ def check_mamba2_mixers_train_under_tensor_parallel():
     check_unrecognised_and_ambiguous_models. Before, tp was refused ("mamba holds a convolution"). Granite's shared
     MLP beside its experts is no plan's: whole on each rank, and sp refused naming it.
 
+    Greedy generate under tp 2 gives one device's tokens (the one-token state update on the local heads).
+
     Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer (not in its place). Its scan needs the whole
     sequence, so under sequence parallel (the mixer on each rank's slice) it is refused: the structure names what no
     plan covers (ModelStructure.unplanned), so the strategy is refused before anything changes, naming the mixer."""
@@ -478,6 +480,16 @@ def check_mamba2_mixers_train_under_tensor_parallel():
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
     _expect_refused("granite-hybrid", TP2["tp 2 + sp"], "['model.layers.*.shared_mlp'] hold parameters no plan names")
     _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
+    # Greedy generate under tp 2: the prompt's chunked scan, then the one-token state update on this rank's heads
+    # (its cache built from the local shapes) give one device's tokens
+    prompt = _batches()[0]["input_ids"][2:4, :5]
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    expected = _greedy_reference("bamba", prompt, settings)
+    model, optimizer = _model("bamba")
+    with torch.no_grad():
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=TP2["tp 2"]))
+        assert torch.equal(model.eval().generate(prompt, **settings), expected)
 
 
 def check_modules_no_plan_names_stay_whole_under_tensor_parallel():
