@@ -1776,11 +1776,7 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
                 f"parallel splits (the input projection {hidden} -> {sum(parts)} [z | x | B | C | dt], the output "
                 f"projection {inner} -> {hidden}, the convolution over its {conv_dim} [x | B | C] channels, a gated "
                 f"norm over {inner} features in groups of {inner // groups})")
-    for pname, param in module.named_parameters(recurse=False):
-        if tuple(param.shape) != (heads,):
-            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one entry per head "
-                                    f"({heads}), which tensor parallel would split with the heads")
-        rows.append((pname, (heads,)))
+    rows += _per_head_parameters(where, module, heads, "head")
     if len(columns) != 1 or output is None or not any(n.endswith(".weight") and p == (inner, bc, bc) for n, p in rows):
         raise UnrecognisedModel(f"{where}: a Mamba-2 mixer needs one input projection {hidden} -> {sum(parts)}, an "
                                 f"output projection {inner} -> {hidden} and a convolution over its {conv_dim} channels; "
@@ -1791,6 +1787,18 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
         units=((columns[0][0], units), *row_units),
         part_counts=(("n_groups", ((groups, groups),)), ("conv_dim", ((inner, heads), (bc, groups), (bc, groups)))),
         group_norm=group_norm, kind="mamba2")
+
+
+def _per_head_parameters(where: str, module, heads: int, what: str) -> list[tuple[str, tuple[int]]]:
+    """A mixer's own parameters (not its children's) as `rows` of one entry per head (`what`: the heads' name in the
+    error): dt_bias, A_log, D. Any other shape is refused, naming it."""
+    rows = []
+    for pname, param in module.named_parameters(recurse=False):
+        if tuple(param.shape) != (heads,):
+            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one entry per {what} "
+                                    f"({heads}), which tensor parallel would split with the heads")
+        rows.append((pname, (heads,)))
+    return rows
 
 
 def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: int) -> LinearAttention:
@@ -1840,11 +1848,7 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
                 f"tensor parallel splits (projections from the hidden size {hidden}, one back to it from the "
                 f"{value_dim} value features, the depthwise convolution over the {sum(packed)} packed [q | k | v] "
                 f"channels, norms over a value head's {head_v_dim} features)")
-    for pname, param in module.named_parameters(recurse=False):
-        if param.dim() != 1 or param.shape[0] != num_v_heads:
-            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one entry per value "
-                                    f"head ({num_v_heads}), which tensor parallel would split with the heads")
-        rows.append((pname, (num_v_heads,)))
+    rows += _per_head_parameters(where, module, num_v_heads, "value head")
     if len(outputs) != 1 or not columns or not any(size == packed for _, size in rows):
         raise UnrecognisedModel(f"{where}: a Gated DeltaNet mixer needs projections from the hidden size, one output "
                                 f"projection and a convolution over its [q | k | v] channels; found {outputs or 'no'} "

@@ -392,7 +392,8 @@ class LocalParameterRows(_Style):
             elif value != sum(size for size, _ in parts):
                 raise ValueError(f"parallelize: {target.name}.{attribute} = {value!r} is not the {sum(s for s, _ in parts)} "
                                  f"features of parts {list(parts)} that {type(self).__name__} splits")
-            check_units(f"{target.name}.{attribute}", tuple(s for s, _ in parts), tuple(u for _, u in parts), tp)
+            else:
+                check_units(f"{target.name}.{attribute}", tuple(s for s, _ in parts), tuple(u for _, u in parts), tp)
             counted[attribute] = (owner, leaf, value, sum(unit_span(size, count, tp, rank)[1] for size, count in parts))
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
