@@ -53,6 +53,7 @@ from .tensor_parallel import (
     ShardLocalParameters,
     SplitGroupNorm,
     TensorParallelPlan,
+    UnfusedMixerForward,
     plan_from_names,
 )
 
@@ -783,7 +784,8 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
     projection row-parallel, the rows of its convolution and per-head parameters this rank's (LocalParameterRows,
     which also localises its head counts and widths), its gated output norm, one weight for every head, with its
     gradients summed over the mp ranks, and a norm over groups of heads that tp splits with its statistics summed
-    over the ranks sharing a group (SplitGroupNorm)."""
+    over the ranks sharing a group (SplitGroupNorm); a Mamba-2 mixer kept on its torch path, which calls the split
+    modules (UnfusedMixerForward)."""
     units = dict(linear.units)
     for mixer in mixers:
         for name, parts in linear.columns:
@@ -791,6 +793,8 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
         add(f"{mixer}.{linear.output}", RowWiseParallel())
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
+        if linear.kind == "mamba2":
+            add(mixer, UnfusedMixerForward())
         if linear.group_norm and linear.num_k_heads < tp:
             add(f"{mixer}.{linear.group_norm}", SplitGroupNorm(linear.num_k_heads))
         add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts, dims=dict(linear.row_dims),

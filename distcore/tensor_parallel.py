@@ -583,6 +583,30 @@ class DistributedNorm(_Style):
 
 
 @dataclass(repr=False)
+class UnfusedMixerForward(_Style):
+    """A Mamba-2 mixer (transformers' Bamba, Granite 4.0-H) split by tensor parallel runs its own torch path in
+    training too. Without a cache (`use_cache=False`, as HF Trainer with gradient checkpointing and TRL set it) the
+    mixer hands all of itself to mamba_ssm's fused `mamba_split_conv1d_scan_combined` wherever mamba_ssm (or a hub
+    kernel) is installed: that kernel normalises over this rank's groups alone (SplitGroupGatedRMSNorm's sum over the
+    ranks never runs) and multiplies by out_proj's weight itself (the row-parallel output is never all-reduced). Its
+    torch path calls the split modules, and mamba_ssm's scan and convolution kernels on this rank's heads. The
+    mixer's `training` flag, which transformers reads only to pick that path, reads False during its forward and is
+    put back after, also when the forward raises (the mixer has no dropout)."""
+
+    def apply(self, target: StyleTarget) -> str:
+        def unfused(mixer, args) -> None:
+            vars(mixer)["_tridist_training"] = mixer.training
+            mixer.training = False
+
+        def restore(mixer, args, output) -> None:
+            mixer.training = vars(mixer).pop("_tridist_training", mixer.training)
+
+        target.module.register_forward_pre_hook(unfused)
+        target.module.register_forward_hook(restore, always_call=True)
+        return f"{target.name}: {self!r} (its torch path: no fused kernel past the split norm and out_proj)"
+
+
+@dataclass(repr=False)
 class SplitGroupNorm(_Style):
     """A Mamba-2 mixer's grouped gated RMSNorm (transformers' MambaRMSNormGated and its copies in Bamba, Granite
     4.0-H, Zamba 2, Nemotron-H, Falcon-H1: the features times SiLU(gate), normalised in groups of `group_size`, times a

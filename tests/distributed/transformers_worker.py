@@ -12,6 +12,7 @@ reason when forced; unrecognised models (GPT-2) fall back to data parallel."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -480,6 +481,19 @@ def check_mamba2_mixers_train_under_tensor_parallel():
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
     _expect_refused("granite-hybrid", TP2["tp 2 + sp"], "['model.layers.*.shared_mlp'] hold parameters no plan names")
     _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
+    # Without a cache (use_cache=False, as HF Trainer with gradient checkpointing sets it) transformers hands each
+    # mixer in training to mamba_ssm's fused kernel wherever mamba_ssm is installed, which normalises over the local
+    # groups and multiplies by out_proj's weight itself. With a torch stand-in for it (mamba_ssm needs CUDA): one
+    # device runs it, tp keeps the mixers on their torch path (UnfusedMixerForward), equal. Before: a crash at the
+    # first training step ("got mixed torch.Tensor and DTensor"; with a replicated out_proj, the norm's statistics of
+    # the local groups alone).
+    for family, label in (("bamba", "tp 2"), ("granite-hybrid-dense", "tp 2 + sp")):
+        with _mamba_ssm_fused_kernel(family) as calls:
+            reference = _reference(family, _without_cache)
+            assert dist.get_rank() or calls, family  # rank 0 computed it through the fused kernel
+            calls.clear()
+            _train(family, TP2[label], prepare=_without_cache, reference=reference)
+            assert not calls, (family, calls)
     # Greedy generate under tp 2: the prompt's chunked scan, then the one-token state update on this rank's heads
     # (its cache built from the local shapes) give one device's tokens
     prompt = _batches()[0]["input_ids"][2:4, :5]
@@ -490,6 +504,50 @@ def check_mamba2_mixers_train_under_tensor_parallel():
         model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
                                               config=distcore.ToDistributedConfig(strategy=TP2["tp 2"]))
         assert torch.equal(model.eval().generate(prompt, **settings), expected)
+
+
+def _without_cache(model) -> None:
+    model.config.use_cache = False
+
+
+@contextlib.contextmanager
+def _mamba_ssm_fused_kernel(family: str):
+    """transformers' Mamba-2 mixer of `family` (Bamba, Granite 4.0-H) calling, in training without a cache, a torch
+    stand-in for mamba_ssm's fused mamba_split_conv1d_scan_combined (the name the mixer's forward looks up) with its
+    semantics: [z | xBC | dt] split, the causal convolution and SiLU, the chunked scan, the gated RMSNorm over groups
+    of its input's width / ngroups, then F.linear with the out-projection weight it is handed. Yields the list of
+    its calls' input shapes."""
+    import importlib
+
+    modeling = importlib.import_module({"bamba": "transformers.models.bamba.modeling_bamba"}.get(
+        family, "transformers.models.granitemoehybrid.modeling_granitemoehybrid"))
+    calls = []
+
+    def fused(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, dt_limit=(0.0, float("inf")),
+              activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None,
+              headdim=None, ngroups=1, **_):
+        calls.append(tuple(zxbcdt.shape))
+        batch, length, _ = zxbcdt.shape
+        heads = D.shape[0]
+        dim = heads * headdim
+        state = (conv1d_weight.shape[0] - dim) // ngroups // 2
+        z, xbc, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * state, heads], dim=-1)
+        xbc = modeling.causal_conv1d_fn(xbc.transpose(1, 2), conv1d_weight, conv1d_bias, activation=activation)
+        x, b, c = torch.split(xbc.transpose(1, 2), [dim, ngroups * state, ngroups * state], dim=-1)
+        y = modeling.mamba2_chunk_scan(x.reshape(batch, length, heads, headdim), dt, A,
+                                       b.reshape(batch, length, ngroups, state), c.reshape(batch, length, ngroups, state),
+                                       chunk_size=chunk_size, D=D, z=None, dt_bias=dt_bias, dt_softplus=True,
+                                       dt_limit=dt_limit).reshape(batch, length, dim)
+        gated = (y.float() * torch.nn.functional.silu(z.float())).unflatten(-1, (ngroups, -1))
+        normed = (gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + rmsnorm_eps)).flatten(-2)
+        return torch.nn.functional.linear((rmsnorm_weight * normed).to(zxbcdt.dtype), outproj_weight, outproj_bias)
+
+    original = modeling.mamba2_split_conv1d_scan_combined
+    modeling.mamba2_split_conv1d_scan_combined = fused
+    try:
+        yield calls
+    finally:
+        modeling.mamba2_split_conv1d_scan_combined = original
 
 
 def check_modules_no_plan_names_stay_whole_under_tensor_parallel():
