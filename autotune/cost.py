@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 16  # 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 17  # 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -594,7 +594,9 @@ class _LayerCost:
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
     latent_collectives: float  # latent attention: its backward all-reduces in place of the attention's of b·s·h
-    linear_collectives: float  # Gated DeltaNet: its whole parameters' gradients summed across the tp ranks
+    # Gated DeltaNet: its whole parameters' gradients summed across the tp ranks; its unequally packed projections'
+    # reduce-scatter and all-gather; replicated key heads' (Mamba-2's B and C) all-reduces
+    linear_collectives: float
     head_gemm_fwd: float
     head_elementwise_fwd: float
     activations: dict  # recompute mode -> bytes per layer
@@ -716,7 +718,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # FSDP / the optimizer reads it), not once per micro-batch. (Full recompute's second forward repeats the
     # statistics' all-reduces, not counted, as for the packed q/k/v.) Every message is small (a value per
     # token, a weight of head_dim or q + kv), so the term is latency-bound: ring steps x alpha, not bytes/bw.
-    if gdn:  # no q/k norms (its packed projection is split part by part: no collective of its own either)
+    if gdn:  # no q/k norms (its packed projections' collectives are linear_collectives)
         qk_norm = 0.0
     elif spec.qk_norm == "projection" and tp > 1:
         qk_norm = (4 * all_reduce_time(NORM_STATISTIC_BYTES * tokens, tp, bw_tp, lat_tp)
@@ -738,6 +740,19 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # and decays, its gated norm's weight) get each rank's partial gradients, summed over the tp ranks: one small
     # all-reduce, priced per layer and micro-batch as the q/k norms' (latency-bound).
     linear_collectives = all_reduce_time(e * gdn.other_parameters, tp, bw_tp, lat_tp) if gdn and tp > 1 else 0.0
+    if gdn and tp > 1:
+        # Its projections packing unequal parts, split on their inputs: the output's reduce-scatter forward and its
+        # gradient's all-gather backward (packed q/k/v's). Key heads fewer than the ranks (Mamba-2's state groups):
+        # their q and k (B and C), computed whole on every rank, are all-reduced instead, forward and backward
+        # (packed.SumBothWays), and the gated norm's statistics, a value per token and group, too (SplitGroupNorm).
+        whole = 2 * gdn.key_size if gdn.key_heads_replicable and tp > gdn.num_k_heads else 0
+        scattered = e * tokens * max(gdn.packed_split_outputs - whole, 0)
+        if scattered:
+            linear_collectives += (reduce_scatter_time(scattered, tp, bw_tp, lat_tp)
+                                   + all_gather_time(scattered, tp, bw_tp, lat_tp))
+        if whole:
+            linear_collectives += 2 * (all_reduce_time(e * tokens * whole, tp, bw_tp, lat_tp) + all_reduce_time(
+                NORM_STATISTIC_BYTES * tokens * gdn.num_k_heads, tp, bw_tp, lat_tp))
     head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)
     logits_bytes = tokens * spec.head_width / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw

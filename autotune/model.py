@@ -269,7 +269,11 @@ class GatedDeltaNet:
     Its projections are transformers' (packed or not): from the hidden size to q, k, v, the output gate z (one
     value width) and one β and one decay per value head; and from the value heads back to the hidden size.
     `key_heads_replicable`: tensor parallel may exceed the key heads where they divide it, each computed on tp /
-    num_k_heads ranks (a Mamba-2 mixer's state groups, priced as such a layer: B and C as q and k)."""
+    num_k_heads ranks (a Mamba-2 mixer's state groups, priced as such a layer: B and C as q and k); their q and k
+    (B and C) are then partial sums all-reduced forward and backward. `packed_split_outputs`: the outputs per token of
+    the projections that pack unequal parts (Qwen3.5's [q | k | v], Mamba-2's [z | x | B | C | dt]), which tensor
+    parallel splits on their input features: their output reduce-scattered forward, its gradient all-gathered
+    backward (0: none)."""
 
     layers: tuple[int, ...]
     num_k_heads: int
@@ -278,10 +282,12 @@ class GatedDeltaNet:
     head_v_dim: int
     conv_kernel_size: int = 4
     key_heads_replicable: bool = False
+    packed_split_outputs: int = 0
 
     def __post_init__(self) -> None:
         _check_integers("GatedDeltaNet", self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                                                 "conv_kernel_size"))
+        _check_integers("GatedDeltaNet", self, ("packed_split_outputs",), minimum=0, what="a non-negative integer")
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"GatedDeltaNet: num_v_heads={self.num_v_heads} must be a multiple of "
                              f"num_k_heads={self.num_k_heads} (a key head serves a group of value heads)")
@@ -1865,16 +1871,19 @@ def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> Gate
 
     mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
+    # distcore's rule (packed.packed_colwise): a packing of equal parts without units of their own splits each part
+    # on the outputs; any other packing splits the weight on its inputs and reduce-scatters the output
+    units = dict(linear.units)
+    common = dict(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], packed_split_outputs=sum(
+        sum(parts) for name, parts in linear.columns if len(parts) > 1 and (len(set(parts)) > 1 or name in units)))
     if linear.kind == "mamba2":  # B and C as q and k (a group's state wide), x as v (a head wide), z as the gate
-        return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], num_k_heads=int(mixer.n_groups),
-                             num_v_heads=int(mixer.num_heads), head_k_dim=int(mixer.ssm_state_size),
-                             head_v_dim=int(mixer.head_dim), key_heads_replicable=True)
+        return GatedDeltaNet(num_k_heads=int(mixer.n_groups), num_v_heads=int(mixer.num_heads),
+                             head_k_dim=int(mixer.ssm_state_size), head_v_dim=int(mixer.head_dim),
+                             key_heads_replicable=True, **common)
     if linear.kind == "kda":  # one head count and width for keys and values: priced as a Gated DeltaNet of them
         heads, head_dim = int(mixer.num_heads), int(mixer.head_dim)
-        return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], num_k_heads=heads,
-                             num_v_heads=heads, head_k_dim=head_dim, head_v_dim=head_dim)
-    return GatedDeltaNet(layers=linear.layers, conv_kernel_size=conv.kernel_size[0],
-                         **{a: int(getattr(mixer, a)) for a in _GATED_DELTA_NET_ATTRS})
+        return GatedDeltaNet(num_k_heads=heads, num_v_heads=heads, head_k_dim=head_dim, head_v_dim=head_dim, **common)
+    return GatedDeltaNet(**common, **{a: int(getattr(mixer, a)) for a in _GATED_DELTA_NET_ATTRS})
 
 
 def _eager_attention(model) -> bool:

@@ -160,8 +160,13 @@ def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> 
     # on tp / groups ranks)
     replicated_keys = (linear and linear.key_heads_replicable and tp % linear.num_k_heads == 0
                        and cluster.engine.replicated_kv_heads)
-    linear_heads = ((() if replicated_keys else (("gated_delta_net.num_k_heads", linear.num_k_heads),))
+    replicable_keys = linear and linear.key_heads_replicable and cluster.engine.replicated_kv_heads
+    linear_heads = ((() if replicated_keys or replicable_keys else (("gated_delta_net.num_k_heads", linear.num_k_heads),))
                     + (("gated_delta_net.num_v_heads", linear.num_v_heads),)) if linear else ()
+    if replicable_keys and not replicated_keys and linear.num_k_heads % tp:
+        problems.append(f"tp={tp} neither divides the {linear.num_k_heads} state groups of the Mamba-2 mixers "
+                        "(n_groups; gated_delta_net.num_k_heads) nor is a multiple of them; pick a tp that divides "
+                        "them or that they divide")
     widths = [("num_heads", spec.num_heads), ("hidden_size", spec.hidden_size),
               ("ffn_hidden_size", spec.ffn_hidden_size), ("vocab_size", spec.vocab_size), *linear_heads]
     if spec.is_moe and cluster.engine.expert_tensor_parallel:  # the experts' ffn split over tp as the dense MLP's

@@ -182,6 +182,18 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
         ModelSpec.from_module(transformers.Mamba2ForCausalLM(config))
 
 
+def _assert_packed_split_priced(spec, degrees) -> None:
+    """Under each tp of `degrees` the linear mixers' unequally packed projections (split on their inputs: a
+    reduce-scatter forward, an all-gather backward) add to the step's tensor-parallel communication."""
+    from tridist.autotune import Cluster, Strategy, estimate
+
+    unpacked = dataclasses.replace(spec, gated_delta_net=dataclasses.replace(spec.gated_delta_net, packed_split_outputs=0))
+    for tp in degrees:
+        strategy = Strategy(dp=1, tp=tp, pp=1, micro_batch_size=1, num_micro_batches=1)
+        priced = [estimate(s, Cluster(1, tp), strategy, global_batch_size=1).time.tp_comm_s for s in (spec, unpacked)]
+        assert priced[0] > priced[1] > 0, (tp, priced)
+
+
 def test_mamba2_mixers_are_read_for_the_split_by_head():
     """Mamba-2 layers beside attention layers (Bamba, Granite 4.0-H): read as LinearAttention of kind "mamba2", its
     state groups (n_groups) as the key heads and its heads as the value heads. in_proj packs [z | x | B | C | dt]: z,
@@ -208,7 +220,9 @@ def test_mamba2_mixers_are_read_for_the_split_by_head():
     assert (linear.counts, dict(linear.part_counts)) == (("num_heads", "intermediate_size"), {
         "n_groups": ((1, 1),), "conv_dim": ((inner, 8), (bc, 1), (bc, 1))})
     assert spec.gated_delta_net == GatedDeltaNet(layers=(0,), num_k_heads=1, num_v_heads=8, head_k_dim=16, head_v_dim=16,
-                                                 conv_kernel_size=4, key_heads_replicable=True)
+                                                 conv_kernel_size=4, key_heads_replicable=True,
+                                                 packed_split_outputs=2 * inner + 2 * bc + 8)
+    _assert_packed_split_priced(spec, (2, 4))
     model = build("bamba")
     for tp, split in ((2, True), (1, False)):
         styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=False, tp=tp).styles
@@ -222,6 +236,12 @@ def test_mamba2_mixers_are_read_for_the_split_by_head():
         strategy = Strategy(dp=1, tp=tp, pp=1, micro_batch_size=1, num_micro_batches=1)
         problems = " ".join(validate(spec, Cluster(1, tp), strategy, global_batch_size=1))
         assert "num_k_heads" not in problems and ("gated_delta_net.num_v_heads=8" in problems) == refused, (tp, problems)
+    # 3 groups under tp 2 and 4: neither divides nor is a multiple of them, said so in the model's terms
+    three = dataclasses.replace(spec, gated_delta_net=dataclasses.replace(spec.gated_delta_net, num_k_heads=3, num_v_heads=12))
+    for tp in (2, 4):
+        problems = " ".join(validate(three, Cluster(1, tp), Strategy(dp=1, tp=tp, pp=1, micro_batch_size=1,
+                                                                     num_micro_batches=1), global_batch_size=1))
+        assert f"tp={tp} neither divides the 3 state groups of the Mamba-2 mixers (n_groups" in problems, problems
     granite = ModelSpec.from_module(build("granite-hybrid-dense"), seq_len=16).structure
     assert (granite.linear_attention.kind, granite.gate_up, granite.down) == (
         "mamba2", "shared_mlp.input_linear", "shared_mlp.output_linear")
@@ -288,9 +308,10 @@ def test_gated_deltanet_layers_are_read_beside_attention():
     s, linear = spec.structure, spec.structure.linear_attention
     assert (s.q, s.o, s.qk_norms) == ("self_attn.q_proj", "self_attn.o_proj", ("self_attn.q_norm", "self_attn.k_norm"))
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_output_gate) == (4, 2, 16, True)
-    assert spec.gated_delta_net == GatedDeltaNet(layers=(0, 2), num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
-                                                 conv_kernel_size=4)
     key, value = 4 * 8, 8 * 8
+    assert spec.gated_delta_net == GatedDeltaNet(layers=(0, 2), num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8,
+                                                 conv_kernel_size=4, packed_split_outputs=2 * key + value)  # [q | k | v]
+    _assert_packed_split_priced(spec, (2, 4))
     assert linear == dataclasses.replace(
         linear, mixer="linear_attn", layers=(0, 2), num_k_heads=4, num_v_heads=8,
         columns=(("in_proj_qkv", (key, key, value)), ("in_proj_z", (value,)), ("in_proj_b", (8,)), ("in_proj_a", (8,))),
