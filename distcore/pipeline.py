@@ -340,11 +340,13 @@ class _StandIn(torch.nn.Module):
 
     _tridist_stand_in = True
 
-    def __init__(self, name: str, owner: int, meta_module: torch.nn.Module | None, state: _StageState | None, role: str):
+    def __init__(self, name: str, owner: int, meta_module: torch.nn.Module | None, state: _StageState | None, role: str,
+                 plain: dict | None = None):
         super().__init__()
         self.name, self.owner, self.role = name, owner, role
         self.__dict__["_meta_module"] = meta_module  # not a submodule: no parameters, no state_dict entries
         self.__dict__["_state"] = state
+        self.__dict__["_plain"] = plain or {}
 
     def forward(self, *args, **kwargs):
         state = self._state
@@ -399,6 +401,9 @@ class _StandIn(torch.nn.Module):
             return super().__getattr__(attribute)
         except AttributeError:
             pass
+        plain = self.__dict__.get("_plain", {})
+        if attribute in plain:  # the module's own setting (Nemotron-H's block_type, read by its model's forward)
+            return plain[attribute]
         meta = self.__dict__.get("_meta_module")
         state = self.__dict__.get("_state")
         held = None
@@ -415,6 +420,21 @@ class _StandIn(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name!r} on stage {self.owner}"
+
+
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+
+
+def _plain_attributes(module: torch.nn.Module) -> dict:
+    """The public attributes of `module` that are plain immutable values (strings, numbers, booleans, None and tuples
+    of them): its settings, as a layer's `block_type` or `layer_idx`. A stand-in answers them as the module would:
+    model code reads such settings outside the module's forward (Nemotron-H's model picks each layer's mask by its
+    block_type) on every stage. Tensors, modules, configs and other mutable objects are left out (reading one still
+    raises, naming the stage that holds the module)."""
+    def plain(value) -> bool:
+        return isinstance(value, _PLAIN_TYPES) or isinstance(value, tuple) and all(map(plain, value))
+
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and plain(v)}
 
 
 class _ForeignTensor:
@@ -467,10 +487,18 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(module, memo)
     for name, child in list(copied.named_modules()):
-        if name and looks_like_stacked_experts(child):
+        if name and _stacked_experts(child):
             parent, _, leaf = name.rpartition(".")
             (copied.get_submodule(parent) if parent else copied)._modules[leaf] = _MetaExperts()
     return copied
+
+
+def _stacked_experts(module: torch.nn.Module) -> bool:
+    """Hugging Face's stacked experts: gated (`looks_like_stacked_experts`) or not (Nemotron-H's ReLU² experts: 3-D
+    `up_proj` and `down_proj` of the module itself)."""
+    params = module._parameters
+    return looks_like_stacked_experts(module) or all(
+        isinstance(params.get(n), torch.Tensor) and params[n].dim() == 3 for n in ("up_proj", "down_proj"))
 
 
 class _MetaExperts(torch.nn.Module):
@@ -759,7 +787,7 @@ def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: 
                 owner = placement.owner[qualified]
                 role = "earlier" if owner < state.stage else "later"
                 meta = _meta_copy(child) if role == "earlier" else None
-                view._modules[child_name] = _StandIn(qualified, owner, meta, state, role)
+                view._modules[child_name] = _StandIn(qualified, owner, meta, state, role, _plain_attributes(child))
         if state.stage != last:  # bare parameters of the containers (an LM-head weight) live on the last stage
             view._parameters = {k: v for k, v in view._parameters.items() if v is None}
         return view
@@ -775,7 +803,7 @@ def strip_to_rank(model: torch.nn.Module, placement: _Placement, stages: list[in
         if owner in stages:
             continue
         parent, _, child = name.rpartition(".")
-        modules[parent]._modules[child] = _StandIn(name, owner, None, None, "elsewhere")
+        modules[parent]._modules[child] = _StandIn(name, owner, None, None, "elsewhere", _plain_attributes(modules[name]))
     if last_stage not in stages:
         for container in placement.path:
             module = modules[container]

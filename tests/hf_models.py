@@ -119,6 +119,15 @@ MORE_FAMILIES = {
                                                                     "hybrid"], mamba_dt_rank=8)),
     # A Mamba-2 mixer beside the attention in every layer, µP multipliers (its logits * lm_head_multiplier).
     "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3, mamba_d_ssm=2 * HIDDEN, **_MAMBA2)),
+    # NVIDIA's Nemotron-H: one mixer per block (a Mamba-2 mixer, attention, a ReLU² MLP or experts with a shared
+    # one), the model's forward picking each block's mask by its block_type; 4 blocks, each kind once or twice.
+    "nemotron-h": ("nemotron_h", dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                                      ssm_state_size=16, n_groups=1, chunk_size=4,
+                                      layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"])),
+    "nemotron-h-moe": ("nemotron_h", dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                                          ssm_state_size=16, n_groups=1, chunk_size=4, n_routed_experts=EXPERTS,
+                                          moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, **_MOE,
+                                          layers_block_type=["linear_attention", "moe", "full_attention", "moe"])),
     # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast
     # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
     "ernie4_5": ("ernie4_5", {}),

@@ -91,6 +91,27 @@ def test_a_later_stage_reads_an_earlier_modules_weight_device_shape_and_dtype_on
     assert not hasattr(elsewhere, "weight")
 
 
+def test_a_stand_in_answers_its_modules_plain_settings_alone():
+    """Nemotron-H's model picks each block's mask by `layer.block_type` on every stage: a stand-in answers the
+    module's public plain settings (strings, numbers, booleans, None, tuples of them) as the module would, on any
+    stage and in the user's model; its tensors, configs and other objects still raise, naming the stage."""
+    from tridist.distcore.pipeline import _plain_attributes, _StandIn
+
+    block = torch.nn.Linear(4, 4)
+    block.block_type, block.layer_idx, block.window, block.kinds = "mamba", 3, None, ("a", 1)
+    block.config, block._private = {"hidden": 4}, "x"
+    plain = _plain_attributes(block)
+    assert {k: plain[k] for k in ("block_type", "layer_idx", "window", "kinds")} == {
+        "block_type": "mamba", "layer_idx": 3, "window": None, "kinds": ("a", 1)}
+    assert "config" not in plain and "_private" not in plain
+    for state, role in ((_StageState(stage=1, is_first=False, is_last=True, device=torch.device("cpu")), "later"),
+                        (None, "elsewhere")):
+        stand_in = _StandIn("model.layers.2", 0, None, state, role, plain)
+        assert (stand_in.block_type, stand_in.layer_idx, stand_in.kinds) == ("mamba", 3, ("a", 1))
+        with pytest.raises(AttributeError, match=r"'model.layers.2' lives on pipeline stage 0.*'config'"):
+            stand_in.config
+
+
 def test_a_later_stages_module_called_before_this_stages_last_layer_is_an_error_naming_it():
     """A module registered after the decoder layers is placed on the last stage and ends an earlier stage when
     called; called before that stage's last layer ran (before or between the layers), the stage has nothing to
