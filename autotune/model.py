@@ -1396,6 +1396,14 @@ def _moe_block(layer, hidden: int) -> _MoEBlock | None:
             if parts is not None:
                 shared.append(full)
                 shared_ffn += parts["ffn"]
+        if not shared and block_name and "." not in block_name:
+            # An MLP beside the block in the layer, which every token runs (Granite's shared_mlp, added to the block's
+            # output): a shared expert outside the block
+            for child_name, child in layer.named_children():
+                parts = _mlp_of(child, hidden) if _hint(child_name, ("shared", *_MLP_WORDS)) else None
+                if child_name != block_name and parts is not None:
+                    shared.append(child_name)
+                    shared_ffn += parts["ffn"]
         objects = [block, layer.get_submodule(router_owner) if router_owner else layer]
         objects += [getattr(o, "config", None) for o in objects]
         top_k = _first_attr(objects, _TOP_K_ATTRS)
@@ -1537,8 +1545,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                linear.mixer if linear else None]
     dense_covered = [mlp or None, *([None] if mlp else [mlp_parts.get(k) for k in ("gate", "up", "down", "gate_up")])]
     unplanned, unplanned_parameters = (), 0
-    moe_parts = ([moe.block] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts, *moe.shared]
-                 ) if moe is not None else []
+    moe_parts = ([moe.block, *moe.shared] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts,
+                                                              *moe.shared]) if moe is not None else []
     kinds: dict[tuple[bool, bool], int] = {}  # the first layer of each kind (MoE or dense, linear mixer or attention)
     for i in range(len(layers)):
         kinds.setdefault((i in moe_blocks, i in mixers), i)

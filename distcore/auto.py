@@ -653,7 +653,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     on each of the block's modules with parameters: the module code sees plain local tensors, the gradients
     are summed over the tp ranks), so no rank repeats another's expert compute; expert parallel takes the
     experts modules over from there (expert_parallel.py). Where the block is the layer itself (Gemma 4: router and
-    experts beside the attention), all of the layer but its attention does so. A router whose load-balancing loss
+    experts beside the attention), all of the layer but its attention does so; a shared expert beside the block
+    (Granite's shared_mlp, the layer adding its output to the block's) runs on the slice too. A router whose load-balancing loss
     takes every token's logits cannot see a slice (refused by `to_distributed`)."""
     if structure.is_moe and sequence_parallel and router_aux_loss_on(model):
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
@@ -722,12 +723,16 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         for layer in moe_layers:  # each tp rank routes its own slice of the sequence through the whole block
             # Where the block is the layer itself (Gemma 4: router and experts beside the attention and a dense MLP
             # every token runs), all of the layer but its attention, which is a Disable region as in dense layers.
+            # A shared expert beside the block (Granite's shared_mlp) runs on the same slice.
             block = f"{layer}.{structure.moe}" if structure.moe else layer
-            for name, module in model.get_submodule(block).named_modules():
-                if not structure.moe and f"{name}.".startswith(f"{structure.attention}."):
-                    continue
-                if any(True for _ in module.parameters(recurse=False)):
-                    add(f"{block}.{name}" if name else block, ShardLocalParameters())
+            beside = [f"{layer}.{name}" for name in structure.shared_experts
+                      if structure.moe and not name.startswith(f"{structure.moe}.")]
+            for part in (block, *beside):
+                for name, module in model.get_submodule(part).named_modules():
+                    if not structure.moe and f"{name}.".startswith(f"{structure.attention}."):
+                        continue
+                    if any(True for _ in module.parameters(recurse=False)):
+                        add(f"{part}.{name}" if name else part, ShardLocalParameters())
         # Gather the sequence before the final norm: models' code may read its output at the whole sequence's shape
         # (GPTBigCode reshapes it to the input's), and the head takes the whole sequence anyway. One norm on the whole
         # sequence on every rank, as the head is: its weight sees every token, so its gradient needs no sum over the

@@ -242,6 +242,11 @@ def test_mamba2_mixers_are_read_for_the_split_by_head():
         problems = " ".join(validate(three, Cluster(1, tp), Strategy(dp=1, tp=tp, pp=1, micro_batch_size=1,
                                                                      num_micro_batches=1), global_batch_size=1))
         assert f"tp={tp} neither divides the 3 state groups of the Mamba-2 mixers (n_groups" in problems, problems
+    # Granite 4.0-H with experts: its shared MLP beside the MoE block, which every token runs, read as a shared expert
+    # (before: a module no plan names, sp refused)
+    experts = ModelSpec.from_module(build("granite-hybrid"), seq_len=16)
+    assert (experts.structure.moe, experts.structure.shared_experts, experts.structure.unplanned,
+            experts.shared_ffn_hidden_size) == ("block_sparse_moe", ("shared_mlp",), (), 128)
     granite = ModelSpec.from_module(build("granite-hybrid-dense"), seq_len=16).structure
     assert (granite.linear_attention.kind, granite.gate_up, granite.down) == (
         "mamba2", "shared_mlp.input_linear", "shared_mlp.output_linear")

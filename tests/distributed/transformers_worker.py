@@ -451,9 +451,10 @@ def check_mamba2_mixers_train_under_tensor_parallel():
     [x | B | C], of dt_bias, A_log, D and of the gated norm's weight, the counts local (asserted); the gated norm's
     statistics summed over the ranks sharing a group where tp exceeds the groups (SplitGroupNorm). Equal to one process
     in local view under tp 2 with one group (Bamba, Granite: norm split) and two (a group per rank: the norm as it is),
-    tp 2 + sp (Bamba, Granite dense); tp 4 + sp with two groups (each on two ranks) in
+    tp 2 + sp (Bamba, Granite dense and with experts); tp 4 + sp with two groups (each on two ranks) in
     check_unrecognised_and_ambiguous_models. Before, tp was refused ("mamba holds a convolution"). Granite's shared
-    MLP beside its experts is no plan's: whole on each rank, and sp refused naming it.
+    MLP beside its experts is read as a shared expert: whole on each rank, under sp on each rank's slice with the
+    experts (before: no plan's, and sp refused naming it).
 
     Greedy generate under tp 2 gives one device's tokens (the one-token state update on the local heads).
 
@@ -474,12 +475,11 @@ def check_mamba2_mixers_train_under_tensor_parallel():
         return inspect
 
     for family, label, groups in (("bamba", "tp 2", 1), ("bamba", "tp 2 + sp", 1), ("bamba-2-groups", "tp 2", 2),
-                                  ("granite-hybrid-dense", "tp 2 + sp", 1), ("granite-hybrid", "tp 2", 1)):
+                                  ("granite-hybrid-dense", "tp 2 + sp", 1), ("granite-hybrid", "tp 2 + sp", 1)):
         try:
             _train(family, TP2[label], inspect=split_by_head(groups))
         except Exception as error:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
-    _expect_refused("granite-hybrid", TP2["tp 2 + sp"], "['model.layers.*.shared_mlp'] hold parameters no plan names")
     _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
     # Without a cache (use_cache=False, as HF Trainer with gradient checkpointing sets it) transformers hands each
     # mixer in training to mamba_ssm's fused kernel wherever mamba_ssm is installed, which normalises over the local
