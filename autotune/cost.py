@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 17  # 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -176,8 +176,11 @@ def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float, floa
     swapped = linear.matmul_parameters(spec.hidden_size) - spec.attention_parameters if linear else 0
     matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers
                     + swapped * spec.num_linear_layers + spec.unplanned_parameters * spec.num_layers)
+    # Blocks of one part (Nemotron-H's): no attention, or no MLP
+    matmul -= 2.0 * (len(spec.mixer_free_layers) * spec.attention_parameters
+                     + len(spec.mlp_free_layers) * spec.mlp_parameters)
     # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
-    attention_layers = spec.num_layers - spec.num_linear_layers
+    attention_layers = spec.num_layers - spec.num_linear_layers - len(spec.mixer_free_layers)
     core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * attention_layers
     linear_core = spec.num_linear_layers * _linear_core_flops(spec)[0] if linear else 0.0
     logits = 2.0 * spec.head_width * spec.hidden_size
@@ -288,7 +291,7 @@ def pipeline_bubble_fraction(pp: int, num_micro_batches: int, virtual_pp: int = 
 
 def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, moe: bool = False,
                       imbalance: float = 1.0, experts_split: bool = True, linear: bool = False,
-                      kv_replicas: int = 1) -> tuple[float, float, float, float]:
+                      kv_replicas: int = 1, part: str = "both") -> tuple[float, float, float, float]:
     """Stored bytes per layer per micro-batch, split into (outside the tensor-parallel regions,
     inside them, the attention core, whole on every tensor-parallel rank even under sequence parallel). For
     Megatron's GPT with 2-byte activations: 10·sbh, 24·sbh, 5·a·s²·b (Korthikanti et al. 2022, eq. 1) and 0.
@@ -298,25 +301,23 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     rank (etp = 1), their activations outside the split regions (sequence parallel splits them with the rest: the
     blocks then run on each rank's slice of the sequence). `linear`: a Gated DeltaNet layer (`_linear_mixer_bytes`
     in attention's place: inside the split region, no core term). `kv_replicas`: the tp ranks that compute each
-    key/value head (tp above the key/value heads): their keys and values that many times in the split region."""
+    key/value head (tp above the key/value heads): their keys and values that many times in the split region. `part`:
+    a block of one part ("mixer", "mlp": Nemotron-H's) keeps that part's."""
     sb = spec.seq_len * micro_batch_size
     e = dtype_bytes
-    h, q, f = spec.hidden_size, spec.q_size, spec.ffn_hidden_size
+    h, q = spec.hidden_size, spec.q_size
     mask = DROPOUT_MASK_BYTES if spec.dropout else 0
-    # Two norm inputs, the qkv input and the MLP input; the dropout masks after attention and MLP.
-    outside = sb * (2 * e * h + e * h + e * h + 2 * mask * h)
-    # Q, K, V for the attention core, the output projection's input; MLP: GELU input and output
-    # (2 x ffn) or SwiGLU's gate, up and product (3 x ffn).
-    mlp_tensors = 3 if spec.gated_mlp else 2
-    mlp = mlp_tensors * e * f
-    if moe:  # k·imbalance routed copies of each token through an expert, every token through the shared ones
-        routed = spec.experts_per_token * imbalance
-        mlp = mlp_tensors * e * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size)
-        outside += sb * (routed * e * h + ROUTER_PROB_BYTES * spec.num_experts)  # dispatched copies, router scores
-        if not experts_split:
-            outside, mlp = outside + sb * mlp, 0.0
+    # Each part: its norm's input, its first projection's input (qkv's, the MLP's) and the dropout mask after it.
+    half = sb * (e * h + e * h + mask * h)
+    if part == "mlp":
+        outside, mlp = _mlp_activation_terms(spec, sb, e, moe, imbalance, experts_split, half)
+        return outside, sb * mlp, 0.0, 0.0
+    outside, mlp = _mlp_activation_terms(spec, sb, e, moe, imbalance, experts_split, 2 * half)
+    if part == "mixer":
+        outside, mlp = half, 0.0
     if linear:
         return outside, sb * (_linear_mixer_bytes(spec, e) + mlp), 0.0, 0.0
+    # Q, K, V for the attention core, the output projection's input.
     # An output gate from the query projection: that output twice as wide (the query's norm keeps a view of it) and
     # the gate's sigmoid.
     gate = 2 * e * q if spec.attention_output_gate else 0
@@ -335,11 +336,27 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     return outside, inside, core, whole
 
 
+def _mlp_activation_terms(spec: ModelSpec, sb: int, e: int, moe: bool, imbalance: float, experts_split: bool,
+                          outside: float) -> tuple[float, float]:
+    """(`outside` with the MLP's terms outside the tensor-parallel regions for `sb` tokens, the MLP's bytes per token
+    inside them): GELU's input and output (2 x ffn) or SwiGLU's gate, up and product (3 x ffn)."""
+    mlp_tensors = 3 if spec.gated_mlp else 2
+    mlp = mlp_tensors * e * spec.ffn_hidden_size
+    if moe:  # k·imbalance routed copies of each token through an expert, every token through the shared ones
+        routed = spec.experts_per_token * imbalance
+        mlp = mlp_tensors * e * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size)
+        outside += sb * (routed * e * spec.hidden_size + ROUTER_PROB_BYTES * spec.num_experts)  # copies, router scores
+        if not experts_split:
+            outside, mlp = outside + sb * mlp, 0.0
+    return outside, mlp
+
+
 def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                                recompute: str = "none", dtype_bytes: int = 2, *, moe: bool = False,
-                               imbalance: float = 1.0, etp: int | None = None, linear: bool = False) -> float:
-    """Activation bytes one layer (an MoE layer with `moe`, a Gated DeltaNet layer with `linear`) keeps for one
-    micro-batch on one device.
+                               imbalance: float = 1.0, etp: int | None = None, linear: bool = False,
+                               part: str = "both") -> float:
+    """Activation bytes one layer (an MoE layer with `moe`, a Gated DeltaNet layer with `linear`, a block of one
+    `part`: "mixer" or "mlp") keeps for one micro-batch on one device.
 
     GPT (dropout, no flash): s·b·h·(34 + 5·a·s/h) without parallelism, s·b·h·(10 + 24/t + 5·a·s/(h·t))
     with tensor parallel, (…)/t with tensor + sequence parallel, 2·s·b·h (/t with sp) with full
@@ -353,7 +370,7 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
         return layer_input / tp if sequence_parallel else layer_input
     experts_split = etp is None or etp == tp
     outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split,
-                                                     linear, 1 if linear else kv_head_replicas(spec, tp))
+                                                     linear, 1 if linear else kv_head_replicas(spec, tp), part)
     if recompute == "selective":
         core = 0.0
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp + whole
@@ -403,9 +420,11 @@ def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: 
     return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep, etp))
 
 
-# A decoder layer's kind: (its MLP is a mixture of experts, its token mixer is Gated DeltaNet linear attention).
-# A rank's layers are counted per kind in this order (`_layer_kinds`).
-LAYER_KINDS = ((False, False), (True, False), (False, True), (True, True))
+# A decoder layer's kind: (its MLP is a mixture of experts, its token mixer is Gated DeltaNet linear attention, its
+# parts: "both" a token mixer and an MLP, "mixer" or "mlp" alone: Nemotron-H's blocks of one part). A rank's layers
+# are counted per kind in this order (`_layer_kinds`).
+LAYER_KINDS = ((False, False, "both"), (True, False, "both"), (False, True, "both"), (True, True, "both"),
+               (False, False, "mixer"), (False, True, "mixer"), (False, False, "mlp"), (True, False, "mlp"))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -417,26 +436,37 @@ def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, .
 def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
     """The counts of each kind (LAYER_KINDS) among the layer indices `layers`."""
     moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
-    return tuple(sum((i in moe) == m and (i in linear) == l for i in layers) for m, l in LAYER_KINDS)
+    parts = {**{i: "mlp" for i in spec.mixer_free_layers}, **{i: "mixer" for i in spec.mlp_free_layers}}
+    return tuple(sum((i in moe) == m and (i in linear) == l and parts.get(i, "both") == part for i in layers)
+                 for m, l, part in LAYER_KINDS)
 
 
-def _count_layers(kinds: tuple[int, ...], *, moe: bool | None = None, linear: bool | None = None) -> int:
-    """How many of the layers counted per kind in `kinds` are (or are not) MoE, linear (None: either)."""
-    return sum(n for n, (m, l) in zip(kinds, LAYER_KINDS) if moe in (None, m) and linear in (None, l))
+def _count_layers(kinds: tuple[int, ...], *, moe: bool | None = None, linear: bool | None = None,
+                  mixer: bool | None = None) -> int:
+    """How many of the layers counted per kind in `kinds` are (or are not) MoE, linear, with a token mixer (None:
+    either)."""
+    return sum(n for n, (m, l, part) in zip(kinds, LAYER_KINDS)
+               if moe in (None, m) and linear in (None, l) and mixer in (None, part != "mlp"))
 
 
 @functools.lru_cache(maxsize=1024)
-def _spec_kinds(spec: ModelSpec) -> tuple[tuple[bool, bool], ...]:
+def _spec_kinds(spec: ModelSpec) -> tuple[tuple[bool, bool, str], ...]:
     """The kinds of layer `spec` has (the dense attention layer's always: it prices the model's ends)."""
     counts = _layer_kinds(spec, range(spec.num_layers))
     return tuple(kind for i, kind in enumerate(LAYER_KINDS) if counts[i] or i == 0)
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, linear: bool = False) -> tuple[float, float]:
+def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, linear: bool = False,
+                      part: str = "both") -> tuple[float, float]:
     """(parameters reduced over dp, routed experts' parameters reduced over dp/ep) of one layer on one device. A
     Gated DeltaNet layer's mixer in attention's place: its projections split, its other parameters whole (distcore
-    holds them whole on every rank), its norms the two layer norms (no q/k norms)."""
+    holds them whole on every rank), its norms the two layer norms (no q/k norms). A block of one `part` ("mixer",
+    "mlp") holds that part and one norm."""
+    if part == "mlp":
+        mlp_only = spec.hidden_size + (spec.mlp_parameters / tp if not moe else
+                                       spec.shared_expert_parameters / etp + spec.router_parameters)
+        return mlp_only, spec.num_experts // ep * spec.expert_parameters / etp if moe else 0.0
     if linear:
         mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
         norms = 2 * spec.hidden_size
@@ -449,6 +479,8 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         mixer = (spec.attention_parameters - unsplit) / tp + unsplit
         norms = spec.layer_norm_parameters
     mixer += spec.unplanned_parameters  # modules no plan names: whole on every rank
+    if part == "mixer":
+        return mixer + norms - spec.hidden_size, 0.0
     if not moe:
         return mixer + spec.mlp_parameters / tp + norms, 0.0
     shared = mixer + spec.shared_expert_parameters / etp + spec.router_parameters + norms
@@ -468,9 +500,9 @@ def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple
                      ep: int, etp: int) -> tuple[float, float]:
     """(dense, expert) parameters of a rank holding `kinds` (its layer counts per LAYER_KINDS; see stage_parameters)."""
     params = experts = 0.0
-    for count, (moe, linear) in zip(kinds, LAYER_KINDS):
+    for count, (moe, linear, part) in zip(kinds, LAYER_KINDS):
         if count:
-            layer, expert_layer = _layer_parameters(spec, tp, ep, moe, etp, linear)
+            layer, expert_layer = _layer_parameters(spec, tp, ep, moe, etp, linear, part)
             params += count * layer
             experts += count * expert_layer
     if stage == 0:
@@ -590,6 +622,7 @@ class _LayerCost:
     elementwise_fwd: float
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
+    tp_collectives: int  # how many a forward and backward run: 2 per part (attention's, the MLP's)
     ep_collective: float  # one all-to-all of the routed tokens (dispatch or combine) over the ep ranks
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
@@ -635,7 +668,10 @@ def _expert_imbalance(spec: ModelSpec, ep: int) -> float:
 
 @functools.lru_cache(maxsize=65536)
 def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int, sequence_parallel: bool,
-                moe: bool = False, ep: int = 1, linear: bool = False) -> _LayerCost:
+                moe: bool = False, ep: int = 1, linear: bool = False, part: str = "both") -> _LayerCost:
+    """A layer's costs; a block of one `part` ("mixer": attention or a linear mixer alone, "mlp": an MLP or MoE
+    block alone) has that part's."""
+    mixer_part, mlp_part = part != "mlp", part != "mixer"
     p = cluster.profile
     e = cluster.dtype_bytes
     engine = cluster.engine
@@ -655,11 +691,11 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         (n_in, n_out, split), output = projections
         projections = ((n_in, n_out + (spec.kv_size + spec.value_size) * (replicas - 1), split), output)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
-                          flops, bw, e) for n_in, n_out, split in projections)
-    if spec.unplanned_parameters:  # modules no plan names, whole on every rank: as matmuls of their weights
+                          flops, bw, e) for n_in, n_out, split in projections) if mixer_part else 0.0
+    if spec.unplanned_parameters and mixer_part:  # modules no plan names, whole on every rank: as matmuls of their weights
         gemm += _gemm_time(tokens, h, spec.unplanned_parameters / h, flops, bw, e)
     ep_collective = 0.0
-    if moe:
+    if moe and mlp_part:
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
         # tokens·k·imbalance/(E/ep) rows each (the roofline prices small groups by their weights' traffic).
         local = spec.num_experts // ep
@@ -674,7 +710,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         ep_collective = all_to_all_time(e * routed * h, ep, bw_ep, lat_ep,
                                         local_ranks=max(1, cluster.devices_per_node // tp),
                                         inter_bandwidth=bw_out, inter_latency=lat_out)
-    else:
+    elif mlp_part:
         gemm += _mlp_gemms(tokens, h, f / tp, spec.gated_mlp, flops, bw, e)
     # Flash attention's rate (measured, or the engine's share of the GEMM rate). A Gated DeltaNet core runs at it
     # too: flash-linear-attention's kernels are, like flash attention's, small per-block matmuls in fused Triton
@@ -688,8 +724,10 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         core_flops = flash_flops if spec.flash_attention else flops
         core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
         core_bwd = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * core
+    if not mixer_part:
+        core = core_bwd = 0.0
     outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp,
-                                                           linear, replicas)
+                                                           linear, replicas, part)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp + whole
     # The fused kernels' measured bandwidth, where calibrated (their traffic is what the engine counts).
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
@@ -753,14 +791,17 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         if whole:
             linear_collectives += 2 * (all_reduce_time(e * tokens * whole, tp, bw_tp, lat_tp) + all_reduce_time(
                 NORM_STATISTIC_BYTES * tokens * gdn.num_k_heads, tp, bw_tp, lat_tp))
+    if not mixer_part:  # an MLP or MoE block alone: none of the mixer's collectives
+        packed_qkv = qk_norm = latent_collectives = linear_collectives = 0.0
     head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)
     logits_bytes = tokens * spec.head_width / tp * (e + LOSS_FP32_BYTES)
     head_elementwise = engine.elementwise_traffic * logits_bytes / bw
     activations = {mode: activation_bytes_per_layer(spec, micro_batch_size, tp, sequence_parallel, mode, e, moe=moe,
-                                                    etp=etp, imbalance=imbalance, linear=linear)
+                                                    etp=etp, imbalance=imbalance, linear=linear, part=part)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective, ep_collective,
+    return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective,
+                      4 if part == "both" else 2, ep_collective,
                       packed_qkv, qk_norm, latent_collectives, linear_collectives, head, head_elementwise, activations,
                       logits_bytes, message / split, message / split)
 
@@ -833,17 +874,18 @@ class _LayerTiming:
 
 @functools.lru_cache(maxsize=65536)
 def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
-                  recompute: str, overlap_tp_comm: bool, moe: bool, ep: int, linear: bool = False) -> _LayerTiming:
+                  recompute: str, overlap_tp_comm: bool, moe: bool, ep: int, linear: bool = False,
+                  part: str = "both") -> _LayerTiming:
     p = cluster.profile
-    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep, linear)
+    c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep, linear, part)
     fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
     bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + c.core_bwd
-    collectives = 4
+    collectives = c.tp_collectives
     all_to_alls = 4  # dispatch and combine, forward and backward
     gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
     if recompute == "full":
         recompute_s = fwd
-        collectives += 2
+        collectives += c.tp_collectives // 2  # the forward's
         all_to_alls += 2
         gemm_total += c.gemm_fwd
     elif recompute == "selective":
@@ -873,7 +915,7 @@ def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
                   recompute: str, overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[_LayerTiming, ...]:
     """Each pipeline rank's layers summed: a micro-batch's forward, backward, compute, tp and ep time."""
     columns = {kind: dataclasses.astuple(_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute,
-                                                       overlap_tp_comm, kind[0], ep if kind[0] else 1, kind[1]))
+                                                       overlap_tp_comm, kind[0], ep if kind[0] else 1, kind[1], kind[2]))
                for kind in _spec_kinds(spec)}
     width = len(dataclasses.fields(_LayerTiming))
     summed: dict = {}  # ranks holding the same layer counts per kind cost the same
@@ -961,7 +1003,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     e = cluster.dtype_bytes
     t, pp, dp, m, v = s.tp, s.pp, s.dp, s.num_micro_batches, s.virtual_pp
     costs = {kind: _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, kind[0],
-                               s.ep if kind[0] else 1, kind[1]) for kind in _spec_kinds(spec)}
+                               s.ep if kind[0] else 1, kind[1], kind[2]) for kind in _spec_kinds(spec)}
     c = costs[LAYER_KINDS[0]]  # a dense attention layer's: the model's ends are priced from it
     kinds = _rank_kinds(spec, pp, v)  # each rank's layers per kind, uneven where pp does not divide them
     per_rank = _rank_layer_counts(spec, pp, v)
@@ -989,7 +1031,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # The key/value projections (a packed qkv whole) on every tp rank, each rank's gradient its own query heads'
         # share: summed over the tp ranks once per step, when read (an all-reduce of the rank holding the most
         # attention layers).
-        attention_layers = max(_count_layers(k, linear=False) for k in kinds)
+        attention_layers = max(_count_layers(k, linear=False, mixer=True) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time
@@ -1052,7 +1094,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
     c = costs[LAYER_KINDS[0]]
     etp = _expert_tp(cluster, t)
     # One layer's parameters of each kind, as stage_parameters counts them.
-    layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1])) for kind in costs}
+    layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1], kind[2])) for kind in costs}
     best = None
     for stage in _peak_ranks(kinds):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)

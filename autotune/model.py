@@ -139,6 +139,11 @@ class ModelStructure:
     # beside its attention), the top-most of each, layer-relative: whole on every tensor-parallel rank, and no
     # sequence parallel (on a rank's slice their gradients would be partial; `distcore.auto.unsupported`).
     unplanned: tuple[str, ...] = ()
+    # Blocks of one part (Nemotron-H: a norm and one mixer each, Mamba-2, attention, an MLP or experts): the layers
+    # without a token mixer (an MLP or MoE block alone) and those without an MLP (attention or a linear mixer alone).
+    # `attention`, `mlp`, `moe` and the linear mixer may then be one name ("mixer"), each in its own layers.
+    mixer_free_layers: tuple[int, ...] = ()
+    mlp_free_layers: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
 
     def pattern(self, relative: str) -> str:
@@ -216,6 +221,9 @@ class ModelStructure:
                 rows.append((f"mlp up{dense}", self.pattern(self.up)))
             rows.append((f"mlp down{dense}", self.pattern(self.down)))
         rows.append(("layer norms", ", ".join(self.pattern(n) for n in self.layer_norms) or "-"))
+        if self.mixer_free_layers or self.mlp_free_layers:
+            rows.append(("one-part blocks", f"no token mixer in layers {_ranges(self.mixer_free_layers) or '-'}, "
+                                            f"no MLP in layers {_ranges(self.mlp_free_layers) or '-'}"))
         if self.unplanned:
             rows.append(("whole on every tp rank", ", ".join(self.pattern(n) for n in self.unplanned)))
         if self.qk_norms:
@@ -434,6 +442,11 @@ class ModelSpec:
     # Parameters of each decoder layer in modules no plan names (ModelStructure.unplanned): whole on every
     # tensor-parallel rank, priced as matmuls over every token there.
     unplanned_parameters: int = 0
+    # Blocks of one part (Nemotron-H's: a norm and one mixer each): the layers without a token mixer (an MLP or MoE
+    # block alone; not Gated DeltaNet layers) and those without an MLP (attention or a linear mixer alone; not MoE
+    # layers). Each such layer has one norm.
+    mixer_free_layers: tuple[int, ...] = ()
+    mlp_free_layers: tuple[int, ...] = ()
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -479,6 +492,24 @@ class ModelSpec:
             raise ValueError(f"ModelSpec: gated_delta_net.layers must be layer indices in [0, {self.num_layers}), "
                              f"got {linear.layers!r}")
         self._check_experts()
+        self._check_one_part_blocks()
+
+    def _check_one_part_blocks(self) -> None:
+        for name in ("mixer_free_layers", "mlp_free_layers"):
+            layers = tuple(getattr(self, name))
+            if sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"ModelSpec: {name} must be increasing layer indices in [0, {self.num_layers}), "
+                                 f"got {getattr(self, name)!r}")
+            object.__setattr__(self, name, layers)
+        clashes = [("mixer_free_layers", "mlp_free_layers", set(self.mlp_free_layers)),
+                   ("mixer_free_layers", "gated_delta_net.layers", set(self.linear_layer_indices)),
+                   ("mlp_free_layers", "moe_layers", set(self.moe_layer_indices))]
+        for first, second, others in clashes:
+            both = sorted(set(getattr(self, first)) & others)
+            if both:
+                raise ValueError(f"ModelSpec: layers {both} are in both {first} and {second}: a block without a "
+                                 "token mixer holds no linear mixer, one without an MLP no experts, and no block is "
+                                 "without both")
 
     def _check_experts(self) -> None:
         _check_integers("ModelSpec", self, ("num_experts", "experts_per_token", "shared_ffn_hidden_size"), minimum=0,
@@ -688,6 +719,9 @@ class ModelSpec:
         layers += self.num_linear_layers * (self.linear_mixer_parameters - self.attention_parameters
                                             - self.qk_norm_parameters)
         layers += self.num_layers * self.unplanned_parameters
+        # Blocks of one part: no attention (nor q/k norms) or no MLP, and one norm.
+        layers -= len(self.mixer_free_layers) * (self.attention_parameters + self.qk_norm_parameters + self.hidden_size)
+        layers -= len(self.mlp_free_layers) * (self.mlp_parameters + self.hidden_size)
         return layers + self.embedding_parameters + self.head_parameters + self.hidden_size
 
     @property
@@ -710,6 +744,9 @@ class ModelSpec:
         if linear:
             size += (f", {self.num_linear_layers} Gated DeltaNet layers ({linear.num_k_heads} key heads of "
                      f"{linear.head_k_dim}, {linear.num_v_heads} value heads of {linear.head_v_dim})")
+        if self.mixer_free_layers or self.mlp_free_layers:
+            size += (f", blocks of one part ({len(self.mixer_free_layers)} without a token mixer, "
+                     f"{len(self.mlp_free_layers)} without an MLP)")
         return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} heads={self.num_heads}{kv} "
                 f"ffn={self.ffn_hidden_size} ({mlp}) vocab={self.vocab_size} seq={self.seq_len}")
 
@@ -995,16 +1032,18 @@ _ATTN_WORDS = ("attn", "attention")
 _MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward")
 
 
-def _group_roles(linears: list[_Linear], hidden: int, block, moe_block: str | None = None) -> tuple[str, str | None]:
+def _group_roles(linears: list[_Linear], hidden: int, block, moe_block: str | None = None,
+                 mlp: bool = True) -> tuple[str, str | None]:
     """(attention parent, mlp parent): the two groups of projections, by shapes, attributes and names. With
-    `moe_block` (a layer whose MLP is that mixture of experts, its projections left out of `linears`) only
-    the attention group is looked for, and the MLP parent is None."""
+    `moe_block` (a layer whose MLP is that mixture of experts, its projections left out of `linears`), or without
+    `mlp` (a block of attention alone), only the attention group is looked for, and the MLP parent is None."""
+    alone = moe_block is not None or not mlp
     groups: dict[str, list[_Linear]] = {}
     for lin in linears:
         groups.setdefault(lin.parent, []).append(lin)
     outs = {p: [l for l in g if l.out_features == hidden] for p, g in groups.items()}
     candidates = [p for p in groups if outs[p] and any(l.in_features == hidden for l in groups[p])]
-    if len(candidates) < (1 if moe_block is not None else 2):
+    if len(candidates) < (1 if alone else 2):
         found = [f'{l.name} [{l.in_features}->{l.out_features}]' for l in linears]
         if moe_block is not None:
             raise UnrecognisedModel(
@@ -1034,7 +1073,7 @@ def _group_roles(linears: list[_Linear], hidden: int, block, moe_block: str | No
 
     ranked = sorted(candidates, key=lambda p: (-attention_score(p), candidates.index(p)))
     attention = ranked[0]
-    if moe_block is not None:
+    if alone:
         return attention, None
     mlp_candidates = [p for p in candidates if p != attention]
     mlp = max(mlp_candidates, key=lambda p: (_hint(p, _MLP_WORDS), -candidates.index(p)))
@@ -1483,7 +1522,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         # module no plan names (`unplanned`: whole on every tp rank). A model of Mamba-2 layers alone has no attention
         # to read the structure from, and is refused there.
         mixers = {}
-    attention_layers = [i for i in range(len(layers)) if i not in mixers]
+    mixer_free, mlp_free = _one_part_blocks(layers, hidden, moe_blocks, mixers)
+    attention_layers = [i for i in range(len(layers)) if i not in mixers and i not in mixer_free]
+    dense_mlp = [i for i in dense if i not in mlp_free]  # the layers holding a dense MLP
     if not attention_layers:
         raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
                                 "attention layer to read the structure from")
@@ -1491,21 +1532,24 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     # layer without its MoE block's projections.
     index = next((i for i in dense if i in attention_layers), attention_layers[0])
     # Where every dense layer mixes tokens by linear attention (Kimi Linear's and Ling's first layers), the attention
-    # is read from an MoE layer and the dense MLP from the first dense layer, beside its linear mixer.
-    mlp_layer = dense[0] if dense and index in moe_blocks else index
+    # is read from an MoE layer and the dense MLP from the first dense layer, beside its linear mixer; where blocks
+    # hold one part each (Nemotron-H), from the first block holding an MLP.
+    mlp_layer = index if index in dense_mlp else (dense_mlp[0] if dense_mlp else index)
     block = layers[index]
     moe = moe_blocks.get(index) or (next(iter(moe_blocks.values())) if moe_blocks else None)
     linears = _linears(block)
     if moe is not None and index in moe_blocks:
         linears = [l for l in linears if not (l.name == moe.block or l.name.startswith(moe.block + "."))]
     _orient(linears, hidden)
-    attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None)
+    attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None,
+                                  mlp=index not in mlp_free)
     attn_module = block.get_submodule(attention) if attention else block
     _refuse_sequence_mixers(attn_module, attention or "the layer", layers_name, index)
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)
     if mlp_layer != index:
-        mixer = mixers[mlp_layer]
-        dense_linears = [l for l in _linears(layers[mlp_layer]) if not (l.name == mixer or l.name.startswith(mixer + "."))]
+        mixer = mixers.get(mlp_layer)
+        dense_linears = [l for l in _linears(layers[mlp_layer])
+                         if mixer is None or not (l.name == mixer or l.name.startswith(mixer + "."))]
         _orient(dense_linears, hidden)
         parents = {l.parent for l in dense_linears}
         if len(parents) != 1:
@@ -1515,7 +1559,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         mlp = parents.pop()
         mlp_parts = _mlp_parts(dense_linears, hidden)
     else:
-        mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense else {}
+        mlp_parts = _mlp_parts([l for l in linears if l.parent == mlp], hidden) if dense_mlp else {}
     head_overrides = overrides
     if attn.get("latent_kv") and "head_dim" not in overrides and getattr(attn_module, "qk_head_dim", None):
         # DeepSeek's config head_dim is the rotary part alone; a query head is qk_head_dim wide.
@@ -1528,8 +1572,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
             f"{kv_heads} key/value heads (projection widths {attn['q_size']} and {attn['kv_size']}): not attention "
             "as tridist reads it; call ModelSpec.from_module(model, num_heads=..., num_kv_heads=...) if it is")
     v_head_dim = _value_head_dim(attn, heads, kv_heads, head_dim, f"{layers_name}.{index}.{attention or ''}")
-    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense else None, moe_blocks, tuple(mixers),
-                                      attention=attention)
+    shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense_mlp else None, moe_blocks, tuple(mixers),
+                                      attention=attention,
+                                      one_part={**{i: "mlp" for i in mixer_free}, **{i: "mixer" for i in mlp_free}})
     linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
     linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
@@ -1547,10 +1592,10 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     unplanned, unplanned_parameters = (), 0
     moe_parts = ([moe.block, *moe.shared] if moe.block else [moe.router.rpartition(".")[0].partition(".")[0], moe.experts,
                                                               *moe.shared]) if moe is not None else []
-    kinds: dict[tuple[bool, bool], int] = {}  # the first layer of each kind (MoE or dense, linear mixer or attention)
-    for i in range(len(layers)):
-        kinds.setdefault((i in moe_blocks, i in mixers), i)
-    for (in_moe, _), i in kinds.items():
+    kinds: dict[tuple[bool, ...], int] = {}  # the first layer of each kind (MoE or dense, linear mixer or attention,
+    for i in range(len(layers)):               # of one part or both)
+        kinds.setdefault((i in moe_blocks, i in mixers, i in mixer_free, i in mlp_free), i)
+    for (in_moe, *_), i in kinds.items():
         found, count = _unplanned_modules(layers[i], [c for c in covered + (moe_parts if in_moe else dense_covered) if c])
         unplanned, unplanned_parameters = tuple(dict.fromkeys(unplanned + found)), max(unplanned_parameters, count)
     if unplanned:
@@ -1559,8 +1604,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
     if biases:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
-    if len(norms) != 2:
-        notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 2)")
+    if len(norms) != (1 if index in mlp_free else 2):  # a block of one part has one norm (Nemotron-H's)
+        notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes {1 if index in mlp_free else 2})")
     if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
@@ -1593,7 +1638,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     interleaved = bool(attn.get("qkv")) and attn["qkv"].rpartition(".")[2] in _INTERLEAVED_QKV
     structure = ModelStructure(
         layers=layers_name, num_layers=len(layers), attention=attention, o=attn["o"],
-        mlp=mlp if dense else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
+        mlp=mlp if dense_mlp else moe.block, down=mlp_parts.get("down"), q=attn.get("q"), k=attn.get("k"),
         v=attn.get("v"), qkv=attn.get("qkv"), latent_kv=attn.get("latent_kv"), latent_kv_down=attn.get("latent_kv_down"),
         attention_gate=gate,
         latent_rotary_features=attn["latent_widths"][2] if attn.get("latent_kv") else 0,  # the down-projection's rotary key
@@ -1606,7 +1651,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         tied_embeddings=outer["tied"], task_head=outer["task_head"], moe_layers=tuple(moe_blocks),
         moe=moe.block if moe else None, router=moe.router if moe else None, experts=moe.experts if moe else None,
         expert_layout=moe.layout if moe else None, shared_experts=moe.shared if moe else (), linear_attention=linear,
-        unplanned=unplanned, notes=tuple(notes),
+        unplanned=unplanned, mixer_free_layers=mixer_free, mlp_free_layers=mlp_free, notes=tuple(notes),
     )
     eager = _eager_attention(model)
     fields = dict(
@@ -1621,7 +1666,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         attention_output_gate=bool(attn.get("gated_query") or gate and attn["gate_size"] != heads
                                    and not attn.get("latent_kv")),  # per feature (latent attention's: priced as none)
         softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
-        gated_delta_net=linear_shape, **moe_fields,
+        gated_delta_net=linear_shape, mixer_free_layers=mixer_free, mlp_free_layers=mlp_free, **moe_fields,
     )
     return structure, fields
 
@@ -1630,6 +1675,39 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
 # attributes; `_LINEAR_ATTENTION_COUNTS` are those a rank holds 1/tp of (the head widths are whole on every rank).
 _GATED_DELTA_NET_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _LINEAR_ATTENTION_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+
+
+def _one_part_blocks(layers, hidden: int, moe_blocks: dict, mixers: dict[int, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layers without a token mixer, layers without an MLP): decoder blocks of one part, as Nemotron-H's (a norm and
+    one mixer each). A block whose projections are all its MoE block's is an MoE block alone; all its linear
+    mixer's, a linear mixer alone; all of one module, attention alone where that module has a head count or width
+    (`_HEAD_ATTRS`, ...) and no convolution (a state-space mixer not read), else an MLP alone where they form one
+    (`_mlp_of`); each holding every parameter of the block but its norms'. Any other block holds both parts."""
+    from torch import nn
+
+    def holds_only(layer, part: str) -> bool:  # every parameter but the norms' (1-D) in `part`
+        return all(p.dim() < 2 or n.startswith(part + ".") for n, p in layer.named_parameters())
+
+    mixer_free, mlp_free = [], []
+    for i, layer in enumerate(layers):
+        inside = [name for name in (moe_blocks[i].block if i in moe_blocks else None, mixers.get(i)) if name is not None]
+        outside = [l for l in _linears(layer) if not any(l.name == n or l.name.startswith(n + ".") for n in inside)]
+        if not outside:
+            if (i in moe_blocks) != (i in mixers) and len(inside) == 1 and holds_only(layer, inside[0]):
+                (mixer_free if i in moe_blocks else mlp_free).append(i)
+            continue
+        parents = {l.parent for l in outside}
+        if inside or len(parents) != 1 or "" in parents:  # (projections of the layer itself: no module to read)
+            continue
+        part = next(iter(parents))
+        module = layer.get_submodule(part)
+        if not holds_only(layer, part) or any(isinstance(m, nn.Conv1d) for m in module.modules()):
+            continue  # parameters no part holds (experts without a router), a mixer not read (a convolution)
+        if _first_attr([module], _HEAD_ATTRS + _KV_HEAD_ATTRS + _HEAD_DIM_ATTRS) is not None:
+            mlp_free.append(i)
+        elif _mlp_of(module, hidden) is not None:
+            mixer_free.append(i)
+    return tuple(mixer_free), tuple(mlp_free)
 
 
 def _linear_mixer(layer) -> str | None:
@@ -1917,7 +1995,8 @@ def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> 
 
 
 def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None, moe_blocks: dict,
-                        linear_layers: tuple[int, ...] = (), attention: str | None = None) -> list[str]:
+                        linear_layers: tuple[int, ...] = (), attention: str | None = None,
+                        one_part: dict[int, str] | None = None) -> list[str]:
     """Every decoder layer holds the template layer's parameters (by name) outside its MLP or MoE block, and every
     dense layer the template's dense MLP: the structure names one layer's modules, and the tensor-parallel,
     pipeline and recompute plans apply those names to every layer. The `linear_layers` (Gated DeltaNet's, whose
@@ -1927,8 +2006,9 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
     tensor-parallel check runs every kind of block; the notes say the cost model prices every layer as the
     template. So may the `attention` module's own parameters (not its submodules'), which no plan names: MiMo-V2-Flash's
     sliding-window layers hold a sink per head that its full-attention layers have not (the block check finds each
-    layer's per-head parameters and splits them with the heads). An MoE block's shape is checked by _moe_layers.
-    Returns the notes."""
+    layer's per-head parameters and splits them with the heads). An MoE block's shape is checked by _moe_layers. Blocks
+    of one part (`one_part`: index -> "mixer" or "mlp"; Nemotron-H's) are held, whole, to the first block of their
+    kind (its part, MoE or not, linear mixer or not). Returns the notes."""
 
     def parameters(i: int) -> tuple[dict, dict]:  # (outside the MLP or MoE block, inside a dense MLP)
         inner = moe_blocks[i].block if i in moe_blocks else mlp
@@ -1941,13 +2021,30 @@ def _check_layers_alike(layers_name: str, layers, template: int, mlp: str | None
     def own(name: str) -> bool:  # a parameter of the attention module itself
         return attention is not None and name.startswith(attention + ".") and "." not in name[len(attention) + 1:]
 
+    one_part = one_part or {}
+    both = [i for i in range(len(layers)) if i not in one_part]
+    if template not in both:  # (a block of attention alone): the others held to the first attention layer of both parts
+        template = next((i for i in both if i not in linear_layers), template)
+    first_linear = next((i for i in linear_layers if i in both), None)
     want_attention = parameters(template)[0]
-    want_mlp = parameters(next((i for i in range(len(layers)) if i not in moe_blocks), template))[1]  # a dense layer's
-    want_linear = parameters(linear_layers[0])[0] if linear_layers else None
+    want_mlp = parameters(next((i for i in both if i not in moe_blocks), template))[1]  # a dense layer's
+    want_linear = parameters(first_linear)[0] if first_linear is not None else None
     reshaped, own_parameters = set(), set()
-    for i in range(len(layers)):
+    firsts: dict[tuple, int] = {}  # the first block of each one-part kind
+    for i, part in one_part.items():
+        like = firsts.setdefault((part, i in moe_blocks, i in linear_layers), i)
+        got, want = ({n: tuple(p.shape) for n, p in layers[j].named_parameters()} for j in (i, like))
+        if got.keys() != want.keys():
+            differ = sorted(set(got) ^ set(want))
+            raise UnrecognisedModel(
+                f"decoder layers differ: {layers_name}.{i} is not {layers_name}.{like}'s ({', '.join(differ[:3])}"
+                f"{', ...' if len(differ) > 3 else ''}), though both hold one part ({part}); fall back to data parallel "
+                "(with sharding)")
+        if got != want:
+            reshaped.add(i)
+    for i in both:
         outside, inside = parameters(i)
-        like, want_outside = (linear_layers[0], want_linear) if i in linear_layers else (template, want_attention)
+        like, want_outside = (first_linear, want_linear) if i in linear_layers else (template, want_attention)
         for what, got, want in (("outside its MLP", outside, want_outside),
                                 ("in its MLP", None if i in moe_blocks or mlp is None else inside, want_mlp)):
             if got is None or got == want:

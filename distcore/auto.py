@@ -408,7 +408,7 @@ def _swapped_around_recompute(structure, repairs: dict) -> list[str]:
     """The attention modules (the ones selective recompute wraps) whose block-check repairs work in forward hooks that
     a recomputation would not run (ShardHeadParameters, ShardLocalParameters and DistributedNorm swap parameters in;
     a style that is `recomputable`, ShardHeadInput, is not counted), each as 'name (styles)'."""
-    wrapped = {f"{structure.layers}.{i}.{structure.attention}" for i in range(structure.num_layers)}
+    wrapped = {f"{structure.layers}.{i}.{structure.attention}" for i in _attention_layers(structure)}
     return [f"{name} ({', '.join(type(style).__name__ for style in styles)})"
             for name, styles in sorted(repairs.items())
             if name in wrapped and not all(style.recomputable for style in styles)]
@@ -605,9 +605,8 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
         report = kernels.fuse(model)
         log.info("to_distributed: %s", report)
     if strategy.recompute != "none":
-        linear = structure and structure.linear_attention
         apply_recompute(model, layers=layers, attention=structure and structure.attention, mode=strategy.recompute,
-                        linear_layers=linear.layers if linear else ())
+                        attention_layers=_attention_layers(structure) if structure else None)
     parallel_config = {"dp_config": {"sharding_level": strategy.sharding_level}}
     if config.mixed_precision is not None:
         parallel_config["dp_config"].update(param_dtype=config.mixed_precision, reduce_dtype="float32")
@@ -663,11 +662,14 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     plan: dict = {}
     indices = range(structure.num_layers)
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
-    dense_layers = [layer for i, layer in zip(indices, layers) if i not in set(structure.moe_layers)]
+    # Blocks of one part (Nemotron-H's) hold no token mixer (an MLP or MoE block alone) or no MLP.
+    dense_layers = [layer for i, layer in zip(indices, layers)
+                    if i not in set(structure.moe_layers) and i not in set(structure.mlp_free_layers)]
     linear = structure.linear_attention
     linear_indices = set(linear.layers) if linear else set()
     linear_layers = [layer for i, layer in zip(indices, layers) if i in linear_indices]
-    attention_layers = [layer for i, layer in zip(indices, layers) if i not in linear_indices]
+    attention_layers = [layer for i, layer in zip(indices, layers)
+                        if i not in linear_indices and i not in set(structure.mixer_free_layers)]
 
     def add(name, *styles):
         if name:
@@ -807,12 +809,21 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
                                       part_counts=dict(linear.part_counts)))
 
 
+def _attention_layers(structure) -> tuple[int, ...]:
+    """The indices of the layers whose token mixer is the structure's `attention`: not linear attention (no scores),
+    not a block without a token mixer (Nemotron-H's MLP and MoE blocks, whose `mixer` is no attention)."""
+    linear = structure.linear_attention
+    other = set(linear.layers if linear else ()) | set(structure.mixer_free_layers)
+    return tuple(i for i in range(structure.num_layers) if i not in other)
+
+
 def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | None = None, mode: str,
-                    linear_layers: tuple[int, ...] = ()) -> None:
+                    attention_layers: tuple[int, ...] | None = None) -> None:
     """Activation recompute: "full" re-runs each decoder layer of the list `layers` in backward, "selective"
     its `attention` (the part whose activations grow with the sequence, its s x s scores; a name inside the
-    layer), except in `linear_layers`, whose token mixer is linear attention: no scores to drop, left as they
-    are (and their mixer's tensor-parallel split takes its rows in hooks a recomputed forward would not run). The
+    layer) in `attention_layers` (None: every layer); the others, whose token mixer is linear attention or that
+    have none, have no scores to drop: left as they are (and a linear mixer's tensor-parallel split takes its rows in
+    hooks a recomputed forward would not run). The
     forward is wrapped per instance, so parameter names (and checkpoints) do not change, and the recomputation
     re-runs the forward only, not the hooks distcore puts on the module (pipeline inputs, sequence splits), which
     must run once. (torch's composable `checkpoint(module)` re-runs those hooks; a wrapper module renames
@@ -821,7 +832,7 @@ def apply_recompute(model: torch.nn.Module, *, layers: str, attention: str | Non
         raise ValueError("to_distributed: selective recompute needs the attention module a recognised model "
                          "structure names; use recompute='full'")
     for index, layer in enumerate(model.get_submodule(layers)):
-        if mode == "selective" and index in linear_layers:
+        if mode == "selective" and attention_layers is not None and index not in attention_layers:
             continue
         target = layer if mode == "full" else layer.get_submodule(attention)
         target.forward = functools.partial(_recomputed, target.forward)

@@ -5,6 +5,7 @@ names it reports for tensor-parallel plans, head counts from attributes / rotary
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -378,7 +379,7 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     attention layers' attention alone (the linear layers have no scores to drop)."""
     from tests.hf_models import build
     from tridist import distcore
-    from tridist.distcore.auto import apply_recompute, tensor_parallel_plan
+    from tridist.distcore.auto import _attention_layers, apply_recompute, tensor_parallel_plan
     from tridist.distcore.block_check import TensorParallelCheckError, _refuse_without_global_view
 
     pytest.importorskip("transformers")
@@ -405,7 +406,7 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
         _refuse_without_global_view(plan, "model.layers.0", layers[0], "cannot be checked: probe")
     _refuse_without_global_view(plan, "model.layers.1", layers[1], "cannot be checked: probe")  # attention: global view
     apply_recompute(model, layers=structure.layers, attention=structure.attention, mode="selective",
-                    linear_layers=structure.linear_attention.layers)
+                    attention_layers=_attention_layers(structure))
     wrapped = [n for n, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None) == "selective"]
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
@@ -932,3 +933,49 @@ def test_eager_attention_keeps_its_scores_for_the_cost_model():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(ids, labels=ids)
     assert sum(kept.values()) == heads * seq * seq * (SOFTMAX_FP32_BYTES + 2), kept
+
+
+def test_blocks_of_one_part_are_read_and_priced_by_their_part():
+    """NVIDIA's Nemotron-H: each block a norm and one mixer (Mamba-2, attention, a ReLU² MLP or experts), all named
+    `mixer`. Read as blocks of one part: layers 1 and 3 without a token mixer, 0 and 2 without an MLP; the attention
+    read from block 2, the MLP from block 1, the experts from the MoE blocks. Before: 'could not find separate attention
+    and MLP blocks'. The cost model prices each block by its part: the FLOPs are the parts' sums, a stage holds the
+    model's parameters, and a block of each part keeps what a block of both keeps between them."""
+    from tridist.autotune import cost
+    from tridist.autotune.cost import _forward_flops_per_token, activation_bytes_per_layer, stage_parameters
+
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    for family in ("nemotron-h", "nemotron-h-moe"):
+        model = build(family)
+        spec = ModelSpec.from_module(model, seq_len=16)
+        s = spec.structure
+        assert (s.mixer_free_layers, s.mlp_free_layers, s.attention, s.q, s.o, s.layer_norms) == (
+            (1, 3), (0, 2), "mixer", "mixer.q_proj", "mixer.o_proj", ("norm",)), s.describe()
+        assert (spec.mixer_free_layers, spec.mlp_free_layers) == ((1, 3), (0, 2))
+        assert s.linear_attention.layers == (0,) and s.linear_attention.mixer == "mixer"
+        assert not any("norm(s) per layer" in note for note in s.notes), s.notes
+        assert "no token mixer in layers 1, 3, no MLP in layers 0, 2" in s.describe()
+        linear = spec.gated_delta_net.matmul_parameters(spec.hidden_size)
+        if family == "nemotron-h":
+            assert (s.up, s.down, s.gate, spec.gated_mlp, s.moe_layers) == ("mixer.up_proj", "mixer.down_proj", None,
+                                                                             False, ())
+            parts = spec.attention_parameters + linear + 2 * spec.mlp_parameters
+        else:
+            assert (s.moe_layers, s.moe, s.experts, s.shared_experts) == ((1, 3), "mixer", "mixer.experts",
+                                                                          ("mixer.shared_experts",))
+            parts = spec.attention_parameters + linear + 2 * spec.moe_active_mlp_parameters
+        assert _forward_flops_per_token(spec)[0] == 2 * parts
+        assert stage_parameters(spec, tp=1, pp=1, stage=0) == spec.num_parameters
+        real = sum(p.numel() for p in model.parameters())
+        assert abs(spec.num_parameters - real) < 0.01 * real, (spec.num_parameters, real)  # the mixer's extras: ~0.3%
+    # A block of each part keeps what one of both keeps between them (attention or a linear mixer, an MLP or experts;
+    # recompute none and selective)
+    for spec, moe_layer, linear in ((preset("llama3-8b"), False, False), (preset("mixtral-8x7b"), True, False),
+                                    (spec, False, True)):
+        for recompute in ("none", "selective"):
+            bytes_of = functools.partial(activation_bytes_per_layer, spec, 1, 2, True, recompute, moe=moe_layer)
+            assert bytes_of(part="mixer", linear=linear) + bytes_of(part="mlp") == pytest.approx(
+                bytes_of(linear=linear)), (spec.name, recompute)
+    cost.clear_caches()

@@ -506,6 +506,48 @@ def check_mamba2_mixers_train_under_tensor_parallel():
         assert torch.equal(model.eval().generate(prompt, **settings), expected)
 
 
+def check_nemotron_h_blocks_of_one_part_train_under_tensor_parallel():
+    """NVIDIA's Nemotron-H: each block a norm and one mixer (a Mamba-2 mixer, attention, a ReLU² MLP, or experts with a
+    shared one), all named `mixer`. Read as blocks of one part (ModelStructure.mixer_free_layers, mlp_free_layers):
+    the attention split by head in its blocks, the Mamba-2 mixer by head and state group in its (one group here: its
+    norm split), the MLP column- then row-parallel in its, the MoE blocks whole on every rank (under sp on each rank's
+    slice). Equal to one process in local view under tp 2 and tp 2 + sp (dense), tp 2 + sp (experts), and with
+    selective recompute wrapping the attention blocks alone. Before, tp was refused ("could not find separate
+    attention and MLP blocks")."""
+    def one_part(model):
+        layers = model.model.layers
+        assert layers[1].mixer.up_proj.weight.placements[-1] == distcore.Shard(0)  # the MLP split
+        assert layers[2].mixer.num_key_value_groups == 2 and isinstance(layers[2].mixer.q_proj.weight, DTensor)
+        assert layers[0].mixer.num_heads == 4  # the Mamba-2 mixer's 8 heads, 4 per rank
+
+    def attention_recomputed(model):
+        wrapped = [n for n, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None) == "selective"]
+        assert wrapped == ["model.layers.2.mixer"], wrapped
+
+    for family, label, inspect in (("nemotron-h", "tp 2", one_part), ("nemotron-h", "tp 2 + sp", one_part),
+                                   ("nemotron-h-moe", "tp 2 + sp", None)):
+        try:
+            _train(family, TP2[label], inspect=inspect)
+        except Exception as error:
+            raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
+    _train("nemotron-h", TP2["tp 2, selective recompute"], prepare=_eager_attention, inspect=attention_recomputed)
+
+
+def check_nemotron_h_trains_under_pipeline_expert_and_tensor_parallel():
+    """Nemotron-H in pipeline stages: its model's forward reads each block's block_type on every stage (a stand-in
+    answers a module's plain settings; before, refused in training), and a stand-in of its ReLU² experts shapes its
+    zeros without running them (transformers' grouped_mm has no fp32 meta kernel: "Expected inputs of BF16 type").
+    Equal to one process under dp 2 x pp 2 (experts) and tp 2 x pp 2 (dense), and with its experts split by expert
+    parallel (their own forward on each rank's experts) under dp 2 x tp 2 + sp, ep 2."""
+    _train("nemotron-h-moe", _strategy(2, 1, 2, num_micro_batches=2))
+    _train("nemotron-h", _strategy(1, 2, 2, num_micro_batches=2))
+    _train("nemotron-h-moe", _strategy(2, 2, 1, sequence_parallel=True, ep=2))
+
+
+def _eager_attention(model) -> None:
+    model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
+
+
 def _without_cache(model) -> None:
     model.config.use_cache = False
 
@@ -906,11 +948,6 @@ def check_unrecognised_and_ambiguous_models():
     # gated norm's statistics summed over them (check_mamba2_mixers_train_under_tensor_parallel runs tp 2)
     _train("bamba")
     _train("bamba-2-groups", _strategy(1, 4, 1, sequence_parallel=True))
-    # Nemotron-H (one mixer per block; not read for tp) in pipeline stages: its model's forward reads each block's
-    # block_type on every stage (a stand-in answers a module's plain settings; before, refused in training), and a
-    # stand-in of its ReLU² experts shapes its zeros without running them (transformers' grouped_mm has no fp32 meta
-    # kernel: "Expected inputs of BF16 type")
-    _train("nemotron-h-moe", _strategy(2, 1, 2, num_micro_batches=2))
 
 
 def check_gated_deltanet_layers_train_under_tensor_parallel():
@@ -2064,6 +2101,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_kimi_delta_attention_layers_train_under_tensor_parallel",
     "check_layer_norm_families_train_under_tensor_parallel", "check_query_key_value_families_train_under_tensor_parallel",
     "check_mamba2_mixers_train_under_tensor_parallel", "check_modules_no_plan_names_stay_whole_under_tensor_parallel",
+    "check_nemotron_h_blocks_of_one_part_train_under_tensor_parallel",
     "check_learned_positions_train_under_sequence_parallel", "check_scaled_logits_train_with_the_vocabulary_parallel_fused_loss",
     "check_moe_blocks_in_global_view_run_the_fused_experts_on_replicas",
     "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
