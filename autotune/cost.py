@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -345,7 +345,9 @@ def _mlp_activation_terms(spec: ModelSpec, sb: int, e: int, moe: bool, imbalance
     if moe:  # k·imbalance routed copies of each token through an expert, every token through the shared ones
         routed = spec.experts_per_token * imbalance
         mlp = mlp_tensors * e * (routed * spec.expert_ffn_hidden_size + spec.shared_ffn_hidden_size)
-        outside += sb * (routed * e * spec.hidden_size + ROUTER_PROB_BYTES * spec.num_experts)  # copies, router scores
+        # the dispatched copies (at the experts' width), the router's scores, a latent projection's output
+        outside += sb * (routed * e * spec.expert_width + ROUTER_PROB_BYTES * spec.num_experts
+                         + (e * spec.expert_input_size if spec.expert_input_size else 0))
         if not experts_split:
             outside, mlp = outside + sb * mlp, 0.0
     return outside, mlp
@@ -465,7 +467,7 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
     "mlp") holds that part and one norm."""
     if part == "mlp":
         mlp_only = spec.hidden_size + (spec.mlp_parameters / tp if not moe else
-                                       spec.shared_expert_parameters / etp + spec.router_parameters)
+                                       spec.shared_expert_parameters / etp + spec.moe_whole_parameters)
         return mlp_only, spec.num_experts // ep * spec.expert_parameters / etp if moe else 0.0
     if linear:
         mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
@@ -483,7 +485,7 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         return mixer + norms - spec.hidden_size, 0.0
     if not moe:
         return mixer + spec.mlp_parameters / tp + norms, 0.0
-    shared = mixer + spec.shared_expert_parameters / etp + spec.router_parameters + norms
+    shared = mixer + spec.shared_expert_parameters / etp + spec.moe_whole_parameters + norms
     return shared, spec.num_experts // ep * spec.expert_parameters / etp
 
 
@@ -697,17 +699,21 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     ep_collective = 0.0
     if moe and mlp_part:
         # Router, shared experts on every token, and the E/ep local experts as grouped GEMMs of
-        # tokens·k·imbalance/(E/ep) rows each (the roofline prices small groups by their weights' traffic).
+        # tokens·k·imbalance/(E/ep) rows each (the roofline prices small groups by their weights' traffic); a latent
+        # narrower than the hidden size: its projections on every token, the experts and their all-to-alls at its width.
         local = spec.num_experts // ep
         routed = moe_tokens * spec.experts_per_token * imbalance
+        width = spec.expert_width
         gemm += _gemm_time(moe_tokens, h, spec.num_experts, flops, bw, e)
-        gemm += local * _mlp_gemms(routed / local, h, spec.expert_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
+        if spec.expert_input_size:
+            gemm += _gemm_time(moe_tokens, h, width, flops, bw, e) + _gemm_time(moe_tokens, width, h, flops, bw, e)
+        gemm += local * _mlp_gemms(routed / local, width, spec.expert_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         if spec.shared_ffn_hidden_size:
             gemm += _mlp_gemms(moe_tokens, h, spec.shared_ffn_hidden_size / etp, spec.gated_mlp, flops, bw, e)
         # The ep ranks are dp ranks tp apart (ParallelDims: tp innermost): those on one node talk over NVLink.
         bw_ep, lat_ep = cluster.link(ep, tp)
         bw_out, lat_out = p.inter_node_bandwidth * p.comm_efficiency, p.inter_node_latency
-        ep_collective = all_to_all_time(e * routed * h, ep, bw_ep, lat_ep,
+        ep_collective = all_to_all_time(e * routed * width, ep, bw_ep, lat_ep,
                                         local_ranks=max(1, cluster.devices_per_node // tp),
                                         inter_bandwidth=bw_out, inter_latency=lat_out)
     elif mlp_part:
@@ -1022,7 +1028,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # all-reduce per layer and micro-batch (distcore's ExpertParallelExperts).
         moe_layers = max(_count_layers(k, moe=True) for k in kinds)
         experts = spec.num_experts // s.ep * spec.expert_parameters
-        block = spec.router_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
+        block = spec.moe_whole_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * moe_layers * block, t, bw_tp, lat_tp)
         if s.ep > 1:

@@ -404,7 +404,10 @@ class ModelSpec:
     layers of `ffn_hidden_size`), `experts_per_token` of them (top-k) run for each token, and
     `shared_ffn_hidden_size` the total width of the shared experts every token also runs (0: none;
     DeepSeek's n shared experts of width w are one MLP of n·w). Experts use the dense MLP's form
-    (`gated_mlp`). The router is a [num_experts, hidden] matrix. `expert_load_imbalance`: under expert
+    (`gated_mlp`). The router is a [num_experts, hidden] matrix. `expert_input_size`: the routed experts' width
+    where a latent projection narrows the hidden states before them and widens their output after (Nemotron's
+    latent MoE, `moe_latent_size`; the projections run every token, whole on every tp rank, and expert parallel
+    sends the latent; None: the hidden size). `expert_load_imbalance`: under expert
     parallel, the busiest rank's routed tokens over the mean. 1.2 is an assumption for dropless routing
     trained with a load-balancing loss, not a measurement; 1.0 is perfectly balanced routing (benchmarks
     that force it, such as NeMo AutoModel's "fake balanced gate").
@@ -434,6 +437,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
     shared_ffn_hidden_size: int = 0
+    expert_input_size: int | None = None
     moe_layers: tuple[int, ...] | None = None
     expert_load_imbalance: float = 1.2
     # The head's output width where it is not the vocabulary's: a task head (a classifier's labels; the
@@ -518,13 +522,17 @@ class ModelSpec:
             raise ValueError(f"ModelSpec: expert_load_imbalance is the busiest rank's tokens over the mean, at least "
                              f"1.0, got {self.expert_load_imbalance!r}")
         if not self.num_experts:
-            if self.experts_per_token or self.shared_ffn_hidden_size or self.moe_layers or self.expert_ffn_hidden_size:
-                raise ValueError("ModelSpec: experts_per_token, expert_ffn_hidden_size, shared_ffn_hidden_size and "
-                                 "moe_layers describe a mixture of experts: set num_experts too (0 is a dense model)")
+            if (self.experts_per_token or self.shared_ffn_hidden_size or self.moe_layers or self.expert_ffn_hidden_size
+                    or self.expert_input_size):
+                raise ValueError("ModelSpec: experts_per_token, expert_ffn_hidden_size, shared_ffn_hidden_size, "
+                                 "expert_input_size and moe_layers describe a mixture of experts: set num_experts too "
+                                 "(0 is a dense model)")
             return
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise ValueError(f"ModelSpec: experts_per_token (top-k) must be between 1 and num_experts="
                              f"{self.num_experts}, got {self.experts_per_token}")
+        if self.expert_input_size is not None:
+            _check_integers("ModelSpec", self, ("expert_input_size",))
         if self.expert_ffn_hidden_size is None:
             object.__setattr__(self, "expert_ffn_hidden_size", self.ffn_hidden_size)
         elif not isinstance(self.expert_ffn_hidden_size, int) or self.expert_ffn_hidden_size < 1:
@@ -629,13 +637,29 @@ class ModelSpec:
         return self.num_layers - self.num_moe_layers
 
     @property
+    def expert_width(self) -> int:
+        """The width the routed experts take and return: `expert_input_size` (a latent), else the hidden size."""
+        return self.expert_input_size or self.hidden_size
+
+    @property
     def expert_parameters(self) -> int:
         """One routed expert's MLP."""
-        return self.mlp_matrices * self.hidden_size * (self.expert_ffn_hidden_size or 0)
+        return self.mlp_matrices * self.expert_width * (self.expert_ffn_hidden_size or 0)
 
     @property
     def router_parameters(self) -> int:
         return self.num_experts * self.hidden_size
+
+    @property
+    def latent_projection_parameters(self) -> int:
+        """The projections to the experts' latent and back (0 without one)."""
+        return 2 * self.hidden_size * self.expert_input_size if self.expert_input_size else 0
+
+    @property
+    def moe_whole_parameters(self) -> int:
+        """An MoE block's parameters besides its experts: the router and the latent projections, which every token
+        runs, whole on every tensor-parallel rank."""
+        return self.router_parameters + self.latent_projection_parameters
 
     @property
     def shared_expert_parameters(self) -> int:
@@ -643,13 +667,13 @@ class ModelSpec:
 
     @property
     def moe_mlp_parameters(self) -> int:
-        """An MoE layer's MLP: every routed expert, the router and the shared experts."""
-        return self.num_experts * self.expert_parameters + self.router_parameters + self.shared_expert_parameters
+        """An MoE layer's MLP: every routed expert, the router (and latent projections) and the shared experts."""
+        return self.num_experts * self.expert_parameters + self.moe_whole_parameters + self.shared_expert_parameters
 
     @property
     def moe_active_mlp_parameters(self) -> int:
-        """What one token runs in an MoE layer: top-k experts, the router and the shared experts."""
-        return self.experts_per_token * self.expert_parameters + self.router_parameters + self.shared_expert_parameters
+        """What one token runs in an MoE layer: top-k experts, the router (and latent projections), the shared experts."""
+        return self.experts_per_token * self.expert_parameters + self.moe_whole_parameters + self.shared_expert_parameters
 
     @property
     def layer_matmul_parameters(self) -> int:
@@ -737,9 +761,11 @@ class ModelSpec:
         size = f"{self.num_parameters / 1e9:.2f}B params"
         if self.is_moe:
             shared = f" + shared ffn {self.shared_ffn_hidden_size}" if self.shared_ffn_hidden_size else ""
-            dense = f", {self.num_dense_layers} dense layers" if self.num_dense_layers else ""
+            latent = f" on a latent of {self.expert_input_size}" if self.expert_input_size else ""
+            dense = (f", {self.num_dense_layers - len(self.mlp_free_layers)} dense layers"
+                     if self.num_dense_layers - len(self.mlp_free_layers) else "")
             size += (f" ({self.active_parameters / 1e9:.2f}B active), MoE {self.num_experts} experts top-"
-                     f"{self.experts_per_token} of ffn {self.expert_ffn_hidden_size}{shared}{dense}")
+                     f"{self.experts_per_token} of ffn {self.expert_ffn_hidden_size}{latent}{shared}{dense}")
         linear = self.gated_delta_net
         if linear:
             size += (f", {self.num_linear_layers} Gated DeltaNet layers ({linear.num_k_heads} key heads of "
@@ -1347,9 +1373,10 @@ class _MoEBlock:
     shared: tuple[str, ...]
     shared_ffn: int
     top_k: int | None
+    latent: int = 0  # the experts' width where projections to a latent and back surround them (Nemotron's)
 
     def shape(self) -> tuple:
-        return (self.num_experts, self.expert_ffn, self.gated, self.shared_ffn, self.top_k)
+        return (self.num_experts, self.expert_ffn, self.gated, self.shared_ffn, self.top_k, self.latent)
 
 
 def _stacked_experts(module, hidden: int) -> tuple[int, int, bool] | None:
@@ -1402,18 +1429,32 @@ def _listed_experts(module, hidden: int) -> tuple[int, int, bool] | None:
     return len(module), parts[0]["ffn"], parts[0]["gated"]
 
 
+def _latent_width(block, hidden: int) -> int:
+    """The latent width of `block`'s projections from the hidden size to a narrower latent and back, one Linear each
+    (Nemotron's fc1_latent_proj and fc2_latent_proj around its experts), else 0."""
+    from torch import nn
+
+    linears = [c for c in block.children() if isinstance(c, nn.Linear)]
+    down = {c.out_features for c in linears if c.in_features == hidden and c.out_features < hidden}
+    up = {c.in_features for c in linears if c.out_features == hidden and c.in_features < hidden}
+    return next(iter(down)) if len(down) == 1 and down == up else 0
+
+
 def _moe_block(layer, hidden: int) -> _MoEBlock | None:
-    """The layer's mixture-of-experts block, if it has one (see the module docstring)."""
+    """The layer's mixture-of-experts block, if it has one (see the module docstring). Experts on a latent narrower
+    than the hidden size, projected to and from it by the block (`_latent_width`), are read at that width."""
     for name, module in layer.named_modules():
-        found = _stacked_experts(module, hidden)
+        block_name = _parent(name)
+        block = layer.get_submodule(block_name) if block_name else layer
+        latent = _latent_width(block, hidden) if name else 0
+        found = _stacked_experts(module, hidden) or (_stacked_experts(module, latent) if latent else None)
         layout = "stacked"
         if found is None:
             found, layout = _listed_experts(module, hidden), "list"
         if found is None:
             continue
         num_experts, ffn, gated = found
-        block_name = _parent(name)
-        block = layer.get_submodule(block_name) if block_name else layer
+        latent = latent if _stacked_experts(module, hidden) is None and layout == "stacked" else 0
         inside_experts = name + "."
         router = None
         for pname, param in block.named_parameters():
@@ -1446,7 +1487,8 @@ def _moe_block(layer, hidden: int) -> _MoEBlock | None:
         objects = [block, layer.get_submodule(router_owner) if router_owner else layer]
         objects += [getattr(o, "config", None) for o in objects]
         top_k = _first_attr(objects, _TOP_K_ATTRS)
-        return _MoEBlock(block_name, router, name, layout, num_experts, ffn, gated, tuple(shared), shared_ffn, top_k)
+        return _MoEBlock(block_name, router, name, layout, num_experts, ffn, gated, tuple(shared), shared_ffn, top_k,
+                         latent)
     return None
 
 
@@ -1468,7 +1510,7 @@ def _moe_layers(layers, hidden: int, overrides: dict) -> tuple[dict[int, _MoEBlo
             f"not found (an attribute such as {', '.join(_TOP_K_ATTRS[:3])} on the block, its router or a config); "
             "call ModelSpec.from_module(model, experts_per_token=...)")
     fields = dict(num_experts=first.num_experts, experts_per_token=top_k, expert_ffn_hidden_size=first.expert_ffn,
-                  shared_ffn_hidden_size=first.shared_ffn,
+                  shared_ffn_hidden_size=first.shared_ffn, expert_input_size=first.latent or None,
                   moe_layers=None if len(blocks) == len(layers) else tuple(blocks))  # None: every layer
     experts = layers[next(iter(blocks))].get_submodule(first.experts)
     if first.layout == "stacked" and runs_every_token(experts) and "experts_per_token" not in overrides:

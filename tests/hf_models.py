@@ -128,6 +128,12 @@ MORE_FAMILIES = {
                                           ssm_state_size=16, n_groups=1, chunk_size=4, n_routed_experts=EXPERTS,
                                           moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, **_MOE,
                                           layers_block_type=["linear_attention", "moe", "full_attention", "moe"])),
+    # Nemotron's latent MoE (Nemotron 3 Super): the experts on a latent half the hidden size, projected to and from it
+    "nemotron-h-latent": ("nemotron_h", dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,
+                                             ssm_state_size=16, n_groups=1, chunk_size=4, n_routed_experts=EXPERTS,
+                                             moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+                                             moe_latent_size=HIDDEN // 2, **_MOE,
+                                             layers_block_type=["linear_attention", "moe", "full_attention", "moe"])),
     # PaddlePaddle's own family: GLM's rotary (adjacent pairs by the table's first half) computed in fp32 and cast
     # back to q's dtype; the MoE variant's experts as modules, its router's correction bias.
     "ernie4_5": ("ernie4_5", {}),

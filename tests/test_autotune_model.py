@@ -947,7 +947,7 @@ def test_blocks_of_one_part_are_read_and_priced_by_their_part():
     pytest.importorskip("transformers")
     from tests.hf_models import build
 
-    for family in ("nemotron-h", "nemotron-h-moe"):
+    for family in ("nemotron-h", "nemotron-h-moe", "nemotron-h-latent"):
         model = build(family)
         spec = ModelSpec.from_module(model, seq_len=16)
         s = spec.structure
@@ -970,6 +970,9 @@ def test_blocks_of_one_part_are_read_and_priced_by_their_part():
         assert stage_parameters(spec, tp=1, pp=1, stage=0) == spec.num_parameters
         real = sum(p.numel() for p in model.parameters())
         assert abs(spec.num_parameters - real) < 0.01 * real, (spec.num_parameters, real)  # the mixer's extras: ~0.3%
+        # Nemotron 3 Super's latent MoE: the experts read at the latent's width (32), the projections priced whole
+        assert (spec.expert_input_size, spec.latent_projection_parameters) == (
+            (32, 2 * 64 * 32) if family == "nemotron-h-latent" else (None, 0))
     # A block of each part keeps what one of both keeps between them (attention or a linear mixer, an MLP or experts;
     # recompute none and selective)
     for spec, moe_layer, linear in ((preset("llama3-8b"), False, False), (preset("mixtral-8x7b"), True, False),

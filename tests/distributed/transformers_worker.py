@@ -511,7 +511,8 @@ def check_nemotron_h_blocks_of_one_part_train_under_tensor_parallel():
     shared one), all named `mixer`. Read as blocks of one part (ModelStructure.mixer_free_layers, mlp_free_layers):
     the attention split by head in its blocks, the Mamba-2 mixer by head and state group in its (one group here: its
     norm split), the MLP column- then row-parallel in its, the MoE blocks whole on every rank (under sp on each rank's
-    slice). Equal to one process in local view under tp 2 and tp 2 + sp (dense), tp 2 + sp (experts), and with
+    slice). Equal to one process in local view under tp 2 and tp 2 + sp (dense), tp 2 + sp (experts; experts on a
+    latent, Nemotron 3 Super's, their projections to and from it run with the block on each rank's slice), and with
     selective recompute wrapping the attention blocks alone. Before, tp was refused ("could not find separate
     attention and MLP blocks")."""
     def one_part(model):
@@ -525,7 +526,7 @@ def check_nemotron_h_blocks_of_one_part_train_under_tensor_parallel():
         assert wrapped == ["model.layers.2.mixer"], wrapped
 
     for family, label, inspect in (("nemotron-h", "tp 2", one_part), ("nemotron-h", "tp 2 + sp", one_part),
-                                   ("nemotron-h-moe", "tp 2 + sp", None)):
+                                   ("nemotron-h-moe", "tp 2 + sp", None), ("nemotron-h-latent", "tp 2 + sp", None)):
         try:
             _train(family, TP2[label], inspect=inspect)
         except Exception as error:
@@ -538,10 +539,12 @@ def check_nemotron_h_trains_under_pipeline_expert_and_tensor_parallel():
     answers a module's plain settings; before, refused in training), and a stand-in of its ReLU² experts shapes its
     zeros without running them (transformers' grouped_mm has no fp32 meta kernel: "Expected inputs of BF16 type").
     Equal to one process under dp 2 x pp 2 (experts) and tp 2 x pp 2 (dense), and with its experts split by expert
-    parallel (their own forward on each rank's experts) under dp 2 x tp 2 + sp, ep 2."""
+    parallel (their own forward on each rank's experts) under dp 2 x tp 2 + sp, ep 2, also on a latent (the all-to-alls
+    carry the latent)."""
     _train("nemotron-h-moe", _strategy(2, 1, 2, num_micro_batches=2))
     _train("nemotron-h", _strategy(1, 2, 2, num_micro_batches=2))
-    _train("nemotron-h-moe", _strategy(2, 2, 1, sequence_parallel=True, ep=2))
+    for family in ("nemotron-h-moe", "nemotron-h-latent"):
+        _train(family, _strategy(2, 2, 1, sequence_parallel=True, ep=2))
 
 
 def _eager_attention(model) -> None:
