@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -624,7 +624,7 @@ class _LayerCost:
     elementwise_fwd: float
     core_elementwise_fwd: float
     tp_collective: float  # one all-reduce (or all-gather + reduce-scatter pair) of b·s·h
-    tp_collectives: int  # how many a forward and backward run: 2 per part (attention's, the MLP's)
+    tp_collectives: int  # how many a forward and backward run: 2 per split part (attention's, a dense MLP's)
     ep_collective: float  # one all-to-all of the routed tokens (dispatch or combine) over the ep ranks
     packed_qkv_collectives: float  # unequal packed q/k/v: its output's reduce-scatter + gradient all-gather
     qk_norm_collectives: float  # q/k norms: statistics / weight gradients across the tp ranks
@@ -806,8 +806,11 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                                                     etp=etp, imbalance=imbalance, linear=linear, part=part)
                    for mode in ("none", "selective", "full")}
     split = tp if sequence_parallel else 1
-    return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective,
-                      4 if part == "both" else 2, ep_collective,
+    # Attention's (or a linear mixer's) pair and a dense MLP's; an MoE block runs whole on every tp rank (on this rank's
+    # slice under sp) and moves no activations, unless the engine splits its experts over tp.
+    collectives = (2 if mixer_part else 0) + (2 if mlp_part and (not moe or etp > 1) else 0)
+    return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective, collectives,
+                      ep_collective,
                       packed_qkv, qk_norm, latent_collectives, linear_collectives, head, head_elementwise, activations,
                       logits_bytes, message / split, message / split)
 
@@ -891,7 +894,7 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
     gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
     if recompute == "full":
         recompute_s = fwd
-        collectives += c.tp_collectives // 2  # the forward's
+        collectives += c.tp_collectives // 2  # the forward's, again
         all_to_alls += 2
         gemm_total += c.gemm_fwd
     elif recompute == "selective":

@@ -1577,6 +1577,12 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     # is read from an MoE layer and the dense MLP from the first dense layer, beside its linear mixer; where blocks
     # hold one part each (Nemotron-H), from the first block holding an MLP.
     mlp_layer = index if index in dense_mlp else (dense_mlp[0] if dense_mlp else index)
+    if not dense_mlp and not moe_blocks:
+        # Blocks of one part and none of them an MLP or experts (a Nemotron-H layout of Mamba-2 and attention blocks
+        # alone): no MLP to read the structure's MLP from; refused as before, so that data parallel still applies.
+        raise UnrecognisedModel(f"no decoder layer of {layers_name} holds an MLP or a mixture of experts (blocks of one "
+                                f"part: {len(mlp_free)} without an MLP); expected an MLP module beside or instead of "
+                                "the token mixer")
     block = layers[index]
     moe = moe_blocks.get(index) or (next(iter(moe_blocks.values())) if moe_blocks else None)
     linears = _linears(block)
@@ -1643,7 +1649,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if unplanned:
         notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
                      "tensor-parallel rank, priced as matmuls over every token there")
-    biases = [n for n, p in block.named_parameters() if n.endswith("bias")]
+    # (the attention's layer and, where the MLP is read from another, the MLP's: a Nemotron-H MLP block's biases)
+    biases = [n for i in dict.fromkeys((index, mlp_layer)) for n, _ in layers[i].named_parameters() if n.endswith("bias")]
     if biases:
         notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     if len(norms) != (1 if index in mlp_free else 2):  # a block of one part has one norm (Nemotron-H's)

@@ -86,6 +86,7 @@ import contextlib
 import copy
 import difflib
 import enum
+import inspect
 import logging
 import math
 import re
@@ -932,7 +933,15 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
               for view, state in zip(views, states)]
     runner = PipelineRunner(stages=stages, states=states, views=views, config=config, pp_group=pp_mesh.get_group(),
                             dp_group=dp_group, micro_batches=micro_batches, tied=tied)
-    model.forward = lambda *args, **kwargs: runner(model, args, kwargs)
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        return runner(model, args, kwargs)
+
+    # The model's own signature: transformers' generate checks its arguments against it (a model whose
+    # prepare_inputs_for_generation takes **kwargs, Nemotron-H's: attention_mask 'not used by the model' otherwise)
+    forward.__signature__ = inspect.signature(original)
+    model.forward = forward
     model._tridist_pipeline = runner
     log.info(
         "parallelize: pipeline stage(s) %s of %d (%s, %d micro-batches), layers %s", stage_ids, config.num_stages,

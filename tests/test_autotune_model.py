@@ -973,6 +973,14 @@ def test_blocks_of_one_part_are_read_and_priced_by_their_part():
         # Nemotron 3 Super's latent MoE: the experts read at the latent's width (32), the projections priced whole
         assert (spec.expert_input_size, spec.latent_projection_parameters) == (
             (32, 2 * 64 * 32) if family == "nemotron-h-latent" else (None, 0))
+    # MLP blocks' biases noted (they were read from the attention block alone)
+    biased = ModelSpec.from_module(build("nemotron-h", config=dict(mlp_bias=True)), seq_len=16).structure
+    assert any(note.startswith("2 bias vector(s)") for note in biased.notes), biased.notes
+    # Blocks of Mamba-2 and attention alone, no MLP or experts anywhere: refused as unrecognised (data parallel then
+    # applies; the structure names an MLP), not an AttributeError that skipped the fallback (a review's find)
+    no_mlp = build("nemotron-h", config=dict(layers_block_type=["linear_attention", "full_attention"] * 2))
+    with pytest.raises(UnrecognisedModel, match="no decoder layer of model.layers holds an MLP or a mixture of experts"):
+        ModelSpec.from_module(no_mlp)
     # A block of each part keeps what one of both keeps between them (attention or a linear mixer, an MLP or experts;
     # recompute none and selective)
     for spec, moe_layer, linear in ((preset("llama3-8b"), False, False), (preset("mixtral-8x7b"), True, False),

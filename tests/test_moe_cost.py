@@ -188,6 +188,14 @@ def test_experts_whole_on_every_tp_rank_under_the_torch_engines():
     assert not torch_engine.engine.expert_tensor_parallel and megatron.engine.expert_tensor_parallel
     assert _layer_cost(TINY_MOE, torch_engine, 2, 1, False, True, 1).gemm_fwd == pytest.approx((1536 / 2 + 256 + 4 * 768) / 1e12)
     assert _layer_cost(TINY_MOE, megatron, 2, 1, False, True, 1).gemm_fwd == pytest.approx((1536 / 2 + 256 + 4 * 768 / 2) / 1e12)
+    # Activation collectives per forward + backward: attention's pair; the whole block's none (its input and output
+    # are every rank's, or each rank's slice under sp), Megatron's split experts a pair; a dense layer's two pairs;
+    # an MoE block alone (Nemotron-H's) none under the torch engines
+    for sp in (False, True):
+        assert [_layer_cost(TINY_MOE, cluster, 2, 1, sp, moe, 1, False, part).tp_collectives
+                for cluster, moe, part in ((torch_engine, True, "both"), (megatron, True, "both"),
+                                           (torch_engine, False, "both"), (torch_engine, True, "mlp"),
+                                           (megatron, True, "mlp"))] == [2, 4, 4, 0, 2]
     outside, inside, core, experts = 4 * (64 + 32 + 16), 4 * (48 + 96), 4 * 4 * 4, 4 * 96
     assert activation_bytes_per_layer(TINY_MOE, 1, tp=2, moe=True, etp=1) == pytest.approx(
         outside + experts + (inside - experts + core) / 2)

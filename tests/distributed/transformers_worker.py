@@ -545,6 +545,18 @@ def check_nemotron_h_trains_under_pipeline_expert_and_tensor_parallel():
     _train("nemotron-h", _strategy(1, 2, 2, num_micro_batches=2))
     for family in ("nemotron-h-moe", "nemotron-h-latent"):
         _train(family, _strategy(2, 2, 1, sequence_parallel=True, ep=2))
+    # Greedy generate under dp 2 x pp 2 with an attention mask (use_cache=False: the stages run the whole sequence at
+    # each step) gives one device's tokens. transformers checks generate's arguments against the model's forward,
+    # which the pipeline's wrapper now shows (before: "model_kwargs not used: ['attention_mask']", a review's find).
+    prompt = _batches()[0]["input_ids"][2:4, :5]
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    expected = _greedy_reference("nemotron-h", prompt, settings)
+    model, optimizer = _model("nemotron-h")
+    with torch.no_grad():
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=_strategy(2, 1, 2,
+                                                                                                     num_micro_batches=2)))
+        assert torch.equal(model.eval().generate(prompt, use_cache=False, **settings), expected)
 
 
 def _eager_attention(model) -> None:
