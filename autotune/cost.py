@@ -93,7 +93,7 @@ import functools
 from dataclasses import dataclass
 
 from .hardware import Cluster
-from .model import ModelSpec
+from .model import ModelSpec, block_parts
 from .strategy import Strategy, check, kv_head_replicas, rank_layer_indices
 
 __all__ = [
@@ -438,7 +438,7 @@ def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, .
 def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
     """The counts of each kind (LAYER_KINDS) among the layer indices `layers`."""
     moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
-    parts = {**{i: "mlp" for i in spec.mixer_free_layers}, **{i: "mixer" for i in spec.mlp_free_layers}}
+    parts = block_parts(spec.mixer_free_layers, spec.mlp_free_layers)
     return tuple(sum((i in moe) == m and (i in linear) == l and parts.get(i, "both") == part for i in layers)
                  for m, l, part in LAYER_KINDS)
 

@@ -1446,15 +1446,15 @@ def _moe_block(layer, hidden: int) -> _MoEBlock | None:
     for name, module in layer.named_modules():
         block_name = _parent(name)
         block = layer.get_submodule(block_name) if block_name else layer
-        latent = _latent_width(block, hidden) if name else 0
-        found = _stacked_experts(module, hidden) or (_stacked_experts(module, latent) if latent else None)
-        layout = "stacked"
+        found, layout, latent = _stacked_experts(module, hidden), "stacked", 0
+        if found is None and name and (width := _latent_width(block, hidden)):
+            found = _stacked_experts(module, width)
+            latent = width if found is not None else 0
         if found is None:
             found, layout = _listed_experts(module, hidden), "list"
         if found is None:
             continue
         num_experts, ffn, gated = found
-        latent = latent if _stacked_experts(module, hidden) is None and layout == "stacked" else 0
         inside_experts = name + "."
         router = None
         for pname, param in block.named_parameters():
@@ -1622,7 +1622,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     v_head_dim = _value_head_dim(attn, heads, kv_heads, head_dim, f"{layers_name}.{index}.{attention or ''}")
     shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense_mlp else None, moe_blocks, tuple(mixers),
                                       attention=attention,
-                                      one_part={**{i: "mlp" for i in mixer_free}, **{i: "mixer" for i in mlp_free}})
+                                      one_part=block_parts(mixer_free, mlp_free))
     linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
     linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
@@ -1724,6 +1724,12 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
 # attributes; `_LINEAR_ATTENTION_COUNTS` are those a rank holds 1/tp of (the head widths are whole on every rank).
 _GATED_DELTA_NET_ATTRS = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 _LINEAR_ATTENTION_COUNTS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
+
+
+def block_parts(mixer_free_layers, mlp_free_layers) -> dict[int, str]:
+    """{index: "mlp" (a block without a token mixer) or "mixer" (without an MLP)} of the blocks of one part; the other
+    layers hold both parts."""
+    return {**{i: "mlp" for i in mixer_free_layers}, **{i: "mixer" for i in mlp_free_layers}}
 
 
 def _one_part_blocks(layers, hidden: int, moe_blocks: dict, mixers: dict[int, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -1911,12 +1917,10 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
             rows.append((f"{child_name}.weight", (inner,)))
             row_units.append((f"{child_name}.weight", (heads,)))
         elif params:
-            shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
-            raise UnrecognisedModel(
-                f"{where}.{child_name} ({type(child).__name__}: {shapes}) is none of a Mamba-2 mixer's parts tensor "
-                f"parallel splits (the input projection {hidden} -> {sum(parts)} [z | x | B | C | dt], the output "
-                f"projection {inner} -> {hidden}, the convolution over its {conv_dim} [x | B | C] channels, a gated "
-                f"norm over {inner} features in groups of {inner // groups})")
+            _refuse_foreign_part(where, child_name, child, params, "a Mamba-2 mixer's",
+                                 f"the input projection {hidden} -> {sum(parts)} [z | x | B | C | dt], the output "
+                                 f"projection {inner} -> {hidden}, the convolution over its {conv_dim} [x | B | C] "
+                                 f"channels, a gated norm over {inner} features in groups of {inner // groups}")
     rows += _per_head_parameters(where, module, heads, "head")
     if len(columns) != 1 or output is None or not any(n.endswith(".weight") and p == (inner, bc, bc) for n, p in rows):
         raise UnrecognisedModel(f"{where}: a Mamba-2 mixer needs one input projection {hidden} -> {sum(parts)}, an "
@@ -1928,6 +1932,13 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
         units=((columns[0][0], units), *row_units),
         part_counts=(("n_groups", ((groups, groups),)), ("conv_dim", ((inner, heads), (bc, groups), (bc, groups)))),
         group_norm=group_norm, kind="mamba2")
+
+
+def _refuse_foreign_part(where: str, child_name: str, child, params: dict, mixer: str, parts: str) -> None:
+    """Raise naming `child` (its parameters' shapes) as none of `mixer` parts tensor parallel splits (`parts`)."""
+    shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
+    raise UnrecognisedModel(f"{where}.{child_name} ({type(child).__name__}: {shapes}) is none of {mixer} parts tensor "
+                            f"parallel splits ({parts})")
 
 
 def _per_head_parameters(where: str, module, heads: int, what: str) -> list[tuple[str, tuple[int]]]:
@@ -1983,12 +1994,10 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         elif params and all(p.dim() == 1 and p.shape[0] == head_v_dim for p in params.values()):
             shared.append(child_name)
         elif params:
-            shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
-            raise UnrecognisedModel(
-                f"{where}.{child_name} ({type(child).__name__}: {shapes}) is none of a Gated DeltaNet mixer's parts "
-                f"tensor parallel splits (projections from the hidden size {hidden}, one back to it from the "
-                f"{value_dim} value features, the depthwise convolution over the {sum(packed)} packed [q | k | v] "
-                f"channels, norms over a value head's {head_v_dim} features)")
+            _refuse_foreign_part(where, child_name, child, params, "a Gated DeltaNet mixer's",
+                                 f"projections from the hidden size {hidden}, one back to it from the {value_dim} value "
+                                 f"features, the depthwise convolution over the {sum(packed)} packed [q | k | v] "
+                                 f"channels, norms over a value head's {head_v_dim} features")
     rows += _per_head_parameters(where, module, num_v_heads, "value head")
     if len(outputs) != 1 or not columns or not any(size == packed for _, size in rows):
         raise UnrecognisedModel(f"{where}: a Gated DeltaNet mixer needs projections from the hidden size, one output "

@@ -663,13 +663,13 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     indices = range(structure.num_layers)
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
     # Blocks of one part (Nemotron-H's) hold no token mixer (an MLP or MoE block alone) or no MLP.
-    dense_layers = [layer for i, layer in zip(indices, layers)
-                    if i not in set(structure.moe_layers) and i not in set(structure.mlp_free_layers)]
+    without_mlp = {*structure.moe_layers, *structure.mlp_free_layers}
+    dense_layers = [layer for i, layer in zip(indices, layers) if i not in without_mlp]
     linear = structure.linear_attention
     linear_indices = set(linear.layers) if linear else set()
     linear_layers = [layer for i, layer in zip(indices, layers) if i in linear_indices]
-    attention_layers = [layer for i, layer in zip(indices, layers)
-                        if i not in linear_indices and i not in set(structure.mixer_free_layers)]
+    attention = set(_attention_layers(structure))
+    attention_layers = [layer for i, layer in zip(indices, layers) if i in attention]
 
     def add(name, *styles):
         if name:

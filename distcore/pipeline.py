@@ -488,13 +488,13 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(module, memo)
     for name, child in list(copied.named_modules()):
-        if name and _stacked_experts(child):
+        if name and _meta_replaceable_experts(child):
             parent, _, leaf = name.rpartition(".")
             (copied.get_submodule(parent) if parent else copied)._modules[leaf] = _MetaExperts()
     return copied
 
 
-def _stacked_experts(module: torch.nn.Module) -> bool:
+def _meta_replaceable_experts(module: torch.nn.Module) -> bool:
     """Hugging Face's stacked experts: gated (`looks_like_stacked_experts`) or not (Nemotron-H's ReLU² experts: 3-D
     `up_proj` and `down_proj` of the module itself)."""
     params = module._parameters

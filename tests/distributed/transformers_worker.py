@@ -496,14 +496,7 @@ def check_mamba2_mixers_train_under_tensor_parallel():
             assert not calls, (family, calls)
     # Greedy generate under tp 2: the prompt's chunked scan, then the one-token state update on this rank's heads
     # (its cache built from the local shapes) give one device's tokens
-    prompt = _batches()[0]["input_ids"][2:4, :5]
-    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    expected = _greedy_reference("bamba", prompt, settings)
-    model, optimizer = _model("bamba")
-    with torch.no_grad():
-        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                              config=distcore.ToDistributedConfig(strategy=TP2["tp 2"]))
-        assert torch.equal(model.eval().generate(prompt, **settings), expected)
+    _generates_like_one_device("bamba", TP2["tp 2"])
 
 
 def check_nemotron_h_blocks_of_one_part_train_under_tensor_parallel():
@@ -548,15 +541,7 @@ def check_nemotron_h_trains_under_pipeline_expert_and_tensor_parallel():
     # Greedy generate under dp 2 x pp 2 with an attention mask (use_cache=False: the stages run the whole sequence at
     # each step) gives one device's tokens. transformers checks generate's arguments against the model's forward,
     # which the pipeline's wrapper now shows (before: "model_kwargs not used: ['attention_mask']", a review's find).
-    prompt = _batches()[0]["input_ids"][2:4, :5]
-    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    expected = _greedy_reference("nemotron-h", prompt, settings)
-    model, optimizer = _model("nemotron-h")
-    with torch.no_grad():
-        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                              config=distcore.ToDistributedConfig(strategy=_strategy(2, 1, 2,
-                                                                                                     num_micro_batches=2)))
-        assert torch.equal(model.eval().generate(prompt, use_cache=False, **settings), expected)
+    _generates_like_one_device("nemotron-h", _strategy(2, 1, 2, num_micro_batches=2), use_cache=False)
 
 
 def _eager_attention(model) -> None:
@@ -1015,15 +1000,10 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
            inspect=recomputing_attention_alone, prepare=eager)
     _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
                     "project their input after masking its padding")
-    prompt = _batches()[0]["input_ids"][2:4, :5]  # rows whose greedy steps all lead by 1.6e-2 or more (the first two: 7e-4)
-    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
-    expected = _greedy_reference("qwen3.5", prompt, settings)
-    model, optimizer = _model("qwen3.5")
-    with torch.no_grad():  # to_distributed called under no_grad too: the block check differentiates all the same
-        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                              config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1)))
-        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # checked, in local view
-        assert torch.equal(model.eval().generate(prompt, **settings), expected)
+    def local_view(model):  # checked, in local view
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    _generates_like_one_device("qwen3.5", _strategy(2, 2, 1), inspect=local_view)
 
 
 def _freeze_embedding_and_first_layer(model) -> None:
@@ -1645,6 +1625,23 @@ def check_a_whole_state_dict_loads_into_the_distributed_model():
         assert "could not be loaded" in str(error), error
     else:
         raise AssertionError("a state dict without layer 0 loaded")
+
+
+def _generates_like_one_device(family, strategy, *, inspect=None, **generate) -> None:
+    """Greedy generate (4 new tokens; `generate`: more of its settings) on `family` distributed by `strategy` gives
+    one device's tokens for 5-token prompts of the first batch's rows 2 and 3 (whose greedy steps all lead by 1.6e-2
+    or more in Qwen3.5; its first two rows' by 7e-4). to_distributed is called under no_grad too: the block check
+    differentiates all the same. `inspect` asserts what it must of the distributed model first."""
+    prompt = _batches()[0]["input_ids"][2:4, :5]
+    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    expected = _greedy_reference(family, prompt, settings)
+    model, optimizer = _model(family)
+    with torch.no_grad():
+        model, _, _ = distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                              config=distcore.ToDistributedConfig(strategy=strategy))
+        if inspect is not None:
+            inspect(model)
+        assert torch.equal(model.eval().generate(prompt, **settings, **generate), expected)
 
 
 def _greedy_reference(family, prompt, settings: dict) -> torch.Tensor:
