@@ -94,7 +94,7 @@ from dataclasses import dataclass
 
 from .hardware import Cluster
 from .model import ModelSpec, block_parts
-from .strategy import Strategy, check, kv_head_replicas, rank_layer_indices
+from .strategy import Strategy, balanced_stage_layers, check, kv_head_replicas, rank_layer_indices, stage_layers
 
 __all__ = [
     "Estimate",
@@ -113,11 +113,13 @@ __all__ = [
     "activation_bytes_per_layer",
     "model_state_bytes",
     "stage_parameters",
+    "layer_forward_flops",
+    "balanced_layout",
     "COST_MODEL_VERSION",
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 18  # 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 19  # 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -169,22 +171,51 @@ OPTIMIZER_BYTES = {2: 12, 4: 8}
 @functools.lru_cache(maxsize=1024)
 def _forward_flops_per_token(spec: ModelSpec) -> tuple[float, float, float, float]:
     """(layer matmuls, attention core, linear-attention core, logits) forward FLOPs per token, summed over layers
-    (an MoE layer's matmuls: attention, router, shared experts and the k routed experts a token runs; a Gated
-    DeltaNet layer's: its mixer's projections in attention's place, and its core in place of attention's)."""
-    moe_layer = spec.attention_parameters + spec.moe_active_mlp_parameters
-    linear = spec.gated_delta_net
-    swapped = linear.matmul_parameters(spec.hidden_size) - spec.attention_parameters if linear else 0
-    matmul = 2.0 * (spec.layer_matmul_parameters * spec.num_dense_layers + moe_layer * spec.num_moe_layers
-                    + swapped * spec.num_linear_layers + spec.unplanned_parameters * spec.num_layers)
-    # Blocks of one part (Nemotron-H's): no attention, or no MLP
-    matmul -= 2.0 * (len(spec.mixer_free_layers) * spec.attention_parameters
-                     + len(spec.mlp_free_layers) * spec.mlp_parameters)
-    # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
-    attention_layers = spec.num_layers - spec.num_linear_layers - len(spec.mixer_free_layers)
-    core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) * attention_layers
-    linear_core = spec.num_linear_layers * _linear_core_flops(spec)[0] if linear else 0.0
+    (`layer_forward_flops`)."""
+    counts = _layer_kinds(spec, range(spec.num_layers))
+    matmul, core, linear_core = (sum(n * _layer_forward_flops(spec, kind)[part] for n, kind in zip(counts, LAYER_KINDS)
+                                     if n) for part in range(3))
     logits = 2.0 * spec.head_width * spec.hidden_size
     return matmul, core, linear_core, logits
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_forward_flops(spec: ModelSpec, kind: tuple[bool, bool, str]) -> tuple[float, float, float]:
+    """(matmuls, attention core, linear-attention core) forward FLOPs per token of one layer of `kind`
+    (LAYER_KINDS): an MoE layer's matmuls are its attention's, the router's, the shared experts' and the k routed
+    experts' a token runs; a Gated DeltaNet layer's mixer's projections take attention's place, its core
+    attention's; a block of one part (Nemotron-H's) has no attention, or no MLP. Modules no plan names
+    (unplanned_parameters) run in every layer."""
+    moe, linear, part = kind
+    mixer = (spec.gated_delta_net.matmul_parameters(spec.hidden_size) if linear else spec.attention_parameters)
+    mlp = spec.moe_active_mlp_parameters if moe else spec.mlp_parameters
+    matmul = 2.0 * ((mixer if part != "mlp" else 0) + (mlp if part != "mixer" else 0) + spec.unplanned_parameters)
+    attends = part != "mlp" and not linear
+    # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
+    core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) if attends else 0.0
+    linear_core = _linear_core_flops(spec)[0] if linear else 0.0
+    return matmul, core, linear_core
+
+
+def layer_forward_flops(spec: ModelSpec) -> tuple[float, ...]:
+    """Each decoder layer's forward FLOPs per token, in layer order (its kind's, `_layer_forward_flops`)."""
+    moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
+    parts = block_parts(spec.mixer_free_layers, spec.mlp_free_layers)
+    return tuple(sum(_layer_forward_flops(spec, (i in moe, i in linear, parts.get(i, "both"))))
+                 for i in range(spec.num_layers))
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_layout(spec: ModelSpec, num_stages: int) -> tuple[int, ...] | None:
+    """The decoder layers per pipeline stage that balance the stages' FLOPs (strategy.balanced_stage_layers: each
+    layer's forward FLOPs, the LM head's on the last stage), or None where `stage_layers`' even layout is as
+    balanced. The LM head outweighs a layer where the vocabulary is large against the layer's width (Gemma 2 2B:
+    ~7 layers; Llama 3 8B: ~2), and layers differ in mixtures of experts with dense layers and in hybrids
+    (Nemotron-H's Mamba-2, attention and MLP blocks); the pipeline runs at its slowest stage's pace. Compute
+    alone: the first stage's larger share of activations (1F1B) is the memory check's to weigh, as the search
+    prices both layouts."""
+    layout = balanced_stage_layers(layer_forward_flops(spec), num_stages, last=_forward_flops_per_token(spec)[3])
+    return None if layout == stage_layers(spec.num_layers, num_stages) else layout
 
 
 def _linear_chunk(spec: ModelSpec) -> int:
@@ -411,15 +442,16 @@ def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_byt
 
 
 def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: int = 1, ep: int = 1,
-                     etp: int | None = None) -> float:
+                     etp: int | None = None, layers_per_stage: tuple[int, ...] | None = None) -> float:
     """Parameters held by one device of pipeline rank `stage`: its layers' matrices split by tp (norm
-    weights replicated; layers per rank as strategy.rank_layers lays them out, uneven where pp does not
-    divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
+    weights replicated; layers per rank as strategy.rank_layers lays them out: as `layers_per_stage` lists the
+    stages, else uneven where pp does not divide them), the vocabulary-parallel embedding on the first rank, the LM head and final norm on
     the last (a tied head is a second copy when the two ends are different ranks); in MoE layers the
     router (replicated), the shared experts and E/ep routed experts (split by etp: tp by default, 1 where
     the experts run whole on every tp rank)."""
     etp = tp if etp is None else etp
-    return sum(_rank_parameters(spec, tp, pp, stage, _rank_kinds(spec, pp, virtual_pp)[stage], ep, etp))
+    kinds = _rank_kinds(spec, pp, virtual_pp, layers_per_stage)[stage]
+    return sum(_rank_parameters(spec, tp, pp, stage, kinds, ep, etp))
 
 
 # A decoder layer's kind: (its MLP is a mixture of experts, its token mixer is Gated DeltaNet linear attention, its
@@ -430,9 +462,11 @@ LAYER_KINDS = ((False, False, "both"), (True, False, "both"), (False, True, "bot
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[tuple[int, ...], ...]:
-    """Each pipeline rank's layer counts per kind (LAYER_KINDS)."""
-    return tuple(_layer_kinds(spec, layers) for layers in rank_layer_indices(spec.num_layers, pp, virtual_pp))
+def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int,
+                layout: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Each pipeline rank's layer counts per kind (LAYER_KINDS), its stages' layers as `layout` (a Strategy's
+    layers_per_stage) lists them, else as stage_layers lays them out."""
+    return tuple(_layer_kinds(spec, layers) for layers in rank_layer_indices(spec.num_layers, pp, virtual_pp, layout))
 
 
 def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
@@ -647,8 +681,9 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 
 def clear_caches() -> None:
     """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
-    for cached in (_forward_flops_per_token, _rank_kinds, _layer_parameters, _layer_cost, _layer_timing, _rank_timings,
-                   _pace, _rank_layer_counts, _peak_ranks, _rank_parameters, _spec_kinds):
+    for cached in (_forward_flops_per_token, _layer_forward_flops, balanced_layout, _rank_kinds, _layer_parameters,
+                   _layer_cost, _layer_timing, _rank_timings, _pace, _rank_layer_counts, _peak_ranks, _rank_parameters,
+                   _spec_kinds):
         cached.cache_clear()
 
 
@@ -921,28 +956,30 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
 
 @functools.lru_cache(maxsize=65536)
 def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
-                  recompute: str, overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[_LayerTiming, ...]:
+                  recompute: str, overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int,
+                  layout: tuple[int, ...] | None = None) -> tuple[_LayerTiming, ...]:
     """Each pipeline rank's layers summed: a micro-batch's forward, backward, compute, tp and ep time."""
     columns = {kind: dataclasses.astuple(_layer_timing(spec, cluster, t, micro_batch_size, sequence_parallel, recompute,
                                                        overlap_tp_comm, kind[0], ep if kind[0] else 1, kind[1], kind[2]))
                for kind in _spec_kinds(spec)}
     width = len(dataclasses.fields(_LayerTiming))
     summed: dict = {}  # ranks holding the same layer counts per kind cost the same
-    for kinds in set(_rank_kinds(spec, pp, virtual_pp)):
+    for kinds in set(_rank_kinds(spec, pp, virtual_pp, layout)):
         present = [(n, columns[kind]) for n, kind in zip(kinds, LAYER_KINDS) if n]
         summed[kinds] = _LayerTiming(*(sum(n * column[i] for n, column in present) for i in range(width)))
-    return tuple(summed[kinds] for kinds in _rank_kinds(spec, pp, virtual_pp))
+    return tuple(summed[kinds] for kinds in _rank_kinds(spec, pp, virtual_pp, layout))
 
 
 @functools.lru_cache(maxsize=65536)
 def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool, recompute: str,
-          overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int) -> tuple[float, float, float, int]:
+          overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int,
+          layout: tuple[int, ...] | None = None) -> tuple[float, float, float, int]:
     """(compute, tp, ep seconds of one micro-batch, rank) of the slowest pipeline rank. The ends of the pipeline:
     embedding (one collective in the forward, with tp) and LM head + loss (its GEMM forward and backward,
     the cross entropy over the logits, two collectives): the first, the last or a middle rank sets the pace."""
     c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel)
     ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
-                          virtual_pp)
+                          virtual_pp, layout)
     head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
     # An fp16 head's fused loss computes its gradients in the backward, re-running its forward's chunk loop: the
     # logits' GEMM (a fourth), their statistics' pass and, under tp, their all-reduces (linear_cross_entropy's
@@ -969,8 +1006,8 @@ def _fused_loss_statistics_time(spec: ModelSpec, cluster: Cluster, tp: int, micr
 
 
 @functools.lru_cache(maxsize=65536)
-def _rank_layer_counts(spec: ModelSpec, pp: int, virtual_pp: int) -> tuple[int, ...]:
-    return tuple(sum(k) for k in _rank_kinds(spec, pp, virtual_pp))
+def _rank_layer_counts(spec: ModelSpec, pp: int, virtual_pp: int, layout: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    return tuple(sum(k) for k in _rank_kinds(spec, pp, virtual_pp, layout))
 
 
 def _data_parallel_time(cluster: Cluster, nbytes: float, n: int, stride: int, level: int, micro_batches: int,
@@ -1014,9 +1051,11 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     costs = {kind: _layer_cost(spec, cluster, t, s.micro_batch_size, s.sequence_parallel, kind[0],
                                s.ep if kind[0] else 1, kind[1], kind[2]) for kind in _spec_kinds(spec)}
     c = costs[LAYER_KINDS[0]]  # a dense attention layer's: the model's ends are priced from it
-    kinds = _rank_kinds(spec, pp, v)  # each rank's layers per kind, uneven where pp does not divide them
-    per_rank = _rank_layer_counts(spec, pp, v)
-    knobs = (spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm, s.ep, pp, v)
+    layout = s.layers_per_stage
+    kinds = _rank_kinds(spec, pp, v, layout)  # each rank's layers per kind, uneven where pp does not divide them
+    per_rank = _rank_layer_counts(spec, pp, v, layout)
+    knobs = (spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm, s.ep, pp, v,
+             layout)
     ranks = _rank_timings(*knobs)
     stage_compute, stage_tp, stage_ep, slowest = _pace(*knobs)
     stage_time = stage_compute + stage_tp + stage_ep

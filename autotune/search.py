@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from .cost import COST_MODEL_VERSION, estimate
+from .cost import COST_MODEL_VERSION, balanced_layout, estimate
 from .hardware import Cluster, cache_dir
 from .measured import MEASURE_PICKS
 from .model import ModelSpec
@@ -61,7 +61,7 @@ EXHAUSTIVE_LAYOUT_LIMIT = 128
 TPE_DEFAULT_TRIALS = 64  # TPE's budget when the layout space is too large to enumerate
 STORED_CANDIDATES_PER_LAYOUT = 10  # kept in each trial, so a resumed search can rank without re-solving
 PROGRESS_INTERVAL_S = 0.5  # minimum time between two progress lines
-STUDY_FORMAT_VERSION = 1  # bump when what a trial stores changes
+STUDY_FORMAT_VERSION = 2  # bump when what a trial stores changes (2: a strategy's layers_per_stage)
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     overlap_tp_comm: tuple[bool, ...] = (False, True)
     max_virtual_pp: int = 4
+    # Pipeline stages as stage_layers lays them out (False) and balanced by FLOPs (True: cost.balanced_layout, where
+    # it differs)
+    balanced_stages: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int | None = None
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
@@ -218,7 +221,7 @@ def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
 
 # Where the runtime cannot apply a knob, the value the search keeps it at.
 KEPT_AT = {"tp": (1,), "pp": (1,), "ep": (1,), "num_micro_batches": (1,), "recompute": ("none",),
-           "sequence_parallel": (False,), "overlap_tp_comm": (False,)}
+           "sequence_parallel": (False,), "overlap_tp_comm": (False,), "balanced_stages": (False,)}
 
 
 def engine_space(space: SearchSpace, cluster: Cluster, excluded: dict[str, str] | None = None, *,
@@ -292,7 +295,17 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
         for v, level, (sp, overlap), rc, ep in itertools.product(vpps, levels, tp_modes, recompute, eps):
             if overlap and rc == "selective" and not cluster.engine.overlap_with_selective_recompute:
                 continue  # the engine's selective recompute runs outside the overlapped region (strategy.py)
-            yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
+            for stages in _stage_layouts(spec, pp * v, space):
+                yield Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep, stages)
+
+
+def _stage_layouts(spec: ModelSpec, num_stages: int, space: SearchSpace) -> list[tuple[int, ...] | None]:
+    """The stage layouts a strategy of `num_stages` pipeline stages may take: stage_layers' even one (None) and the
+    FLOPs-balanced one where it differs (cost.balanced_layout)."""
+    balanced = balanced_layout(spec, num_stages) if num_stages > 1 and True in space.balanced_stages else None
+    if balanced is None:
+        return [None]
+    return [None, balanced] if False in space.balanced_stages else [balanced]
 
 
 def pareto_front(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -389,12 +402,14 @@ def exhaustive_search(spec: ModelSpec, cluster: Cluster, *, global_batch_size: i
             for v, level, sp, overlap, rc, ep in itertools.product(
                     range(1, space.max_virtual_pp + 1), space.sharding_levels, space.sequence_parallel,
                     space.overlap_tp_comm, space.recompute, eps):
-                strategy = Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep)
-                if validate(spec, cluster, strategy, global_batch_size=global_batch_size):
-                    continue
-                est = estimate(spec, cluster, strategy, global_batch_size=global_batch_size, validate=False)
-                if est.fits:
-                    found.append(Candidate.from_estimate(est))
+                layouts = _stage_layouts(spec, pp * v, space) if pp * v <= spec.num_layers else [None]
+                for stages in layouts:
+                    strategy = Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep, stages)
+                    if validate(spec, cluster, strategy, global_batch_size=global_batch_size):
+                        continue
+                    est = estimate(spec, cluster, strategy, global_batch_size=global_batch_size, validate=False)
+                    if est.fits:
+                        found.append(Candidate.from_estimate(est))
     found.sort(key=Candidate.sort_key)
     return found[:top_k] if top_k else found
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from .model import ModelSpec
 
 __all__ = ["Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "SHARDING_LEVELS", "validate", "check", "stage_layers",
-           "rank_layers", "rank_layer_indices", "head_replicas", "kv_head_replicas", "tensor_parallel_problems"]
+           "balanced_stage_layers", "rank_layers", "rank_layer_indices", "head_replicas", "kv_head_replicas", "tensor_parallel_problems"]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHARDING_LEVELS = (0, 1, 2, 3)  # ZeRO stage: 1 optimizer states, 2 + gradients, 3 + parameters
@@ -35,16 +36,81 @@ def stage_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(base + (stage in order) for stage in range(num_stages))
 
 
-def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1) -> tuple[int, ...]:
-    """Decoder layers per pipeline rank: rank r holds stages r, r + pp, ... (torch's looped placement)."""
-    per_stage = stage_layers(num_layers, pp * virtual_pp)
+# Two stage costs closer than this (relative) are equal: costs are sums of floats, added in other orders.
+_COST_TIE = 1e-9
+
+
+def balanced_stage_layers(layer_costs: Sequence[float], num_stages: int, *, first: float = 0.0,
+                          last: float = 0.0) -> tuple[int, ...]:
+    """Decoder layers per pipeline stage that minimise the slowest stage's cost: contiguous stages of one layer
+    at least, stage i costing the sum of its layers' `layer_costs` plus `first` on the first stage (the embedding)
+    and `last` on the last (the LM head and its loss). The pipeline runs at its slowest stage's pace, so a layout
+    that lowers that maximum is faster whatever the others cost. Of the layouts that reach the minimum,
+    `stage_layers`' even one where it is among them, else the one with the least sum of squared stage costs (the
+    most even). Exact: a dynamic program over the split points (O(stages x layers^2), cached by its callers)."""
+    n, costs = len(layer_costs), [float(c) for c in layer_costs]
+    if num_stages < 1 or n < num_stages:
+        raise ValueError(f"{n} layers cannot fill {num_stages} pipeline stages (each needs at least one)")
+    if any(c < 0 for c in costs + [first, last]):
+        raise ValueError("balanced_stage_layers: costs must be non-negative")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(stage: int, start: int, end: int) -> float:
+        return (prefix[end] - prefix[start] + (first if stage == 0 else 0.0)
+                + (last if stage == num_stages - 1 else 0.0))
+
+    def layout_costs(sizes) -> list[float]:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [stage_cost(i, start, start + size) for i, (start, size) in enumerate(zip(starts, sizes))]
+
+    # best[k][j]: the least maximum over the first k stages holding the first j layers
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            best[k][j] = min(max(best[k - 1][i], stage_cost(k - 1, i, j)) for i in range(k - 1, j))
+    optimum = best[num_stages][n]
+    bound = optimum * (1 + _COST_TIE) + _COST_TIE
+    even = stage_layers(n, num_stages)
+    if max(layout_costs(even)) <= bound:
+        return even
+    # Of the layouts whose every stage is within the optimum: the least sum of squared stage costs.
+    squares = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    squares[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            for i in range(k - 1, j):
+                cost = stage_cost(k - 1, i, j)
+                if cost <= bound and squares[k - 1][i] + cost * cost < squares[k][j]:
+                    squares[k][j], choice[k][j] = squares[k - 1][i] + cost * cost, i
+    sizes, end = [], n
+    for k in range(num_stages, 0, -1):
+        sizes.append(end - choice[k][end])
+        end = choice[k][end]
+    return tuple(reversed(sizes))
+
+
+def _stage_sizes(num_layers: int, num_stages: int, layers_per_stage: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(layers_per_stage) if layers_per_stage is not None else stage_layers(num_layers, num_stages)
+
+
+def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1,
+                layers_per_stage: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Decoder layers per pipeline rank: rank r holds stages r, r + pp, ... (torch's looped placement); the stages
+    as `layers_per_stage` lists them (a Strategy's), else as `stage_layers` lays them out."""
+    per_stage = _stage_sizes(num_layers, pp * virtual_pp, layers_per_stage)
     return tuple(sum(per_stage[r::pp]) for r in range(pp))
 
 
-def rank_layer_indices(num_layers: int, pp: int, virtual_pp: int = 1) -> tuple[tuple[int, ...], ...]:
-    """The decoder layers each pipeline rank holds, by index (stages as `stage_layers` lays them out, rank r
+def rank_layer_indices(num_layers: int, pp: int, virtual_pp: int = 1,
+                       layers_per_stage: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], ...]:
+    """The decoder layers each pipeline rank holds, by index (stages as `rank_layers` takes them, rank r
     holding stages r, r + pp, ...): which of them are mixture-of-experts layers sets a rank's cost."""
-    per_stage = stage_layers(num_layers, pp * virtual_pp)
+    per_stage = _stage_sizes(num_layers, pp * virtual_pp, layers_per_stage)
     starts = [sum(per_stage[:i]) for i in range(len(per_stage))]
     stages = [tuple(range(start, start + n)) for start, n in zip(starts, per_stage)]
     return tuple(tuple(i for stage in stages[r::pp] for i in stage) for r in range(pp))
@@ -72,7 +138,9 @@ class Strategy:
     parallel the engine decides the experts' split (`EngineProfile.expert_tensor_parallel`): Megatron-Core
     splits their ffn width over tp as the dense MLP's (its default expert tensor parallel = tp), the torch
     engines (distcore) keep each expert whole on every tp rank (expert tensor parallel 1), so only the
-    former needs tp to divide the experts' widths."""
+    former needs tp to divide the experts' widths. `layers_per_stage`: the decoder layers of each of the
+    pp x virtual_pp stages, in stage order (None: `stage_layers`' even layout; the search offers the cost model's
+    balanced one, `cost.balanced_layout`, where it is faster)."""
 
     dp: int
     tp: int
@@ -85,6 +153,11 @@ class Strategy:
     overlap_tp_comm: bool = False
     virtual_pp: int = 1
     ep: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.layers_per_stage, list):  # as JSON gives it back (to_dict / from_dict): hashable
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
 
     @property
     def num_devices(self) -> int:
@@ -97,15 +170,19 @@ class Strategy:
     def sort_key(self) -> tuple:
         """A total order used to break exact ties in predicted time and memory deterministically:
         fewer moving parts first (smaller tp/pp, less sharding, no recompute)."""
-        return (self.tp, self.pp, self.virtual_pp, self.ep, self.sharding_level, self.sequence_parallel,
+        return (self.tp, self.pp, self.virtual_pp, self.layers_per_stage is not None, self.ep, self.sharding_level,
+                self.sequence_parallel,
                 self.overlap_tp_comm, RECOMPUTE_MODES.index(self.recompute) if self.recompute in RECOMPUTE_MODES else 9,
                 -self.micro_batch_size, self.dp)
 
     def describe(self) -> str:
-        """Compact one-line form, e.g. 'dp16 tp8 pp2 zero1 sp mbs1x48 rc=full'."""
+        """Compact one-line form, e.g. 'dp16 tp8 pp2 zero1 sp mbs1x48 rc=full' ('pp4[9,9,7,1]': the layers of
+        each stage, where the strategy lists them)."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.virtual_pp > 1:
             parts[-1] += f"x{self.virtual_pp}"
+        if self.layers_per_stage is not None:
+            parts[-1] += "[" + ",".join(map(str, self.layers_per_stage)) + "]"
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.sharding_level:
@@ -216,6 +293,14 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         if s.dp % s.ep:
             reasons.append(f"ep={s.ep} must divide dp={s.dp} (the experts are split over data-parallel ranks)")
     # Stages need not hold equal layer counts (stage_layers), but each holds one at least.
+    if s.layers_per_stage is not None:
+        sizes = s.layers_per_stage
+        if (not isinstance(sizes, tuple) or len(sizes) != s.pp * s.virtual_pp or not all(map(_is_positive_int, sizes))
+                or sum(sizes) != spec.num_layers):
+            reasons.append(f"layers_per_stage={sizes!r} must list pp*virtual_pp = {s.pp * s.virtual_pp} positive layer "
+                           f"counts adding up to the {spec.num_layers} layers; or None for the even layout")
+        elif s.pp == 1:
+            reasons.append("layers_per_stage lays out pipeline stages: it needs pp > 1; use None")
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "
                        "stage needs one at least); pick fewer stages")

@@ -626,6 +626,7 @@ def apply_strategy(model: torch.nn.Module, optimizer, strategy, *, spec=None, co
             "schedule": "Interleaved1F1B" if strategy.virtual_pp > 1 else "1F1B",
             "micro_batches": strategy.num_micro_batches,
             **({"virtual_pp_degree": strategy.virtual_pp} if strategy.virtual_pp > 1 else {}),
+            **({"layers_per_stage": list(strategy.layers_per_stage)} if strategy.layers_per_stage else {}),
         }
     if strategy.tp > 1 and strategy.sequence_parallel and structure.is_moe:
         refuse_router_logits_per_call(model)

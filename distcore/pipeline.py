@@ -344,19 +344,20 @@ class _StandIn(torch.nn.Module):
     def __init__(self, name: str, owner: int, meta_module: torch.nn.Module | None, state: _StageState | None, role: str,
                  plain: dict | None = None):
         super().__init__()
-        self.name, self.owner, self.role = name, owner, role
+        # (underscored: the module's own public settings, `_plain`, may be called name, owner or role)
+        self._tridist_name, self._tridist_owner, self._tridist_role = name, owner, role
         self.__dict__["_meta_module"] = meta_module  # not a submodule: no parameters, no state_dict entries
         self.__dict__["_state"] = state
         self.__dict__["_plain"] = plain or {}
 
     def forward(self, *args, **kwargs):
-        state = self._state
-        if state is None or self.role == "elsewhere":
-            raise RuntimeError(f"pipeline parallel: {self.name!r} runs on pipeline stage {self.owner}, not on this rank")
-        if self.role == "later":
+        state, name, owner = self._state, self._tridist_name, self._tridist_owner
+        if state is None or self._tridist_role == "elsewhere":
+            raise RuntimeError(f"pipeline parallel: {name!r} runs on pipeline stage {owner}, not on this rank")
+        if self._tridist_role == "later":
             if state.last_output is None:  # this stage's last layer has not run: the stage cannot end here
                 raise RuntimeError(
-                    f"pipeline parallel: stage {state.stage} calls {self.name!r}, placed on stage {self.owner} as a "
+                    f"pipeline parallel: stage {state.stage} calls {name!r}, placed on stage {owner} as a "
                     "module that runs after the decoder layers (where the probe forward called it, or else where it "
                     "is registered), before its own last layer ran; the model calls it before or between the layers, "
                     "which no split into stages serves: "
@@ -364,8 +365,8 @@ class _StandIn(torch.nn.Module):
             raise _StageExit()
         if state.last_output is not None:  # a final norm registered before the layers, the probe forward failing
             raise RuntimeError(
-                f"pipeline parallel: stage {state.stage} calls {self.name!r} after its own layers, but it is placed on "
-                f"stage {self.owner} as a module that runs before the decoder layers (where the probe forward called "
+                f"pipeline parallel: stage {state.stage} calls {name!r} after its own layers, but it is placed on "
+                f"stage {owner} as a module that runs before the decoder layers (where the probe forward called "
                 "it, or else where it is registered); this stage would compute from its stand-in's zeros: register "
                 "it after the layer list, or use "
                 "pp=1 for this model")
@@ -376,7 +377,7 @@ class _StandIn(torch.nn.Module):
                 meta_out = self._meta_module(*meta_args, **meta_kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
             raise RuntimeError(
-                f"pipeline parallel: stage {state.stage} runs {self.name!r} (stage {self.owner}'s) on the meta device to "
+                f"pipeline parallel: stage {state.stage} runs {name!r} (stage {owner}'s) on the meta device to "
                 f"shape the zeros standing in for its output, and its code needs values there ({type(error).__name__}: "
                 f"{error}; data-dependent code such as a router's expert counts): use pp=1 for this model") from error
         output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
@@ -385,11 +386,11 @@ class _StandIn(torch.nn.Module):
         zeros = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         for tensor in zeros:  # for the layers' guard (_guard_stand_in_zeros)
             if tensor.numel():
-                state.stand_in_zeros[StorageWeakRef(tensor.untyped_storage())] = (self.name, self.owner)
+                state.stand_in_zeros[StorageWeakRef(tensor.untyped_storage())] = (name, owner)
         if len(zeros) > 1 and not self.__dict__.get("_warned"):
             self.__dict__["_warned"] = True
             warnings.warn(
-                f"pipeline parallel: {self.name!r} (stage {self.owner}) returns several tensors; stage {state.stage} "
+                f"pipeline parallel: {name!r} (stage {owner}) returns several tensors; stage {state.stage} "
                 "sees zeros for all but the first (which the received activation replaces): a mask, a cache or an "
                 "auxiliary loss it computes does not reach later stages. Compute those outside the module, from "
                 "the inputs, or in a parameter-free module (those run on every stage)",
@@ -407,20 +408,21 @@ class _StandIn(torch.nn.Module):
             return plain[attribute]
         meta = self.__dict__.get("_meta_module")
         state = self.__dict__.get("_state")
+        name, owner = self.__dict__.get("_tridist_name"), self.__dict__.get("_tridist_owner")
         held = None
         if meta is not None:
             held = meta._parameters.get(attribute)
             held = meta._buffers.get(attribute) if held is None else held
         if held is not None and state is not None and state.device is not None:
-            return _ForeignTensor(f"{self.name}.{attribute}", self.owner, held, state.device)
+            return _ForeignTensor(f"{name}.{attribute}", owner, held, state.device)
         raise AttributeError(
-            f"pipeline parallel: {self.name!r} lives on pipeline stage {self.owner}; its {attribute!r} is not on this "
+            f"pipeline parallel: {name!r} lives on pipeline stage {owner}; its {attribute!r} is not on this "
             "rank. Model code that reads it outside that module's own forward cannot run on another stage: use a "
             "strategy without pipeline parallel for this model (pp=1)"
         )
 
     def extra_repr(self) -> str:
-        return f"{self.name!r} on stage {self.owner}"
+        return f"{self._tridist_name!r} on stage {self._tridist_owner}"
 
 
 _PLAIN_TYPES = (str, int, float, bool, type(None))

@@ -4,6 +4,8 @@ configurations (Narayanan et al. 2021, Table 1: A100-80GB, 8 GPUs per node, seq 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tridist.autotune import (
@@ -20,6 +22,7 @@ from tridist.autotune import (
     search,
     validate,
 )
+from tridist.autotune.cost import balanced_layout
 from tridist.autotune.search import layout_strategies
 
 SMALL = ModelSpec(num_layers=8, hidden_size=1024, num_heads=16, ffn_hidden_size=2816, vocab_size=32000,
@@ -50,11 +53,14 @@ def _brute_force(spec, cluster, batch, space=SearchSpace()):
             continue
         for v, lvl, sp, ov, rc in itertools.product(range(1, space.max_virtual_pp + 1), space.sharding_levels,
                                                     space.sequence_parallel, space.overlap_tp_comm, space.recompute):
-            s = Strategy(dp, tp, pp, lvl, sp, mbs, batch // (dp * mbs), rc, ov, v)
-            if not validate(spec, cluster, s, global_batch_size=batch):
-                est = estimate(spec, cluster, s, global_batch_size=batch)
-                if est.fits:
-                    found.append((est.step_time_s, est.memory_bytes_per_device, s.sort_key(), s))
+            # the even stages and the FLOPs-balanced ones where they differ
+            stages = {None, balanced_layout(spec, pp * v) if 1 < pp * v <= spec.num_layers else None}
+            for layout in stages:
+                s = Strategy(dp, tp, pp, lvl, sp, mbs, batch // (dp * mbs), rc, ov, v, layers_per_stage=layout)
+                if not validate(spec, cluster, s, global_batch_size=batch):
+                    est = estimate(spec, cluster, s, global_batch_size=batch)
+                    if est.fits:
+                        found.append((est.step_time_s, est.memory_bytes_per_device, s.sort_key(), s))
     found.sort(key=lambda row: row[:3])
     return [row[3] for row in found]
 
@@ -247,3 +253,21 @@ def test_search_equals_exhaustive_enumeration_with_uneven_stages():
     assert {c.strategy.pp for c in slow} >= {2, 4}
     assert {c.strategy.virtual_pp for c in slow if c.strategy.pp == 2} >= {2, 3}  # interleaved, uneven too
     assert _brute_force(spec, cluster, 16)[:300] == [c.strategy for c in slow]
+
+
+def test_stages_balanced_by_flops_are_searched_and_chosen_where_faster():
+    """Llama 3 8B (a head of ~2 layers' FLOPs) on 2 x 8 H100s held to pp 2: the search prices the even stages and
+    the FLOPs-balanced ones (cost.balanced_layout) and picks the balanced ones, faster by the cost model; held to
+    even stages (SearchSpace.balanced_stages), it finds only slower ones. Both agree with plain enumeration."""
+    spec, cluster = preset("llama3-8b", seq_len=4096), Cluster(2, 8, get_profile("h100-sxm"))
+    space = SearchSpace(pp=(2,), max_virtual_pp=2)
+    balanced = search(spec, cluster, global_batch_size=64, space=space, storage=None)
+    even = search(spec, cluster, global_batch_size=64, space=dataclasses.replace(space, balanced_stages=(False,)),
+                  storage=None)
+    chosen = balanced.best.strategy
+    assert chosen.layers_per_stage == balanced_layout(spec, chosen.pp * chosen.virtual_pp), chosen.describe()
+    assert chosen.layers_per_stage[-1] < min(chosen.layers_per_stage[:-1])  # the head's stage holds fewest
+    assert even.best.strategy.layers_per_stage is None and even.best.step_time_s > balanced.best.step_time_s
+    assert [c.strategy for c in balanced.ranked] == \
+        [c.strategy for c in exhaustive_search(spec, cluster, global_batch_size=64, space=space)]
+    assert {c.strategy.layers_per_stage is None for c in balanced.ranked} == {True, False}  # both priced

@@ -20,7 +20,11 @@ from tridist.autotune import (
     DeviceProfile,
     ModelSpec,
     Strategy,
+    InvalidStrategy,
     activation_bytes_per_layer,
+    balanced_layout,
+    balanced_stage_layers,
+    check,
     estimate,
     hardware_flops_per_step,
     model_flops_per_step,
@@ -122,6 +126,100 @@ def test_uneven_pipeline_stages_hold_fewer_layers_at_the_ends():
         stage_layers(3, 4)
     # TINY's 4 layers on pp 3 (1, 2, 1) and tp 1: the middle rank holds two layers and nothing else.
     assert [stage_parameters(TINY, 1, 3, r) for r in range(3)] == [592 + 256, 2 * 592, 592 + 8 + 256]
+
+
+def _compositions(n, k):
+    """Every way to cut n layers into k contiguous stages of one at least."""
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(1, n - k + 2):
+        for rest in _compositions(n - first, k - 1):
+            yield (first, *rest)
+
+
+def _stage_costs(sizes, costs, first, last):
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [sum(costs[a:a + n]) + (first if i == 0 else 0) + (last if i == len(sizes) - 1 else 0)
+            for i, (a, n) in enumerate(zip(starts, sizes))]
+
+
+def test_balanced_stages_are_the_least_slowest_stage_of_every_split():
+    """balanced_stage_layers against every split of up to 9 layers into up to 4 stages, random integer costs (exact
+    in floating point) and end costs: the slowest stage is the least any split reaches; of the splits that reach it,
+    the even one where it is among them, else one with the least sum of squares."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, min(4, n))
+        costs = [rng.randint(0, 9) for _ in range(n)]
+        first, last = rng.choice([0, 2, 5]), rng.choice([0, 3, 20])
+        layout = balanced_stage_layers(costs, k, first=first, last=last)
+        splits = {sizes: _stage_costs(sizes, costs, first, last) for sizes in _compositions(n, k)}
+        least = min(max(c) for c in splits.values())
+        assert sum(layout) == n and len(layout) == k and min(layout) >= 1
+        assert max(splits[layout]) == least, (costs, k, first, last, layout)
+        even = stage_layers(n, k)
+        if max(splits[even]) == least:
+            assert layout == even
+        else:
+            assert sum(c * c for c in splits[layout]) == min(sum(c * c for c in v) for v in splits.values()
+                                                             if max(v) == least)
+
+
+def test_balanced_stages_move_layers_off_a_heavy_head():
+    """Equal layers and a head lighter than one: the even layout (Llama 3 405B's 7, 8 x 14, 7). A head of 7
+    layers (Gemma 2 2B's vocabulary against its width) on 26 layers and 4 stages: (8, 8, 8, 2), whose slowest stage
+    costs 9 layers where the even (6, 7, 7, 6) has 6 + 7 = 13 on the last."""
+    assert balanced_stage_layers([1.0] * 126, 16, first=0.01, last=0.65) == stage_layers(126, 16)
+    assert balanced_stage_layers([1.0] * 26, 4, last=7.0) == (8, 8, 8, 2)
+    assert balanced_stage_layers([1.0] * 8, 4) == (2, 2, 2, 2)
+    with pytest.raises(ValueError, match="cannot fill"):
+        balanced_stage_layers([1.0] * 3, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        balanced_stage_layers([1.0, -1.0], 1)
+
+
+def test_balanced_layout_weighs_each_layer_kind_and_the_head():
+    """TINY's layers: 2·576 matmul FLOPs per token and 2·4·(8 + 8) = 128 of attention core, 1280 in all; its head
+    2·32·8 = 512. A vocabulary of 8·32 (head 4096, 3.2 layers) on 4 layers and 2 stages: (3, 1) (3 x 1280 against
+    1280 + 4096) where the even (2, 2) has a last stage of 6656. An MoE layer of 2 active experts of width 16
+    (matmuls 2·(192 + 2·384 + 8·4 router)) beside dense ones weighs more."""
+    from tridist.autotune.cost import layer_forward_flops
+
+    assert layer_forward_flops(TINY) == (1280.0,) * 4
+    assert balanced_layout(TINY, 2) is None and balanced_layout(TINY, 4) is None
+    wide = replace(TINY, vocab_size=8 * 32)
+    assert balanced_layout(wide, 2) == (3, 1)
+    moe = replace(TINY, num_layers=6, num_experts=4, experts_per_token=2, expert_ffn_hidden_size=16,
+                  moe_layers=(2, 3, 4, 5))
+    flops = layer_forward_flops(moe)
+    assert flops[:2] == (1280.0,) * 2 and flops[2] == flops[5] == 2 * (192 + 2 * 384 + 8 * 4) + 128
+    assert balanced_layout(moe, 2) == (4, 2)  # 2 x 1280 + 2 x 2112 = 6784 against 2 x 2112 + 512 = 4736
+    assert estimate(wide, Cluster(1, 2, engine="megatron"), Strategy(1, 1, 2, num_micro_batches=4, layers_per_stage=(3, 1)),
+                    global_batch_size=4).time.compute_s < \
+        estimate(wide, Cluster(1, 2, engine="megatron"), Strategy(1, 1, 2, num_micro_batches=4),
+                 global_batch_size=4).time.compute_s
+    # the layers each rank holds: 3 layers and the embedding, 1 layer with the final norm and the head
+    assert [stage_parameters(wide, 1, 2, r, layers_per_stage=(3, 1)) for r in range(2)] == \
+        [3 * 592 + 256 * 8, 592 + 8 + 256 * 8]
+
+
+def test_a_strategys_stage_layout_is_checked_and_round_trips():
+    cluster = Cluster(1, 2, engine="megatron")
+    good = Strategy(1, 1, 2, num_micro_batches=4, layers_per_stage=(3, 1))
+    check(TINY, cluster, good, global_batch_size=4)
+    assert Strategy.from_dict(good.to_dict() | {"layers_per_stage": [3, 1]}) == good
+    assert good.describe().startswith("dp1 tp1 pp2[3,1] ")
+    for bad, words in (((2, 1), "must list pp\\*virtual_pp = 2 positive"), ((4, 0), "positive"),
+                       ((1, 1, 1, 1), "must list")):
+        with pytest.raises(InvalidStrategy, match=words):
+            check(TINY, cluster, replace(good, layers_per_stage=bad), global_batch_size=4)
+    with pytest.raises(InvalidStrategy, match="needs pp > 1"):
+        check(TINY, Cluster(1, 1, engine="megatron"), Strategy(1, 1, 1, num_micro_batches=4, layers_per_stage=(4,)),
+              global_batch_size=4)
 
 
 def test_the_slowest_pipeline_rank_sets_the_pace():

@@ -99,6 +99,7 @@ def test_a_stand_in_answers_its_modules_plain_settings_alone():
 
     block = torch.nn.Linear(4, 4)
     block.block_type, block.layer_idx, block.window, block.kinds = "mamba", 3, None, ("a", 1)
+    block.name, block.owner, block.role = "mixer", "expert", "router"  # the stand-in's own fields, by their names
     block.config, block._private = {"hidden": 4}, "x"
     plain = _plain_attributes(block)
     assert {k: plain[k] for k in ("block_type", "layer_idx", "window", "kinds")} == {
@@ -108,6 +109,7 @@ def test_a_stand_in_answers_its_modules_plain_settings_alone():
                         (None, "elsewhere")):
         stand_in = _StandIn("model.layers.2", 0, None, state, role, plain)
         assert (stand_in.block_type, stand_in.layer_idx, stand_in.kinds) == ("mamba", 3, ("a", 1))
+        assert (stand_in.name, stand_in.owner, stand_in.role) == ("mixer", "expert", "router")
         with pytest.raises(AttributeError, match=r"'model.layers.2' lives on pipeline stage 0.*'config'"):
             stand_in.config
 
