@@ -350,6 +350,11 @@ class _StandIn(torch.nn.Module):
         self.__dict__["_state"] = state
         self.__dict__["_plain"] = plain or {}
 
+    @property
+    def tridist_stage(self) -> int:
+        """The pipeline stage that holds the module this stands in for."""
+        return self._tridist_owner
+
     def forward(self, *args, **kwargs):
         state, name, owner = self._state, self._tridist_name, self._tridist_owner
         if state is None or self._tridist_role == "elsewhere":

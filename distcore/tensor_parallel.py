@@ -1093,7 +1093,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
         for style in plan.styles.get(name, []):
             module = modules[name]
             if getattr(module, "_tridist_stand_in", False):
-                changes.append(f"{name}: on pipeline stage {module.owner}")
+                changes.append(f"{name}: on pipeline stage {module.tridist_stage}")
                 continue
             changes.append(style.apply(StyleTarget(
                 name, module, modules.get(parent), tp_mesh=tp_mesh, process_mesh=process_mesh,
@@ -1236,7 +1236,7 @@ _AMBIGUOUS_PACKED = ("query_key_value",)
 def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
     owner = model.get_submodule(name.rpartition(".")[0])
     if getattr(owner, "_tridist_stand_in", False):
-        return f"{name}: on pipeline stage {owner.owner}"
+        return f"{name}: on pipeline stage {owner.tridist_stage}"
     if not isinstance(style, (ColWiseParallel, RowWiseParallel)):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} names the parameter {name!r}; sequence-parallel and prepare "
