@@ -38,10 +38,24 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
              bos_token_id=0, eos_token_id=1, pad_token_id=2,
              # Gemma 3n's and Gemma 4's per-layer inputs: their own table is 262,144 x 256 per layer by default
              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
-# Hybrids whose config builds state-space layers alone by default, laid out as their released checkpoints are: attention
-# layers among the Mamba-2 ones (Bamba-9B's attn_layer_indices, Granite 4.0-H's layer_types), at the 4 layers above.
-_HYBRID_LAYOUTS = {"bamba": dict(attn_layer_indices=[1, 3]),
-                   "granitemoehybrid": dict(layer_types=["linear_attention", "attention"] * 2)}
+# Settings a type needs at the sizes above:
+# - hybrids whose config builds state-space layers alone by default, laid out as their released checkpoints are:
+#   attention layers among the Mamba-2 ones (Bamba-9B's attn_layer_indices, Granite 4.0-H's layer_types), Zamba2's
+#   shared hybrid blocks among its Mamba-2 layers, LFM2-MoE's attention among its convolutions (a dense first layer);
+# - configs whose defaults do not fit 4 layers of width 64: Mamba-2's heads (hidden x expand = heads x head_dim),
+#   GPT-Neo's global/local pattern, GPT-J's and CodeGen's rotary width (64 by default), Gemma 3n's key/value sharing
+#   (its last 2 layers reuse the first 2 layers' keys and values, as the last 15 of 35 do in the released model);
+# - dots.llm1's shared expert count (None by default: the model fails to build).
+_TYPE_CONFIGS = {"bamba": dict(attn_layer_indices=[1, 3]),
+                 "granitemoehybrid": dict(layer_types=["linear_attention", "attention"] * 2),
+                 "zamba2": dict(layers_block_type=["linear_attention", "hybrid"] * 2, mamba_headdim=16, n_mamba_heads=8,
+                                mamba_d_state=16, num_mem_blocks=1),
+                 "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2, num_dense_layers=1),
+                 "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8),
+                 "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
+                 "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
+                 "gemma3n_text": dict(layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2),
+                 "dots1": dict(n_shared_experts=1)}
 # Every name a config uses for the expert count and top-k (unknown names are plain attributes to a config).
 _MOE = dict(num_experts=EXPERTS, num_local_experts=EXPERTS, n_routed_experts=EXPERTS, moe_num_experts=EXPERTS,
             num_experts_per_tok=TOP_K, moe_k=TOP_K, top_k=TOP_K, moe_topk=TOP_K, n_group=1, topk_group=1,
@@ -68,7 +82,7 @@ def build_tiny(model_type: str, *, deterministic: bool = False, attention: str |
     for extra in TRIES:
         try:
             torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **_HYBRID_LAYOUTS.get(model_type, {}), **extra})
+            config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **_TYPE_CONFIGS.get(model_type, {}), **extra})
             if deterministic or dropout is not None:
                 for key, value in config.to_dict().items():
                     if any(word in key for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):
