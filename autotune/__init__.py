@@ -20,6 +20,7 @@ from .cost import (
     balanced_layout,
     estimate,
     hardware_flops_per_step,
+    layer_forward_flops,
     megatron_flops_per_step,
     model_flops_per_step,
     model_state_bytes,
@@ -65,6 +66,7 @@ __all__ = [
     "model_flops_per_step", "hardware_flops_per_step", "megatron_flops_per_step",
     "all_reduce_time", "all_gather_time", "reduce_scatter_time", "p2p_time", "pipeline_bubble_fraction",
     "activation_bytes_per_layer", "model_state_bytes", "stage_parameters", "balanced_layout",
+    "layer_forward_flops",
     "search", "SearchResult", "SearchSpace", "Candidate", "LayoutResult", "exhaustive_search",
     "enumerate_layouts", "heuristic_layout", "pareto_front", "default_storage",
 ]

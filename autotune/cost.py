@@ -450,7 +450,8 @@ def stage_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, virtual_pp: 
     router (replicated), the shared experts and E/ep routed experts (split by etp: tp by default, 1 where
     the experts run whole on every tp rank)."""
     etp = tp if etp is None else etp
-    kinds = _rank_kinds(spec, pp, virtual_pp, layers_per_stage)[stage]
+    layout = tuple(layers_per_stage) if layers_per_stage is not None else None  # (a list is no cache key)
+    kinds = _rank_kinds(spec, pp, virtual_pp, layout)[stage]
     return sum(_rank_parameters(spec, tp, pp, stage, kinds, ep, etp))
 
 
@@ -886,14 +887,16 @@ def _loss_bytes(spec: ModelSpec, cluster: Cluster, s: Strategy, c: _LayerCost) -
     return c.logits_bytes
 
 
-def _in_flight_layers(layers_per_stage: int, pp: int, virtual_pp: int, num_micro_batches: int, stage: int) -> float:
-    """Layer-micro-batches of activations a stage holds at its peak under 1F1B (Megatron's warm-up:
-    p − r micro-batches on rank r; interleaved: 2(p − r − 1) + (v − 1)·p + 1 chunks of the rank's layers / v,
-    their mean where the stages are uneven)."""
-    if virtual_pp == 1:
-        return layers_per_stage * min(num_micro_batches, pp - stage)
-    chunks = min(2 * (pp - stage - 1) + (virtual_pp - 1) * pp + 1, num_micro_batches * virtual_pp)
-    return chunks * layers_per_stage / virtual_pp
+def _in_flight_layers(chunk_layers: tuple[int, ...], pp: int, num_micro_batches: int, stage: int) -> float:
+    """Layer-micro-batches of activations pipeline rank `stage` holds at its peak under 1F1B, its chunks (virtual
+    stages) holding `chunk_layers` layers each (Megatron's warm-up: p − r micro-batches on rank r; interleaved:
+    2(p − r − 1) + (v − 1)·p + 1 forwards, the k-th on chunk (k // p) mod v: groups of p micro-batches per chunk,
+    so the layers counted are each warm-up forward's own chunk's, which differ where the stages are uneven)."""
+    v = len(chunk_layers)
+    if v == 1:
+        return chunk_layers[0] * min(num_micro_batches, pp - stage)
+    forwards = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, num_micro_batches * v)
+    return float(sum(chunk_layers[(k // pp) % v] for k in range(forwards)))
 
 
 def _hidden_behind(comm: float, window: float, parts: int, interference: float = OVERLAP_COMPUTE_COST) -> float:
@@ -1143,6 +1146,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
     etp = _expert_tp(cluster, t)
     # One layer's parameters of each kind, as stage_parameters counts them.
     layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1], kind[2])) for kind in costs}
+    stages = s.layers_per_stage or stage_layers(spec.num_layers, pp * s.virtual_pp)  # rank r holds stages r, r + pp, ...
     best = None
     for stage in _peak_ranks(kinds):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
@@ -1162,7 +1166,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
             buffers += 2 * c.p2p_bytes  # send and receive buffers
         # Layer-micro-batches in flight, at the rank's mean activations per layer (over its kinds of layer).
         per_layer = sum(counts[kind] * costs[kind].activations[s.recompute] for kind in present) / per_rank[stage]
-        in_flight = _in_flight_layers(per_rank[stage], pp, s.virtual_pp, s.num_micro_batches, stage)
+        in_flight = _in_flight_layers(stages[stage::pp], pp, s.num_micro_batches, stage)
         activations = in_flight * per_layer
         if s.recompute == "full":  # the layer being recomputed holds its full set
             activations += max(costs[kind].activations["none"] for kind in present)

@@ -74,14 +74,14 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (False, True)
     overlap_tp_comm: tuple[bool, ...] = (False, True)
     max_virtual_pp: int = 4
-    # Pipeline stages as stage_layers lays them out (False) and balanced by FLOPs (True: cost.balanced_layout, where
-    # it differs)
-    balanced_stages: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int | None = None
     tp: tuple[int, ...] | None = None
     pp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None  # expert-parallel degrees (mixtures of experts); None: every one allowed
     num_micro_batches: tuple[int, ...] | None = None  # None: any that splits the batch
+    # Pipeline stages as stage_layers lays them out (False) and balanced by FLOPs (True: cost.balanced_layout, where
+    # it differs)
+    balanced_stages: tuple[bool, ...] = (False, True)
 
     def signature(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +37,8 @@ def stage_layers(num_layers: int, num_stages: int) -> tuple[int, ...]:
     return tuple(base + (stage in order) for stage in range(num_stages))
 
 
-# Two stage costs closer than this (relative) are equal: costs are sums of floats, added in other orders.
+# Two stage costs closer than this, relative to the model's whole cost, are equal: costs are sums of floats, added in
+# other orders.
 _COST_TIE = 1e-9
 
 
@@ -47,12 +49,14 @@ def balanced_stage_layers(layer_costs: Sequence[float], num_stages: int, *, firs
     and `last` on the last (the LM head and its loss). The pipeline runs at its slowest stage's pace, so a layout
     that lowers that maximum is faster whatever the others cost. Of the layouts that reach the minimum,
     `stage_layers`' even one where it is among them, else the one with the least sum of squared stage costs (the
-    most even). Exact: a dynamic program over the split points (O(stages x layers^2), cached by its callers)."""
+    most even). Exact: a dynamic program over the split points (O(stages x layers^2), cached by its callers).
+    Stages, not ranks: with interleaving (rank r holding stages r, r + pp, ...) the ranks' sums are then close to
+    balanced too, not necessarily the best rank-level layout (the search prices both it and the even one)."""
     n, costs = len(layer_costs), [float(c) for c in layer_costs]
     if num_stages < 1 or n < num_stages:
         raise ValueError(f"{n} layers cannot fill {num_stages} pipeline stages (each needs at least one)")
-    if any(c < 0 for c in costs + [first, last]):
-        raise ValueError("balanced_stage_layers: costs must be non-negative")
+    if not all(math.isfinite(c) and c >= 0 for c in costs + [first, last]):
+        raise ValueError("balanced_stage_layers: costs must be finite and non-negative")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -73,7 +77,7 @@ def balanced_stage_layers(layer_costs: Sequence[float], num_stages: int, *, firs
         for j in range(k, n - (num_stages - k) + 1):
             best[k][j] = min(max(best[k - 1][i], stage_cost(k - 1, i, j)) for i in range(k - 1, j))
     optimum = best[num_stages][n]
-    bound = optimum * (1 + _COST_TIE) + _COST_TIE
+    bound = optimum + _COST_TIE * (prefix[-1] + first + last)
     even = stage_layers(n, num_stages)
     if max(layout_costs(even)) <= bound:
         return even
@@ -95,7 +99,13 @@ def balanced_stage_layers(layer_costs: Sequence[float], num_stages: int, *, firs
 
 
 def _stage_sizes(num_layers: int, num_stages: int, layers_per_stage: tuple[int, ...] | None) -> tuple[int, ...]:
-    return tuple(layers_per_stage) if layers_per_stage is not None else stage_layers(num_layers, num_stages)
+    if layers_per_stage is None:
+        return stage_layers(num_layers, num_stages)
+    sizes = tuple(layers_per_stage)
+    if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+        raise ValueError(f"layers_per_stage={sizes} must list {num_stages} positive layer counts adding up to "
+                         f"{num_layers} layers")
+    return sizes
 
 
 def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1,
@@ -295,12 +305,15 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     # Stages need not hold equal layer counts (stage_layers), but each holds one at least.
     if s.layers_per_stage is not None:
         sizes = s.layers_per_stage
-        if (not isinstance(sizes, tuple) or len(sizes) != s.pp * s.virtual_pp or not all(map(_is_positive_int, sizes))
-                or sum(sizes) != spec.num_layers):
-            reasons.append(f"layers_per_stage={sizes!r} must list pp*virtual_pp = {s.pp * s.virtual_pp} positive layer "
-                           f"counts adding up to the {spec.num_layers} layers; or None for the even layout")
-        elif s.pp == 1:
+        if s.pp == 1:
             reasons.append("layers_per_stage lays out pipeline stages: it needs pp > 1; use None")
+        elif (not isinstance(sizes, tuple) or len(sizes) != s.pp * s.virtual_pp or not all(map(_is_positive_int, sizes))
+                or sum(sizes) != spec.num_layers):
+            found = (f" ({len(sizes)} counts adding up to {sum(sizes)})"
+                     if isinstance(sizes, tuple) and all(isinstance(n, int) for n in sizes) else "")
+            reasons.append(f"layers_per_stage={sizes!r}{found} must list pp*virtual_pp = {s.pp * s.virtual_pp} "
+                           f"positive layer counts adding up to the {spec.num_layers} layers; or None for the even "
+                           "layout")
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "
                        "stage needs one at least); pick fewer stages")

@@ -354,6 +354,8 @@ def _search_space(config: ToDistributedConfig):
 def _violates(strategy, dim: str) -> bool:
     from tridist.autotune.search import KEPT_AT
 
+    if dim == "balanced_stages":  # the search's knob; a strategy lists its stages (None: the even layout)
+        return strategy.layers_per_stage is not None
     return getattr(strategy, dim) not in KEPT_AT[dim]
 
 

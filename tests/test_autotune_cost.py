@@ -165,11 +165,11 @@ def test_estimate_bubble_is_p_minus_1_over_vm_of_the_ideal_time(v):
 
 def test_first_stage_holds_p_micro_batches():
     # 1F1B: rank r holds p − r micro-batches (capped by m); layers per stage 5, p = 4 -> L = 20 layer-batches
-    assert _in_flight_layers(5, 4, 1, 8, 0) == 20
-    assert _in_flight_layers(5, 4, 1, 8, 3) == 5
-    assert _in_flight_layers(5, 4, 1, 2, 0) == 10
-    # interleaved (v = 2): L·(1 + (p − 1)/(p·v)) on the first stage (Korthikanti et al.)
-    assert _in_flight_layers(5, 4, 2, 8, 0) == pytest.approx(20 * (1 + 3 / 8))
+    assert _in_flight_layers((5,), 4, 8, 0) == 20
+    assert _in_flight_layers((5,), 4, 8, 3) == 5
+    assert _in_flight_layers((5,), 4, 2, 0) == 10
+    # interleaved (v = 2 chunks of 5 layers): L·(1 + (p − 1)/(p·v)) on the first stage (Korthikanti et al.), L = 40
+    assert _in_flight_layers((5, 5), 4, 8, 0) == pytest.approx(40 * (1 + 3 / 8))
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -18,9 +18,9 @@ import pytest
 from tridist.autotune import (
     Cluster,
     DeviceProfile,
+    InvalidStrategy,
     ModelSpec,
     Strategy,
-    InvalidStrategy,
     activation_bytes_per_layer,
     balanced_layout,
     balanced_stage_layers,
@@ -178,8 +178,14 @@ def test_balanced_stages_move_layers_off_a_heavy_head():
     assert balanced_stage_layers([1.0] * 8, 4) == (2, 2, 2, 2)
     with pytest.raises(ValueError, match="cannot fill"):
         balanced_stage_layers([1.0] * 3, 4)
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="finite and non-negative"):
         balanced_stage_layers([1.0, -1.0], 1)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        balanced_stage_layers([float("nan"), 1.0, 1.0], 2)
+    # ties are relative to the costs' scale: microseconds balance as seconds do
+    assert balanced_stage_layers([1e-10, 1e-10, 1e-10, 5e-10], 2) == balanced_stage_layers([1, 1, 1, 5], 2) == (3, 1)
+    with pytest.raises(ValueError, match="must list 2 positive layer counts adding up to 4"):
+        rank_layers(4, 2, 1, (1, 1, 2))
 
 
 def test_balanced_layout_weighs_each_layer_kind_and_the_head():
@@ -205,6 +211,18 @@ def test_balanced_layout_weighs_each_layer_kind_and_the_head():
     # the layers each rank holds: 3 layers and the embedding, 1 layer with the final norm and the head
     assert [stage_parameters(wide, 1, 2, r, layers_per_stage=(3, 1)) for r in range(2)] == \
         [3 * 592 + 256 * 8, 592 + 8 + 256 * 8]
+
+
+def test_interleaved_ranks_hold_each_warm_up_forwards_own_chunk():
+    """Interleaved 1F1B's warm-up on rank r runs 2(p - r - 1) + (v - 1)p + 1 forwards, the k-th on chunk (k // p) mod v:
+    with chunks of 3, 3, 3 and 1 layers (a balanced layout's last rank, pp 4 x 4 virtual stages, 16 micro-batches)
+    the last rank's 13 forwards hold 4 x 3 + 4 x 3 + 4 x 3 + 1 x 1 = 37 layer-micro-batches, not the mean's
+    13 x 10 / 4 = 32.5; even chunks give the mean (the even layout's count, as before)."""
+    from tridist.autotune.cost import _in_flight_layers
+
+    assert _in_flight_layers((3, 3, 3, 1), 4, 16, 3) == 37
+    assert _in_flight_layers((3, 3, 3, 3), 4, 16, 0) == 19 * 12 / 4
+    assert _in_flight_layers((5,), 4, 16, 1) == 5 * 3  # no interleaving: p - r micro-batches of the rank's layers
 
 
 def test_a_strategys_stage_layout_is_checked_and_round_trips():

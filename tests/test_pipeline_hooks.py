@@ -110,6 +110,7 @@ def test_a_stand_in_answers_its_modules_plain_settings_alone():
         stand_in = _StandIn("model.layers.2", 0, None, state, role, plain)
         assert (stand_in.block_type, stand_in.layer_idx, stand_in.kinds) == ("mamba", 3, ("a", 1))
         assert (stand_in.name, stand_in.owner, stand_in.role) == ("mixer", "expert", "router")
+        assert stand_in.tridist_stage == 0  # the stage holding the module (tensor parallel's change notes read it)
         with pytest.raises(AttributeError, match=r"'model.layers.2' lives on pipeline stage 0.*'config'"):
             stand_in.config
 
