@@ -33,7 +33,7 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
   does not divide the layers the stages are uneven (strategy.stage_layers) and each rank is priced by
   the layers it holds, interleaved or not.
 * Modules a recognised structure does not plan (ModelSpec.unplanned_parameters: LongCat-Flash's second attention
-  and MLP, Falcon-H1's Mamba mixer) are whole on every tensor-parallel rank: their weights counted there in full and
+  and MLP) are whole on every tensor-parallel rank: their weights counted there in full and
   their compute priced as a matmul of all their weights over every token, not divided by tp (their activations not
   counted).
 * Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
@@ -119,7 +119,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 19  # 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 20  # 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -187,14 +187,21 @@ def _layer_forward_flops(spec: ModelSpec, kind: tuple[bool, bool, str]) -> tuple
     attention's; a block of one part (Nemotron-H's) has no attention, or no MLP. Modules no plan names
     (unplanned_parameters) run in every layer."""
     moe, linear, part = kind
-    mixer = (spec.gated_delta_net.matmul_parameters(spec.hidden_size) if linear else spec.attention_parameters)
+    attends = part != "mlp" and _attends(spec, linear)
+    mixer = (spec.gated_delta_net.matmul_parameters(spec.hidden_size) if linear else 0) + \
+        (spec.attention_parameters if attends else 0)
     mlp = spec.moe_active_mlp_parameters if moe else spec.mlp_parameters
     matmul = 2.0 * ((mixer if part != "mlp" else 0) + (mlp if part != "mixer" else 0) + spec.unplanned_parameters)
-    attends = part != "mlp" and not linear
     # Q·Kᵀ and P·V (q_size: 4·s·q_size unless latent attention's value heads differ), no causal halving (Megatron)
     core = 2.0 * spec.seq_len * (spec.q_size + spec.attention_output_size) if attends else 0.0
     linear_core = _linear_core_flops(spec)[0] if linear else 0.0
     return matmul, core, linear_core
+
+
+def _attends(spec: ModelSpec, linear: bool) -> bool:
+    """Whether a layer whose token mixer is (`linear`) or is not linear attention holds an attention: every layer but
+    those whose linear mixer takes the attention's place (Falcon-H1's runs beside it: gated_delta_net.beside_attention)."""
+    return not linear or spec.gated_delta_net.beside_attention
 
 
 def layer_forward_flops(spec: ModelSpec) -> tuple[float, ...]:
@@ -331,7 +338,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     `imbalance` times the mean of the routed tokens; `experts_split` False: its experts run whole on every tp
     rank (etp = 1), their activations outside the split regions (sequence parallel splits them with the rest: the
     blocks then run on each rank's slice of the sequence). `linear`: a Gated DeltaNet layer (`_linear_mixer_bytes`
-    in attention's place: inside the split region, no core term). `kv_replicas`: the tp ranks that compute each
+    in attention's place: inside the split region, no core term; beside the attention, Falcon-H1's, added to the
+    attention's terms). `kv_replicas`: the tp ranks that compute each
     key/value head (tp above the key/value heads): their keys and values that many times in the split region. `part`:
     a block of one part ("mixer", "mlp": Nemotron-H's) keeps that part's."""
     sb = spec.seq_len * micro_batch_size
@@ -346,14 +354,15 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     outside, mlp = _mlp_activation_terms(spec, sb, e, moe, imbalance, experts_split, 2 * half)
     if part == "mixer":
         outside, mlp = half, 0.0
-    if linear:
-        return outside, sb * (_linear_mixer_bytes(spec, e) + mlp), 0.0, 0.0
+    linear_bytes = _linear_mixer_bytes(spec, e) if linear else 0.0
+    if linear and not spec.gated_delta_net.beside_attention:
+        return outside, sb * (linear_bytes + mlp), 0.0, 0.0
     # Q, K, V for the attention core, the output projection's input.
     # An output gate from the query projection: that output twice as wide (the query's norm keeps a view of it) and
     # the gate's sigmoid.
     gate = 2 * e * q if spec.attention_output_gate else 0
     keys_values = kv_replicas * e * (spec.key_size + spec.value_size)
-    inside = sb * (e * q + keys_values + e * spec.attention_output_size + gate + mlp)
+    inside = sb * (e * q + keys_values + e * spec.attention_output_size + gate + mlp + linear_bytes)
     latent = spec.latent_attention
     # The latents and their norms' inputs, whole on every tensor-parallel rank.
     whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
@@ -403,7 +412,8 @@ def activation_bytes_per_layer(spec: ModelSpec, micro_batch_size: int, tp: int =
         return layer_input / tp if sequence_parallel else layer_input
     experts_split = etp is None or etp == tp
     outside, inside, core, whole = _activation_terms(spec, micro_batch_size, dtype_bytes, moe, imbalance, experts_split,
-                                                     linear, 1 if linear else kv_head_replicas(spec, tp), part)
+                                                     linear, kv_head_replicas(spec, tp) if _attends(spec, linear) else 1,
+                                                     part)
     if recompute == "selective":
         core = 0.0
     return (outside / tp if sequence_parallel else outside) + (inside + core) / tp + whole
@@ -504,16 +514,16 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         mlp_only = spec.hidden_size + (spec.mlp_parameters / tp if not moe else
                                        spec.shared_expert_parameters / etp + spec.moe_whole_parameters)
         return mlp_only, spec.num_experts // ep * spec.expert_parameters / etp if moe else 0.0
+    mixer, norms = 0.0, 2 * spec.hidden_size
     if linear:
         mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
-        norms = 2 * spec.hidden_size
-    else:
+    if _attends(spec, linear):  # (beside the linear mixer where it runs beside the attention: Falcon-H1's)
         # Whole on every rank: latent attention's down-projections; the key/value projections where tp exceeds their
         # heads (each rank computes the head its query heads use from the whole weight: ReplicatedColWiseParallel).
         unsplit = spec.attention_unsplit_parameters
         if kv_head_replicas(spec, tp) > 1:
             unsplit += _replicated_kv_weights(spec)
-        mixer = (spec.attention_parameters - unsplit) / tp + unsplit
+        mixer += (spec.attention_parameters - unsplit) / tp + unsplit
         norms = spec.layer_norm_parameters
     mixer += spec.unplanned_parameters  # modules no plan names: whole on every rank
     if part == "mixer":
@@ -723,11 +733,13 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # The tokens an MoE block runs on this rank: under sequence parallel with whole blocks (etp = 1) its slice.
     moe_tokens = tokens / tp if moe and sequence_parallel and etp == 1 else tokens
     gdn = spec.gated_delta_net if linear else None
-    projections = gdn.projections(h) if gdn else spec.attention_projections
-    replicas = 1 if gdn else kv_head_replicas(spec, tp)
+    attends = _attends(spec, linear)  # an attention in the layer: alone, or beside the linear mixer (Falcon-H1's)
+    attention_projections = spec.attention_projections if attends else ()
+    replicas = kv_head_replicas(spec, tp) if attends else 1
     if replicas > 1:  # tp above the key/value heads: each rank computes the one its query heads use, replicas / tp of k, v
-        (n_in, n_out, split), output = projections
-        projections = ((n_in, n_out + (spec.kv_size + spec.value_size) * (replicas - 1), split), output)
+        (n_in, n_out, split), output = attention_projections
+        attention_projections = ((n_in, n_out + (spec.kv_size + spec.value_size) * (replicas - 1), split), output)
+    projections = (gdn.projections(h) if gdn else ()) + tuple(attention_projections)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections) if mixer_part else 0.0
     if spec.unplanned_parameters and mixer_part:  # modules no plan names, whole on every rank: as matmuls of their weights
@@ -758,16 +770,18 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # too: flash-linear-attention's kernels are, like flash attention's, small per-block matmuls in fused Triton
     # kernels (no separate measurement of theirs exists here).
     flash_flops = p.attention_flops if measured and p.attention_flops else flops * engine.attention(p.arch)
+    core = core_bwd = attention_core = 0.0
     if gdn:
         linear_fwd, linear_recompute = _linear_core_flops(spec)
         core = tokens * linear_fwd / tp / flash_flops
         core_bwd = BWD_TO_FWD * core + tokens * linear_recompute / tp / flash_flops
-    else:
+    if attends:
         core_flops = flash_flops if spec.flash_attention else flops
-        core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
-        core_bwd = (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * core
+        attention_core = 2.0 * micro_batch_size * spec.seq_len**2 * (spec.q_size + spec.attention_output_size) / tp / core_flops
+        core += attention_core
+        core_bwd += (BWD_TO_FWD + (FLASH_BWD_RECOMPUTE if spec.flash_attention else 0.0)) * attention_core
     if not mixer_part:
-        core = core_bwd = 0.0
+        core = core_bwd = attention_core = 0.0
     outside, inside, core_bytes, whole = _activation_terms(spec, micro_batch_size, e, moe, imbalance, etp == tp,
                                                            linear, replicas, part)
     stored = (outside / tp if sequence_parallel else outside) + (inside + core_bytes) / tp + whole
@@ -775,8 +789,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     bw_elementwise = p.fused_kernel_bandwidth if engine.fused_kernels and p.fused_kernel_bandwidth else bw
     elementwise = engine.elementwise_traffic * stored / bw_elementwise
     core_elementwise = 0.0 if spec.flash_attention else engine.elementwise_traffic * core_bytes / tp / bw
-    # Selective recompute re-runs the attention core; distcore leaves a Gated DeltaNet layer as it is.
-    selective = 0.0 if gdn else core + core_elementwise
+    # Selective recompute re-runs the attention core; distcore leaves a Gated DeltaNet mixer as it is.
+    selective = attention_core + core_elementwise if attends else 0.0
     bw_tp, lat_tp = cluster.link(tp, 1)
     message = e * tokens * h
     tp_collective = all_reduce_time(message, tp, bw_tp, lat_tp)
@@ -785,7 +799,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # _UnequalPackedColwise), on top of the four collectives of b·s·h; priced per layer as a share of them.
     packed = e * tokens * (spec.q_size + 2 * spec.kv_size)
     packed_qkv = (reduce_scatter_time(packed, tp, bw_tp, lat_tp) + all_gather_time(packed, tp, bw_tp, lat_tp)
-                  if spec.packed_unequal_qkv and not spec.qkv_interleaved and tp > 1 and replicas == 1 and not gdn
+                  if spec.packed_unequal_qkv and not spec.qkv_interleaved and tp > 1 and replicas == 1 and attends
                   else 0.0)  # replicated key/value heads: column-parallel on every rank's rows (no reduce-scatter)
     # q/k norms under tensor parallel (distcore's tensor_parallel.py). Per head (Qwen3): each rank's heads
     # give a partial gradient of the q and k norm weights (head_dim each, Replicate), summed over the tp
@@ -798,7 +812,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # FSDP / the optimizer reads it), not once per micro-batch. (Full recompute's second forward repeats the
     # statistics' all-reduces, not counted, as for the packed q/k/v.) Every message is small (a value per
     # token, a weight of head_dim or q + kv), so the term is latency-bound: ring steps x alpha, not bytes/bw.
-    if gdn:  # no q/k norms (its packed projections' collectives are linear_collectives)
+    if not attends:  # no q/k norms (its packed projections' collectives are linear_collectives)
         qk_norm = 0.0
     elif spec.qk_norm == "projection" and tp > 1:
         qk_norm = (4 * all_reduce_time(NORM_STATISTIC_BYTES * tokens, tp, bw_tp, lat_tp)
@@ -811,7 +825,7 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     # gradients of the query latent (the hidden state without one), of the key/value latent and of the rotary
     # key every head uses (ReduceSharedOutputGradient) instead of the hidden state's: three smaller messages,
     # each paying the latency. (Priced alike under sequence parallel, whose pair per collective has the same size.)
-    latent = None if gdn else spec.latent_attention
+    latent = spec.latent_attention if attends else None
     latent_collectives = 0.0
     if latent and tp > 1:
         widths = (latent.q_lora_rank or h, latent.kv_lora_rank, latent.rope_head_dim)
@@ -844,7 +858,9 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     split = tp if sequence_parallel else 1
     # Attention's (or a linear mixer's) pair and a dense MLP's; an MoE block runs whole on every tp rank (on this rank's
     # slice under sp) and moves no activations, unless the engine splits its experts over tp.
-    collectives = (2 if mixer_part else 0) + (2 if mlp_part and (not moe or etp > 1) else 0)
+    # (a linear mixer beside the attention: a pair of its own)
+    collectives = ((2 + 2 * (gdn is not None and attends)) if mixer_part else 0) + (2 if mlp_part and (not moe or etp > 1)
+                                                                                   else 0)
     return _LayerCost(gemm, core, core_bwd, selective, elementwise, core_elementwise, tp_collective, collectives,
                       ep_collective,
                       packed_qkv, qk_norm, latent_collectives, linear_collectives, head, head_elementwise, activations,
@@ -1082,7 +1098,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # The key/value projections (a packed qkv whole) on every tp rank, each rank's gradient its own query heads'
         # share: summed over the tp ranks once per step, when read (an all-reduce of the rank holding the most
         # attention layers).
-        attention_layers = max(_count_layers(k, linear=False, mixer=True) for k in kinds)
+        attention_layers = max(_count_layers(k, linear=None if spec.gated_delta_net and spec.gated_delta_net.beside_attention
+                                             else False, mixer=True) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time

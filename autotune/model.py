@@ -135,8 +135,8 @@ class ModelStructure:
     # replaces `attention` (and `q`/`k`/`v`/`qkv`/`o`, read from a layer with attention) there.
     linear_attention: "LinearAttention | None" = None
     # Modules of a decoder layer holding parameters that no plan names (outside the attention, the MLP or MoE block,
-    # the norms and a linear mixer: LongCat-Flash's second attention and MLP beside its first, Falcon-H1's Mamba mixer
-    # beside its attention), the top-most of each, layer-relative: whole on every tensor-parallel rank, and no
+    # the norms and a linear mixer: LongCat-Flash's second attention and MLP beside its first; Falcon-H1's Mamba mixer
+    # where it cannot be split), the top-most of each, layer-relative: whole on every tensor-parallel rank, and no
     # sequence parallel (on a rank's slice their gradients would be partial; `distcore.auto.unsupported`).
     unplanned: tuple[str, ...] = ()
     # Blocks of one part (Nemotron-H: a norm and one mixer each, Mamba-2, attention, an MLP or experts): the layers
@@ -281,7 +281,8 @@ class GatedDeltaNet:
     (B and C) are then partial sums all-reduced forward and backward. `packed_split_outputs`: the outputs per token of
     the projections that pack unequal parts (Qwen3.5's [q | k | v], Mamba-2's [z | x | B | C | dt]), which tensor
     parallel splits on their input features: their output reduce-scattered forward, its gradient all-gathered
-    backward (0: none)."""
+    backward (0: none). `beside_attention`: the mixer runs beside the attention in its layers, both on the layer's
+    input (Falcon-H1's parallel hybrid), not in the attention's place: those layers cost both."""
 
     layers: tuple[int, ...]
     num_k_heads: int
@@ -291,6 +292,7 @@ class GatedDeltaNet:
     conv_kernel_size: int = 4
     key_heads_replicable: bool = False
     packed_split_outputs: int = 0
+    beside_attention: bool = False
 
     def __post_init__(self) -> None:
         _check_integers("GatedDeltaNet", self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
@@ -356,7 +358,9 @@ class LinearAttention:
     and v projections with the convolution over their channels, per-channel decay gates and an output gate (from the
     hidden states, or from a low-rank latent of one head's width, whose down-projection stays whole), one head count
     for keys and values. So are Mamba-2 mixers (Bamba, Granite 4.0-H: `kind` "mamba2", `_mamba2_mixer`), their state
-    groups (n_groups) as the key heads and their heads as the value heads."""
+    groups (n_groups) as the key heads and their heads as the value heads. `beside_attention`: the mixer runs beside
+    the attention in the same layers, both on the layer's normed input (Falcon-H1's Mamba-2 mixer), not in its place:
+    both are split."""
 
     mixer: str
     layers: tuple[int, ...]
@@ -372,6 +376,7 @@ class LinearAttention:
     part_counts: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
     group_norm: str | None = None
     kind: str = "gdn"
+    beside_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -739,9 +744,10 @@ class ModelSpec:
     def num_parameters(self) -> int:
         """Total parameters: layers (dense and MoE) + embedding + (untied) LM head + final norm."""
         layers = self.num_dense_layers * self.layer_parameters + self.num_moe_layers * self.moe_layer_parameters
-        # A Gated DeltaNet layer: its mixer in place of attention and the q/k norms.
-        layers += self.num_linear_layers * (self.linear_mixer_parameters - self.attention_parameters
-                                            - self.qk_norm_parameters)
+        # A Gated DeltaNet layer: its mixer in place of attention and the q/k norms (beside them: Falcon-H1's)
+        beside = self.gated_delta_net is not None and self.gated_delta_net.beside_attention
+        layers += self.num_linear_layers * (self.linear_mixer_parameters - (0 if beside else self.attention_parameters
+                                                                            + self.qk_norm_parameters))
         layers += self.num_layers * self.unplanned_parameters
         # Blocks of one part: no attention (nor q/k norms) or no MLP, and one norm.
         layers -= len(self.mixer_free_layers) * (self.attention_parameters + self.qk_norm_parameters + self.hidden_size)
@@ -1559,13 +1565,19 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     moe_blocks, moe_fields = _moe_layers(layers, hidden, overrides)
     dense = [i for i in range(len(layers)) if i not in moe_blocks]
     mixers = {i: found for i, layer in enumerate(layers) if (found := _linear_mixer(layer)) is not None}
-    if len(mixers) == len(layers) and all(_is_mamba2_mixer(layers[i].get_submodule(n)) for i, n in mixers.items()):
-        # A Mamba-2 mixer in every layer runs beside the attention (Falcon-H1's parallel hybrid), not in its place: a
-        # module no plan names (`unplanned`: whole on every tp rank). A model of Mamba-2 layers alone has no attention
-        # to read the structure from, and is refused there.
-        mixers = {}
+    # A Mamba-2 mixer in every layer runs beside the attention (Falcon-H1's parallel hybrid), not in its place: both
+    # are split, in every layer. (A model of Mamba-2 layers alone has no attention to read the structure from, and is
+    # refused there.)
+    beside = (len(mixers) == len(layers) and all(_is_mamba2_mixer(layers[i].get_submodule(n)) for i, n in mixers.items())
+              and any(not l.name.startswith(mixers[0] + ".") for l in _linears(layers[0])))  # and something else
+    beside_note = None
+    if beside:
+        try:
+            _linear_attention(layers_name, layers, mixers, hidden)
+        except UnrecognisedModel as error:  # read as before: a module no plan names, whole on every tp rank
+            mixers, beside, beside_note = {}, False, f"the Mamba-2 mixers beside the attention are not split ({error})"
     mixer_free, mlp_free = _one_part_blocks(layers, hidden, moe_blocks, mixers)
-    attention_layers = [i for i in range(len(layers)) if i not in mixers and i not in mixer_free]
+    attention_layers = [i for i in range(len(layers)) if (beside or i not in mixers) and i not in mixer_free]
     dense_mlp = [i for i in dense if i not in mlp_free]  # the layers holding a dense MLP
     if not attention_layers:
         raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
@@ -1588,6 +1600,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     linears = _linears(block)
     if moe is not None and index in moe_blocks:
         linears = [l for l in linears if not (l.name == moe.block or l.name.startswith(moe.block + "."))]
+    if beside:  # the mixer beside the attention is read on its own (_linear_attention)
+        linears = [l for l in linears if not (l.name == mixers[index] or l.name.startswith(mixers[index] + "."))]
     _orient(linears, hidden)
     attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None,
                                   mlp=index not in mlp_free)
@@ -1624,6 +1638,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                                       attention=attention,
                                       one_part=block_parts(mixer_free, mlp_free))
     linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
+    if linear is not None and beside:
+        linear = dataclasses.replace(linear, beside_attention=True)
     linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)
@@ -1632,7 +1648,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     norms = tuple(n for n in _norm_names(block, hidden) if n not in qk_norms)  # OLMo2's q norm can be hidden-wide
     if moe is not None:  # norms inside the experts (none in the families known) are not layer norms
         norms = tuple(n for n in norms if not n.startswith(moe.block + "."))
-    notes = list(shape_notes)
+    notes = list(shape_notes) + ([beside_note] if beside_note else [])
     projections = [attn.get(k) for k in ("q", "k", "v", "o", "qkv", "latent_kv", "latent_kv_down", "gate")]
     covered = [attention or None, *([None] if attention else projections), *norms, *qk_norms,
                linear.mixer if linear else None]
@@ -1662,8 +1678,9 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
                 "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
                           "k) and heads (x as v)"}.get(linear.kind, "Gated DeltaNet linear attention")
-        notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}, priced as flash-linear-attention's chunked "
-                     "kernels run it")
+        notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}"
+                     f"{' beside their attention' if linear.beside_attention else ''}, priced as flash-linear-attention's "
+                     "chunked kernels run it")
         widths = sum(sum(parts) for _, parts in linear.columns)
         expected = linear_shape.projections(hidden)[0][1]
         if widths != expected:
@@ -1922,15 +1939,30 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
                                  f"projection {inner} -> {hidden}, the convolution over its {conv_dim} [x | B | C] "
                                  f"channels, a gated norm over {inner} features in groups of {inner // groups}")
     rows += _per_head_parameters(where, module, heads, "head")
+    row_dims = []
+    for bname, buffer in module.named_buffers(recurse=False):
+        # Falcon-H1's mup_vector ([1, 1, in_proj's outputs]: a µP multiplier per feature of [z | x | B | C | dt]),
+        # which its code multiplies the input projection's output by: split as that output is
+        if buffer.dim() and buffer.shape[-1] == sum(parts) and buffer.numel() == sum(parts):
+            rows.append((bname, parts))
+            row_units.append((bname, units))
+            row_dims.append((bname, buffer.dim() - 1))
+        else:
+            raise UnrecognisedModel(f"{where}.{bname} (a buffer of shape {tuple(buffer.shape)}) is none of a Mamba-2 "
+                                    f"mixer's parts tensor parallel splits (a vector over its input projection's "
+                                    f"{sum(parts)} outputs)")
     if len(columns) != 1 or output is None or not any(n.endswith(".weight") and p == (inner, bc, bc) for n, p in rows):
         raise UnrecognisedModel(f"{where}: a Mamba-2 mixer needs one input projection {hidden} -> {sum(parts)}, an "
                                 f"output projection {inner} -> {hidden} and a convolution over its {conv_dim} channels; "
                                 f"found input projection(s) {[n for n, _ in columns]}, output {output}")
+    # Falcon-H1's mixer also keeps n_groups x ssm_state_size (B's and C's width) as an attribute of its own
+    widths = (("groups_time_state_size", ((bc, groups),)),) if readable_attr(module, "groups_time_state_size") == bc else ()
     return LinearAttention(
         mixer=name, layers=layer_indices, num_k_heads=groups, num_v_heads=heads, columns=tuple(columns), output=output,
         rows=tuple(rows), shared=(), counts=("num_heads", "intermediate_size"),
-        units=((columns[0][0], units), *row_units),
-        part_counts=(("n_groups", ((groups, groups),)), ("conv_dim", ((inner, heads), (bc, groups), (bc, groups)))),
+        units=((columns[0][0], units), *row_units), row_dims=tuple(row_dims),
+        part_counts=(("n_groups", ((groups, groups),)), ("conv_dim", ((inner, heads), (bc, groups), (bc, groups))),
+                     *widths),
         group_norm=group_norm, kind="mamba2")
 
 
@@ -2018,7 +2050,8 @@ def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> Gate
     # distcore's rule (packed.packed_colwise): a packing of equal parts without units of their own splits each part
     # on the outputs; any other packing splits the weight on its inputs and reduce-scatters the output
     units = dict(linear.units)
-    common = dict(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], packed_split_outputs=sum(
+    common = dict(layers=linear.layers, conv_kernel_size=conv.kernel_size[0], beside_attention=linear.beside_attention,
+                  packed_split_outputs=sum(
         sum(parts) for name, parts in linear.columns if len(parts) > 1 and (len(set(parts)) > 1 or name in units)))
     if linear.kind == "mamba2":  # B and C as q and k (a group's state wide), x as v (a head wide), z as the gate
         return GatedDeltaNet(num_k_heads=int(mixer.n_groups), num_v_heads=int(mixer.num_heads),

@@ -816,7 +816,8 @@ def _attention_layers(structure) -> tuple[int, ...]:
     """The indices of the layers whose token mixer is the structure's `attention`: not linear attention (no scores),
     not a block without a token mixer (Nemotron-H's MLP and MoE blocks, whose `mixer` is no attention)."""
     linear = structure.linear_attention
-    other = set(linear.layers if linear else ()) | set(structure.mixer_free_layers)
+    replaced = linear.layers if linear and not linear.beside_attention else ()  # (Falcon-H1's runs beside attention)
+    other = set(replaced) | set(structure.mixer_free_layers)
     return tuple(i for i in range(structure.num_layers) if i not in other)
 
 

@@ -332,7 +332,8 @@ class LocalParameterRows(_Style):
     """A module whose heads mp splits through its column-parallel projections and that holds parameters with
     rows per head or per channel of them: a Gated DeltaNet mixer's depthwise convolution over its packed
     [q | k | v] channels and its per-head decay and time-step biases, which its code reads itself
-    (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward. Each parameter named in `rows`
+    (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward, or a non-persistent buffer (Falcon-H1's
+    mup_vector, a multiplier per input-projection output: this rank's rows taken once). Each parameter named in `rows`
     (relative to the module) stays whole on every rank (a Replicate DTensor: a few values per channel); around
     every call of the module's forward (its forward hooks) its owner holds this rank's rows of each part
     (`rows[name]`: the parts' sizes, each split evenly, in order), whose gradients are summed over the mp ranks.
@@ -358,14 +359,20 @@ class LocalParameterRows(_Style):
         module, tp = target.module, target.tp_mesh.size()
         rank = target.tp_mesh.get_local_rank()
         spans = {}  # (owner, parameter name) -> this rank's (start, length) in each part
+        buffers = {}  # the same for buffers: (owner, buffer name) -> (dim, spans)
         submodules = dict(module.named_modules())
         for name, parts in self.rows.items():
             owner_name, _, pname = name.rpartition(".")
             owner = submodules.get(owner_name)
             param = owner._parameters.get(pname) if owner is not None else None
-            if param is None:
+            buffer = owner._buffers.get(pname) if owner is not None and param is None else None
+            if param is None and buffer is None:
                 raise ValueError(f"parallelize: {type(self).__name__} names {target.name}.{name}, which is no "
-                                 f"parameter of {type(module).__name__}; name its parameters relative to it")
+                                 f"parameter or buffer of {type(module).__name__}; name them relative to it")
+            if buffer is not None and pname not in owner._non_persistent_buffers_set:
+                raise ValueError(f"parallelize: {target.name}.{name} is a persistent buffer: its checkpoint would hold "
+                                 f"this rank's rows; {type(self).__name__} takes rows of non-persistent buffers only")
+            param = param if param is not None else buffer
             if isinstance(param, DTensor):
                 raise ValueError(f"parallelize: {target.name}.{name} is split already ({param.placements}); "
                                  f"{type(self).__name__} takes rows of a plain parameter: give it one style")
@@ -376,8 +383,9 @@ class LocalParameterRows(_Style):
                                  f"rows of parts {list(parts)} along dim {dim}")
             check_units(f"{target.name}.{name}", parts, units, tp)
             starts = [sum(parts[:i]) for i in range(len(parts))]
-            spans[owner, pname] = (dim, [(start + offset, length) for start, part, count in zip(starts, parts, units)
-                                         for offset, length in [unit_span(part, count, tp, rank)]])
+            taken = (dim, [(start + offset, length) for start, part, count in zip(starts, parts, units)
+                           for offset, length in [unit_span(part, count, tp, rank)]])
+            (spans if buffer is None else buffers)[owner, pname] = taken
         counted = {}  # attribute -> (owner, leaf, its whole value, this rank's)
         for attribute in [*self.counts, *self.part_counts]:
             owner_name, _, leaf = attribute.rpartition(".")
@@ -398,6 +406,10 @@ class LocalParameterRows(_Style):
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
             owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
+        for (owner, pname), (dim, taken) in buffers.items():  # no gradient, not saved: this rank's rows for good
+            whole = owner._buffers[pname]
+            owner.register_buffer(pname, torch.cat([whole.narrow(dim, start, length) for start, length in taken], dim=dim),
+                                  persistent=False)
         for owner, leaf, _, local in counted.values():
             setattr(owner, leaf, local)
             # _localise_head_counts leaves it alone (a Kimi Delta Attention mixer's num_heads beside its q_proj)

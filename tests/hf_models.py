@@ -118,7 +118,9 @@ MORE_FAMILIES = {
     "zamba": ("zamba", dict(num_hidden_layers=4, layers_block_type=["linear_attention", "linear_attention", "hybrid",
                                                                     "hybrid"], mamba_dt_rank=8)),
     # A Mamba-2 mixer beside the attention in every layer, µP multipliers (its logits * lm_head_multiplier).
-    "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3, mamba_d_ssm=2 * HIDDEN, **_MAMBA2)),
+    # µP multipliers of its mixer's [z | x | B | C | dt] features apart (the mup_vector buffer; all 1 by default)
+    "falcon-h1": ("falcon_h1", dict(head_dim=16, lm_head_multiplier=0.3, mamba_d_ssm=2 * HIDDEN,
+                                    ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], **_MAMBA2)),
     # NVIDIA's Nemotron-H: one mixer per block (a Mamba-2 mixer, attention, a ReLU² MLP or experts with a shared
     # one), the model's forward picking each block's mask by its block_type; 4 blocks, each kind once or twice.
     "nemotron-h": ("nemotron_h", dict(num_hidden_layers=4, head_dim=16, mamba_num_heads=8, mamba_head_dim=16,

@@ -179,7 +179,8 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
     assert caught.value.layers == "model.layers"
     config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
                                        state_size=16, n_groups=1, chunk_size=4, expand=2)
-    with pytest.raises(UnrecognisedModel, match="could not find separate attention and MLP blocks"):
+    with pytest.raises(UnrecognisedModel, match=r"every layer of backbone\.layers mixes tokens by linear attention "
+                                                 r"\(mixer\): no attention layer to read the structure from"):
         ModelSpec.from_module(transformers.Mamba2ForCausalLM(config))
 
 
@@ -251,7 +252,18 @@ def test_mamba2_mixers_are_read_for_the_split_by_head():
     granite = ModelSpec.from_module(build("granite-hybrid-dense"), seq_len=16).structure
     assert (granite.linear_attention.kind, granite.gate_up, granite.down) == (
         "mamba2", "shared_mlp.input_linear", "shared_mlp.output_linear")
-    assert ModelSpec.from_module(build("falcon-h1"), seq_len=16).structure.unplanned == ("mamba",)
+    # Falcon-H1's Mamba-2 mixer beside the attention in every layer: both read, the mixer's µP multipliers over its
+    # input projection's outputs (mup_vector, a buffer along its last dim) split as those outputs
+    falcon = ModelSpec.from_module(build("falcon-h1"), seq_len=16).structure
+    mixer = falcon.linear_attention
+    assert (falcon.unplanned, falcon.attention, mixer.mixer, mixer.layers, mixer.beside_attention) == (
+        (), "self_attn", "mamba", (0, 1), True)
+    assert dict(mixer.rows)["mup_vector"] == (128, 128, 16, 16, 8) and dict(mixer.row_dims) == {"mup_vector": 2}
+    assert dict(mixer.part_counts)["groups_time_state_size"] == ((16, 1),)
+    # its optional gated norm over groups (mamba_rms_norm) is none the reader splits: the mixer whole, as before, saying so
+    normed = ModelSpec.from_module(build("falcon-h1", config=dict(mamba_rms_norm=True)), seq_len=16).structure
+    assert normed.unplanned == ("mamba",) and normed.linear_attention is None
+    assert any("the Mamba-2 mixers beside the attention are not split (model.layers.0.mamba.norm" in n for n in normed.notes)
     model = build("bamba")
     model.model.layers[0].mamba.extra = nn.Linear(8, 8)
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0\.mamba\.extra \(Linear: weight \(8, 8\), bias \(8,\)\) "
@@ -502,7 +514,7 @@ def test_local_parameter_rows_swap_and_refusals():
                 module(torch.ones(4))
             assert isinstance(module.A, DTensor), (style, module.A)
         for module, rows, why in ((mixer, {"A": (4,)}, "m.A is split already"),  # ShardLocalParameters made it one
-                                  (Mixer(), {"B": (4,)}, "names m.B, which is no parameter of Mixer"),
+                                  (Mixer(), {"B": (4,)}, "names m.B, which is no parameter or buffer of Mixer"),
                                   (Mixer(), {"nope.weight": (4,)}, "names m.nope.weight, which is no parameter"),
                                   (Mixer(), {"A": (4,), "conv.weight": (2, 3)}, r"conv.weight \(shape \(4, 1, 2\)\) "
                                                                                r"does not split as rows of parts \[2, 3\]")):
@@ -827,8 +839,19 @@ def test_modules_no_plan_names_are_priced_whole_and_rule_out_sequence_parallel()
     tokens = 2 * 16  # forward FLOPs: two per weight per token
     assert cost.model_flops_per_step(spec, 2) - cost.model_flops_per_step(without, 2) == \
         cost.FWD_BWD_PASSES * tokens * 2 * spec.unplanned_parameters * spec.num_layers
+    # Falcon-H1's mixer beside its attention is split (not whole): both priced in every layer, sp allowed
     falcon = ModelSpec.from_module(build("falcon-h1"), seq_len=16)
-    assert falcon.structure.unplanned == ("mamba",) and "sequence_parallel" in unsupported(falcon)
+    assert falcon.structure.unplanned == () and "sequence_parallel" not in unsupported(falcon)
+    linear = falcon.gated_delta_net
+    assert linear.beside_attention and falcon.linear_layer_indices == (0, 1)
+    both = 2 * (falcon.attention_parameters + linear.matmul_parameters(64) + falcon.mlp_parameters)
+    cores = 2 * 16 * (falcon.q_size + falcon.attention_output_size) + cost._linear_core_flops(falcon)[0]
+    assert cost.layer_forward_flops(falcon) == (both + cores,) * 2
+    one_rank, two_ranks = (cost._layer_parameters(falcon, tp, 1, False, 1, True)[0] for tp in (1, 2))
+    whole = linear.other_parameters + 2 * 64  # the mixer's convolution, per-head parameters; the two norms
+    assert one_rank - whole == 2 * (two_ranks - whole)  # all else split by tp
+    counted = sum(p.numel() for p in build("falcon-h1").parameters())
+    assert abs(falcon.num_parameters - counted) < 0.01 * counted, (falcon.num_parameters, counted)
     llama = ModelSpec.from_module(build("llama"), seq_len=16)
     assert llama.structure.unplanned == () and llama.unplanned_parameters == 0
     # Every kind of layer is scanned: here the only full-attention layer (an MoE one, after a dense and an MoE linear

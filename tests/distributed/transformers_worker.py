@@ -458,9 +458,11 @@ def check_mamba2_mixers_train_under_tensor_parallel():
 
     Greedy generate under tp 2 gives one device's tokens (the one-token state update on the local heads).
 
-    Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer (not in its place). Its scan needs the whole
-    sequence, so under sequence parallel (the mixer on each rank's slice) it is refused: the structure names what no
-    plan covers (ModelStructure.unplanned), so the strategy is refused before anything changes, naming the mixer."""
+    Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer (not in its place): both are split in every
+    layer (its µP multipliers over the input projection's outputs, the mup_vector buffer, this rank's rows; its
+    groups_time_state_size local), under tp 2 + sp each a region of its own on the gathered sequence; selective
+    recompute re-runs the attention alone. Before, the mixer stayed whole on every rank (its compute repeated) and
+    sequence parallel was refused for it; overlap still is (the mixer masks its input's padding before projecting)."""
     def split_by_head(groups):
         def inspect(model):
             mixer = next(layer.mamba for layer in model.model.layers if getattr(layer, "mamba", None) is not None)
@@ -480,7 +482,24 @@ def check_mamba2_mixers_train_under_tensor_parallel():
             _train(family, TP2[label], inspect=split_by_head(groups))
         except Exception as error:
             raise AssertionError(f"{family} under {label}: {type(error).__name__}: {error}") from error
-    _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "['model.layers.*.mamba'] hold parameters no plan names")
+    def beside_attention(model):
+        config, layer = model.config, model.model.layers[0]
+        mixer, heads = layer.mamba, config.mamba_n_heads // 2
+        inner = heads * config.mamba_d_head  # one group of B and C: whole on both ranks
+        assert (mixer.num_heads, mixer.intermediate_size, mixer.groups_time_state_size) == (
+            heads, inner, config.mamba_d_state)
+        assert mixer.mup_vector.shape[-1] == 2 * inner + 2 * config.mamba_d_state + heads, mixer.mup_vector.shape
+        assert isinstance(layer.self_attn.q_proj.weight, DTensor) and mixer.A_log.placements[-1].is_replicate()
+
+    def eager(model):
+        model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
+
+    for label in ("tp 2 + sp", "tp 2, selective recompute"):
+        try:
+            _train("falcon-h1", TP2[label], inspect=beside_attention, prepare=eager if "recompute" in label else None)
+        except Exception as error:
+            raise AssertionError(f"falcon-h1 under {label}: {type(error).__name__}: {error}") from error
+    _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "the linear-attention mixers (model.layers.*.mamba)")
     # Without a cache (use_cache=False, as HF Trainer with gradient checkpointing sets it) transformers hands each
     # mixer in training to mamba_ssm's fused kernel wherever mamba_ssm is installed, which normalises over the local
     # groups and multiplies by out_proj's weight itself. With a torch stand-in for it (mamba_ssm needs CUDA): one
