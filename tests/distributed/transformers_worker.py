@@ -460,8 +460,8 @@ def check_mamba2_mixers_train_under_tensor_parallel():
 
     Falcon-H1 runs a Mamba-2 mixer beside the attention in every layer (not in its place): both are split in every
     layer (its µP multipliers over the input projection's outputs, the mup_vector buffer, this rank's rows; its
-    groups_time_state_size local), under tp 2 + sp each a region of its own on the gathered sequence; selective
-    recompute re-runs the attention alone. Before, the mixer stayed whole on every rank (its compute repeated) and
+    groups_time_state_size local), under tp 2 + sp each a region of its own on the gathered sequence, with selective
+    recompute re-running the attention alone (eager attention: flash keeps no scores to drop). Before, the mixer stayed whole on every rank (its compute repeated) and
     sequence parallel was refused for it; overlap still is (the mixer masks its input's padding before projecting)."""
     def split_by_head(groups):
         def inspect(model):
@@ -494,11 +494,8 @@ def check_mamba2_mixers_train_under_tensor_parallel():
     def eager(model):
         model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
 
-    for label in ("tp 2 + sp", "tp 2, selective recompute"):
-        try:
-            _train("falcon-h1", TP2[label], inspect=beside_attention, prepare=eager if "recompute" in label else None)
-        except Exception as error:
-            raise AssertionError(f"falcon-h1 under {label}: {type(error).__name__}: {error}") from error
+    _train("falcon-h1", _strategy(1, 2, 1, sequence_parallel=True, recompute="selective"), inspect=beside_attention,
+           prepare=eager)
     _expect_refused("falcon-h1", TP2["tp 2 + sp + overlap"], "the linear-attention mixers (model.layers.*.mamba)")
     # Without a cache (use_cache=False, as HF Trainer with gradient checkpointing sets it) transformers hands each
     # mixer in training to mamba_ssm's fused kernel wherever mamba_ssm is installed, which normalises over the local
