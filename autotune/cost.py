@@ -119,7 +119,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 20  # 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 20  # 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -357,6 +357,8 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     linear_bytes = _linear_mixer_bytes(spec, e) if linear else 0.0
     if linear and not spec.gated_delta_net.beside_attention:
         return outside, sb * (linear_bytes + mlp), 0.0, 0.0
+    if linear:  # beside the attention: its own copy of the normed input (a region of its own gathers it under sp)
+        outside += sb * e * h
     # Q, K, V for the attention core, the output projection's input.
     # An output gate from the query projection: that output twice as wide (the query's norm keeps a view of it) and
     # the gate's sigmoid.
@@ -516,7 +518,8 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         return mlp_only, spec.num_experts // ep * spec.expert_parameters / etp if moe else 0.0
     mixer, norms = 0.0, 2 * spec.hidden_size
     if linear:
-        mixer = spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
+        mixer = (spec.gated_delta_net.matmul_parameters(spec.hidden_size) / tp + spec.gated_delta_net.other_parameters
+                 + _replicated_key_columns(spec, tp) * spec.hidden_size)
     if _attends(spec, linear):  # (beside the linear mixer where it runs beside the attention: Falcon-H1's)
         # Whole on every rank: latent attention's down-projections; the key/value projections where tp exceeds their
         # heads (each rank computes the head its query heads use from the whole weight: ReplicatedColWiseParallel).
@@ -532,6 +535,15 @@ def _layer_parameters(spec: ModelSpec, tp: int, ep: int, moe: bool, etp: int, li
         return mixer + spec.mlp_parameters / tp + norms, 0.0
     shared = mixer + spec.shared_expert_parameters / etp + spec.moe_whole_parameters + norms
     return shared, spec.num_experts // ep * spec.expert_parameters / etp
+
+
+def _replicated_key_columns(spec: ModelSpec, tp: int) -> float:
+    """A Mamba-2 mixer's B and C columns of its input projection that a rank holds beyond 1/tp of them, where tp
+    exceeds its state groups: each rank computes its group's whole (2 x key_size / groups where 1/tp was priced)."""
+    linear = spec.gated_delta_net
+    if not (linear and linear.key_heads_replicable and tp > linear.num_k_heads):
+        return 0.0
+    return 2 * linear.key_size * (1 / linear.num_k_heads - 1 / tp)
 
 
 def _replicated_kv_weights(spec: ModelSpec) -> int:
@@ -742,6 +754,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     projections = (gdn.projections(h) if gdn else ()) + tuple(attention_projections)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections) if mixer_part else 0.0
+    if gdn and mixer_part and _replicated_key_columns(spec, tp):  # B and C of the rank's group, whole
+        gemm += _gemm_time(tokens, h, _replicated_key_columns(spec, tp), flops, bw, e)
     if spec.unplanned_parameters and mixer_part:  # modules no plan names, whole on every rank: as matmuls of their weights
         gemm += _gemm_time(tokens, h, spec.unplanned_parameters / h, flops, bw, e)
     ep_collective = 0.0

@@ -1603,8 +1603,15 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if beside:  # the mixer beside the attention is read on its own (_linear_attention)
         linears = [l for l in linears if not (l.name == mixers[index] or l.name.startswith(mixers[index] + "."))]
     _orient(linears, hidden)
-    attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None,
-                                  mlp=index not in mlp_free)
+    try:
+        attention, mlp = _group_roles(linears, hidden, block, moe_block=moe.block if index in moe_blocks else None,
+                                      mlp=index not in mlp_free)
+    except UnrecognisedModel as error:
+        if not beside:
+            raise
+        # A Mamba-2 mixer and an MLP in every layer (Bamba without attention layers): no attention beside the mixer
+        raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[index]}) and "
+                                f"holds no attention beside it to read the structure from ({error})") from None
     attn_module = block.get_submodule(attention) if attention else block
     _refuse_sequence_mixers(attn_module, attention or "the layer", layers_name, index)
     attn = _attention_parts([l for l in linears if l.parent == attention], hidden)

@@ -406,16 +406,24 @@ class LocalParameterRows(_Style):
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
             owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
-        for (owner, pname), (dim, taken) in buffers.items():  # no gradient, not saved: this rank's rows for good
-            whole = owner._buffers[pname]
-            owner.register_buffer(pname, torch.cat([whole.narrow(dim, start, length) for start, length in taken], dim=dim),
-                                  persistent=False)
+        def take_buffer_rows() -> None:  # no gradient, not saved: this rank's rows for good
+            for (owner, pname), (dim, taken) in list(buffers.items()):
+                whole = owner._buffers[pname]
+                if whole.is_meta:  # under LazyGuard: materialised later, whole; its rows taken at the first forward
+                    continue
+                owner.register_buffer(pname, torch.cat([whole.narrow(dim, start, length) for start, length in taken],
+                                                       dim=dim), persistent=False)
+                del buffers[owner, pname]
+
+        take_buffer_rows()
         for owner, leaf, _, local in counted.values():
             setattr(owner, leaf, local)
             # _localise_head_counts leaves it alone (a Kimi Delta Attention mixer's num_heads beside its q_proj)
             owner._tridist_localised_counts = (*getattr(owner, "_tridist_localised_counts", ()), leaf)
 
         def take_local_rows(mixer, args) -> None:
+            if buffers:
+                take_buffer_rows()
             saved = vars(mixer).setdefault("_tridist_whole_parameters", {})
             for (owner, pname), (dim, taken) in spans.items():
                 whole = saved.setdefault((owner, pname), owner._parameters[pname])  # another swap may have put it aside

@@ -182,6 +182,10 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
     with pytest.raises(UnrecognisedModel, match=r"every layer of backbone\.layers mixes tokens by linear attention "
                                                  r"\(mixer\): no attention layer to read the structure from"):
         ModelSpec.from_module(transformers.Mamba2ForCausalLM(config))
+    # a Mamba-2 mixer and an MLP in every layer (Bamba without attention layers): no attention beside the mixer
+    with pytest.raises(UnrecognisedModel, match=r"every layer of model\.layers mixes tokens by linear attention "
+                                                 r"\(mamba\) and holds no attention beside it"):
+        ModelSpec.from_module(build("bamba", config=dict(attn_layer_indices=[])))
 
 
 def _assert_packed_split_priced(spec, degrees) -> None:
@@ -521,6 +525,21 @@ def test_local_parameter_rows_swap_and_refusals():
             with pytest.raises(ValueError, match=why):
                 LocalParameterRows(rows=rows).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
             assert not isinstance(module.A, DTensor) or module is mixer  # refused before anything changed
+        # Buffers (Falcon-H1's mup_vector): a persistent one is refused (a checkpoint would hold this rank's rows); a
+        # non-persistent one's rows are taken once, or where it is still on the meta device (LazyGuard materialises it
+        # later) at the first forward
+        module = Mixer()
+        module.register_buffer("scale", torch.ones(4))
+        with pytest.raises(ValueError, match="m.scale is a persistent buffer: its checkpoint would hold this rank's"):
+            LocalParameterRows(rows={"scale": (4,)}).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+        module = Mixer()
+        module.register_buffer("scale", torch.empty(1, 4, device="meta"), persistent=False)
+        LocalParameterRows(rows={"scale": (4,)}, dims={"scale": 1}).apply(
+            StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+        assert module.scale.is_meta
+        module.register_buffer("scale", torch.full((1, 4), 2.0), persistent=False)  # as materialize() puts it
+        module(torch.ones(4))
+        assert module.scale.tolist() == [[2.0] * 4] and "scale" not in module.state_dict()
     finally:
         dist.destroy_process_group()
 
@@ -849,7 +868,9 @@ def test_modules_no_plan_names_are_priced_whole_and_rule_out_sequence_parallel()
     assert cost.layer_forward_flops(falcon) == (both + cores,) * 2
     one_rank, two_ranks = (cost._layer_parameters(falcon, tp, 1, False, 1, True)[0] for tp in (1, 2))
     whole = linear.other_parameters + 2 * 64  # the mixer's convolution, per-head parameters; the two norms
-    assert one_rank - whole == 2 * (two_ranks - whole)  # all else split by tp
+    # all else split by tp but B and C of its one state group, whole on both ranks: 2 x 16 x 64 priced as half
+    assert cost._replicated_key_columns(falcon, 2) == 16 and cost._replicated_key_columns(falcon, 1) == 0
+    assert one_rank - whole == 2 * (two_ranks - whole - 16 * 64)
     counted = sum(p.numel() for p in build("falcon-h1").parameters())
     assert abs(falcon.num_parameters - counted) < 0.01 * counted, (falcon.num_parameters, counted)
     llama = ModelSpec.from_module(build("llama"), seq_len=16)
