@@ -493,6 +493,8 @@ def materialize(module: torch.nn.Module, device=None, *, strict: bool = True) ->
     """
     device = torch.device(device) if device is not None else torch.get_default_device()
     plan, unknown = _plan(module)
+    if plan:
+        _refuse_skipped_transformers_init(module)
     if unknown:
         message = (
             f"LazyGuard: {unknown[:5]}{' ...' if len(unknown) > 5 else ''} are on the meta device but were not built "
@@ -509,6 +511,24 @@ def materialize(module: torch.nn.Module, device=None, *, strict: bool = True) ->
             _install(tensor, _local_value(tensor, recipe.value(device), device), qualified)
             getattr(owner, _MODULE_RECIPES, {}).pop(name, None)
     return module
+
+
+def _refuse_skipped_transformers_init(module: torch.nn.Module) -> None:
+    """transformers runs a model's weight initialisation (`_init_weights`: its initializer_range, its mixers' decays,
+    ...) from its constructor only where the default device is not meta, and inside LazyGuard it is meta: the model
+    would materialise with whatever its modules' own constructors recorded (torch's defaults, and uninitialised
+    memory where a parameter is `torch.empty` until `_init_weights`: Falcon-H1's Mamba D, A_log, dt_bias). A
+    transformers model (`initialize_weights` and `_init_weights`) never initialised (no `_is_hf_initialized`, which
+    transformers sets) is refused, naming the fix: the same call inside the guard, which LazyGuard then records."""
+    for name, owner in module.named_modules():
+        if (callable(getattr(owner, "initialize_weights", None)) and callable(getattr(owner, "_init_weights", None))
+                and hasattr(owner, "config") and not getattr(owner, "_is_hf_initialized", False)):
+            raise LazyInitError(
+                f"LazyGuard: the transformers model {type(owner).__name__}{f' ({name})' if name else ''} was built on the meta "
+                "device, where transformers skips its weight initialisation (_init_weights): materialised, it would "
+                "hold torch's default initialisation and, where its code leaves a parameter to _init_weights, "
+                "uninitialised memory. Call model.initialize_weights() inside the `with LazyGuard():` block, after "
+                "building it")
 
 
 def _plan(module: torch.nn.Module):

@@ -304,3 +304,29 @@ def test_a_lazy_model_materialises_after_the_pipelines_probe_forward():
         assert any(weakref.getweakrefs(p) for p in model.parameters())  # what failed the swap
         materialize(model)
     assert not any(t.is_meta for t in _tensors(model))
+
+
+def test_a_transformers_model_is_initialised_inside_the_guard_or_refused():
+    """transformers skips a model's _init_weights where the default device is meta, as inside LazyGuard: a real
+    transformers Falcon-H1 built there held uninitialised memory in its Mamba mixers' D, A_log and dt_bias (which its
+    constructor leaves to _init_weights) and torch's default initialisation elsewhere; materialised, its logits were
+    NaN. Now refused, naming the fix; with model.initialize_weights() inside the guard (recorded), it materialises
+    with transformers' own values: D and dt_bias 1, A_log log(1..heads), projections at initializer_range."""
+    pytest.importorskip("transformers")
+    from tests.hf_models import build
+
+    with distcore.LazyGuard():
+        model = build("falcon-h1")
+    with pytest.raises(LazyInitError, match=r"the transformers model FalconH1ForCausalLM was built on the meta device.*"
+                                            r"Call model.initialize_weights\(\) inside the `with LazyGuard\(\):` block"):
+        materialize(model)
+    with distcore.LazyGuard():
+        model = build("falcon-h1")
+        model.initialize_weights()
+    materialize(model)
+    mixer, heads = model.model.layers[1].mamba, model.config.mamba_n_heads
+    assert mixer.D.tolist() == [1.0] * heads and mixer.dt_bias.tolist() == [1.0] * heads
+    assert torch.allclose(mixer.A_log, torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+    weight = model.model.layers[0].self_attn.q_proj.weight  # 4,096 draws of N(0, 0.02): the std within 10%
+    assert abs(weight.std().item() / model.config.initializer_range - 1) < 0.1, weight.std()
+    assert torch.isfinite(model(input_ids=torch.randint(3, 100, (2, 8))).logits).all()
