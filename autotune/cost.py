@@ -1156,14 +1156,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
 
 
 @functools.lru_cache(maxsize=65536)
-def _peak_ranks(kinds: tuple[tuple[int, ...], ...]) -> list[int]:
-    """The pipeline ranks that can hold the most, given each rank's layer counts per kind: the first (embedding,
-    most micro-batches in flight), the last (LM head, logits) and of the middle ones holding the same layers the
-    earliest (the most in flight); middle ranks may hold more layers (uneven layouts) or other kinds of layer."""
+def _peak_ranks(kinds: tuple[tuple[int, ...], ...], chunks: tuple[tuple[int, ...], ...] | None = None) -> list[int]:
+    """The pipeline ranks that can hold the most, given each rank's layer counts per kind (and, for activations, the
+    layers of each of its chunks: `chunks`): the first (embedding, most micro-batches in flight), the last (LM head,
+    logits) and of the middle ones holding the same layers in the same chunks the earliest (the most in flight);
+    middle ranks may hold more layers (uneven layouts), other kinds of layer, or other chunks (interleaved)."""
     pp = len(kinds)
     earliest = {}
     for rank in range(1, pp - 1):
-        earliest.setdefault(kinds[rank], rank)
+        earliest.setdefault((kinds[rank], chunks[rank] if chunks else None), rank)
     return sorted({0, pp - 1, *earliest.values()})
 
 
@@ -1179,7 +1180,7 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
     layer_params = {kind: sum(_layer_parameters(spec, t, s.ep, kind[0], etp, kind[1], kind[2])) for kind in costs}
     stages = s.layers_per_stage or stage_layers(spec.num_layers, pp * s.virtual_pp)  # rank r holds stages r, r + pp, ...
     best = None
-    for stage in _peak_ranks(kinds):
+    for stage in _peak_ranks(kinds, tuple(tuple(stages[r::pp]) for r in range(pp))):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
         weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e)
         if experts:

@@ -223,6 +223,11 @@ def test_interleaved_ranks_hold_each_warm_up_forwards_own_chunk():
     assert _in_flight_layers((3, 3, 3, 1), 4, 16, 3) == 37
     assert _in_flight_layers((3, 3, 3, 3), 4, 16, 0) == 19 * 12 / 4
     assert _in_flight_layers((5,), 4, 16, 1) == 5 * 3  # no interleaving: p - r micro-batches of the rank's layers
+    # two middle ranks with the same layers in other chunks hold other amounts: both are priced, not the earlier alone
+    from tridist.autotune.cost import _peak_ranks
+
+    same = ((1,), (2,), (2,), (1,))
+    assert _peak_ranks(same) == [0, 1, 3] and _peak_ranks(same, ((1,), (1, 1), (2, 0), (1,))) == [0, 1, 2, 3]
 
 
 def test_a_strategys_stage_layout_is_checked_and_round_trips():
