@@ -206,10 +206,7 @@ def _attends(spec: ModelSpec, linear: bool) -> bool:
 
 def layer_forward_flops(spec: ModelSpec) -> tuple[float, ...]:
     """Each decoder layer's forward FLOPs per token, in layer order (its kind's, `_layer_forward_flops`)."""
-    moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
-    parts = block_parts(spec.mixer_free_layers, spec.mlp_free_layers)
-    return tuple(sum(_layer_forward_flops(spec, (i in moe, i in linear, parts.get(i, "both"))))
-                 for i in range(spec.num_layers))
+    return tuple(sum(_layer_forward_flops(spec, kind)) for kind in _kind_of_each_layer(spec))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -355,7 +352,7 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     if part == "mixer":
         outside, mlp = half, 0.0
     linear_bytes = _linear_mixer_bytes(spec, e) if linear else 0.0
-    if linear and not spec.gated_delta_net.beside_attention:
+    if not _attends(spec, linear):
         return outside, sb * (linear_bytes + mlp), 0.0, 0.0
     if linear:  # beside the attention: its own copy of the normed input (a region of its own gathers it under sp)
         outside += sb * e * h
@@ -482,20 +479,24 @@ def _rank_kinds(spec: ModelSpec, pp: int, virtual_pp: int,
     return tuple(_layer_kinds(spec, layers) for layers in rank_layer_indices(spec.num_layers, pp, virtual_pp, layout))
 
 
-def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
-    """The counts of each kind (LAYER_KINDS) among the layer indices `layers`."""
+@functools.lru_cache(maxsize=1024)
+def _kind_of_each_layer(spec: ModelSpec) -> tuple[tuple[bool, bool, str], ...]:
+    """Each decoder layer's kind (one of LAYER_KINDS), in layer order."""
     moe, linear = set(spec.moe_layer_indices), set(spec.linear_layer_indices)
     parts = block_parts(spec.mixer_free_layers, spec.mlp_free_layers)
-    return tuple(sum((i in moe) == m and (i in linear) == l and parts.get(i, "both") == part for i in layers)
-                 for m, l, part in LAYER_KINDS)
+    return tuple((i in moe, i in linear, parts.get(i, "both")) for i in range(spec.num_layers))
 
 
-def _count_layers(kinds: tuple[int, ...], *, moe: bool | None = None, linear: bool | None = None,
-                  mixer: bool | None = None) -> int:
-    """How many of the layers counted per kind in `kinds` are (or are not) MoE, linear, with a token mixer (None:
-    either)."""
-    return sum(n for n, (m, l, part) in zip(kinds, LAYER_KINDS)
-               if moe in (None, m) and linear in (None, l) and mixer in (None, part != "mlp"))
+def _layer_kinds(spec: ModelSpec, layers) -> tuple[int, ...]:
+    """The counts of each kind (LAYER_KINDS) among the layer indices `layers`."""
+    each = _kind_of_each_layer(spec)
+    return tuple(sum(each[i] == kind for i in layers) for kind in LAYER_KINDS)
+
+
+def _count_layers(kinds: tuple[int, ...], holds) -> int:
+    """How many of the layers counted per kind in `kinds` are of a kind (LAYER_KINDS' (moe, linear, part)) that
+    `holds` accepts."""
+    return sum(n for n, kind in zip(kinds, LAYER_KINDS) if n and holds(kind))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -704,7 +705,8 @@ def _gemm_time(m: float, k: float, n: float, flops: float, bandwidth: float, dty
 
 def clear_caches() -> None:
     """Forget the memoised per-layer and per-rank terms (a timed search then starts cold, as in a fresh process)."""
-    for cached in (_forward_flops_per_token, _layer_forward_flops, balanced_layout, _rank_kinds, _layer_parameters,
+    for cached in (_forward_flops_per_token, _layer_forward_flops, _kind_of_each_layer, balanced_layout, _rank_kinds,
+                   _layer_parameters,
                    _layer_cost, _layer_timing, _rank_timings, _pace, _rank_layer_counts, _peak_ranks, _rank_parameters,
                    _spec_kinds):
         cached.cache_clear()
@@ -754,8 +756,9 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
     projections = (gdn.projections(h) if gdn else ()) + tuple(attention_projections)
     gemm = sum(_gemm_time(tokens, n_in / (tp if split == "in" else 1), n_out / (tp if split == "out" else 1),
                           flops, bw, e) for n_in, n_out, split in projections) if mixer_part else 0.0
-    if gdn and mixer_part and _replicated_key_columns(spec, tp):  # B and C of the rank's group, whole
-        gemm += _gemm_time(tokens, h, _replicated_key_columns(spec, tp), flops, bw, e)
+    replicated_keys = _replicated_key_columns(spec, tp) if gdn and mixer_part else 0.0
+    if replicated_keys:  # B and C of the rank's group, whole
+        gemm += _gemm_time(tokens, h, replicated_keys, flops, bw, e)
     if spec.unplanned_parameters and mixer_part:  # modules no plan names, whole on every rank: as matmuls of their weights
         gemm += _gemm_time(tokens, h, spec.unplanned_parameters / h, flops, bw, e)
     ep_collective = 0.0
@@ -1101,7 +1104,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # them over the tp ranks once per step, when they are read (an all-reduce of the blocks' parameters of the
         # rank holding the most MoE layers, exposed); expert-parallel experts sum theirs in each backward, one
         # all-reduce per layer and micro-batch (distcore's ExpertParallelExperts).
-        moe_layers = max(_count_layers(k, moe=True) for k in kinds)
+        moe_layers = max(_count_layers(k, lambda kind: kind[0]) for k in kinds)
         experts = spec.num_experts // s.ep * spec.expert_parameters
         block = spec.moe_whole_parameters + spec.shared_expert_parameters + (experts if s.ep == 1 else 0)
         bw_tp, lat_tp = cluster.link(t, 1)
@@ -1112,8 +1115,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # The key/value projections (a packed qkv whole) on every tp rank, each rank's gradient its own query heads'
         # share: summed over the tp ranks once per step, when read (an all-reduce of the rank holding the most
         # attention layers).
-        attention_layers = max(_count_layers(k, linear=None if spec.gated_delta_net and spec.gated_delta_net.beside_attention
-                                             else False, mixer=True) for k in kinds)
+        attention_layers = max(_count_layers(k, lambda kind: kind[2] != "mlp" and _attends(spec, kind[1])) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
     bubble_s = (pp - 1) / v * stage_time

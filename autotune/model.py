@@ -1570,10 +1570,11 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     # refused there.)
     beside = (len(mixers) == len(layers) and all(_is_mamba2_mixer(layers[i].get_submodule(n)) for i, n in mixers.items())
               and any(not l.name.startswith(mixers[0] + ".") for l in _linears(layers[0])))  # and something else
-    beside_note = None
+    beside_mixer, beside_note = None, None
     if beside:
         try:
-            _linear_attention(layers_name, layers, mixers, hidden)
+            beside_mixer = dataclasses.replace(_linear_attention(layers_name, layers, mixers, hidden),
+                                               beside_attention=True)
         except UnrecognisedModel as error:  # read as before: a module no plan names, whole on every tp rank
             mixers, beside, beside_note = {}, False, f"the Mamba-2 mixers beside the attention are not split ({error})"
     mixer_free, mlp_free = _one_part_blocks(layers, hidden, moe_blocks, mixers)
@@ -1644,9 +1645,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     shape_notes = _check_layers_alike(layers_name, layers, index, mlp if dense_mlp else None, moe_blocks, tuple(mixers),
                                       attention=attention,
                                       one_part=block_parts(mixer_free, mlp_free))
-    linear = _linear_attention(layers_name, layers, mixers, hidden) if mixers else None
-    if linear is not None and beside:
-        linear = dataclasses.replace(linear, beside_attention=True)
+    linear = beside_mixer or (_linear_attention(layers_name, layers, mixers, hidden) if mixers else None)
     linear_shape = _gated_delta_net_shape(layers, linear, hidden) if linear else None
     outer = _outer_parts(model, layers_name, hidden)
     qk_norm, qk_norms = _qk_norms(attn_module, attention, head_dim, attn["q_size"], attn["kv_size"], hidden)

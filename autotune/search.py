@@ -301,8 +301,10 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
 
 def _stage_layouts(spec: ModelSpec, num_stages: int, space: SearchSpace) -> list[tuple[int, ...] | None]:
     """The stage layouts a strategy of `num_stages` pipeline stages may take: stage_layers' even one (None) and the
-    FLOPs-balanced one where it differs (cost.balanced_layout)."""
-    balanced = balanced_layout(spec, num_stages) if num_stages > 1 and True in space.balanced_stages else None
+    FLOPs-balanced one where it differs (cost.balanced_layout); None alone where the stages cannot each hold a layer
+    (validate refuses such a strategy)."""
+    balanced = (balanced_layout(spec, num_stages)
+                if 1 < num_stages <= spec.num_layers and True in space.balanced_stages else None)
     if balanced is None:
         return [None]
     return [None, balanced] if False in space.balanced_stages else [balanced]
@@ -402,8 +404,7 @@ def exhaustive_search(spec: ModelSpec, cluster: Cluster, *, global_batch_size: i
             for v, level, sp, overlap, rc, ep in itertools.product(
                     range(1, space.max_virtual_pp + 1), space.sharding_levels, space.sequence_parallel,
                     space.overlap_tp_comm, space.recompute, eps):
-                layouts = _stage_layouts(spec, pp * v, space) if pp * v <= spec.num_layers else [None]
-                for stages in layouts:
+                for stages in _stage_layouts(spec, pp * v, space):
                     strategy = Strategy(dp, tp, pp, level, sp, mbs, m, rc, overlap, v, ep, stages)
                     if validate(spec, cluster, strategy, global_batch_size=global_batch_size):
                         continue
