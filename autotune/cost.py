@@ -27,8 +27,9 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
   overlaps the backward pass (the last layer's share cannot); ZeRO-2 reduce-scatters and ZeRO-3
   gathers every micro-batch (gradients cannot be accumulated unsharded), which is what keeps them
   from being free.
-* Pipeline (1F1B): bubble (p−1)/(m+p−1) of the step, (p−1)/(v·m) of the ideal time with v
-  interleaved chunks; the first stage holds p micro-batches of activations (×(1 + (p−1)/(p·v))
+* Pipeline (1F1B): bubble (p−1)/(m+p−1) of the step where the stages are equal; with stages of unequal time,
+  the other stages' time once beside m times the slowest's (a flow shop, `_bubble`); (p−1)/(v·m) of the ideal
+  time with v interleaved chunks; the first stage holds p micro-batches of activations (×(1 + (p−1)/(p·v))
   interleaved); the slowest stage (the last, which also runs the LM head) sets the pace. Where p·v
   does not divide the layers the stages are uneven (strategy.stage_layers) and each rank is priced by
   the layers it holds, interleaved or not.
@@ -119,7 +120,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 20  # 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 21  # 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -1009,10 +1010,11 @@ def _rank_timings(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
 @functools.lru_cache(maxsize=65536)
 def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool, recompute: str,
           overlap_tp_comm: bool, ep: int, pp: int, virtual_pp: int,
-          layout: tuple[int, ...] | None = None) -> tuple[float, float, float, int]:
-    """(compute, tp, ep seconds of one micro-batch, rank) of the slowest pipeline rank. The ends of the pipeline:
-    embedding (one collective in the forward, with tp) and LM head + loss (its GEMM forward and backward,
-    the cross entropy over the logits, two collectives): the first, the last or a middle rank sets the pace."""
+          layout: tuple[int, ...] | None = None) -> tuple[float, float, float, int, float]:
+    """(compute, tp, ep seconds of one micro-batch, rank) of the slowest pipeline rank, and every rank's time of
+    one micro-batch summed (the bubble's). The ends of the pipeline: embedding (one collective in the forward, with
+    tp) and LM head + loss (its GEMM forward and backward, the cross entropy over the logits, two collectives): the
+    first, the last or a middle rank sets the pace."""
     c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel)
     ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
                           virtual_pp, layout)
@@ -1026,7 +1028,28 @@ def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequ
     head_tp = 2 * c.tp_collective + (1 + recomputes) * _fused_loss_statistics_time(spec, cluster, t, micro_batch_size)
     stages = [(rank.compute + (head_compute if r == pp - 1 else 0.0),
                rank.tp + c.tp_collective * (r == 0) + head_tp * (r == pp - 1), rank.ep, r) for r, rank in enumerate(ranks)]
-    return max(stages, key=lambda stage: stage[0] + stage[1] + stage[2])
+    return (*max(stages, key=lambda stage: stage[0] + stage[1] + stage[2]),
+            sum(stage[0] + stage[1] + stage[2] for stage in stages))
+
+
+def _bubble(pp: int, virtual_pp: int, slowest: float, every_stage: float) -> float:
+    """The idle time of a pipeline step beyond its m micro-batches at the slowest rank's pace (`slowest`: one
+    micro-batch's time there; `every_stage`: one micro-batch's time on every rank, summed).
+
+    1F1B (torch's Schedule1F1B): the pipeline is a flow shop of m identical jobs, whose makespan is every stage's
+    time once plus m - 1 times the slowest's (exact for GPipe's order; for 1F1B's an upper bound that its
+    simulation reaches where the stages are equal, tests/test_pipeline_schedule.py): the bubble is the other
+    ranks' time, (p - 1) x the slowest's only where they are all equal. Before cost model 21 it was priced so
+    everywhere, which overpriced a pipeline whose last stage is heavy (Gemma 2's 256k-vocabulary head weighs ~7 of
+    its layers) by up to 1.3x at m = p against the simulated schedule, 1.5% at most on even layouts now.
+    Interleaved (ScheduleInterleaved1F1B): (p - 1) / v of the slowest rank's time (Megatron's), whose chunks are
+    what warm the pipeline up and drain it; on even and FLOPs-balanced layouts this prices 0.96x to 1.19x the
+    simulated schedule's step (chunks of unequal layers pace its rounds unevenly), a known limit."""
+    if pp == 1:
+        return 0.0
+    if virtual_pp == 1:
+        return every_stage - slowest
+    return (pp - 1) / virtual_pp * slowest
 
 
 def _fused_loss_statistics_time(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: int) -> float:
@@ -1093,7 +1116,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
     knobs = (spec, cluster, t, s.micro_batch_size, s.sequence_parallel, s.recompute, s.overlap_tp_comm, s.ep, pp, v,
              layout)
     ranks = _rank_timings(*knobs)
-    stage_compute, stage_tp, stage_ep, slowest = _pace(*knobs)
+    stage_compute, stage_tp, stage_ep, slowest, every_stage = _pace(*knobs)
     stage_time = stage_compute + stage_tp + stage_ep
 
     compute_s = m * stage_compute
@@ -1118,7 +1141,7 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         attention_layers = max(_count_layers(k, lambda kind: kind[2] != "mlp" and _attends(spec, kind[1])) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
         tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
-    bubble_s = (pp - 1) / v * stage_time
+    bubble_s = _bubble(pp, v, stage_time, every_stage)
     pp_s = 0.0
     if pp > 1:
         bw_pp, lat_pp = cluster.link(2, t * dp)
