@@ -456,6 +456,10 @@ class ModelSpec:
     # layers). Each such layer has one norm.
     mixer_free_layers: tuple[int, ...] = ()
     mlp_free_layers: tuple[int, ...] = ()
+    # A multimodal model's parameters outside its language model (a vision tower, its projector to the text width):
+    # whole on every tensor-parallel rank, on the first pipeline stage (model states and gradient traffic priced;
+    # their compute is not: it runs on the batch's images, which the spec does not know).
+    media_parameters: int = 0
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -752,7 +756,7 @@ class ModelSpec:
         # Blocks of one part: no attention (nor q/k norms) or no MLP, and one norm.
         layers -= len(self.mixer_free_layers) * (self.attention_parameters + self.qk_norm_parameters + self.hidden_size)
         layers -= len(self.mlp_free_layers) * (self.mlp_parameters + self.hidden_size)
-        return layers + self.embedding_parameters + self.head_parameters + self.hidden_size
+        return layers + self.embedding_parameters + self.head_parameters + self.hidden_size + self.media_parameters
 
     @property
     def active_parameters(self) -> int:
@@ -1739,8 +1743,29 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                                    and not attn.get("latent_kv")),  # per feature (latent attention's: priced as none)
         softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
         gated_delta_net=linear_shape, mixer_free_layers=mixer_free, mlp_free_layers=mlp_free, **moe_fields,
+        media_parameters=_media_parameters(model, structure),
     )
+    if fields["media_parameters"]:
+        structure = dataclasses.replace(structure, notes=(*structure.notes, (
+            f"{fields['media_parameters']:,} parameters outside the language model (its media encoders and their "
+            "projection): whole on every tp rank, on the first pipeline stage; their compute is not priced")))
     return structure, fields
+
+
+def _media_parameters(model: "nn.Module", structure: ModelStructure) -> int:
+    """A multimodal model's parameters outside its language model: every parameter outside the module holding the
+    decoder-layer list and the LM head, where the config has a sub-config other than the text one (a vision tower's
+    `vision_config`: Qwen2-VL's `visual`, LLaVA's `vision_tower` and `multi_modal_projector`); 0 otherwise."""
+    config = getattr(model, "config", None)
+    media = [name for name in getattr(config, "sub_configs", None) or {}
+             if name != "text_config" and getattr(config, name, None) is not None]
+    root = structure.layers.rpartition(".")[0]
+    if not media or not root:
+        return 0
+    inside = {id(p) for p in model.get_submodule(root).parameters()}
+    if structure.lm_head:
+        inside |= {id(p) for p in model.get_submodule(structure.lm_head).parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in inside)
 
 
 # transformers' Gated DeltaNet mixers (Qwen3-Next, Qwen3.5, Lara Mini) keep their head counts and widths as these

@@ -8,6 +8,7 @@ from .block_check import TensorParallelCheckError
 from .api import dtensor_from_local, local_value, reshard, shard_tensor, unshard_dtensor
 from .data_parallel import DataParallel
 from .dataloader import ShardDataloader, shard_dataloader
+from .sample_rows import MediaRows, SampleRows, sample_rows_of
 from .checkpoint import full_state_dict, load_full_state_dict, load_state, save_state
 from .clip import clip_grad_norm_
 from .env import ParallelEnv, get_rank, get_world_size, init_parallel_env
@@ -83,6 +84,9 @@ __all__ = [
     "ShardingStage2",
     "ShardingStage3",
     "SplitPoint",
+    "MediaRows",
+    "SampleRows",
+    "sample_rows_of",
     "TensorParallelCheckError",
     "ToDistributedConfig",
     "apply_strategy",

@@ -34,6 +34,7 @@ from tridist.kernels.comm_matmul import check_backend_available
 
 from . import env
 from .dataloader import shard_dataloader
+from .sample_rows import sample_rows_of
 from .expert_parallel import expert_parallel_refusal
 from .measure import measure_strategies
 from .mesh import ProcessMesh
@@ -235,8 +236,9 @@ _KNOB_NAMES = {"tp": "tensor parallel", "recompute": "activation recompute",
 
 def _apply_with_loader(model, optimizer, dataloader, strategy, spec, config, *, layers: str | None = None):
     mesh = _dims(strategy).mesh
+    media = sample_rows_of(model)  # a vision-language model's images: split with their samples
     model, optimizer = apply_strategy(model, optimizer, strategy, spec=spec, config=config, mesh=mesh, layers=layers)
-    return model, optimizer, shard_dataloader(dataloader, meshes=mesh, shard_dims="dp")
+    return model, optimizer, shard_dataloader(dataloader, meshes=mesh, shard_dims="dp", sample_rows=media)
 
 
 # --------------------------------------------------------------------------------------- choosing

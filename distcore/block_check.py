@@ -143,12 +143,14 @@ def block_kind(block: torch.nn.Module) -> tuple:
             tuple(name for name, _ in block.named_parameters()))
 
 
-def capture(model: torch.nn.Module, *, tp: int) -> dict[tuple, BlockSample] | str:
+def capture(model: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], *,
+            tp: int) -> dict[tuple, BlockSample] | str:
     """One forward of `model` on `4 x tp` token ids (batch _PROBE_BATCH, under no_grad, in eval mode, the RNG
-    untouched) that records what the first block of each kind (`block_kind`) receives; a string says why it
-    could not run (the blocks then run in global view). On meta (LazyGuard) models the forward runs on meta."""
+    untouched) that records what the first of `blocks` of each kind (`block_kind`) receives; a string says why it
+    could not run (the blocks then run in global view). On meta (LazyGuard) models the forward runs on meta. Only the
+    blocks the plan splits: a vision-language model's vision blocks, which token ids never reach, are not among them."""
     firsts: dict[tuple, tuple[str, torch.nn.Module]] = {}
-    for name, block in decoder_blocks(model):
+    for name, block in blocks:
         firsts.setdefault(block_kind(block), (name, block))
     if not firsts:
         return {}
@@ -217,7 +219,7 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
     planned = [(name, block) for name, block in decoder_blocks(model) if plan.styles_under(name)]
     if not planned:
         return BlockViews()
-    samples = capture(model, tp=tp_mesh.size())
+    samples = capture(model, planned, tp=tp_mesh.size())
     if isinstance(samples, str):
         for name, block in planned:
             _refuse_without_global_view(plan, name, block, f"cannot be checked: {samples}")

@@ -47,6 +47,13 @@ the same order on every rank.
 
 Non-tensor items (strings, ...) are not DTensors: they pass through as the collate_fn made them, which
 with per-rank loading covers only this rank's samples.
+
+Tensors whose rows are not samples: every tensor of a batch must hold one row per sample on dim 0, or be a media
+tensor that `sample_rows` (a vision-language model's layout: sample_rows.py; to_distributed passes
+`sample_rows_of(model)`) assigns to samples by their placeholder tokens. Such a tensor goes to each rank as a plain
+tensor of its samples' rows (None where they hold no image): its ranks hold different numbers of rows, which no
+DTensor of one global shape describes, and the model takes local values. Any other tensor of another row count is
+refused, naming it (sliced by its own rows, it would give a rank other samples' data).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import env
 from .api import dtensor_from_local
 from .mesh import ProcessMesh
+from .sample_rows import SampleRows, check_rows, media_or_none, take_samples
 
 _BATCH_DIM = 0  # the dim that holds the samples of a collated batch
 _FULL_BATCH = (1, 0)  # (number of slices, index): the whole global batch
@@ -239,6 +247,17 @@ def _as_tensor(value):
     if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
         return torch.from_numpy(value)
     return value
+
+
+def _check_one_row_per_sample(batch) -> None:
+    """A list, tuple or tensor batch: every tensor (of one dim or more) holds one row per sample on dim 0, the
+    first tensor's count (each would be sliced by its own rows otherwise: another tensor's rows given to a rank)."""
+    leaves = [leaf for leaf in _tensor_leaves(batch) if leaf.dim() > 0]
+    if leaves and any(leaf.shape[0] != leaves[0].shape[0] for leaf in leaves):
+        raise ValueError(
+            f"shard_dataloader: the batch's tensors hold {[leaf.shape[0] for leaf in leaves]} row(s) on dim 0: each "
+            "rank gets a slice of the samples, so every tensor must hold one row per sample (a vision-language "
+            "model's per-image tensors can be split by their samples in a dict batch, with sample_rows)")
 
 
 def _tensor_leaves(batch) -> list[torch.Tensor]:
@@ -430,8 +449,10 @@ class ShardDataloader:
     built from. Build it with `shard_dataloader`.
     """
 
-    def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None):
+    def __init__(self, dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None,
+                 sample_rows: SampleRows | None = None):
         env.init_parallel_env()
+        self.sample_rows = sample_rows
         _check_not_distributed_sampler(dataloader)
         self.dataloader = dataloader
         self.meshes = _as_mesh_list(meshes)
@@ -561,13 +582,31 @@ class ShardDataloader:
         slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice, "check_split": self._check_split}
         layouts = self._layouts
         if isinstance(batch, Mapping):
-            items = {key: _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()}
+            samples, starts = check_rows(batch, self.sample_rows, "shard_dataloader")
+            items = {key: self._media(item, key, starts, samples, self._dict_layout(batch, key)) if key in starts
+                     else _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()}
             return _same_mapping(batch, items)
+        _check_one_row_per_sample(batch)
         if isinstance(batch, (list, tuple)):
             # Pipeline: element i on stage i, the rest (labels, ...) on the last stage.
             items = [_distribute(item, layouts[min(i, len(layouts) - 1)], **slicing) for i, item in enumerate(batch)]
             return _same_sequence(batch, items)
         return _distribute(batch, layouts[0], **slicing)
+
+    def _media(self, tensor: torch.Tensor, key: str, starts: dict[str, list[int]], samples: int,
+               layout: _MeshLayout) -> torch.Tensor:
+        """A media tensor (rows of images, not samples: sample_rows.py) as this rank's rows, a plain tensor: the rows
+        of its slice's samples where the whole batch was loaded (None where they hold no image), else all it loaded
+        (its own samples'). Its ranks hold different numbers of rows, which no DTensor of one global shape describes;
+        the model takes local values."""
+        if self._loaded_slice != _FULL_BATCH:
+            return tensor.to(env.device())
+        index = layout.slice_index(env.get_rank())
+        if index is None:
+            return tensor.new_empty(0).to(env.device())
+        start, length = _slice_bounds(samples, layout.num_slices, index)
+        rows = media_or_none(take_samples(tensor, key, starts, start, start + length), key, starts)
+        return None if rows is None else rows.to(env.device())
 
     def _dict_layout(self, batch: Mapping, key) -> _MeshLayout:
         """Keys in input_keys go to the first mesh, the others to the last one."""
@@ -585,7 +624,8 @@ class ShardDataloader:
 
 
 def shard_dataloader(
-    dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None
+    dataloader, meshes, input_keys=None, shard_dims=None, *, per_rank_loading: bool | None = None,
+    sample_rows: SampleRows | None = None
 ) -> ShardDataloader:
     """Paddle's `dist.shard_dataloader`: `dataloader`'s global batches, sliced over the data-parallel ranks.
 
@@ -595,5 +635,9 @@ def shard_dataloader(
     shard_dims: the data-parallel mesh dim (name or index) that splits dim 0 of the batch, one for all
       meshes or a list with one per mesh; None replicates the batch.
     per_rank_loading: None (auto, see the module docstring), True or False.
+    sample_rows: a vision-language model's media (`sample_rows_of(model)`, which to_distributed passes): their
+      tensors' rows (images, patches) go to the rank holding their samples, as plain tensors of its own rows. A
+      dict batch's tensor of another row count than the samples' that it does not describe is refused.
     """
-    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, per_rank_loading=per_rank_loading)
+    return ShardDataloader(dataloader, meshes, input_keys, shard_dims, per_rank_loading=per_rank_loading,
+                           sample_rows=sample_rows)

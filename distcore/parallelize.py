@@ -47,6 +47,7 @@ from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .random_state import keep_tensor_parallel_random_state_alike
 from .token_mean import install_global_token_mean
+from .sample_rows import media_encoders
 from .unused_parameters import UnusedParameters
 from .optimizer import mark_replaced, with_paddle_methods
 from .parallel_dims import KINDS, ParallelDims
@@ -338,7 +339,12 @@ class _DataParallelUnits:
 
 
 def _data_parallel_units(model: torch.nn.Module) -> _DataParallelUnits:
-    blocks = list({id(block): block for _, block in decoder_blocks(model)}.values())
+    # A multimodal model's media encoder (its vision tower's blocks) stays in the root's unit: a data-parallel rank
+    # whose samples hold no image never calls it, and a unit whose forward does not run on every rank would enter
+    # its reduce-scatter on some ranks only (gloo aborts); the root's always runs, its unused parameters reducing zeros
+    encoders = media_encoders(model)
+    blocks = list({id(block): block for name, block in decoder_blocks(model)
+                   if not any(name.startswith(f"{encoder}.") for encoder in encoders)}.values())
     holders: dict[int, set[int]] = {}  # module -> the blocks that hold it
     for index, block in enumerate(blocks):
         for module in block.modules():

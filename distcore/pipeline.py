@@ -111,6 +111,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.weak import WeakTensorKeyDictionary
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..autotune.strategy import stage_layers
@@ -120,6 +121,7 @@ from . import env
 from .env import all_reduce_mean_
 from .fake_tensor_log import expected_failures_unlogged
 from .outputs import CACHE_ARGUMENTS, OutputForm, find_logits, find_loss
+from .sample_rows import SampleRows, sample_rows_of, split_samples
 from .tensor_parallel import take_pending_split, tied_parameter_names
 from .unused_parameters import trackers_of
 
@@ -165,6 +167,7 @@ class PipelineConfig:
     micro_batches: int
     chunks_per_rank: int  # > 1: interleaved (virtual) stages, rank r holds stages r, r + pp, ...
     eval_logits: str = "every_rank"  # one of EVAL_LOGITS
+    sample_rows: SampleRows | None = None  # a vision-language model's media: their rows split by samples
 
     @property
     def num_stages(self) -> int:
@@ -205,7 +208,8 @@ def parse_pp_config(model: torch.nn.Module, pp_config: dict, *, pp: int) -> Pipe
     eval_logits = pp_config.get("eval_logits", "every_rank")
     if eval_logits not in EVAL_LOGITS:
         raise ValueError(f"parallelize: pp_config['eval_logits'] = {eval_logits!r}; choose one of {list(EVAL_LOGITS)}")
-    return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks, eval_logits)
+    return PipelineConfig(layer_list, starts, num_layers, schedule, micro_batches, chunks, eval_logits,
+                          sample_rows_of(model))
 
 
 def _split_layers(model: torch.nn.Module, split_spec, *, num_stages: int,
@@ -378,7 +382,7 @@ class _StandIn(torch.nn.Module):
         device = _device_of(args, kwargs)
         meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _MetaWhereMeta():
                 meta_out = self._meta_module(*meta_args, **meta_kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
             raise RuntimeError(
@@ -420,6 +424,12 @@ class _StandIn(torch.nn.Module):
             held = meta._buffers.get(attribute) if held is None else held
         if held is not None and state is not None and state.device is not None:
             return _ForeignTensor(f"{name}.{attribute}", owner, held, state.device)
+        if attribute in ("dtype", "device") and meta is not None and state is not None and state.device is not None:
+            # transformers' PreTrainedModel.dtype / .device (its parameters'), read around the module's call
+            # (Qwen2-VL: pixel_values.type(self.visual.dtype)): the dtype its parameters have, this stage's device
+            first = next((p for p in meta.parameters() if p.is_floating_point()), None)
+            if first is not None:
+                return first.dtype if attribute == "dtype" else state.device
         raise AttributeError(
             f"pipeline parallel: {name!r} lives on pipeline stage {owner}; its {attribute!r} is not on this "
             "rank. Model code that reads it outside that module's own forward cannot run on another stage: use a "
@@ -480,9 +490,27 @@ def _device_of(args, kwargs) -> torch.device:
 
 
 def _to_meta(x):
+    """A stand-in's input on the meta device, but for integer and boolean tensors, which keep their values: the
+    shapes a module computes from them (a vision tower's patches per image, from its grid's t, h, w) are read there
+    (`_MetaWhereMeta` takes them to the meta device where they meet a meta tensor)."""
     if isinstance(x, DTensor):
         x = x.to_local()
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
+        return x.to("meta")
+    return x
+
+
+class _MetaWhereMeta(TorchDispatchMode):
+    """An op that takes a meta tensor takes its other tensors (of one dim or more: scalars mix) on the meta device
+    too, so a stand-in's meta run computes shapes from the real integers it was given (`_to_meta`) and meta values
+    from everything else; ops on those integers alone run for real (cu_seqlens from a grid, `.tolist()` of them)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = [x for x in tree_flatten((args, kwargs or {}))[0] if isinstance(x, torch.Tensor)]
+        if any(x.is_meta for x in leaves):
+            args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta
+                                    and x.dim() > 0 else x, (args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -1217,7 +1245,7 @@ class PipelineRunner:
 
     def __call__(self, model: torch.nn.Module, args, kwargs):
         _refuse_a_cache(kwargs)
-        self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches)
+        self.micro_batches[:] = split_micro_batches(args, kwargs, self.config.micro_batches, self.config.sample_rows)
         self._follow_shapes()
         # The views' own copies of the containers take their modes from the model's; the modules they share
         # already have theirs (view.train() would override a submodule the user put in another mode).
@@ -1493,22 +1521,46 @@ class _ReturnedLoss(torch.autograd.Function):
         return None, None, None
 
 
-def split_micro_batches(args, kwargs, count: int) -> list:
+def split_micro_batches(args, kwargs, count: int, sample_rows: SampleRows | None = None) -> list:
     """Split every batch-major tensor of (args, kwargs) into `count` equal micro-batches along dim 0;
-    other values (and tensors with another leading size) go to every micro-batch unchanged."""
+    other values (and tensors with another leading size: a cache position's) go to every micro-batch unchanged.
+    A vision-language model's media (`sample_rows`: pixel_values whose rows are images or their patches) are split
+    with their samples; a `pixel_values*` tensor of another leading size that no `sample_rows` assigns is refused
+    (every micro-batch would get every image)."""
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:
         raise ValueError("pipeline parallel: the model's inputs hold no batch tensor to split into micro-batches")
-    batch = tensors[0].shape[0]
+    starts = sample_rows.row_starts(kwargs) if sample_rows is not None else {}
+    batch = _batch_size(kwargs, set(starts)) or tensors[0].shape[0]
+    for key, value in kwargs.items():
+        if (key.startswith("pixel_values") and key not in starts and isinstance(value, torch.Tensor)
+                and value.dim() > 0 and value.shape[0] != batch):
+            raise ValueError(
+                f"pipeline parallel: {key!r} has {value.shape[0]} row(s) where the batch has {batch} sample(s), and "
+                "tridist does not know which rows are which sample's for this model (sample_rows_of: a Qwen2-VL-style "
+                "grid, or images of one placeholder count); give every sample one image of one size, or use no "
+                "micro-batches (pp 1, num_micro_batches 1)")
     if batch % count:
         raise ValueError(
             f"pipeline parallel splits each batch into {count} micro-batches, but this rank's batch has {batch} "
             f"samples; use a batch size (per data-parallel rank) divisible by {count}, or set pp_config['micro_batches']"
         )
     size = batch // count
+    media = split_samples({key: kwargs[key] for key in starts}, starts,
+                          [(i * size, (i + 1) * size) for i in range(count)]) if starts else [{}] * count
     micro = []
     for i in range(count):
         part = [x[i * size : (i + 1) * size] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x for x in leaves]
-        micro.append(tree_unflatten(part, spec))
+        part_args, part_kwargs = tree_unflatten(part, spec)
+        micro.append((part_args, {**part_kwargs, **media[i]}))
     return micro
+
+
+def _batch_size(kwargs: dict, media: set[str]) -> int | None:
+    """The samples of a keyword batch: its input_ids' (labels', attention_mask's) dim 0, None without them."""
+    for key in ("input_ids", "labels", "attention_mask", "inputs_embeds"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and key not in media:
+            return value.shape[0]
+    return None

@@ -1,0 +1,229 @@
+"""Batches whose tensors do not all hold one row per sample: a vision-language model's images and videos.
+
+A vision-language model's collated batch holds per-sample tensors (input_ids, attention_mask, labels: dim 0 the
+samples) beside per-image ones whose rows are images or their patches, in the samples' order: Qwen2-VL's
+`pixel_values` [every image's patches, C*T*P*P] with `image_grid_thw` [images, 3] (each image t*h*w patches, any
+number of images per sample, each of its own size), LLaVA's or Gemma 3's `pixel_values` [images, C, H, W]. Splitting
+those on dim 0 as if their rows were samples (data parallel's slices, a pipeline's micro-batches) hands a rank other
+samples' images: the model raises on its placeholder count, or trains on the wrong pictures.
+
+Each image stands in input_ids as a run of placeholder tokens (`image_token_id`): t*h*w / merge**2 of them for a
+grid (Qwen2-VL's processor), the same number for every image without one (LLaVA's, Gemma 3's, PaliGemma's). Counting
+a sample's placeholders therefore tells how many of the images, in order, are its own, and their rows. `MediaRows`
+describes one kind of media (images, videos) so; `SampleRows` all of a model's; `sample_rows_of(model)` reads them
+from a transformers model's config and forward signature (None for a model of text alone, or of a layout this does
+not know: its per-image tensors are then refused where they cannot be split by samples, never split wrongly).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MediaRows:
+    """One kind of media of a batch. `pixels`: the key of its values, `grid`'s t*h*w rows per item where it has a grid
+    (Qwen2-VL's patches), else one row per item; `token_id`: the placeholder each item expands to in the ids; `grid`:
+    the key of its [items, 3] (t, h, w) grid, each item then `t*h*w // merge**2` placeholders (the spatial merge);
+    `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). Without a grid each item takes the same
+    number of placeholders (the batch's count over its items), or, as many items as samples each holding some, one
+    item per sample (images of any size, one each)."""
+
+    token_id: int
+    pixels: str
+    grid: str | None = None
+    merge: int = 1
+    per_item: tuple[str, ...] = ()
+
+    def keys(self) -> tuple[str, ...]:
+        return (self.pixels, *((self.grid,) if self.grid else ()), *self.per_item)
+
+    def row_starts(self, batch: Mapping, ids: torch.Tensor) -> dict[str, list[int]]:
+        """For each of its keys in `batch`, the first row of each sample's items and the end (samples + 1 offsets)."""
+        if not torch.is_tensor(batch.get(self.pixels)):
+            return {}
+        placeholders = (ids == self.token_id).sum(dim=tuple(range(1, ids.dim()))).tolist()
+        items = batch[self.pixels].shape[0]
+        if self.grid is not None:
+            if not torch.is_tensor(batch.get(self.grid)):
+                raise ValueError(f"{self.pixels!r} comes without {self.grid!r}, which tells its items' sizes")
+            rows = [t * h * w for t, h, w in batch[self.grid].reshape(-1, 3).tolist()]
+            counts = _items_per_sample(placeholders, [r // self.merge**2 for r in rows], self.token_id)
+        elif items == len(placeholders) and all(placeholders):  # one item each, of any size
+            rows, counts = [1] * items, [1] * items
+        else:
+            total = sum(placeholders)
+            if items == 0 or total % items:
+                raise ValueError(f"the batch's {total} placeholder token(s) {self.token_id} do not divide evenly over the "
+                                 f"{items} item(s) of {self.pixels!r}: without a grid, items of several sizes can be "
+                                 "told apart only one per sample")
+            rows = [1] * items
+            counts = _items_per_sample(placeholders, [total // items] * items, self.token_id)
+        starts = {self.pixels: _offsets(counts, rows)}
+        for key in (self.grid, *self.per_item):
+            if key is not None and torch.is_tensor(batch.get(key)):
+                starts[key] = _offsets(counts, [1] * len(rows))
+        for key, offsets in starts.items():
+            if offsets[-1] != batch[key].shape[0]:
+                raise ValueError(f"{key!r} has {batch[key].shape[0]} row(s) where the batch's {len(rows)} item(s) "
+                                 f"take {offsets[-1]}")
+        return starts
+
+
+def _items_per_sample(placeholders: list[int], tokens: list[int], token_id: int) -> list[int]:
+    """How many of the items, in order, each sample owns: those whose placeholders its own count adds up to."""
+    counts, item = [], 0
+    for sample, wanted in enumerate(placeholders):
+        start = item
+        while wanted > 0 and item < len(tokens):
+            wanted -= tokens[item]
+            item += 1
+        if wanted != 0:
+            raise ValueError(f"sample {sample}'s {placeholders[sample]} placeholder token(s) {token_id} are not whole "
+                             f"items of the batch (items' placeholders {tokens[start:item + 1]} from item {start}): the "
+                             "ids and the media tensors do not belong together")
+        counts.append(item - start)
+    if item != len(tokens):
+        raise ValueError(f"{len(tokens) - item} item(s) of the batch have no placeholder token {token_id} in the ids")
+    return counts
+
+
+def _offsets(items_per_sample: list[int], rows_per_item: list[int]) -> list[int]:
+    offsets, row, item = [0], 0, 0
+    for count in items_per_sample:
+        row += sum(rows_per_item[item:item + count])
+        item += count
+        offsets.append(row)
+    return offsets
+
+
+@dataclass(frozen=True)
+class SampleRows:
+    """A model's media (`MediaRows`), located through the batch's `ids` key."""
+
+    media: tuple[MediaRows, ...]
+    ids: str = "input_ids"
+
+    def keys(self) -> set[str]:
+        return {key for m in self.media for key in m.keys()}
+
+    def row_starts(self, batch: Mapping) -> dict[str, list[int]]:
+        """Each media key's first row of every sample and its end (samples + 1 offsets); {} if the batch holds none.
+        Raises, naming the mismatch, where the ids' placeholders and the media do not add up."""
+        if not any(key in batch for key in self.keys()):
+            return {}
+        ids = batch.get(self.ids)
+        if not torch.is_tensor(ids):
+            raise ValueError(f"the batch holds {sorted(k for k in self.keys() if k in batch)} but no {self.ids!r}, "
+                             "whose placeholder tokens tell which sample each item belongs to")
+        starts: dict[str, list[int]] = {}
+        for media in self.media:
+            starts.update(media.row_starts(batch, ids))
+        return starts
+
+
+def sample_count(batch: Mapping, media_keys: set[str]) -> int | None:
+    """The batch's samples: dim 0 of its input_ids (else labels, attention_mask, inputs_embeds, else its first
+    tensor that is not a media key). None if it holds no such tensor."""
+    for key in ("input_ids", "labels", "attention_mask", "inputs_embeds"):
+        if torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
+            return batch[key].shape[0]
+    for key, value in batch.items():
+        if key not in media_keys and torch.is_tensor(value) and value.dim() > 0:
+            return value.shape[0]
+    return None
+
+
+def take_samples(value: torch.Tensor, key: str, starts: dict[str, list[int]], first: int, end: int) -> torch.Tensor:
+    """Samples [first, end) of a batch tensor: its rows of those samples for a media key, else rows first..end."""
+    if key in starts:
+        return value[starts[key][first]:starts[key][end]]
+    return value[first:end]
+
+
+def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
+    """The media of a transformers vision-language model (`MediaRows` per kind), read from its config and its
+    forward's arguments: a grid (`image_grid_thw`, `video_grid_thw`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) with its
+    vision config's `spatial_merge_size`, else `pixel_values` with one placeholder count per image (LLaVA, Gemma 3,
+    PaliGemma, ...). None for a model without an image placeholder token in its config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        arguments = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    vision = getattr(config, "vision_config", None)
+    merge = getattr(vision, "spatial_merge_size", None) or 1
+    media = []
+    for kind, pixels in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+        token = _token_id(config, kind)
+        if token is None or pixels not in arguments:
+            continue
+        grid = f"{kind}_grid_thw" if f"{kind}_grid_thw" in arguments else None
+        if grid is None and kind == "video":
+            continue  # videos without a grid: a layout this does not know (refused where it cannot be split)
+        sizes = ("image_sizes",) if kind == "image" and grid is None and "image_sizes" in arguments else ()
+        media.append(MediaRows(token, pixels, grid=grid, merge=merge if grid else 1, per_item=sizes))
+    return SampleRows(tuple(media)) if media else None
+
+
+def media_encoders(model: torch.nn.Module) -> list[str]:
+    """The outermost modules of a transformers multimodal model that encode its media: those built from one of its
+    config's sub-configs other than the text one (a vision tower's `vision_config`, an audio tower's). A batch slice
+    without images never calls them, where the other slices do."""
+    config = getattr(model, "config", None)
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {} if name != "text_config"]
+    subs = [sub for sub in subs if sub is not None]
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if name and any(getattr(module, "config", None) is sub for sub in subs):
+            if not any(name.startswith(f"{outer}.") for outer in found):
+                found.append(name)
+    return found
+
+
+def _token_id(config, kind: str) -> int | None:
+    for name in (f"{kind}_token_id", f"{kind}_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int | None, dict[str, list[int]]]:
+    """(samples, media row starts) of a dict batch; raises naming the tensor where one holds neither a row per
+    sample nor rows `rows` can assign to samples. `where` names the caller in the message."""
+    starts = rows.row_starts(batch) if rows is not None else {}
+    samples = sample_count(batch, set(starts))
+    if samples is None:
+        return None, starts
+    for key, value in batch.items():
+        if key in starts or not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == samples:
+            continue
+        raise ValueError(
+            f"{where}: the batch's {key!r} has {value.shape[0]} row(s) on dim 0 where the batch has {samples} "
+            f"sample(s), so it cannot be split by samples. A vision-language model's images are split by the "
+            "placeholder tokens of each sample where tridist knows the model's layout (sample_rows_of: a Qwen2-VL-style "
+            "grid, or images of one placeholder count); give every sample the same number of images of one size, "
+            "collate per-image tensors with one row per sample (padded), or keep tensors that are not per sample "
+            "out of the batch")
+    return samples, starts
+
+
+def split_samples(batch: Mapping, starts: dict[str, list[int]], bounds: Sequence[tuple[int, int]]) -> list[dict]:
+    """The batch cut at sample bounds [(first, end), ...]: per-sample tensors by rows, media by their samples' rows,
+    None where those samples hold none (as a call without images passes it: an empty tensor would run the vision
+    tower on nothing, which models' code does not take); scalars and other values whole in every part."""
+    return [{key: media_or_none(take_samples(value, key, starts, first, end), key, starts)
+             if torch.is_tensor(value) and value.dim() > 0 else value
+             for key, value in batch.items()} for first, end in bounds]
+
+
+def media_or_none(rows: torch.Tensor, key: str, starts: dict[str, list[int]]) -> torch.Tensor | None:
+    """A media key's rows of some samples, None where they are none (see split_samples)."""
+    return None if key in starts and rows.shape[0] == 0 else rows

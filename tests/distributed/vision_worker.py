@@ -1,0 +1,194 @@
+"""Vision-language models of transformers through to_distributed on 2 gloo processes, trained on batches of images as
+users collate them: any number of images per sample, each of its own size, some samples with none (Qwen2.5-VL's
+patches of every image in one `pixel_values` with an `image_grid_thw`; LLaVA's [images, C, H, W]). Losses,
+first-step gradients and parameters after the steps equal one process's (equivalence.py).
+
+Before (2026-11-30): data parallel split `pixel_values` by its own rows as if they were samples (a crash in the
+model's code, or other samples' images), a rank whose samples held no image never ran the vision tower's FSDP units
+(gloo aborted), pipeline micro-batches all got every image, and a later stage could not shape its stand-in for the
+vision tower (its patch counts come from the grid's values)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import transformers as hf
+
+from tridist import autotune, distcore
+from tests.distributed import equivalence
+from tests.distributed.harness import run_checks
+
+IMAGE, VOCAB, SEQ_LEN, LR = 250, 256, 40, 0.1
+TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Each global batch's 4 samples hold these images (grids t, h, w in patches): the second batch's last two samples
+# none, so under dp 2 one rank's slice holds no image (it never calls the vision tower) and under pp 2 one
+# micro-batch neither.
+IMAGES = ([[(1, 4, 4), (1, 4, 8)], [], [(1, 8, 4)], [(1, 4, 4)]],
+          [[(1, 4, 4)], [(1, 8, 8)], [], []])
+
+
+def _qwen2_5_vl():
+    torch.manual_seed(0)
+    config = hf.Qwen2_5_VLConfig(
+        text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, fullatt_block_indexes=[1],
+                           window_size=8),
+        image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2, vision_end_token_id=IMAGE + 3)
+    return hf.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def _llava():
+    torch.manual_seed(0)
+    config = hf.LlavaConfig(text_config={"model_type": "llama", **TEXT}, image_token_id=IMAGE,
+                            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2))
+    return hf.LlavaForConditionalGeneration(config)
+
+
+def _gemma3():
+    torch.manual_seed(0)
+    config = hf.Gemma3Config(text_config={**TEXT, "head_dim": 16, "sliding_window": 8}, mm_tokens_per_image=4,
+                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=2, image_size=16, patch_size=4),
+                             image_token_id=IMAGE, boi_token_index=IMAGE + 1, eoi_token_index=IMAGE + 2)
+    return hf.Gemma3ForConditionalGeneration(config)
+
+
+# What scripts/sweep_vision.py runs under every strategy; the checks below take two of them.
+MODELS = {"qwen2_5_vl": _qwen2_5_vl, "llava": _llava, "gemma3": _gemma3}
+
+
+def _samples(model) -> list[dict]:
+    """The samples as a dataset holds them: token ids with each image's placeholders (a Qwen2.5-VL image of t*h*w
+    patches takes t*h*w/4 of them at its 2 x 2 merge; a LLaVA image one per patch, 16; a Gemma 3 image its
+    mm_tokens_per_image), labels -100 on them, and the images (Gemma 3's token_type_ids mark them, as its processor
+    does)."""
+    vision = model.config.vision_config
+    grid = hasattr(vision, "spatial_merge_size")
+    tokens_per_image = None if grid else getattr(model.config, "mm_tokens_per_image",
+                                                 (vision.image_size // vision.patch_size) ** 2)
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for batch in IMAGES:
+        for images in batch:
+            ids = torch.randint(3, 200, (SEQ_LEN,), generator=generator)
+            sample, position = {"input_ids": ids}, 2
+            pixels, grids = [], []
+            for t, h, w in images:
+                tokens = t * h * w // 4 if grid else tokens_per_image
+                ids[position:position + tokens] = IMAGE
+                position += tokens + 1
+                pixels.append(torch.randn(t * h * w, 24, generator=generator) if grid else
+                              torch.randn(1, 3, vision.image_size, vision.image_size, generator=generator))
+                grids.append((t, h, w))
+            if images:
+                sample["pixel_values"] = torch.cat(pixels)
+                if grid:
+                    sample["image_grid_thw"] = torch.tensor(grids)
+            if model.config.model_type == "gemma3":
+                sample["token_type_ids"] = (ids == IMAGE).long()
+            sample["labels"] = ids.masked_fill(ids == IMAGE, -100)
+            samples.append(sample)
+    return samples
+
+
+def _collate(samples: list[dict]) -> dict:
+    """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order."""
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids")
+             if key in samples[0]}
+    for key in ("pixel_values", "image_grid_thw"):
+        if any(key in s for s in samples):
+            batch[key] = torch.cat([s[key] for s in samples if key in s])
+    return batch
+
+
+def _loader(model):
+    return torch.utils.data.DataLoader(_samples(model), batch_size=4, collate_fn=_collate)
+
+
+def train(build, strategy: autotune.Strategy | None) -> autotune.Strategy:
+    """`build()`'s model trained by to_distributed under `strategy` (None: searched) on the batches above, asserted
+    equal to one process; returns the strategy applied."""
+    def run(model, optimizer, loader) -> equivalence.Trace:
+        trace = equivalence.Trace()
+        for batch in loader:
+            out = model(**batch)
+            out.loss.backward()
+            trace.step(model, out.loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return trace.end(model)
+
+    def one_process() -> equivalence.Trace:
+        single = copy.deepcopy(model)
+        return run(single, torch.optim.SGD(single.parameters(), lr=LR), _loader(single))
+
+    model = build()
+    model.config.use_cache = False
+    reference = _on_rank_0(one_process)
+    model, optimizer, loader = distcore.to_distributed(
+        model, torch.optim.SGD(model.parameters(), lr=LR), _loader(model), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=strategy))
+    assert strategy is None or model.distributed_strategy == strategy
+    assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # the text blocks checked, local view
+    # LLaVA's last vision layer feeds nothing (its features come from the one before): FSDP2's zero gradient until
+    # the step, as for any parameter no rank used (equivalence.py)
+    equivalence.assert_same_training(run(model, optimizer, loader()), reference, unused_zero=True)
+    return model.distributed_strategy
+
+
+def _on_rank_0(compute):
+    """compute()'s result on rank 0 alone, sent to every rank; its error raised on every rank (the others would wait
+    for the result forever)."""
+    result = [None]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng(devices=[]):
+            try:
+                result = [(compute(), None)]
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                result = [(None, f"{type(error).__name__}: {error}")]
+    dist.broadcast_object_list(result, src=0)
+    value, error = result[0]
+    if error is not None:
+        raise RuntimeError(f"the one-process reference failed on rank 0: {error}")
+    return value
+
+
+def check_images_of_any_size_under_data_and_pipeline_parallel():
+    """Qwen2.5-VL: ZeRO-3 over dp 2 (a rank's slice without images: the vision tower stays in the root's unit, its
+    gradients zeros there), and pp 2 with 2 micro-batches (the second stage shapes its stand-in's zeros from the grid's
+    values: patches per image)."""
+    train(_qwen2_5_vl, autotune.Strategy(2, 1, 1, sharding_level=3, micro_batch_size=2))
+    train(_qwen2_5_vl, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
+
+
+def check_images_under_tensor_parallel():
+    """LLaVA under tp 2 with sequence parallel: the vision tower whole on each rank, the text blocks checked in local
+    view (the block check's probe of token ids never reaches the vision blocks, which it no longer waits for)."""
+    train(_llava, autotune.Strategy(1, 2, 1, sequence_parallel=True, micro_batch_size=4))
+
+
+def check_tensors_of_other_rows_are_refused():
+    """A batch tensor whose rows are neither samples nor images of a known layout: refused by the loader, naming it."""
+    model = _llava()
+    model, _, loader = distcore.to_distributed(
+        model, None, [{"input_ids": torch.zeros(4, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 8])}],
+        device_num=dist.get_world_size(), config=distcore.ToDistributedConfig(
+            strategy=autotune.Strategy(2, 1, 1, micro_batch_size=2)))
+    try:
+        next(iter(loader))
+    except ValueError as error:
+        assert "'cu_seqlens' has 3 row(s) on dim 0 where the batch has 4 sample(s)" in str(error), error
+    else:
+        raise AssertionError("a tensor of 3 rows in a batch of 4 samples was split")
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    distcore.init_parallel_env()
+    run_checks(CHECKS)

@@ -1,0 +1,190 @@
+"""A vision-language model's per-image tensors split with their samples (distcore/sample_rows.py): the rows each
+sample owns, read from its placeholder tokens; the layouts read from transformers' models; the pipeline's
+micro-batches; and the meta run of a stand-in whose shapes come from integers (a vision tower on a later stage)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tridist.distcore.pipeline import _MetaWhereMeta, _to_meta, split_micro_batches
+from tridist.distcore.sample_rows import (
+    MediaRows,
+    SampleRows,
+    check_rows,
+    media_encoders,
+    sample_rows_of,
+    split_samples,
+)
+
+IMAGE, OTHER = 250, 7
+GRID = SampleRows((MediaRows(IMAGE, "pixel_values", grid="image_grid_thw", merge=2),))
+FIXED = SampleRows((MediaRows(IMAGE, "pixel_values", per_item=("image_sizes",)),))
+
+
+def _ids(placeholders: list[int], length: int = 24) -> torch.Tensor:
+    ids = torch.full((len(placeholders), length), OTHER)
+    for sample, count in enumerate(placeholders):
+        ids[sample, 2:2 + count] = IMAGE
+    return ids
+
+
+def _grid_batch():
+    """Three samples: two images (4 x 4 and 4 x 8 patches: 4 and 8 placeholders at a 2 x 2 merge), none, one
+    (8 x 8: 16). Each patch's row holds its image's index, so a slice shows whose rows it took."""
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 8, 8]])
+    pixels = torch.cat([torch.full((int(t * h * w), 3), float(i)) for i, (t, h, w) in enumerate(grid.tolist())])
+    ids = _ids([4 + 8, 0, 16])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels, "image_grid_thw": grid}
+
+
+def test_a_grids_images_go_with_the_samples_whose_placeholders_they_fill():
+    batch = _grid_batch()
+    samples, starts = check_rows(batch, GRID, "test")
+    assert samples == 3
+    assert starts == {"pixel_values": [0, 16 + 32, 16 + 32, 16 + 32 + 64], "image_grid_thw": [0, 2, 2, 3]}
+    first, rest = split_samples(batch, starts, [(0, 1), (1, 3)])
+    assert first["pixel_values"][:, 0].unique().tolist() == [0.0, 1.0] and first["pixel_values"].shape[0] == 48
+    assert rest["pixel_values"][:, 0].unique().tolist() == [2.0] and rest["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert rest["input_ids"].shape == (2, 24) and torch.equal(rest["attention_mask"], batch["attention_mask"][1:])
+    # The sample without images alone: no images (None, as a call of text alone passes), not an empty tensor
+    middle, = split_samples(batch, starts, [(1, 2)])
+    assert middle["pixel_values"] is None and middle["image_grid_thw"] is None and middle["input_ids"].shape[0] == 1
+
+
+def test_images_of_one_placeholder_count_go_with_their_samples():
+    """LLaVA's layout: [images, C, H, W], each image the same number of placeholders (here 5): samples of 2, 0 and
+    1 images."""
+    pixels = torch.arange(3.0).reshape(3, 1, 1, 1).expand(3, 3, 2, 2)
+    batch = {"input_ids": _ids([10, 0, 5]), "pixel_values": pixels}
+    _, starts = check_rows(batch, FIXED, "test")
+    assert starts == {"pixel_values": [0, 2, 2, 3]}
+    parts = split_samples(batch, starts, [(0, 1), (1, 2), (2, 3)])
+    assert parts[1]["pixel_values"] is None
+    assert [parts[i]["pixel_values"][:, 0, 0, 0].tolist() for i in (0, 2)] == [[0.0, 1.0], [2.0]]
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda b: b["input_ids"].__setitem__((0, 2), OTHER), "not whole items"),  # 11 placeholders: not 4 + 8
+    (lambda b: b["input_ids"].__setitem__((2, slice(0, 24)), OTHER), "have no placeholder"),  # the third image's gone
+    (lambda b: b.__setitem__("pixel_values", b["pixel_values"][:-1]), r"111 row\(s\) where the batch's 3 item\(s\) take 112"),
+    (lambda b: b.pop("image_grid_thw"), "without 'image_grid_thw'"),
+    (lambda b: b.pop("input_ids"), "no 'input_ids'"),
+])
+def test_ids_and_images_that_do_not_belong_together_are_refused(change, words):
+    batch = _grid_batch()
+    change(batch)
+    with pytest.raises(ValueError, match=words):
+        check_rows(batch, GRID, "test")
+
+
+def test_images_of_several_placeholder_counts_without_a_grid():
+    """One per sample: each goes with its sample, whatever its size (LLaVA-NeXT's image_sizes with it); several to a
+    sample of several counts cannot be told apart: refused."""
+    one_each = {"input_ids": _ids([6, 3, 9]), "pixel_values": torch.zeros(3, 5, 3, 2, 2),
+                "image_sizes": torch.tensor([[4, 6], [2, 6], [6, 6]])}
+    assert check_rows(one_each, FIXED, "test")[1] == {"pixel_values": [0, 1, 2, 3], "image_sizes": [0, 1, 2, 3]}
+    batch = {"input_ids": _ids([10, 0, 4]), "pixel_values": torch.zeros(3, 3, 2, 2)}  # 14 over 3 images
+    with pytest.raises(ValueError, match="do not divide evenly"):
+        check_rows(batch, FIXED, "test")
+
+
+def test_a_tensor_of_other_rows_is_refused_where_no_layout_assigns_them():
+    """Without a layout (a model tridist does not know), per-image rows would be split as if they were samples."""
+    batch = _grid_batch()
+    with pytest.raises(ValueError, match=r"'pixel_values' has 112 row\(s\) on dim 0 where the batch has 3 sample"):
+        check_rows(batch, None, "shard_dataloader")
+    one_each = {"input_ids": _ids([5, 5]), "pixel_values": torch.zeros(2, 3, 2, 2)}  # one image per sample: samples
+    assert check_rows(one_each, None, "x") == (2, {})
+
+
+def test_pipeline_micro_batches_take_their_samples_images():
+    batch = _grid_batch()
+    batch["input_ids"] = torch.cat([batch["input_ids"], _ids([0])])  # 4 samples: 2 micro-batches of 2
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    first, second = split_micro_batches((), batch, 2, GRID)
+    assert first[1]["pixel_values"].shape[0] == 48 and first[1]["image_grid_thw"].shape[0] == 2
+    assert second[1]["pixel_values"][:, 0].unique().tolist() == [2.0] and second[1]["input_ids"].shape[0] == 2
+    with pytest.raises(ValueError, match="'pixel_values' has 112 row"):  # no layout: refused, not given to both
+        split_micro_batches((), batch, 2, None)
+
+
+def _tiny(model_type: str):
+    import transformers as hf
+
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                vocab_size=300)
+    if model_type == "qwen2_5_vl":
+        config = hf.Qwen2_5_VLConfig(text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+                                     vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32,
+                                                        out_hidden_size=32, spatial_merge_size=2),
+                                     image_token_id=250, video_token_id=251)
+        return hf.Qwen2_5_VLForConditionalGeneration(config)
+    if model_type == "llava":
+        config = hf.LlavaConfig(text_config={"model_type": "llama", **text},
+                                vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                                                   num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2),
+                                image_token_id=250)
+        return hf.LlavaForConditionalGeneration(config)
+    return hf.LlamaForCausalLM(hf.LlamaConfig(**text))
+
+
+def test_the_layouts_read_from_transformers_models():
+    """Qwen2.5-VL: images and videos by their grids (spatial merge 2); LLaVA: images of one placeholder count; a
+    Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
+    qwen = _tiny("qwen2_5_vl")
+    assert sample_rows_of(qwen) == SampleRows((
+        MediaRows(250, "pixel_values", grid="image_grid_thw", merge=2),
+        MediaRows(251, "pixel_values_videos", grid="video_grid_thw", merge=2)))
+    assert media_encoders(qwen) == ["model.visual"]
+    llava = _tiny("llava")
+    assert sample_rows_of(llava) == SampleRows((MediaRows(250, "pixel_values", per_item=("image_sizes",)),))
+    assert media_encoders(llava) == ["model.vision_tower"]
+    llama = _tiny("llama")
+    assert sample_rows_of(llama) is None and media_encoders(llama) == []
+
+
+def test_a_stand_in_runs_on_meta_with_its_integer_inputs_real():
+    """A pipeline stand-in shapes its zeros by running its module's meta copy: a vision tower computes its patch
+    counts from its grid's integers (`.tolist()`), which keep their values, while every float is a meta tensor."""
+
+    class Tower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 5)
+
+        def forward(self, pixels, grid):
+            lengths = (grid[:, 1] * grid[:, 2]).tolist()  # data-dependent: needs the values
+            return torch.cat([self.proj(part).mean(0, keepdim=True) for part in pixels.split(lengths)])
+
+    tower = Tower().to("meta")
+    pixels, grid = torch.randn(16 + 32, 3), torch.tensor([[1, 4, 4], [1, 4, 8]])
+    meta_pixels, meta_grid = _to_meta(pixels), _to_meta(grid)
+    assert meta_pixels.is_meta and not meta_grid.is_meta
+    with torch.no_grad(), _MetaWhereMeta():
+        out = tower(meta_pixels, meta_grid)
+    assert out.is_meta and out.shape == (2, 5)
+
+
+def test_the_cost_model_counts_the_media_encoders_on_the_first_stage():
+    """`ModelSpec.media_parameters`: the vision tower (and LLaVA's projector) outside the language model, whole on every
+    tp rank of the first pipeline stage (they were left out of the model states: 30% of the tiny Qwen2.5-VL)."""
+    from tridist.autotune import ModelSpec
+    from tridist.autotune.cost import stage_parameters
+
+    for model_type, media in (("qwen2_5_vl", ["model.visual"]), ("llava", ["model.vision_tower",
+                                                                        "model.multi_modal_projector"])):
+        model = _tiny(model_type)
+        spec = ModelSpec.from_module(model)
+        expected = sum(p.numel() for name in media for p in model.get_submodule(name).parameters())
+        assert spec.media_parameters == expected > 0, (model_type, spec.media_parameters, expected)
+        # The rest is the text model's, biases aside (the cost model's note): within 1% of the real count
+        real = sum(p.numel() for p in model.parameters())
+        assert abs(spec.num_parameters - real) <= 0.01 * real, (spec.num_parameters, real)
+        first, last = stage_parameters(spec, 2, 2, 0), stage_parameters(spec, 2, 2, 1)
+        text_only = stage_parameters(dataclasses.replace(spec, media_parameters=0), 2, 2, 0)
+        assert first == text_only + expected and last == stage_parameters(dataclasses.replace(spec, media_parameters=0),
+                                                                          2, 2, 1)
+    assert ModelSpec.from_module(_tiny("llama")).media_parameters == 0
