@@ -184,6 +184,10 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                         "which pipeline stages do not hold together")
         limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
                                        "router logits, which sequence parallel splits over the tp ranks")
+    if getattr(getattr(getattr(model, "config", None), "vision_config", None), "deepstack_visual_indexes", None):
+        limits["sequence_parallel"] = ("the model adds its vision tower's deepstack features to the hidden states of its "
+                                       "first layers at the image tokens' positions in the whole sequence (Qwen3-VL's "
+                                       "visual_pos_masks), which sequence parallel splits over the tp ranks")
     from .pipeline import embeddings_after_layers, reentrant_checkpointing, reused_outputs  # (torch's pipelining)
 
     late = embeddings_after_layers(model, layers) if layers is not None else []

@@ -73,7 +73,7 @@ from torch.utils.data._utils.collate import default_collate
 from . import env
 from .api import dtensor_from_local
 from .mesh import ProcessMesh
-from .sample_rows import SampleRows, check_rows, media_or_none, take_samples
+from .sample_rows import SampleRows, check_rows, take_samples
 
 _BATCH_DIM = 0  # the dim that holds the samples of a collated batch
 _FULL_BATCH = (1, 0)  # (number of slices, index): the whole global batch
@@ -581,31 +581,44 @@ class ShardDataloader:
     def _distribute_batch(self, batch, *, global_size: int | None):
         slicing = {"global_size": global_size, "loaded_slice": self._loaded_slice, "check_split": self._check_split}
         layouts = self._layouts
+        # Only where the batch is split: each rank whole batches (dp 1, shard_dims None) takes every tensor as it is
+        splits = any(layout.num_slices > 1 for layout in layouts)
         if isinstance(batch, Mapping):
-            samples, starts = check_rows(batch, self.sample_rows, "shard_dataloader")
-            items = {key: self._media(item, key, starts, samples, self._dict_layout(batch, key)) if key in starts
-                     else _distribute(item, self._dict_layout(batch, key), **slicing) for key, item in batch.items()}
-            return _same_mapping(batch, items)
-        _check_one_row_per_sample(batch)
+            samples, starts = check_rows(batch, self.sample_rows, "shard_dataloader") if splits else (None, {})
+
+            def item(key, value):
+                layout = self._dict_layout(batch, key)
+                if key in starts:
+                    return self._media(value, key, starts, samples, layout)
+                if torch.is_tensor(value) and value.dim() and value.shape[0] == 1 != samples and samples is not None:
+                    # one row broadcast over the samples (position ids of [1, seq]): whole on every rank
+                    return dtensor_from_local(value.to(env.device()), layout.mesh, [Replicate()] * layout.mesh.ndim,
+                                              shape=tuple(value.shape))
+                return _distribute(value, layout, **slicing)
+
+            return _same_mapping(batch, {key: item(key, value) for key, value in batch.items()})
+        if splits:
+            _check_one_row_per_sample(batch)
         if isinstance(batch, (list, tuple)):
             # Pipeline: element i on stage i, the rest (labels, ...) on the last stage.
             items = [_distribute(item, layouts[min(i, len(layouts) - 1)], **slicing) for i, item in enumerate(batch)]
             return _same_sequence(batch, items)
         return _distribute(batch, layouts[0], **slicing)
 
-    def _media(self, tensor: torch.Tensor, key: str, starts: dict[str, list[int]], samples: int,
+    def _media(self, tensor: torch.Tensor, key: str, starts: dict, samples: int,
                layout: _MeshLayout) -> torch.Tensor:
         """A media tensor (rows of images, not samples: sample_rows.py) as this rank's rows, a plain tensor: the rows
         of its slice's samples where the whole batch was loaded (None where they hold no image), else all it loaded
         (its own samples'). Its ranks hold different numbers of rows, which no DTensor of one global shape describes;
         the model takes local values."""
-        if self._loaded_slice != _FULL_BATCH:
-            return tensor.to(env.device())
-        index = layout.slice_index(env.get_rank())
-        if index is None:
-            return tensor.new_empty(0).to(env.device())
-        start, length = _slice_bounds(samples, layout.num_slices, index)
-        rows = media_or_none(take_samples(tensor, key, starts, start, start + length), key, starts)
+        if self._loaded_slice != _FULL_BATCH:  # this rank's samples alone were loaded
+            start, length = 0, samples
+        else:
+            index = layout.slice_index(env.get_rank())
+            if index is None:
+                return tensor.new_empty(0).to(env.device())
+            start, length = _slice_bounds(samples, layout.num_slices, index)
+        rows = take_samples(tensor, key, starts, start, start + length)
         return None if rows is None else rows.to(env.device())
 
     def _dict_layout(self, batch: Mapping, key) -> _MeshLayout:

@@ -121,7 +121,7 @@ from . import env
 from .env import all_reduce_mean_
 from .fake_tensor_log import expected_failures_unlogged
 from .outputs import CACHE_ARGUMENTS, OutputForm, find_logits, find_loss
-from .sample_rows import SampleRows, sample_rows_of, split_samples
+from .sample_rows import SampleRows, sample_count, sample_rows_of, split_samples
 from .tensor_parallel import take_pending_split, tied_parameter_names
 from .unused_parameters import trackers_of
 
@@ -1272,7 +1272,12 @@ class PipelineRunner:
         shape change re-runs that inference on every stage (a forward of one micro-batch, stage after
         stage: pad batches to a few fixed shapes); all ranks of the pipeline see the same batch. One stage
         (micro-batching alone) sends nothing: nothing to re-run."""
-        leaves = tree_flatten(self.micro_batches[0])[0]
+        # A vision-language model's images (sample_rows) are left out: their rows differ from batch to batch and from
+        # one data-parallel replica to the next, while what the stages send does not; a re-inference on one replica
+        # alone would run its backward's data-parallel reductions out of step with the others' (gloo aborted)
+        media = self.config.sample_rows.keys() if self.config.sample_rows is not None else set()
+        args, kwargs = self.micro_batches[0]
+        leaves = tree_flatten((args, {key: value for key, value in kwargs.items() if key not in media}))[0]
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves if isinstance(x, torch.Tensor))
         if self._shapes is not None and shapes != self._shapes and self.config.num_stages > 1:
             for flag in ("_stage_forward_initialized", "_stage_backward_initialized",  # single-stage schedules
@@ -1531,8 +1536,8 @@ def split_micro_batches(args, kwargs, count: int, sample_rows: SampleRows | None
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
     if not tensors:
         raise ValueError("pipeline parallel: the model's inputs hold no batch tensor to split into micro-batches")
-    starts = sample_rows.row_starts(kwargs) if sample_rows is not None else {}
-    batch = _batch_size(kwargs, set(starts)) or tensors[0].shape[0]
+    starts = sample_rows.offsets(kwargs) if sample_rows is not None else {}
+    batch = sample_count(kwargs, set(starts), named_only=True) or tensors[0].shape[0]
     for key, value in kwargs.items():
         if (key.startswith("pixel_values") and key not in starts and isinstance(value, torch.Tensor)
                 and value.dim() > 0 and value.shape[0] != batch):
@@ -1556,11 +1561,3 @@ def split_micro_batches(args, kwargs, count: int, sample_rows: SampleRows | None
         micro.append((part_args, {**part_kwargs, **media[i]}))
     return micro
 
-
-def _batch_size(kwargs: dict, media: set[str]) -> int | None:
-    """The samples of a keyword batch: its input_ids' (labels', attention_mask's) dim 0, None without them."""
-    for key in ("input_ids", "labels", "attention_mask", "inputs_embeds"):
-        value = kwargs.get(key)
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and key not in media:
-            return value.shape[0]
-    return None

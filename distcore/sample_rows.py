@@ -20,8 +20,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+
+class Offsets(NamedTuple):
+    """A media key's first row of each sample and the end (`rows`), and the items before each sample and in all
+    (`items`): samples + 1 offsets each."""
+
+    rows: list[int]
+    items: list[int]
 
 
 @dataclass(frozen=True)
@@ -31,24 +40,29 @@ class MediaRows:
     the key of its [items, 3] (t, h, w) grid, each item then `t*h*w // merge**2` placeholders (the spatial merge);
     `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). Without a grid each item takes the same
     number of placeholders (the batch's count over its items), or, as many items as samples each holding some, one
-    item per sample (images of any size, one each)."""
+    item per sample (images of any size, one each). `padded`: one row per sample, padded where it holds fewer images
+    (Idefics3's [samples, images, C, H, W] and its `pixel_attention_mask`): a sample's items are its row."""
 
     token_id: int
     pixels: str
     grid: str | None = None
     merge: int = 1
     per_item: tuple[str, ...] = ()
+    padded: bool = False
 
     def keys(self) -> tuple[str, ...]:
         return (self.pixels, *((self.grid,) if self.grid else ()), *self.per_item)
 
-    def row_starts(self, batch: Mapping, ids: torch.Tensor) -> dict[str, list[int]]:
-        """For each of its keys in `batch`, the first row of each sample's items and the end (samples + 1 offsets)."""
+    def offsets(self, batch: Mapping, ids: torch.Tensor) -> dict[str, Offsets]:
+        """Its keys' `Offsets` in `batch` ({} where the batch holds none of its values)."""
         if not torch.is_tensor(batch.get(self.pixels)):
             return {}
         placeholders = (ids == self.token_id).sum(dim=tuple(range(1, ids.dim()))).tolist()
         items = batch[self.pixels].shape[0]
-        if self.grid is not None:
+        if self.padded:  # a row per sample; the samples without placeholders hold padding alone
+            rows, counts = [1] * len(placeholders), [1] * len(placeholders)
+            held = _cumulative([1 if n else 0 for n in placeholders])
+        elif self.grid is not None:
             if not torch.is_tensor(batch.get(self.grid)):
                 raise ValueError(f"{self.pixels!r} comes without {self.grid!r}, which tells its items' sizes")
             rows = [t * h * w for t, h, w in batch[self.grid].reshape(-1, 3).tolist()]
@@ -63,15 +77,24 @@ class MediaRows:
                                  "told apart only one per sample")
             rows = [1] * items
             counts = _items_per_sample(placeholders, [total // items] * items, self.token_id)
-        starts = {self.pixels: _offsets(counts, rows)}
+        if not self.padded:
+            held = _cumulative(counts)
+        found = {self.pixels: Offsets(_offsets(counts, rows), held)}
         for key in (self.grid, *self.per_item):
             if key is not None and torch.is_tensor(batch.get(key)):
-                starts[key] = _offsets(counts, [1] * len(rows))
-        for key, offsets in starts.items():
-            if offsets[-1] != batch[key].shape[0]:
+                found[key] = Offsets(_offsets(counts, [1] * len(rows)), held)
+        for key, offsets in found.items():
+            if offsets.rows[-1] != batch[key].shape[0]:
                 raise ValueError(f"{key!r} has {batch[key].shape[0]} row(s) where the batch's {len(rows)} item(s) "
-                                 f"take {offsets[-1]}")
-        return starts
+                                 f"take {offsets.rows[-1]}")
+        return found
+
+
+def _cumulative(counts: list[int]) -> list[int]:
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    return offsets
 
 
 def _items_per_sample(placeholders: list[int], tokens: list[int], token_id: int) -> list[int]:
@@ -111,38 +134,44 @@ class SampleRows:
     def keys(self) -> set[str]:
         return {key for m in self.media for key in m.keys()}
 
-    def row_starts(self, batch: Mapping) -> dict[str, list[int]]:
-        """Each media key's first row of every sample and its end (samples + 1 offsets); {} if the batch holds none.
-        Raises, naming the mismatch, where the ids' placeholders and the media do not add up."""
+    def offsets(self, batch: Mapping) -> dict[str, Offsets]:
+        """Each media key's `Offsets` in `batch`; {} if the batch holds none. Raises, naming the mismatch, where the
+        ids' placeholders and the media do not add up."""
         if not any(key in batch for key in self.keys()):
             return {}
         ids = batch.get(self.ids)
         if not torch.is_tensor(ids):
             raise ValueError(f"the batch holds {sorted(k for k in self.keys() if k in batch)} but no {self.ids!r}, "
                              "whose placeholder tokens tell which sample each item belongs to")
-        starts: dict[str, list[int]] = {}
+        found: dict[str, Offsets] = {}
         for media in self.media:
-            starts.update(media.row_starts(batch, ids))
-        return starts
+            found.update(media.offsets(batch, ids))
+        return found
 
 
-def sample_count(batch: Mapping, media_keys: set[str]) -> int | None:
-    """The batch's samples: dim 0 of its input_ids (else labels, attention_mask, inputs_embeds, else its first
-    tensor that is not a media key). None if it holds no such tensor."""
+def sample_count(batch: Mapping, media_keys: set[str], *, named_only: bool = False) -> int | None:
+    """The batch's samples: dim 0 of its input_ids (else labels, attention_mask, inputs_embeds, else, unless
+    `named_only`, its first tensor that is not a media key). None if it holds no such tensor."""
     for key in ("input_ids", "labels", "attention_mask", "inputs_embeds"):
-        if torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
+        if key not in media_keys and torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
             return batch[key].shape[0]
+    if named_only:
+        return None
     for key, value in batch.items():
         if key not in media_keys and torch.is_tensor(value) and value.dim() > 0:
             return value.shape[0]
     return None
 
 
-def take_samples(value: torch.Tensor, key: str, starts: dict[str, list[int]], first: int, end: int) -> torch.Tensor:
-    """Samples [first, end) of a batch tensor: its rows of those samples for a media key, else rows first..end."""
-    if key in starts:
-        return value[starts[key][first]:starts[key][end]]
-    return value[first:end]
+def take_samples(value: torch.Tensor, key: str, offsets: dict[str, Offsets], first: int,
+                 end: int) -> torch.Tensor | None:
+    """Samples [first, end) of a batch tensor: rows first..end, or for a media key the rows of those samples' items,
+    None where they hold none (as a call without images passes it: an empty tensor, or Idefics3's padding alone, would
+    run the vision tower on nothing, which models' code does not take)."""
+    if key not in offsets:
+        return value[first:end]
+    rows, items = offsets[key]
+    return value[rows[first]:rows[end]] if items[end] > items[first] else None
 
 
 def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
@@ -164,11 +193,16 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
         token = _token_id(config, kind)
         if token is None or pixels not in arguments:
             continue
+        if kind == "image" and "pixel_attention_mask" in arguments:  # Idefics2/3's, SmolVLM's: padded per sample
+            media.append(MediaRows(token, pixels, per_item=("pixel_attention_mask",), padded=True))
+            continue
         grid = f"{kind}_grid_thw" if f"{kind}_grid_thw" in arguments else None
         if grid is None and kind == "video":
             continue  # videos without a grid: a layout this does not know (refused where it cannot be split)
-        sizes = ("image_sizes",) if kind == "image" and grid is None and "image_sizes" in arguments else ()
-        media.append(MediaRows(token, pixels, grid=grid, merge=merge if grid else 1, per_item=sizes))
+        # Other keys of one row per item: LLaVA-NeXT's image sizes, Qwen2.5-VL's seconds per video grid
+        extra = {"image": ("image_sizes",) if grid is None else (), "video": ("second_per_grid_ts",)}[kind]
+        media.append(MediaRows(token, pixels, grid=grid, merge=merge if grid else 1,
+                               per_item=tuple(key for key in extra if key in arguments)))
     return SampleRows(tuple(media)) if media else None
 
 
@@ -195,15 +229,16 @@ def _token_id(config, kind: str) -> int | None:
     return None
 
 
-def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int | None, dict[str, list[int]]]:
+def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int | None, dict[str, Offsets]]:
     """(samples, media row starts) of a dict batch; raises naming the tensor where one holds neither a row per
-    sample nor rows `rows` can assign to samples. `where` names the caller in the message."""
-    starts = rows.row_starts(batch) if rows is not None else {}
+    sample, nor rows `rows` can assign to samples, nor one row that broadcasts over the samples (position ids of
+    [1, seq]: every part takes it whole). `where` names the caller in the message."""
+    starts = rows.offsets(batch) if rows is not None else {}
     samples = sample_count(batch, set(starts))
     if samples is None:
         return None, starts
     for key, value in batch.items():
-        if key in starts or not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] == samples:
+        if key in starts or not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] in (samples, 1):
             continue
         raise ValueError(
             f"{where}: the batch's {key!r} has {value.shape[0]} row(s) on dim 0 where the batch has {samples} "
@@ -215,15 +250,8 @@ def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int
     return samples, starts
 
 
-def split_samples(batch: Mapping, starts: dict[str, list[int]], bounds: Sequence[tuple[int, int]]) -> list[dict]:
-    """The batch cut at sample bounds [(first, end), ...]: per-sample tensors by rows, media by their samples' rows,
-    None where those samples hold none (as a call without images passes it: an empty tensor would run the vision
-    tower on nothing, which models' code does not take); scalars and other values whole in every part."""
-    return [{key: media_or_none(take_samples(value, key, starts, first, end), key, starts)
-             if torch.is_tensor(value) and value.dim() > 0 else value
+def split_samples(batch: Mapping, offsets: dict[str, Offsets], bounds: Sequence[tuple[int, int]]) -> list[dict]:
+    """The batch cut at sample bounds [(first, end), ...] (`take_samples`); scalars and other values whole in every
+    part."""
+    return [{key: take_samples(value, key, offsets, first, end) if torch.is_tensor(value) and value.dim() > 0 else value
              for key, value in batch.items()} for first, end in bounds]
-
-
-def media_or_none(rows: torch.Tensor, key: str, starts: dict[str, list[int]]) -> torch.Tensor | None:
-    """A media key's rows of some samples, None where they are none (see split_samples)."""
-    return None if key in starts and rows.shape[0] == 0 else rows

@@ -28,8 +28,6 @@ from sweep_distributed import NPROC, STRATEGIES, TIMEOUT_S, _ours  # noqa: E402
 
 
 def worker(model_name: str, strategy_name: str) -> dict:
-    import torch.distributed as dist
-
     from tests.distributed import vision_worker
     from tridist import autotune, distcore
 
@@ -46,8 +44,6 @@ def worker(model_name: str, strategy_name: str) -> dict:
         where = traceback.extract_tb(error.__traceback__)[-1]
         return {**row, "verdict": "refused" if _ours(error) else "crash", "error": f"{type(error).__name__}: {error}"[:400],
                 "raised at": f"{os.path.basename(where.filename)}:{where.lineno}"}
-    finally:
-        dist.barrier()
 
 
 def _launch(model_name: str, strategy: str) -> dict:

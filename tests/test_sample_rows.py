@@ -12,6 +12,7 @@ import torch
 from tridist.distcore.pipeline import _MetaWhereMeta, _to_meta, split_micro_batches
 from tridist.distcore.sample_rows import (
     MediaRows,
+    Offsets,
     SampleRows,
     check_rows,
     media_encoders,
@@ -44,7 +45,8 @@ def test_a_grids_images_go_with_the_samples_whose_placeholders_they_fill():
     batch = _grid_batch()
     samples, starts = check_rows(batch, GRID, "test")
     assert samples == 3
-    assert starts == {"pixel_values": [0, 16 + 32, 16 + 32, 16 + 32 + 64], "image_grid_thw": [0, 2, 2, 3]}
+    assert starts == {"pixel_values": Offsets([0, 16 + 32, 16 + 32, 16 + 32 + 64], [0, 2, 2, 3]),
+                      "image_grid_thw": Offsets([0, 2, 2, 3], [0, 2, 2, 3])}
     first, rest = split_samples(batch, starts, [(0, 1), (1, 3)])
     assert first["pixel_values"][:, 0].unique().tolist() == [0.0, 1.0] and first["pixel_values"].shape[0] == 48
     assert rest["pixel_values"][:, 0].unique().tolist() == [2.0] and rest["image_grid_thw"].tolist() == [[1, 8, 8]]
@@ -60,7 +62,7 @@ def test_images_of_one_placeholder_count_go_with_their_samples():
     pixels = torch.arange(3.0).reshape(3, 1, 1, 1).expand(3, 3, 2, 2)
     batch = {"input_ids": _ids([10, 0, 5]), "pixel_values": pixels}
     _, starts = check_rows(batch, FIXED, "test")
-    assert starts == {"pixel_values": [0, 2, 2, 3]}
+    assert starts == {"pixel_values": Offsets([0, 2, 2, 3], [0, 2, 2, 3])}
     parts = split_samples(batch, starts, [(0, 1), (1, 2), (2, 3)])
     assert parts[1]["pixel_values"] is None
     assert [parts[i]["pixel_values"][:, 0, 0, 0].tolist() for i in (0, 2)] == [[0.0, 1.0], [2.0]]
@@ -85,10 +87,24 @@ def test_images_of_several_placeholder_counts_without_a_grid():
     sample of several counts cannot be told apart: refused."""
     one_each = {"input_ids": _ids([6, 3, 9]), "pixel_values": torch.zeros(3, 5, 3, 2, 2),
                 "image_sizes": torch.tensor([[4, 6], [2, 6], [6, 6]])}
-    assert check_rows(one_each, FIXED, "test")[1] == {"pixel_values": [0, 1, 2, 3], "image_sizes": [0, 1, 2, 3]}
+    each = Offsets([0, 1, 2, 3], [0, 1, 2, 3])
+    assert check_rows(one_each, FIXED, "test")[1] == {"pixel_values": each, "image_sizes": each}
     batch = {"input_ids": _ids([10, 0, 4]), "pixel_values": torch.zeros(3, 3, 2, 2)}  # 14 over 3 images
     with pytest.raises(ValueError, match="do not divide evenly"):
         check_rows(batch, FIXED, "test")
+
+
+def test_images_padded_per_sample_go_with_their_samples_or_not_at_all():
+    """Idefics3's layout ([samples, images, C, H, W] padded, and its pixel_attention_mask): a row per sample; a part
+    whose samples hold no placeholder gets no images (its padding alone crashes Idefics3's vision path)."""
+    padded = SampleRows((MediaRows(IMAGE, "pixel_values", per_item=("pixel_attention_mask",), padded=True),))
+    batch = {"input_ids": _ids([4, 0, 4]), "pixel_values": torch.arange(3.0).reshape(3, 1, 1).expand(3, 2, 5),
+             "pixel_attention_mask": torch.ones(3, 2, 5, dtype=torch.bool)}
+    _, offsets = check_rows(batch, padded, "test")
+    first, middle, both = split_samples(batch, offsets, [(0, 1), (1, 2), (1, 3)])
+    assert first["pixel_values"][:, 0, 0].tolist() == [0.0] and first["pixel_attention_mask"].shape[0] == 1
+    assert middle["pixel_values"] is None and middle["pixel_attention_mask"] is None
+    assert both["pixel_values"][:, 0, 0].tolist() == [1.0, 2.0]  # rows are samples: its padding row goes with it
 
 
 def test_a_tensor_of_other_rows_is_refused_where_no_layout_assigns_them():
@@ -98,6 +114,8 @@ def test_a_tensor_of_other_rows_is_refused_where_no_layout_assigns_them():
         check_rows(batch, None, "shard_dataloader")
     one_each = {"input_ids": _ids([5, 5]), "pixel_values": torch.zeros(2, 3, 2, 2)}  # one image per sample: samples
     assert check_rows(one_each, None, "x") == (2, {})
+    broadcast = {"input_ids": _ids([0, 0, 0]), "position_ids": torch.arange(24)[None]}  # one row: every part whole
+    assert check_rows(broadcast, None, "x") == (3, {})
 
 
 def test_pipeline_micro_batches_take_their_samples_images():
@@ -128,20 +146,27 @@ def _tiny(model_type: str):
                                                    num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2),
                                 image_token_id=250)
         return hf.LlavaForConditionalGeneration(config)
+    if model_type == "idefics3":
+        config = hf.Idefics3Config(text_config={"model_type": "llama", **text}, scale_factor=2, image_token_id=250,
+                                   vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                      num_attention_heads=2, image_size=16, patch_size=4))
+        return hf.Idefics3ForConditionalGeneration(config)
     return hf.LlamaForCausalLM(hf.LlamaConfig(**text))
 
 
 def test_the_layouts_read_from_transformers_models():
-    """Qwen2.5-VL: images and videos by their grids (spatial merge 2); LLaVA: images of one placeholder count; a
-    Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
+    """Qwen2.5-VL: images and videos by their grids (spatial merge 2); LLaVA: images of one placeholder count;
+    Idefics3: images padded per sample; a Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
     qwen = _tiny("qwen2_5_vl")
     assert sample_rows_of(qwen) == SampleRows((
         MediaRows(250, "pixel_values", grid="image_grid_thw", merge=2),
-        MediaRows(251, "pixel_values_videos", grid="video_grid_thw", merge=2)))
+        MediaRows(251, "pixel_values_videos", grid="video_grid_thw", merge=2, per_item=("second_per_grid_ts",))))
     assert media_encoders(qwen) == ["model.visual"]
     llava = _tiny("llava")
     assert sample_rows_of(llava) == SampleRows((MediaRows(250, "pixel_values", per_item=("image_sizes",)),))
     assert media_encoders(llava) == ["model.vision_tower"]
+    assert sample_rows_of(_tiny("idefics3")) == SampleRows((
+        MediaRows(250, "pixel_values", per_item=("pixel_attention_mask",), padded=True),))
     llama = _tiny("llama")
     assert sample_rows_of(llama) is None and media_encoders(llama) == []
 

@@ -1,4 +1,5 @@
-"""Vision-language models of transformers through to_distributed on 2 gloo processes, trained on batches of images as
+"""Vision-language models of transformers through to_distributed on gloo processes (FOUR_PROCESS_CHECKS on 4, the rest
+on 2), trained on batches of images as
 users collate them: any number of images per sample, each of its own size, some samples with none (Qwen2.5-VL's
 patches of every image in one `pixel_values` with an `image_grid_thw`; LLaVA's [images, C, H, W]). Losses,
 first-step gradients and parameters after the steps equal one process's (equivalence.py).
@@ -11,6 +12,7 @@ vision tower (its patch counts come from the grid's values)."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -25,9 +27,11 @@ TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
             vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Each global batch's 4 samples hold these images (grids t, h, w in patches): the second batch's last two samples
 # none, so under dp 2 one rank's slice holds no image (it never calls the vision tower) and under pp 2 one
-# micro-batch neither.
+# micro-batch neither. Models with a video grid also get videos (by sample index; of 2 frames or 1), mixed with the
+# images in some samples.
 IMAGES = ([[(1, 4, 4), (1, 4, 8)], [], [(1, 8, 4)], [(1, 4, 4)]],
           [[(1, 4, 4)], [(1, 8, 8)], [], []])
+VIDEOS = {1: [(2, 4, 4)], 3: [(2, 4, 4), (1, 4, 8)], 6: [(2, 4, 4)]}
 
 
 def _qwen2_5_vl():
@@ -49,6 +53,29 @@ def _llava():
     return hf.LlavaForConditionalGeneration(config)
 
 
+def _qwen2_vl():
+    torch.manual_seed(0)
+    config = hf.Qwen2VLConfig(
+        text_config={**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}},
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2, vision_end_token_id=IMAGE + 3)
+    return hf.Qwen2VLForConditionalGeneration(config)
+
+
+def _qwen3_vl():
+    """Its vision tower's deepstack features added to the first two text layers' hidden states (Qwen3-VL's)."""
+    torch.manual_seed(0)
+    config = hf.Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                               "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE, video_token_id=IMAGE + 1, vision_start_token_id=IMAGE + 2, vision_end_token_id=IMAGE + 3)
+    return hf.Qwen3VLForConditionalGeneration(config)
+
+
 def _gemma3():
     torch.manual_seed(0)
     config = hf.Gemma3Config(text_config={**TEXT, "head_dim": 16, "sliding_window": 8}, mm_tokens_per_image=4,
@@ -59,18 +86,19 @@ def _gemma3():
 
 
 # What scripts/sweep_vision.py runs under every strategy; the checks below take two of them.
-MODELS = {"qwen2_5_vl": _qwen2_5_vl, "llava": _llava, "gemma3": _gemma3}
+MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3}
 
 
 def _samples(model) -> list[dict]:
     """The samples as a dataset holds them: token ids with each image's placeholders (a Qwen2.5-VL image of t*h*w
     patches takes t*h*w/4 of them at its 2 x 2 merge; a LLaVA image one per patch, 16; a Gemma 3 image its
-    mm_tokens_per_image), labels -100 on them, and the images (Gemma 3's token_type_ids mark them, as its processor
-    does)."""
+    mm_tokens_per_image), labels -100 on them, and the images and videos (Gemma 3's token_type_ids and Qwen's
+    mm_token_type_ids mark them, as their processors do)."""
     vision = model.config.vision_config
     grid = hasattr(vision, "spatial_merge_size")
     tokens_per_image = None if grid else getattr(model.config, "mm_tokens_per_image",
                                                  (vision.image_size // vision.patch_size) ** 2)
+    arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
     samples = []
     for batch in IMAGES:
@@ -89,18 +117,30 @@ def _samples(model) -> list[dict]:
                 sample["pixel_values"] = torch.cat(pixels)
                 if grid:
                     sample["image_grid_thw"] = torch.tensor(grids)
+            videos = VIDEOS.get(len(samples), []) if "pixel_values_videos" in arguments else []
+            for t, h, w in videos:  # Qwen3-VL's processor gives each frame its own placeholders (and a timestamp)
+                frames = t if model.config.model_type.startswith("qwen3") else 1
+                for _ in range(frames):
+                    ids[position:position + t * h * w // 4 // frames] = IMAGE + 1
+                    position += t * h * w // 4 // frames + 1
+            if videos:
+                sample["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, 24, generator=generator)
+                                                           for t, h, w in videos])
+                sample["video_grid_thw"] = torch.tensor(videos)
+            if "mm_token_type_ids" in arguments:  # Qwen2-VL's and Qwen3-VL's: 1 on image, 2 on video placeholders
+                sample["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == IMAGE + 1).long()
             if model.config.model_type == "gemma3":
                 sample["token_type_ids"] = (ids == IMAGE).long()
-            sample["labels"] = ids.masked_fill(ids == IMAGE, -100)
+            sample["labels"] = ids.masked_fill((ids == IMAGE) | (ids == IMAGE + 1), -100)
             samples.append(sample)
     return samples
 
 
 def _collate(samples: list[dict]) -> dict:
     """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order."""
-    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids")
-             if key in samples[0]}
-    for key in ("pixel_values", "image_grid_thw"):
+    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids",
+                                                                    "mm_token_type_ids") if key in samples[0]}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         if any(key in s for s in samples):
             batch[key] = torch.cat([s[key] for s in samples if key in s])
     return batch
@@ -159,11 +199,12 @@ def _on_rank_0(compute):
 
 
 def check_images_of_any_size_under_data_and_pipeline_parallel():
-    """Qwen2.5-VL: ZeRO-3 over dp 2 (a rank's slice without images: the vision tower stays in the root's unit, its
-    gradients zeros there), and pp 2 with 2 micro-batches (the second stage shapes its stand-in's zeros from the grid's
-    values: patches per image)."""
-    train(_qwen2_5_vl, autotune.Strategy(2, 1, 1, sharding_level=3, micro_batch_size=2))
-    train(_qwen2_5_vl, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
+    """Qwen2.5-VL with images and videos under dp 2 x pp 2 at ZeRO-3, 2 micro-batches of one sample (4 processes).
+    The second batch's last replica gets a video in its first micro-batch and nothing in its second: the vision tower
+    stays in the root's FSDP unit (its gradients zeros where unused); its micro-batches' media differ in shape from the
+    other replica's, which must not make one replica alone re-infer the stages' shapes (a backward whose reductions
+    ran out of step: gloo aborted); the second stage shapes its stand-in's zeros from the grid's values."""
+    train(_qwen2_5_vl, autotune.Strategy(2, 1, 2, sharding_level=3, micro_batch_size=1, num_micro_batches=2))
 
 
 def check_images_under_tensor_parallel():
@@ -172,8 +213,10 @@ def check_images_under_tensor_parallel():
     train(_llava, autotune.Strategy(1, 2, 1, sequence_parallel=True, micro_batch_size=4))
 
 
-def check_tensors_of_other_rows_are_refused():
-    """A batch tensor whose rows are neither samples nor images of a known layout: refused by the loader, naming it."""
+def check_what_cannot_be_split_is_refused():
+    """A batch tensor whose rows are neither samples nor images of a known layout: refused by the loader, naming it.
+    Qwen3-VL under sequence parallel: its deepstack features are added at the image tokens' positions in the whole
+    sequence (visual_pos_masks), which each tp rank holds a slice of (an IndexError in transformers before)."""
     model = _llava()
     model, _, loader = distcore.to_distributed(
         model, None, [{"input_ids": torch.zeros(4, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 8])}],
@@ -185,9 +228,18 @@ def check_tensors_of_other_rows_are_refused():
         assert "'cu_seqlens' has 3 row(s) on dim 0 where the batch has 4 sample(s)" in str(error), error
     else:
         raise AssertionError("a tensor of 3 rows in a batch of 4 samples was split")
+    try:
+        distcore.to_distributed(_qwen3_vl(), None, _loader(_qwen3_vl()), device_num=dist.get_world_size(),
+                                config=distcore.ToDistributedConfig(
+                                    strategy=autotune.Strategy(1, 2, 1, sequence_parallel=True, micro_batch_size=4)))
+    except autotune.InvalidStrategy as error:
+        assert "deepstack features" in str(error), error
+    else:
+        raise AssertionError("Qwen3-VL's deepstack features under sequence parallel were not refused")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+FOUR_PROCESS_CHECKS = ["check_images_of_any_size_under_data_and_pipeline_parallel"]
 
 if __name__ == "__main__":
     distcore.init_parallel_env()
