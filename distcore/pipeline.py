@@ -380,10 +380,8 @@ class _StandIn(torch.nn.Module):
                 "it after the layer list, or use "
                 "pp=1 for this model")
         device = _device_of(args, kwargs)
-        meta_args, meta_kwargs = tree_map(_to_meta, (args, kwargs))
         try:
-            with torch.no_grad(), _MetaWhereMeta():
-                meta_out = self._meta_module(*meta_args, **meta_kwargs)
+            meta_out = self._meta_run(args, kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} runs {name!r} (stage {owner}'s) on the meta device to "
@@ -406,6 +404,19 @@ class _StandIn(torch.nn.Module):
                 stacklevel=2,
             )
         return output
+
+    def _meta_run(self, args, kwargs):
+        """The module's meta copy run on the call's inputs on the meta device; where its code needs the values of
+        its integer inputs (a vision tower's patch counts from its grid), with those real (`_MetaWhereMeta`), from
+        then on (the first way costs no dispatch per op: a text model's embedding)."""
+        if not self.__dict__.get("_integers_real"):
+            try:
+                with torch.no_grad():
+                    return self._meta_module(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+            except Exception:  # noqa: BLE001 - answered by the run with real integers, whose error is raised
+                self.__dict__["_integers_real"] = True
+        with torch.no_grad(), _MetaWhereMeta():
+            return self._meta_module(*tree_map(_to_meta_but_integers, args), **tree_map(_to_meta_but_integers, kwargs))
 
     def __getattr__(self, attribute: str):
         try:
@@ -490,6 +501,12 @@ def _device_of(args, kwargs) -> torch.device:
 
 
 def _to_meta(x):
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+def _to_meta_but_integers(x):
     """A stand-in's input on the meta device, but for integer and boolean tensors, which keep their values: the
     shapes a module computes from them (a vision tower's patches per image, from its grid's t, h, w) are read there
     (`_MetaWhereMeta` takes them to the meta device where they meet a meta tensor)."""
@@ -502,7 +519,7 @@ def _to_meta(x):
 
 class _MetaWhereMeta(TorchDispatchMode):
     """An op that takes a meta tensor takes its other tensors (of one dim or more: scalars mix) on the meta device
-    too, so a stand-in's meta run computes shapes from the real integers it was given (`_to_meta`) and meta values
+    too, so a stand-in's meta run computes shapes from the real integers it was given (`_to_meta_but_integers`) and meta values
     from everything else; ops on those integers alone run for real (cu_seqlens from a grid, `.tolist()` of them)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

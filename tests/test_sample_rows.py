@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from tridist.distcore.pipeline import _MetaWhereMeta, _to_meta, split_micro_batches
+from tridist.distcore.pipeline import _MetaWhereMeta, _to_meta_but_integers, split_micro_batches
 from tridist.distcore.sample_rows import (
     MediaRows,
     Offsets,
@@ -186,7 +186,7 @@ def test_a_stand_in_runs_on_meta_with_its_integer_inputs_real():
 
     tower = Tower().to("meta")
     pixels, grid = torch.randn(16 + 32, 3), torch.tensor([[1, 4, 4], [1, 4, 8]])
-    meta_pixels, meta_grid = _to_meta(pixels), _to_meta(grid)
+    meta_pixels, meta_grid = _to_meta_but_integers(pixels), _to_meta_but_integers(grid)
     assert meta_pixels.is_meta and not meta_grid.is_meta
     with torch.no_grad(), _MetaWhereMeta():
         out = tower(meta_pixels, meta_grid)

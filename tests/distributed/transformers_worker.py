@@ -1065,14 +1065,7 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     _train("gemma3-mqa", _strategy(2, 2, 1, sequence_parallel=True), inspect=replicated(2, 2))
 
     # Layers with their own key/value heads (Gemma 4's per-layer configs; the spec reads one count): each layer's
-    # split follows its own heads. Replicating both layers' by the model-wide count paired query and key/value heads
-    # wrongly in the second, silently (the block check runs one block per kind).
-    def per_layer(model):
-        first, second = (layer.self_attn for layer in model.model.layers)
-        assert first.k_proj._tridist_head_replicas == 2 and first.num_key_value_groups == 2, vars(first.k_proj)
-        assert not hasattr(second.k_proj, "_tridist_head_replicas") and second.num_key_value_groups == 2
-
-    _train("gemma4-mixed-kv", _strategy(2, 2, 1, sharding_level=2), inspect=per_layer)
+    # split follows its own heads (check_key_value_heads_below_tp_2_are_replicated).
     # Value heads of their own width (MiMo-V2-Flash's, 32 beside query/key heads of 16) in its full-attention layers
     # (2 key/value heads) under tp 4: each rank computes one key head of 16 and one value head of 32 (before, the
     # value projection's chunk was held to the key heads' width and refused)
@@ -1085,21 +1078,10 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     # Inside a projection packing [q | k | v] (refused before): the query part split over the ranks, each key/value
     # head computed on tp / heads of them from the whole packed weight. StarCoder's multi-query attention (GPTBigCode:
     # one key/value head in c_attn, which its code splits at `embed_dim`, made local by the block check's
-    # LocalHeadWidths), Falcon-7B's (one in query_key_value) with sequence parallel over pipeline stages, Phi-3's
-    # grouped-query qkv_proj under tp 4 with sequence parallel.
-    def packed(projection, replicas, groups=None):
-        def inspect(model):  # the attentions of this rank's stage
-            attentions = [m for m in model.modules() if isinstance(getattr(m, projection, None), torch.nn.Linear)]
-            for attention in attentions:
-                qkv = getattr(attention, projection)
-                assert qkv._tridist_head_replicas == replicas and qkv.weight.placements[-1].is_replicate(), vars(qkv)
-                assert groups is None or attention.num_key_value_groups == groups, attention.num_key_value_groups
-            assert attentions
-        return inspect
-
-    _train("gpt-bigcode", _strategy(2, 2, 1, sharding_level=2), inspect=packed("c_attn", 2, 2))
-    _train("falcon-mqa", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"], inspect=packed("query_key_value", 2))
-    _train("phi3", _strategy(1, 4, 1, sequence_parallel=True), inspect=packed("qkv_proj", 2, 1))
+    # LocalHeadWidths: check_key_value_heads_below_tp_2_are_replicated), Falcon-7B's (one in query_key_value) with
+    # sequence parallel over pipeline stages, Phi-3's grouped-query qkv_proj under tp 4 with sequence parallel.
+    _train("falcon-mqa", MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"], inspect=_packed_replicas("query_key_value", 2))
+    _train("phi3", _strategy(1, 4, 1, sequence_parallel=True), inspect=_packed_replicas("qkv_proj", 2, 1))
     # GPTBigCode without multi-query attention (its c_attn [q k v] per head, which a [q | k | v] split gets wrong in
     # either view; its config also holds a num_key_value_heads = 2 it never uses) under tp 4: the block check refuses
     # it. Its last resort, LocalHeadWidths, could not localise that unused count over 4 ranks and raised, which the
@@ -1113,6 +1095,35 @@ def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
         assert "GPTBigCodeBlock" in str(error) and "in local view differs" in str(error), error
     else:
         raise AssertionError("GPTBigCode's per-head c_attn was split [q | k | v]")
+
+
+def _packed_replicas(projection, replicas, groups=None):
+    """Asserts each attention of this rank's stage replicates the key/value heads of its packed `projection` on
+    `replicas` ranks (its weight whole: Replicate on mp) and shares each with `groups` query heads."""
+    def inspect(model):
+        attentions = [m for m in model.modules() if isinstance(getattr(m, projection, None), torch.nn.Linear)]
+        for attention in attentions:
+            qkv = getattr(attention, projection)
+            assert qkv._tridist_head_replicas == replicas and qkv.weight.placements[-1].is_replicate(), vars(qkv)
+            assert groups is None or attention.num_key_value_groups == groups, attention.num_key_value_groups
+        assert attentions
+    return inspect
+
+
+def check_key_value_heads_below_tp_2_are_replicated():
+    """Two processes (the suite's time: tp 2 checks what dp 2 x tp 2 did; data parallel over replicated key/value
+    heads stays in check_key_value_heads_fewer_than_tp_ranks_are_replicated). Layers with their own key/value heads
+    (Gemma 4's per-layer configs; the spec reads one count): each layer's split follows its own heads. Replicating
+    both layers' by the model-wide count paired query and key/value heads wrongly in the second, silently (the block
+    check runs one block per kind). StarCoder's multi-query attention (GPTBigCode: one key/value head in its packed
+    c_attn, which its code splits at `embed_dim`, made local by the block check's LocalHeadWidths)."""
+    def per_layer(model):
+        first, second = (layer.self_attn for layer in model.model.layers)
+        assert first.k_proj._tridist_head_replicas == 2 and first.num_key_value_groups == 2, vars(first.k_proj)
+        assert not hasattr(second.k_proj, "_tridist_head_replicas") and second.num_key_value_groups == 2
+
+    _train("gemma4-mixed-kv", TP2["tp 2"], inspect=per_layer)
+    _train("gpt-bigcode", TP2["tp 2"], inspect=_packed_replicas("c_attn", 2, 2))
 
 
 def check_frozen_parameters_stay_frozen():
@@ -2140,7 +2151,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
     "check_moe_blocks_run_on_sequence_slices_under_sequence_parallel",
     "check_compiled_after_to_distributed_trains_like_one_process",
-    "check_recompute_is_never_chosen_for_blocks_in_global_view"]
+    "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
