@@ -980,13 +980,9 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
     key head). Each mixer is split by head (its projections column- and row-parallel, this rank's rows of its
     convolution and per-head parameters, its head counts and widths divided: asserted) and both train equal to one
     process (logits, losses, first-step gradients, trained parameters) in local view under tp 2 + sp x pp 2 and
-    dp 2 x tp 2: Qwen3-Next with ep 2 and full recompute, Qwen3.5 with sp and eager attention under selective
-    recompute (its attention layers' scores recomputed; the linear layers have none: left as they are, their rows
-    taken in hooks a recomputed forward would skip: "got mixed torch.Tensor and DTensor" before). Greedy generate
-    under dp 2 x tp 2 (the mixer's one-token convolution update on its rows) gives one device's tokens, the model
-    distributed under torch.no_grad() (the block check's probe could not differentiate there). Before, tp was
-    refused ("linear_attn holds a convolution"); the overlapped edges still are (the mixers mask their input
-    first)."""
+    dp 2 x tp 2 (Qwen3-Next with ep 2 and full recompute); selective recompute and generate: the 2-process
+    check_gated_deltanet_recompute_and_generate_under_tensor_parallel. Before, tp was refused ("linear_attn holds a
+    convolution"); the overlapped edges still are (the mixers mask their input first)."""
 
     def split_by_head(model):
         mixers = [m for n, m in model.named_modules() if n.endswith("linear_attn") and next(m.parameters(), None) is not None]
@@ -1009,25 +1005,36 @@ def check_gated_deltanet_layers_train_under_tensor_parallel():
             for name in ("conv1d.weight", "dt_bias", "A_log", "norm.weight"):  # whole on every rank, rows taken per call
                 assert on_mp(mixer.get_parameter(name)).is_replicate(), name
 
+    for family in ("qwen3.5", "qwen3-next"):
+        _train(family, _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), inspect=split_by_head)
+    _train("qwen3-next", _strategy(2, 2, 1, sharding_level=2, ep=2, recompute="full"), inspect=split_by_head)
+    _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
+                    "project their input after masking its padding")
+
+
+def check_gated_deltanet_recompute_and_generate_under_tensor_parallel():
+    """Two processes (the suite's time; dp beside tp is in check_gated_deltanet_layers_train_under_tensor_parallel):
+    Qwen3.5 under tp 2 + sp with selective recompute and eager attention (its attention layers' scores recomputed; the
+    linear layers have none: left as they are, their rows taken in hooks a recomputed forward would skip: "got mixed
+    torch.Tensor and DTensor" before), and greedy generate under tp 2 (the mixer's one-token convolution update on its
+    rows) giving one device's tokens, the model distributed under torch.no_grad() (the block check's probe could not
+    differentiate there)."""
     def eager(model):
         model.set_attn_implementation("eager")  # selective recompute drops eager attention's scores (flash keeps none)
 
     def recomputing_attention_alone(model):
-        split_by_head(model)
         wrapped = {name for name, m in model.named_modules() if getattr(m, "_tridist_recompute_wrapper", None)}
         assert wrapped == {"model.layers.1.self_attn"}, wrapped
+        mixer = model.model.layers[0].linear_attn
+        assert mixer.num_v_heads == model.config.linear_num_value_heads // 2, mixer.num_v_heads  # split by head
 
-    for family in ("qwen3.5", "qwen3-next"):
-        _train(family, _strategy(1, 2, 2, num_micro_batches=2, sequence_parallel=True), inspect=split_by_head)
-    _train("qwen3-next", _strategy(2, 2, 1, sharding_level=2, ep=2, recompute="full"), inspect=split_by_head)
-    _train("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, recompute="selective"),
+    _train("qwen3.5", _strategy(1, 2, 1, sequence_parallel=True, recompute="selective"),
            inspect=recomputing_attention_alone, prepare=eager)
-    _expect_refused("qwen3.5", _strategy(2, 2, 1, sequence_parallel=True, overlap_tp_comm=True),
-                    "project their input after masking its padding")
+
     def local_view(model):  # checked, in local view
         assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
 
-    _generates_like_one_device("qwen3.5", _strategy(2, 2, 1), inspect=local_view)
+    _generates_like_one_device("qwen3.5", TP2["tp 2"], inspect=local_view)
 
 
 def _freeze_embedding_and_first_layer(model) -> None:
@@ -2154,7 +2161,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_global_view_of_llama_like_blocks_with_the_key_value_cache",
     "check_moe_blocks_run_on_sequence_slices_under_sequence_parallel",
     "check_compiled_after_to_distributed_trains_like_one_process",
-    "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated"]
+    "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
+    "check_gated_deltanet_recompute_and_generate_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
