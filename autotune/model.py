@@ -1752,15 +1752,20 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     return structure, fields
 
 
+def media_configs(model: "nn.Module") -> list:
+    """A transformers multimodal model's sub-configs other than the text one (a vision tower's `vision_config`, an
+    audio tower's): what its media encoders are built from. [] for a model of text alone."""
+    config = getattr(model, "config", None)
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {} if name != "text_config"]
+    return [sub for sub in subs if sub is not None]
+
+
 def _media_parameters(model: "nn.Module", structure: ModelStructure) -> int:
     """A multimodal model's parameters outside its language model: every parameter outside the module holding the
-    decoder-layer list and the LM head, where the config has a sub-config other than the text one (a vision tower's
-    `vision_config`: Qwen2-VL's `visual`, LLaVA's `vision_tower` and `multi_modal_projector`); 0 otherwise."""
-    config = getattr(model, "config", None)
-    media = [name for name in getattr(config, "sub_configs", None) or {}
-             if name != "text_config" and getattr(config, name, None) is not None]
+    decoder-layer list and the LM head, where the config has media sub-configs (`media_configs`: Qwen2-VL's `visual`,
+    LLaVA's `vision_tower` and `multi_modal_projector`); 0 otherwise."""
     root = structure.layers.rpartition(".")[0]
-    if not media or not root:
+    if not media_configs(model) or not root:
         return 0
     inside = {id(p) for p in model.get_submodule(root).parameters()}
     if structure.lm_head:

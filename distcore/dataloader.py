@@ -606,7 +606,7 @@ class ShardDataloader:
         return _distribute(batch, layouts[0], **slicing)
 
     def _media(self, tensor: torch.Tensor, key: str, starts: dict, samples: int,
-               layout: _MeshLayout) -> torch.Tensor:
+               layout: _MeshLayout) -> torch.Tensor | None:
         """A media tensor (rows of images, not samples: sample_rows.py) as this rank's rows, a plain tensor: the rows
         of its slice's samples where the whole batch was loaded (None where they hold no image), else all it loaded
         (its own samples'). Its ranks hold different numbers of rows, which no DTensor of one global shape describes;

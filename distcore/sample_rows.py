@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..autotune.model import media_configs
+
 
 class Offsets(NamedTuple):
     """A media key's first row of each sample and the end (`rows`), and the items before each sample and in all
@@ -208,11 +210,9 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
 
 def media_encoders(model: torch.nn.Module) -> list[str]:
     """The outermost modules of a transformers multimodal model that encode its media: those built from one of its
-    config's sub-configs other than the text one (a vision tower's `vision_config`, an audio tower's). A batch slice
+    media sub-configs (`autotune.model.media_configs`: a vision tower's `vision_config`, an audio tower's). A batch slice
     without images never calls them, where the other slices do."""
-    config = getattr(model, "config", None)
-    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {} if name != "text_config"]
-    subs = [sub for sub in subs if sub is not None]
+    subs = media_configs(model)
     found: list[str] = []
     for name, module in model.named_modules():
         if name and any(getattr(module, "config", None) is sub for sub in subs):

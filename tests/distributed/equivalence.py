@@ -202,6 +202,20 @@ def global_view_batch(mesh, *tensors) -> tuple:
     return tuple(distcore.shard_tensor(t, mesh, placements) for t in tensors)
 
 
+def train_keywords(model, optimizers, batches) -> Trace:
+    """The loop users write for transformers' models: for each keyword batch `model(**batch).loss`, backward, record
+    the step, then each of `optimizers` steps and zeroes its gradients; returns the run's Trace."""
+    trace = Trace()
+    for batch in batches:
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return trace.end(model)
+
+
 def train(model, optimizer, batches, *, forward=None) -> Trace:
     """Most checks' loop: for each (inputs, labels) batch, `loss, _ = forward(inputs, labels=labels)`
     (forward: the model itself by default, or e.g. its compiled version), backward, record the step,

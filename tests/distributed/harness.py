@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from tridist.distcore.env import destroy_parallel_env
@@ -246,6 +247,26 @@ def interprets_kernels(check: Callable[[], None]) -> Callable[[], None]:
     are checked against their references in tests/test_*.py, under the interpreter."""
     check.interprets_kernels = True
     return check
+
+
+def on_rank_0(compute):
+    """compute()'s result, computed on rank 0 alone and sent to every rank; its error raised on every rank (the others
+    would wait for the result forever). For the single-device references: the same seed and batches give every rank
+    the same values, so the others would repeat rank 0's work on the machine's two cores (gloo's broadcast blocks
+    without using a core while they wait). Every rank asks at the same point of the same check, as for any
+    collective. Rank 0's random state is left as it was (the reference seeds its model's build)."""
+    result = [None]
+    if dist.get_rank() == 0:
+        with torch.random.fork_rng(devices=[]):
+            try:
+                result = [(compute(), None)]
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                result = [(None, f"{type(error).__name__}: {error}")]
+    dist.broadcast_object_list(result, src=0)
+    value, error = result[0]
+    if error is not None:
+        raise RuntimeError(f"the one-process reference failed on rank 0: {error}")
+    return value
 
 
 def run_checks(checks: dict[str, Callable[[], None]]) -> None:

@@ -32,7 +32,7 @@ from tridist import autotune, distcore
 from tridist.distcore.block_check import TensorParallelCheckError
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import on_rank_0, run_checks
 from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
                               contiguous_query_key_value, head_major_alibi)
 
@@ -93,18 +93,6 @@ def _run(model, optimizer, clip: tuple[float, float] | None = None) -> equivalen
     return trace.end(model)
 
 
-def _on_rank_0(compute):
-    """compute()'s result, computed on rank 0 alone and sent to every rank. For the single-device references: the
-    same seed and batches give every rank the same values, so the other three would repeat rank 0's work on the
-    machine's two cores (gloo's broadcast blocks without using a core while they wait). Every rank asks at the
-    same point of the same check, as for any collective. Every rank's random state is left as it was (the
-    reference seeds its model's build)."""
-    with torch.random.fork_rng(devices=[]):
-        result = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(result, src=0)
-    return result[0]
-
-
 def _reference(family: str, prepare=None, clip: tuple[float, float] | None = None,
                layers: int = LAYERS) -> equivalence.Trace:
     """One single-device run per family, preparation, clipping and depth, shared by the checks."""
@@ -113,7 +101,7 @@ def _reference(family: str, prepare=None, clip: tuple[float, float] | None = Non
 
 @functools.cache
 def _cached_reference(family, prepare, clip, layers) -> equivalence.Trace:
-    return _on_rank_0(lambda: _run(*_model(family, layers=layers, prepare=prepare), clip=clip))
+    return on_rank_0(lambda: _run(*_model(family, layers=layers, prepare=prepare), clip=clip))
 
 
 def _evaluate(model, *, loss: bool = True, logits: bool = True,
@@ -140,7 +128,7 @@ def _reference_logits(family: str, layers: int = LAYERS) -> torch.Tensor:
 
 @functools.cache
 def _cached_reference_logits(family, layers) -> torch.Tensor:
-    return _on_rank_0(lambda: _evaluate(_model(family, layers=layers)[0], loss=False)[1])
+    return on_rank_0(lambda: _evaluate(_model(family, layers=layers)[0], loss=False)[1])
 
 
 def _train(family, strategy=None, *, global_view: bool = False, reference=None, inspect=None, positional=False,
@@ -1273,25 +1261,13 @@ def _two_optimizers(model):
     return torch.optim.SGD(rest, lr=0.5), torch.optim.SGD(head, lr=0.2)
 
 
-def _run_with_optimizers(model, optimizers, batches) -> equivalence.Trace:
-    trace = equivalence.Trace()
-    for batch in batches:
-        out = model(**batch)
-        out.loss.backward()
-        trace.step(model, out.loss)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    return trace.end(model)
-
-
 def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
     """A second optimizer built before to_distributed (not given to it) holds the parameters to_distributed
     replaces: its steps trained nothing, silently (the LM head never moved, under ZeRO-3, dp x tp and dp x pp).
     Its first step now raises, naming them and the fix; through distcore.shard_optimizer it takes the
     replacements and both optimizers train as on one process."""
     model = build("llama")
-    reference = _run_with_optimizers(model, _two_optimizers(model), _batches())
+    reference = equivalence.train_keywords(model, _two_optimizers(model), _batches())
     for name in ("dp 4, level 3", "dp 2 x tp 2, level 2", "dp 2 x pp 2, 2 micro-batches"):
         model = build("llama")
         rest, head = _two_optimizers(model)
@@ -1306,7 +1282,7 @@ def check_an_optimizer_built_before_and_not_given_is_refused_or_taken_over():
         else:
             raise AssertionError(f"{name}: an optimizer over replaced parameters stepped")
         head = distcore.shard_optimizer(head)
-        trace = _run_with_optimizers(model, [rest, head], loader())
+        trace = equivalence.train_keywords(model, [rest, head], loader())
         equivalence.assert_same_training(trace, reference)
 
 
@@ -1630,7 +1606,7 @@ def check_a_sequence_classifier_trains_like_one_process():
         batches.append({"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": torch.arange(BATCH) % 3})
     samples = _samples(batches)
     model, optimizer = build_classifier()
-    reference = _run_with_optimizers(model, [optimizer], batches)
+    reference = equivalence.train_keywords(model, [optimizer], batches)
     for strategy in (MATRIX["dp 4, level 3"], None, MATRIX["dp 2 x tp 2 + sp + overlap, level 1"],
                      MATRIX["tp 2 x pp 2 + sp, 2 micro-batches"]):
         model, optimizer = build_classifier()
@@ -1638,7 +1614,7 @@ def check_a_sequence_classifier_trains_like_one_process():
             model, optimizer, torch.utils.data.DataLoader(samples, batch_size=BATCH), device_num=dist.get_world_size(),
             config=distcore.ToDistributedConfig(strategy=strategy))
         try:
-            equivalence.assert_same_training(_run_with_optimizers(model, [optimizer], loader()), reference)
+            equivalence.assert_same_training(equivalence.train_keywords(model, [optimizer], loader()), reference)
         except AssertionError as error:
             raise AssertionError(f"{model.distributed_strategy.describe()}: {error}") from error
 

@@ -20,7 +20,7 @@ import transformers as hf
 
 from tridist import autotune, distcore
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import on_rank_0, run_checks
 
 IMAGE, VOCAB, SEQ_LEN, LR = 250, 256, 40, 0.1
 TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
@@ -153,23 +153,13 @@ def _loader(model):
 def train(build, strategy: autotune.Strategy | None) -> autotune.Strategy:
     """`build()`'s model trained by to_distributed under `strategy` (None: searched) on the batches above, asserted
     equal to one process; returns the strategy applied."""
-    def run(model, optimizer, loader) -> equivalence.Trace:
-        trace = equivalence.Trace()
-        for batch in loader:
-            out = model(**batch)
-            out.loss.backward()
-            trace.step(model, out.loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        return trace.end(model)
-
     def one_process() -> equivalence.Trace:
         single = copy.deepcopy(model)
-        return run(single, torch.optim.SGD(single.parameters(), lr=LR), _loader(single))
+        return equivalence.train_keywords(single, [torch.optim.SGD(single.parameters(), lr=LR)], _loader(single))
 
     model = build()
     model.config.use_cache = False
-    reference = _on_rank_0(one_process)
+    reference = on_rank_0(one_process)
     model, optimizer, loader = distcore.to_distributed(
         model, torch.optim.SGD(model.parameters(), lr=LR), _loader(model), device_num=dist.get_world_size(),
         config=distcore.ToDistributedConfig(strategy=strategy))
@@ -177,25 +167,9 @@ def train(build, strategy: autotune.Strategy | None) -> autotune.Strategy:
     assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # the text blocks checked, local view
     # LLaVA's last vision layer feeds nothing (its features come from the one before): FSDP2's zero gradient until
     # the step, as for any parameter no rank used (equivalence.py)
-    equivalence.assert_same_training(run(model, optimizer, loader()), reference, unused_zero=True)
+    equivalence.assert_same_training(equivalence.train_keywords(model, [optimizer], loader()), reference,
+                                     unused_zero=True)
     return model.distributed_strategy
-
-
-def _on_rank_0(compute):
-    """compute()'s result on rank 0 alone, sent to every rank; its error raised on every rank (the others would wait
-    for the result forever)."""
-    result = [None]
-    if dist.get_rank() == 0:
-        with torch.random.fork_rng(devices=[]):
-            try:
-                result = [(compute(), None)]
-            except Exception as error:  # noqa: BLE001 - raised on every rank below
-                result = [(None, f"{type(error).__name__}: {error}")]
-    dist.broadcast_object_list(result, src=0)
-    value, error = result[0]
-    if error is not None:
-        raise RuntimeError(f"the one-process reference failed on rank 0: {error}")
-    return value
 
 
 def check_images_of_any_size_under_data_and_pipeline_parallel():
