@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "UnrecognisedModel", "PRESETS", "preset",
+__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "ShortConvolution",
+           "UnrecognisedModel", "PRESETS", "preset",
            "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
@@ -202,8 +203,9 @@ class ModelStructure:
         rows.append(("attention out", self.pattern(self.o)))
         if self.linear_attention is not None:
             linear = self.linear_attention
-            heads = (f"{linear.num_k_heads} state groups, {linear.num_v_heads} heads" if linear.kind == "mamba2" else
-                     f"{linear.num_k_heads} key, {linear.num_v_heads} value heads")
+            heads = {"mamba2": f"{linear.num_k_heads} state groups, {linear.num_v_heads} heads",
+                     "short_conv": f"{linear.num_k_heads} channels"}.get(
+                linear.kind, f"{linear.num_k_heads} key, {linear.num_v_heads} value heads")
             rows.append(("linear attention", f"{self.pattern(linear.mixer)} in layers {_ranges(linear.layers)} ({heads})"))
         if self.is_moe:
             rows.append(("MoE block", f"{self.pattern(self.moe)} in layers {_ranges(self.moe_layers)}"))
@@ -336,6 +338,76 @@ class GatedDeltaNet:
         gradients over those ranks."""
         return self.conv_channels * self.conv_kernel_size + 2 * self.num_v_heads + self.head_v_dim
 
+    def summary(self) -> str:
+        return (f"{len(self.layers)} Gated DeltaNet layers ({self.num_k_heads} key heads of {self.head_k_dim}, "
+                f"{self.num_v_heads} value heads of {self.head_v_dim})")
+
+
+@dataclass(frozen=True)
+class ShortConvolution:
+    """Gated short-convolution layers (LFM2's, LFM2-MoE's, LFM3's: transformers' Lfm2ShortConv) as the cost model
+    prices them, in the attention's place (`ModelSpec.gated_delta_net` holds either kind of linear mixer): a
+    projection from the hidden size to three times `channels` features [B | C | x], B·x through a depthwise causal
+    convolution of `conv_kernel_size` taps, its output gated by C, and a projection back to the hidden size. No
+    state, no chunked recurrence: its core is elementwise. Its channels are independent, so tensor parallel splits
+    them as attention's heads (the units `num_k_heads` and `num_v_heads` name for `tensor_parallel_problems`); the
+    convolution's weight stays whole on every rank (distcore's LocalParameterRows), its gradient summed."""
+
+    layers: tuple[int, ...]
+    channels: int
+    conv_kernel_size: int = 3
+    # As GatedDeltaNet's: never beside the attention, no units fewer than the ranks, no projection of unequal parts.
+    beside_attention = False
+    key_heads_replicable = False
+    packed_split_outputs = 0
+
+    def __post_init__(self) -> None:
+        _check_integers("ShortConvolution", self, ("channels", "conv_kernel_size"))
+        layers = tuple(self.layers)
+        if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0:
+            raise ValueError(f"ShortConvolution: layers must be increasing layer indices, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+
+    @property
+    def num_k_heads(self) -> int:  # the units tensor parallel splits: channels
+        return self.channels
+
+    num_v_heads = num_k_heads
+
+    @property
+    def key_size(self) -> int:  # no keys (GatedDeltaNet's replicated-key terms read it: none here)
+        return 0
+
+    def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
+        """As `GatedDeltaNet.projections`: [B | C | x] column-parallel (three equal parts, each split on its
+        outputs), the output projection row-parallel."""
+        return (hidden, 3 * self.channels, "out"), (self.channels, hidden, "in")
+
+    def matmul_parameters(self, hidden: int) -> int:
+        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
+
+    @property
+    def other_parameters(self) -> int:
+        """The convolution's weight (a bias, where the config asks for one, is not counted, as no bias is)."""
+        return self.channels * self.conv_kernel_size
+
+    def core_flops(self) -> tuple[float, float]:
+        """(forward FLOPs per token, those its backward recomputes first) of the mixer between its projections:
+        B·x and C·y (a multiply per channel each) and the convolution's taps (a multiply-add each); nothing is
+        recomputed."""
+        return self.channels * (2.0 * self.conv_kernel_size + 2.0), 0.0
+
+    def kept_elements(self) -> int:
+        """What the mixer keeps per token for its backward, in the compute dtype (measured with saved-tensor hooks on
+        transformers' Lfm2ShortConv, causal_conv1d_fn's torch path): the input projection's output [B | C | x] (B and
+        x for B·x's backward, C for the gate's), the convolution's input B·x and output, and the output projection's
+        input: 6 per channel."""
+        return 6 * self.channels
+
+    def summary(self) -> str:
+        return (f"{len(self.layers)} gated short-convolution layers ({self.channels} channels, "
+                f"{self.conv_kernel_size} taps)")
+
 
 @dataclass(frozen=True)
 class LinearAttention:
@@ -358,7 +430,8 @@ class LinearAttention:
     and v projections with the convolution over their channels, per-channel decay gates and an output gate (from the
     hidden states, or from a low-rank latent of one head's width, whose down-projection stays whole), one head count
     for keys and values. So are Mamba-2 mixers (Bamba, Granite 4.0-H: `kind` "mamba2", `_mamba2_mixer`), their state
-    groups (n_groups) as the key heads and their heads as the value heads. `beside_attention`: the mixer runs beside
+    groups (n_groups) as the key heads and their heads as the value heads; so are LFM2's gated short convolutions
+    (`kind` "short_conv", `_short_convolution`), their channels as the heads. `beside_attention`: the mixer runs beside
     the attention in the same layers, both on the layer's normed input (Falcon-H1's Mamba-2 mixer), not in its place:
     both are split."""
 
@@ -402,7 +475,8 @@ class ModelSpec:
     of 192; None: head_dim; latent attention has its own), `attention_output_gate` (gated attention: a gate on each
     query head's output features, q_size more outputs of the query projection in Qwen3-Next and Qwen3.5, of a
     projection of its own in AFMoE and Beam), `gated_delta_net` (the layers whose token mixer is Gated DeltaNet linear
-    attention, and their shapes; None: attention in every layer), and a display `name`. `structure` is set by `from_module`.
+    attention, or LFM2's gated short convolution (`ShortConvolution`), and their shapes; None: attention in every
+    layer), and a display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -437,7 +511,7 @@ class ModelSpec:
     qk_norm: str | None = None
     latent_attention: LatentAttention | None = None
     attention_output_gate: bool = False
-    gated_delta_net: GatedDeltaNet | None = None
+    gated_delta_net: "GatedDeltaNet | ShortConvolution | None" = None
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
@@ -776,10 +850,8 @@ class ModelSpec:
                      if self.num_dense_layers - len(self.mlp_free_layers) else "")
             size += (f" ({self.active_parameters / 1e9:.2f}B active), MoE {self.num_experts} experts top-"
                      f"{self.experts_per_token} of ffn {self.expert_ffn_hidden_size}{latent}{shared}{dense}")
-        linear = self.gated_delta_net
-        if linear:
-            size += (f", {self.num_linear_layers} Gated DeltaNet layers ({linear.num_k_heads} key heads of "
-                     f"{linear.head_k_dim}, {linear.num_v_heads} value heads of {linear.head_v_dim})")
+        if self.gated_delta_net:
+            size += f", {self.gated_delta_net.summary()}"
         if self.mixer_free_layers or self.mlp_free_layers:
             size += (f", blocks of one part ({len(self.mixer_free_layers)} without a token mixer, "
                      f"{len(self.mlp_free_layers)} without an MLP)")
@@ -1687,10 +1759,12 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     if linear is not None:
         kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
                 "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
-                          "k) and heads (x as v)"}.get(linear.kind, "Gated DeltaNet linear attention")
+                          "k) and heads (x as v)",
+                "short_conv": "gated short convolutions (LFM2's)"}.get(linear.kind, "Gated DeltaNet linear attention")
+        priced = ("their convolution and gates priced as elementwise work" if linear.kind == "short_conv" else
+                  "priced as flash-linear-attention's chunked kernels run it")
         notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}"
-                     f"{' beside their attention' if linear.beside_attention else ''}, priced as flash-linear-attention's "
-                     "chunked kernels run it")
+                     f"{' beside their attention' if linear.beside_attention else ''}, {priced}")
         widths = sum(sum(parts) for _, parts in linear.columns)
         expected = linear_shape.projections(hidden)[0][1]
         if widths != expected:
@@ -1821,11 +1895,12 @@ def _one_part_blocks(layers, hidden: int, moe_blocks: dict, mixers: dict[int, st
 def _linear_mixer(layer) -> str | None:
     """The name (relative to `layer`) of its linear-attention mixer, or None: a Gated DeltaNet mixer (a module with
     transformers' head attributes for one, `_GATED_DELTA_NET_ATTRS`, and a depthwise nn.Conv1d child: a group per
-    channel), or a Kimi Delta Attention mixer (`_is_kimi_delta_attention`)."""
+    channel), a Kimi Delta Attention mixer (`_is_kimi_delta_attention`), a Mamba-2 mixer (`_is_mamba2_mixer`) or a
+    gated short convolution (`_is_short_convolution`)."""
     from torch import nn
 
     for name, module in layer.named_modules():
-        if _is_kimi_delta_attention(module) or _is_mamba2_mixer(module):
+        if _is_kimi_delta_attention(module) or _is_mamba2_mixer(module) or _is_short_convolution(module):
             return name
         if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
             continue
@@ -1916,6 +1991,46 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
     return LinearAttention(mixer=name, layers=layer_indices, num_k_heads=heads, num_v_heads=heads,
                            columns=tuple(columns), output=output, rows=tuple(rows), shared=tuple(shared),
                            counts=tuple(counts), row_dims=tuple(row_dims), kind="kda")
+
+
+def _short_convolution_parts(module) -> tuple[str, str, str] | None:
+    """(input projection, convolution, output projection) names of a gated short convolution (LFM2's Lfm2ShortConv):
+    a module whose only parameters are a depthwise nn.Conv1d child over C channels, a Linear child to [B | C | x]
+    (3C outputs) and a Linear child from C features back to that one's input width; None for any other module."""
+    from torch import nn
+
+    children = {name: child for name, child in module.named_children()
+                if any(True for _ in child.parameters())}
+    if len(children) != 3 or any(True for _ in module.parameters(recurse=False)):
+        return None
+    convs = [n for n, c in children.items() if isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels]
+    if len(convs) != 1:
+        return None
+    width = children[convs[0]].out_channels
+    linears = {n: c for n, c in children.items() if isinstance(c, nn.Linear)}
+    ins = [n for n, c in linears.items() if c.out_features == 3 * width]
+    outs = [n for n, c in linears.items() if c.in_features == width and n not in ins]
+    if len(ins) != 1 or len(outs) != 1 or linears[outs[0]].out_features != linears[ins[0]].in_features:
+        return None
+    return ins[0], convs[0], outs[0]
+
+
+def _is_short_convolution(module) -> bool:
+    return _short_convolution_parts(module) is not None
+
+
+def _short_convolution(name: str, module, layer_indices: tuple[int, ...]) -> LinearAttention:
+    """A gated short convolution as tensor parallel splits it by channel (LinearAttention, kind "short_conv"; its
+    channels as the heads, each independent): the input projection [B | C | x] column-parallel part by part, the
+    output projection row-parallel, the depthwise convolution's rows (weight, bias) this rank's channels. Its code
+    reads no count of channels (it chunks the projection's output in three), so none is localised."""
+    projection, conv, output = _short_convolution_parts(module)
+    width = module.get_submodule(conv).out_channels
+    return LinearAttention(
+        mixer=name, layers=layer_indices, num_k_heads=width, num_v_heads=width,
+        columns=((projection, (width,) * 3),), output=output,
+        rows=tuple((f"{conv}.{pname}", (width,)) for pname, _ in module.get_submodule(conv).named_parameters()),
+        shared=(), counts=(), kind="short_conv")
 
 
 # transformers' Mamba-2 mixers (Mamba2Mixer and its copies in Bamba, Granite 4.0-H, Zamba 2, Nemotron-H, Falcon-H1)
@@ -2039,6 +2154,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         return _kimi_delta_attention(where, name, module, tuple(sorted(mixers)), hidden)
     if _is_mamba2_mixer(module):
         return _mamba2_mixer(where, name, module, tuple(sorted(mixers)), hidden)
+    if _is_short_convolution(module):
+        return _short_convolution(name, module, tuple(sorted(mixers)))
     num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
     if num_v_heads % num_k_heads:
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
@@ -2077,12 +2194,14 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         counts=tuple(a for a in _LINEAR_ATTENTION_COUNTS if isinstance(readable_attr(module, a), int)))
 
 
-def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> GatedDeltaNet:
+def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "GatedDeltaNet | ShortConvolution":
     """The cost model's shapes of the `linear` layers (read from the first one's mixer: the others are alike)."""
     from torch import nn
 
     mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
+    if linear.kind == "short_conv":
+        return ShortConvolution(layers=linear.layers, channels=conv.out_channels, conv_kernel_size=conv.kernel_size[0])
     # distcore's rule (packed.packed_colwise): a packing of equal parts without units of their own splits each part
     # on the outputs; any other packing splits the weight on its inputs and reduce-scatters the output
     units = dict(linear.units)
@@ -2108,9 +2227,10 @@ def _eager_attention(model) -> bool:
 
 
 def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> None:
-    """A convolution in the attention block marks a state-space or linear-attention mixer (Mamba's and Gated
-    DeltaNet's causal conv1d over their packed projections, LFM2's short convolution): their projections pack
-    per-head state parameters beside q/k/v, which no attention plan of tensor parallel splits right."""
+    """A convolution in the attention block marks a state-space or linear-attention mixer that `_linear_mixer` did
+    not read (Mamba-1's causal conv1d over its packed projections, a short convolution of another make than LFM2's):
+    their projections pack per-head state parameters beside q/k/v, which no attention plan of tensor parallel splits
+    right."""
     from torch import nn
 
     convs = [n for n, m in module.named_modules() if isinstance(m, nn.Conv1d)]

@@ -651,7 +651,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     `tp` exceeds a layer's own key/value heads (read from its k projection: layers may differ, Gemma 4's per-layer
     configs) and they divide it, that layer's k and v projections get ReplicatedColWiseParallel(tp // heads), each
     head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear
-    attention get their mixer split by head instead of the attention's plan (`_add_linear_attention`).
+    attention (or Kimi Delta Attention, Mamba-2, LFM2's gated short convolution) get their mixer split by head (by
+    channel) instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
     (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1).
@@ -794,7 +795,8 @@ def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None
 
 
 def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
-    """Each linear-attention or state-space mixer split by head (autotune.model.LinearAttention says how): its
+    """Each linear-attention or state-space mixer split by head, a gated short convolution by channel
+    (autotune.model.LinearAttention says how): its
     projections from the hidden states column-parallel (a packed one part by part; a part of fewer units than the
     `tp` ranks, Mamba-2's B and C of n_groups groups, whole on every rank, each keeping its group), its output
     projection row-parallel, the rows of its convolution and per-head parameters this rank's (LocalParameterRows,

@@ -51,6 +51,10 @@ _TYPE_CONFIGS = {"bamba": dict(attn_layer_indices=[1, 3]),
                  "zamba2": dict(layers_block_type=["linear_attention", "hybrid"] * 2, mamba_headdim=16, n_mamba_heads=8,
                                 mamba_d_state=16, num_mem_blocks=1),
                  "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2, num_dense_layers=1),
+                 # LFM2's and LFM3's gated short convolutions beside attention layers (their configs default to
+                 # attention alone at a tiny depth)
+                 "lfm2": dict(layer_types=["conv", "full_attention"] * 2),
+                 "lfm3": dict(layer_types=["conv", "full_attention"] * 2),
                  "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8),
                  "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
                  "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),

@@ -107,6 +107,11 @@ MORE_FAMILIES = {
                                                 shared_intermediate_size=2 * HIDDEN, **_MOE, **_MAMBA2)),
     "granite-hybrid-dense": ("granitemoehybrid", dict(layer_types=["linear_attention", "attention"],
                                                       num_local_experts=0, shared_intermediate_size=2 * HIDDEN, **_MAMBA2)),
+    # Liquid AI's LFM2: gated short convolutions (in_proj to [B | C | x], a depthwise causal convolution of 3 taps over
+    # B·x, gated by C; no state) in the layers between its attention layers (the released 1.2B: 10 of 16), SwiGLU
+    # feed-forwards (w1, w3, w2); LFM2-MoE's first layer dense, experts after it.
+    "lfm2": ("lfm2", {}),
+    "lfm2-moe": ("lfm2_moe", dict(num_dense_layers=1, moe_intermediate_size=HIDDEN, **_MOE)),
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).
     "opt": ("opt", dict(ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN, dropout=0.0)),  # 0.1 by default: masks differ by layout
@@ -345,7 +350,9 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                        "beam": ("mlp_layer_types", "dense", "sparse"),
                        "mimo-v2-flash": ("layer_types", "full_attention", "sliding_attention"),
                        "kimi-linear": ("layer_types", "full_attention", "linear_attention"),
-                       "ling-hybrid": ("layer_types", "full_attention", "linear_attention")}
+                       "ling-hybrid": ("layer_types", "full_attention", "linear_attention"),
+                       "lfm2": ("layer_types", "conv", "full_attention"),
+                       "lfm2-moe": ("layer_types", "conv", "full_attention")}
         if family in alternating and alternating[family][0] not in (config or {}):  # the kinds alternate, the first first
             attribute, *kinds = alternating[family]
             setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])

@@ -427,6 +427,77 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
+def test_short_convolutions_are_read_for_the_split_by_channel():
+    """LFM2's gated short convolutions (in_proj to [B | C | x], a depthwise causal convolution over B·x, gated by C;
+    refused under tp before: "conv holds a convolution") are read as LinearAttention of kind "short_conv", their
+    channels as the heads: in_proj split part by part, out_proj row-parallel, the convolution's rows (with its bias
+    where the config has one) this rank's, no count to localise (the code chunks the projection's output). LFM2-MoE's
+    first layer is dense beside its convolution: the attention is read from the MoE layer, the MLP from the dense one.
+    Priced as a ShortConvolution: every parameter counted; its saved activations six per channel and token, measured
+    with saved-tensor hooks on transformers' module; a tp that does not divide the channels is refused naming them. A
+    module of another make (a fourth parameter) is not read as one: the convolution is then refused as before."""
+    from tests.hf_models import build
+    from tridist.autotune import Cluster, ShortConvolution, Strategy, estimate
+    from tridist.autotune.cost import _linear_mixer_bytes
+    from tridist.autotune.strategy import tensor_parallel_problems
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    model = build("lfm2")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    linear = spec.structure.linear_attention
+    assert (linear.kind, linear.mixer, linear.layers, linear.output, linear.counts) == ("short_conv", "conv", (0,), "out_proj", ())
+    assert (linear.columns, dict(linear.rows)) == ((("in_proj", (64, 64, 64)),), {"conv.weight": (64,)})
+    assert spec.gated_delta_net == ShortConvolution(layers=(0,), channels=64, conv_kernel_size=3)
+    assert spec.num_parameters == _count(model)
+    styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=True, tp=2).styles
+    assert [type(x).__name__ for x in styles["model.layers.0.conv.in_proj"]] == ["ColWiseParallel"]
+    assert styles["model.layers.0.conv.in_proj"][0].packed_parts == (64, 64, 64)
+    assert [type(x).__name__ for x in styles["model.layers.0.conv.out_proj"]] == ["RowWiseParallel"]
+    assert "LocalParameterRows" in [type(x).__name__ for x in styles["model.layers.0.conv"]]
+    biased = ModelSpec.from_module(build("lfm2", config=dict(conv_bias=True)), seq_len=16)
+    assert dict(biased.structure.linear_attention.rows) == {"conv.weight": (64,), "conv.bias": (64,)}
+
+    # What the mixer keeps for its backward: [B | C | x], B·x, the convolution's output (s + taps - 1 positions:
+    # causal_conv1d_fn pads before it slices) and the output projection's input
+    model = model.to(torch.bfloat16)
+    mixer, (batch, seq) = model.model.layers[0].conv, (2, 16)
+    x = torch.randn(batch, seq, 64, dtype=torch.bfloat16, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), x)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in skip:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        mixer(x)
+    predicted = batch * seq * _linear_mixer_bytes(ModelSpec.from_module(model, seq_len=seq), 2)
+    assert predicted <= sum(storages.values()) <= predicted * (1 + (3 - 1) / seq / 6), (sum(storages.values()), predicted)
+    # tp splits the channels; one that does not divide them is refused naming them
+    assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
+    odd = dataclasses.replace(spec, gated_delta_net=ShortConvolution(layers=(0,), channels=66))
+    assert any("gated_delta_net.channels=66" in p for p in tensor_parallel_problems(odd, Cluster(1, 8), 4))
+    # every path of the estimate takes it (tp with and without sp, stages, each recompute mode)
+    for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 2, 1, recompute="full"),
+                     Strategy(1, 1, 2, num_micro_batches=2)):
+        step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
+        assert 0 < step < float("inf"), (strategy, step)
+
+    moe = ModelSpec.from_module(build("lfm2-moe"), seq_len=16)
+    s = moe.structure
+    assert (s.linear_attention.layers, s.moe_layers, s.mlp, s.gate, s.attention) == (
+        (0,), (1,), "feed_forward", "feed_forward.w1", "self_attn"), s.describe()
+    assert moe.num_parameters == _count(build("lfm2-moe"))
+
+    # A module with a fourth parameter beside the three is no short convolution: refused as a convolution, as before
+    other = build("lfm2")
+    other.model.layers[0].conv.extra = nn.Linear(64, 64)
+    with pytest.raises(UnrecognisedModel, match="conv holds a convolution"):
+        ModelSpec.from_module(other, seq_len=16)
+
+
 def test_kimi_delta_attention_mixers_are_read_for_the_split_by_head():
     """Kimi Delta Attention mixers (Kimi Linear; Ling's hybrid, transformers' bailing_hybrid) beside latent attention:
     refused under tp before (a convolution in the attention block). Read as LinearAttention of kind "kda": q, k, v,

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from transformers import DynamicCache
 from transformers.utils import ModelOutput
 
@@ -1037,6 +1038,31 @@ def _freeze_experts_and_a_norm(model) -> None:
     model.model.embed_tokens.weight.requires_grad_(False)
     model.model.layers[1].mlp.experts.requires_grad_(False)
     model.model.layers[0].post_attention_layernorm.requires_grad_(False)
+
+
+def check_short_convolutions_train_under_tensor_parallel():
+    """LFM2's gated short convolutions (in_proj to [B | C | x], a depthwise causal convolution over B·x, gated by C)
+    in the layers beside its attention layers, split by channel: the input projection part by part (B, C and x each
+    column-parallel), the output projection row-parallel, this rank's rows of the convolution's weight (whole on
+    every rank, its gradient summed). Equal to one process in local view under tp 2 + sp (LFM2) and tp 2 (LFM2-MoE:
+    a dense convolution layer, then attention with experts); greedy generate under tp 2 gives one device's tokens
+    (the cached one-token convolution update on this rank's channels). Before, tp was refused ("conv holds a
+    convolution"). Two processes: dp beside tp changes nothing of the mixer (the sweep ran dp 2 x tp 2 and tp 4)."""
+    def split_by_channel(model):
+        mixers = [layer.conv for layer in model.model.layers if hasattr(layer, "conv")]
+        assert mixers, [type(layer).__name__ for layer in model.model.layers]
+        for mixer in mixers:
+            channels = model.config.hidden_size
+            # B, C and x each split (a strided shard: this rank's rows of each part)
+            assert mixer.in_proj.weight.placements[-1] == _StridedShard(0, split_factor=3), mixer.in_proj.weight.placements
+            assert mixer.in_proj.weight.to_local().shape[0] == 3 * channels // 2, mixer.in_proj.weight.to_local().shape
+            assert mixer.out_proj.weight.placements[-1] == distcore.Shard(1), mixer.out_proj.weight.placements
+            assert mixer.conv.weight.placements[-1].is_replicate(), mixer.conv.weight.placements  # rows per call
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    _train("lfm2", TP2["tp 2 + sp"], inspect=split_by_channel)
+    _train("lfm2-moe", TP2["tp 2"], inspect=split_by_channel)
+    _generates_like_one_device("lfm2", TP2["tp 2"], inspect=split_by_channel)
 
 
 def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
@@ -2138,7 +2164,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_moe_blocks_run_on_sequence_slices_under_sequence_parallel",
     "check_compiled_after_to_distributed_trains_like_one_process",
     "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
-    "check_gated_deltanet_recompute_and_generate_under_tensor_parallel"]
+    "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
