@@ -76,7 +76,10 @@ attention layers, with a dense or MoE MLP as any layer):
   sequence, at the attention kernel's rate, its backward recomputing the chunks' states first;
 * its activations: the tensors its mixer keeps for the backward (`_linear_mixer_bytes`), inside the tp region; no
   attention core, so selective recompute (which distcore does not apply to these layers) frees nothing in them.
-LFM2's gated short convolutions (a `ShortConvolution` in ModelSpec.gated_delta_net) are priced in the same places:
+Mamba-1 layers (Jamba's: a `SelectiveScan` in ModelSpec.gated_delta_net) likewise: four projections (the selective
+one row-parallel, its [dt | B | C] all-reduced both ways), the scan's 9 FLOPs per channel and state recomputed in the
+backward, the tensors mamba-ssm's kernels keep. LFM2's gated short convolutions (a `ShortConvolution`) are priced in
+the same places:
 their projections ([B | C | x] and back) split over tp, the convolution's weight whole on every rank, their core the
 convolution's taps and two gates per channel (`ShortConvolution.core_flops`), their activations six per channel
 (`ShortConvolution.kept_elements`).
@@ -98,7 +101,7 @@ import functools
 from dataclasses import dataclass
 
 from .hardware import Cluster
-from .model import ModelSpec, ShortConvolution, block_parts
+from .model import ModelSpec, SelectiveScan, ShortConvolution, block_parts
 from .strategy import Strategy, balanced_stage_layers, check, kv_head_replicas, rank_layer_indices, stage_layers
 
 __all__ = [
@@ -124,7 +127,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 23  # 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 24  # 24: Mamba-1 layers (SelectiveScan: Jamba's) split over tp by channel; 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -241,7 +244,7 @@ def _linear_core_flops(spec: ModelSpec) -> tuple[float, float]:
     recomputes w, u and the states (C·dk + C·dv + 2·dk·dv; it saves none of them), then does twice the forward's
     work, as any layer's. Linear in the sequence: no s x s term."""
     linear = spec.gated_delta_net
-    if isinstance(linear, ShortConvolution):  # no recurrence: its own elementwise core
+    if isinstance(linear, (ShortConvolution, SelectiveScan)):  # their own cores (no chunked delta rule)
         return linear.core_flops()
     c, dk, dv = _linear_chunk(spec), linear.head_k_dim, linear.head_v_dim
     heads = 2.0 * linear.num_v_heads  # 2 FLOPs per multiply-add
@@ -434,7 +437,7 @@ def _linear_mixer_bytes(spec: ModelSpec, e: int) -> float:
     In fp32: the gated norm's three per value feature and its 1/rms per value head; per value head the decay's log
     (its chunk sum), its softplus's input and output; per key head q's and k's 1/norm."""
     linear = spec.gated_delta_net
-    if isinstance(linear, ShortConvolution):
+    if isinstance(linear, (ShortConvolution, SelectiveScan)):
         return e * linear.kept_elements()
     nk, nv, value = linear.num_k_heads, linear.num_v_heads, linear.value_size
     kept = (linear.conv_channels + 2 * linear.key_size + value + nv * _linear_chunk(spec) + nv
@@ -873,6 +876,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
         if whole:
             linear_collectives += 2 * (all_reduce_time(e * tokens * whole, tp, bw_tp, lat_tp) + all_reduce_time(
                 NORM_STATISTIC_BYTES * tokens * gdn.num_k_heads, tp, bw_tp, lat_tp))
+        if isinstance(gdn, SelectiveScan):  # Mamba-1's [dt | B | C]: all-reduced forward, its gradient backward
+            linear_collectives += 2 * all_reduce_time(e * tokens * gdn.shared_outputs, tp, bw_tp, lat_tp)
     if not mixer_part:  # an MLP or MoE block alone: none of the mixer's collectives
         packed_qkv = qk_norm = latent_collectives = linear_collectives = 0.0
     head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)

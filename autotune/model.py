@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "ShortConvolution",
-           "UnrecognisedModel", "PRESETS", "preset",
+__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "SelectiveScan",
+           "ShortConvolution", "UnrecognisedModel", "PRESETS", "preset",
            "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
@@ -204,7 +204,7 @@ class ModelStructure:
         if self.linear_attention is not None:
             linear = self.linear_attention
             heads = {"mamba2": f"{linear.num_k_heads} state groups, {linear.num_v_heads} heads",
-                     "short_conv": f"{linear.num_k_heads} channels"}.get(
+                     "short_conv": f"{linear.num_k_heads} channels", "mamba1": f"{linear.num_k_heads} channels"}.get(
                 linear.kind, f"{linear.num_k_heads} key, {linear.num_v_heads} value heads")
             rows.append(("linear attention", f"{self.pattern(linear.mixer)} in layers {_ranges(linear.layers)} ({heads})"))
         if self.is_moe:
@@ -410,6 +410,82 @@ class ShortConvolution:
 
 
 @dataclass(frozen=True)
+class SelectiveScan:
+    """Mamba-1 layers (Jamba's: transformers' JambaMambaMixer) as the cost model prices them, in the attention's place
+    (`ModelSpec.gated_delta_net` holds any kind of linear mixer): `channels` (intermediate_size) channels, each with
+    `state_size` states, a depthwise causal convolution of `conv_kernel_size` taps, a time step of rank `dt_rank`.
+    Projections: the hidden size to [x | z] (2 x channels), the channels to [dt | B | C] (dt_rank + 2 x state_size:
+    row-parallel under tp, its output all-reduced forward and its gradient backward, `shared_outputs`), dt_rank to the
+    channels, the channels back. Tensor parallel splits the channels (`num_k_heads`, `num_v_heads` name them for
+    `tensor_parallel_problems`); the convolution, A_log and D are whole on every rank (distcore's rows), their
+    gradients summed."""
+
+    layers: tuple[int, ...]
+    channels: int
+    state_size: int
+    dt_rank: int
+    conv_kernel_size: int = 4
+    beside_attention = False
+    key_heads_replicable = False
+    packed_split_outputs = 0
+
+    def __post_init__(self) -> None:
+        _check_integers("SelectiveScan", self, ("channels", "state_size", "dt_rank", "conv_kernel_size"))
+        layers = tuple(self.layers)
+        if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0:
+            raise ValueError(f"SelectiveScan: layers must be increasing layer indices, got {self.layers!r}")
+        object.__setattr__(self, "layers", layers)
+
+    @property
+    def num_k_heads(self) -> int:  # the units tensor parallel splits: channels
+        return self.channels
+
+    num_v_heads = num_k_heads
+
+    @property
+    def key_size(self) -> int:  # no keys (GatedDeltaNet's replicated-key terms read it: none here)
+        return 0
+
+    @property
+    def shared_outputs(self) -> int:
+        """The selective projection's outputs per token, [dt | B | C], summed over the tp ranks both ways."""
+        return self.dt_rank + 2 * self.state_size
+
+    def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
+        """As `GatedDeltaNet.projections`: [x | z] and dt's up-projection split on their outputs, the selective and the
+        output projections on their inputs."""
+        c = self.channels
+        return (hidden, 2 * c, "out"), (c, self.shared_outputs, "in"), (self.dt_rank, c, "out"), (c, hidden, "in")
+
+    def matmul_parameters(self, hidden: int) -> int:
+        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
+
+    @property
+    def other_parameters(self) -> int:
+        """The convolution's weight, A_log (a row of states per channel), D (one per channel) and the norms over dt, B
+        and C (Jamba's; biases are not counted, as no bias is)."""
+        return self.channels * (self.conv_kernel_size + self.state_size + 1) + self.shared_outputs
+
+    def core_flops(self) -> tuple[float, float]:
+        """(forward FLOPs per token, those its backward recomputes first) of the selective scan as mamba-ssm's kernel
+        runs it: 9 per channel and state (Gu & Dao 2023, section 3.3: discretising A and B, the state update and C·h);
+        its backward recomputes the states (the forward's work again), storing none."""
+        flops = 9.0 * self.channels * self.state_size
+        return flops, flops
+
+    def kept_elements(self) -> int:
+        """What the mixer keeps per token for its backward as mamba-ssm's and causal-conv1d's kernels run it, in the
+        compute dtype: [x | z] (2 per channel), the convolution's output and the time step dt_proj gives (one per
+        channel each), the scan's output (one per channel, the output projection's input) and dt, B and C before and
+        after their norms. transformers' torch path (no mamba-ssm) keeps far more (its states, per channel and state)."""
+        return 5 * self.channels + 2 * self.shared_outputs
+
+    def summary(self) -> str:
+        return (f"{len(self.layers)} Mamba-1 layers ({self.channels} channels of {self.state_size} states, time-step "
+                f"rank {self.dt_rank})")
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """A Gated DeltaNet linear-attention mixer (transformers' Qwen3-Next, Qwen3.5, Qwen3.5-MoE): what tensor
     parallel splits by head, as names relative to the mixer. Its heads are independent, as attention's are: a
@@ -431,7 +507,9 @@ class LinearAttention:
     hidden states, or from a low-rank latent of one head's width, whose down-projection stays whole), one head count
     for keys and values. So are Mamba-2 mixers (Bamba, Granite 4.0-H: `kind` "mamba2", `_mamba2_mixer`), their state
     groups (n_groups) as the key heads and their heads as the value heads; so are LFM2's gated short convolutions
-    (`kind` "short_conv", `_short_convolution`), their channels as the heads. `beside_attention`: the mixer runs beside
+    (`kind` "short_conv", `_short_convolution`), their channels as the heads, and Mamba-1 mixers (Jamba's: `kind`
+    "mamba1", `_mamba1_mixer`), their channels as the heads, whose selective projection `row_shared` ((name, its
+    outputs)) is row-parallel with its output's gradient summed over the ranks. `beside_attention`: the mixer runs beside
     the attention in the same layers, both on the layer's normed input (Falcon-H1's Mamba-2 mixer), not in its place:
     both are split."""
 
@@ -450,6 +528,7 @@ class LinearAttention:
     group_norm: str | None = None
     kind: str = "gdn"
     beside_attention: bool = False
+    row_shared: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -475,8 +554,8 @@ class ModelSpec:
     of 192; None: head_dim; latent attention has its own), `attention_output_gate` (gated attention: a gate on each
     query head's output features, q_size more outputs of the query projection in Qwen3-Next and Qwen3.5, of a
     projection of its own in AFMoE and Beam), `gated_delta_net` (the layers whose token mixer is Gated DeltaNet linear
-    attention, or LFM2's gated short convolution (`ShortConvolution`), and their shapes; None: attention in every
-    layer), and a display `name`. `structure` is set by `from_module`.
+    attention, LFM2's gated short convolution (`ShortConvolution`) or Mamba-1 (`SelectiveScan`), and their shapes;
+    None: attention in every layer), and a display `name`. `structure` is set by `from_module`.
 
     Mixture of experts: `num_experts` routed experts (0: a dense model) of `expert_ffn_hidden_size`
     (default `ffn_hidden_size`) in the layers `moe_layers` (default: every layer; the others are dense
@@ -511,7 +590,7 @@ class ModelSpec:
     qk_norm: str | None = None
     latent_attention: LatentAttention | None = None
     attention_output_gate: bool = False
-    gated_delta_net: "GatedDeltaNet | ShortConvolution | None" = None
+    gated_delta_net: "GatedDeltaNet | ShortConvolution | SelectiveScan | None" = None
     num_experts: int = 0
     experts_per_token: int = 0
     expert_ffn_hidden_size: int | None = None
@@ -990,24 +1069,38 @@ def _numel(module) -> int:
 
 
 def _find_layer_list(model) -> tuple[str, object]:
-    """The decoder layers: the ModuleList of same-type entries holding the most parameters."""
+    """The decoder layers: the ModuleList of same-type entries holding the most parameters; where there is none, the
+    one of entries that differ in their token mixer alone (Jamba's Mamba and attention layers, two classes of the same
+    children but the mixer: `_alike_but_the_mixer`)."""
     from torch import nn
 
-    best = None
+    best, mixed = None, None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
-        types = {type(child) for child in module}
-        if len(types) != 1:
-            continue
         size = _numel(module)
-        if size and (best is None or (size, len(module)) > best[0]):
-            best = ((size, len(module)), name, module)
+        if not size:
+            continue
+        if len({type(child) for child in module}) == 1:
+            if best is None or (size, len(module)) > best[0]:
+                best = ((size, len(module)), name, module)
+        elif _alike_but_the_mixer(module) and (mixed is None or (size, len(module)) > mixed[0]):
+            mixed = ((size, len(module)), name, module)
+    best = best or mixed
     if best is None:
         raise UnrecognisedModel(
             "no decoder-layer list found: expected an nn.ModuleList of identical blocks (e.g. model.layers) "
             "holding the transformer layers; fall back to data parallel (with sharding), or pass a ModelSpec")
     return best[1], best[2]
+
+
+def _alike_but_the_mixer(layers) -> bool:
+    """Entries of two or more classes whose children bear the same names but one each (the token mixer: Jamba's
+    `mamba` or `self_attn`) beside at least two shared ones (the norms, the MLP), each entry's mixer holding
+    parameters."""
+    names = [{name for name, child in layer.named_children() if any(True for _ in child.parameters())} for layer in layers]
+    common = set.intersection(*names)
+    return len(common) >= 2 and all(len(n - common) == 1 for n in names) and len({frozenset(n) for n in names}) > 1
 
 
 def _linears(block) -> list[_Linear]:
@@ -1760,9 +1853,11 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
                 "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
                           "k) and heads (x as v)",
-                "short_conv": "gated short convolutions (LFM2's)"}.get(linear.kind, "Gated DeltaNet linear attention")
-        priced = ("their convolution and gates priced as elementwise work" if linear.kind == "short_conv" else
-                  "priced as flash-linear-attention's chunked kernels run it")
+                "short_conv": "gated short convolutions (LFM2's)",
+                "mamba1": "Mamba-1 selective scans"}.get(linear.kind, "Gated DeltaNet linear attention")
+        priced = {"short_conv": "their convolution and gates priced as elementwise work",
+                  "mamba1": "priced as mamba-ssm's selective-scan kernels run it"}.get(
+            linear.kind, "priced as flash-linear-attention's chunked kernels run it")
         notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}"
                      f"{' beside their attention' if linear.beside_attention else ''}, {priced}")
         widths = sum(sum(parts) for _, parts in linear.columns)
@@ -1895,12 +1990,13 @@ def _one_part_blocks(layers, hidden: int, moe_blocks: dict, mixers: dict[int, st
 def _linear_mixer(layer) -> str | None:
     """The name (relative to `layer`) of its linear-attention mixer, or None: a Gated DeltaNet mixer (a module with
     transformers' head attributes for one, `_GATED_DELTA_NET_ATTRS`, and a depthwise nn.Conv1d child: a group per
-    channel), a Kimi Delta Attention mixer (`_is_kimi_delta_attention`), a Mamba-2 mixer (`_is_mamba2_mixer`) or a
-    gated short convolution (`_is_short_convolution`)."""
+    channel), a Kimi Delta Attention mixer (`_is_kimi_delta_attention`), a Mamba-2 mixer (`_is_mamba2_mixer`), a
+    Mamba-1 mixer (`_is_mamba1_mixer`) or a gated short convolution (`_is_short_convolution`)."""
     from torch import nn
 
     for name, module in layer.named_modules():
-        if _is_kimi_delta_attention(module) or _is_mamba2_mixer(module) or _is_short_convolution(module):
+        if (_is_kimi_delta_attention(module) or _is_mamba2_mixer(module) or _is_mamba1_mixer(module)
+                or _is_short_convolution(module)):
             return name
         if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
             continue
@@ -2117,6 +2213,75 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
         group_norm=group_norm, kind="mamba2")
 
 
+# transformers' Mamba-1 mixers (Jamba's JambaMambaMixer, MambaMixer, FalconMambaMixer) keep their shapes as these
+# attributes; `intermediate_size` counts the channels each rank holds 1/tp of.
+_MAMBA1_ATTRS = ("intermediate_size", "ssm_state_size", "time_step_rank")
+
+
+def _is_mamba1_mixer(module) -> bool:
+    """A module with Mamba-1's shape attributes (`_MAMBA1_ATTRS`), an `A_log` of its own of one row of states per
+    channel ([intermediate_size, ssm_state_size]) and a depthwise nn.Conv1d child over its channels."""
+    from torch import nn
+
+    if not all(isinstance(readable_attr(module, a), int) for a in _MAMBA1_ATTRS):
+        return False
+    a_log = getattr(module, "A_log", None)
+    return (isinstance(a_log, nn.Parameter) and tuple(a_log.shape) == (module.intermediate_size, module.ssm_state_size)
+            and any(isinstance(c, nn.Conv1d) and c.groups == c.in_channels == c.out_channels == module.intermediate_size
+                    for c in module.children()))
+
+
+def _mamba1_mixer(where: str, name: str, module, layer_indices: tuple[int, ...], hidden: int) -> LinearAttention:
+    """A Mamba-1 mixer as tensor parallel splits it by channel (LinearAttention, kind "mamba1"; its channels as the
+    heads, each with its own states), as Megatron's and vLLM's Mamba layers are split: the input projection [x | z]
+    column-parallel part by part, the selective projection x_proj (channels to the time-step rank, B and C)
+    row-parallel with its output's gradient summed over the ranks too (`row_shared`: every rank's channels use the
+    whole dt, B and C, so each rank's gradient of them is a share), the norms over dt, B and C (Jamba's) shared, this
+    rank's rows of the convolution, of dt_proj (its code multiplies by `dt_proj.weight` itself) and of A_log and D,
+    the output projection row-parallel, `intermediate_size` local. Anything else is refused, naming it."""
+    from torch import nn
+
+    inner, state, rank = (int(getattr(module, a)) for a in _MAMBA1_ATTRS)
+    selective = rank + 2 * state
+    columns, output, row_shared, rows, shared, conv = [], None, None, [], [], None
+    for child_name, child in module.named_children():
+        params = dict(child.named_parameters())
+        shape = (child.in_features, child.out_features) if isinstance(child, nn.Linear) else None
+        if shape == (hidden, 2 * inner):
+            columns.append((child_name, (inner, inner)))
+        elif shape == (inner, hidden) and output is None:
+            output = child_name
+        elif shape == (inner, selective):
+            row_shared = child_name
+        elif shape == (rank, inner):
+            rows += [(f"{child_name}.{pname}", (inner,)) for pname in params]
+        elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == inner:
+            conv = child_name
+            rows += [(f"{child_name}.{pname}", (inner,)) for pname in params]
+        elif params and all(p.dim() == 1 and p.shape[0] in (rank, state) for p in params.values()):
+            shared.append(child_name)
+        elif params:
+            _refuse_foreign_part(where, child_name, child, params, "a Mamba-1 mixer's",
+                                 f"the input projection {hidden} -> {2 * inner} [x | z], the selective projection "
+                                 f"{inner} -> {selective} [dt | B | C], the time-step projection {rank} -> {inner}, the "
+                                 f"output projection {inner} -> {hidden}, the convolution over its {inner} channels, "
+                                 "norms over dt, B or C")
+    for pname, param in module.named_parameters(recurse=False):
+        if param.shape[0] != inner or param.dim() > 2:
+            raise UnrecognisedModel(f"{where}.{pname} {tuple(param.shape)} is no parameter of one row per channel "
+                                    f"({inner}), which tensor parallel would split with the channels")
+        rows.append((pname, (inner,)))
+    if len(columns) != 1 or output is None or row_shared is None or conv is None:
+        raise UnrecognisedModel(f"{where}: a Mamba-1 mixer needs an input projection {hidden} -> {2 * inner}, a "
+                                f"selective projection {inner} -> {selective}, an output projection {inner} -> {hidden} "
+                                f"and a convolution over its {inner} channels; found input projection(s) "
+                                f"{[n for n, _ in columns]}, selective {row_shared}, output {output}")
+    return LinearAttention(
+        mixer=name, layers=layer_indices, num_k_heads=inner, num_v_heads=inner, columns=tuple(columns), output=output,
+        rows=tuple(rows), shared=tuple(shared), counts=("intermediate_size",), row_shared=(row_shared, selective),
+        kind="mamba1")
+
+
 def _refuse_foreign_part(where: str, child_name: str, child, params: dict, mixer: str, parts: str) -> None:
     """Raise naming `child` (its parameters' shapes) as none of `mixer` parts tensor parallel splits (`parts`)."""
     shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
@@ -2156,6 +2321,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         return _mamba2_mixer(where, name, module, tuple(sorted(mixers)), hidden)
     if _is_short_convolution(module):
         return _short_convolution(name, module, tuple(sorted(mixers)))
+    if _is_mamba1_mixer(module):
+        return _mamba1_mixer(where, name, module, tuple(sorted(mixers)), hidden)
     num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
     if num_v_heads % num_k_heads:
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
@@ -2194,7 +2361,7 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         counts=tuple(a for a in _LINEAR_ATTENTION_COUNTS if isinstance(readable_attr(module, a), int)))
 
 
-def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "GatedDeltaNet | ShortConvolution":
+def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "GatedDeltaNet | ShortConvolution | SelectiveScan":
     """The cost model's shapes of the `linear` layers (read from the first one's mixer: the others are alike)."""
     from torch import nn
 
@@ -2202,6 +2369,9 @@ def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "Gat
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
     if linear.kind == "short_conv":
         return ShortConvolution(layers=linear.layers, channels=conv.out_channels, conv_kernel_size=conv.kernel_size[0])
+    if linear.kind == "mamba1":
+        return SelectiveScan(layers=linear.layers, channels=int(mixer.intermediate_size), state_size=int(mixer.ssm_state_size),
+                             dt_rank=int(mixer.time_step_rank), conv_kernel_size=conv.kernel_size[0])
     # distcore's rule (packed.packed_colwise): a packing of equal parts without units of their own splits each part
     # on the outputs; any other packing splits the weight on its inputs and reduce-scatters the output
     units = dict(linear.units)
@@ -2228,7 +2398,7 @@ def _eager_attention(model) -> bool:
 
 def _refuse_sequence_mixers(module, name: str, layers_name: str, index: int) -> None:
     """A convolution in the attention block marks a state-space or linear-attention mixer that `_linear_mixer` did
-    not read (Mamba-1's causal conv1d over its packed projections, a short convolution of another make than LFM2's):
+    not read (a mixer of another make than those it reads: RecurrentGemma's temporal block, RWKV-style mixers):
     their projections pack per-head state parameters beside q/k/v, which no attention plan of tensor parallel splits
     right."""
     from torch import nn

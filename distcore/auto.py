@@ -799,7 +799,8 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
     (autotune.model.LinearAttention says how): its
     projections from the hidden states column-parallel (a packed one part by part; a part of fewer units than the
     `tp` ranks, Mamba-2's B and C of n_groups groups, whole on every rank, each keeping its group), its output
-    projection row-parallel, the rows of its convolution and per-head parameters this rank's (LocalParameterRows,
+    projection row-parallel, Mamba-1's selective projection row-parallel with its output's gradient summed over the
+    mp ranks (ReduceSharedOutputGradient: every rank's channels use the whole dt, B and C), the rows of its convolution and per-head parameters this rank's (LocalParameterRows,
     which also localises its head counts and widths), its gated output norm, one weight for every head, with its
     gradients summed over the mp ranks, and a norm over groups of heads that tp splits with its statistics summed
     over the ranks sharing a group (SplitGroupNorm); a Mamba-2 mixer kept on its torch path, which calls the split
@@ -809,6 +810,9 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
         for name, parts in linear.columns:
             add(f"{mixer}.{name}", ColWiseParallel(packed_parts=parts if len(parts) > 1 else 1, part_units=units.get(name)))
         add(f"{mixer}.{linear.output}", RowWiseParallel())
+        if linear.row_shared:  # Mamba-1's x_proj: its summed dt, B and C feed every rank's channels
+            name, outputs = linear.row_shared
+            add(f"{mixer}.{name}", RowWiseParallel(inside_region=True), ReduceSharedOutputGradient(outputs))
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
         if linear.kind == "mamba2":

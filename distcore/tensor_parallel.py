@@ -163,9 +163,17 @@ def _open_sharded_region(target: StyleTarget) -> None:
 
 @dataclass(repr=False)
 class RowWiseParallel(_Style):
-    """Split the input features (a Linear's rows; an Embedding's vocabulary)."""
+    """Split the input features (a Linear's rows; an Embedding's vocabulary).
+
+    `inside_region` (a tridist extension): a projection inside its region whose whole output the region's own code
+    goes on using (Mamba-1's x_proj: dt, B and C for every channel): all-reduced even in a sequence-parallel Disable
+    region, whose exits reduce-scatter onto sequence shards."""
 
     is_input_parallel: bool = True
+    inside_region: bool = False
+
+    def _scatters(self, target: StyleTarget) -> bool:
+        return target.scatter_sequence and not self.inside_region
 
     def torch_style(self, target: StyleTarget, *, local_output: bool = True) -> ParallelStyle:
         """torch's style for this split: local outputs (local view) or DTensors (global view)."""
@@ -174,20 +182,21 @@ class RowWiseParallel(_Style):
             return RowwiseParallel(input_layouts=Replicate(), use_local_output=local_output)
         # A Disable region's exit under sequence parallel: reduce-scatter straight onto sequence shards.
         return RowwiseParallel(input_layouts=Shard(-1) if self.is_input_parallel else Replicate(),
-                               output_layouts=Shard(SEQUENCE_DIM) if target.scatter_sequence else Replicate(),
+                               output_layouts=Shard(SEQUENCE_DIM) if self._scatters(target) else Replicate(),
                                use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
         if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split (vocab_embedding.py)
             split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
             return split_embedding_vocabulary(target.name, target.module, target.tp_mesh)
-        if target.random_state is not None and isinstance(target.module, torch.nn.Linear) and self.is_input_parallel:
+        if (target.random_state is not None and isinstance(target.module, torch.nn.Linear) and self.is_input_parallel
+                and not self.inside_region):
             target.module.register_forward_pre_hook(target.random_state.leave)  # the sharded region closes
-        if target.overlap_comm and target.scatter_sequence:
+        if target.overlap_comm and self._scatters(target):
             how = apply_overlapped_exit(self, target, self.torch_style(target))
         else:
             parallelize_module(target.module, target.tp_mesh, self.torch_style(target))
-            if not target.scatter_sequence:
+            if not self._scatters(target):
                 return f"{target.name}: {self!r}"
             how = "reduce-scatter onto sequence shards"
         target.module._tridist_scatters_sequence = True

@@ -55,6 +55,8 @@ _TYPE_CONFIGS = {"bamba": dict(attn_layer_indices=[1, 3]),
                  # attention alone at a tiny depth)
                  "lfm2": dict(layer_types=["conv", "full_attention"] * 2),
                  "lfm3": dict(layer_types=["conv", "full_attention"] * 2),
+                 # Jamba's Mamba-1 layers beside attention layers (one in 8 by default: none at 4 layers)
+                 "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
                  "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=16, chunk_size=8),
                  "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
                  "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),

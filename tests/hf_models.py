@@ -111,6 +111,10 @@ MORE_FAMILIES = {
     # B·x, gated by C; no state) in the layers between its attention layers (the released 1.2B: 10 of 16), SwiGLU
     # feed-forwards (w1, w3, w2); LFM2-MoE's first layer dense, experts after it.
     "lfm2": ("lfm2", {}),
+    # AI21's Jamba: Mamba-1 mixers (in_proj to [x | z], a depthwise convolution, x_proj to [dt | B | C] with norms on
+    # each, dt_proj, A_log of a row of 16 states per channel) in every other layer, attention in the others, whose
+    # MLP is a mixture of experts (expert_layer_period 2, offset 1: the dense MLPs beside the Mamba layers).
+    "jamba": ("jamba", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=EXPERTS, mamba_d_state=16, **_MOE)),
     "lfm2-moe": ("lfm2_moe", dict(num_dense_layers=1, moe_intermediate_size=HIDDEN, **_MOE)),
     # LayerNorm, learned positions, ReLU MLP; its final norm registered before its layer list (placed by where it is
     # called under pipeline parallel).

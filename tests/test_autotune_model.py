@@ -498,6 +498,62 @@ def test_short_convolutions_are_read_for_the_split_by_channel():
         ModelSpec.from_module(other, seq_len=16)
 
 
+def test_mamba1_mixers_are_read_for_the_split_by_channel():
+    """Jamba's Mamba-1 layers beside attention layers (two layer classes: a decoder-layer list of entries that differ
+    in their token mixer alone; before, no decoder-layer list was found, so every strategy but data parallel was
+    refused). Read as LinearAttention of kind "mamba1", its channels as the heads: in_proj [x | z] part by part, x_proj
+    row-parallel inside the sequence-parallel region with its output's gradient summed over the ranks (`row_shared`),
+    the norms over dt, B and C shared, the rows of the convolution, dt_proj, A_log and D this rank's, intermediate_size
+    local. Priced as a SelectiveScan (every parameter but the biases counted, as the notes say); its tp must divide the
+    channels. Entries of two classes that differ in more than the mixer are no decoder-layer list."""
+    from tests.hf_models import build
+    from tridist.autotune import Cluster, SelectiveScan, Strategy, estimate
+    from tridist.autotune.strategy import tensor_parallel_problems
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    model = build("jamba")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    linear, inner = spec.structure.linear_attention, 128
+    assert (linear.kind, linear.mixer, linear.layers, linear.output, linear.counts) == (
+        "mamba1", "mamba", (0,), "out_proj", ("intermediate_size",))
+    assert (linear.columns, linear.row_shared) == ((("in_proj", (inner, inner)),), ("x_proj", 4 + 2 * 16))
+    assert dict(linear.rows) == {name: (inner,) for name in ("conv1d.weight", "conv1d.bias", "dt_proj.weight",
+                                                             "dt_proj.bias", "A_log", "D")}
+    assert set(linear.shared) == {"dt_layernorm", "b_layernorm", "c_layernorm"}
+    assert spec.gated_delta_net == SelectiveScan(layers=(0,), channels=inner, state_size=16, dt_rank=4)
+    biases = 2 * inner  # the convolution's and dt_proj's, not counted
+    assert spec.num_parameters == _count(model) - biases
+    assert "2 bias vector(s) per layer are not counted by the cost model" in spec.structure.notes
+    assert (spec.structure.moe_layers, spec.structure.attention) == ((1,), "self_attn")
+    styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=True, tp=2).styles
+    x_proj = styles["model.layers.0.mamba.x_proj"]
+    assert [type(x).__name__ for x in x_proj] == ["RowWiseParallel", "ReduceSharedOutputGradient"]
+    assert x_proj[0].inside_region and x_proj[1].features == 36
+    assert [type(x).__name__ for x in styles["model.layers.0.mamba.b_layernorm"]] == ["ShardLocalParameters"]
+    assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
+    odd = dataclasses.replace(spec, gated_delta_net=SelectiveScan(layers=(0,), channels=130, state_size=16, dt_rank=4))
+    assert any("gated_delta_net.channels=130" in p for p in tensor_parallel_problems(odd, Cluster(1, 8), 4))
+    for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 1, 2, num_micro_batches=2)):
+        step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
+        assert 0 < step < float("inf"), (strategy, step)
+    # its [dt | B | C] all-reduced both ways: tp prices more tensor-parallel communication than without it
+    tp2 = Strategy(1, 2, 1)
+    alone = dataclasses.replace(spec, gated_delta_net=dataclasses.replace(spec.gated_delta_net, state_size=1, dt_rank=1))
+    assert estimate(spec, Cluster(1, 2), tp2, global_batch_size=1).time.tp_comm_s > \
+        estimate(alone, Cluster(1, 2), tp2, global_batch_size=1).time.tp_comm_s
+
+    class Other(nn.Module):  # a second class with other children beside its mixer
+        def __init__(self):
+            super().__init__()
+            self.mamba, self.extra, self.feed_forward = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    mixed = build("jamba")
+    mixed.model.layers[1] = Other()
+    with pytest.raises(UnrecognisedModel, match="no decoder-layer list found"):
+        ModelSpec.from_module(mixed, seq_len=16)
+
+
 def test_kimi_delta_attention_mixers_are_read_for_the_split_by_head():
     """Kimi Delta Attention mixers (Kimi Linear; Ling's hybrid, transformers' bailing_hybrid) beside latent attention:
     refused under tp before (a convolution in the attention block). Read as LinearAttention of kind "kda": q, k, v,

@@ -1065,6 +1065,32 @@ def check_short_convolutions_train_under_tensor_parallel():
     _generates_like_one_device("lfm2", TP2["tp 2"], inspect=split_by_channel)
 
 
+def check_mamba1_mixers_train_under_tensor_parallel():
+    """Jamba's Mamba-1 layers beside attention layers with experts, split by channel as Megatron splits its Mamba
+    layers: in_proj [x | z] part by part, x_proj row-parallel with its [dt | B | C] all-reduced forward and its
+    gradient summed backward (every rank's channels use all of them: ReduceSharedOutputGradient), inside the
+    sequence-parallel region an all-reduce, not the exit's reduce-scatter (RowWiseParallel(inside_region=True)),
+    the norms over dt, B and C shared, this rank's rows of the convolution, of dt_proj (its code multiplies by the
+    weight itself), A_log and D, intermediate_size local (asserted). Equal to one process in local view under tp 2 +
+    sp; greedy generate under tp 2 gives one device's tokens (the one-token state update on this rank's channels).
+    Before, tp was refused ("mamba holds a convolution"); so was every strategy but data parallel, Jamba's two layer
+    classes being no decoder-layer list. Two processes: the sweep ran dp 2 x tp 2 (+ sp), tp 4 + sp, tp 2 x pp 2."""
+    def split_by_channel(model):
+        mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
+        assert mixers, [type(layer).__name__ for layer in model.model.layers]
+        inner = model.config.mamba_expand * model.config.hidden_size
+        for mixer in mixers:
+            assert mixer.intermediate_size == inner // 2, mixer.intermediate_size
+            assert mixer.in_proj.weight.placements[-1] == _StridedShard(0, split_factor=2), mixer.in_proj.weight.placements
+            assert mixer.x_proj.weight.placements[-1] == distcore.Shard(1), mixer.x_proj.weight.placements
+            for name in ("dt_proj.weight", "A_log", "D", "conv1d.weight", "b_layernorm.weight"):
+                assert mixer.get_parameter(name).placements[-1].is_replicate(), name  # rows (or all) per call
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    _train("jamba", TP2["tp 2 + sp"], inspect=split_by_channel)
+    _generates_like_one_device("jamba", TP2["tp 2"], inspect=split_by_channel)
+
+
 def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
     """tp above the key/value heads (Megatron-Core refuses such a tp): each rank computes the key/value head its
     query heads use, from k/v weights whole on every rank. Qwen2 (2 key/value heads, with biases) under tp 4 with
@@ -2164,7 +2190,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_moe_blocks_run_on_sequence_slices_under_sequence_parallel",
     "check_compiled_after_to_distributed_trains_like_one_process",
     "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
-    "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel"]
+    "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
+    "check_mamba1_mixers_train_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
