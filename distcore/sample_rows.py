@@ -40,10 +40,13 @@ class MediaRows:
     """One kind of media of a batch. `pixels`: the key of its values, `grid`'s t*h*w rows per item where it has a grid
     (Qwen2-VL's patches), else one row per item; `token_id`: the placeholder each item expands to in the ids; `grid`:
     the key of its [items, 3] (t, h, w) grid, each item then `t*h*w // merge**2` placeholders (the spatial merge);
-    `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). Without a grid each item takes the same
-    number of placeholders (the batch's count over its items), or, as many items as samples each holding some, one
-    item per sample (images of any size, one each). `padded`: one row per sample, padded where it holds fewer images
-    (Idefics3's [samples, images, C, H, W] and its `pixel_attention_mask`): a sample's items are its row."""
+    `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). `sizes`: the key of each item's (height,
+    width) in pixels where its placeholders follow from them, (height // patch) x (width // patch) for `patch` pixels
+    per placeholder (Pixtral's vision tower: its patch size times Mistral 3's spatial merge; the images padded to the
+    batch's largest). Without a grid or sizes each item takes the same number of placeholders (the batch's count over
+    its items), or, as many items as samples each holding some, one item per sample (images of any size, one each).
+    `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
+    `pixel_attention_mask`): a sample's items are its row."""
 
     token_id: int
     pixels: str
@@ -51,6 +54,8 @@ class MediaRows:
     merge: int = 1
     per_item: tuple[str, ...] = ()
     padded: bool = False
+    sizes: str | None = None
+    patch: int = 1
 
     def keys(self) -> tuple[str, ...]:
         return (self.pixels, *((self.grid,) if self.grid else ()), *self.per_item)
@@ -69,6 +74,12 @@ class MediaRows:
                 raise ValueError(f"{self.pixels!r} comes without {self.grid!r}, which tells its items' sizes")
             rows = [t * h * w for t, h, w in batch[self.grid].reshape(-1, 3).tolist()]
             counts = _items_per_sample(placeholders, [r // self.merge**2 for r in rows], self.token_id)
+        elif self.sizes is not None:
+            if not torch.is_tensor(batch.get(self.sizes)):
+                raise ValueError(f"{self.pixels!r} comes without {self.sizes!r}, which tells its items' sizes")
+            rows = [1] * items
+            tokens = [(h // self.patch) * (w // self.patch) for h, w in batch[self.sizes].reshape(-1, 2).tolist()]
+            counts = _items_per_sample(placeholders, tokens, self.token_id)
         elif items == len(placeholders) and all(placeholders):  # one item each, of any size
             rows, counts = [1] * items, [1] * items
         else:
@@ -179,8 +190,9 @@ def take_samples(value: torch.Tensor, key: str, offsets: dict[str, Offsets], fir
 def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
     """The media of a transformers vision-language model (`MediaRows` per kind), read from its config and its
     forward's arguments: a grid (`image_grid_thw`, `video_grid_thw`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) with its
-    vision config's `spatial_merge_size`, else `pixel_values` with one placeholder count per image (LLaVA, Gemma 3,
-    PaliGemma, ...). None for a model without an image placeholder token in its config."""
+    vision config's `spatial_merge_size`, the images' sizes under a Pixtral tower (`image_sizes`: Pixtral, Mistral 3),
+    else `pixel_values` with one placeholder count per image (LLaVA, Gemma 3, PaliGemma, ...). None for a model
+    without an image placeholder token in its config."""
     config = getattr(model, "config", None)
     if config is None:
         return None
@@ -201,6 +213,11 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
         grid = f"{kind}_grid_thw" if f"{kind}_grid_thw" in arguments else None
         if grid is None and kind == "video":
             continue  # videos without a grid: a layout this does not know (refused where it cannot be split)
+        if kind == "image" and getattr(vision, "model_type", None) == "pixtral" and "image_sizes" in arguments:
+            # Pixtral's tower (Pixtral, Mistral 3): any number of images of any size per sample, told by their sizes
+            patch = vision.patch_size * (getattr(config, "spatial_merge_size", None) or 1)
+            media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", patch=patch))
+            continue
         # Other keys of one row per item: LLaVA-NeXT's image sizes, Qwen2.5-VL's seconds per video grid
         extra = {"image": ("image_sizes",) if grid is None else (), "video": ("second_per_grid_ts",)}[kind]
         media.append(MediaRows(token, pixels, grid=grid, merge=merge if grid else 1,

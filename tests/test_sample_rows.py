@@ -94,6 +94,27 @@ def test_images_of_several_placeholder_counts_without_a_grid():
         check_rows(batch, FIXED, "test")
 
 
+def test_images_told_apart_by_their_sizes_go_with_their_samples():
+    """Pixtral's tower (Pixtral, Mistral 3): any number of images of any size per sample, padded to the batch's
+    largest; each takes (h // patch) x (w // patch) placeholders of its `image_sizes` (patch x merge pixels per
+    placeholder). Sample 0 holds two images (4 and 8 placeholders at 4 pixels each), sample 1 none, sample 2 one (8):
+    before, "not whole items" (the batch's 20 placeholders over 3 images taken as equal). Images and sizes that do
+    not add up, or pixels without their sizes, are refused."""
+    sized = SampleRows((MediaRows(IMAGE, "pixel_values", per_item=("image_sizes",), sizes="image_sizes", patch=4),))
+    pixels = torch.arange(3.0).reshape(3, 1, 1, 1).expand(3, 3, 16, 16)
+    batch = {"input_ids": _ids([4 + 8, 0, 8]), "pixel_values": pixels,
+             "image_sizes": torch.tensor([[8, 8], [8, 16], [16, 8]])}
+    offsets = check_rows(batch, sized, "test")[1]
+    assert offsets == {"pixel_values": Offsets([0, 2, 2, 3], [0, 2, 2, 3]), "image_sizes": Offsets([0, 2, 2, 3], [0, 2, 2, 3])}
+    first, none, last = split_samples(batch, offsets, [(0, 1), (1, 2), (2, 3)])
+    assert first["pixel_values"][:, 0, 0, 0].tolist() == [0.0, 1.0] and none["pixel_values"] is None
+    assert last["image_sizes"].tolist() == [[16, 8]]
+    with pytest.raises(ValueError, match="are not whole items"):
+        check_rows({**batch, "image_sizes": torch.tensor([[8, 8], [8, 8], [16, 8]])}, sized, "test")
+    with pytest.raises(ValueError, match="comes without 'image_sizes'"):
+        check_rows({key: value for key, value in batch.items() if key != "image_sizes"}, sized, "test")
+
+
 def test_images_padded_per_sample_go_with_their_samples_or_not_at_all():
     """Idefics3's layout ([samples, images, C, H, W] padded, and its pixel_attention_mask): a row per sample; a part
     whose samples hold no placeholder gets no images (its padding alone crashes Idefics3's vision path)."""
@@ -146,6 +167,12 @@ def _tiny(model_type: str):
                                                    num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2),
                                 image_token_id=250)
         return hf.LlavaForConditionalGeneration(config)
+    if model_type == "mistral3":
+        config = hf.Mistral3Config(text_config={"model_type": "mistral", **text, "head_dim": 16}, image_token_index=250,
+                                   vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
+                                                      num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                                                      patch_size=2, head_dim=8), spatial_merge_size=2)
+        return hf.Mistral3ForConditionalGeneration(config)
     if model_type == "idefics3":
         config = hf.Idefics3Config(text_config={"model_type": "llama", **text}, scale_factor=2, image_token_id=250,
                                    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -156,7 +183,7 @@ def _tiny(model_type: str):
 
 def test_the_layouts_read_from_transformers_models():
     """Qwen2.5-VL: images and videos by their grids (spatial merge 2); LLaVA: images of one placeholder count;
-    Idefics3: images padded per sample; a Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
+    Mistral 3: images by their sizes (Pixtral's tower); Idefics3: images padded per sample; a Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
     qwen = _tiny("qwen2_5_vl")
     assert sample_rows_of(qwen) == SampleRows((
         MediaRows(250, "pixel_values", grid="image_grid_thw", merge=2),
@@ -165,6 +192,8 @@ def test_the_layouts_read_from_transformers_models():
     llava = _tiny("llava")
     assert sample_rows_of(llava) == SampleRows((MediaRows(250, "pixel_values", per_item=("image_sizes",)),))
     assert media_encoders(llava) == ["model.vision_tower"]
+    assert sample_rows_of(_tiny("mistral3")) == SampleRows((  # Pixtral's patches of 2 pixels, merged 2 x 2
+        MediaRows(250, "pixel_values", per_item=("image_sizes",), sizes="image_sizes", patch=4),))
     assert sample_rows_of(_tiny("idefics3")) == SampleRows((
         MediaRows(250, "pixel_values", per_item=("pixel_attention_mask",), padded=True),))
     llama = _tiny("llama")

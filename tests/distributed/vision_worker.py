@@ -23,6 +23,7 @@ from tests.distributed import equivalence
 from tests.distributed.harness import on_rank_0, run_checks
 
 IMAGE, VOCAB, SEQ_LEN, LR = 250, 256, 40, 0.1
+PIXTRAL_PATCH = 2  # Pixtral's patches of this many pixels (its images: _samples)
 TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Each global batch's 4 samples hold these images (grids t, h, w in patches): the second batch's last two samples
@@ -85,8 +86,32 @@ def _gemma3():
     return hf.Gemma3ForConditionalGeneration(config)
 
 
-# What scripts/sweep_vision.py runs under every strategy; the checks below take two of them.
-MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3}
+def _mistral3():
+    """Mistral Small 3.1's layout: Pixtral's tower takes images of any size (padded to the batch's largest, each
+    cropped to its `image_sizes`), the projector merges 2 x 2 patches: (h / 4) x (w / 4) placeholders per image."""
+    torch.manual_seed(0)
+    config = hf.Mistral3Config(text_config={"model_type": "mistral", **TEXT, "head_dim": 16}, image_token_index=IMAGE,
+                               vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                                  patch_size=PIXTRAL_PATCH, head_dim=16),
+                               spatial_merge_size=2)
+    return hf.Mistral3ForConditionalGeneration(config)
+
+
+def _pixtral():
+    """Pixtral 12B's layout: LLaVA with Pixtral's tower, no merge: a placeholder per patch of each image."""
+    torch.manual_seed(0)
+    config = hf.LlavaConfig(text_config={"model_type": "mistral", **TEXT, "head_dim": 16}, image_token_index=IMAGE,
+                            vision_feature_select_strategy="full", vision_feature_layer=-1,  # Pixtral 12B's
+                            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                                               patch_size=PIXTRAL_PATCH, head_dim=16))
+    return hf.LlavaForConditionalGeneration(config)
+
+
+# What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
+MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
+          "mistral3": _mistral3, "pixtral": _pixtral}
 
 
 def _samples(model) -> list[dict]:
@@ -96,8 +121,11 @@ def _samples(model) -> list[dict]:
     mm_token_type_ids mark them, as their processors do)."""
     vision = model.config.vision_config
     grid = hasattr(vision, "spatial_merge_size")
-    tokens_per_image = None if grid else getattr(model.config, "mm_tokens_per_image",
-                                                 (vision.image_size // vision.patch_size) ** 2)
+    # Pixtral's: a grid's h x w as an image of h * merge / 2 x w * merge / 2 patches, h * w / 4 placeholders as a grid's
+    sized = vision.model_type == "pixtral"
+    merge = getattr(model.config, "spatial_merge_size", 1)
+    tokens_per_image = None if grid or sized else getattr(model.config, "mm_tokens_per_image",
+                                                          (vision.image_size // vision.patch_size) ** 2)
     arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
     samples = []
@@ -107,13 +135,20 @@ def _samples(model) -> list[dict]:
             sample, position = {"input_ids": ids}, 2
             pixels, grids = [], []
             for t, h, w in images:
-                tokens = t * h * w // 4 if grid else tokens_per_image
+                tokens = t * h * w // 4 if grid or sized else tokens_per_image
                 ids[position:position + tokens] = IMAGE
                 position += tokens + 1
-                pixels.append(torch.randn(t * h * w, 24, generator=generator) if grid else
-                              torch.randn(1, 3, vision.image_size, vision.image_size, generator=generator))
+                if sized:
+                    pixels.append(torch.randn(3, h * merge // 2 * PIXTRAL_PATCH, w * merge // 2 * PIXTRAL_PATCH,
+                                              generator=generator))
+                else:
+                    pixels.append(torch.randn(t * h * w, 24, generator=generator) if grid else
+                                  torch.randn(1, 3, vision.image_size, vision.image_size, generator=generator))
                 grids.append((t, h, w))
-            if images:
+            if images and sized:  # padded to the largest, as Pixtral's processor pads a batch
+                sample["pixel_values"] = _padded(pixels)
+                sample["image_sizes"] = torch.tensor([image.shape[1:] for image in pixels])
+            elif images:
                 sample["pixel_values"] = torch.cat(pixels)
                 if grid:
                     sample["image_grid_thw"] = torch.tensor(grids)
@@ -136,13 +171,25 @@ def _samples(model) -> list[dict]:
     return samples
 
 
+def _padded(images: list[torch.Tensor]) -> torch.Tensor:
+    """[images, C, H, W] of images of several sizes, each at the top left, zeros around (Pixtral's processor's)."""
+    height, width = max(image.shape[-2] for image in images), max(image.shape[-1] for image in images)
+    out = torch.zeros(len(images), images[0].shape[-3], height, width)
+    for i, image in enumerate(images):
+        out[i, :, :image.shape[-2], :image.shape[-1]] = image
+    return out
+
+
 def _collate(samples: list[dict]) -> dict:
-    """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order."""
+    """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order (Pixtral's
+    padded to the batch's largest)."""
     batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids",
                                                                     "mm_token_type_ids") if key in samples[0]}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes"):
         if any(key in s for s in samples):
-            batch[key] = torch.cat([s[key] for s in samples if key in s])
+            values = [s[key] for s in samples if key in s]
+            sized = key == "pixel_values" and any("image_sizes" in s for s in samples)  # Pixtral's: of several sizes
+            batch[key] = _padded([image for value in values for image in value]) if sized else torch.cat(values)
     return batch
 
 
@@ -185,6 +232,13 @@ def check_images_under_tensor_parallel():
     """LLaVA under tp 2 with sequence parallel: the vision tower whole on each rank, the text blocks checked in local
     view (the block check's probe of token ids never reaches the vision blocks, which it no longer waits for)."""
     train(_llava, autotune.Strategy(1, 2, 1, sequence_parallel=True, micro_batch_size=4))
+
+
+def check_images_of_several_sizes_told_apart_by_their_sizes():
+    """Mistral 3 (Pixtral's tower: no grid; images of several sizes, several to a sample, padded to the batch's
+    largest) under dp 2: each rank gets its samples' images by their `image_sizes` (before: refused, "not whole
+    items", the batch's placeholders spread over its images as if they were of one size)."""
+    train(_mistral3, autotune.Strategy(2, 1, 1, micro_batch_size=2))
 
 
 def check_what_cannot_be_split_is_refused():
