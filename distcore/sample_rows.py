@@ -41,9 +41,9 @@ class MediaRows:
     (Qwen2-VL's patches), else one row per item; `token_id`: the placeholder each item expands to in the ids; `grid`:
     the key of its [items, 3] (t, h, w) grid, each item then `t*h*w // merge**2` placeholders (the spatial merge);
     `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). `sizes`: the key of each item's (height,
-    width) in pixels where its placeholders follow from them, (height // patch) x (width // patch) for `patch` pixels
-    per placeholder (Pixtral's vision tower: its patch size times Mistral 3's spatial merge; the images padded to the
-    batch's largest). Without a grid or sizes each item takes the same number of placeholders (the batch's count over
+    width) where its placeholders follow from them, (height // patch) x (width // patch) for `patch` of that unit per
+    placeholder (Pixtral's `image_sizes` in pixels: its patch size times Mistral 3's spatial merge, the images padded
+    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor). Without a grid or sizes each item takes the same number of placeholders (the batch's count over
     its items), or, as many items as samples each holding some, one item per sample (images of any size, one each).
     `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
     `pixel_attention_mask`): a sample's items are its row."""
@@ -190,7 +190,8 @@ def take_samples(value: torch.Tensor, key: str, offsets: dict[str, Offsets], fir
 def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
     """The media of a transformers vision-language model (`MediaRows` per kind), read from its config and its
     forward's arguments: a grid (`image_grid_thw`, `video_grid_thw`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) with its
-    vision config's `spatial_merge_size`, the images' sizes under a Pixtral tower (`image_sizes`: Pixtral, Mistral 3),
+    vision config's `spatial_merge_size`, the images' sizes under a Pixtral tower (`image_sizes`: Pixtral, Mistral 3)
+    or with a downsample factor (`spatial_shapes`: LFM2-VL),
     else `pixel_values` with one placeholder count per image (LLaVA, Gemma 3, PaliGemma, ...). None for a model
     without an image placeholder token in its config."""
     config = getattr(model, "config", None)
@@ -206,6 +207,13 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
     for kind, pixels in (("image", "pixel_values"), ("video", "pixel_values_videos")):
         token = _token_id(config, kind)
         if token is None or pixels not in arguments:
+            continue
+        factor = getattr(config, "downsample_factor", None)
+        if kind == "image" and "spatial_shapes" in arguments and isinstance(factor, int):
+            # LFM2-VL's: a row per image (or tile) of its patches padded to the most, (h // factor) x (w // factor)
+            # placeholders of its spatial shape in patches
+            media.append(MediaRows(token, pixels, per_item=("spatial_shapes", "pixel_attention_mask"),
+                                   sizes="spatial_shapes", patch=factor))
             continue
         if kind == "image" and "pixel_attention_mask" in arguments:  # Idefics2/3's, SmolVLM's: padded per sample
             media.append(MediaRows(token, pixels, per_item=("pixel_attention_mask",), padded=True))

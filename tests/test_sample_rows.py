@@ -173,6 +173,13 @@ def _tiny(model_type: str):
                                                       num_hidden_layers=1, num_attention_heads=2, image_size=16,
                                                       patch_size=2, head_dim=8), spatial_merge_size=2)
         return hf.Mistral3ForConditionalGeneration(config)
+    if model_type == "lfm2_vl":
+        config = hf.Lfm2VlConfig(text_config={"model_type": "lfm2", **text, "layer_types": ["conv", "full_attention"]},
+                                 vision_config=dict(model_type="siglip2_vision_model", hidden_size=16,
+                                                    intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                    patch_size=2, num_patches=16),
+                                 image_token_id=250, projector_hidden_size=32, downsample_factor=2)
+        return hf.Lfm2VlForConditionalGeneration(config)
     if model_type == "idefics3":
         config = hf.Idefics3Config(text_config={"model_type": "llama", **text}, scale_factor=2, image_token_id=250,
                                    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -183,7 +190,8 @@ def _tiny(model_type: str):
 
 def test_the_layouts_read_from_transformers_models():
     """Qwen2.5-VL: images and videos by their grids (spatial merge 2); LLaVA: images of one placeholder count;
-    Mistral 3: images by their sizes (Pixtral's tower); Idefics3: images padded per sample; a Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
+    Mistral 3: images by their sizes (Pixtral's tower); LFM2-VL: images by their spatial shapes (before: taken for
+    Idefics3's layout, their pixel_attention_mask); Idefics3: images padded per sample; a Llama: none. Their vision towers are the media encoders (data parallel keeps them in the root's unit)."""
     qwen = _tiny("qwen2_5_vl")
     assert sample_rows_of(qwen) == SampleRows((
         MediaRows(250, "pixel_values", grid="image_grid_thw", merge=2),
@@ -194,6 +202,9 @@ def test_the_layouts_read_from_transformers_models():
     assert media_encoders(llava) == ["model.vision_tower"]
     assert sample_rows_of(_tiny("mistral3")) == SampleRows((  # Pixtral's patches of 2 pixels, merged 2 x 2
         MediaRows(250, "pixel_values", per_item=("image_sizes",), sizes="image_sizes", patch=4),))
+    assert sample_rows_of(_tiny("lfm2_vl")) == SampleRows((  # a row per image, its spatial shape in patches
+        MediaRows(250, "pixel_values", per_item=("spatial_shapes", "pixel_attention_mask"), sizes="spatial_shapes",
+                  patch=2),))
     assert sample_rows_of(_tiny("idefics3")) == SampleRows((
         MediaRows(250, "pixel_values", per_item=("pixel_attention_mask",), padded=True),))
     llama = _tiny("llama")

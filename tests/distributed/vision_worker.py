@@ -109,9 +109,22 @@ def _pixtral():
     return hf.LlavaForConditionalGeneration(config)
 
 
+def _lfm2_vl():
+    """LFM2-VL's layout: SigLIP 2's patches of each image in a row padded to the most (`pixel_attention_mask`), its
+    `spatial_shapes` in patches, (h / 2) x (w / 2) placeholders at the downsample factor 2; LFM2's short convolutions
+    in the text model."""
+    torch.manual_seed(0)
+    config = hf.Lfm2VlConfig(text_config={"model_type": "lfm2", **TEXT, "layer_types": ["conv", "full_attention"]},
+                             vision_config=dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2, patch_size=2,
+                                                num_patches=64),
+                             image_token_id=IMAGE, projector_hidden_size=64, downsample_factor=2)
+    return hf.Lfm2VlForConditionalGeneration(config)
+
+
 # What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
-          "mistral3": _mistral3, "pixtral": _pixtral}
+          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl}
 
 
 def _samples(model) -> list[dict]:
@@ -124,8 +137,9 @@ def _samples(model) -> list[dict]:
     # Pixtral's: a grid's h x w as an image of h * merge / 2 x w * merge / 2 patches, h * w / 4 placeholders as a grid's
     sized = vision.model_type == "pixtral"
     merge = getattr(model.config, "spatial_merge_size", 1)
-    tokens_per_image = None if grid or sized else getattr(model.config, "mm_tokens_per_image",
-                                                          (vision.image_size // vision.patch_size) ** 2)
+    patches = vision.model_type == "siglip2_vision_model"  # LFM2-VL's: h x w patches in a row, h * w / 4 placeholders
+    tokens_per_image = None if grid or sized or patches else getattr(model.config, "mm_tokens_per_image",
+                                                                     (vision.image_size // vision.patch_size) ** 2)
     arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
     samples = []
@@ -135,17 +149,23 @@ def _samples(model) -> list[dict]:
             sample, position = {"input_ids": ids}, 2
             pixels, grids = [], []
             for t, h, w in images:
-                tokens = t * h * w // 4 if grid or sized else tokens_per_image
+                tokens = t * h * w // 4 if grid or sized or patches else tokens_per_image
                 ids[position:position + tokens] = IMAGE
                 position += tokens + 1
-                if sized:
+                if patches:
+                    pixels.append(torch.randn(h * w, 3 * vision.patch_size**2, generator=generator))
+                elif sized:
                     pixels.append(torch.randn(3, h * merge // 2 * PIXTRAL_PATCH, w * merge // 2 * PIXTRAL_PATCH,
                                               generator=generator))
                 else:
                     pixels.append(torch.randn(t * h * w, 24, generator=generator) if grid else
                                   torch.randn(1, 3, vision.image_size, vision.image_size, generator=generator))
                 grids.append((t, h, w))
-            if images and sized:  # padded to the largest, as Pixtral's processor pads a batch
+            if images and patches:  # a row per image of its patches, padded to the most
+                sample["pixel_values"] = _padded_rows(pixels)
+                sample["pixel_attention_mask"] = _padded_rows([torch.ones(len(p), dtype=torch.long) for p in pixels])
+                sample["spatial_shapes"] = torch.tensor([(h, w) for _, h, w in images])
+            elif images and sized:  # padded to the largest, as Pixtral's processor pads a batch
                 sample["pixel_values"] = _padded(pixels)
                 sample["image_sizes"] = torch.tensor([image.shape[1:] for image in pixels])
             elif images:
@@ -180,16 +200,29 @@ def _padded(images: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def _padded_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[rows, most, ...] of rows of several lengths, zeros after each (LFM2-VL's processor's patches and mask)."""
+    out = rows[0].new_zeros(len(rows), max(len(row) for row in rows), *rows[0].shape[1:])
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
 def _collate(samples: list[dict]) -> dict:
     """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order (Pixtral's
     padded to the batch's largest)."""
     batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids",
                                                                     "mm_token_type_ids") if key in samples[0]}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes"):
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes",
+                "spatial_shapes", "pixel_attention_mask"):
         if any(key in s for s in samples):
             values = [s[key] for s in samples if key in s]
-            sized = key == "pixel_values" and any("image_sizes" in s for s in samples)  # Pixtral's: of several sizes
-            batch[key] = _padded([image for value in values for image in value]) if sized else torch.cat(values)
+            if key == "pixel_values" and any("image_sizes" in s for s in samples):  # Pixtral's: of several sizes
+                batch[key] = _padded([image for value in values for image in value])
+            elif key in ("pixel_values", "pixel_attention_mask") and any("spatial_shapes" in s for s in samples):
+                batch[key] = _padded_rows([row for value in values for row in value])  # LFM2-VL's patch rows
+            else:
+                batch[key] = torch.cat(values)
     return batch
 
 
