@@ -2249,10 +2249,13 @@ def _mamba1_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
         shape = (child.in_features, child.out_features) if isinstance(child, nn.Linear) else None
         if shape == (hidden, 2 * inner):
             columns.append((child_name, (inner, inner)))
+        elif shape == (inner, selective) and row_shared is None:
+            # Before the output projection: where dt_rank + 2 x ssm_state_size is the hidden size, the two have one
+            # shape, and the selective one is registered first (transformers' Mamba-1 mixers define them in the
+            # order their forward calls them)
+            row_shared = child_name
         elif shape == (inner, hidden) and output is None:
             output = child_name
-        elif shape == (inner, selective):
-            row_shared = child_name
         elif shape == (rank, inner):
             rows += [(f"{child_name}.{pname}", (inner,)) for pname in params]
         elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == inner:

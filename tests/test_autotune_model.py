@@ -543,6 +543,12 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     assert estimate(spec, Cluster(1, 2), tp2, global_batch_size=1).time.tp_comm_s > \
         estimate(alone, Cluster(1, 2), tp2, global_batch_size=1).time.tp_comm_s
 
+    # dt_rank + 2 x d_state the hidden size (32 + 2 x 16 = 64): x_proj and out_proj of one shape, told apart by
+    # their order (x_proj first); read the other way round, x_proj would be the region's exit and out_proj's gradient
+    # summed over the ranks
+    alike = ModelSpec.from_module(build("jamba", config=dict(mamba_dt_rank=32)), seq_len=16).structure.linear_attention
+    assert (alike.output, alike.row_shared) == ("out_proj", ("x_proj", 64)), (alike.output, alike.row_shared)
+
     class Other(nn.Module):  # a second class with other children beside its mixer
         def __init__(self):
             super().__init__()
