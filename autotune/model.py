@@ -415,9 +415,10 @@ class SelectiveScan:
     (`ModelSpec.gated_delta_net` holds any kind of linear mixer): `channels` (intermediate_size) channels, each with
     `state_size` states, a depthwise causal convolution of `conv_kernel_size` taps, a time step of rank `dt_rank`.
     Projections: the hidden size to [x | z] (2 x channels), the channels to [dt | B | C] (dt_rank + 2 x state_size:
-    row-parallel under tp, its output all-reduced forward and its gradient backward, `shared_outputs`), dt_rank to the
-    channels, the channels back. Tensor parallel splits the channels (`num_k_heads`, `num_v_heads` name them for
-    `tensor_parallel_problems`); the convolution, A_log and D are whole on every rank (distcore's rows), their
+    row-parallel under tp, its output all-reduced forward and its gradient backward, `shared_outputs`), the channels
+    back. Tensor parallel splits the channels (`num_k_heads`, `num_v_heads` name them for `tensor_parallel_problems`);
+    the time step's up-projection dt_proj (dt_rank to the channels, whose weight its code multiplies by itself), the
+    convolution, A_log and D are whole on every rank (distcore's rows: each rank computes its channels' rows), their
     gradients summed."""
 
     layers: tuple[int, ...]
@@ -452,26 +453,27 @@ class SelectiveScan:
         return self.dt_rank + 2 * self.state_size
 
     def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
-        """As `GatedDeltaNet.projections`: [x | z] and dt's up-projection split on their outputs, the selective and the
-        output projections on their inputs."""
+        """As `GatedDeltaNet.projections`: [x | z] split on its outputs, the selective and the output projections on
+        their inputs. (dt_proj, whole on every rank, is among `other_parameters`, its work in `core_flops`.)"""
         c = self.channels
-        return (hidden, 2 * c, "out"), (c, self.shared_outputs, "in"), (self.dt_rank, c, "out"), (c, hidden, "in")
+        return (hidden, 2 * c, "out"), (c, self.shared_outputs, "in"), (c, hidden, "in")
 
     def matmul_parameters(self, hidden: int) -> int:
         return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
 
     @property
     def other_parameters(self) -> int:
-        """The convolution's weight, A_log (a row of states per channel), D (one per channel) and the norms over dt, B
-        and C (Jamba's; biases are not counted, as no bias is)."""
-        return self.channels * (self.conv_kernel_size + self.state_size + 1) + self.shared_outputs
+        """dt_proj's weight (dt_rank per channel), the convolution's weight, A_log (a row of states per channel), D (one
+        per channel) and the norms over dt, B and C (Jamba's; biases are not counted, as no bias is)."""
+        return self.channels * (self.dt_rank + self.conv_kernel_size + self.state_size + 1) + self.shared_outputs
 
     def core_flops(self) -> tuple[float, float]:
         """(forward FLOPs per token, those its backward recomputes first) of the selective scan as mamba-ssm's kernel
-        runs it: 9 per channel and state (Gu & Dao 2023, section 3.3: discretising A and B, the state update and C·h);
-        its backward recomputes the states (the forward's work again), storing none."""
-        flops = 9.0 * self.channels * self.state_size
-        return flops, flops
+        runs it: 9 per channel and state (Gu & Dao 2023, section 3.3: discretising A and B, the state update and C·h),
+        and dt_proj's multiply-adds (dt_rank per channel: this rank's rows of a weight held whole); its backward
+        recomputes the states (the scan's forward work again), storing none."""
+        scan = 9.0 * self.channels * self.state_size
+        return scan + 2.0 * self.dt_rank * self.channels, scan
 
     def kept_elements(self) -> int:
         """What the mixer keeps per token for its backward as mamba-ssm's and causal-conv1d's kernels run it, in the

@@ -531,6 +531,12 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     assert [type(x).__name__ for x in x_proj] == ["RowWiseParallel", "ReduceSharedOutputGradient"]
     assert x_proj[0].inside_region and x_proj[1].features == 36
     assert [type(x).__name__ for x in styles["model.layers.0.mamba.b_layernorm"]] == ["ShardLocalParameters"]
+    # Per tp rank the mixer holds 1/tp of its split projections and the rest whole (dt_proj's weight, which its code
+    # reads, among them), as the cost model prices it (biases aside)
+    split = {name for name, held in styles.items() if {type(x).__name__ for x in held} & {"ColWiseParallel", "RowWiseParallel"}}
+    held = sum(p.numel() / (2 if f"model.layers.0.mamba.{n.rpartition('.')[0]}" in split else 1)
+               for n, p in model.model.layers[0].mamba.named_parameters() if not n.endswith("bias"))
+    assert spec.gated_delta_net.matmul_parameters(64) / 2 + spec.gated_delta_net.other_parameters == held, held
     assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
     odd = dataclasses.replace(spec, gated_delta_net=SelectiveScan(layers=(0,), channels=130, state_size=16, dt_rank=4))
     assert any("gated_delta_net.channels=130" in p for p in tensor_parallel_problems(odd, Cluster(1, 8), 4))
