@@ -78,11 +78,10 @@ attention layers, with a dense or MoE MLP as any layer):
   attention core, so selective recompute (which distcore does not apply to these layers) frees nothing in them.
 Mamba-1 layers (Jamba's: a `SelectiveScan` in ModelSpec.gated_delta_net) likewise: three split projections (the
 selective one row-parallel, its [dt | B | C] all-reduced both ways), dt_proj whole on every rank as the convolution
-is, the scan's 9 FLOPs per channel and state recomputed in the backward, the tensors mamba-ssm's kernels keep. LFM2's gated short convolutions (a `ShortConvolution`) are priced in
-the same places:
-their projections ([B | C | x] and back) split over tp, the convolution's weight whole on every rank, their core the
-convolution's taps and two gates per channel (`ShortConvolution.core_flops`), their activations six per channel
-(`ShortConvolution.kept_elements`).
+is, the scan's 9 FLOPs per channel and state recomputed in the backward, the tensors mamba-ssm's kernels keep. LFM2's
+gated short convolutions (a `ShortConvolution`) are priced in the same places: their projections ([B | C | x] and
+back) split over tp, the convolution's weight whole on every rank, their core the convolution's taps and two gates per
+channel (`ShortConvolution.core_flops`), their activations six per channel (`ShortConvolution.kept_elements`).
 
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
@@ -101,7 +100,7 @@ import functools
 from dataclasses import dataclass
 
 from .hardware import Cluster
-from .model import ModelSpec, SelectiveScan, ShortConvolution, block_parts
+from .model import ChannelMixer, ModelSpec, SelectiveScan, block_parts
 from .strategy import Strategy, balanced_stage_layers, check, kv_head_replicas, rank_layer_indices, stage_layers
 
 __all__ = [
@@ -244,7 +243,7 @@ def _linear_core_flops(spec: ModelSpec) -> tuple[float, float]:
     recomputes w, u and the states (C·dk + C·dv + 2·dk·dv; it saves none of them), then does twice the forward's
     work, as any layer's. Linear in the sequence: no s x s term."""
     linear = spec.gated_delta_net
-    if isinstance(linear, (ShortConvolution, SelectiveScan)):  # their own cores (no chunked delta rule)
+    if isinstance(linear, ChannelMixer):  # its own core (no chunked delta rule)
         return linear.core_flops()
     c, dk, dv = _linear_chunk(spec), linear.head_k_dim, linear.head_v_dim
     heads = 2.0 * linear.num_v_heads  # 2 FLOPs per multiply-add
@@ -437,7 +436,7 @@ def _linear_mixer_bytes(spec: ModelSpec, e: int) -> float:
     In fp32: the gated norm's three per value feature and its 1/rms per value head; per value head the decay's log
     (its chunk sum), its softplus's input and output; per key head q's and k's 1/norm."""
     linear = spec.gated_delta_net
-    if isinstance(linear, (ShortConvolution, SelectiveScan)):
+    if isinstance(linear, ChannelMixer):
         return e * linear.kept_elements()
     nk, nv, value = linear.num_k_heads, linear.num_v_heads, linear.value_size
     kept = (linear.conv_channels + 2 * linear.key_size + value + nv * _linear_chunk(spec) + nv

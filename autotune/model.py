@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is imported inside from_module: the cost model itself needs no torch
     from torch import nn
 
-__all__ = ["GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "SelectiveScan",
-           "ShortConvolution", "UnrecognisedModel", "PRESETS", "preset",
+__all__ = ["ChannelMixer", "GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure",
+           "SelectiveScan", "ShortConvolution", "UnrecognisedModel", "PRESETS", "preset",
            "recognise"]
 
 QK_NORMS = (None, "head", "projection")  # ModelSpec.qk_norm
@@ -344,28 +344,26 @@ class GatedDeltaNet:
 
 
 @dataclass(frozen=True)
-class ShortConvolution:
-    """Gated short-convolution layers (LFM2's, LFM2-MoE's, LFM3's: transformers' Lfm2ShortConv) as the cost model
-    prices them, in the attention's place (`ModelSpec.gated_delta_net` holds either kind of linear mixer): a
-    projection from the hidden size to three times `channels` features [B | C | x], B·x through a depthwise causal
-    convolution of `conv_kernel_size` taps, its output gated by C, and a projection back to the hidden size. No
-    state, no chunked recurrence: its core is elementwise. Its channels are independent, so tensor parallel splits
-    them as attention's heads (the units `num_k_heads` and `num_v_heads` name for `tensor_parallel_problems`); the
-    convolution's weight stays whole on every rank (distcore's LocalParameterRows), its gradient summed."""
+class ChannelMixer:
+    """A linear mixer whose channels are independent (LFM2's short convolution, Mamba-1's scan), as the cost model
+    prices it in the attention's place (`ModelSpec.gated_delta_net` holds any kind of linear mixer): tensor parallel
+    splits its `channels` as attention's heads (the units `num_k_heads` and `num_v_heads` name for
+    `tensor_parallel_problems`). As GatedDeltaNet's it never runs beside the attention; unlike it, it has no key heads
+    fewer than the ranks and no projection of unequal parts split on its inputs. Each kind says its `projections`,
+    `other_parameters` (whole on every rank: distcore's LocalParameterRows), `core_flops` and `kept_elements`."""
 
     layers: tuple[int, ...]
     channels: int
-    conv_kernel_size: int = 3
-    # As GatedDeltaNet's: never beside the attention, no units fewer than the ranks, no projection of unequal parts.
     beside_attention = False
     key_heads_replicable = False
     packed_split_outputs = 0
+    key_size = 0  # no keys (GatedDeltaNet's replicated-key terms read it)
 
     def __post_init__(self) -> None:
-        _check_integers("ShortConvolution", self, ("channels", "conv_kernel_size"))
+        _check_integers(type(self).__name__, self, tuple(f.name for f in dataclasses.fields(self) if f.name != "layers"))
         layers = tuple(self.layers)
         if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0:
-            raise ValueError(f"ShortConvolution: layers must be increasing layer indices, got {self.layers!r}")
+            raise ValueError(f"{type(self).__name__}: layers must be increasing layer indices, got {self.layers!r}")
         object.__setattr__(self, "layers", layers)
 
     @property
@@ -374,17 +372,26 @@ class ShortConvolution:
 
     num_v_heads = num_k_heads
 
-    @property
-    def key_size(self) -> int:  # no keys (GatedDeltaNet's replicated-key terms read it: none here)
-        return 0
+    def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
+        raise NotImplementedError
+
+    def matmul_parameters(self, hidden: int) -> int:
+        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
+
+
+@dataclass(frozen=True)
+class ShortConvolution(ChannelMixer):
+    """Gated short-convolution layers (LFM2's, LFM2-MoE's, LFM3's: transformers' Lfm2ShortConv): a projection from
+    the hidden size to three times `channels` features [B | C | x], B·x through a depthwise causal convolution of
+    `conv_kernel_size` taps, its output gated by C, and a projection back to the hidden size. No state, no chunked
+    recurrence: its core is elementwise. The convolution's weight stays whole on every tp rank, its gradient summed."""
+
+    conv_kernel_size: int = 3
 
     def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
         """As `GatedDeltaNet.projections`: [B | C | x] column-parallel (three equal parts, each split on its
         outputs), the output projection row-parallel."""
         return (hidden, 3 * self.channels, "out"), (self.channels, hidden, "in")
-
-    def matmul_parameters(self, hidden: int) -> int:
-        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
 
     @property
     def other_parameters(self) -> int:
@@ -410,42 +417,18 @@ class ShortConvolution:
 
 
 @dataclass(frozen=True)
-class SelectiveScan:
-    """Mamba-1 layers (Jamba's: transformers' JambaMambaMixer) as the cost model prices them, in the attention's place
-    (`ModelSpec.gated_delta_net` holds any kind of linear mixer): `channels` (intermediate_size) channels, each with
+class SelectiveScan(ChannelMixer):
+    """Mamba-1 layers (Jamba's: transformers' JambaMambaMixer): `channels` (intermediate_size) channels, each with
     `state_size` states, a depthwise causal convolution of `conv_kernel_size` taps, a time step of rank `dt_rank`.
     Projections: the hidden size to [x | z] (2 x channels), the channels to [dt | B | C] (dt_rank + 2 x state_size:
     row-parallel under tp, its output all-reduced forward and its gradient backward, `shared_outputs`), the channels
-    back. Tensor parallel splits the channels (`num_k_heads`, `num_v_heads` name them for `tensor_parallel_problems`);
-    the time step's up-projection dt_proj (dt_rank to the channels, whose weight its code multiplies by itself), the
-    convolution, A_log and D are whole on every rank (distcore's rows: each rank computes its channels' rows), their
-    gradients summed."""
+    back. The time step's up-projection dt_proj (dt_rank to the channels, whose weight its code multiplies by itself),
+    the convolution, A_log and D are whole on every tp rank (each rank computes its channels' rows), their gradients
+    summed."""
 
-    layers: tuple[int, ...]
-    channels: int
     state_size: int
     dt_rank: int
     conv_kernel_size: int = 4
-    beside_attention = False
-    key_heads_replicable = False
-    packed_split_outputs = 0
-
-    def __post_init__(self) -> None:
-        _check_integers("SelectiveScan", self, ("channels", "state_size", "dt_rank", "conv_kernel_size"))
-        layers = tuple(self.layers)
-        if not layers or sorted(set(layers)) != list(layers) or layers[0] < 0:
-            raise ValueError(f"SelectiveScan: layers must be increasing layer indices, got {self.layers!r}")
-        object.__setattr__(self, "layers", layers)
-
-    @property
-    def num_k_heads(self) -> int:  # the units tensor parallel splits: channels
-        return self.channels
-
-    num_v_heads = num_k_heads
-
-    @property
-    def key_size(self) -> int:  # no keys (GatedDeltaNet's replicated-key terms read it: none here)
-        return 0
 
     @property
     def shared_outputs(self) -> int:
@@ -457,9 +440,6 @@ class SelectiveScan:
         their inputs. (dt_proj, whole on every rank, is among `other_parameters`, its work in `core_flops`.)"""
         c = self.channels
         return (hidden, 2 * c, "out"), (c, self.shared_outputs, "in"), (c, hidden, "in")
-
-    def matmul_parameters(self, hidden: int) -> int:
-        return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
 
     @property
     def other_parameters(self) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .model import SelectiveScan, ShortConvolution
+from .model import ChannelMixer
 
 if TYPE_CHECKING:
     from .hardware import Cluster
@@ -252,7 +252,7 @@ def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> 
     replicable_keys = linear and linear.key_heads_replicable and cluster.engine.replicated_kv_heads
     linear_heads = ((() if replicated_keys or replicable_keys else (("gated_delta_net.num_k_heads", linear.num_k_heads),))
                     + (("gated_delta_net.num_v_heads", linear.num_v_heads),)) if linear else ()
-    if isinstance(linear, (ShortConvolution, SelectiveScan)):  # LFM2's, Mamba-1's: their channels are the units
+    if isinstance(linear, ChannelMixer):  # LFM2's, Mamba-1's: their channels are the units
         linear_heads = (("gated_delta_net.channels", linear.channels),)
     if replicable_keys and not replicated_keys and linear.num_k_heads % tp:
         problems.append(f"tp={tp} neither divides the {linear.num_k_heads} state groups of the Mamba-2 mixers "

@@ -795,16 +795,16 @@ def _layer_kv_heads(model: torch.nn.Module, layer: str, structure) -> int | None
 
 
 def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
-    """Each linear-attention or state-space mixer split by head, a gated short convolution by channel
-    (autotune.model.LinearAttention says how): its
-    projections from the hidden states column-parallel (a packed one part by part; a part of fewer units than the
-    `tp` ranks, Mamba-2's B and C of n_groups groups, whole on every rank, each keeping its group), its output
-    projection row-parallel, Mamba-1's selective projection row-parallel with its output's gradient summed over the
-    mp ranks (ReduceSharedOutputGradient: every rank's channels use the whole dt, B and C), the rows of its convolution and per-head parameters this rank's (LocalParameterRows,
-    which also localises its head counts and widths), its gated output norm, one weight for every head, with its
-    gradients summed over the mp ranks, and a norm over groups of heads that tp splits with its statistics summed
-    over the ranks sharing a group (SplitGroupNorm); a Mamba-2 mixer kept on its torch path, which calls the split
-    modules (UnfusedMixerForward)."""
+    """Each linear-attention or state-space mixer split by head, a Mamba-1 mixer or a gated short convolution by
+    channel (autotune.model.LinearAttention says how): its projections from the hidden states column-parallel (a
+    packed one part by part; a part of fewer units than the `tp` ranks, Mamba-2's B and C of n_groups groups, whole on
+    every rank, each keeping its group), its output projection row-parallel, Mamba-1's selective projection
+    row-parallel with its output's gradient summed over the mp ranks (ReduceSharedOutputGradient: every rank's
+    channels use the whole dt, B and C), the rows of its convolution and per-head parameters this rank's
+    (LocalParameterRows, which also localises its head counts and widths), its shared norms (a gated output norm,
+    one weight for every head; Jamba's norms over dt, B and C) with their gradients summed over the mp ranks, and a
+    norm over groups of heads that tp splits with its statistics summed over the ranks sharing a group
+    (SplitGroupNorm); a Mamba-2 mixer kept on its torch path, which calls the split modules (UnfusedMixerForward)."""
     units = dict(linear.units)
     for mixer in mixers:
         for name, parts in linear.columns:
