@@ -126,7 +126,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 25  # 25: Mamba-1's dt_proj whole on every tp rank (other_parameters), its work in the core; 24: Mamba-1 layers (SelectiveScan: Jamba's) split over tp by channel; 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 26  # 26: Mamba-1's kept dt, B and C whole on every tp rank (ChannelMixer.kept_whole_elements); 25: Mamba-1's dt_proj whole on every tp rank (other_parameters), its work in the core; 24: Mamba-1 layers (SelectiveScan: Jamba's) split over tp by channel; 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -361,8 +361,11 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     if part == "mixer":
         outside, mlp = half, 0.0
     linear_bytes = _linear_mixer_bytes(spec, e) if linear else 0.0
+    # what a channel mixer keeps whole on every tp rank (Mamba-1's dt, B and C)
+    linear_whole = sb * e * spec.gated_delta_net.kept_whole_elements() if linear and isinstance(
+        spec.gated_delta_net, ChannelMixer) else 0.0
     if not _attends(spec, linear):
-        return outside, sb * (linear_bytes + mlp), 0.0, 0.0
+        return outside, sb * (linear_bytes + mlp), 0.0, linear_whole
     if linear:  # beside the attention: its own copy of the normed input (a region of its own gathers it under sp)
         outside += sb * e * h
     # Q, K, V for the attention core, the output projection's input.
@@ -374,6 +377,7 @@ def _activation_terms(spec: ModelSpec, micro_batch_size: int, dtype_bytes: int, 
     latent = spec.latent_attention
     # The latents and their norms' inputs, whole on every tensor-parallel rank.
     whole = sb * 2 * e * (latent.q_lora_rank + latent.kv_lora_rank + latent.rope_head_dim) if latent else 0.0
+    whole += linear_whole
     if spec.flash_attention:
         core = FLASH_LSE_BYTES * spec.num_heads * sb
     else:  # the softmax's output; the probabilities the next matmul reads where they are another tensor (a dropout's

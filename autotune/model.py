@@ -378,6 +378,11 @@ class ChannelMixer:
     def matmul_parameters(self, hidden: int) -> int:
         return sum(n_in * n_out for n_in, n_out, _ in self.projections(hidden))
 
+    def kept_whole_elements(self) -> int:
+        """What the mixer keeps per token for its backward that every tp rank holds whole (beside `kept_elements`, its
+        channels' share): none unless a kind says so."""
+        return 0
+
 
 @dataclass(frozen=True)
 class ShortConvolution(ChannelMixer):
@@ -457,10 +462,16 @@ class SelectiveScan(ChannelMixer):
 
     def kept_elements(self) -> int:
         """What the mixer keeps per token for its backward as mamba-ssm's and causal-conv1d's kernels run it, in the
-        compute dtype: [x | z] (2 per channel), the convolution's output and the time step dt_proj gives (one per
-        channel each), the scan's output (one per channel, the output projection's input) and dt, B and C before and
-        after their norms. transformers' torch path (no mamba-ssm) keeps far more (its states, per channel and state)."""
-        return 5 * self.channels + 2 * self.shared_outputs
+        compute dtype, of its channels: [x | z] (2 per channel), the convolution's output and the time step dt_proj
+        gives (one per channel each), the scan's output (one per channel, the output projection's input); dt, B and C
+        are `kept_whole_elements`. transformers' torch path (no mamba-ssm) keeps far more (its states, per channel
+        and state)."""
+        return 5 * self.channels
+
+    def kept_whole_elements(self) -> int:
+        """dt, B and C before and after their norms: the selective projection's all-reduced output, whole on every tp
+        rank."""
+        return 2 * self.shared_outputs
 
     def summary(self) -> str:
         return (f"{len(self.layers)} Mamba-1 layers ({self.channels} channels of {self.state_size} states, time-step "

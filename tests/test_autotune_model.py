@@ -543,6 +543,11 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 1, 2, num_micro_batches=2)):
         step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
         assert 0 < step < float("inf"), (strategy, step)
+    # What it keeps: its channels' share inside the split region, dt, B and C (before and after their norms) whole on
+    # every tp rank: 2 x (4 + 2 x 16) per token
+    from tridist.autotune.cost import _activation_terms
+    outside, inside, core, whole = _activation_terms(spec, 1, 2, moe=False, linear=True)
+    assert whole == 16 * 2 * 2 * 36 and core == 0, (inside, whole)
     # its [dt | B | C] all-reduced both ways: tp prices more tensor-parallel communication than without it
     tp2 = Strategy(1, 2, 1)
     alone = dataclasses.replace(spec, gated_delta_net=dataclasses.replace(spec.gated_delta_net, state_size=1, dt_rank=1))
