@@ -89,7 +89,14 @@ class MediaRows:
                                  f"{items} item(s) of {self.pixels!r}: without a grid, items of several sizes can be "
                                  "told apart only one per sample")
             rows = [1] * items
-            counts = _items_per_sample(placeholders, [total // items] * items, self.token_id)
+            try:
+                counts = _items_per_sample(placeholders, [total // items] * items, self.token_id)
+            except ValueError as error:  # the images are not of one count after all
+                raise ValueError(f"{error}; without a grid or sizes the items of {self.pixels!r} were taken as of one "
+                                 f"placeholder count each ({total // items}), which they are not: images of several "
+                                 "sizes, several to a sample, are split by samples only where each image's count is "
+                                 "known (a grid, Pixtral's image_sizes, LFM2-VL's spatial_shapes); collate one image "
+                                 "per sample, or use dp=1 and pp=1 for this model") from None
         if not self.padded:
             held = _cumulative(counts)
         found = {self.pixels: Offsets(_offsets(counts, rows), held)}

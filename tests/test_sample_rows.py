@@ -92,6 +92,11 @@ def test_images_of_several_placeholder_counts_without_a_grid():
     batch = {"input_ids": _ids([10, 0, 4]), "pixel_values": torch.zeros(3, 3, 2, 2)}  # 14 over 3 images
     with pytest.raises(ValueError, match="do not divide evenly"):
         check_rows(batch, FIXED, "test")
+    # 12 over 3 images (6, then 2 and 4 placeholders): divides evenly, but 4 each are no whole images of sample 0
+    batch = {"input_ids": _ids([6, 0, 2 + 4]), "pixel_values": torch.zeros(3, 3, 2, 2)}
+    with pytest.raises(ValueError, match=r"taken as of one placeholder count each \(4\), which they are not.*collate "
+                                         "one image per sample, or use dp=1 and pp=1"):
+        check_rows(batch, FIXED, "test")
 
 
 def test_images_told_apart_by_their_sizes_go_with_their_samples():
