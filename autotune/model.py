@@ -1062,24 +1062,21 @@ def _numel(module) -> int:
 
 
 def _find_layer_list(model) -> tuple[str, object]:
-    """The decoder layers: the ModuleList of same-type entries holding the most parameters; where there is none, the
-    one of entries that differ in their token mixer alone (Jamba's Mamba and attention layers, two classes of the same
-    children but the mixer: `_alike_but_the_mixer`)."""
+    """The decoder layers: the ModuleList holding the most parameters of those whose entries are of one type, or of
+    entries that differ in their token mixer alone (Jamba's Mamba and attention layers, two classes of the same
+    children but the mixer: `_alike_but_the_mixer`; the experts of one of its layers, a list of one type, hold
+    fewer)."""
     from torch import nn
 
-    best, mixed = None, None
+    best = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         size = _numel(module)
-        if not size:
+        if not size or (len({type(child) for child in module}) > 1 and not _alike_but_the_mixer(module)):
             continue
-        if len({type(child) for child in module}) == 1:
-            if best is None or (size, len(module)) > best[0]:
-                best = ((size, len(module)), name, module)
-        elif _alike_but_the_mixer(module) and (mixed is None or (size, len(module)) > mixed[0]):
-            mixed = ((size, len(module)), name, module)
-    best = best or mixed
+        if best is None or (size, len(module)) > best[0]:
+            best = ((size, len(module)), name, module)
     if best is None:
         raise UnrecognisedModel(
             "no decoder-layer list found: expected an nn.ModuleList of identical blocks (e.g. model.layers) "
