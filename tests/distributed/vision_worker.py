@@ -122,9 +122,20 @@ def _lfm2_vl():
     return hf.Lfm2VlForConditionalGeneration(config)
 
 
+def _internvl():
+    """InternVL 3's layout: each image cut into tiles of 8 x 8 pixels (the processor's dynamic tiling), every tile
+    (8 / 2)**2 patches pixel-shuffled by 0.5: 4 placeholders per tile, the tiles of all images in one `pixel_values`."""
+    torch.manual_seed(0)
+    config = hf.InternVLConfig(text_config={"model_type": "qwen2", **TEXT, "head_dim": 16}, image_token_id=IMAGE,
+                               vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=2, image_size=[8, 8], patch_size=[2, 2]),
+                               downsample_ratio=0.5)
+    return hf.InternVLForConditionalGeneration(config)
+
+
 # What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
-          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl}
+          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl}
 
 
 def _samples(model) -> list[dict]:
@@ -138,8 +149,9 @@ def _samples(model) -> list[dict]:
     sized = vision.model_type == "pixtral"
     merge = getattr(model.config, "spatial_merge_size", 1)
     patches = vision.model_type == "siglip2_vision_model"  # LFM2-VL's: h x w patches in a row, h * w / 4 placeholders
-    tokens_per_image = None if grid or sized or patches else getattr(model.config, "mm_tokens_per_image",
-                                                                     (vision.image_size // vision.patch_size) ** 2)
+    tiles = model.config.model_type == "internvl"  # InternVL's: h x w as h * w / 16 tiles of 4 placeholders each
+    tokens_per_image = None if grid or sized or patches or tiles else getattr(
+        model.config, "mm_tokens_per_image", (vision.image_size // vision.patch_size) ** 2)
     arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
     samples = []
@@ -149,10 +161,12 @@ def _samples(model) -> list[dict]:
             sample, position = {"input_ids": ids}, 2
             pixels, grids = [], []
             for t, h, w in images:
-                tokens = t * h * w // 4 if grid or sized or patches else tokens_per_image
+                tokens = t * h * w // 4 if grid or sized or patches or tiles else tokens_per_image
                 ids[position:position + tokens] = IMAGE
                 position += tokens + 1
-                if patches:
+                if tiles:
+                    pixels.append(torch.randn(h * w // 16, 3, *vision.image_size, generator=generator))
+                elif patches:
                     pixels.append(torch.randn(h * w, 3 * vision.patch_size**2, generator=generator))
                 elif sized:
                     pixels.append(torch.randn(3, h * merge // 2 * PIXTRAL_PATCH, w * merge // 2 * PIXTRAL_PATCH,
