@@ -1085,12 +1085,18 @@ def _find_layer_list(model) -> tuple[str, object]:
 
 
 def _alike_but_the_mixer(layers) -> bool:
-    """Entries of two or more classes whose children bear the same names but one each (the token mixer: Jamba's
-    `mamba` or `self_attn`) beside at least two shared ones (the norms, the MLP), each entry's mixer holding
-    parameters."""
-    names = [{name for name, child in layer.named_children() if any(True for _ in child.parameters())} for layer in layers]
-    common = set.intersection(*names)
-    return len(common) >= 2 and all(len(n - common) == 1 for n in names) and len({frozenset(n) for n in names}) > 1
+    """Entries of two or more classes whose children bear the same names (at least two: the MLP, a norm) but their
+    token mixer, one each (Jamba's `mamba` or `self_attn`), and their norms (children of vectors alone: OLMo-Hybrid's
+    pre-norm linear-attention layers beside post-norm attention layers)."""
+    children = [{name: child for name, child in layer.named_children() if any(True for _ in child.parameters())}
+                for layer in layers]
+    common = set.intersection(*(set(c) for c in children))
+
+    def mixers(own: dict) -> int:  # the children not shared holding a matrix
+        return sum(any(p.dim() > 1 for p in child.parameters()) for name, child in own.items() if name not in common)
+
+    return (len(common) >= 2 and len({frozenset(c) for c in children}) > 1
+            and all(mixers(own) == 1 for own in children))
 
 
 def _linears(block) -> list[_Linear]:

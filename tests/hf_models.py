@@ -111,6 +111,10 @@ MORE_FAMILIES = {
     # B·x, gated by C; no state) in the layers between its attention layers (the released 1.2B: 10 of 16), SwiGLU
     # feed-forwards (w1, w3, w2); LFM2-MoE's first layer dense, experts after it.
     "lfm2": ("lfm2", {}),
+    # AI2's OLMo-Hybrid: pre-norm Gated DeltaNet layers (input and post-attention norms) beside OLMo 2's post-norm
+    # attention layers (post-attention and post-feedforward norms): two layer classes of other norms and mixers
+    "olmo-hybrid": ("olmo_hybrid", dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                                        linear_key_head_dim=16, linear_value_head_dim=32)),
     # AI21's Jamba: Mamba-1 mixers (in_proj to [x | z], a depthwise convolution, x_proj to [dt | B | C] with norms on
     # each, dt_proj, A_log of a row of 16 states per channel) in every other layer, attention in the others, whose
     # MLP is a mixture of experts (expert_layer_period 2, offset 1: the dense MLPs beside the Mamba layers).

@@ -505,7 +505,7 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     row-parallel inside the sequence-parallel region with its output's gradient summed over the ranks (`row_shared`),
     the norms over dt, B and C shared, the rows of the convolution, dt_proj, A_log and D this rank's, intermediate_size
     local. Priced as a SelectiveScan (every parameter but the biases counted, as the notes say); its tp must divide the
-    channels. Entries of two classes that differ in more than the mixer are no decoder-layer list."""
+    channels. Entries of two classes that differ in more than the mixer and their norms are no decoder-layer list."""
     from tests.hf_models import build
     from tridist.autotune import Cluster, SelectiveScan, Strategy, estimate
     from tridist.autotune.strategy import tensor_parallel_problems
@@ -559,6 +559,13 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     # summed over the ranks
     alike = ModelSpec.from_module(build("jamba", config=dict(mamba_dt_rank=32)), seq_len=16).structure.linear_attention
     assert (alike.output, alike.row_shared) == ("out_proj", ("x_proj", 64)), (alike.output, alike.row_shared)
+
+    # OLMo-Hybrid's layers differ in their norms too (pre-norm linear-attention layers, post-norm attention layers):
+    # the same list (before: no decoder-layer list found), each kind's norms its own
+    hybrid = build("olmo-hybrid")
+    spec = ModelSpec.from_module(hybrid, seq_len=16)
+    assert (spec.structure.layers, spec.structure.linear_attention.layers) == ("model.layers", (0,))
+    assert spec.num_parameters == _count(hybrid)
 
     class Other(nn.Module):  # a second class with other children beside its mixer
         def __init__(self):

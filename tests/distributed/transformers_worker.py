@@ -1074,7 +1074,8 @@ def check_mamba1_mixers_train_under_tensor_parallel():
     weight itself), A_log and D, intermediate_size local (asserted). Equal to one process in local view under tp 2 +
     sp; greedy generate under tp 2 gives one device's tokens (the one-token state update on this rank's channels).
     Before, tp was refused ("mamba holds a convolution"); so was every strategy but data parallel, Jamba's two layer
-    classes being no decoder-layer list. Two processes: the sweep ran dp 2 x tp 2 (+ sp), tp 4 + sp, tp 2 x pp 2."""
+    classes being no decoder-layer list. Two processes: the sweep ran dp 2 x tp 2 (+ sp), tp 4 + sp, tp 2 x pp 2. And
+    OLMo-Hybrid's layer classes, which differ in their norms too, under tp 2 + sp."""
     def split_by_channel(model):
         mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
         assert mixers, [type(layer).__name__ for layer in model.model.layers]
@@ -1089,6 +1090,9 @@ def check_mamba1_mixers_train_under_tensor_parallel():
 
     _train("jamba", TP2["tp 2 + sp"], inspect=split_by_channel)
     _generates_like_one_device("jamba", TP2["tp 2"], inspect=split_by_channel)
+    # OLMo-Hybrid's two layer classes differ in their norms too (pre-norm Gated DeltaNet layers, post-norm attention
+    # layers): one list, each layer's norms run on the sequence slices (before: no decoder-layer list, data parallel only)
+    _train("olmo-hybrid", TP2["tp 2 + sp"])
 
 
 def check_key_value_heads_fewer_than_tp_ranks_are_replicated():
