@@ -1074,8 +1074,7 @@ def check_mamba1_mixers_train_under_tensor_parallel():
     weight itself), A_log and D, intermediate_size local (asserted). Equal to one process in local view under tp 2 +
     sp; greedy generate under tp 2 gives one device's tokens (the one-token state update on this rank's channels).
     Before, tp was refused ("mamba holds a convolution"); so was every strategy but data parallel, Jamba's two layer
-    classes being no decoder-layer list. Two processes: the sweep ran dp 2 x tp 2 (+ sp), tp 4 + sp, tp 2 x pp 2. And
-    OLMo-Hybrid's layer classes, which differ in their norms too, under tp 2 + sp."""
+    classes being no decoder-layer list. Two processes: the sweep ran dp 2 x tp 2 (+ sp), tp 4 + sp, tp 2 x pp 2."""
     def split_by_channel(model):
         mixers = [layer.mamba for layer in model.model.layers if hasattr(layer, "mamba")]
         assert mixers, [type(layer).__name__ for layer in model.model.layers]
@@ -1090,8 +1089,13 @@ def check_mamba1_mixers_train_under_tensor_parallel():
 
     _train("jamba", TP2["tp 2 + sp"], inspect=split_by_channel)
     _generates_like_one_device("jamba", TP2["tp 2"], inspect=split_by_channel)
-    # OLMo-Hybrid's two layer classes differ in their norms too (pre-norm Gated DeltaNet layers, post-norm attention
-    # layers): one list, each layer's norms run on the sequence slices (before: no decoder-layer list, data parallel only)
+
+
+def check_layer_classes_of_their_own_norms_train_under_tensor_parallel():
+    """OLMo-Hybrid's two layer classes differ in their norms besides their token mixers (pre-norm Gated DeltaNet
+    layers, OLMo 2's post-norm attention layers): one decoder-layer list, each layer's mixer split by head and its own
+    norms on the sequence slices, equal to one process under tp 2 + sp (before: no decoder-layer list was found, so
+    every strategy but data parallel was refused)."""
     _train("olmo-hybrid", TP2["tp 2 + sp"])
 
 
@@ -2195,7 +2199,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_compiled_after_to_distributed_trains_like_one_process",
     "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
     "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
-    "check_mamba1_mixers_train_under_tensor_parallel"]
+    "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
