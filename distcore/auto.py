@@ -651,8 +651,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
     `tp` exceeds a layer's own key/value heads (read from its k projection: layers may differ, Gemma 4's per-layer
     configs) and they divide it, that layer's k and v projections get ReplicatedColWiseParallel(tp // heads), each
     head computed on that many ranks (separate k and v only). Layers whose token mixer is Gated DeltaNet linear
-    attention (or Kimi Delta Attention, Mamba-2, LFM2's gated short convolution) get their mixer split by head (by
-    channel) instead of the attention's plan (`_add_linear_attention`).
+    attention (or Kimi Delta Attention, Mamba-2; Mamba-1 and LFM2's gated short convolution by channel) get their
+    mixer split by head instead of the attention's plan (`_add_linear_attention`).
 
     A mixture of experts: attention split in every layer, the MLP in its dense layers only; its MoE blocks
     (router, experts, shared experts) stay whole on every tp rank (Megatron's expert tensor parallel of 1).

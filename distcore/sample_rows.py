@@ -43,8 +43,9 @@ class MediaRows:
     `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). `sizes`: the key of each item's (height,
     width) where its placeholders follow from them, (height // patch) x (width // patch) for `patch` of that unit per
     placeholder (Pixtral's `image_sizes` in pixels: its patch size times Mistral 3's spatial merge, the images padded
-    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor). Without a grid or sizes each item takes the same number of placeholders (the batch's count over
-    its items), or, as many items as samples each holding some, one item per sample (images of any size, one each).
+    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor). Without a grid or sizes
+    each item takes the same number of placeholders (the batch's count over its items), or, as many items as samples
+    each holding some, one item per sample (images of any size, one each).
     `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
     `pixel_attention_mask`): a sample's items are its row."""
 
@@ -198,9 +199,9 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
     """The media of a transformers vision-language model (`MediaRows` per kind), read from its config and its
     forward's arguments: a grid (`image_grid_thw`, `video_grid_thw`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V) with its
     vision config's `spatial_merge_size`, the images' sizes under a Pixtral tower (`image_sizes`: Pixtral, Mistral 3)
-    or with a downsample factor (`spatial_shapes`: LFM2-VL),
-    else `pixel_values` with one placeholder count per image (LLaVA, Gemma 3, PaliGemma, ...). None for a model
-    without an image placeholder token in its config."""
+    or with a downsample factor (`spatial_shapes`: LFM2-VL), else `pixel_values` with one placeholder count per image
+    (LLaVA, Gemma 3, PaliGemma, InternVL's tiles, ...). None for a model without an image placeholder token in its
+    config."""
     config = getattr(model, "config", None)
     if config is None:
         return None
