@@ -45,7 +45,7 @@ class MediaRows:
     placeholder (Pixtral's `image_sizes` in pixels: its patch size times Mistral 3's spatial merge, the images padded
     to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor). Without a grid or sizes
     each item takes the same number of placeholders (the batch's count over its items), or, as many items as samples
-    each holding some, one item per sample (images of any size, one each).
+    holding some, one item in each of those (images of any size, one to a sample, beside samples of text alone).
     `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
     `pixel_attention_mask`): a sample's items are its row."""
 
@@ -81,8 +81,9 @@ class MediaRows:
             rows = [1] * items
             tokens = [(h // self.patch) * (w // self.patch) for h, w in batch[self.sizes].reshape(-1, 2).tolist()]
             counts = _items_per_sample(placeholders, tokens, self.token_id)
-        elif items == len(placeholders) and all(placeholders):  # one item each, of any size
-            rows, counts = [1] * items, [1] * items
+        elif items and items == sum(1 for n in placeholders if n):
+            # one item in each sample that holds placeholders, of any size (the others of text alone)
+            rows, counts = [1] * items, [1 if n else 0 for n in placeholders]
         else:
             total = sum(placeholders)
             if items == 0 or total % items:
@@ -96,8 +97,8 @@ class MediaRows:
                 raise ValueError(f"{error}; without a grid or sizes the items of {self.pixels!r} were taken as of one "
                                  f"placeholder count each ({total // items}), which they are not: images of several "
                                  "sizes, several to a sample, are split by samples only where each image's count is "
-                                 "known (a grid, Pixtral's image_sizes, LFM2-VL's spatial_shapes); collate one image "
-                                 "per sample, or use dp=1 and pp=1 for this model") from None
+                                 "known (a grid, Pixtral's image_sizes, LFM2-VL's spatial_shapes); collate at most one "
+                                 "image per sample, or use dp=1 and pp=1 for this model") from None
         if not self.padded:
             held = _cumulative(counts)
         found = {self.pixels: Offsets(_offsets(counts, rows), held)}

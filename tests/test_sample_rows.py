@@ -95,8 +95,25 @@ def test_images_of_several_placeholder_counts_without_a_grid():
     # 12 over 3 images (6, then 2 and 4 placeholders): divides evenly, but 4 each are no whole images of sample 0
     batch = {"input_ids": _ids([6, 0, 2 + 4]), "pixel_values": torch.zeros(3, 3, 2, 2)}
     with pytest.raises(ValueError, match=r"taken as of one placeholder count each \(4\), which they are not.*collate "
-                                         "one image per sample, or use dp=1 and pp=1"):
+                                         "at most one image per sample, or use dp=1 and pp=1"):
         check_rows(batch, FIXED, "test")
+
+
+def test_one_image_of_any_size_per_sample_beside_samples_of_text_alone():
+    """One image per sample that holds any, of several sizes (LLaVA-NeXT's), beside samples of text alone: each image
+    goes with the sample whose placeholders it fills. Before, refused (taken as of one placeholder count, 10 each of
+    16 and 4) with the advice to collate one image per sample, which this batch is."""
+    batch = {"input_ids": _ids([16, 0, 4]), "pixel_values": torch.arange(2.0).reshape(2, 1, 1, 1).expand(2, 3, 2, 2),
+             "image_sizes": torch.tensor([[8, 8], [4, 4]])}
+    offsets = check_rows(batch, FIXED, "test")[1]
+    assert offsets == {"pixel_values": Offsets([0, 1, 1, 2], [0, 1, 1, 2]), "image_sizes": Offsets([0, 1, 1, 2], [0, 1, 1, 2])}
+    first, none, last = split_samples(batch, offsets, [(0, 1), (1, 2), (2, 3)])
+    assert first["pixel_values"][:, 0, 0, 0].tolist() == [0.0] and none["pixel_values"] is None
+    assert last["image_sizes"].tolist() == [[4, 4]]
+    # the pipeline's micro-batches of the same batch: the second (samples 1 and 2) the second image alone
+    micro = split_micro_batches((), {**batch, "input_ids": _ids([16, 0, 4, 0])}, 2, FIXED)
+    assert micro[0][1]["pixel_values"][:, 0, 0, 0].tolist() == [0.0]
+    assert micro[1][1]["pixel_values"][:, 0, 0, 0].tolist() == [1.0]
 
 
 def test_images_told_apart_by_their_sizes_go_with_their_samples():
