@@ -1561,7 +1561,8 @@ def split_micro_batches(args, kwargs, count: int, sample_rows: SampleRows | None
             raise ValueError(
                 f"pipeline parallel: {key!r} has {value.shape[0]} row(s) where the batch has {batch} sample(s), and "
                 "tridist does not know which rows are which sample's for this model (sample_rows_of: a Qwen2-VL-style "
-                "grid, or images of one placeholder count); give every sample one image of one size, or use no "
+                "grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder count); give every "
+                "sample one image of one size, or use no "
                 "micro-batches (pp 1, num_micro_batches 1)")
     if batch % count:
         raise ValueError(

@@ -278,7 +278,8 @@ def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int
             f"{where}: the batch's {key!r} has {value.shape[0]} row(s) on dim 0 where the batch has {samples} "
             f"sample(s), so it cannot be split by samples. A vision-language model's images are split by the "
             "placeholder tokens of each sample where tridist knows the model's layout (sample_rows_of: a Qwen2-VL-style "
-            "grid, or images of one placeholder count); give every sample the same number of images of one size, "
+            "grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder count); give every "
+            "sample the same number of images of one size, "
             "collate per-image tensors with one row per sample (padded), or keep tensors that are not per sample "
             "out of the batch")
     return samples, starts
