@@ -121,7 +121,7 @@ from . import env
 from .env import all_reduce_mean_
 from .fake_tensor_log import expected_failures_unlogged
 from .outputs import CACHE_ARGUMENTS, OutputForm, find_logits, find_loss
-from .sample_rows import SampleRows, sample_count, sample_rows_of, split_samples
+from .sample_rows import KNOWN_LAYOUTS, SampleRows, sample_count, sample_rows_of, split_samples
 from .tensor_parallel import take_pending_split, tied_parameter_names
 from .unused_parameters import trackers_of
 
@@ -1560,10 +1560,8 @@ def split_micro_batches(args, kwargs, count: int, sample_rows: SampleRows | None
                 and value.dim() > 0 and value.shape[0] != batch):
             raise ValueError(
                 f"pipeline parallel: {key!r} has {value.shape[0]} row(s) where the batch has {batch} sample(s), and "
-                "tridist does not know which rows are which sample's for this model (sample_rows_of: a Qwen2-VL-style "
-                "grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder count); give every "
-                "sample one image of one size, or use no "
-                "micro-batches (pp 1, num_micro_batches 1)")
+                f"tridist does not know which rows are which sample's for this model (sample_rows_of: {KNOWN_LAYOUTS}); "
+                "give every sample one image of one size, or use no micro-batches (pp 1, num_micro_batches 1)")
     if batch % count:
         raise ValueError(
             f"pipeline parallel splits each batch into {count} micro-batches, but this rank's batch has {batch} "

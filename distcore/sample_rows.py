@@ -27,6 +27,11 @@ import torch
 from ..autotune.model import media_configs
 
 
+# The layouts `sample_rows_of` reads, as the refusals of rows it cannot assign name them.
+KNOWN_LAYOUTS = ("a Qwen2-VL-style grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder "
+                 "count")
+
+
 class Offsets(NamedTuple):
     """A media key's first row of each sample and the end (`rows`), and the items before each sample and in all
     (`items`): samples + 1 offsets each."""
@@ -97,8 +102,8 @@ class MediaRows:
                 raise ValueError(f"{error}; without a grid or sizes the items of {self.pixels!r} were taken as of one "
                                  f"placeholder count each ({total // items}), which they are not: images of several "
                                  "sizes, several to a sample, are split by samples only where each image's count is "
-                                 "known (a grid, Pixtral's image_sizes, LFM2-VL's spatial_shapes); collate at most one "
-                                 "image per sample, or use dp=1 and pp=1 for this model") from None
+                                 f"known ({KNOWN_LAYOUTS}); collate at most one image per sample, or use dp=1 and "
+                                 "pp=1 for this model") from None
         if not self.padded:
             held = _cumulative(counts)
         found = {self.pixels: Offsets(_offsets(counts, rows), held)}
@@ -277,11 +282,9 @@ def check_rows(batch: Mapping, rows: SampleRows | None, where: str) -> tuple[int
         raise ValueError(
             f"{where}: the batch's {key!r} has {value.shape[0]} row(s) on dim 0 where the batch has {samples} "
             f"sample(s), so it cannot be split by samples. A vision-language model's images are split by the "
-            "placeholder tokens of each sample where tridist knows the model's layout (sample_rows_of: a Qwen2-VL-style "
-            "grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder count); give every "
-            "sample the same number of images of one size, "
-            "collate per-image tensors with one row per sample (padded), or keep tensors that are not per sample "
-            "out of the batch")
+            "placeholder tokens of each sample where tridist knows the model's layout (sample_rows_of: "
+            f"{KNOWN_LAYOUTS}); give every sample the same number of images of one size, collate per-image tensors "
+            "with one row per sample (padded), or keep tensors that are not per sample out of the batch")
     return samples, starts
 
 
