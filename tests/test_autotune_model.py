@@ -427,6 +427,21 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
+def _assert_channel_mixer_priced(spec, odd) -> None:
+    """A channel mixer's spec: tp 2 divides its channels, and a mixer of `odd` channels (which 4 does not divide) is
+    refused naming them; every path of the estimate takes it (tp with and without sp, stages, full recompute)."""
+    from tridist.autotune import Cluster, Strategy, estimate
+    from tridist.autotune.strategy import tensor_parallel_problems
+
+    assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
+    problems = tensor_parallel_problems(dataclasses.replace(spec, gated_delta_net=odd), Cluster(1, 8), 4)
+    assert any(f"gated_delta_net.channels={odd.channels}" in p for p in problems), problems
+    for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 2, 1, recompute="full"),
+                     Strategy(1, 1, 2, num_micro_batches=2)):
+        step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
+        assert 0 < step < float("inf"), (strategy, step)
+
+
 def test_short_convolutions_are_read_for_the_split_by_channel():
     """LFM2's gated short convolutions (in_proj to [B | C | x], a depthwise causal convolution over B·x, gated by C;
     refused under tp before: "conv holds a convolution") are read as LinearAttention of kind "short_conv", their
@@ -437,9 +452,8 @@ def test_short_convolutions_are_read_for_the_split_by_channel():
     with saved-tensor hooks on transformers' module; a tp that does not divide the channels is refused naming them. A
     module of another make (a fourth parameter) is not read as one: the convolution is then refused as before."""
     from tests.hf_models import build
-    from tridist.autotune import Cluster, ShortConvolution, Strategy, estimate
+    from tridist.autotune import ShortConvolution
     from tridist.autotune.cost import _linear_mixer_bytes
-    from tridist.autotune.strategy import tensor_parallel_problems
     from tridist.distcore.auto import tensor_parallel_plan
 
     pytest.importorskip("transformers")
@@ -476,14 +490,7 @@ def test_short_convolutions_are_read_for_the_split_by_channel():
     predicted = batch * seq * _linear_mixer_bytes(ModelSpec.from_module(model, seq_len=seq), 2)
     assert predicted <= sum(storages.values()) <= predicted * (1 + (3 - 1) / seq / 6), (sum(storages.values()), predicted)
     # tp splits the channels; one that does not divide them is refused naming them
-    assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
-    odd = dataclasses.replace(spec, gated_delta_net=ShortConvolution(layers=(0,), channels=66))
-    assert any("gated_delta_net.channels=66" in p for p in tensor_parallel_problems(odd, Cluster(1, 8), 4))
-    # every path of the estimate takes it (tp with and without sp, stages, each recompute mode)
-    for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 2, 1, recompute="full"),
-                     Strategy(1, 1, 2, num_micro_batches=2)):
-        step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
-        assert 0 < step < float("inf"), (strategy, step)
+    _assert_channel_mixer_priced(spec, ShortConvolution(layers=(0,), channels=66))
 
     moe = ModelSpec.from_module(build("lfm2-moe"), seq_len=16)
     s = moe.structure
@@ -508,7 +515,6 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     channels. Entries of two classes that differ in more than the mixer and their norms are no decoder-layer list."""
     from tests.hf_models import build
     from tridist.autotune import Cluster, SelectiveScan, Strategy, estimate
-    from tridist.autotune.strategy import tensor_parallel_problems
     from tridist.distcore.auto import tensor_parallel_plan
 
     pytest.importorskip("transformers")
@@ -537,12 +543,7 @@ def test_mamba1_mixers_are_read_for_the_split_by_channel():
     held = sum(p.numel() / (2 if f"model.layers.0.mamba.{n.rpartition('.')[0]}" in split else 1)
                for n, p in model.model.layers[0].mamba.named_parameters() if not n.endswith("bias"))
     assert spec.gated_delta_net.matmul_parameters(64) / 2 + spec.gated_delta_net.other_parameters == held, held
-    assert tensor_parallel_problems(spec, Cluster(1, 8), 2) == []
-    odd = dataclasses.replace(spec, gated_delta_net=SelectiveScan(layers=(0,), channels=130, state_size=16, dt_rank=4))
-    assert any("gated_delta_net.channels=130" in p for p in tensor_parallel_problems(odd, Cluster(1, 8), 4))
-    for strategy in (Strategy(1, 2, 1, sequence_parallel=True), Strategy(1, 1, 2, num_micro_batches=2)):
-        step = estimate(spec, Cluster(1, 2), strategy, global_batch_size=strategy.num_micro_batches).time.total_s
-        assert 0 < step < float("inf"), (strategy, step)
+    _assert_channel_mixer_priced(spec, SelectiveScan(layers=(0,), channels=130, state_size=16, dt_rank=4))
     # What it keeps: its channels' share inside the split region, dt, B and C (before and after their norms) whole on
     # every tp rank: 2 x (4 + 2 x 16) per token
     from tridist.autotune.cost import _activation_terms
