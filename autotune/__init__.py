@@ -30,8 +30,8 @@ from .cost import (
     stage_parameters,
 )
 from .hardware import DEVICE_PROFILES, Cluster, DeviceProfile, get_profile, load_profile, save_profile
-from .model import (PRESETS, ChannelMixer, GatedDeltaNet, LatentAttention, LinearAttention, ModelSpec, ModelStructure,
-                    SelectiveScan, ShortConvolution, UnrecognisedModel, preset, recognise)
+from .model import (PRESETS, ChannelMixer, GatedDeltaNet, LatentAttention, LightningAttention, LinearAttention, ModelSpec,
+                    ModelStructure, SelectiveScan, ShortConvolution, UnrecognisedModel, preset, recognise)
 from .search import (
     Candidate,
     LayoutResult,
@@ -59,7 +59,7 @@ from .strategy import (
 )
 
 __all__ = [
-    "ChannelMixer", "GatedDeltaNet", "LatentAttention", "LinearAttention", "ModelSpec", "ModelStructure", "SelectiveScan", "ShortConvolution", "UnrecognisedModel", "PRESETS", "preset", "recognise",
+    "ChannelMixer", "GatedDeltaNet", "LatentAttention", "LightningAttention", "LinearAttention", "ModelSpec", "ModelStructure", "SelectiveScan", "ShortConvolution", "UnrecognisedModel", "PRESETS", "preset", "recognise",
     "DeviceProfile", "Cluster", "DEVICE_PROFILES", "get_profile", "load_profile", "save_profile",
     "Strategy", "InvalidStrategy", "RECOMPUTE_MODES", "validate", "check", "stage_layers", "balanced_stage_layers",
     "rank_layers", "head_replicas", "kv_head_replicas", "tensor_parallel_problems",

@@ -82,6 +82,9 @@ is, the scan's 9 FLOPs per channel and state recomputed in the backward, the ten
 gated short convolutions (a `ShortConvolution`) are priced in the same places: their projections ([B | C | x] and
 back) split over tp, the convolution's weight whole on every rank, their core the convolution's taps and two gates per
 channel (`ShortConvolution.core_flops`), their activations six per channel (`ShortConvolution.kept_elements`).
+MiniMax's lightning attention (a `LightningAttention`) too: [q k v] per head and the output gate split over tp, the
+projection back row-parallel, its norm's weight whole on every rank and its statistics (a value per token) all-reduced
+both ways, its blocked core (`LightningAttention.core_flops`), its activations as transformers' torch path keeps them.
 
 Time of the non-matmul work (norms, activations, softmax, residual adds) is priced as memory
 traffic proportional to the stored activations; GEMMs use a roofline (the slower of FLOPs at the
@@ -100,7 +103,7 @@ import functools
 from dataclasses import dataclass
 
 from .hardware import Cluster
-from .model import ChannelMixer, ModelSpec, SelectiveScan, block_parts
+from .model import ChannelMixer, LightningAttention, ModelSpec, SelectiveScan, block_parts
 from .strategy import Strategy, balanced_stage_layers, check, kv_head_replicas, rank_layer_indices, stage_layers
 
 __all__ = [
@@ -126,7 +129,7 @@ __all__ = [
 ]
 
 # Bump when a formula changes: stored search results (Optuna studies) are keyed by it.
-COST_MODEL_VERSION = 26  # 26: Mamba-1's kept dt, B and C whole on every tp rank (ChannelMixer.kept_whole_elements); 25: Mamba-1's dt_proj whole on every tp rank (other_parameters), its work in the core; 24: Mamba-1 layers (SelectiveScan: Jamba's) split over tp by channel; 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
+COST_MODEL_VERSION = 28  # 28: MiniMax's lightning attention layers (LightningAttention) split over tp by head; 27: a learned position embedding (ModelSpec.position_parameters) on the first stage, whole on every tp rank; 26: Mamba-1's kept dt, B and C whole on every tp rank (ChannelMixer.kept_whole_elements); 25: Mamba-1's dt_proj whole on every tp rank (other_parameters), its work in the core; 24: Mamba-1 layers (SelectiveScan: Jamba's) split over tp by channel; 23: LFM2's gated short convolutions (ShortConvolution) priced as they run, split over tp by channel; 22: a multimodal model's media encoders (ModelSpec.media_parameters) on the first stage, whole on every tp rank; 21: the 1F1B bubble is the other stages' time (a flow shop), not (p - 1) x the slowest's; 20: a linear mixer beside the attention (Falcon-H1's), both split and priced in every layer, Mamba-2's B and C columns whole on each rank where tp exceeds the groups; 19: stages as a Strategy lists them (layers_per_stage; the search offers balanced_layout); 18: blocks of one part (Nemotron-H's), each priced by its part, experts on a latent, MoE blocks whole on every tp rank without activation collectives; 17: a linear mixer's unequally packed projections' collectives (Qwen3.5's, Mamba-2's), Mamba-2's replicated B and C; 16: a packed [q | k | v] whose key/value heads tp exceeds, whole on every rank; 15: a packed qkv interleaved per key/value head (GPT-NeoX's, Falcon's) split without a reduce-scatter; 14: Gated DeltaNet layers priced as they run, gated attention's output gate; 13: an fp16 head's fused loss's fourth GEMM; 12: a task head (a classifier's) priced at its own width, not the vocabulary's; 11: MoE blocks on sequence slices under sequence parallel; 10: latent attention's latents whole under sequence parallel; 9: multi-head latent attention priced as it runs; 8: the fused loss under tp (vocabulary-parallel); 7: mixtures of experts and expert parallel; 3: uneven pipeline stages (strategy.stage_layers); 4: engine profiles (engine.py),
 # the tied embedding's gradient all-reduce across stages, unequal packed q/k/v collectives; 5: the torch
 # engines overlap tensor parallel's collectives (distcore's overlap_comm), fp32 reduce-scatter wire bytes;
 # 6: q/k norms' tensor-parallel collectives and weights (ModelSpec.qk_norm)
@@ -581,7 +584,8 @@ def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple
             params += count * layer
             experts += count * expert_layer
     if stage == 0:
-        params += spec.embedding_parameters / tp + spec.media_parameters  # a vision tower: whole on every tp rank
+        # a vision tower and learned positions: whole on every tp rank
+        params += spec.embedding_parameters / tp + spec.media_parameters + spec.position_parameters
     if stage == pp - 1:
         params += spec.hidden_size
         if not spec.tied_embeddings:
@@ -881,6 +885,8 @@ def _layer_cost(spec: ModelSpec, cluster: Cluster, tp: int, micro_batch_size: in
                 NORM_STATISTIC_BYTES * tokens * gdn.num_k_heads, tp, bw_tp, lat_tp))
         if isinstance(gdn, SelectiveScan):  # Mamba-1's [dt | B | C]: all-reduced forward, its gradient backward
             linear_collectives += 2 * all_reduce_time(e * tokens * gdn.shared_outputs, tp, bw_tp, lat_tp)
+        if isinstance(gdn, LightningAttention):  # its norm over every head: a statistic per token, both ways
+            linear_collectives += 2 * all_reduce_time(NORM_STATISTIC_BYTES * tokens, tp, bw_tp, lat_tp)
     if not mixer_part:  # an MLP or MoE block alone: none of the mixer's collectives
         packed_qkv = qk_norm = latent_collectives = linear_collectives = 0.0
     head = _gemm_time(tokens, h, spec.head_width / tp, flops, bw, e)

@@ -345,7 +345,8 @@ class GatedDeltaNet:
 
 @dataclass(frozen=True)
 class ChannelMixer:
-    """A linear mixer whose channels are independent (LFM2's short convolution, Mamba-1's scan), as the cost model
+    """A linear mixer whose channels are independent (LFM2's short convolution, Mamba-1's scan; MiniMax's lightning
+    attention, whose heads are), as the cost model
     prices it in the attention's place (`ModelSpec.gated_delta_net` holds any kind of linear mixer): tensor parallel
     splits its `channels` as attention's heads (the units `num_k_heads` and `num_v_heads` name for
     `tensor_parallel_problems`). As GatedDeltaNet's it never runs beside the attention; unlike it, it has no key heads
@@ -479,6 +480,51 @@ class SelectiveScan(ChannelMixer):
 
 
 @dataclass(frozen=True)
+class LightningAttention(ChannelMixer):
+    """MiniMax's lightning attention layers (MiniMax-Text-01, MiniMax-M1: transformers' MiniMaxLightningAttention):
+    `channels` heads (the units tensor parallel splits, each independent) of `head_dim`, a linear attention with a
+    decay per head run in blocks of `block_size` tokens (each block's scores within it, a state of head_dim x head_dim
+    per head across blocks). Projections: the hidden size to [q k v] per head and to the output gate, the heads back.
+    Its norm over every head's features (whole on every tp rank, its statistics summed over them) is its only other
+    parameter."""
+
+    head_dim: int
+    block_size: int
+
+    @property
+    def width(self) -> int:
+        return self.channels * self.head_dim
+
+    def projections(self, hidden: int) -> tuple[tuple[int, int, str], ...]:
+        """As `GatedDeltaNet.projections`: [q k v] and the output gate split on their outputs, the output projection on
+        its inputs."""
+        return (hidden, 3 * self.width, "out"), (hidden, self.width, "out"), (self.width, hidden, "in")
+
+    @property
+    def other_parameters(self) -> int:
+        """The norm's weight over every head's features."""
+        return self.width
+
+    def core_flops(self) -> tuple[float, float]:
+        """(forward FLOPs per token, those its backward recomputes first) of transformers' blocked torch path, per head:
+        the block's scores q·kᵀ and their product with v (block_size x head_dim multiply-adds each), the product of q
+        with the state and the state's update kᵀ·v (head_dim² each); its backward recomputes nothing."""
+        return 4.0 * self.channels * (self.block_size * self.head_dim + self.head_dim ** 2), 0.0
+
+    def kept_elements(self) -> int:
+        """What the mixer keeps per token for its backward, in the compute dtype, as transformers' torch path runs it
+        (measured with saved-tensor hooks: a least-squares fit over 2-8 heads of 8-32 features, blocks of 8-32 tokens,
+        at 64 tokens, gave 13.0 per head feature, 0.86 per head and block token, 1.08 per head and head_dim² / block):
+        the projections' outputs and their activations, the heads' transposed copies, the block's scores with and
+        without their decay, the states."""
+        return self.channels * (13 * self.head_dim + self.block_size + self.head_dim ** 2 // self.block_size)
+
+    def summary(self) -> str:
+        return (f"{len(self.layers)} lightning attention layers ({self.channels} heads of {self.head_dim}, blocks of "
+                f"{self.block_size} tokens)")
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """A Gated DeltaNet linear-attention mixer (transformers' Qwen3-Next, Qwen3.5, Qwen3.5-MoE): what tensor
     parallel splits by head, as names relative to the mixer. Its heads are independent, as attention's are: a
@@ -504,7 +550,9 @@ class LinearAttention:
     "mamba1", `_mamba1_mixer`), their channels as the heads, whose selective projection `row_shared` ((name, its
     outputs)) is row-parallel with its output's gradient summed over the ranks. `beside_attention`: the mixer runs beside
     the attention in the same layers, both on the layer's normed input (Falcon-H1's Mamba-2 mixer), not in its place:
-    both are split."""
+    both are split. MiniMax's lightning attention (`kind` "lightning", `_lightning_attention`) too: its heads' [q k v]
+    packed per head, its decays buffers of a row per head, and `whole_norm`, a norm over every head's features whose
+    statistics tensor parallel sums over the ranks."""
 
     mixer: str
     layers: tuple[int, ...]
@@ -522,6 +570,7 @@ class LinearAttention:
     kind: str = "gdn"
     beside_attention: bool = False
     row_shared: tuple[str, int] | None = None
+    whole_norm: str | None = None
 
 
 @dataclass(frozen=True)
@@ -606,6 +655,9 @@ class ModelSpec:
     # whole on every tensor-parallel rank, on the first pipeline stage (model states and gradient traffic priced;
     # their compute is not: it runs on the batch's images, which the spec does not know).
     media_parameters: int = 0
+    # A learned position embedding's [positions, hidden] (GPT-2's wpe, OPT's, StarCoder's): whole on every tensor-parallel
+    # rank, on the first pipeline stage.
+    position_parameters: int = 0
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -902,7 +954,8 @@ class ModelSpec:
         # Blocks of one part: no attention (nor q/k norms) or no MLP, and one norm.
         layers -= len(self.mixer_free_layers) * (self.attention_parameters + self.qk_norm_parameters + self.hidden_size)
         layers -= len(self.mlp_free_layers) * (self.mlp_parameters + self.hidden_size)
-        return layers + self.embedding_parameters + self.head_parameters + self.hidden_size + self.media_parameters
+        return (layers + self.embedding_parameters + self.position_parameters + self.head_parameters + self.hidden_size
+                + self.media_parameters)
 
     @property
     def active_parameters(self) -> int:
@@ -1111,9 +1164,19 @@ def _linears(block) -> list[_Linear]:
             continue
         if isinstance(module, nn.Linear) or hasattr(module, "in_features"):
             found.append(_Linear(name, _parent(name), int(module.in_features), int(module.out_features)))
+        elif is_conv1d(module):  # GPT-2's [in, out] weight
+            found.append(_Linear(name, _parent(name), int(weight.shape[0]), int(weight.shape[1])))
         else:  # unknown convention: record [rows, cols]; resolved against the hidden size later
             found.append(_Linear(name, _parent(name), int(weight.shape[1]), int(weight.shape[0]), bare=True))
     return found
+
+
+def is_conv1d(module) -> bool:
+    """transformers' Conv1D (GPT-2, GPT-1, GPT-SW3): a Linear whose weight is stored [in, out] (`nx`, `nf`) and applied
+    as `addmm(bias, x, weight)`."""
+    weight = getattr(module, "weight", None)
+    return (any(cls.__name__ == "Conv1D" for cls in type(module).__mro__) and isinstance(getattr(module, "nf", None), int)
+            and getattr(weight, "shape", None) is not None and tuple(weight.shape) == (module.nx, module.nf))
 
 
 def _orient(linears: list[_Linear], hidden: int) -> None:
@@ -1850,14 +1913,16 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                 "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
                           "k) and heads (x as v)",
                 "short_conv": "gated short convolutions (LFM2's)",
-                "mamba1": "Mamba-1 selective scans"}.get(linear.kind, "Gated DeltaNet linear attention")
+                "mamba1": "Mamba-1 selective scans",
+                "lightning": "MiniMax's lightning attention"}.get(linear.kind, "Gated DeltaNet linear attention")
         priced = {"short_conv": "their convolution and gates priced as elementwise work",
-                  "mamba1": "priced as mamba-ssm's selective-scan kernels run it"}.get(
+                  "mamba1": "priced as mamba-ssm's selective-scan kernels run it",
+                  "lightning": "priced as transformers' blocked torch path runs it"}.get(
             linear.kind, "priced as flash-linear-attention's chunked kernels run it")
         notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}"
                      f"{' beside their attention' if linear.beside_attention else ''}, {priced}")
         widths = sum(sum(parts) for _, parts in linear.columns)
-        expected = linear_shape.projections(hidden)[0][1]
+        expected = sum(n_out for n_in, n_out, split in linear_shape.projections(hidden) if split == "out")
         if widths != expected:
             notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
                          f"transformers' q, k, v, z, b and a ({expected})")
@@ -1909,6 +1974,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
         gated_delta_net=linear_shape, mixer_free_layers=mixer_free, mlp_free_layers=mlp_free, **moe_fields,
         media_parameters=_media_parameters(model, structure),
+        position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
+                             if structure.position_embedding else 0),
     )
     if fields["media_parameters"]:
         structure = dataclasses.replace(structure, notes=(*structure.notes, (
@@ -1987,12 +2054,13 @@ def _linear_mixer(layer) -> str | None:
     """The name (relative to `layer`) of its linear-attention mixer, or None: a Gated DeltaNet mixer (a module with
     transformers' head attributes for one, `_GATED_DELTA_NET_ATTRS`, and a depthwise nn.Conv1d child: a group per
     channel), a Kimi Delta Attention mixer (`_is_kimi_delta_attention`), a Mamba-2 mixer (`_is_mamba2_mixer`), a
-    Mamba-1 mixer (`_is_mamba1_mixer`) or a gated short convolution (`_is_short_convolution`)."""
+    Mamba-1 mixer (`_is_mamba1_mixer`), a gated short convolution (`_is_short_convolution`) or MiniMax's lightning
+    attention (`_is_lightning_attention`)."""
     from torch import nn
 
     for name, module in layer.named_modules():
         if (_is_kimi_delta_attention(module) or _is_mamba2_mixer(module) or _is_mamba1_mixer(module)
-                or _is_short_convolution(module)):
+                or _is_short_convolution(module) or _is_lightning_attention(module)):
             return name
         if not all(isinstance(readable_attr(module, a), int) for a in _GATED_DELTA_NET_ATTRS):
             continue
@@ -2281,6 +2349,72 @@ def _mamba1_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
         kind="mamba1")
 
 
+# transformers' MiniMaxLightningAttention keeps its shapes as these attributes.
+_LIGHTNING_ATTRS = ("num_attention_heads", "head_dim", "block_size")
+
+
+def _is_lightning_attention(module) -> bool:
+    """A module with lightning attention's shape attributes (`_LIGHTNING_ATTRS`) and a buffer `slope_rate` of one decay
+    rate per head ([heads, 1, 1]): MiniMax-Text-01's and MiniMax-M1's linear layers."""
+    if not all(isinstance(readable_attr(module, a), int) for a in _LIGHTNING_ATTRS):
+        return False
+    rate = getattr(module, "_buffers", {}).get("slope_rate")
+    return rate is not None and rate.dim() == 3 and rate.shape[0] == module.num_attention_heads
+
+
+def _lightning_attention(where: str, name: str, module, layer_indices: tuple[int, ...], hidden: int) -> LinearAttention:
+    """MiniMax's lightning attention as tensor parallel splits it by head (LinearAttention, kind "lightning"): its
+    projection to [q k v] of each head (3 x heads x head_dim, laid out per head: a contiguous split keeps each head's
+    three together) and its output gate (heads x head_dim) column-parallel, the projection back to the hidden size
+    row-parallel, this rank's rows of its decay buffers (a row per head: slope_rate, query_decay, key_decay along dim
+    0, diagonal_decay along dim 1; its code reads them itself), its norm over every head's features with its
+    statistics summed over the ranks (`whole_norm`), `num_attention_heads` local. Anything else is refused, naming it."""
+    from torch import nn
+
+    heads, head_dim = int(module.num_attention_heads), int(module.head_dim)
+    width = heads * head_dim
+    # The output projection: the heads' features back to the hidden size, by its name where the gate has that shape too
+    candidates = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_children()
+                  if isinstance(c, nn.Linear) and (c.in_features, c.out_features) == (width, hidden)]
+    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    columns, whole_norm = [], None
+    for child_name, child in module.named_children():
+        params = dict(child.named_parameters())
+        if child_name == output:
+            continue
+        if isinstance(child, nn.Linear) and child.in_features == hidden and child.out_features in (width, 3 * width):
+            columns.append((child_name, (child.out_features,)))
+        elif params and all(p.dim() == 1 and p.shape[0] == width for p in params.values()) and whole_norm is None:
+            whole_norm = child_name
+        elif params:
+            _refuse_foreign_part(where, child_name, child, params, "a lightning attention's",
+                                 f"the projection {hidden} -> {3 * width} to [q k v] per head, the output gate "
+                                 f"{hidden} -> {width}, the output projection {width} -> {hidden}, a norm over its "
+                                 f"{width} features")
+    # The decays are computed from slope_rate ([heads, 1, 1]) by broadcasting: their heads lie on the third dim from
+    # the end (diagonal_decay [1, heads, block, block]; its block may be as long as the heads are many)
+    rows, row_dims = [], []
+    for bname, buffer in module.named_buffers(recurse=False):
+        along = buffer.dim() - 3
+        if along < 0 or buffer.shape[along] != heads:
+            raise UnrecognisedModel(f"{where}.{bname} {tuple(buffer.shape)} is no buffer of one row per head ({heads}) "
+                                    "on its third dim from the end, as a decay from slope_rate is, which tensor "
+                                    "parallel would split with the heads")
+        rows.append((bname, (heads,)))
+        if along:
+            row_dims.append((bname, along))
+    if (any(True for _ in module.parameters(recurse=False)) or output is None or whole_norm is None
+            or sorted(size for _, (size,) in columns) != [width, 3 * width]):
+        raise UnrecognisedModel(f"{where}: a lightning attention needs projections to [q k v] ({3 * width}) and to its "
+                                f"output gate ({width}), one back to the hidden size and a norm over its {width} "
+                                f"features, and no parameters of its own; found columns {[n for n, _ in columns]}, "
+                                f"output {output}, norm {whole_norm}")
+    return LinearAttention(
+        mixer=name, layers=layer_indices, num_k_heads=heads, num_v_heads=heads, columns=tuple(columns), output=output,
+        rows=tuple(rows), shared=(), counts=("num_attention_heads",), row_dims=tuple(row_dims),
+        whole_norm=whole_norm, kind="lightning")
+
+
 def _refuse_foreign_part(where: str, child_name: str, child, params: dict, mixer: str, parts: str) -> None:
     """Raise naming `child` (its parameters' shapes) as none of `mixer` parts tensor parallel splits (`parts`)."""
     shapes = ", ".join(f"{pname} {tuple(p.shape)}" for pname, p in params.items())
@@ -2322,6 +2456,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         return _short_convolution(name, module, tuple(sorted(mixers)))
     if _is_mamba1_mixer(module):
         return _mamba1_mixer(where, name, module, tuple(sorted(mixers)), hidden)
+    if _is_lightning_attention(module):
+        return _lightning_attention(where, name, module, tuple(sorted(mixers)), hidden)
     num_k_heads, num_v_heads, head_k_dim, head_v_dim = (int(getattr(module, a)) for a in _GATED_DELTA_NET_ATTRS)
     if num_v_heads % num_k_heads:
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
@@ -2360,11 +2496,14 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         counts=tuple(a for a in _LINEAR_ATTENTION_COUNTS if isinstance(readable_attr(module, a), int)))
 
 
-def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "GatedDeltaNet | ShortConvolution | SelectiveScan":
+def _gated_delta_net_shape(layers, linear: LinearAttention, hidden: int) -> "GatedDeltaNet | ChannelMixer":
     """The cost model's shapes of the `linear` layers (read from the first one's mixer: the others are alike)."""
     from torch import nn
 
     mixer = layers[linear.layers[0]].get_submodule(linear.mixer)
+    if linear.kind == "lightning":  # no convolution
+        return LightningAttention(layers=linear.layers, channels=int(mixer.num_attention_heads),
+                                  head_dim=int(mixer.head_dim), block_size=int(mixer.block_size))
     conv = next(c for c in mixer.children() if isinstance(c, nn.Conv1d))
     if linear.kind == "short_conv":
         return ShortConvolution(layers=linear.layers, channels=conv.out_channels, conv_kernel_size=conv.kernel_size[0])

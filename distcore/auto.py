@@ -44,6 +44,7 @@ from .parallelize import parallelize, refuse_compiled, router_aux_loss_on
 from .block_check import TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
+    DistributedNorm,
     LocalParameterRows,
     ReduceSharedOutputGradient,
     ReplicatedColWiseParallel,
@@ -751,9 +752,15 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         # tp ranks. The span between Begin and End is read in registration order (_with_sequence_context): a final
         # norm registered before the layers (OPT's) would leave them out of it, so there the LM head module ends it,
         # as it did for every model before 2026-11-30.
+        # Without a final norm (GPT-1, OLMo's parameter-free one, nanochat's functional one), the last decoder layer's
+        # output is gathered: model code between the layers and the head may read it at the whole sequence's shape
+        # (GPT-1 reshapes it to the input's).
         late_norm = structure.final_norm if order.get(structure.final_norm, -1) > order.get(structure.layers, -1) else None
         end = late_norm or structure.lm_head or structure.final_norm
-        add(end, SequenceParallelEnd())
+        if structure.final_norm is None and layers:
+            add(layers[-1], SequenceParallelEnd(at_output=True))
+        else:
+            add(end, SequenceParallelEnd())
     resolved = plan_from_names(model, plan)
     if sequence_parallel and not set(layers) <= resolved.sequence_span:  # a setting not honoured is an error
         raise ValueError(f"tensor_parallel_plan: sequence parallel would leave decoder layers out of its span: the span "
@@ -819,6 +826,8 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
             add(mixer, UnfusedMixerForward())
         if linear.group_norm and linear.num_k_heads < tp:
             add(f"{mixer}.{linear.group_norm}", SplitGroupNorm(linear.num_k_heads))
+        if linear.whole_norm:  # MiniMax's norm over every head's features: its statistics summed over the ranks
+            add(f"{mixer}.{linear.whole_norm}", DistributedNorm())
         add(mixer, LocalParameterRows(rows=dict(linear.rows), counts=linear.counts, dims=dict(linear.row_dims),
                                       units={name: units[name] for name, _ in linear.rows if name in units},
                                       part_counts=dict(linear.part_counts)))

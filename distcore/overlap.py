@@ -54,6 +54,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tridist.kernels import all_gather_matmul, matmul_reduce_scatter
 
+from .linear_like import is_linear_like, matmul_weight
 from .sequence_layout import SEQUENCE_DIM, map_first_activation
 from .packed import UnequalPackedColwise
 
@@ -70,7 +71,8 @@ class OverlappedExitLinear:
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         mesh = self.weight.device_mesh
-        out = matmul_reduce_scatter(input, self.weight.to_local(), mesh.get_group(), scatter_dim=SEQUENCE_DIM,
+        weight = matmul_weight(self, self.weight.to_local())  # [out, in]: a Conv1D's transposed, a view
+        out = matmul_reduce_scatter(input, weight, mesh.get_group(), scatter_dim=SEQUENCE_DIM,
                                     backend=self._tridist_overlap_backend)
         if self.bias is not None:  # once, after the sum; its gradient summed over the ranks' sequence shards
             out = (DTensor.from_local(out, mesh, [Shard(SEQUENCE_DIM)], run_check=False) + self.bias.to(out.dtype)).to_local()
@@ -90,9 +92,9 @@ def apply_overlapped_entry(style, target, torch_style) -> str:
     """A ColWiseParallel Linear directly under a Disable region, with overlap: its weight (and bias) split
     as torch_style splits them, its forward the region's precomputed output; returns how, for the log."""
     module = target.module
-    if not isinstance(module, torch.nn.Linear):
+    if not is_linear_like(module):
         raise ValueError(f"parallelize: overlap_comm: {target.name} is a {type(module).__name__}; the entry of a "
-                         "sequence-parallel region must be an nn.Linear")
+                         "sequence-parallel region must be an nn.Linear (or transformers' Conv1D)")
     if isinstance(torch_style, UnequalPackedColwise):
         raise ValueError(
             f"parallelize: overlap_comm cannot overlap {target.name}: its packed parts have unequal sizes "
@@ -177,7 +179,7 @@ class OverlappedRegion:
         return map_first_activation(args, kwargs, self._gather_and_project)
 
     def _gather_and_project(self, x_shard: torch.Tensor) -> torch.Tensor:
-        weights = [child.weight.to_local() for _, child in self.entries]
+        weights = [matmul_weight(child, child.weight.to_local()) for _, child in self.entries]
         gathered, outputs = all_gather_matmul(x_shard, weights, self.tp_mesh.get_group(), gather_dim=SEQUENCE_DIM,
                                               return_gathered=True, backend=self.backend)
         self.gathered = gathered

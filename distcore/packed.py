@@ -14,12 +14,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def packed_colwise(sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True,
-                   units: tuple[int, ...] | None = None) -> ParallelStyle:
+                   units: tuple[int, ...] | None = None, out_dim: int = 0) -> ParallelStyle:
     """torch's style for a Linear packing projections of `sizes` (see the two classes); `units`: each part's count
-    of indivisible units (UnequalPackedColwise), where some part has fewer than the ranks."""
+    of indivisible units (UnequalPackedColwise), where some part has fewer than the ranks; `out_dim`: the weight's
+    dim of the output features (0: nn.Linear's [out, in]; 1: transformers' Conv1D, linear_like.py)."""
     if len(set(sizes)) == 1 and units is None:
-        return PackedColwiseParallel(len(sizes), gather_output=gather_output, local_output=local_output)
-    return UnequalPackedColwise(sizes, gather_output=gather_output, local_output=local_output, units=units)
+        return PackedColwiseParallel(len(sizes), gather_output=gather_output, local_output=local_output, out_dim=out_dim)
+    return UnequalPackedColwise(sizes, gather_output=gather_output, local_output=local_output, units=units,
+                                out_dim=out_dim)
 
 
 def unit_span(size: int, units: int, tp: int, rank: int) -> tuple[int, int]:
@@ -47,22 +49,22 @@ def check_units(name: str, sizes: tuple[int, ...], units: tuple[int, ...], tp: i
 class PackedColwiseParallel(ColwiseParallel):
     """ColwiseParallel for a Linear packing `parts` equal projections along its output ([q | k | v]).
 
-    The weight is `_StridedShard(0, split_factor=parts)`: each part split over the ranks, a rank's
-    shard the concatenation of its share of every part, the global value the single-device layout.
+    The weight is `_StridedShard(0, split_factor=parts)` (a Conv1D's: on its dim 1, `out_dim`): each part split over
+    the ranks, a rank's shard the concatenation of its share of every part, the global value the single-device layout.
     DTensor propagates it through the matmul (output `_StridedShard(-1)`), so the local output is
     [q_r | k_r | v_r]. The bias stays replicated (a slice of it is taken in the forward): FSDP2 can
     only shard a 1-D parameter on dim 0, which cannot express a per-part split.
     """
 
-    def __init__(self, parts: int, *, gather_output: bool, local_output: bool = True):
+    def __init__(self, parts: int, *, gather_output: bool, local_output: bool = True, out_dim: int = 0):
         super().__init__(output_layouts=Replicate() if gather_output else None)
-        self.parts, self.gather_output, self.local_output = parts, gather_output, local_output
+        self.parts, self.gather_output, self.local_output, self.out_dim = parts, gather_output, local_output, out_dim
 
     def describe(self) -> str:
         return f"{self.parts} packed projections of equal size, each split"
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        layouts = {"weight": [_StridedShard(0, split_factor=self.parts)], "bias": [Replicate()]}
+        layouts = {"weight": [_StridedShard(self.out_dim, split_factor=self.parts)], "bias": [Replicate()]}
         for pname, param in list(module.named_parameters(recurse=False)):
             dist_param = distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, torch.nn.Parameter(dist_param, requires_grad=param.requires_grad))
@@ -102,9 +104,10 @@ class UnequalPackedColwise(ParallelStyle):
     """
 
     def __init__(self, sizes: tuple[int, ...], *, gather_output: bool, local_output: bool = True,
-                 units: tuple[int, ...] | None = None):
+                 units: tuple[int, ...] | None = None, out_dim: int = 0):
         super().__init__()
         self.sizes, self.gather_output, self.local_output = tuple(sizes), gather_output, local_output
+        self.in_dim = 1 - out_dim  # the weight's dim of the input features (a Conv1D's is 0)
         self.units = tuple(units) if units is not None else None
         self._orders: dict = {}  # (device, parts) -> _rank_major_columns
 
@@ -119,9 +122,8 @@ class UnequalPackedColwise(ParallelStyle):
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
 
-    @staticmethod
-    def _partition(name, module, device_mesh) -> None:
-        layouts = {"weight": [Shard(1)], "bias": [Replicate()]}
+    def _partition(self, name, module, device_mesh) -> None:
+        layouts = {"weight": [Shard(self.in_dim)], "bias": [Replicate()]}
         for pname, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, torch.nn.Parameter(
                 distribute_tensor(param, device_mesh, layouts[pname]), requires_grad=param.requires_grad))
@@ -201,9 +203,12 @@ class SumBothWays(torch.autograd.Function):
 
 
 def fsdp_shard_placement(param: torch.nn.Parameter):
-    """FSDP2's shard placement for `param` (its `shard_placement_fn`): dim 1 for a packed projection's
-    weight, None (FSDP's dim 0) otherwise. FSDP sharding dim 0 of a per-part split weight would describe
-    it wrongly (its global value, state dict and checkpoints would be scrambled); dim 1 is independent."""
-    if isinstance(param, DTensor) and param.dim() == 2 and any(isinstance(p, _StridedShard) for p in param.placements):
-        return Shard(1)
+    """FSDP2's shard placement for `param` (its `shard_placement_fn`): for a packed projection's weight, the dim its
+    per-part split is not on (dim 1 of a Linear's, 0 of a Conv1D's), else None (FSDP's dim 0). FSDP sharding the
+    dim of a per-part split would describe it wrongly (its global value, state dict and checkpoints would be
+    scrambled); the other dim is independent."""
+    if isinstance(param, DTensor) and param.dim() == 2:
+        strided = [p.dim for p in param.placements if isinstance(p, _StridedShard)]
+        if strided:
+            return Shard(1 - strided[0])
     return None

@@ -51,7 +51,14 @@ def map_first_activation(args, kwargs, fn):
     raise ValueError("parallelize: a sequence-parallel boundary found no hidden-states tensor in the module's inputs")
 
 
+def first_output(output):
+    """A module's hidden states: its output, or the first of a tuple or list of outputs (GPT-1's blocks and attention
+    return lists)."""
+    return output[0] if isinstance(output, (tuple, list)) and output else output
+
+
 def map_output(output, fn):
-    if isinstance(output, tuple) and output:
-        return (fn(output[0]), *output[1:])
+    """Apply fn to a module's hidden states (`first_output`)."""
+    if isinstance(output, (tuple, list)) and output:
+        return type(output)([fn(output[0]), *output[1:]])
     return fn(output)

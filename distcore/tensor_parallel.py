@@ -55,11 +55,12 @@ from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_
 from tridist.kernels.fuse import forward_takes
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
+from .linear_like import TransposedColwise, TransposedRowwise, features, is_conv1d, is_linear_like, weight_out_dim
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, SumBothWays, check_units, packed_colwise, unit_span
 from .random_state import ShardedRegionRandomState
-from .sequence_layout import (SEQUENCE_DIM, first_activation, gather_sequence, map_first_activation, map_output,
-                              split_sequence)
+from .sequence_layout import (SEQUENCE_DIM, first_activation, first_output, gather_sequence, map_first_activation,
+                              map_output, split_sequence)
 from .vocab_embedding import split_embedding_vocabulary
 from .vocab_parallel import split_bare_weight
 
@@ -135,10 +136,11 @@ class ColWiseParallel(_Style):
         sizes = split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
         if len(sizes) > 1:
             return packed_colwise(sizes, gather_output=self.gather_output, local_output=local_output,
-                                  units=self.part_units)
+                                  units=self.part_units, out_dim=weight_out_dim(target.module))
         if local_output and isinstance(target.module, torch.nn.Embedding):
             return ColwiseParallel(output_layouts=Replicate())  # the hidden dim split, full embeddings out
-        return ColwiseParallel(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
+        style = TransposedColwise if is_conv1d(target.module) else ColwiseParallel
+        return style(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
         torch_style = self.torch_style(target)
@@ -147,7 +149,7 @@ class ColWiseParallel(_Style):
             notes.append(apply_overlapped_entry(self, target, torch_style))
         else:
             parallelize_module(target.module, target.tp_mesh, torch_style)
-        if isinstance(target.module, torch.nn.Linear):
+        if is_linear_like(target.module):
             target.module._tridist_local_heads = not self.gather_output  # its output holds this rank's heads only
             if not self.gather_output:
                 _open_sharded_region(target)
@@ -181,15 +183,16 @@ class RowWiseParallel(_Style):
         if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split: token ids in, full embeddings out
             return RowwiseParallel(input_layouts=Replicate(), use_local_output=local_output)
         # A Disable region's exit under sequence parallel: reduce-scatter straight onto sequence shards.
-        return RowwiseParallel(input_layouts=Shard(-1) if self.is_input_parallel else Replicate(),
-                               output_layouts=Shard(SEQUENCE_DIM) if self._scatters(target) else Replicate(),
-                               use_local_output=local_output)
+        style = TransposedRowwise if is_conv1d(target.module) else RowwiseParallel
+        return style(input_layouts=Shard(-1) if self.is_input_parallel else Replicate(),
+                     output_layouts=Shard(SEQUENCE_DIM) if self._scatters(target) else Replicate(),
+                     use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
         if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split (vocab_embedding.py)
             split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
             return split_embedding_vocabulary(target.name, target.module, target.tp_mesh)
-        if (target.random_state is not None and isinstance(target.module, torch.nn.Linear) and self.is_input_parallel
+        if (target.random_state is not None and is_linear_like(target.module) and self.is_input_parallel
                 and not self.inside_region):
             target.module.register_forward_pre_hook(target.random_state.leave)  # the sharded region closes
         if target.overlap_comm and self._scatters(target):
@@ -341,8 +344,10 @@ class LocalParameterRows(_Style):
     """A module whose heads mp splits through its column-parallel projections and that holds parameters with
     rows per head or per channel of them: a Gated DeltaNet mixer's depthwise convolution over its packed
     [q | k | v] channels and its per-head decay and time-step biases, which its code reads itself
-    (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward, or a non-persistent buffer (Falcon-H1's
-    mup_vector, a multiplier per input-projection output: this rank's rows taken once). Each parameter named in `rows`
+    (`self.conv1d.weight`, `self.A_log`), not through a submodule's forward, or a buffer: a non-persistent one
+    (Falcon-H1's mup_vector, a multiplier per input-projection output) has this rank's rows taken once, a persistent
+    one (MiniMax's decays, in its checkpoints) stays whole, this rank's rows swapped in around every call. Each
+    parameter named in `rows`
     (relative to the module) stays whole on every rank (a Replicate DTensor: a few values per channel); around
     every call of the module's forward (its forward hooks) its owner holds this rank's rows of each part
     (`rows[name]`: the parts' sizes, each split evenly, in order), whose gradients are summed over the mp ranks.
@@ -368,7 +373,8 @@ class LocalParameterRows(_Style):
         module, tp = target.module, target.tp_mesh.size()
         rank = target.tp_mesh.get_local_rank()
         spans = {}  # (owner, parameter name) -> this rank's (start, length) in each part
-        buffers = {}  # the same for buffers: (owner, buffer name) -> (dim, spans)
+        buffers = {}  # the same for non-persistent buffers: (owner, buffer name) -> (dim, spans)
+        swapped = {}  # and for persistent ones, kept whole
         submodules = dict(module.named_modules())
         for name, parts in self.rows.items():
             owner_name, _, pname = name.rpartition(".")
@@ -378,9 +384,6 @@ class LocalParameterRows(_Style):
             if param is None and buffer is None:
                 raise ValueError(f"parallelize: {type(self).__name__} names {target.name}.{name}, which is no "
                                  f"parameter or buffer of {type(module).__name__}; name them relative to it")
-            if buffer is not None and pname not in owner._non_persistent_buffers_set:
-                raise ValueError(f"parallelize: {target.name}.{name} is a persistent buffer: its checkpoint would hold "
-                                 f"this rank's rows; {type(self).__name__} takes rows of non-persistent buffers only")
             param = param if param is not None else buffer
             if isinstance(param, DTensor):
                 raise ValueError(f"parallelize: {target.name}.{name} is split already ({param.placements}); "
@@ -394,7 +397,8 @@ class LocalParameterRows(_Style):
             starts = [sum(parts[:i]) for i in range(len(parts))]
             taken = (dim, [(start + offset, length) for start, part, count in zip(starts, parts, units)
                            for offset, length in [unit_span(part, count, tp, rank)]])
-            (spans if buffer is None else buffers)[owner, pname] = taken
+            persistent = buffer is not None and pname not in owner._non_persistent_buffers_set
+            (spans if buffer is None else swapped if persistent else buffers)[owner, pname] = taken
         counted = {}  # attribute -> (owner, leaf, its whole value, this rank's)
         for attribute in [*self.counts, *self.part_counts]:
             owner_name, _, leaf = attribute.rpartition(".")
@@ -433,6 +437,10 @@ class LocalParameterRows(_Style):
         def take_local_rows(mixer, args) -> None:
             if buffers:
                 take_buffer_rows()
+            kept = vars(mixer).setdefault("_tridist_whole_buffers", {})
+            for (owner, pname), (dim, taken) in swapped.items():
+                whole = kept.setdefault((owner, pname), owner._buffers[pname])
+                owner._buffers[pname] = torch.cat([whole.narrow(dim, start, length) for start, length in taken], dim=dim)
             saved = vars(mixer).setdefault("_tridist_whole_parameters", {})
             for (owner, pname), (dim, taken) in spans.items():
                 whole = saved.setdefault((owner, pname), owner._parameters[pname])  # another swap may have put it aside
@@ -442,6 +450,8 @@ class LocalParameterRows(_Style):
 
         def put_back(mixer, args, output) -> None:  # its own hook: ShardLocalParameters.release removes only its own
             _swap_back_parameters(mixer, args, output)
+            for (owner, pname), whole in vars(mixer).pop("_tridist_whole_buffers", {}).items():
+                owner._buffers[pname] = whole
 
         module.register_forward_pre_hook(take_local_rows)
         module.register_forward_hook(put_back, always_call=True)
@@ -849,6 +859,13 @@ class LocalHeadConfig:
         return f"LocalHeadConfig({counts}, of {type(self._shared).__name__})"
 
 
+def _query_width(value, heads: int, head_dim) -> bool:
+    """`value` may be the query heads' width: heads x head_dim, or, the head_dim unknown, a multiple of the heads."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return False
+    return value == heads * head_dim if isinstance(head_dim, int) else value % heads == 0
+
+
 def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:
     """Modules of a block (its single-device copy `whole`) that hold query heads and either a `config` with head
     counts or an attribute of _Q_WIDTHS equal to their heads x head_dim: LocalHeadWidths' candidates, {module name:
@@ -859,8 +876,9 @@ def head_width_owners(whole: torch.nn.Module) -> dict[str, LocalHeadWidths]:
         config = getattr(module, "config", None)
         counted = config is not None and not isinstance(config, torch.nn.Module) and any(
             isinstance(readable_attr(config, attribute), int) for attribute in _HEADS_OF)
+        # Without a head_dim (GPT-1 keeps none), any such width that the heads divide: the check tells
         widths = tuple(attribute for attribute in _Q_WIDTHS
-                       if isinstance(head_dim, int) and readable_attr(module, attribute) == heads * head_dim)
+                       if _query_width(readable_attr(module, attribute), heads, head_dim))
         if counted or widths:
             owners[name] = LocalHeadWidths(widths, config=counted)
     return owners
@@ -904,8 +922,17 @@ class SequenceParallelBegin(_SequenceParallelStyle):
     pass
 
 
+@dataclass(repr=False)
 class SequenceParallelEnd(_SequenceParallelStyle):
-    pass
+    """The sequence is gathered at this module's input (Paddle's: the LM head, or the final norm).
+
+    `at_output` (a tridist extension): gathered from its output instead, the module itself running on slices (the
+    region ends after it): a model's last decoder layer where no final norm follows the layers, so that the model's
+    own code between the layers and the head (GPT-1 reshapes the hidden states to the input's shape) sees the whole
+    sequence. A boundary of the model, not of the block: a block's copy in the block check leaves it out
+    (`TensorParallelPlan.within`), and on a block in global view it gathers the block's DTensor output."""
+
+    at_output: bool = False
 
 
 class SequenceParallelEnable(_SequenceParallelBoundary):
@@ -950,13 +977,23 @@ class TensorParallelPlan:
     overlap_comm: str | None = None
 
     def within(self, prefix: str) -> "TensorParallelPlan":
-        """The plan of the module at `prefix`, its names relative to it (what a block's copy takes)."""
-        return self._select(lambda name: _under(name, prefix), lambda name: _strip(name, prefix), lazy_split=())
+        """The plan of the module at `prefix`, its names relative to it (what a block's copy takes), without an End
+        on the block itself that gathers its output (a boundary of the model: SequenceParallelEnd.at_output)."""
+        plan = self._select(lambda name: _under(name, prefix), lambda name: _strip(name, prefix), lazy_split=())
+        if not _ends_at_output(plan.styles.get("", ())):
+            return plan
+        styles = {**plan.styles, "": [st for st in plan.styles[""] if not _ends_at_output([st])]}
+        return dataclasses.replace(plan, styles={name: st for name, st in styles.items() if st})
 
     def excluding(self, prefixes) -> "TensorParallelPlan":
-        """This plan without the subtrees at `prefixes` (blocks applied another way)."""
-        return self._select(lambda name: not any(_under(name, p) for p in prefixes), lambda name: name,
-                            lazy_split=self.lazy_split)
+        """This plan without the subtrees at `prefixes` (blocks applied another way), but an End gathering the output of
+        one of them, which applies to the block from outside (SequenceParallelEnd.at_output)."""
+        kept = {p for p in prefixes if _ends_at_output(self.styles.get(p, ()))}
+        plan = self._select(lambda name: name in kept or not any(_under(name, p) for p in prefixes),
+                            lambda name: name, lazy_split=self.lazy_split)
+        styles = {name: [st for st in styles if _ends_at_output([st])] if name in kept else styles
+                  for name, styles in plan.styles.items()}
+        return dataclasses.replace(plan, styles=styles)
 
     def with_styles(self, added: dict) -> "TensorParallelPlan":
         """This plan with more styles: {module name: [styles]} (the block check's repairs)."""
@@ -980,6 +1017,10 @@ class TensorParallelPlan:
 
     def styles_under(self, prefix: str) -> bool:
         return any(_under(n, prefix) for n in [*self.styles, *self.bare])
+
+
+def _ends_at_output(styles) -> bool:
+    return any(isinstance(st, SequenceParallelEnd) and st.at_output for st in styles)
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -1062,7 +1103,7 @@ def plan_from_names(model: torch.nn.Module, styles: dict, bare: dict | None = No
     bare_styles = {name: list(st) for name, st in (bare or {}).items() if name in params or _elsewhere(name, modules)}
     for name, values in styles.items():
         owner = name.rpartition(".")[0]
-        if name in params and isinstance(modules.get(owner), (torch.nn.Linear, torch.nn.Embedding)):
+        if name in params and _splittable(modules.get(owner)):
             name = owner
         elif name in params:
             bare_styles.setdefault(name, []).extend(values)
@@ -1088,17 +1129,31 @@ def _with_sequence_context(model: torch.nn.Module, styles_of: dict, bare_styles:
     def marked(kind):
         return [name for name, st in styles_of.items() if any(isinstance(x, kind) for x in st)]
 
-    begins, ends = [order.index(n) for n in marked(SequenceParallelBegin)], [order.index(n) for n in marked(SequenceParallelEnd)]
+    begins = [order.index(n) for n in marked(SequenceParallelBegin)]
     if not begins:
         return TensorParallelPlan(styles_of, bare_styles)
-    first, last = min(begins), (max(ends) if ends else len(order))
+    stops = [_end_stops(order, name, styles_of[name]) for name in marked(SequenceParallelEnd)]
+    first = min(begins)
+    last, split_last = max(stops) if stops else (len(order), len(order))
     span = frozenset(order[first + 1:last])
-    boundaries = [*marked(SequenceParallelBegin), *marked(SequenceParallelEnd), *marked(SequenceParallelDisable)]
+    boundaries = [*marked(SequenceParallelBegin), *marked(SequenceParallelDisable),
+                  *(n for n in marked(SequenceParallelEnd) if not _ends_at_output(styles_of[n]))]
     region = frozenset(n for n in span if not any(_under(n, b) for b in boundaries))
     return TensorParallelPlan(
         styles_of, bare_styles, sequence_span=span, sequence_region=region,
-        disabled=frozenset(marked(SequenceParallelDisable)), lazy_split=tuple(_split_points(model, order[first + 1:last + 1])),
+        disabled=frozenset(marked(SequenceParallelDisable)),
+        lazy_split=tuple(_split_points(model, order[first + 1:split_last])),
     )
+
+
+def _end_stops(order: list[str], name: str, styles) -> tuple[int, int]:
+    """Where the End module `name` ends the sequence-parallel span (exclusive, in registration `order`) and the modules
+    that may take the pending split (_split_points)."""
+    index = order.index(name)
+    if not _ends_at_output(styles):
+        return index, index + 1  # its input gathered: outside the span, but it may take the split (no layer before it)
+    after = next((i for i in range(index + 1, len(order)) if not _under(order[i], name)), len(order))
+    return after, after  # its output gathered: inside the span, with its submodules
 
 
 def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh, process_mesh) -> list[str]:
@@ -1128,7 +1183,7 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
                 name, module, modules.get(parent), tp_mesh=tp_mesh, process_mesh=process_mesh,
                 in_region=name in plan.sequence_span, sequence_split=sequence_split,
                 # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
-                scatter_sequence=parent in plan.disabled and isinstance(module, torch.nn.Linear),
+                scatter_sequence=parent in plan.disabled and is_linear_like(module),
                 overlap_comm=plan.overlap_comm, random_state=random_state,
             )))
     for name, styles in plan.bare.items():
@@ -1193,14 +1248,15 @@ def _tied_split_dim(root: torch.nn.Module, name: str, plan: TensorParallelPlan) 
     owner, _, leaf = name.rpartition(".")
     module = root.get_submodule(owner)
     splits = [s for s in plan.styles.get(owner, []) if isinstance(s, (ColWiseParallel, RowWiseParallel))]
-    if name in plan.bare or leaf != "weight" or len(splits) != 1 or not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+    if name in plan.bare or leaf != "weight" or len(splits) != 1 or not _splittable(module):
         return None
     column = isinstance(splits[0], ColWiseParallel)
     if isinstance(module, torch.nn.Embedding):
         return 1 if column else 0
     if column and _declared_parts(splits[0], owner.rpartition(".")[2]) != 1:
         return None  # a per-part split is no plain dim
-    return 0 if column else 1
+    out_dim = weight_out_dim(module)
+    return out_dim if column else 1 - out_dim
 
 
 def _describe_split(root: torch.nn.Module, name: str, plan: TensorParallelPlan) -> str:
@@ -1240,7 +1296,7 @@ def _match(key: str, modules: dict, params: dict, *, strict: bool) -> list[str]:
         for name in params:
             if pattern.fullmatch(name):
                 owner = name.rpartition(".")[0]  # not in `modules` for a module registered twice (tied)
-                named.add(owner if isinstance(modules.get(owner), (torch.nn.Linear, torch.nn.Embedding)) else name)
+                named.add(owner if _splittable(modules.get(owner)) else name)
         matched = sorted(named, key=lambda n: order.get(n, order.get(n.rpartition(".")[0], len(order))))
     else:
         matched = [name for name in modules if name and pattern.fullmatch(name)]
@@ -1277,10 +1333,11 @@ def _apply_bare(model: torch.nn.Module, name: str, style, *, tp_mesh) -> str:
 def split_parts(name: str, module: torch.nn.Module, style, tp: int, *, parent: torch.nn.Module | None) -> tuple[int, ...]:
     """Check that ColWise/RowWise can split `module` over `tp` ranks; returns the sizes of the packed
     projections it holds (one size: a contiguous split). Shared by the local and the global view."""
-    if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+    if not _splittable(module):
         raise NotImplementedError(
             f"parallelize: {type(style).__name__} on {name or 'the model'!r} ({type(module).__name__}): distcore splits "
-            "nn.Linear and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. 'lm_head.weight')"
+            "nn.Linear, transformers' Conv1D and nn.Embedding modules, and bare 2-D weights named by parameter (e.g. "
+            "'lm_head.weight')"
         )
     sizes = packed_sizes(name, module, style, tp, parent=parent)
     if len(sizes) == 1:
@@ -1303,9 +1360,9 @@ def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: 
     declared = _declared_parts(style, leaf)
     if declared == 1:
         return (_out_size(module),)
-    if not isinstance(module, torch.nn.Linear):
-        raise NotImplementedError(f"parallelize: packed projections ({name!r}) must be nn.Linear modules")
-    out = module.out_features
+    if not is_linear_like(module):
+        raise NotImplementedError(f"parallelize: packed projections ({name!r}) must be nn.Linear or Conv1D modules")
+    in_features, out = features(module)
     if isinstance(declared, tuple):
         sizes = tuple(int(n) for n in declared)
         if sum(sizes) != out or min(sizes) <= 0:
@@ -1330,10 +1387,10 @@ def packed_sizes(name: str, module: torch.nn.Module, style, tp: int, *, parent: 
             f"over {tp} ranks, which does not divide them; use a tensor-parallel degree that divides each "
             "projection's size (or packed_parts=1 for a layout packed per head)"
         )
-    if (len(set(sizes)) > 1 or style.part_units is not None) and module.in_features % tp:
+    if (len(set(sizes)) > 1 or style.part_units is not None) and in_features % tp:
         raise ValueError(
             f"parallelize: ColWiseParallel on {name!r} packs projections of unequal sizes {list(sizes)}, split through "
-            f"its input features ({module.in_features}), which {tp} ranks do not divide; use a degree that divides them"
+            f"its input features ({in_features}), which {tp} ranks do not divide; use a degree that divides them"
         )
     return sizes
 
@@ -1343,8 +1400,13 @@ def _declared_parts(style: ColWiseParallel, leaf: str):
     return style.packed_parts if style.packed_parts is not None else _PACKED_PARTS.get(leaf, 1)
 
 
+def _splittable(module: torch.nn.Module | None) -> bool:
+    """A module ColWise/RowWiseParallel split: Linear-like (linear_like.py) or an Embedding."""
+    return is_linear_like(module) or isinstance(module, torch.nn.Embedding)
+
+
 def _out_size(module: torch.nn.Module) -> int:
-    return module.out_features if isinstance(module, torch.nn.Linear) else module.embedding_dim
+    return features(module)[1] if is_linear_like(module) else module.embedding_dim
 
 
 def _qkv_sizes(parent: torch.nn.Module | None, out: int) -> tuple[int, int, int] | None:
@@ -1362,8 +1424,9 @@ def _remember_exit_output(module, args, output):
 
 
 def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None:
-    if isinstance(module, torch.nn.Linear):
-        dim, size = ("out_features", module.out_features) if isinstance(style, ColWiseParallel) else ("in_features", module.in_features)
+    if is_linear_like(module):
+        in_features, out_features = features(module)
+        dim, size = ("out_features", out_features) if isinstance(style, ColWiseParallel) else ("in_features", in_features)
     else:
         dim, size = ("embedding_dim", module.embedding_dim) if isinstance(style, ColWiseParallel) else ("num_embeddings", module.num_embeddings)
     if size % tp:
@@ -1373,7 +1436,7 @@ def _check_divisible(name: str, module: torch.nn.Module, style, tp: int) -> None
         )
 
 
-_Q_HEADS = ("num_heads", "num_attention_heads", "n_heads")
+_Q_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 
 
@@ -1397,6 +1460,7 @@ _Q_PROJECTIONS = ("q_proj", "wq", "qkv_proj", "query_key_value", "Wqkv", "c_attn
 _KV_PROJECTIONS = ("k_proj", "v_proj", "wk", "wv", "qkv_proj", "query_key_value", "Wqkv", "c_attn")
 _HEADS_OF = {  # head-count attribute -> the projections whose local output holds those heads
     "num_heads": _Q_PROJECTIONS, "num_attention_heads": _Q_PROJECTIONS, "n_heads": _Q_PROJECTIONS,
+    "n_head": _Q_PROJECTIONS,  # GPT-1's
     "num_key_value_heads": _KV_PROJECTIONS, "num_kv_heads": _KV_PROJECTIONS, "n_kv_heads": _KV_PROJECTIONS,
 }
 
@@ -1511,9 +1575,19 @@ def _apply_sequence_parallel(name: str, module: torch.nn.Module, style, *, tp_me
     def gather_output(_, args, output):
         return map_output(output, lambda x: gather_sequence(x, tp_mesh))
 
+    def gather_block_output(_, args, output):  # a block in global view gives DTensors with global shapes
+        def whole(x):
+            if isinstance(x, DTensor):
+                return x.redistribute(tp_mesh, [Replicate()]).to_local(grad_placements=[Replicate()])
+            return gather_sequence(x, tp_mesh)
+
+        return map_output(output, whole)
+
     if isinstance(style, SequenceParallelBegin):
         module.register_forward_hook(sequence_split.mark)
     # Boundary hooks run before a module's own tensor-parallel input conversion (prepend=True).
+    elif isinstance(style, SequenceParallelEnd) and style.at_output:
+        module.register_forward_hook(gather_block_output)
     elif isinstance(style, SequenceParallelEnd):
         module.register_forward_pre_hook(gather_input, with_kwargs=True, prepend=True)
     elif isinstance(style, SequenceParallelDisable):
@@ -1648,7 +1722,7 @@ def _check_exit(name: str, exits: list[torch.nn.Module]):
     sequence slice, as one device applies it to the whole sequence."""
 
     def hook(module, args, output):
-        first = output[0] if isinstance(output, tuple) else output
+        first = first_output(output)
         if not any(first is e_out or _dropout_of(first, e_out) for e_out in
                    (getattr(e, "_tridist_last_output", None) for e in exits) if e_out is not None):
             raise RuntimeError(

@@ -189,6 +189,14 @@ MORE_FAMILIES = {
                                  num_shared_experts=1, num_expert_group=1, topk_group=1, first_k_dense_replace=1))
        for family, model_type in (("kimi-linear", "kimi_linear"), ("ling-hybrid", "bailing_hybrid"))},
 }
+# MiniMax-Text-01's layers: lightning attention (linear, blocks of 4 tokens here: two per sequence, so the state carried
+# between blocks acts) beside softmax attention, experts in every layer.
+MORE_FAMILIES["minimax"] = ("minimax", dict(head_dim=16, block_size=4, num_local_experts=EXPERTS, **_MOE))
+# Families whose decoder layers the recogniser does not read (data and pipeline parallel only, fuse replaces nothing):
+# a BERT-style decoder, its query/key/value under attention.self and its output projection and MLP under other parents.
+UNREAD_FAMILIES = {
+    "bert-generation": ("bert-generation", dict(is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+}
 # The same in the models' own layer order (linear layers first, the dense first layer a linear one), Kimi's with as
 # many heads as a head's width (8 of 8: its latents' down-projections are then as wide as a per-head projection).
 _LINEAR_FIRST = dict(num_hidden_layers=3, layer_types=["linear_attention", "linear_attention", "full_attention"])
@@ -348,8 +356,8 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                                                 # GPT-2 defaults to dropout 0.1: random masks differ between
                                                 # layouts; the other families default to 0
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
-    if family in MORE_FAMILIES:
-        model_type, extra = MORE_FAMILIES[family]
+    if family in MORE_FAMILIES or family in UNREAD_FAMILIES:
+        model_type, extra = {**MORE_FAMILIES, **UNREAD_FAMILIES}[family]
         settings = hf.AutoConfig.for_model(model_type, **{**common, **extra, **(config or {})})
         alternating = {"qwen3-next": ("layer_types", "linear_attention", "full_attention"),
                        "qwen3.5": ("layer_types", "linear_attention", "full_attention"),
@@ -360,9 +368,11 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
                        "kimi-linear": ("layer_types", "full_attention", "linear_attention"),
                        "ling-hybrid": ("layer_types", "full_attention", "linear_attention"),
                        "lfm2": ("layer_types", "conv", "full_attention"),
-                       "lfm2-moe": ("layer_types", "conv", "full_attention")}
+                       "lfm2-moe": ("layer_types", "conv", "full_attention"),
+                       "minimax": ("layer_types", "linear_attention", "full_attention")}
         if family in alternating and alternating[family][0] not in (config or {}):  # the kinds alternate, the first first
             attribute, *kinds = alternating[family]
             setattr(settings, attribute, [kinds[i % 2] for i in range(layers)])
         return hf.AutoModelForCausalLM.from_config(settings)
-    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES)}")
+    raise ValueError(f"unknown family {family!r}; choose one of "
+                     f"{FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES) + list(UNREAD_FAMILIES)}")

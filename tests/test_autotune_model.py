@@ -505,6 +505,62 @@ def test_short_convolutions_are_read_for_the_split_by_channel():
         ModelSpec.from_module(other, seq_len=16)
 
 
+def test_lightning_attention_is_read_for_the_split_by_head():
+    """MiniMax's lightning attention layers (beside softmax attention layers of the same class, under one name;
+    refused under tp before: "decoder layers differ") are read as LinearAttention of kind "lightning": qkv_proj (its
+    [q k v] laid out per head: one part, a contiguous split) and output_gate column-parallel, out_proj row-parallel,
+    the decay buffers this rank's rows (each along its heads: the third dim from the end, as broadcast from
+    slope_rate, even where the block is as long as the heads are many), the norm over every head's features with its
+    statistics summed (DistributedNorm), num_attention_heads local. Priced as a LightningAttention: every parameter
+    counted; its saved activations within 10% of what transformers' torch path keeps (saved-tensor hooks; the formula
+    is a least-squares fit whose residual is a few percent); a tp that does not divide the heads is refused naming
+    them. A lightning attention with a parameter of its own is refused naming what it expects."""
+    from tests.hf_models import build
+    from tridist.autotune import LightningAttention
+    from tridist.autotune.cost import _linear_mixer_bytes
+    from tridist.distcore.auto import tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    model = build("minimax")
+    spec = ModelSpec.from_module(model, seq_len=16)
+    linear = spec.structure.linear_attention
+    assert (linear.kind, linear.mixer, linear.layers, linear.output, linear.counts, linear.whole_norm) == (
+        "lightning", "self_attn", (0,), "out_proj", ("num_attention_heads",), "norm")
+    assert dict(linear.columns) == {"qkv_proj": (192,), "output_gate": (64,)}
+    assert dict(linear.rows) == dict.fromkeys(("slope_rate", "query_decay", "key_decay", "diagonal_decay"), (4,))
+    assert dict(linear.row_dims) == {"diagonal_decay": 1}
+    assert spec.gated_delta_net == LightningAttention(layers=(0,), channels=4, head_dim=16, block_size=4)
+    assert spec.num_parameters == _count(model)
+    styles = tensor_parallel_plan(model, spec.structure, sequence_parallel=True, tp=2).styles
+    mixer = "model.layers.0.self_attn"
+    assert [(type(x).__name__, x.packed_parts) for x in styles[f"{mixer}.qkv_proj"]] == [("ColWiseParallel", 1)]
+    assert [type(x).__name__ for x in styles[f"{mixer}.output_gate"]] == ["ColWiseParallel"]
+    assert [type(x).__name__ for x in styles[f"{mixer}.out_proj"]] == ["RowWiseParallel"]
+    assert [type(x).__name__ for x in styles[f"{mixer}.norm"]] == ["DistributedNorm"]
+    assert "LocalParameterRows" in [type(x).__name__ for x in styles[mixer]]
+
+    mixer_module, (batch, seq) = model.model.layers[0].self_attn, (2, 16)
+    x = torch.randn(batch, seq, 64, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in skip:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        mixer_module(x, None, None)
+    predicted = batch * seq * _linear_mixer_bytes(spec, 4)  # fp32
+    assert 0.9 * predicted <= sum(storages.values()) <= 1.1 * predicted, (sum(storages.values()), predicted)
+    _assert_channel_mixer_priced(spec, LightningAttention(layers=(0,), channels=6, head_dim=16, block_size=4))
+
+    other = build("minimax")
+    other.model.layers[0].self_attn.extra = nn.Parameter(torch.ones(4))
+    with pytest.raises(UnrecognisedModel, match="a lightning attention needs .* and no parameters of its own"):
+        ModelSpec.from_module(other, seq_len=16)
+
+
 def test_mamba1_mixers_are_read_for_the_split_by_channel():
     """Jamba's Mamba-1 layers beside attention layers (two layer classes: a decoder-layer list of entries that differ
     in their token mixer alone; before, no decoder-layer list was found, so every strategy but data parallel was
@@ -647,6 +703,7 @@ def test_local_parameter_rows_swap_and_refusals():
             assert not any(isinstance(p, DTensor) for p in (self.A, self.conv.weight, self.extra))  # local values
             if self.fail:
                 raise RuntimeError("the forward failed")
+            self.seen = getattr(self, "scale", None)  # the buffer this call reads
             return (x * self.A).sum() + self.conv.weight.sum() + self.extra.sum()
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -677,13 +734,16 @@ def test_local_parameter_rows_swap_and_refusals():
             with pytest.raises(ValueError, match=why):
                 LocalParameterRows(rows=rows).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
             assert not isinstance(module.A, DTensor) or module is mixer  # refused before anything changed
-        # Buffers (Falcon-H1's mup_vector): a persistent one is refused (a checkpoint would hold this rank's rows); a
-        # non-persistent one's rows are taken once, or where it is still on the meta device (LazyGuard materialises it
-        # later) at the first forward
+        # Buffers: a persistent one (MiniMax's decays) stays whole, this rank's rows swapped in around each call (its
+        # checkpoint holds the whole); a non-persistent one's (Falcon-H1's mup_vector) rows are taken once, or where it
+        # is still on the meta device (LazyGuard materialises it later) at the first forward
         module = Mixer()
-        module.register_buffer("scale", torch.ones(4))
-        with pytest.raises(ValueError, match="m.scale is a persistent buffer: its checkpoint would hold this rank's"):
-            LocalParameterRows(rows={"scale": (4,)}).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+        module.register_buffer("scale", torch.arange(4.0))
+        whole = module.scale
+        LocalParameterRows(rows={"scale": (4,)}).apply(StyleTarget("m", module, None, tp_mesh=mesh, process_mesh=None))
+        module(torch.ones(4))
+        assert module.seen is not whole and torch.equal(module.seen, whole)  # this rank's rows: all of them on one
+        assert module.scale is whole and module.state_dict()["scale"].data_ptr() == whole.data_ptr()
         module = Mixer()
         module.register_buffer("scale", torch.empty(1, 4, device="meta"), persistent=False)
         LocalParameterRows(rows={"scale": (4,)}, dims={"scale": 1}).apply(
@@ -1186,3 +1246,64 @@ def test_blocks_of_one_part_are_read_and_priced_by_their_part():
             assert bytes_of(part="mixer", linear=linear) + bytes_of(part="mlp") == pytest.approx(
                 bytes_of(linear=linear)), (spec.name, recompute)
     cost.clear_caches()
+
+
+def test_conv1d_projections_are_read_as_linears_and_split_on_their_transposed_dims():
+    """transformers' Conv1D ([in, out] weights: GPT-2, GPT-1) is read as a Linear of its in and out features (GPT-2's
+    square c_proj too, which the shapes alone cannot orient); the plan ends sequence parallel at GPT-2's
+    final norm, and at GPT-1's last layer's output (no final norm: SequenceParallelEnd(at_output=True), its norms inside
+    the region). The styles for it split the dims of the transposed layout (world of one: the placements and the
+    module's own forward on them, equal to the plain module's)."""
+    pytest.importorskip("transformers")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tests.hf_models import build
+    from tridist.autotune.cost import stage_parameters
+    from tridist.distcore.auto import tensor_parallel_plan
+    from tridist.distcore.linear_like import features, is_linear_like, matmul_weight, weight_out_dim
+    from tridist.distcore.tensor_parallel import ColWiseParallel, RowWiseParallel, SequenceParallelEnd, StyleTarget
+
+    for family, end in (("gpt2", "transformer.ln_f"), ("openai-gpt", "transformer.h.1")):
+        model = build(family, layers=2)
+        spec = ModelSpec.from_module(model, seq_len=16)
+        s = spec.structure
+        assert (s.qkv, s.o, s.up, s.down, s.qkv_sizes) == ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj",
+                                                           (64, 64, 64)), family
+        assert (spec.hidden_size, spec.ffn_hidden_size, spec.num_heads, spec.num_kv_heads) == (64, 256, 4, 4), family
+        assert spec.position_parameters == 64 * 64, family  # [positions, hidden], priced whole (cost model 27)
+        without = dataclasses.replace(spec, position_parameters=0)
+        assert stage_parameters(spec, 2, 2, 0) - stage_parameters(without, 2, 2, 0) == 64 * 64  # on the first stage
+        assert stage_parameters(spec, 2, 2, 1) == stage_parameters(without, 2, 2, 1)
+        if family == "gpt2":  # every parameter but the biases (the recogniser's note says so)
+            biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
+            assert spec.num_parameters == _count(model) - biases
+        plan = tensor_parallel_plan(model, s, sequence_parallel=True, tp=2)
+        ends = {name: st for name, styles in plan.styles.items() for st in styles if isinstance(st, SequenceParallelEnd)}
+        assert list(ends) == [end] and ends[end].at_output == (family == "openai-gpt"), (family, ends)
+        assert {f"{end}.ln_1", f"{end}.ln_2"} <= plan.sequence_region or family == "gpt2", sorted(plan.sequence_region)
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert (features(c_attn), weight_out_dim(c_attn), weight_out_dim(nn.Linear(2, 3))) == ((64, 192), 1, 0)
+    assert matmul_weight(c_attn, c_attn.weight).shape == (192, 64) and not is_linear_like(nn.Conv1d(4, 4, 1))
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("mp",))
+        x = torch.randn(2, 3, 64)
+        for leaf, style, weight, bias in (("c_attn", ColWiseParallel(packed_parts=3), _StridedShard(1, split_factor=3),
+                                           Replicate()),
+                                          ("c_fc", ColWiseParallel(), Shard(1), Shard(0)),
+                                          ("c_proj", RowWiseParallel(), Shard(0), Replicate())):
+            attention = leaf == "c_attn"
+            whole = getattr(model.transformer.h[0].attn if attention else model.transformer.h[0].mlp, leaf)
+            split = type(whole)(whole.nf, whole.nx)
+            split.load_state_dict(whole.state_dict())
+            parent = model.transformer.h[0].attn if attention else None
+            style.apply(StyleTarget(f"h.0.{leaf}", split, parent, tp_mesh=mesh, process_mesh=None))
+            assert (split.weight.placements, split.bias.placements) == ((weight,), (bias,)), leaf
+            source = x if whole.nx == 64 else torch.randn(2, 3, whole.nx)
+            assert torch.equal(split(source), whole(source)), leaf
+    finally:
+        dist.destroy_process_group()

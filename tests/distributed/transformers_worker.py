@@ -942,9 +942,14 @@ def check_openai_gpt_blocks_returning_lists_train_under_pipeline_parallel():
 
 
 def check_unrecognised_and_ambiguous_models():
-    assert _train("gpt2") == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1)
+    # A BERT-style decoder (query/key/value under attention.self, the output projection elsewhere)
+    searched = _train("bert-generation", head_fuses=False)
+    assert searched == autotune.Strategy(dp=4, tp=1, pp=1, sharding_level=3, micro_batch_size=1), searched
     # tp given for it: refused with the reason its structure is not recognised (before, only a log line said why)
-    _expect_refused("gpt2", _strategy(2, 2, 1), "could not find separate attention and MLP blocks")
+    _expect_refused("bert-generation", _strategy(2, 2, 1), "attention block has 2 input projection(s)")
+    # GPT-2 (unrecognised until its Conv1D projections were read) under dp 2 x tp 2 with ZeRO-3: FSDP2 shards the
+    # packed c_attn on its dim 0, the per-part tensor-parallel split being on dim 1 (packed.fsdp_shard_placement)
+    _train("gpt2", _strategy(2, 2, 1, sharding_level=3))
     # Gemma 4's per-layer input embedding, registered after the layers and looked up before them: no pp (it crashed
     # in training, "stage 0 ends with NoneType"); searched, it trains without
     _expect_refused("gemma4", _strategy(2, 1, 2, num_micro_batches=2), "registered after the decoder layers")
@@ -954,8 +959,9 @@ def check_unrecognised_and_ambiguous_models():
     assert _train("gemma4", layers=4).pp == 1
     # Layers whose insides are not read still make pipeline stages, micro-batches and full recompute: the
     # decoder-layer list is all they need (before, refused with tensor parallel)
-    _train("gpt2", _strategy(2, 1, 2, num_micro_batches=2, recompute="full"))
-    _expect_refused("gpt2", _strategy(4, 1, 1, recompute="selective"), "selective recompute need(s) a recognised")
+    _train("bert-generation", _strategy(2, 1, 2, num_micro_batches=2, recompute="full"), head_fuses=False)
+    _expect_refused("bert-generation", _strategy(4, 1, 1, recompute="selective"),
+                    "selective recompute need(s) a recognised")
     # Hybrids of Mamba-2 and attention: searched (Bamba's crashed to_distributed: 'num_heads=128 must be a multiple of
     # num_kv_heads=384'), and under tp 4 + sp with two state groups, each group's B and C computed on two ranks and its
     # gated norm's statistics summed over them (check_mamba2_mixers_train_under_tensor_parallel runs tp 2)
@@ -1063,6 +1069,64 @@ def check_short_convolutions_train_under_tensor_parallel():
     _train("lfm2", TP2["tp 2 + sp"], inspect=split_by_channel)
     _train("lfm2-moe", TP2["tp 2"], inspect=split_by_channel)
     _generates_like_one_device("lfm2", TP2["tp 2"], inspect=split_by_channel)
+
+
+def check_conv1d_projections_train_under_tensor_parallel():
+    """transformers' Conv1D projections ([in, out] weights applied as addmm(bias, x, weight): GPT-2, GPT-1, GPT-SW3)
+    split as Linears are, on their transposed dims (distcore/linear_like.py): GPT-2's packed c_attn part by part on its
+    dim 1, c_fc column- and both c_proj row-parallel; their parameters keep GPT-2's shapes (asserted; full_state_dict
+    and checkpoints then hold transformers' layout). Equal to one process in local view under tp 2 + sp with the
+    overlapped edges (the rings take the transposed weights) and greedy generate under tp 2 gives one device's tokens;
+    GPT-1 (its own head count `n_head` and width `split_size`, blocks returning lists, no final norm: the last layer's
+    output gathered, since its code reshapes the hidden states to the input's shape before the head) under tp 2 + sp in
+    local view, and in global view (forced). Before, tp was refused ("could not find separate attention and MLP
+    blocks"); GPT-2 under dp 2 x tp 2 with ZeRO-3 runs in the 4-process check_unrecognised_and_ambiguous_models."""
+    def split_transposed(model):
+        layers = model.transformer.h
+        width = model.config.n_embd
+        for layer in layers:
+            attn, mlp = layer.attn, layer.mlp
+            assert attn.c_attn.weight.placements[-1] == _StridedShard(1, split_factor=3), attn.c_attn.weight.placements
+            assert mlp.c_fc.weight.placements[-1] == distcore.Shard(1), mlp.c_fc.weight.placements
+            assert mlp.c_fc.bias.placements[-1] == distcore.Shard(0), mlp.c_fc.bias.placements
+            for row in (attn.c_proj, mlp.c_proj):
+                assert row.weight.placements[-1] == distcore.Shard(0), row.weight.placements
+                assert row.bias.placements[-1].is_replicate(), row.bias.placements
+            assert tuple(attn.c_attn.weight.shape) == (width, 3 * width)  # GPT-2's [in, out], globally
+            assert tuple(attn.c_attn.weight.to_local().shape) == (width, 3 * width // 2)
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    _train("gpt2", TP2["tp 2 + sp + overlap"], inspect=split_transposed)
+    _generates_like_one_device("gpt2", TP2["tp 2"], inspect=split_transposed)
+    _train("openai-gpt", TP2["tp 2 + sp"], inspect=split_transposed)
+    _train_in_forced_global_view("openai-gpt", TP2["tp 2 + sp"])
+
+
+def check_lightning_attention_layers_train_under_tensor_parallel():
+    """MiniMax's lightning attention layers (linear attention in blocks with a decay per head, beside softmax attention
+    layers, experts in every layer) split by head: [q k v] per head and the output gate column-parallel (a contiguous
+    split keeps each head's three together), out_proj row-parallel, the norm over every head's features with its
+    statistics summed over the ranks (DistributedNorm), this rank's rows of the decay buffers swapped in around each
+    call (persistent: the checkpoint keeps them whole; asserted), num_attention_heads local. Equal to one process in
+    local view under tp 2 + sp (blocks of 4 tokens: two per sequence, the state carried between them; the block as
+    long as the heads are many), and greedy generate under tp 2 gives one device's tokens (the cached one-token
+    recurrence on this rank's heads; 3 tokens: the tiny model's fourth step leads by 8e-4 only). Before, tp was refused
+    ("decoder layers differ")."""
+    def split_by_head(model):
+        mixers = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "slope_rate")]
+        assert mixers, [type(layer.self_attn).__name__ for layer in model.model.layers]
+        heads = model.config.num_attention_heads
+        for mixer in mixers:
+            assert mixer.num_attention_heads == heads // 2, mixer.num_attention_heads
+            assert mixer.qkv_proj.weight.placements[-1] == distcore.Shard(0), mixer.qkv_proj.weight.placements
+            assert mixer.output_gate.weight.placements[-1] == distcore.Shard(0), mixer.output_gate.weight.placements
+            assert mixer.out_proj.weight.placements[-1] == distcore.Shard(1), mixer.out_proj.weight.placements
+            assert mixer.norm.weight.placements[-1].is_replicate(), mixer.norm.weight.placements
+            assert mixer.slope_rate.shape[0] == heads and mixer.diagonal_decay.shape[1] == heads  # whole between calls
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    _train("minimax", TP2["tp 2 + sp"], inspect=split_by_head)
+    _generates_like_one_device("minimax", TP2["tp 2"], inspect=split_by_head, new_tokens=3)
 
 
 def check_mamba1_mixers_train_under_tensor_parallel():
@@ -1705,13 +1769,13 @@ def check_a_whole_state_dict_loads_into_the_distributed_model():
         raise AssertionError("a state dict without layer 0 loaded")
 
 
-def _generates_like_one_device(family, strategy, *, inspect=None, **generate) -> None:
-    """Greedy generate (4 new tokens; `generate`: more of its settings) on `family` distributed by `strategy` gives
-    one device's tokens for 5-token prompts of the first batch's rows 2 and 3 (whose greedy steps all lead by 1.6e-2
-    or more in Qwen3.5; its first two rows' by 7e-4). to_distributed is called under no_grad too: the block check
+def _generates_like_one_device(family, strategy, *, inspect=None, new_tokens: int = 4, **generate) -> None:
+    """Greedy generate (`new_tokens` new tokens; `generate`: more of its settings) on `family` distributed by `strategy`
+    gives one device's tokens for 5-token prompts of the first batch's rows 2 and 3 (whose greedy steps all lead by
+    1.6e-2 or more in Qwen3.5; its first two rows' by 7e-4). to_distributed is called under no_grad too: the block check
     differentiates all the same. `inspect` asserts what it must of the distributed model first."""
     prompt = _batches()[0]["input_ids"][2:4, :5]
-    settings = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
+    settings = dict(max_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt))
     expected = _greedy_reference(family, prompt, settings)
     model, optimizer = _model(family)
     with torch.no_grad():
@@ -2199,7 +2263,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_compiled_after_to_distributed_trains_like_one_process",
     "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
     "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
-    "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel"]
+    "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel",
+    "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
