@@ -1115,16 +1115,19 @@ def test_a_heterogeneous_config_is_read_from_the_layers():
 
 def test_layers_of_another_kind_are_refused_and_other_shapes_noted():
     """The structure names one layer's modules and every plan applies them to every layer: a layer of another
-    kind (transformers' MiniMax: linear-attention layers beside full-attention ones; a dense layer whose MLP
-    names other modules) is refused, naming the difference; layers of other shapes only (Gemma 4's global layers,
-    wider heads) are recognised, with a note that the cost model prices them as the first."""
+    kind (an attention whose key projection has another name; a dense layer whose MLP names other modules) is
+    refused, naming the difference; layers of other shapes only (Gemma 4's global layers, wider heads) are
+    recognised, with a note that the cost model prices them as the first. (transformers' MiniMax was the first
+    example until its lightning attention layers were read as linear mixers.)"""
     transformers = pytest.importorskip("transformers")
     sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-    minimax = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("minimax", **sizes))
+    other = build_model("hf-llama", "tiny")
+    other.model.layers[1].self_attn.key = other.model.layers[1].self_attn.k_proj
+    del other.model.layers[1].self_attn.k_proj
     with pytest.raises(UnrecognisedModel, match=r"decoder layers differ: model\.layers\.1 outside its MLP .*"
                                                  r"self_attn\.k_proj\.weight missing"):
-        ModelSpec.from_module(minimax)
+        ModelSpec.from_module(other)
     # Per-layer inputs of 16 features x 4 layers: that embedding's table is [vocab, hidden] like the head's, and is
     # no head (it was taken for the head, which tensor parallel then split as a Linear)
     gemma4 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(

@@ -232,7 +232,7 @@ def check_plan_errors():
     cases = [
         ({"parallelize_plan": {"llama.layers.*.mlp": ColWiseParallel()}, "strict": True}, ValueError, "matches no module"),
         ({"parallelize_plan": {"lm_head": "colwise"}}, TypeError, "styles are"),
-        ({"parallelize_plan": {"model.norm": ColWiseParallel()}}, NotImplementedError, "nn.Linear and nn.Embedding"),
+        ({"parallelize_plan": {"model.norm": ColWiseParallel()}}, NotImplementedError, "nn.Linear, transformers' Conv1D and nn.Embedding"),
         ({"plan": {}}, ValueError, "unknown mp_config key"),
     ]
     for mp_config, error_type, message in cases:
