@@ -59,6 +59,11 @@ def first_output(output):
 
 def map_output(output, fn):
     """Apply fn to a module's hidden states (`first_output`)."""
-    if isinstance(output, (tuple, list)) and output:
-        return type(output)([fn(output[0]), *output[1:]])
+    if isinstance(output, list) and output:
+        return [fn(output[0]), *output[1:]]
+    if isinstance(output, tuple) and output:
+        values = (fn(output[0]), *output[1:])
+        # A namedtuple (its constructor takes the fields as arguments, not one iterable) stays one; another tuple
+        # subclass becomes a plain tuple, as before lists were read.
+        return type(output)._make(values) if hasattr(type(output), "_make") else values
     return fn(output)
