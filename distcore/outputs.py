@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sequence_layout import with_first
+
 # The names transformers gives a model's key/value cache argument: `cache` since 5.24, `past_key_values` before (5.24
 # still accepts it, renamed by its `deprecate_kwarg`), `past_key_value` in older layers' signatures.
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
@@ -62,7 +64,7 @@ def replace_loss(output, loss: torch.Tensor):
     if _is_loss(output):
         return loss
     if isinstance(output, (tuple, list)):
-        return type(output)([loss, *output[1:]])
+        return with_first(output, loss)
     new = copy.copy(output)  # a ModelOutput's copy keeps its class and attributes
     new["loss"] = loss
     return new

@@ -57,13 +57,17 @@ def first_output(output):
     return output[0] if isinstance(output, (tuple, list)) and output else output
 
 
+def with_first(output: tuple | list, value):
+    """A tuple or list `output` with its first entry `value`, of the same kind: a list, a namedtuple (whose constructor
+    takes the fields as arguments, not one iterable) or, for any other tuple, a plain tuple."""
+    if isinstance(output, list):
+        return [value, *output[1:]]
+    values = (value, *output[1:])
+    return type(output)._make(values) if hasattr(type(output), "_make") else values
+
+
 def map_output(output, fn):
     """Apply fn to a module's hidden states (`first_output`)."""
-    if isinstance(output, list) and output:
-        return [fn(output[0]), *output[1:]]
-    if isinstance(output, tuple) and output:
-        values = (fn(output[0]), *output[1:])
-        # A namedtuple (its constructor takes the fields as arguments, not one iterable) stays one; another tuple
-        # subclass becomes a plain tuple, as before lists were read.
-        return type(output)._make(values) if hasattr(type(output), "_make") else values
+    if isinstance(output, (tuple, list)) and output:
+        return with_first(output, fn(output[0]))
     return fn(output)
