@@ -1349,6 +1349,18 @@ def _output_projection(group: list[_Linear], hidden: int, words: tuple[str, ...]
     return (named or narrowed)[-1]
 
 
+def _mixer_output(module, width: int, hidden: int, *, recurse: bool = False) -> str | None:
+    """The name of a linear mixer's projection from its `width` features back to the hidden size (a child, or any
+    submodule with `recurse`); where several have that shape (a square gate beside it), the one whose name says
+    output (out_proj, o_proj), as for attention. None: no such projection."""
+    from torch import nn
+
+    modules = module.named_modules() if recurse else module.named_children()
+    candidates = [_Linear(n, "", c.in_features, c.out_features) for n, c in modules
+                  if isinstance(c, nn.Linear) and (c.in_features, c.out_features) == (width, hidden)]
+    return _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+
+
 def _name_matches(leaf: str, word: str) -> bool:
     """'o' matches 'o' and 'o_proj' (not 'q_proj'); longer words match anywhere ('out' in 'attn_out')."""
     return leaf == word or leaf.startswith(word + "_") or (len(word) > 2 and word in leaf)
@@ -2099,10 +2111,8 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
 
     heads, head_dim = int(module.num_heads), int(module.head_dim)
     width = heads * head_dim
-    # The output projection: from the heads' features to the hidden size, by its name where q, k and v are as wide
     linears = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_modules() if isinstance(c, nn.Linear)]
-    candidates = [l for l in linears if (l.in_features, l.out_features) == (width, hidden)]
-    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    output = _mixer_output(module, width, hidden, recurse=True)  # by its name where q, k and v are as wide
     by_name = {l.name: l for l in linears}
 
     def latent_down(lin: _Linear) -> bool:
@@ -2373,10 +2383,7 @@ def _lightning_attention(where: str, name: str, module, layer_indices: tuple[int
 
     heads, head_dim = int(module.num_attention_heads), int(module.head_dim)
     width = heads * head_dim
-    # The output projection: the heads' features back to the hidden size, by its name where the gate has that shape too
-    candidates = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_children()
-                  if isinstance(c, nn.Linear) and (c.in_features, c.out_features) == (width, hidden)]
-    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    output = _mixer_output(module, width, hidden)  # by its name where the gate has that shape too
     columns, whole_norm = [], None
     for child_name, child in module.named_children():
         params = dict(child.named_parameters())
@@ -2463,12 +2470,8 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         raise UnrecognisedModel(f"{where}: {num_v_heads} value heads do not group over {num_k_heads} key heads")
     packed = (num_k_heads * head_k_dim, num_k_heads * head_k_dim, num_v_heads * head_v_dim)  # [q | k | v]
     value_dim = packed[2]
-    # The output projection takes the value heads back to the hidden size; where both are one width (a square
-    # gate projection beside it, Qwen3.5's in_proj_z), its name tells it (out_proj, o_proj), as for attention.
-    linears = [_Linear(child_name, name, child.in_features, child.out_features)
-               for child_name, child in module.named_children() if isinstance(child, nn.Linear)]
-    candidates = [l for l in linears if (l.in_features, l.out_features) == (value_dim, hidden)]
-    output = _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
+    # Where the value heads are as wide as the hidden size, a square gate projection beside it (Qwen3.5's in_proj_z)
+    output = _mixer_output(module, value_dim, hidden)
     columns, outputs, rows, shared = [], [], [], []
     for child_name, child in module.named_children():
         params = dict(child.named_parameters())

@@ -12,10 +12,12 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tridist.autotune.model import is_conv1d
+
+from .packed import distribute_parameters
 
 
 def is_linear_like(module: torch.nn.Module | None) -> bool:
@@ -39,19 +41,12 @@ def matmul_weight(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor
     return weight.t() if is_conv1d(module) else weight
 
 
-def _distribute(layouts: dict, src_data_rank, name, module, device_mesh) -> None:
-    for pname, param in list(module.named_parameters(recurse=False)):
-        module.register_parameter(pname, torch.nn.Parameter(
-            distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=src_data_rank),
-            requires_grad=param.requires_grad))
-
-
 class TransposedColwise(ColwiseParallel):
     """torch's ColwiseParallel for a Conv1D: the output features are its weight's dim 1 (Shard(1)) and its bias's dim
     0; `addmm(bias, x, weight)` then gives the output split on its last dim, as F.linear's does for a Linear."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _distribute({"weight": [Shard(1)], "bias": [Shard(0)]}, self.src_data_rank, name, module, device_mesh)
+        distribute_parameters(module, device_mesh, {"weight": [Shard(1)], "bias": [Shard(0)]}, self.src_data_rank)
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         return distribute_module(module, device_mesh, self._partition_linear_fn,
@@ -64,7 +59,7 @@ class TransposedRowwise(RowwiseParallel):
     added once to the partial sums' total, as torch adds a row-parallel Linear's."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _distribute({"weight": [Shard(0)], "bias": [Replicate()]}, self.src_data_rank, name, module, device_mesh)
+        distribute_parameters(module, device_mesh, {"weight": [Shard(0)], "bias": [Replicate()]}, self.src_data_rank)
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         self.desired_input_layouts = (Shard(-1),)  # the input's features split as the weight's rows

@@ -24,6 +24,15 @@ def packed_colwise(sizes: tuple[int, ...], *, gather_output: bool, local_output:
                                 out_dim=out_dim)
 
 
+def distribute_parameters(module: torch.nn.Module, device_mesh, layouts: dict, src_data_rank: int | None = 0) -> None:
+    """Each parameter of `module` itself (not its children's) made a DTensor of its placements in `layouts`
+    ({name: [placement]}), registered in its place: a style's partition function."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, torch.nn.Parameter(
+            distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
 def unit_span(size: int, units: int, tp: int, rank: int) -> tuple[int, int]:
     """(start, length) within a part of `size` features made of `units` indivisible units (heads, groups) of the
     features rank `rank` of `tp` computes: its 1/tp where tp divides the units, else (tp a multiple of them) the one
@@ -64,10 +73,8 @@ class PackedColwiseParallel(ColwiseParallel):
         return f"{self.parts} packed projections of equal size, each split"
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        layouts = {"weight": [_StridedShard(self.out_dim, split_factor=self.parts)], "bias": [Replicate()]}
-        for pname, param in list(module.named_parameters(recurse=False)):
-            dist_param = distribute_tensor(param, device_mesh, layouts[pname], src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, torch.nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        distribute_parameters(module, device_mesh, {"weight": [_StridedShard(self.out_dim, split_factor=self.parts)],
+                                                    "bias": [Replicate()]}, self.src_data_rank)
 
     def _apply(self, module: torch.nn.Module, device_mesh) -> torch.nn.Module:
         return distribute_module(
@@ -123,10 +130,7 @@ class UnequalPackedColwise(ParallelStyle):
         return distribute_module(module, device_mesh, self._partition, self._prepare_input, self._prepare_output)
 
     def _partition(self, name, module, device_mesh) -> None:
-        layouts = {"weight": [Shard(self.in_dim)], "bias": [Replicate()]}
-        for pname, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(pname, torch.nn.Parameter(
-                distribute_tensor(param, device_mesh, layouts[pname]), requires_grad=param.requires_grad))
+        distribute_parameters(module, device_mesh, {"weight": [Shard(self.in_dim)], "bias": [Replicate()]})
 
     @staticmethod
     def _prepare_input(module, inputs, device_mesh):

@@ -419,13 +419,12 @@ class LocalParameterRows(_Style):
         for owner, pname in spans:  # all checked: now change the module
             whole = distribute_tensor(owner._parameters[pname].detach(), target.tp_mesh, [Replicate()])
             owner.register_parameter(pname, torch.nn.Parameter(whole, requires_grad=owner._parameters[pname].requires_grad))
-        def take_buffer_rows() -> None:  # no gradient, not saved: this rank's rows for good
+        def take_buffer_rows() -> None:  # no gradient, not saved: this rank's rows for good (a copy: the whole freed)
             for (owner, pname), (dim, taken) in list(buffers.items()):
                 whole = owner._buffers[pname]
                 if whole.is_meta:  # under LazyGuard: materialised later, whole; its rows taken at the first forward
                     continue
-                owner.register_buffer(pname, torch.cat([whole.narrow(dim, start, length) for start, length in taken],
-                                                       dim=dim), persistent=False)
+                owner.register_buffer(pname, _rows_of(whole, dim, taken).clone(), persistent=False)
                 del buffers[owner, pname]
 
         take_buffer_rows()
@@ -440,13 +439,11 @@ class LocalParameterRows(_Style):
             kept = vars(mixer).setdefault("_tridist_whole_buffers", {})
             for (owner, pname), (dim, taken) in swapped.items():
                 whole = kept.setdefault((owner, pname), owner._buffers[pname])
-                owner._buffers[pname] = torch.cat([whole.narrow(dim, start, length) for start, length in taken], dim=dim)
+                owner._buffers[pname] = _rows_of(whole, dim, taken)
             saved = vars(mixer).setdefault("_tridist_whole_parameters", {})
             for (owner, pname), (dim, taken) in spans.items():
                 whole = saved.setdefault((owner, pname), owner._parameters[pname])  # another swap may have put it aside
-                local = _local_value(whole)
-                rows = [local.narrow(dim, start, length) for start, length in taken]
-                owner._parameters[pname] = rows[0] if len(rows) == 1 else torch.cat(rows, dim=dim)
+                owner._parameters[pname] = _rows_of(_local_value(whole), dim, taken)
 
         def put_back(mixer, args, output) -> None:  # its own hook: ShardLocalParameters.release removes only its own
             _swap_back_parameters(mixer, args, output)
@@ -597,6 +594,12 @@ def _local_value(param: DTensor) -> torch.Tensor:
     """A DTensor parameter's local value, whose gradient is Partial on the mesh dims where it is replicated
     (summed over the ranks that each computed a part of it)."""
     return param.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in param.placements])
+
+
+def _rows_of(tensor: torch.Tensor, dim: int, taken: list[tuple[int, int]]) -> torch.Tensor:
+    """The (start, length) spans `taken` of `tensor` along `dim`, in order: a view where one span, else joined."""
+    rows = [tensor.narrow(dim, start, length) for start, length in taken]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=dim)
 
 
 def _swap_back_parameters(module, args, output) -> None:

@@ -427,6 +427,22 @@ def test_gated_deltanet_plan_splits_each_mixer_by_head():
     assert wrapped == ["model.layers.1.self_attn"], wrapped
 
 
+def _saved_bytes(run, model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while `run()` executes, but the model's
+    parameters' and buffers' and the input `x`'s (what a mixer keeps of its own)."""
+    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in skip:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sum(storages.values())
+
+
 def _assert_channel_mixer_priced(spec, odd) -> None:
     """A channel mixer's spec: tp 2 divides its channels, and a mixer of `odd` channels (which 4 does not divide) is
     refused naming them; every path of the estimate takes it (tp with and without sp, stages, full recompute)."""
@@ -477,18 +493,9 @@ def test_short_convolutions_are_read_for_the_split_by_channel():
     model = model.to(torch.bfloat16)
     mixer, (batch, seq) = model.model.layers[0].conv, (2, 16)
     x = torch.randn(batch, seq, 64, dtype=torch.bfloat16, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in (*model.parameters(), x)}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in skip:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        mixer(x)
+    saved = _saved_bytes(lambda: mixer(x), model, x)
     predicted = batch * seq * _linear_mixer_bytes(ModelSpec.from_module(model, seq_len=seq), 2)
-    assert predicted <= sum(storages.values()) <= predicted * (1 + (3 - 1) / seq / 6), (sum(storages.values()), predicted)
+    assert predicted <= saved <= predicted * (1 + (3 - 1) / seq / 6), (saved, predicted)
     # tp splits the channels; one that does not divide them is refused naming them
     _assert_channel_mixer_priced(spec, ShortConvolution(layers=(0,), channels=66))
 
@@ -541,18 +548,9 @@ def test_lightning_attention_is_read_for_the_split_by_head():
 
     mixer_module, (batch, seq) = model.model.layers[0].self_attn, (2, 16)
     x = torch.randn(batch, seq, 64, requires_grad=True)
-    skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), x)}
-    storages: dict[int, int] = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in skip:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        mixer_module(x, None, None)
+    saved = _saved_bytes(lambda: mixer_module(x, None, None), model, x)
     predicted = batch * seq * _linear_mixer_bytes(spec, 4)  # fp32
-    assert 0.9 * predicted <= sum(storages.values()) <= 1.1 * predicted, (sum(storages.values()), predicted)
+    assert 0.9 * predicted <= saved <= 1.1 * predicted, (saved, predicted)
     _assert_channel_mixer_priced(spec, LightningAttention(layers=(0,), channels=6, head_dim=16, block_size=4))
 
     other = build("minimax")
