@@ -81,13 +81,15 @@ class ModelStructure:
     patterns over all layers via `pattern` ("llama.layers.*.self_attn.q_proj", Paddle's plan-key
     convention). Packed projections are named in `qkv` / `gate_up` (and `q`/`k`/`v` or `gate`/`up`
     are None); `lm_head_param` is the parameter of the LM head and `lm_head_layout` says how it is
-    applied: "linear" ([vocab, hidden], `F.linear`) or "matmul" ([hidden, vocab], `x @ weight`).
+    applied: "linear" ([vocab, hidden], `F.linear`) or "matmul" ([hidden, vocab], `x @ weight`). A model of linear
+    mixers alone (Mamba's blocks: a norm and a state-space mixer) has no attention and no MLP: `attention`, `o`,
+    `mlp` and `down` are None, `linear_attention` names the mixer of every layer.
     """
 
     layers: str
     num_layers: int
-    attention: str
-    o: str
+    attention: str | None
+    o: str | None
     mlp: str | None
     down: str | None
     q: str | None = None
@@ -192,7 +194,9 @@ class ModelStructure:
     def describe(self) -> str:
         """Human-readable summary (one role per line)."""
         rows = [("decoder layers", f"{self.layers} ({self.num_layers})")]
-        if self.qkv:
+        if self.attention is None and self.o is None:
+            pass  # linear mixers alone
+        elif self.qkv:
             rows.append(("attention qkv (fused)", self.pattern(self.qkv)))
         elif self.latent_kv:
             rows.append(("attention q / latent kv", ", ".join(self.pattern(n) for n in (self.q, self.latent_kv))))
@@ -200,7 +204,8 @@ class ModelStructure:
             rows += [("attention q/k/v", ", ".join(self.pattern(n) for n in (self.q, self.k, self.v)))]
         if self.attention_gate:
             rows.append(("attention output gate", self.pattern(self.attention_gate)))
-        rows.append(("attention out", self.pattern(self.o)))
+        if self.o is not None:
+            rows.append(("attention out", self.pattern(self.o)))
         if self.linear_attention is not None:
             linear = self.linear_attention
             heads = {"mamba2": f"{linear.num_k_heads} state groups, {linear.num_v_heads} heads",
@@ -670,10 +675,14 @@ class ModelSpec:
         return cached
 
     def __post_init__(self) -> None:
-        _check_integers("ModelSpec", self, ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size",
-                                            "seq_len"))
+        _check_integers("ModelSpec", self, ("num_layers", "hidden_size", "vocab_size", "seq_len"))
+        # 0 heads, 0 MLP width: a model without attention or without an MLP in any layer (Mamba's)
+        _check_integers("ModelSpec", self, ("num_heads", "ffn_hidden_size"), minimum=0, what="a non-negative integer")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"ModelSpec: qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if not self.num_heads:
+            self._check_without_attention()
+            return
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -698,12 +707,37 @@ class ModelSpec:
         if latent is not None and not latent.rope_head_dim < self.head_dim:
             raise ValueError(f"ModelSpec: latent attention's rotary part ({latent.rope_head_dim}) must be narrower "
                              f"than a query head (head_dim={self.head_dim})")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
         linear = self.gated_delta_net
         if linear is not None and linear.layers[-1] >= self.num_layers:
             raise ValueError(f"ModelSpec: gated_delta_net.layers must be layer indices in [0, {self.num_layers}), "
                              f"got {linear.layers!r}")
         self._check_experts()
         self._check_one_part_blocks()
+        if not self.ffn_hidden_size and set(self.mlp_free_layers) | set(self.moe_layer_indices) != set(range(self.num_layers)):
+            raise ValueError("ModelSpec: ffn_hidden_size=0 (no MLP) needs every layer an MoE layer or a block without an "
+                             "MLP (mlp_free_layers); give the dense MLP's width")
+
+    def _check_without_attention(self) -> None:
+        """num_heads=0: no layer attends (each a linear mixer's, not beside attention, or a block without a token
+        mixer); the attention's other widths are 0 too."""
+        for name in ("num_kv_heads", "head_dim", "v_head_dim"):
+            if getattr(self, name) not in (None, 0):
+                raise ValueError(f"ModelSpec: num_heads=0 (no attention) takes no {name} (got {getattr(self, name)!r})")
+            object.__setattr__(self, name, None if name == "v_head_dim" else 0)
+        if self.latent_attention is not None or self.attention_output_gate or self.qk_norm:
+            raise ValueError("ModelSpec: num_heads=0 (no attention) takes no latent_attention, attention_output_gate or "
+                             "qk_norm")
+        self._check_layers()
+        linear = self.gated_delta_net
+        mixers = set(linear.layers) if linear is not None and not linear.beside_attention else set()
+        attending = sorted(set(range(self.num_layers)) - mixers - set(self.mixer_free_layers))
+        if attending:
+            raise ValueError(f"ModelSpec: num_heads=0 (no attention) needs every layer a linear mixer's "
+                             f"(gated_delta_net.layers) or a block without a token mixer (mixer_free_layers); layers "
+                             f"{attending} are neither: give the attention's heads")
 
     def _check_one_part_blocks(self) -> None:
         for name in ("mixer_free_layers", "mlp_free_layers"):
@@ -980,8 +1014,10 @@ class ModelSpec:
         if self.mixer_free_layers or self.mlp_free_layers:
             size += (f", blocks of one part ({len(self.mixer_free_layers)} without a token mixer, "
                      f"{len(self.mlp_free_layers)} without an MLP)")
-        return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} heads={self.num_heads}{kv} "
-                f"ffn={self.ffn_hidden_size} ({mlp}) vocab={self.vocab_size} seq={self.seq_len}")
+        heads = f"heads={self.num_heads}{kv}" if self.num_heads else "no attention"
+        ffn = f"ffn={self.ffn_hidden_size} ({mlp})" if self.ffn_hidden_size else "no MLP"
+        return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} {heads} {ffn} vocab={self.vocab_size} "
+                f"seq={self.seq_len}")
 
     # ---------------------------------------------------------------------------------- recognition
 
@@ -1820,9 +1856,11 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     mixer_free, mlp_free = _one_part_blocks(layers, hidden, moe_blocks, mixers)
     attention_layers = [i for i in range(len(layers)) if (beside or i not in mixers) and i not in mixer_free]
     dense_mlp = [i for i in dense if i not in mlp_free]  # the layers holding a dense MLP
+    if not attention_layers and not moe_blocks and len(mlp_free) == len(layers):
+        return _recognise_mixers_alone(model, layers_name, layers, mixers, hidden)
     if not attention_layers:
-        raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}): no "
-                                "attention layer to read the structure from")
+        raise UnrecognisedModel(f"every layer of {layers_name} mixes tokens by linear attention ({mixers[0]}) and "
+                                "holds an MLP or experts beside it: no attention layer to read the structure from")
     # Attention (and the dense MLP) are read from a dense attention layer where there is one, else from an MoE
     # layer without its MoE block's projections.
     index = next((i for i in dense if i in attention_layers), attention_layers[0])
@@ -1921,23 +1959,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
     if linear is not None:
-        kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
-                "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
-                          "k) and heads (x as v)",
-                "short_conv": "gated short convolutions (LFM2's)",
-                "mamba1": "Mamba-1 selective scans",
-                "lightning": "MiniMax's lightning attention"}.get(linear.kind, "Gated DeltaNet linear attention")
-        priced = {"short_conv": "their convolution and gates priced as elementwise work",
-                  "mamba1": "priced as mamba-ssm's selective-scan kernels run it",
-                  "lightning": "priced as transformers' blocked torch path runs it"}.get(
-            linear.kind, "priced as flash-linear-attention's chunked kernels run it")
-        notes.append(f"layers {_ranges(linear.layers)} mix tokens by {kind}"
-                     f"{' beside their attention' if linear.beside_attention else ''}, {priced}")
-        widths = sum(sum(parts) for _, parts in linear.columns)
-        expected = sum(n_out for n_in, n_out, split in linear_shape.projections(hidden) if split == "out")
-        if widths != expected:
-            notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
-                         f"transformers' q, k, v, z, b and a ({expected})")
+        notes += _linear_mixer_notes(linear, linear_shape, hidden)
     # a gate per query head, or per output feature of the heads (their values' width under latent attention)
     gate_widths = (heads, attn["latent_widths"][4] if attn.get("latent_kv") else heads * head_dim)
     gate = attn.get("gate") if attn.get("gate_size") in gate_widths else None
@@ -1994,6 +2016,63 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
             f"{fields['media_parameters']:,} parameters outside the language model (its media encoders and their "
             "projection): whole on every tp rank, on the first pipeline stage; their compute is not priced")))
     return structure, fields
+
+
+def _recognise_mixers_alone(model, layers_name: str, layers, mixers: dict[int, str], hidden: int
+                            ) -> tuple[ModelStructure, dict]:
+    """A model whose every block is a norm and a linear mixer, no attention and no MLP (Mamba, Mamba-2, Falcon Mamba:
+    a state-space mixer in each block): the structure names the mixer (`linear_attention`), the block's norm, the
+    embedding, final norm and head, and every layer as a block without an MLP; `attention`, `o`, `mlp` and `down` are
+    None, and the spec has no attention heads and no MLP width (0)."""
+    indices = tuple(range(len(layers)))
+    linear = _linear_attention(layers_name, layers, mixers, hidden)  # (refuses a mixer it does not read, naming it)
+    notes = _check_layers_alike(layers_name, layers, 0, None, {}, indices, one_part=block_parts((), indices))
+    norms = tuple(n for n in _norm_names(layers[0], hidden) if not n.startswith(linear.mixer + "."))
+    unplanned, unplanned_parameters = _unplanned_modules(layers[0], [linear.mixer, *norms])
+    if unplanned:
+        notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
+                     "tensor-parallel rank, priced as matmuls over every token there")
+    if len(norms) != 1:
+        notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 1 in a block of one part)")
+    outer = _outer_parts(model, layers_name, hidden)
+    shape = _gated_delta_net_shape(layers, linear, hidden)
+    structure = ModelStructure(
+        layers=layers_name, num_layers=len(layers), attention=None, o=None, mlp=None, down=None, layer_norms=norms,
+        embedding=outer["embedding"], position_embedding=outer["position_embedding"], final_norm=outer["final_norm"],
+        lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
+        tied_embeddings=outer["tied"], task_head=outer["task_head"], linear_attention=linear, unplanned=unplanned,
+        mlp_free_layers=indices, notes=(*notes, *_linear_mixer_notes(linear, shape, hidden)))
+    fields = dict(
+        num_layers=len(layers), hidden_size=hidden, num_heads=0, num_kv_heads=0, head_dim=0, ffn_hidden_size=0,
+        vocab_size=outer["vocab"], tied_embeddings=outer["tied"] and not outer["task_head"],
+        head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
+        unplanned_parameters=unplanned_parameters, gated_delta_net=shape,
+        mlp_free_layers=indices, media_parameters=_media_parameters(model, structure),
+        position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
+                             if structure.position_embedding else 0))
+    return structure, fields
+
+
+def _linear_mixer_notes(linear: LinearAttention, shape, hidden: int) -> list[str]:
+    """The structure's notes on its linear mixers: what they are and how the cost model prices them (`shape`)."""
+    kind = {"kda": "Kimi Delta Attention, priced as a Gated DeltaNet of its heads",
+            "mamba2": "Mamba-2 state-space mixers, priced as a Gated DeltaNet of their groups (B and C as q and "
+                      "k) and heads (x as v)",
+            "short_conv": "gated short convolutions (LFM2's)",
+            "mamba1": "Mamba-1 selective scans",
+            "lightning": "MiniMax's lightning attention"}.get(linear.kind, "Gated DeltaNet linear attention")
+    priced = {"short_conv": "their convolution and gates priced as elementwise work",
+              "mamba1": "priced as mamba-ssm's selective-scan kernels run it",
+              "lightning": "priced as transformers' blocked torch path runs it"}.get(
+        linear.kind, "priced as flash-linear-attention's chunked kernels run it")
+    notes = [f"layers {_ranges(linear.layers)} mix tokens by {kind}"
+             f"{' beside their attention' if linear.beside_attention else ''}, {priced}"]
+    widths = sum(sum(parts) for _, parts in linear.columns)
+    expected = sum(n_out for n_in, n_out, split in shape.projections(hidden) if split == "out")
+    if widths != expected:
+        notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
+                     f"transformers' q, k, v, z, b and a ({expected})")
+    return notes
 
 
 def media_configs(model: "nn.Module") -> list:

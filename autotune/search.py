@@ -271,7 +271,7 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
     # Interleaving: v stages per rank, of a layer at least (uneven where pp*v does not divide the layers).
     max_vpp = spec.num_layers // pp
     levels = [lvl for lvl in space.sharding_levels if lvl == 0 or dp > 1]
-    recompute = [r for r in space.recompute if not (r == "selective" and spec.flash_attention)]
+    recompute = [r for r in space.recompute if not (r == "selective" and (spec.flash_attention or not spec.num_heads))]
     tp_modes = [(False, False)]
     if tp > 1 and spec.seq_len % tp == 0 and True in space.sequence_parallel:
         tp_modes.append((True, False))

@@ -234,7 +234,7 @@ def kv_head_replicas(spec: "ModelSpec", tp: int) -> int:
 def head_replicas(heads: int, tp: int) -> int:
     """On how many of `tp` ranks each of `heads` heads is computed: 1 where tp divides them (each rank its own),
     tp / heads where tp exceeds them and they divide tp (each rank the head its local query heads use)."""
-    return tp // heads if tp > heads and tp % heads == 0 else 1
+    return tp // heads if 0 < heads < tp and tp % heads == 0 else 1  # (0 heads: a model without attention)
 
 
 def tensor_parallel_problems(spec: "ModelSpec", cluster: "Cluster", tp: int) -> list[str]:
@@ -336,6 +336,9 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
         reasons.append(f"sharding_level={s.sharding_level} needs dp > 1 (nothing to shard over); use 0")
     if s.recompute not in RECOMPUTE_MODES:
         reasons.append(f"recompute must be one of {RECOMPUTE_MODES}, got {s.recompute!r}")
+    elif s.recompute == "selective" and not spec.num_heads:
+        reasons.append("selective recompute (of the attention core) has nothing to recompute in a model without "
+                       "attention; use 'none' or 'full'")
     elif s.recompute == "selective" and spec.flash_attention:
         reasons.append("selective recompute (of the attention core) is what flash attention already does; "
                        "use 'none' or 'full'")

@@ -811,7 +811,8 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
     (LocalParameterRows, which also localises its head counts and widths), its shared norms (a gated output norm,
     one weight for every head; Jamba's norms over dt, B and C) with their gradients summed over the mp ranks, and a
     norm over groups of heads that tp splits with its statistics summed over the ranks sharing a group
-    (SplitGroupNorm); a Mamba-2 mixer kept on its torch path, which calls the split modules (UnfusedMixerForward)."""
+    (SplitGroupNorm); a Mamba-1 or Mamba-2 mixer kept on its torch path, which calls the split modules
+    (UnfusedMixerForward)."""
     units = dict(linear.units)
     for mixer in mixers:
         for name, parts in linear.columns:
@@ -822,7 +823,7 @@ def _add_linear_attention(add, mixers: list[str], linear, tp: int) -> None:
             add(f"{mixer}.{name}", RowWiseParallel(inside_region=True), ReduceSharedOutputGradient(outputs))
         for name in linear.shared:
             add(f"{mixer}.{name}", ShardLocalParameters())
-        if linear.kind == "mamba2":
+        if linear.kind in ("mamba1", "mamba2"):  # (their fused training kernels take the weights themselves)
             add(mixer, UnfusedMixerForward())
         if linear.group_norm and linear.num_k_heads < tp:
             add(f"{mixer}.{linear.group_norm}", SplitGroupNorm(linear.num_k_heads))

@@ -626,14 +626,17 @@ class DistributedNorm(_Style):
 
 @dataclass(repr=False)
 class UnfusedMixerForward(_Style):
-    """A Mamba-2 mixer (transformers' Bamba, Granite 4.0-H) split by tensor parallel runs its own torch path in
-    training too. Without a cache (`use_cache=False`, as HF Trainer with gradient checkpointing and TRL set it) the
-    mixer hands all of itself to mamba_ssm's fused `mamba_split_conv1d_scan_combined` wherever mamba_ssm (or a hub
-    kernel) is installed: that kernel normalises over this rank's groups alone (SplitGroupGatedRMSNorm's sum over the
-    ranks never runs) and multiplies by out_proj's weight itself (the row-parallel output is never all-reduced). Its
-    torch path calls the split modules, and mamba_ssm's scan and convolution kernels on this rank's heads. The
-    mixer's `training` flag, which transformers reads only to pick that path, reads False during its forward and is
-    put back after, also when the forward raises (the mixer has no dropout)."""
+    """A Mamba-2 mixer (transformers' Bamba, Granite 4.0-H, Mamba-2) or a Mamba-1 mixer (transformers' Mamba and Falcon
+    Mamba) split by tensor parallel runs its own torch path in training too. Without a cache (`use_cache=False`, as HF
+    Trainer with gradient checkpointing and TRL set it) the mixer hands all of itself to mamba_ssm's fused
+    `mamba_split_conv1d_scan_combined` (Mamba-2) or `mamba_inner_fn` (Mamba-1) wherever mamba_ssm (or a hub kernel) is
+    installed: those kernels take the weights themselves, so the split modules' hooks never run: a Mamba-2 kernel
+    normalises over this rank's groups alone (SplitGroupGatedRMSNorm's sum over the ranks never runs), both multiply
+    by out_proj's weight themselves (the row-parallel output is never all-reduced) and a Mamba-1 kernel by x_proj's
+    (its dt, B and C never summed over the ranks). The torch path calls the split modules, and mamba_ssm's scan and
+    convolution kernels on this rank's heads or channels. The mixer's `training` flag, which transformers reads only to
+    pick that path, reads False during its forward and is put back after, also when the forward raises (the mixer has
+    no dropout)."""
 
     def apply(self, target: StyleTarget) -> str:
         def unfused(mixer, args) -> None:

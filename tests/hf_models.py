@@ -189,6 +189,11 @@ MORE_FAMILIES = {
                                  num_shared_experts=1, num_expert_group=1, topk_group=1, first_k_dense_replace=1))
        for family, model_type in (("kimi-linear", "kimi_linear"), ("ling-hybrid", "bailing_hybrid"))},
 }
+# State-space models alone: a norm and a mixer in each block, no attention, no MLP (Mamba-1's selective scan; Falcon
+# Mamba's, its dt, B and C normalised without weights; Mamba-2's heads in 2 groups of B and C, chunks of 4 tokens).
+MORE_FAMILIES["mamba"] = ("mamba", dict(state_size=16, time_step_rank=8))
+MORE_FAMILIES["falcon-mamba"] = ("falcon_mamba", dict(state_size=16, time_step_rank=8))
+MORE_FAMILIES["mamba2"] = ("mamba2", dict(state_size=16, num_heads=8, head_dim=16, n_groups=2, chunk_size=4))
 # MiniMax-Text-01's layers: lightning attention (linear, blocks of 4 tokens here: two per sequence, so the state carried
 # between blocks acts) beside softmax attention, experts in every layer.
 MORE_FAMILIES["minimax"] = ("minimax", dict(head_dim=16, block_size=4, num_local_experts=EXPERTS, **_MOE))

@@ -168,7 +168,8 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
     state parameters beside q/k/v) is no attention tensor parallel can split. Bamba's Mamba-2 mixer was read as a
     packed qkv of 128 heads over 384 key/value heads, and ModelSpec then raised a ValueError that to_distributed did
     not catch (its search crashed); a mixer without Mamba-2's attributes (here Bamba's, its n_groups removed) is
-    refused naming it, and the layer list. A model of Mamba-2 layers alone has no attention to read."""
+    refused naming it, and the layer list. A model of Mamba-2 layers and MLPs alone has no attention to read (one of
+    mixers alone is read: test_state_space_models_alone_are_read_as_blocks_of_their_mixer)."""
     from tests.hf_models import build
 
     transformers = pytest.importorskip("transformers")
@@ -177,15 +178,61 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0: mamba holds a convolution \(conv1d\)") as caught:
         ModelSpec.from_module(model)
     assert caught.value.layers == "model.layers"
-    config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
-                                       state_size=16, n_groups=1, chunk_size=4, expand=2)
-    with pytest.raises(UnrecognisedModel, match=r"every layer of backbone\.layers mixes tokens by linear attention "
-                                                 r"\(mixer\): no attention layer to read the structure from"):
-        ModelSpec.from_module(transformers.Mamba2ForCausalLM(config))
     # a Mamba-2 mixer and an MLP in every layer (Bamba without attention layers): no attention beside the mixer
     with pytest.raises(UnrecognisedModel, match=r"every layer of model\.layers mixes tokens by linear attention "
                                                  r"\(mamba\) and holds no attention beside it"):
         ModelSpec.from_module(build("bamba", config=dict(attn_layer_indices=[])))
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon-mamba", "mamba2"])
+def test_state_space_models_alone_are_read_as_blocks_of_their_mixer(family):
+    """Models of state-space mixers alone (a norm and a mixer in each block: transformers' Mamba, Falcon Mamba,
+    Mamba-2; refused before: "no attention layer to read the structure from") are read as blocks without an MLP whose
+    token mixer is the linear mixer: no attention, no MLP (None in the structure, 0 heads and 0 MLP width in the
+    spec), every parameter counted but the mixers' biases (within 1%: Mamba-1's convolution and time-step biases; a
+    Mamba-2 mixer priced as a Gated DeltaNet). The tp plan splits each mixer as in the hybrids and names no attention
+    or MLP; the search leaves selective recompute out (validate refuses it: nothing to recompute), and every path of
+    the estimate takes the spec. A spec of 0 heads with a layer that attends is refused."""
+    from tests.hf_models import build
+    from tridist.autotune import Cluster, Strategy, estimate
+    from tridist.autotune.search import enumerate_layouts, layout_strategies
+    from tridist.autotune.strategy import validate
+    from tridist.distcore.auto import apply_recompute, tensor_parallel_plan
+
+    pytest.importorskip("transformers")
+    model = build(family)
+    spec = ModelSpec.from_module(model, seq_len=16)
+    structure = spec.structure
+    assert (structure.attention, structure.o, structure.mlp, structure.down) == (None, None, None, None)
+    assert structure.mlp_free_layers == spec.mlp_free_layers == (0, 1) and structure.layer_norms == ("norm",)
+    assert structure.linear_attention.mixer == "mixer" and structure.linear_attention.layers == (0, 1)
+    assert structure.linear_attention.kind == ("mamba2" if family == "mamba2" else "mamba1")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size) == (0, 0, 0, 0)
+    assert "no attention no MLP" in spec.describe() and "attention out" not in structure.describe()
+    actual = sum(p.numel() for p in model.parameters())
+    assert abs(spec.num_parameters - actual) < 0.01 * actual, (spec.num_parameters, actual)
+    styles = tensor_parallel_plan(model, structure, sequence_parallel=True).styles
+    mixer = "backbone.layers.0.mixer"
+    split = {name: [type(x).__name__ for x in kinds] for name, kinds in styles.items() if name.startswith(mixer)}
+    expected = {f"{mixer}.in_proj": ["ColWiseParallel"], f"{mixer}.out_proj": ["RowWiseParallel"],
+                mixer: ["UnfusedMixerForward", "LocalParameterRows", "SequenceParallelDisable"]}
+    if family != "mamba2":  # x_proj's dt, B and C feed every rank's channels
+        expected[f"{mixer}.x_proj"] = ["RowWiseParallel", "ReduceSharedOutputGradient"]
+    assert split == expected, split
+    assert not any(".self_attn" in name or ".mlp" in name for name in styles), sorted(styles)
+    cluster = Cluster(1, 4)
+    for strategy in (Strategy(1, 2, 2, sequence_parallel=True, num_micro_batches=2), Strategy(2, 2, 1, recompute="full"),
+                     Strategy(1, 4, 1, sequence_parallel=True)):
+        step = estimate(spec, cluster, strategy, global_batch_size=strategy.global_batch_size).time.total_s
+        assert 0 < step < float("inf"), (strategy, step)
+    selective = Strategy(2, 2, 1, recompute="selective")
+    assert any("without attention" in r for r in validate(spec, cluster, selective, global_batch_size=2))
+    assert all(s.recompute != "selective" for tp, pp in enumerate_layouts(spec, cluster, 4)
+               for s in layout_strategies(spec, cluster, 4, tp, pp))
+    with pytest.raises(ValueError, match="selective recompute needs the attention module"):
+        apply_recompute(model, layers=structure.layers, attention=structure.attention, mode="selective")
+    with pytest.raises(ValueError, match=r"num_heads=0 \(no attention\) needs every layer a linear mixer's"):
+        dataclasses.replace(spec, gated_delta_net=dataclasses.replace(spec.gated_delta_net, layers=(0,)))
 
 
 def _assert_packed_split_priced(spec, degrees) -> None:

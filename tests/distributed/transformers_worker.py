@@ -1155,6 +1155,83 @@ def check_mamba1_mixers_train_under_tensor_parallel():
     _generates_like_one_device("jamba", TP2["tp 2"], inspect=split_by_channel)
 
 
+def check_state_space_models_alone_train_under_tensor_parallel():
+    """Models of state-space mixers alone (a norm and a mixer in each block, no attention, no MLP: transformers'
+    Mamba, Falcon Mamba, Mamba-2), read as blocks without an MLP whose mixer is split as in the hybrids: Mamba-1's by
+    channel (as Jamba's), Mamba-2's by head and state group (as Bamba's; 2 groups on 2 ranks). Equal to one process in
+    local view under tp 2 + sp, placements and local counts asserted; greedy generate under tp 2 gives one device's
+    tokens. Mamba's and Falcon Mamba's mixers hand themselves, in training without a cache, to mamba_ssm's fused
+    `mamba_inner_fn` wherever it is installed, which takes x_proj's and out_proj's weights itself: with a torch
+    stand-in for it one device runs it, tp keeps the mixers on their torch path (UnfusedMixerForward; without that
+    style: "got mixed torch.Tensor and DTensor"), equal to one device's torch path. (Not to its fused path: with left
+    padding, transformers' torch path zeroes the padded positions after the convolution too, which the fused kernel
+    cannot, so the two paths differ by the convolution's bias at the padded positions carried into the scan.) Before,
+    tp was refused ("no attention layer to read the structure from"). Selective recompute is refused up front (no
+    attention to recompute)."""
+    def split(model):
+        config = model.config
+        for layer in model.backbone.layers:
+            mixer = layer.mixer
+            assert mixer.intermediate_size == config.intermediate_size // 2, mixer.intermediate_size
+            assert mixer.out_proj.weight.placements[-1] == distcore.Shard(1), mixer.out_proj.weight.placements
+            if hasattr(mixer, "x_proj"):  # Mamba-1: [x | z] part by part, x_proj row-parallel, rows per call
+                assert mixer.in_proj.weight.placements[-1] == _StridedShard(0, split_factor=2), mixer.in_proj.weight.placements
+                assert mixer.x_proj.weight.placements[-1] == distcore.Shard(1), mixer.x_proj.weight.placements
+                assert mixer.A_log.placements[-1].is_replicate(), mixer.A_log.placements
+            else:  # Mamba-2: [z | x | B | C | dt] unequal parts, its input split
+                assert mixer.num_heads == config.num_heads // 2 and mixer.n_groups == 1, (mixer.num_heads, mixer.n_groups)
+        assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+
+    for family in ("mamba", "mamba2"):
+        _train(family, TP2["tp 2 + sp"], inspect=split)
+        _generates_like_one_device(family, TP2["tp 2"], inspect=split)
+    reference = _reference("falcon-mamba", _without_cache)  # (the torch path: see the docstring)
+    with _mamba_inner_fn_stand_in("falcon-mamba") as calls:
+        _model("falcon-mamba", prepare=_without_cache)[0](**_batches()[0])  # one device: through the fused kernel
+        assert calls
+        calls.clear()
+        _train("falcon-mamba", TP2["tp 2 + sp"], prepare=_without_cache, reference=reference, inspect=split)
+        assert not calls, calls
+    _expect_refused("mamba", TP2["tp 2, selective recompute"], "nothing to recompute in a model without attention")
+
+
+@contextlib.contextmanager
+def _mamba_inner_fn_stand_in(family: str):
+    """transformers' Mamba-1 mixer of `family` (Mamba, Falcon Mamba) calling, in training without a cache, a torch
+    stand-in for mamba_ssm's fused mamba_inner_fn (the name the mixer's forward looks up) with its semantics: [x | z]
+    split, the causal convolution and SiLU, x_proj's weight to [dt | B | C] (Falcon Mamba's: each normalised, the
+    weights it is handed being ones), dt_proj's weight, the selective scan gated by z, then F.linear with the
+    out-projection weight it is handed. Yields the list of its calls' input shapes."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family.replace('-', '_')}.modeling_{family.replace('-', '_')}")
+    calls = []
+
+    def rms(x, eps):
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+    def fused(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias, A,
+              B=None, C=None, D=None, delta_bias=None, delta_softplus=True, b_rms_weight=None, c_rms_weight=None,
+              dt_rms_weight=None, b_c_dt_rms_eps=1e-6, **_):
+        calls.append(tuple(xz.shape))
+        x, z = xz.chunk(2, dim=1)
+        x = modeling.causal_conv1d_fn(x, conv1d_weight.squeeze(1), conv1d_bias, activation="silu")
+        rank, state = delta_proj_weight.shape[1], A.shape[1]
+        dt, b, c = torch.split(torch.nn.functional.linear(x.transpose(1, 2), x_proj_weight), [rank, state, state], -1)
+        if dt_rms_weight is not None:
+            dt, b, c = (rms(t, b_c_dt_rms_eps) for t in (dt, b, c))
+        y = modeling.mamba_selective_scan(x, delta_proj_weight @ dt.transpose(1, 2), A, b.transpose(1, 2),
+                                          c.transpose(1, 2), D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        return torch.nn.functional.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
+
+    original = modeling.mamba_inner_fn
+    modeling.mamba_inner_fn = fused
+    try:
+        yield calls
+    finally:
+        modeling.mamba_inner_fn = original
+
+
 def check_layer_classes_of_their_own_norms_train_under_tensor_parallel():
     """OLMo-Hybrid's two layer classes differ in their norms besides their token mixers (pre-norm Gated DeltaNet
     layers, OLMo 2's post-norm attention layers): one decoder-layer list, each layer's mixer split by head and its own
@@ -2264,7 +2341,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_recompute_is_never_chosen_for_blocks_in_global_view", "check_key_value_heads_below_tp_2_are_replicated",
     "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
     "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel",
-    "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel"]
+    "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel",
+    "check_state_space_models_alone_train_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
