@@ -172,7 +172,7 @@ def test_state_space_mixers_not_read_are_refused_naming_them():
     mixers alone is read: test_state_space_models_alone_are_read_as_blocks_of_their_mixer)."""
     from tests.hf_models import build
 
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     model = build("bamba")
     del model.model.layers[0].mamba.n_groups
     with pytest.raises(UnrecognisedModel, match=r"model\.layers\.0: mamba holds a convolution \(conv1d\)") as caught:
