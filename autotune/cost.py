@@ -587,7 +587,7 @@ def _rank_parameters(spec: ModelSpec, tp: int, pp: int, stage: int, kinds: tuple
         # a vision tower and learned positions: whole on every tp rank
         params += spec.embedding_parameters / tp + spec.media_parameters + spec.position_parameters
     if stage == pp - 1:
-        params += spec.hidden_size
+        params += spec.final_norm_parameters
         if not spec.tied_embeddings:
             params += spec.head_parameters / tp
         elif pp > 1:  # the embedding's copy on the last stage

@@ -663,6 +663,9 @@ class ModelSpec:
     # A learned position embedding's [positions, hidden] (GPT-2's wpe, OPT's, StarCoder's): whole on every tensor-parallel
     # rank, on the first pipeline stage.
     position_parameters: int = 0
+    # A final norm's weight (hidden) before the head, on the last pipeline stage: False for a model without one (GPT-1;
+    # OLMo's norm without parameters).
+    final_norm: bool = True
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -988,8 +991,12 @@ class ModelSpec:
         # Blocks of one part: no attention (nor q/k norms) or no MLP, and one norm.
         layers -= len(self.mixer_free_layers) * (self.attention_parameters + self.qk_norm_parameters + self.hidden_size)
         layers -= len(self.mlp_free_layers) * (self.mlp_parameters + self.hidden_size)
-        return (layers + self.embedding_parameters + self.position_parameters + self.head_parameters + self.hidden_size
-                + self.media_parameters)
+        return (layers + self.embedding_parameters + self.position_parameters + self.head_parameters
+                + self.final_norm_parameters + self.media_parameters)
+
+    @property
+    def final_norm_parameters(self) -> int:
+        return self.hidden_size if self.final_norm else 0
 
     @property
     def active_parameters(self) -> int:
@@ -2010,6 +2017,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         media_parameters=_media_parameters(model, structure),
         position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
                              if structure.position_embedding else 0),
+        final_norm=structure.final_norm is not None,
     )
     if fields["media_parameters"]:
         structure = dataclasses.replace(structure, notes=(*structure.notes, (
@@ -2049,7 +2057,7 @@ def _recognise_mixers_alone(model, layers_name: str, layers, mixers: dict[int, s
         unplanned_parameters=unplanned_parameters, gated_delta_net=shape,
         mlp_free_layers=indices, media_parameters=_media_parameters(model, structure),
         position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
-                             if structure.position_embedding else 0))
+                             if structure.position_embedding else 0), final_norm=structure.final_norm is not None)
     return structure, fields
 
 

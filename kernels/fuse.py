@@ -112,6 +112,8 @@ def fuse(model: torch.nn.Module, *, rms_norm: bool = True, rotary: bool = True, 
                 _fuse_rotary(name, module, report, changes, verdicts)
             if linear_cross_entropy and _looks_like_causal_lm(module):
                 _fuse_lm_head_and_loss(model, name, module, report, changes)
+            elif linear_cross_entropy and (why := _why_head_is_no_linear(module)):
+                report.skipped.append((f"{name}.lm_head" if name else "lm_head", why))
         if strict and report.skipped:
             lines = "\n".join(f"  {name or '<root>'}: {why}" for name, why in report.skipped)
             raise FuseError(
@@ -896,12 +898,25 @@ def _looks_like_causal_lm(module: torch.nn.Module) -> bool:
     """A transformers causal LM: an nn.Linear `lm_head`, PreTrainedModel's `loss_function` property (with its
     setter) and a forward that takes `labels`."""
     head = module._modules.get("lm_head")
+    return isinstance(head, torch.nn.Linear) and not isinstance(head, FusedLMHead) and _has_settable_loss(module)
+
+
+def _has_settable_loss(module: torch.nn.Module) -> bool:
+    """PreTrainedModel's `loss_function` property (with its setter) and a forward that takes `labels`."""
     loss_property = getattr(type(module), "loss_function", None)
-    if not isinstance(head, torch.nn.Linear) or isinstance(head, FusedLMHead):
-        return False
     if not isinstance(loss_property, property) or loss_property.fset is None:
         return False
     return forward_takes(module, "labels")
+
+
+def _why_head_is_no_linear(module: torch.nn.Module) -> str | None:
+    """Why a transformers causal LM's head + loss is left alone where its `lm_head` is a module of its own rather than
+    an nn.Linear (BERT-style decoders: BertGenerationOnlyLMHead holding the Linear as `decoder`); None otherwise."""
+    head = module._modules.get("lm_head")
+    if head is None or isinstance(head, (torch.nn.Linear, FusedLMHead)) or not _has_settable_loss(module):
+        return None
+    return (f"LM head + loss candidate: lm_head is a {type(head).__name__}, not an nn.Linear; the fused loss replaces a "
+            "causal LM's nn.Linear head (its logits come from the module's own forward here)")
 
 
 def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:

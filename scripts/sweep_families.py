@@ -72,6 +72,22 @@ TRIES = [dict(head_dim=HEAD_DIM, **_MOE), dict(_MOE), dict(head_dim=HEAD_DIM, **
          dict(**_LATENT, qk_nope_head_dim=12, head_dim=8, **_MOE), dict(**_LATENT, qk_nope_head_dim=8, head_dim=16, **_MOE)]
 
 
+def _settings(model_type: str, extra: dict) -> dict:
+    """The config settings of one try: _BASE's, the type's and the try's, but `num_key_value_heads` where the type's
+    config class neither takes it as an argument nor maps it (`attribute_map`): such a config keeps any keyword as an
+    attribute (GPT2Config does), where a reader of key/value heads finds it (GPT-2 under tp 4 then ran in global view,
+    its 4 heads read as grouped over 2 key/value heads its code does not have)."""
+    import inspect
+
+    import transformers
+
+    settings = {**_BASE, **_TYPE_CONFIGS.get(model_type, {}), **extra}
+    cls = transformers.AutoConfig.for_model(model_type).__class__
+    if "num_key_value_heads" not in {*inspect.signature(cls.__init__).parameters, *getattr(cls, "attribute_map", {})}:
+        settings.pop("num_key_value_heads", None)
+    return settings
+
+
 def build_tiny(model_type: str, *, deterministic: bool = False, attention: str | None = None,
                dropout: float | None = None):
     """(model, config extras) of the first try whose model runs a labelled forward on a left-padded batch, else
@@ -88,7 +104,7 @@ def build_tiny(model_type: str, *, deterministic: bool = False, attention: str |
     for extra in TRIES:
         try:
             torch.manual_seed(0)
-            config = transformers.AutoConfig.for_model(model_type, **{**_BASE, **_TYPE_CONFIGS.get(model_type, {}), **extra})
+            config = transformers.AutoConfig.for_model(model_type, **_settings(model_type, extra))
             if deterministic or dropout is not None:
                 for key, value in config.to_dict().items():
                     if any(word in key for word in ("dropout", "pdrop", "jitter")) and isinstance(value, float):

@@ -186,6 +186,22 @@ def test_fuse_keeps_loss_logits_and_every_gradient_of_more_families(family):
     _assert_within(logits, expected_logits, budget, "logits")
 
 
+def test_a_head_of_its_own_is_left_alone_with_the_reason():
+    """A BERT-style decoder's head is a module of its own (BertGenerationOnlyLMHead holding its Linear as `decoder`):
+    fuse leaves its head + loss alone and says why (before, its report was empty: "fused 0 module(s), left 0 alone");
+    strict refuses it; the model computes as before."""
+    model = build("bert-generation")
+    ids = _batch()
+    expected = model(input_ids=ids, labels=ids).loss
+    report = kernels.fuse(model)
+    assert report.replaced == [] and [name for name, _ in report.skipped] == ["lm_head"], str(report)
+    assert "lm_head is a BertGenerationOnlyLMHead, not an nn.Linear" in report.skipped[0][1]
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+    with pytest.raises(kernels.FuseError, match="lm_head: LM head \\+ loss candidate"):
+        kernels.fuse(model, strict=True)
+    assert kernels.fuse(model, linear_cross_entropy=False).skipped == []
+
+
 def test_gpt2_fuses_only_its_head_and_loss():
     model = build("gpt2")  # LayerNorm, GELU MLP, learned positions; the head tied to the embedding
     fused = copy.deepcopy(model)
