@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from tridist.autotune.model import readable_attr
 from tridist.autotune.strategy import head_replicas
 from tridist.kernels.comm_matmul import check_backend_available
+from tridist.kernels.fuse import forward_takes
 
 from . import env
 from .dataloader import shard_dataloader
@@ -52,6 +53,7 @@ from .tensor_parallel import (
     SequenceParallelBegin,
     SequenceParallelDisable,
     SequenceParallelEnd,
+    SequenceSlicedRows,
     ShardLocalParameters,
     SplitGroupNorm,
     TensorParallelPlan,
@@ -63,6 +65,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INPUT_SHAPE = (4, 1024)  # Paddle's default input_spec: [BATCH_SIZE, SEQ_LENGTH]
 _MIXED_PRECISION = {"bfloat16", "float16"}
+# The keyword arguments of a module holding the decoder layers that adds rows to their hidden states at a mask's
+# positions over the whole sequence (Qwen3-VL's deepstack features; SequenceSlicedRows)
+_DEEPSTACK = ("visual_pos_masks", "deepstack_visual_embeds")
 
 
 @dataclass
@@ -185,10 +190,6 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
                         "which pipeline stages do not hold together")
         limits["sequence_parallel"] = ("the model adds its router's load-balancing loss, computed from every token's "
                                        "router logits, which sequence parallel splits over the tp ranks")
-    if getattr(getattr(getattr(model, "config", None), "vision_config", None), "deepstack_visual_indexes", None):
-        limits["sequence_parallel"] = ("the model adds its vision tower's deepstack features to the hidden states of its "
-                                       "first layers at the image tokens' positions in the whole sequence (Qwen3-VL's "
-                                       "visual_pos_masks), which sequence parallel splits over the tp ranks")
     from .pipeline import embeddings_after_layers, reentrant_checkpointing, reused_outputs  # (torch's pipelining)
 
     late = embeddings_after_layers(model, layers) if layers is not None else []
@@ -728,6 +729,11 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         order = {name: i for i, (name, _) in enumerate(model.named_modules())}
         embeddings = [name for name in (structure.embedding, structure.position_embedding) if name in order]
         add(max(embeddings, key=order.get, default=structure.embedding), SequenceParallelBegin())
+        # Rows the module holding the layers adds to their hidden states at positions over the whole sequence
+        # (Qwen3-VL's deepstack features): this rank's part of them
+        holder, _, layers_attribute = structure.layers.rpartition(".")
+        if all(forward_takes(model.get_submodule(holder), name) for name in _DEEPSTACK):
+            add(holder, SequenceSlicedRows(*_DEEPSTACK, layers=layers_attribute))
         add_per_layer(structure.attention, SequenceParallelDisable(), among=attention_layers)
         if linear is not None:
             add_per_layer(linear.mixer, SequenceParallelDisable(), among=linear_layers)

@@ -254,6 +254,51 @@ class ReduceSharedOutputGradient(_Style):
         return f"{target.name}: gradient of its last {features} outputs summed over the mp ranks"
 
 
+@dataclass(repr=False)
+class SequenceSlicedRows(_Style):
+    """A module whose keyword arguments hold a mask over the whole sequence (`mask`: [batch, seq]) and rows that the
+    mask's positions select, one tensor or a list of them (`rows`: each [mask.sum(), features], in the mask's row-major
+    order), which it adds to hidden states that sequence parallel splits: Qwen3-VL's (and Qwen3-VL-MoE's, Qwen3-Omni's)
+    text model adds its vision tower's deepstack features (`deepstack_visual_embeds`) to its first layers' outputs at
+    the image and video tokens' positions (`visual_pos_masks`). On entry both become this rank's slice of the sequence
+    (the contiguous part sequence parallel gives it) and the rows of its positions; each rows tensor's gradient is
+    summed over the mp ranks (each rank's slice reaches its own rows), so that what computed them whole on every rank
+    (the vision tower) gets the whole gradient on each. A list's entry i reaches the i-th of the module's decoder
+    layers (`layers`, the attribute holding them): on a pipeline stage where those are another stage's stand-ins, whose
+    zeros have the whole sequence's shape and whose sums no one uses, both stay whole. A sequence that the ranks do not
+    divide is left whole too: the split itself refuses it, naming the fix."""
+
+    mask: str
+    rows: str
+    layers: str
+
+    def apply(self, target: StyleTarget) -> str:
+        mesh, mask_name, rows_name, layers_name = target.tp_mesh, self.mask, self.rows, self.layers
+        group_name = mesh.get_group().group_name
+
+        def local(module, args, kwargs):
+            mask, rows = kwargs.get(mask_name), kwargs.get(rows_name)
+            if mask is None or rows is None or mask.shape[SEQUENCE_DIM] % mesh.size():
+                return None
+            reached = getattr(module, layers_name)[:len(rows) if isinstance(rows, (list, tuple)) else 1]
+            if any(getattr(layer, "_tridist_stand_in", False) for layer in reached):
+                return None
+            part = mask.shape[SEQUENCE_DIM] // mesh.size()
+            start = mesh.get_local_rank() * part
+            index = (mask.flatten().cumsum(0) - 1).view_as(mask)  # each position's row among the selected ones
+            mask = mask[:, start:start + part]
+            taken = index[:, start:start + part][mask]
+
+            def ours(x):
+                return _SumTrailingGradient.apply(x, x.shape[-1], group_name)[taken]
+
+            rows = [ours(x) for x in rows] if isinstance(rows, (list, tuple)) else ours(rows)
+            return args, {**kwargs, mask_name: mask, rows_name: rows}
+
+        target.module.register_forward_pre_hook(local, with_kwargs=True)
+        return f"{target.name}: {self!r} (this rank's slice of the sequence; the rows' gradients summed over the mp ranks)"
+
+
 class _SumTrailingGradient(torch.autograd.Function):
     """Identity forward; the backward sums the last `features` columns of the gradient over the group. It keeps
     the group's name, not the group: an output kept alive (a script's, until exit) holds its graph, and a
@@ -950,7 +995,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
-          ReduceSharedOutputGradient, ReplicatedColWiseParallel, LocalParameterRows,
+          ReduceSharedOutputGradient, SequenceSlicedRows, ReplicatedColWiseParallel, LocalParameterRows,
           DistributedNorm, FreshLocalOutput, ShardHeadInput, LocalHeadWidths,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 

@@ -235,3 +235,34 @@ def test_attention_settings_read_as_global_widths_are_found():
     attention = llama.self_attn
     attention.embed_dim, attention.inner_dim, attention.hidden_size = 4 * 16, 4 * 16 + 1, 4 * 16  # only the first
     assert head_width_owners(llama) == {"self_attn": LocalHeadWidths(("embed_dim",), config=True)}
+
+
+def test_deepstack_rows_are_taken_to_each_ranks_slice_under_sequence_parallel():
+    """Qwen3-VL's text model adds rows at a mask's positions over the whole sequence (its deepstack features): under
+    sequence parallel the plan gives it SequenceSlicedRows (the mask's and the rows' slice of this rank, the rows'
+    gradients summed), nothing without sequence parallel, and nothing to a model whose layers' holder takes no such
+    arguments (Llama)."""
+    import transformers as hf
+
+    from tridist.distcore.tensor_parallel import SequenceSlicedRows
+    from tests.hf_models import build
+
+    config = hf.Qwen3VLConfig(
+        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]))
+    model = hf.Qwen3VLForConditionalGeneration(config)
+    structure = autotune.ModelSpec.from_module(model, seq_len=16).structure
+    styles = td.tensor_parallel_plan(model, structure, sequence_parallel=True).styles
+    rows = [(name, style) for name, kinds in styles.items() for style in kinds if isinstance(style, SequenceSlicedRows)]
+    assert [(name, style.mask, style.rows, style.layers) for name, style in rows] == [
+        ("model.language_model", "visual_pos_masks", "deepstack_visual_embeds", "layers")], rows
+    assert not any(isinstance(style, SequenceSlicedRows) for kinds in td.tensor_parallel_plan(
+        model, structure, sequence_parallel=False).styles.values() for style in kinds)
+    llama = build("llama")
+    plain = td.tensor_parallel_plan(llama, autotune.ModelSpec.from_module(llama).structure, sequence_parallel=True)
+    assert not any(isinstance(style, SequenceSlicedRows) for kinds in plain.styles.values() for style in kinds)
