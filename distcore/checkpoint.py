@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import env
+from .tensor_parallel import tied_parameter_names
 
 # Optimizer state keyed by parameter name throughout ("param_groups.<name>.lr"), as torchtitan does:
 # DCP's nested form stores each param group's list of names once, from one rank, which is wrong for a
@@ -51,12 +52,29 @@ def save_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     """
     env.init_parallel_env()
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
+    _under_every_name_of_a_tie(model, optim_state)
     # `extra` travels as one pickled blob: DCP loads only keys the loader already knows, and the
     # loader does not know the user's keys in advance.
     blob = io.BytesIO(pickle.dumps(extra or {}))
     state = {"model": model_state, "optimizer": optim_state, "extra": blob}
     _to_boxes(state)
     dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def _under_every_name_of_a_tie(model: torch.nn.Module, optim_state: dict) -> None:
+    """A tied parameter's optimizer state and settings ("state.<name>.*", "param_groups.<name>.*") also under the
+    tie's other names: get_state_dict keys them by one name, while a pipeline stage holding the tie's other module
+    (the LM head on the last stage, its embedding another stage's) asks for them by that module's name. (Saved under
+    pipeline stages, each stage writes its own name already.)"""
+    for names in tied_parameter_names(model):
+        for kind in ("state", "param_groups"):
+            written = next((name for name in names if any(k.startswith(f"{kind}.{name}.") for k in optim_state)), None)
+            if written is None:
+                continue
+            prefix = f"{kind}.{written}."
+            for key in [k for k in optim_state if k.startswith(prefix)]:
+                for name in names:
+                    optim_state.setdefault(f"{kind}.{name}.{key[len(prefix):]}", optim_state[key])
 
 
 def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike = "checkpoint") -> dict:
