@@ -2042,6 +2042,9 @@ def _recognise_mixers_alone(model, layers_name: str, layers, mixers: dict[int, s
                      "tensor-parallel rank, priced as matmuls over every token there")
     if len(norms) != 1:
         notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 1 in a block of one part)")
+    biases = [n for n, _ in layers[0].named_parameters() if n.endswith("bias")]
+    if biases:
+        notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
     outer = _outer_parts(model, layers_name, hidden)
     shape = _gated_delta_net_shape(layers, linear, hidden)
     structure = ModelStructure(
