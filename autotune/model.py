@@ -666,6 +666,10 @@ class ModelSpec:
     # A final norm's weight (hidden) before the head, on the last pipeline stage: False for a model without one (GPT-1;
     # OLMo's norm without parameters).
     final_norm: bool = True
+    # The leading decoder layers whose outputs the model adds to before the next layer takes them (Qwen3-VL's text
+    # model adds its vision tower's deepstack features after each of its first 3): no pipeline stage may end among
+    # them (strategy.validate: the first stage holds more).
+    layers_added_to: int = 0
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -713,6 +717,10 @@ class ModelSpec:
         self._check_layers()
 
     def _check_layers(self) -> None:
+        _check_integers("ModelSpec", self, ("layers_added_to",), minimum=0, what="a non-negative integer")
+        if self.layers_added_to > self.num_layers:
+            raise ValueError(f"ModelSpec: layers_added_to={self.layers_added_to} counts more layers than the "
+                             f"{self.num_layers}")
         linear = self.gated_delta_net
         if linear is not None and linear.layers[-1] >= self.num_layers:
             raise ValueError(f"ModelSpec: gated_delta_net.layers must be layer indices in [0, {self.num_layers}), "
@@ -2017,7 +2025,7 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
         media_parameters=_media_parameters(model, structure),
         position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
                              if structure.position_embedding else 0),
-        final_norm=structure.final_norm is not None,
+        final_norm=structure.final_norm is not None, layers_added_to=_layers_added_to(model, layers_name),
     )
     if fields["media_parameters"]:
         structure = dataclasses.replace(structure, notes=(*structure.notes, (
@@ -2084,6 +2092,22 @@ def _linear_mixer_notes(linear: LinearAttention, shape, hidden: int) -> list[str
         notes.append(f"{linear.mixer}'s projections from the hidden size give {widths} features, priced as "
                      f"transformers' q, k, v, z, b and a ({expected})")
     return notes
+
+
+# The keyword arguments through which the module holding the decoder layers takes rows it adds to its first layers'
+# outputs at a mask's positions (Qwen3-VL's deepstack features: the image and video tokens' mask over the sequence, one
+# rows tensor per layer reached, as many as its vision config's deepstack_visual_indexes).
+DEEPSTACK_ARGUMENTS = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+def _layers_added_to(model: "nn.Module", layers_name: str) -> int:
+    """How many leading decoder layers' outputs the model adds its deepstack features to (ModelSpec.layers_added_to):
+    the length of its vision config's deepstack_visual_indexes where the layers' holder takes DEEPSTACK_ARGUMENTS."""
+    holder = model.get_submodule(layers_name.rpartition(".")[0])
+    if not all(name in inspect.signature(holder.forward).parameters for name in DEEPSTACK_ARGUMENTS):
+        return 0
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
 
 def media_configs(model: "nn.Module") -> list:

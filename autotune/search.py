@@ -38,7 +38,8 @@ from .cost import COST_MODEL_VERSION, balanced_layout, estimate
 from .hardware import Cluster, cache_dir
 from .measured import MEASURE_PICKS
 from .model import ModelSpec
-from .strategy import RECOMPUTE_MODES, SHARDING_LEVELS, Strategy, kv_head_replicas, tensor_parallel_problems, validate
+from .strategy import (RECOMPUTE_MODES, SHARDING_LEVELS, Strategy, kv_head_replicas, stage_layers, tensor_parallel_problems,
+                       validate)
 
 __all__ = [
     "Candidate",
@@ -302,12 +303,18 @@ def layout_strategies(spec: ModelSpec, cluster: Cluster, global_batch_size: int,
 def _stage_layouts(spec: ModelSpec, num_stages: int, space: SearchSpace) -> list[tuple[int, ...] | None]:
     """The stage layouts a strategy of `num_stages` pipeline stages may take: stage_layers' even one (None) and the
     FLOPs-balanced one where it differs (cost.balanced_layout); None alone where the stages cannot each hold a layer
-    (validate refuses such a strategy)."""
+    (validate refuses such a strategy). Those whose first stage ends among the layers the model adds to
+    (ModelSpec.layers_added_to) are left out; where that leaves none, the first stage takes those layers and one more,
+    the other stages the rest as stage_layers lays them out."""
     balanced = (balanced_layout(spec, num_stages)
                 if 1 < num_stages <= spec.num_layers and True in space.balanced_stages else None)
-    if balanced is None:
-        return [None]
-    return [None, balanced] if False in space.balanced_stages else [balanced]
+    layouts = [None] if balanced is None else [None, balanced] if False in space.balanced_stages else [balanced]
+    first = spec.layers_added_to + 1  # the fewest layers the first stage may hold
+    if first > 1 and 1 < num_stages <= spec.num_layers:
+        layouts = [layout for layout in layouts if (layout or stage_layers(spec.num_layers, num_stages))[0] >= first]
+        if not layouts and spec.num_layers - first >= num_stages - 1:  # those layers, the others spread evenly
+            layouts = [(first, *stage_layers(spec.num_layers - first, num_stages - 1))]
+    return layouts
 
 
 def pareto_front(candidates: Iterable[Candidate]) -> list[Candidate]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from tridist.autotune.model import readable_attr
+from tridist.autotune.model import DEEPSTACK_ARGUMENTS, readable_attr
 from tridist.autotune.strategy import head_replicas
 from tridist.kernels.comm_matmul import check_backend_available
 from tridist.kernels.fuse import forward_takes
@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INPUT_SHAPE = (4, 1024)  # Paddle's default input_spec: [BATCH_SIZE, SEQ_LENGTH]
 _MIXED_PRECISION = {"bfloat16", "float16"}
-# The keyword arguments of a module holding the decoder layers that adds rows to their hidden states at a mask's
-# positions over the whole sequence (Qwen3-VL's deepstack features; SequenceSlicedRows)
-_DEEPSTACK = ("visual_pos_masks", "deepstack_visual_embeds")
 
 
 @dataclass
@@ -732,8 +729,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         # Rows the module holding the layers adds to their hidden states at positions over the whole sequence
         # (Qwen3-VL's deepstack features): this rank's part of them
         holder, _, layers_attribute = structure.layers.rpartition(".")
-        if all(forward_takes(model.get_submodule(holder), name) for name in _DEEPSTACK):
-            add(holder, SequenceSlicedRows(*_DEEPSTACK, layers=layers_attribute))
+        if all(forward_takes(model.get_submodule(holder), name) for name in DEEPSTACK_ARGUMENTS):
+            add(holder, SequenceSlicedRows(*DEEPSTACK_ARGUMENTS, layers=layers_attribute))
         add_per_layer(structure.attention, SequenceParallelDisable(), among=attention_layers)
         if linear is not None:
             add_per_layer(linear.mixer, SequenceParallelDisable(), among=linear_layers)

@@ -381,3 +381,20 @@ def build(family: str, *, layers: int = LAYERS, seed: int = 0, config: dict | No
         return hf.AutoModelForCausalLM.from_config(settings)
     raise ValueError(f"unknown family {family!r}; choose one of "
                      f"{FAMILIES + MOE_FAMILIES + list(MORE_FAMILIES) + list(UNREAD_FAMILIES)}")
+
+
+def qwen3_vl(layers: int = LAYERS) -> torch.nn.Module:
+    """A tiny Qwen3-VL (its text model of `layers` layers), whose vision tower's deepstack features are added to the
+    first two text layers' outputs."""
+    import transformers as hf
+
+    torch.manual_seed(0)
+    config = hf.Qwen3VLConfig(
+        text_config=dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, intermediate_size=2 * HIDDEN, vocab_size=VOCAB, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=HIDDEN,
+                           patch_size=2, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]))
+    return hf.Qwen3VLForConditionalGeneration(config)

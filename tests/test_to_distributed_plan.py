@@ -242,20 +242,10 @@ def test_deepstack_rows_are_taken_to_each_ranks_slice_under_sequence_parallel():
     sequence parallel the plan gives it SequenceSlicedRows (the mask's and the rows' slice of this rank, the rows'
     gradients summed), nothing without sequence parallel, and nothing to a model whose layers' holder takes no such
     arguments (Llama)."""
-    import transformers as hf
-
     from tridist.distcore.tensor_parallel import SequenceSlicedRows
-    from tests.hf_models import build
+    from tests.hf_models import build, qwen3_vl
 
-    config = hf.Qwen3VLConfig(
-        text_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=128, head_dim=16,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                          "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2,
-                           spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 1]))
-    model = hf.Qwen3VLForConditionalGeneration(config)
+    model = qwen3_vl()
     structure = autotune.ModelSpec.from_module(model, seq_len=16).structure
     styles = td.tensor_parallel_plan(model, structure, sequence_parallel=True).styles
     rows = [(name, style) for name, kinds in styles.items() for style in kinds if isinstance(style, SequenceSlicedRows)]
@@ -266,3 +256,31 @@ def test_deepstack_rows_are_taken_to_each_ranks_slice_under_sequence_parallel():
     llama = build("llama")
     plain = td.tensor_parallel_plan(llama, autotune.ModelSpec.from_module(llama).structure, sequence_parallel=True)
     assert not any(isinstance(style, SequenceSlicedRows) for kinds in plain.styles.values() for style in kinds)
+
+
+def test_no_pipeline_stage_ends_among_the_layers_the_deepstack_features_reach():
+    """Qwen3-VL adds its deepstack features to its first 2 text layers' outputs before the next layer takes them; a
+    pipeline stage ending with one of them would send its output without them (the next stage then refused it at its
+    first step: "does not receive the previous layer's output unchanged"). The spec counts them (layers_added_to),
+    validate refuses a first stage of 2 layers or fewer naming layers_per_stage, and the search lays the first stage
+    out past them (3 layers where the even layout would give 2). Llama adds to none."""
+    import dataclasses
+
+    from tridist.autotune import Cluster, Strategy
+    from tridist.autotune.search import SearchSpace, _stage_layouts
+    from tridist.autotune.strategy import validate
+    from tests.hf_models import build, qwen3_vl
+
+    spec = autotune.ModelSpec.from_module(qwen3_vl(layers=4), seq_len=16)
+    assert spec.layers_added_to == 2 and autotune.ModelSpec.from_module(build("llama")).layers_added_to == 0
+    cluster = Cluster(1, 2)
+    for layout, refused in ((None, True), ((2, 2), True), ((1, 3), True), ((3, 1), False)):
+        strategy = Strategy(1, 1, 2, num_micro_batches=2, layers_per_stage=layout)
+        reasons = [r for r in validate(spec, cluster, strategy, global_batch_size=2) if "deepstack" in r]
+        assert bool(reasons) == refused, (layout, reasons)
+        assert not refused or "layers_per_stage with at least 3 layers on the first stage" in reasons[0], reasons
+    assert _stage_layouts(spec, 2, SearchSpace()) == [(3, 1)]
+    assert all(layout is None or layout[0] >= 3 for layout in _stage_layouts(dataclasses.replace(spec, num_layers=12),
+                                                                             3, SearchSpace()))
+    with pytest.raises(ValueError, match="layers_added_to=5 counts more layers than the 4"):
+        dataclasses.replace(spec, layers_added_to=5)

@@ -304,8 +304,8 @@ def check_images_of_several_sizes_told_apart_by_their_sizes():
 
 
 def check_what_cannot_be_split_is_refused():
-    """A batch tensor whose rows are neither samples nor images of a known layout: refused by the loader, naming it.
-    """
+    """A batch tensor whose rows are neither samples nor images of a known layout: refused by the loader, naming it;
+    Qwen3-VL's deepstack layers split over pipeline stages: refused up front."""
     model = _llava()
     model, _, loader = distcore.to_distributed(
         model, None, [{"input_ids": torch.zeros(4, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 8])}],
@@ -317,6 +317,16 @@ def check_what_cannot_be_split_is_refused():
         assert "'cu_seqlens' has 3 row(s) on dim 0 where the batch has 4 sample(s)" in str(error), error
     else:
         raise AssertionError("a tensor of 3 rows in a batch of 4 samples was split")
+    # Qwen3-VL's two text layers both take deepstack features: no pipeline stage may end with either (before: refused
+    # at the first step, "does not receive the previous layer's output unchanged")
+    try:
+        distcore.to_distributed(_qwen3_vl(), None, _loader(_qwen3_vl()), device_num=dist.get_world_size(),
+                                config=distcore.ToDistributedConfig(strategy=autotune.Strategy(
+                                    1, 1, 2, micro_batch_size=2, num_micro_batches=2)))
+    except autotune.InvalidStrategy as error:
+        assert "adds to the outputs of its first 2 layers" in str(error), error
+    else:
+        raise AssertionError("Qwen3-VL's deepstack layers split over pipeline stages were not refused")
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
