@@ -1,5 +1,5 @@
 """Sweep `tridist.distcore.to_distributed` over transformers' vision-language models (tests/distributed/vision_worker.py's
-MODELS: Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA, Gemma 3, Mistral 3, Pixtral, LFM2-VL, InternVL, tiny) and strategies on 4 gloo processes (torchrun), each trained 2 SGD steps on
+MODELS: Qwen2.5-VL, Qwen2-VL, Qwen3-VL, LLaVA, Gemma 3, Mistral 3, Pixtral, LFM2-VL, InternVL, GLM-4.1V, tiny) and strategies on 4 gloo processes (torchrun), each trained 2 SGD steps on
 batches of images as users collate them (any number of images per sample, each of its own size, some samples with
 none) and compared with one process (tests/distributed/equivalence.py).
 

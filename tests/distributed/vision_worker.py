@@ -134,9 +134,23 @@ def _internvl():
     return hf.InternVLForConditionalGeneration(config)
 
 
+def _glm4v():
+    """GLM-4.1V's layout: Qwen2-VL's grid of patches merged 2 x 2, its text model's partial rotary over 3-D positions
+    (the rotary half of each 16-wide head in sections of 2, 1 and 1 pairs)."""
+    torch.manual_seed(0)
+    config = hf.Glm4vConfig(
+        text_config={**TEXT, "head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                               "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}},
+        vision_config=dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, image_size=8),
+        image_token_id=IMAGE, video_token_id=IMAGE + 1, image_start_token_id=IMAGE + 2, image_end_token_id=IMAGE + 3,
+        video_start_token_id=IMAGE + 4, video_end_token_id=IMAGE + 5)
+    return hf.Glm4vForConditionalGeneration(config)
+
+
 # What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
-          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl}
+          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl, "glm4v": _glm4v}
 
 
 def _samples(model) -> list[dict]:
@@ -187,7 +201,10 @@ def _samples(model) -> list[dict]:
                 sample["pixel_values"] = torch.cat(pixels)
                 if grid:
                     sample["image_grid_thw"] = torch.tensor(grids)
-            videos = VIDEOS.get(len(samples), []) if "pixel_values_videos" in arguments else []
+            # (GLM-4.1V's processor writes a video's frames as image tokens between video start and end tokens, which
+            # these samples do not: images alone there)
+            videos = (VIDEOS.get(len(samples), []) if "pixel_values_videos" in arguments
+                      and model.config.model_type != "glm4v" else [])
             for t, h, w in videos:  # Qwen3-VL's processor gives each frame its own placeholders (and a timestamp)
                 frames = t if model.config.model_type.startswith("qwen3") else 1
                 for _ in range(frames):
