@@ -280,6 +280,9 @@ class SequenceSlicedRows(_Style):
             mask, rows = kwargs.get(mask_name), kwargs.get(rows_name)
             if mask is None or rows is None or mask.shape[SEQUENCE_DIM] % mesh.size():
                 return None
+            if mask.dtype != torch.bool or mask.dim() != 2:  # (integers would index rows, not select positions)
+                raise TypeError(f"parallelize: {target.name}'s {mask_name!r} must be a [batch, seq] bool mask for "
+                                f"{self!r}, got {mask.dtype} of shape {tuple(mask.shape)}")
             reached = getattr(module, layers_name)[:len(rows) if isinstance(rows, (list, tuple)) else 1]
             if any(getattr(layer, "_tridist_stand_in", False) for layer in reached):
                 return None
