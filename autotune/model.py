@@ -1961,15 +1961,10 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     for (in_moe, *_), i in kinds.items():
         found, count = _unplanned_modules(layers[i], [c for c in covered + (moe_parts if in_moe else dense_covered) if c])
         unplanned, unplanned_parameters = tuple(dict.fromkeys(unplanned + found)), max(unplanned_parameters, count)
-    if unplanned:
-        notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
-                     "tensor-parallel rank, priced as matmuls over every token there")
     # (the attention's layer and, where the MLP is read from another, the MLP's: a Nemotron-H MLP block's biases)
     biases = [n for i in dict.fromkeys((index, mlp_layer)) for n, _ in layers[i].named_parameters() if n.endswith("bias")]
-    if biases:
-        notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
-    if len(norms) != (1 if index in mlp_free else 2):  # a block of one part has one norm (Nemotron-H's)
-        notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes {1 if index in mlp_free else 2})")
+    # (a block of one part has one norm: Nemotron-H's)
+    notes += _layer_notes(unplanned, len(biases), len(norms), 1 if index in mlp_free else 2)
     if moe is not None and moe_fields.get("expert_load_imbalance") == 1.0:
         notes.append(f"{moe.experts} runs every expert on every token (weighted by the router): priced as "
                      f"{moe_fields['num_experts']} experts per token, not the router's top-{moe.top_k}")
@@ -2011,10 +2006,8 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
     eager = _eager_attention(model)
     fields = dict(
         num_layers=len(layers), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        v_head_dim=v_head_dim, ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn, vocab_size=outer["vocab"],
+        v_head_dim=v_head_dim, ffn_hidden_size=mlp_parts.get("ffn") or moe.expert_ffn,
         gated_mlp=mlp_parts.get("gated", moe.gated if moe else True),
-        tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
-        head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         packed_unequal_qkv=bool(attn.get("qkv")) and attn["q_size"] != attn["kv_size"], qkv_interleaved=interleaved,
         qk_norm=qk_norm,
         latent_attention=latent, flash_attention=not eager,
@@ -2022,11 +2015,36 @@ def _recognise_layers(model, layers_name: str, layers, overrides: dict) -> tuple
                                    and not attn.get("latent_kv")),  # per feature (latent attention's: priced as none)
         softmax_fp32=eager, unplanned_parameters=unplanned_parameters,
         gated_delta_net=linear_shape, mixer_free_layers=mixer_free, mlp_free_layers=mlp_free, **moe_fields,
+    )
+    return _with_outer_fields(model, structure, fields, outer)
+
+
+def _layer_notes(unplanned: tuple[str, ...], biases: int, norms: int, expected_norms: int) -> list[str]:
+    """The structure's notes on what a decoder layer holds beyond what the cost model prices: modules no plan names,
+    biases, and a norm count other than `expected_norms`."""
+    notes = []
+    if unplanned:
+        notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
+                     "tensor-parallel rank, priced as matmuls over every token there")
+    if biases:
+        notes.append(f"{biases} bias vector(s) per layer are not counted by the cost model")
+    if norms != expected_norms:
+        notes.append(f"{norms} norm(s) per layer found (the cost model assumes {expected_norms})")
+    return notes
+
+
+def _with_outer_fields(model, structure: ModelStructure, fields: dict, outer: dict) -> tuple[ModelStructure, dict]:
+    """(structure, fields) with the spec's fields read outside the decoder layers (`outer`: _outer_parts') and from the
+    model itself: the vocabulary, the head, media encoders, learned positions, the final norm, the layers the model
+    adds to; a note on media encoders' parameters."""
+    fields = dict(
+        fields, vocab_size=outer["vocab"],
+        tied_embeddings=outer["tied"] and not outer["task_head"],  # a task head has its own weight
+        head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
         media_parameters=_media_parameters(model, structure),
         position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
                              if structure.position_embedding else 0),
-        final_norm=structure.final_norm is not None, layers_added_to=_layers_added_to(model, layers_name),
-    )
+        final_norm=structure.final_norm is not None, layers_added_to=_layers_added_to(model, structure.layers))
     if fields["media_parameters"]:
         structure = dataclasses.replace(structure, notes=(*structure.notes, (
             f"{fields['media_parameters']:,} parameters outside the language model (its media encoders and their "
@@ -2045,14 +2063,8 @@ def _recognise_mixers_alone(model, layers_name: str, layers, mixers: dict[int, s
     notes = _check_layers_alike(layers_name, layers, 0, None, {}, indices, one_part=block_parts((), indices))
     norms = tuple(n for n in _norm_names(layers[0], hidden) if not n.startswith(linear.mixer + "."))
     unplanned, unplanned_parameters = _unplanned_modules(layers[0], [linear.mixer, *norms])
-    if unplanned:
-        notes.append(f"{', '.join(unplanned)} in the decoder layers hold parameters no plan names: whole on every "
-                     "tensor-parallel rank, priced as matmuls over every token there")
-    if len(norms) != 1:
-        notes.append(f"{len(norms)} norm(s) per layer found (the cost model assumes 1 in a block of one part)")
     biases = [n for n, _ in layers[0].named_parameters() if n.endswith("bias")]
-    if biases:
-        notes.append(f"{len(biases)} bias vector(s) per layer are not counted by the cost model")
+    notes += _layer_notes(unplanned, len(biases), len(norms), 1)  # (a block of one part: one norm)
     outer = _outer_parts(model, layers_name, hidden)
     shape = _gated_delta_net_shape(layers, linear, hidden)
     structure = ModelStructure(
@@ -2061,15 +2073,9 @@ def _recognise_mixers_alone(model, layers_name: str, layers, mixers: dict[int, s
         lm_head=outer["lm_head"], lm_head_param=outer["lm_head_param"], lm_head_layout=outer["lm_head_layout"],
         tied_embeddings=outer["tied"], task_head=outer["task_head"], linear_attention=linear, unplanned=unplanned,
         mlp_free_layers=indices, notes=(*notes, *_linear_mixer_notes(linear, shape, hidden)))
-    fields = dict(
-        num_layers=len(layers), hidden_size=hidden, num_heads=0, num_kv_heads=0, head_dim=0, ffn_hidden_size=0,
-        vocab_size=outer["vocab"], tied_embeddings=outer["tied"] and not outer["task_head"],
-        head_outputs=model.get_submodule(outer["task_head"]).out_features if outer["task_head"] else None,
-        unplanned_parameters=unplanned_parameters, gated_delta_net=shape,
-        mlp_free_layers=indices, media_parameters=_media_parameters(model, structure),
-        position_parameters=(model.get_submodule(structure.position_embedding).weight.numel()
-                             if structure.position_embedding else 0), final_norm=structure.final_norm is not None)
-    return structure, fields
+    fields = dict(num_layers=len(layers), hidden_size=hidden, num_heads=0, num_kv_heads=0, head_dim=0, ffn_hidden_size=0,
+                  unplanned_parameters=unplanned_parameters, gated_delta_net=shape, mlp_free_layers=indices)
+    return _with_outer_fields(model, structure, fields, outer)
 
 
 def _linear_mixer_notes(linear: LinearAttention, shape, hidden: int) -> list[str]:

@@ -110,9 +110,13 @@ def _stage_sizes(num_layers: int, num_stages: int, layers_per_stage: tuple[int, 
     return sizes
 
 
-def first_stage_layers(spec: "ModelSpec", strategy: "Strategy") -> int:
-    """The decoder layers of the strategy's first pipeline stage (its first virtual stage, interleaved)."""
-    return _stage_sizes(spec.num_layers, strategy.pp * strategy.virtual_pp, strategy.layers_per_stage)[0]
+def first_stage_layers(spec: "ModelSpec", strategy: "Strategy") -> int | None:
+    """The decoder layers of the strategy's first pipeline stage (its first virtual stage, interleaved); None where its
+    layers_per_stage lays out no valid stages (validate says why)."""
+    try:
+        return _stage_sizes(spec.num_layers, strategy.pp * strategy.virtual_pp, strategy.layers_per_stage)[0]
+    except (ValueError, TypeError):
+        return None
 
 
 def rank_layers(num_layers: int, pp: int, virtual_pp: int = 1,
@@ -326,8 +330,8 @@ def validate(spec: "ModelSpec", cluster: "Cluster", strategy: Strategy, *, globa
     if spec.num_layers < s.pp * s.virtual_pp:
         reasons.append(f"pp*virtual_pp = {s.pp}*{s.virtual_pp} stages exceed the {spec.num_layers} layers (each "
                        "stage needs one at least); pick fewer stages")
-    elif (s.pp > 1 and spec.layers_added_to and not any(r.startswith("layers_per_stage") for r in reasons)
-          and (first := first_stage_layers(spec, s)) <= spec.layers_added_to):
+    elif s.pp > 1 and spec.layers_added_to and (first := first_stage_layers(spec, s)) is not None and (
+            first <= spec.layers_added_to):
         reasons.append(f"the first pipeline stage holds {first} layer(s), and the model adds to the outputs of its first "
                        f"{spec.layers_added_to} layers before the next layer takes them (Qwen3-VL's deepstack "
                        "features), which a stage boundary among them would leave out: give layers_per_stage with at "

@@ -258,8 +258,8 @@ class ReduceSharedOutputGradient(_Style):
 class SequenceSlicedRows(_Style):
     """A module whose keyword arguments hold a mask over the whole sequence (`mask`: [batch, seq]) and rows that the
     mask's positions select, one tensor or a list of them (`rows`: each [mask.sum(), features], in the mask's row-major
-    order), which it adds to hidden states that sequence parallel splits: Qwen3-VL's (and Qwen3-VL-MoE's, Qwen3-Omni's)
-    text model adds its vision tower's deepstack features (`deepstack_visual_embeds`) to its first layers' outputs at
+    order), which it adds to hidden states that sequence parallel splits: Qwen3-VL's (and Qwen3-VL-MoE's) text
+    model adds its vision tower's deepstack features (`deepstack_visual_embeds`) to its first layers' outputs at
     the image and video tokens' positions (`visual_pos_masks`). On entry both become this rank's slice of the sequence
     (the contiguous part sequence parallel gives it) and the rows of its positions; each rows tensor's gradient is
     summed over the mp ranks (each rank's slice reaches its own rows), so that what computed them whole on every rank
