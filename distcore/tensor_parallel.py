@@ -999,7 +999,7 @@ class SequenceParallelDisable(_SequenceParallelStyle):
 
 STYLES = (ColWiseParallel, RowWiseParallel, PrepareLayerInput, PrepareLayerOutput, ShardLocalParameters, ShardHeadParameters,
           ReduceSharedOutputGradient, SequenceSlicedRows, ReplicatedColWiseParallel, LocalParameterRows,
-          DistributedNorm, FreshLocalOutput, ShardHeadInput, LocalHeadWidths,
+          DistributedNorm, FreshLocalOutput, ShardHeadInput, LocalHeadWidths, UnfusedMixerForward, SplitGroupNorm,
           SequenceParallelBegin, SequenceParallelEnd, SequenceParallelEnable, SequenceParallelDisable)
 
 

@@ -198,6 +198,7 @@ def test_state_space_models_alone_are_read_as_blocks_of_their_mixer(family):
     from tridist.autotune.search import enumerate_layouts, layout_strategies
     from tridist.autotune.strategy import validate
     from tridist.distcore.auto import apply_recompute, tensor_parallel_plan
+    from tridist.distcore.tensor_parallel import UnfusedMixerForward, resolve_plan
 
     pytest.importorskip("transformers")
     model = build(family)
@@ -220,6 +221,9 @@ def test_state_space_models_alone_are_read_as_blocks_of_their_mixer(family):
         expected[f"{mixer}.x_proj"] = ["RowWiseParallel", "ReduceSharedOutputGradient"]
     assert split == expected, split
     assert not any(".self_attn" in name or ".mlp" in name for name in styles), sorted(styles)
+    # the same style in a user's Paddle-style plan (a dict of patterns): accepted there too
+    user = resolve_plan(model, {"backbone.layers.*.mixer": UnfusedMixerForward()}).styles
+    assert [type(x).__name__ for x in user["backbone.layers.1.mixer"]] == ["UnfusedMixerForward"], user
     cluster = Cluster(1, 4)
     for strategy in (Strategy(1, 2, 2, sequence_parallel=True, num_micro_batches=2), Strategy(2, 2, 1, recompute="full"),
                      Strategy(1, 4, 1, sequence_parallel=True)):
