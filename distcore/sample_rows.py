@@ -18,7 +18,8 @@ not know: its per-image tensors are then refused where they cannot be split by s
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,8 +29,8 @@ from ..autotune.model import media_configs
 
 
 # The layouts `sample_rows_of` reads, as the refusals of rows it cannot assign name them.
-KNOWN_LAYOUTS = ("a Qwen2-VL-style grid, Pixtral's image sizes, LFM2-VL's spatial shapes, or images of one placeholder "
-                 "count")
+KNOWN_LAYOUTS = ("a Qwen2-VL-style grid, Pixtral's image sizes, LLaVA-NeXT's any-resolution image sizes, LFM2-VL's "
+                 "spatial shapes, or images of one placeholder count")
 
 
 class Offsets(NamedTuple):
@@ -48,7 +49,8 @@ class MediaRows:
     `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). `sizes`: the key of each item's (height,
     width) where its placeholders follow from them, (height // patch) x (width // patch) for `patch` of that unit per
     placeholder (Pixtral's `image_sizes` in pixels: its patch size times Mistral 3's spatial merge, the images padded
-    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor). Without a grid or sizes
+    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor), or `count(height, width)` of
+    them where it is given (LLaVA-NeXT's any-resolution images: `anyres_placeholders`). Without a grid or sizes
     each item takes the same number of placeholders (the batch's count over its items), or, as many items as samples
     holding some, one item in each of those (images of any size, one to a sample, beside samples of text alone).
     `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
@@ -62,6 +64,7 @@ class MediaRows:
     padded: bool = False
     sizes: str | None = None
     patch: int = 1
+    count: Callable[[int, int], int] | None = None
 
     def keys(self) -> tuple[str, ...]:
         return (self.pixels, *((self.grid,) if self.grid else ()), *self.per_item)
@@ -84,7 +87,8 @@ class MediaRows:
             if not torch.is_tensor(batch.get(self.sizes)):
                 raise ValueError(f"{self.pixels!r} comes without {self.sizes!r}, which tells its items' sizes")
             rows = [1] * items
-            tokens = [(h // self.patch) * (w // self.patch) for h, w in batch[self.sizes].reshape(-1, 2).tolist()]
+            tokens = [self.count(h, w) if self.count else (h // self.patch) * (w // self.patch)
+                      for h, w in batch[self.sizes].reshape(-1, 2).tolist()]
             counts = _items_per_sample(placeholders, tokens, self.token_id)
         elif items and items == sum(1 for n in placeholders if n):
             # one item in each sample that holds placeholders, of any size (the others of text alone)
@@ -240,11 +244,43 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
             patch = vision.patch_size * (getattr(config, "spatial_merge_size", None) or 1)
             media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", patch=patch))
             continue
-        # Other keys of one row per item: LLaVA-NeXT's image sizes, Qwen2.5-VL's seconds per video grid
+        if kind == "image" and "image_sizes" in arguments and (count := anyres_placeholders(model)) is not None:
+            # LLaVA-NeXT's any-resolution images: any number per sample, each of its own size, its placeholders told by
+            # that size through the model's own tiling
+            media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", count=count))
+            continue
+        # Other keys of one row per item: LLaVA-NeXT-like image sizes not read so, Qwen2.5-VL's seconds per video grid
         extra = {"image": ("image_sizes",) if grid is None else (), "video": ("second_per_grid_ts",)}[kind]
         media.append(MediaRows(token, pixels, grid=grid, merge=merge if grid else 1,
                                per_item=tuple(key for key in extra if key in arguments)))
     return SampleRows(tuple(media)) if media else None
+
+
+def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int], int] | None:
+    """Placeholders of one LLaVA-NeXT any-resolution image of (height, width) pixels, as the model's own
+    `pack_image_features` lays its features out (None for a model of another layout): the base image's side x side
+    patch features (the CLS dropped: vision_feature_select_strategy "default"; side = the tower's image size over its
+    patch), then its tiles' features as a grid of (rows x side) x (columns x side) by the model module's own
+    `get_anyres_image_grid_shape`, unpadded to the image's aspect by its own `unpad_image`, with one newline feature
+    per row. LLaVA-OneVision (which may pool the tiles' features: `vision_aspect_ratio`) is not read so."""
+    config = getattr(model, "config", None)
+    module = sys.modules.get(type(model).__module__)
+    grid_shape, unpad = getattr(module, "get_anyres_image_grid_shape", None), getattr(module, "unpad_image", None)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    vision = getattr(config, "vision_config", None)
+    if (grid_shape is None or unpad is None or not pinpoints or getattr(config, "vision_aspect_ratio", None)
+            or getattr(config, "vision_feature_select_strategy", None) != "default"
+            or not all(isinstance(getattr(vision, a, None), int) for a in ("image_size", "patch_size"))):
+        return None
+    side = vision.image_size // vision.patch_size
+    newline = int(any(name.rpartition(".")[2] == "image_newline" for name, _ in model.named_parameters()))
+
+    def count(height: int, width: int) -> int:
+        rows, columns = grid_shape([height, width], pinpoints, vision.image_size)
+        kept = unpad(torch.empty(0, rows * side, columns * side), [height, width]).shape[1:]
+        return side * side + kept[0] * (kept[1] + newline)
+
+    return count
 
 
 def media_encoders(model: torch.nn.Module) -> list[str]:

@@ -275,3 +275,42 @@ def test_the_cost_model_counts_the_media_encoders_on_the_first_stage():
         assert first == text_only + expected and last == stage_parameters(dataclasses.replace(spec, media_parameters=0),
                                                                           2, 2, 1)
     assert ModelSpec.from_module(_tiny("llama")).media_parameters == 0
+
+
+def test_any_resolution_images_take_as_many_placeholders_as_the_model_gives_them_features():
+    """LLaVA-NeXT's any-resolution images: the placeholders read from an image's size (anyres_placeholders: the base
+    image's patch features, the best-fitting grid's tiles unpadded to the image's aspect, a newline per row) equal the
+    model's own features of it at sizes on and off the tower's grid; the layout reads them by the images' sizes. A
+    model that pools its tiles' features (LLaVA-OneVision's vision_aspect_ratio) or keeps the CLS feature ("full") is
+    not read so."""
+    import importlib
+
+    import transformers as hf
+
+    from tridist.distcore.sample_rows import anyres_placeholders
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                vocab_size=300)
+    config = hf.LlavaNextConfig(text_config={"model_type": "llama", **text}, image_token_index=250,
+                                vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32,
+                                                   num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                                                   patch_size=2),
+                                image_grid_pinpoints=[[8, 16], [16, 8], [16, 16], [8, 24], [24, 8]])
+    model = hf.LlavaNextForConditionalGeneration(config)
+    count = anyres_placeholders(model)
+    modeling = importlib.import_module(type(model).__module__)
+    for size in [(8, 8), (16, 16), (16, 32), (32, 16), (13, 27), (30, 11), (8, 20), (100, 30)]:
+        tiles = modeling.image_size_to_num_patches(list(size), config.image_grid_pinpoints, 8)
+        with torch.no_grad():
+            features = model.model.get_image_features(pixel_values=torch.randn(1, tiles, 3, 8, 8),
+                                                      image_sizes=torch.tensor([size])).pooler_output
+        assert count(*size) == sum(f.shape[0] for f in features), size
+    (read,) = sample_rows_of(model).media  # (its count a closure of its own: compared by its values)
+    assert dataclasses.replace(read, count=None) == MediaRows(250, "pixel_values", per_item=("image_sizes",),
+                                                              sizes="image_sizes")
+    assert [read.count(*size) for size in [(8, 8), (13, 27)]] == [count(8, 8), count(13, 27)]
+    model.config.vision_feature_select_strategy = "full"
+    assert anyres_placeholders(model) is None
+    model.config.vision_feature_select_strategy, model.config.vision_aspect_ratio = "default", "anyres_max_9"
+    assert anyres_placeholders(model) is None and anyres_placeholders(_tiny("llava")) is None

@@ -134,6 +134,19 @@ def _internvl():
     return hf.InternVLForConditionalGeneration(config)
 
 
+def _llava_next():
+    """LLaVA-NeXT's any-resolution images (LLaVA-1.6): each image its base tile and the tiles of the grid its size fits
+    best (the pinpoints), its placeholders the base's 2 x 2 patch features and the tiles' unpadded to its aspect with a
+    newline per row: counts that differ by size, several images to a sample."""
+    torch.manual_seed(0)
+    config = hf.LlavaNextConfig(text_config={"model_type": "llama", **TEXT}, image_token_index=IMAGE,
+                                vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=2, image_size=4,
+                                                   patch_size=2),
+                                image_grid_pinpoints=[[4, 8], [8, 4], [8, 8]])
+    return hf.LlavaNextForConditionalGeneration(config)
+
+
 def _glm4v():
     """GLM-4.1V's layout: Qwen2-VL's grid of patches merged 2 x 2, its text model's partial rotary over 3-D positions
     (the rotary half of each 16-wide head in sections of 2, 1 and 1 pairs)."""
@@ -150,7 +163,8 @@ def _glm4v():
 
 # What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
-          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl, "glm4v": _glm4v}
+          "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl, "glm4v": _glm4v,
+          "llava_next": _llava_next}
 
 
 def _samples(model) -> list[dict]:
@@ -165,7 +179,10 @@ def _samples(model) -> list[dict]:
     merge = getattr(model.config, "spatial_merge_size", 1)
     patches = vision.model_type == "siglip2_vision_model"  # LFM2-VL's: h x w patches in a row, h * w / 4 placeholders
     tiles = model.config.model_type == "internvl"  # InternVL's: h x w as h * w / 16 tiles of 4 placeholders each
-    tokens_per_image = None if grid or sized or patches or tiles else getattr(
+    # LLaVA-NeXT's: an image of h + 1 x w pixels in the model's tiles of its any-resolution grid (padded to the batch's
+    # most), its placeholders as many as the model's own features of it
+    anyres = model.config.model_type == "llava_next"
+    tokens_per_image = None if grid or sized or patches or tiles or anyres else getattr(
         model.config, "mm_tokens_per_image", (vision.image_size // vision.patch_size) ** 2)
     arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
@@ -177,9 +194,16 @@ def _samples(model) -> list[dict]:
             pixels, grids = [], []
             for t, h, w in images:
                 tokens = t * h * w // 4 if grid or sized or patches or tiles else tokens_per_image
+                if anyres:
+                    pixels.append(_anyres_tiles(model, (h + 1, w), generator))
+                    with torch.no_grad():
+                        tokens = model.model.get_image_features(pixel_values=pixels[-1][None], image_sizes=torch.tensor(
+                            [(h + 1, w)])).pooler_output[0].shape[0]
                 ids[position:position + tokens] = IMAGE
                 position += tokens + 1
-                if tiles:
+                if anyres:
+                    pass
+                elif tiles:
                     pixels.append(torch.randn(h * w // 16, 3, *vision.image_size, generator=generator))
                 elif patches:
                     pixels.append(torch.randn(h * w, 3 * vision.patch_size**2, generator=generator))
@@ -194,6 +218,9 @@ def _samples(model) -> list[dict]:
                 sample["pixel_values"] = _padded_rows(pixels)
                 sample["pixel_attention_mask"] = _padded_rows([torch.ones(len(p), dtype=torch.long) for p in pixels])
                 sample["spatial_shapes"] = torch.tensor([(h, w) for _, h, w in images])
+            elif images and anyres:  # each image's tiles, padded to the most
+                sample["pixel_values"] = _padded_rows(pixels)
+                sample["image_sizes"] = torch.tensor([(h + 1, w) for _, h, w in images])
             elif images and sized:  # padded to the largest, as Pixtral's processor pads a batch
                 sample["pixel_values"] = _padded(pixels)
                 sample["image_sizes"] = torch.tensor([image.shape[1:] for image in pixels])
@@ -223,6 +250,17 @@ def _samples(model) -> list[dict]:
     return samples
 
 
+def _anyres_tiles(model, size: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """[tiles, C, S, S]: as many random tiles as LLaVA-NeXT's model takes for an image of `size` (height, width) pixels
+    (its image_size_to_num_patches: the base image and its any-resolution grid's tiles of the tower's S x S)."""
+    import importlib
+
+    modeling = importlib.import_module(type(model).__module__)
+    side = model.config.vision_config.image_size
+    tiles = modeling.image_size_to_num_patches(list(size), model.config.image_grid_pinpoints, side)
+    return torch.randn(tiles, 3, side, side, generator=generator)
+
+
 def _padded(images: list[torch.Tensor]) -> torch.Tensor:
     """[images, C, H, W] of images of several sizes, each at the top left, zeros around (Pixtral's processor's)."""
     height, width = max(image.shape[-2] for image in images), max(image.shape[-1] for image in images)
@@ -249,7 +287,9 @@ def _collate(samples: list[dict]) -> dict:
                 "spatial_shapes", "pixel_attention_mask"):
         if any(key in s for s in samples):
             values = [s[key] for s in samples if key in s]
-            if key == "pixel_values" and any("image_sizes" in s for s in samples):  # Pixtral's: of several sizes
+            if key == "pixel_values" and values[0].dim() == 5:  # LLaVA-NeXT's tiles of each image, padded to the most
+                batch[key] = _padded_rows([image for value in values for image in value])
+            elif key == "pixel_values" and any("image_sizes" in s for s in samples):  # Pixtral's: of several sizes
                 batch[key] = _padded([image for value in values for image in value])
             elif key in ("pixel_values", "pixel_attention_mask") and any("spatial_shapes" in s for s in samples):
                 batch[key] = _padded_rows([row for value in values for row in value])  # LFM2-VL's patch rows
@@ -311,6 +351,14 @@ def check_deepstack_features_under_sequence_parallel():
     gradients are a third off). Under tp 2 + sp, images and videos mixed: equal to one process (before: refused by
     name, an IndexError in transformers before that)."""
     train(_qwen3_vl, autotune.Strategy(1, 2, 1, sequence_parallel=True, micro_batch_size=4))
+
+
+def check_any_resolution_images_several_to_a_sample():
+    """LLaVA-NeXT (LLaVA-1.6) under dp 2: its any-resolution images, two in the first sample, each of its own tile count
+    (padded to the batch's most) and placeholder count (10, 14, 16, 24 here), go with their samples: each image's
+    placeholders read from its size through the model's own tiling (sample_rows.anyres_placeholders). Before: split
+    only with one image to a sample ("not whole items" otherwise)."""
+    train(_llava_next, autotune.Strategy(2, 1, 1, micro_batch_size=2))
 
 
 def check_images_of_several_sizes_told_apart_by_their_sizes():
