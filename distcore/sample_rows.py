@@ -273,12 +273,11 @@ def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int], int] | N
             or not all(isinstance(getattr(vision, a, None), int) for a in ("image_size", "patch_size"))):
         return None
     side = vision.image_size // vision.patch_size
-    newline = int(any(name.rpartition(".")[2] == "image_newline" for name, _ in model.named_parameters()))
 
     def count(height: int, width: int) -> int:
         rows, columns = grid_shape([height, width], pinpoints, vision.image_size)
         kept = unpad(torch.empty(0, rows * side, columns * side), [height, width]).shape[1:]
-        return side * side + kept[0] * (kept[1] + newline)
+        return side * side + kept[0] * (kept[1] + 1)  # (get_image_features always passes its image_newline)
 
     return count
 
