@@ -214,10 +214,11 @@ def _tp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[i
 
 def _pp_choices(spec: ModelSpec, cluster: Cluster, space: SearchSpace) -> list[int]:
     """Pipeline degrees: divisors of the device count with a layer for every stage (a degree that does
-    not divide the layer count gives uneven stages: strategy.stage_layers)."""
+    not divide the layer count gives uneven stages: strategy.stage_layers), the first stage past the layers the model
+    adds to (ModelSpec.layers_added_to: those and one more) where there is more than one stage."""
     allowed = set(space.pp) if space.pp is not None else None
     return [p for p in _divisors(cluster.num_devices)
-            if p <= spec.num_layers and (allowed is None or p in allowed)]
+            if (p == 1 or p <= spec.num_layers - spec.layers_added_to) and (allowed is None or p in allowed)]
 
 
 # Where the runtime cannot apply a knob, the value the search keeps it at.
@@ -497,8 +498,10 @@ class _Progress:
 
 def _no_fit_message(layouts: list[LayoutResult], spec: ModelSpec, cluster: Cluster, global_batch_size: int) -> str:
     if not layouts:
+        first = (f" (pp > 1: at most {spec.num_layers - spec.layers_added_to}, the first stage holding the "
+                 f"{spec.layers_added_to} layers the model adds to and one more)" if spec.layers_added_to else "")
         return (f"no valid layout: no (tp, pp) with tp dividing heads/kv heads/hidden/ffn/vocab, pp at most the "
-                f"{spec.num_layers} layers and dp = devices/(tp*pp) dividing the global batch "
+                f"{spec.num_layers} layers{first} and dp = devices/(tp*pp) dividing the global batch "
                 f"{global_batch_size} on {cluster.num_devices} devices; change the batch size or device count")
     lean = min((l.leanest for l in layouts if l.leanest), key=lambda c: c.memory_bytes_per_device, default=None)
     capacity = max(l.capacity_bytes for l in layouts)

@@ -284,3 +284,20 @@ def test_no_pipeline_stage_ends_among_the_layers_the_deepstack_features_reach():
                                                                              3, SearchSpace()))
     with pytest.raises(ValueError, match="layers_added_to=5 counts more layers than the 4"):
         dataclasses.replace(spec, layers_added_to=5)
+
+
+def test_search_names_the_first_stage_where_no_pipeline_degree_leaves_it_past_the_layers_the_model_adds_to():
+    """Qwen3-VL of 4 layers adds to the first 2: a pipeline of 3 or 4 stages cannot give its first stage 3 layers and
+    the others one each. The search leaves such degrees out of its layouts (as it leaves out more stages than layers),
+    so that a space of those degrees alone says there is no valid layout, naming why (it said no strategy fit in
+    memory: every layout had evaluated nothing)."""
+    from tridist.autotune import Cluster, search
+    from tridist.autotune.search import SearchSpace, _pp_choices
+    from tests.hf_models import qwen3_vl
+
+    spec = autotune.ModelSpec.from_module(qwen3_vl(layers=4), seq_len=16)
+    cluster = Cluster(1, 4)
+    assert _pp_choices(spec, cluster, SearchSpace()) == [1, 2]
+    result = search(spec, cluster, global_batch_size=4, space=SearchSpace(pp=(4,)))
+    assert result.best is None and "no valid layout" in result.message, result.message
+    assert "first stage" in result.message and "2 layers the model adds to" in result.message, result.message
