@@ -6,10 +6,11 @@ How a model written for one device becomes pipeline stages, without tracing it:
   the first and last stages, which also run the embedding and the LM head, get a layer fewer, as
   autotune's `stage_layers`; or as `layers_per_stage` lists) or exact split points
   (`{"llama.layers.1": SplitPoint.END}`). Stage `s` owns its layers; modules the forward calls before the
-  layer list (the embedding) belong to the first stage, those it calls after it (final norm, LM head) and bare
-  parameters of the containers (the seed's LM-head `weight`) to the last: the order of the calls is seen in one
-  forward on fake tensors (shapes only) of 8 token ids, or, where that cannot run, taken from the order the
-  modules are registered in. Parameter-free modules (rotary tables, masks, `global_spec` layers) run on every
+  layer list (the embedding) belong to the first stage, those it calls after it (final norm, LM head) to the
+  last: the order of the calls is seen in one forward on fake tensors (shapes only) of 8 token ids, or, where
+  that cannot run, taken from the order the modules are registered in. Bare parameters of the containers go where
+  that forward reads them (the seed's LM-head `weight`: the last stage), or, unread, with the modules beside them
+  it does not call (LLaVA-NeXT's `image_newline`, with the vision tower: the first stage). Parameter-free modules (rotary tables, masks, `global_spec` layers) run on every
   stage.
 - Each stage is a *view* of the model: a shallow copy of the containers on the path to the layer
   list, sharing every owned module, with modules of other stages replaced by parameter-free
@@ -520,9 +521,14 @@ def _to_meta_but_integers(x):
 class _MetaWhereMeta(TorchDispatchMode):
     """An op that takes a meta tensor takes its other tensors (of one dim or more: scalars mix) on the meta device
     too, so a stand-in's meta run computes shapes from the real integers it was given (`_to_meta_but_integers`) and meta values
-    from everything else; ops on those integers alone run for real (cu_seqlens from a grid, `.tolist()` of them)."""
+    from everything else; ops on those integers alone run for real (cu_seqlens from a grid, `.tolist()` of them).
+    An integer or boolean tensor sent to the meta device explicitly stays where it is (LFM2-VL's vision tower takes its
+    patch mask to its embeddings' device, then asks `mask.all()`): it meets meta tensors in the ops above."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (func is torch.ops.aten._to_copy.default and (kwargs or {}).get("device") == torch.device("meta")
+                and not args[0].is_meta and not (args[0].is_floating_point() or args[0].is_complex())):
+            kwargs = {key: value for key, value in kwargs.items() if key != "device"}
         leaves = [x for x in tree_flatten((args, kwargs or {}))[0] if isinstance(x, torch.Tensor)]
         if any(x.is_meta for x in leaves):
             args, kwargs = tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) and not x.is_meta
@@ -578,6 +584,7 @@ class _Placement:
 
     path: set[str]  # containers from the root to the layer list (copied per stage)
     owner: dict[str, int] = field(default_factory=dict)  # module name -> stage (absent: every stage)
+    bare: dict[str, int] = field(default_factory=dict)  # bare parameter of a container on the path -> stage
 
 
 def _path_to(layer_list: str) -> set[str]:
@@ -620,11 +627,14 @@ _SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "
 
 
 class _Sources(TorchFunctionMode):
-    """Which marked tensors each tensor is computed from: every torch op's outputs come from its inputs' sources."""
+    """Which marked tensors each tensor is computed from: every torch op's outputs come from its inputs' sources.
+    Also where (`position[0]` at the time) each of the `watched` tensors (id -> name) is first read by an op."""
 
-    def __init__(self):
+    def __init__(self, watched: dict[int, str] | None = None, position: list[str] | None = None):
         super().__init__()
         self.sources = WeakTensorKeyDictionary()
+        self.watched, self.position = watched or {}, position
+        self.reads: dict[str, set[str]] = {}  # watched name -> the positions it was read at
 
     def of(self, value) -> frozenset:
         return frozenset().union(*(self.sources.get(t, frozenset()) for t in tree_flatten(value)[0]
@@ -636,6 +646,10 @@ class _Sources(TorchFunctionMode):
                 self.sources[tensor] = sources
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.watched:
+            for tensor in tree_flatten((args, kwargs))[0]:
+                if isinstance(tensor, torch.Tensor) and id(tensor) in self.watched:
+                    self.reads.setdefault(self.watched[id(tensor)], set()).add(self.position[0])
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", "") in _SHAPE_ONLY:
             return out
@@ -653,6 +667,9 @@ class ForwardProbe:
 
     after: dict[str, bool]  # module -> first called after the last layer (True) or before the first (False)
     reused: list[str]  # what the loss and logits are computed from besides the last layer and the modules after it
+    # bare parameter of a container on the path to the layer list -> where ops read it ("before", "between",
+    # "after" the layers); absent: not read (it serves inputs the probe does not give: LLaVA-NeXT's image_newline)
+    bare_reads: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | None:
@@ -662,7 +679,8 @@ def probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | Non
     what the loss and the logits are computed from, each layer's hidden-state input counted as received (as a
     pipeline stage receives it). Any other layer's output, or the output of a module called before the layers, that
     reaches them is `reused`: on a later stage it would be a stand-in's zeros (an ELMo-style mix of every layer's
-    output, Zamba's embeddings beside each layer, RoFormer's sinusoidal positions, CPM-Ant's position bias).
+    output, Zamba's embeddings beside each layer, RoFormer's sinusoidal positions, CPM-Ant's position bias). And
+    where ops read each bare parameter of the containers on the path to the layer list (`bare_reads`).
 
     On fake tensors (FakeTensorMode: shapes only, no weight read, no memory) where the model's code allows, else on
     the real weights (a router's data-dependent shapes: a forward of 8 tokens); None where neither runs (values read
@@ -690,6 +708,7 @@ def _probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | No
     if not layers or parameter is None:
         return None
     outside = {name: modules[name] for name in _outside_modules(model, layer_list)}
+    bare = {_join(c, p): v for c in sorted(_path_to(layer_list)) for p, v in modules[c]._parameters.items() if v is not None}
     versions = [(name, p, p._version) for name, p in model.named_parameters()]
     probe = None
     for fake in (True, False):
@@ -697,7 +716,7 @@ def _probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | No
             break
         try:
             with expected_failures_unlogged():  # a fake run's failure is answered by the real run
-                probe = _run_probe(model, layers, outside, parameter.device, fake=fake)
+                probe = _run_probe(model, layers, outside, bare, parameter.device, fake=fake)
             break
         except Exception as error:  # noqa: BLE001 - model code that needs values (fake), or cannot run at all
             log.info("pipeline parallel: the probe forward%s failed (%s: %s)", " on fake tensors" if fake else "",
@@ -709,8 +728,10 @@ def _probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | No
     return probe
 
 
-def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, fake: bool) -> ForwardProbe:
-    tracker, position, first_call = _Sources(), ["before"], {}
+def _run_probe(model: torch.nn.Module, layers: list, outside: dict, bare: dict[str, torch.Tensor], device, *,
+               fake: bool) -> ForwardProbe:
+    position, first_call = ["before"], {}
+    tracker = _Sources({id(tensor): name for name, tensor in bare.items()}, position)
 
     def called(name: str) -> None:  # (a pre-hook's return value would replace the module's arguments)
         first_call.setdefault(name, position[0])
@@ -769,7 +790,8 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, device, *, f
                     buffer.copy_(value)
     allowed = {f"decoder layer {len(layers) - 1}"} | {name for name, where in first_call.items() if where == "after"}
     return ForwardProbe(after={name: where == "after" for name, where in first_call.items() if where != "between"},
-                        reused=sorted(sources - allowed))
+                        reused=sorted(sources - allowed),
+                        bare_reads={name: frozenset(where) for name, where in tracker.reads.items()})
 
 
 def _plain_settings(module: torch.nn.Module) -> dict:
@@ -800,12 +822,34 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
     # Where the forward calls them, where it can be seen: OPT registers its final norm before its layer list, and
     # Camembert and XLM-R their LM head before the encoder
     called = probe.after if probe is not None else {}
-    for name, registered_after in _outside_modules(model, config.layer_list).items():
+    outside = _outside_modules(model, config.layer_list)
+    for name, registered_after in outside.items():
         placement.owner[name] = last if called.get(name, registered_after) else 0
     modules = dict(model.named_modules())
     for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
         placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)
+    for name in _bare_parameter_names(model, placement):
+        uncalled = {placement.owner[m] for m in outside if m.rpartition(".")[0] == name.rpartition(".")[0]
+                    and m not in called}
+        placement.bare[name] = _stage_of_bare_parameter(probe, name, uncalled, last)
     return placement
+
+
+def _stage_of_bare_parameter(probe: ForwardProbe | None, name: str, uncalled: set[int], last: int) -> int:
+    """Where a bare parameter of a container on the path to the layer list lives: on the first stage where the probe
+    forward reads it only before the layers (a learned token the model puts among the embeddings); one it does not
+    read serves inputs the probe does not give (images: LLaVA-NeXT's `image_newline`, placed among the image
+    features) and goes with the modules beside it that the probe did not call either (the vision tower and
+    projector, registered before the layers: the first stage), where they all sit on one stage. Anywhere else on the
+    last stage (an LM-head weight used as `x @ weight`), as where the probe cannot run. A stage that reads a bare
+    parameter it does not hold raises naming it (install_stage_forward). `uncalled`: the stages of the modules beside
+    it (its container's children with parameters) that the probe did not call."""
+    if probe is None:
+        return last
+    reads = probe.bare_reads.get(name)
+    if reads:
+        return 0 if reads == {"before"} else last
+    return next(iter(uncalled)) if len(uncalled) == 1 else last
 
 
 def _reused_message(reused: list[str], layer_list: str) -> str:
@@ -841,8 +885,15 @@ def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: 
                 role = "earlier" if owner < state.stage else "later"
                 meta = _meta_copy(child) if role == "earlier" else None
                 view._modules[child_name] = _StandIn(qualified, owner, meta, state, role, _plain_attributes(child))
-        if state.stage != last:  # bare parameters of the containers (an LM-head weight) live on the last stage
-            view._parameters = {k: v for k, v in view._parameters.items() if v is None}
+        # Bare parameters of the containers live on one stage each (_stage_of_bare_parameter). A later stage runs the
+        # code before its layers too (on stand-ins' zeros) and reads there an earlier stage's bare parameter (the
+        # image features' newline token): zeros of its shape stand in for it, as for a module of that stage.
+        for key, param in list(view._parameters.items()):
+            owner = placement.bare.get(_join(name, key), last) if param is not None else state.stage
+            if owner != state.stage:
+                del view._parameters[key]
+            if owner < state.stage:
+                view.__dict__[key] = torch.zeros(param.shape, dtype=param.dtype, device=state.device)
         return view
 
     return build(model, "")
@@ -857,10 +908,10 @@ def strip_to_rank(model: torch.nn.Module, placement: _Placement, stages: list[in
             continue
         parent, _, child = name.rpartition(".")
         modules[parent]._modules[child] = _StandIn(name, owner, None, None, "elsewhere", _plain_attributes(modules[name]))
-    if last_stage not in stages:
-        for container in placement.path:
-            module = modules[container]
-            for pname in [p for p, v in module._parameters.items() if v is not None]:
+    for container in placement.path:
+        module = modules[container]
+        for pname in [p for p, v in module._parameters.items() if v is not None]:
+            if placement.bare.get(_join(container, pname), last_stage) not in stages:
                 del module._parameters[pname]
 
 
@@ -932,7 +983,9 @@ def _stage_of_parameter(param_name: str, placement: _Placement, last: int) -> in
     module = param_name.rpartition(".")[0]
     while module not in placement.owner and module not in placement.path:
         module = module.rpartition(".")[0]
-    return placement.owner.get(module, last)  # a container's bare parameter lives on the last stage
+    if module in placement.path:  # a container's bare parameter
+        return placement.bare.get(param_name, last)
+    return placement.owner.get(module, last)
 
 
 def _parameter_or_none(view: torch.nn.Module, name: str):
@@ -967,7 +1020,6 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
     _refuse_reentrant_checkpointing(model)
     config = parse_pp_config(model, pp_config, pp=pp)
     placement = _placement(model, config)
-    bare_parameters = _bare_parameter_names(model, placement)
     stage_ids = [pp_rank + chunk * pp for chunk in range(config.chunks_per_rank)]  # torch's looped placement
     tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_rank_groups=pp_rank_groups)
     last = config.num_stages - 1
@@ -977,7 +1029,7 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
     strip_to_rank(model, placement, stage_ids, last)
     for view, state in zip(views, states):
         parallelize_stage(view)
-        install_stage_forward(view, model, state, micro_batches, bare_parameters)
+        install_stage_forward(view, model, state, micro_batches, placement.bare)
         # After FSDP's and tensor parallel's hooks, so the received activation goes in first.
         install_layer_hooks(view.get_submodule(config.layer_list), config, state)
     adopt_container_parameters(model, views, placement)
@@ -1065,7 +1117,7 @@ class _Stage(PipelineStage):
 
 
 def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: _StageState, micro_batches: list,
-                          bare_parameters: list[str]) -> None:
+                          bare_parameters: dict[str, int]) -> None:
     """The view's forward: the model's own forward on micro-batch `state.micro_batch`, cut to this stage."""
     model_forward = vars(model).get("forward")
     model_forward = model_forward.__func__ if model_forward is not None else type(model).forward
@@ -1093,13 +1145,16 @@ def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: 
         except _StageExit:
             return state.last_output
         except AttributeError as error:
-            missing = [name for name in bare_parameters if f"'{name.rpartition('.')[2]}'" in str(error)]
+            missing = {name: stage for name, stage in bare_parameters.items()
+                       if f"'{name.rpartition('.')[2]}'" in str(error)}
             if not missing:
                 raise
             raise RuntimeError(
-                f"pipeline parallel: stage {state.stage} uses {missing}, a bare parameter of a container module; "
-                "those live on the last stage (as an LM-head weight does): wrap it in a module registered before the "
-                "layer list to place it on the first stage"
+                f"pipeline parallel: stage {state.stage} uses {sorted(missing)}, a bare parameter of a container "
+                f"module, placed on stage {sorted(set(missing.values()))} (each on one stage: where a forward on token ids "
+                "alone reads it, else with the modules beside it that forward does not call, else the last stage); wrap "
+                "it in a module of its own, registered before the layer list to place it on the first stage or after it "
+                "for the last"
             ) from error
         finally:  # nothing of this micro-batch outlives its forward (activations are the schedule's to keep)
             state.received = state.last_output = state.last_placeholder = None

@@ -283,6 +283,59 @@ def test_modules_are_placed_on_the_stage_where_the_forward_calls_them():
     assert owner == {"head": 0, "embed": 0, "norm": 0, "layers.0": 0, "layers.1": 1}, owner
 
 
+class _BareParameters(torch.nn.Module):
+    """A container's bare parameters: a learned start token added to the embeddings, a newline token used only among
+    the image features (LLaVA-NeXT's `image_newline`: a forward on token ids alone never reads it) beside a vision
+    tower registered before the layers, and an LM-head weight used as `x @ weight.T` after them."""
+
+    def __init__(self, *, needs_values: bool = False):
+        super().__init__()
+        self.needs_values = needs_values
+        self.start = torch.nn.Parameter(torch.randn(4))
+        self.tower = torch.nn.Linear(3, 4)
+        self.newline = torch.nn.Parameter(torch.randn(4))
+        self.embed = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.head_weight = torch.nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids, images=None):
+        if self.needs_values and int(ids.max()) > 9:  # a value, which no forward on the meta device can read
+            raise ValueError("token out of range")
+        x = self.embed(ids) + self.start
+        if images is not None:
+            x = x + (self.tower(images) + self.newline).sum()
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.head_weight.T
+
+
+def test_bare_parameters_are_placed_where_the_forward_reads_them_or_with_the_modules_it_does_not_call():
+    """The start token goes to the first stage (read before the layers), the head's weight to the last (after them),
+    the newline token, unread by a forward on token ids, to the first, with the vision tower that forward does not call
+    either (before: every bare parameter on the last stage, and LLaVA-NeXT refused at the first step). The second
+    stage's view holds zeros in the place of the first stage's (its code before the layers reads them) and the first
+    stage's view holds no head weight; where the probe cannot run (a value read on the meta device), every one goes to
+    the last, as before."""
+    from tridist.distcore.pipeline import _placement, build_stage_view
+
+    config = PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1)
+    model = _BareParameters()
+    placement = _placement(model, config)
+    assert placement.bare == {"start": 0, "newline": 0, "head_weight": 1}, placement.bare
+    assert placement.owner["tower"] == 0
+    first, second = (build_stage_view(model, config, placement, _StageState(stage=s, is_first=s == 0, is_last=s == 1))
+                     for s in (0, 1))
+    assert set(dict(first.named_parameters(recurse=False))) == {"start", "newline"}
+    assert set(dict(second.named_parameters(recurse=False))) == {"head_weight"}
+    for name in ("start", "newline"):
+        zeros = getattr(second, name)
+        assert not isinstance(zeros, torch.nn.Parameter) and torch.equal(zeros, torch.zeros(4)), name
+    with pytest.raises(AttributeError):
+        first.head_weight
+    assert _placement(_BareParameters(needs_values=True), config).bare == placement.bare
+    assert set(_placement(_BareParameters(needs_values=True).to("meta"), config).bare.values()) == {1}
+
+
 class _CalledBetweenLayers(torch.nn.Module):
     """Modules with parameters that the forward first calls between two decoder layers, one registered before the
     layer list and one after it."""

@@ -335,6 +335,10 @@ def check_images_of_any_size_under_data_and_pipeline_parallel():
     # return zeros of the whole sequence's shape, to which its deepstack rows are added whole (SequenceSlicedRows)
     train(functools.partial(_qwen3_vl, layers=4), autotune.Strategy(1, 2, 2, sequence_parallel=True, micro_batch_size=2,
                                                                      num_micro_batches=2, layers_per_stage=(3, 1)))
+    # LFM2-VL under tp 2 x pp 2: the second stage's stand-in for its vision tower shapes its zeros on the meta device
+    # from the patch mask, which the tower sends to its embeddings' device there and asks `.all()` of (kept real: before,
+    # refused, "Tensor.item() cannot be called on meta tensors")
+    train(_lfm2_vl, autotune.Strategy(1, 2, 2, micro_batch_size=2, num_micro_batches=2))
 
 
 def check_images_under_tensor_parallel():
@@ -357,8 +361,12 @@ def check_any_resolution_images_several_to_a_sample():
     """LLaVA-NeXT (LLaVA-1.6) under dp 2: its any-resolution images, two in the first sample, each of its own tile count
     (padded to the batch's most) and placeholder count (10, 14, 16, 24 here), go with their samples: each image's
     placeholders read from its size through the model's own tiling (sample_rows.anyres_placeholders). Before: split
-    only with one image to a sample ("not whole items" otherwise)."""
+    only with one image to a sample ("not whole items" otherwise).
+    And under pp 2: the image features' newline token (`image_newline`, a bare parameter of the model) lives on the
+    first stage with the vision tower, the second stage's model code before its layers reading zeros in its place
+    (before: placed on the last stage, as an LM-head weight is; refused at the first step)."""
     train(_llava_next, autotune.Strategy(2, 1, 1, micro_batch_size=2))
+    train(_llava_next, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
 
 
 def check_images_of_several_sizes_told_apart_by_their_sizes():
