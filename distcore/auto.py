@@ -37,6 +37,7 @@ from . import env
 from .dataloader import shard_dataloader
 from .sample_rows import sample_rows_of
 from .expert_parallel import expert_parallel_refusal
+from .lora import has_lora_layers, is_lora_layer
 from .measure import measure_strategies
 from .mesh import ProcessMesh
 from .outputs import CACHE_ARGUMENTS
@@ -193,6 +194,11 @@ def to_distributed(model: torch.nn.Module, optimizer, dataloader, device_num: in
     if late:
         limits["pp"] = (f"{late} hold an embedding registered after the decoder layers but looked up before them "
                         "(per-layer inputs reaching every layer): no split into pipeline stages computes it where it is used")
+    if lora := has_lora_layers(model):
+        limits["overlap_tp_comm"] = (f"{lora[0]} and {len(lora) - 1} more are LoRA layers, whose base matmul and "
+                                     "adapters overlap_comm's rings cannot compute together")
+    if spec is not None and (why := _lora_inside_moe_blocks(model, spec.structure)):
+        limits["sequence_parallel"] = why
     if why := reentrant_checkpointing(model):
         limits["pp"] = why
     if spec is not None and spec.structure.is_moe and world > 1 and (config.strategy is None or config.strategy.ep > 1):
@@ -668,6 +674,8 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
         raise ValueError("tensor_parallel_plan: sequence parallel on a mixture of experts whose router's load-balancing "
                          "loss takes every token's logits: each tp rank would see its own slice; set "
                          "model.config.output_router_logits = False, or use tp without sequence parallel")
+    if structure.is_moe and sequence_parallel and (why := _lora_inside_moe_blocks(model, structure)):
+        raise NotImplementedError(f"tensor_parallel_plan: {why}")
     plan: dict = {}
     indices = range(structure.num_layers)
     layers = [f"{structure.layers}.{i}" if structure.layers else str(i) for i in indices]
@@ -771,6 +779,23 @@ def tensor_parallel_plan(model: torch.nn.Module, structure, *, sequence_parallel
                          f"{sorted(set(layers) - resolved.sequence_span)[:3]} are not between them; register the final "
                          "norm and the head after the layer list, or use tp without sequence parallel")
     return resolved
+
+
+def _lora_inside_moe_blocks(model: torch.nn.Module, structure) -> str:
+    """Why sequence parallel cannot run the model's MoE blocks ('' where it can): each tp rank runs a block on its slice
+    of the sequence with the block's parameters swapped in as local tensors around each module's forward, their
+    gradients summed over the ranks (ShardLocalParameters), and a LoRA layer inside the block (peft's LoRA on the
+    router or the experts' parameters) reads its adapters' weights outside their own forward."""
+    names = [f"{structure.layers}.{i}.{structure.moe}" if structure.moe else f"{structure.layers}.{i}"
+             for i in structure.moe_layers]
+    lora = [f"{name}.{inner}" for name in names for inner, module in model.get_submodule(name).named_modules()
+            if inner and is_lora_layer(module)]
+    if not lora:
+        return ""
+    return (f"sequence parallel runs each mixture-of-experts block on this rank's slice of the sequence, its "
+            f"parameters' gradients summed over the tp ranks, which the LoRA layers inside it ({lora[:2]}"
+            f"{f' and {len(lora) - 2} more' if len(lora) > 2 else ''}) do not allow; use tp without sequence parallel "
+            "(the blocks then run whole on every tp rank), or leave the router and the experts out of the LoRA targets")
 
 
 def _kv_head_replicas(model: torch.nn.Module, layer: str, structure, tp: int) -> int:

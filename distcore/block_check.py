@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .fake_tensor_log import expected_failures_unlogged
 from .global_view import apply_global_view
+from .lora import is_lora_layer
 from .sequence_layout import SEQUENCE_DIM, gather_sequence, map_first_activation
 from .outputs import find_loss
 from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel, ShardHeadParameters,
@@ -274,11 +275,24 @@ def _refuse_without_global_view(plan, name: str, block: torch.nn.Module, why: st
     ReplicatedColWiseParallel, key/value heads below tp), each style's `local_only` saying why and the fix."""
     local_only = {module: style for module, styles in plan.within(name).styles.items()
                   for style in styles if not getattr(style, "global_view", True)}
+    lora = [module for module in plan.within(name).styles if is_lora_layer(_submodule_or_none(block, module))]
+    if lora:
+        raise TensorParallelCheckError(
+            f"parallelize: {type(block).__name__} ({name!r}) {why}; its LoRA layers {sorted(lora)[:3]} run in local view "
+            "only (global view's DTensor split does not reach their adapters), so it has no global view to fall back "
+            "to; use a strategy without tensor parallel for this model (dp / ZeRO / pp train LoRA layers as they are)")
     if local_only:
         reasons = "; ".join(dict.fromkeys(f"{type(style).__name__}: {style.local_only}" for style in local_only.values()))
         raise TensorParallelCheckError(
             f"parallelize: {type(block).__name__} ({name!r}) {why}; its {sorted(local_only)} run in local view only, "
             f"so it has no global view to fall back to ({reasons})")
+
+
+def _submodule_or_none(block: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 @torch.enable_grad()

@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.overrides import TorchFunctionMode
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters, saved_as_they_are
+from .lora import is_lora_layer
 from .random_state import ShardedRegionRandomState
 from .sequence_layout import SEQUENCE_DIM
 from .tensor_parallel import (
@@ -172,6 +173,11 @@ def apply_global_view(block: torch.nn.Module, plan: TensorParallelPlan, *, tp_me
                     "the sequence-parallel boundaries outside the decoder blocks (on the embedding and the LM head)"
                 )
             elif isinstance(style, (ColWiseParallel, RowWiseParallel)):
+                if is_lora_layer(target.module):
+                    raise NotImplementedError(
+                        f"parallelize: {name!r} is a LoRA layer inside a block that runs in global view; LoRA layers run "
+                        "in local view only (DTensor's split does not reach their adapters): use a strategy without "
+                        "tensor parallel for this model")
                 parallelize_module(target.module, tp_mesh, style.torch_style(target, local_output=False))
             # SequenceParallelDisable / Enable: DTensor moves the activations between shardings itself.
         changes += [f"{name}: {style!r} (global view)" for style in styles]

@@ -55,6 +55,7 @@ from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_
 from tridist.kernels.fuse import forward_takes
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
+from .lora import is_lora_layer, lora_adapters
 from .linear_like import TransposedColwise, TransposedRowwise, features, is_conv1d, is_linear_like, weight_out_dim
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, SumBothWays, check_units, packed_colwise, unit_span
@@ -143,6 +144,8 @@ class ColWiseParallel(_Style):
         return style(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
+        if is_lora_layer(target.module):
+            return _split_lora(self, target)
         torch_style = self.torch_style(target)
         notes = [torch_style.describe()] if isinstance(torch_style, (PackedColwiseParallel, UnequalPackedColwise)) else []
         if target.overlap_comm and target.scatter_sequence:
@@ -189,6 +192,8 @@ class RowWiseParallel(_Style):
                      use_local_output=local_output)
 
     def apply(self, target: StyleTarget) -> str:
+        if is_lora_layer(target.module):
+            return _split_lora(self, target)
         if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split (vocab_embedding.py)
             split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
             return split_embedding_vocabulary(target.name, target.module, target.tp_mesh)
@@ -205,6 +210,60 @@ class RowWiseParallel(_Style):
         target.module._tridist_scatters_sequence = True
         target.module.register_forward_hook(_remember_exit_output)
         return f"{target.name}: {self!r} ({how})"
+
+
+def _split_lora(style: "ColWiseParallel | ReplicatedColWiseParallel | RowWiseParallel", target: StyleTarget) -> str:
+    """A peft LoRA layer (lora.py) split with its projection, as Megatron-Core and NeMo split LoRA:
+
+    - column-parallel: the base's output features and each adapter's B alike (packed parts too; key/value heads
+      replicated over groups of ranks too: ReplicatedColWiseParallel), each A whole on every rank. A's output reaches
+      this rank's columns of B only: B's split sums its input gradient over the tp ranks (as the base's), so A gets
+      its whole gradient on every rank. The sharded region (this rank's dropout stream) opens
+      after the layer: the adapters' dropout sees the input every rank holds and draws from the ranks' shared stream.
+    - row-parallel: the base's and each A's input features alike, A's output summed over the tp ranks as the base's is
+      (all-reduced; reduce-scattered onto sequence shards under sequence parallel: [tokens, r] more per layer), each B
+      whole on every rank; under sequence parallel B runs on this rank's slice, so its gradient is summed over the tp
+      ranks (ShardLocalParameters). The region closes after the layer: the dropout of this rank's features draws from
+      its own stream.
+
+    Refused: what `lora_adapters` refuses, a gathered output (a head), and an overlapped entry or exit (their rings
+    compute the base's matmul fused with the sequence's all-gather or reduce-scatter)."""
+    module, mesh = target.module, target.tp_mesh
+    adapters = lora_adapters(target.name, module)
+    column = not isinstance(style, RowWiseParallel)
+    if column and getattr(style, "gather_output", False):
+        raise NotImplementedError(f"parallelize: {target.name} is a LoRA layer split column-parallel with its output "
+                                  "gathered (an LM head); leave the head out of the LoRA targets, or use a strategy "
+                                  "without tensor parallel")
+    if target.overlap_comm and target.scatter_sequence:
+        raise NotImplementedError(f"parallelize: {target.name} is a LoRA layer, which overlap_comm's rings cannot feed "
+                                  "(they compute its base's matmul alone); set overlap_comm off")
+    # (the name kept: packed parts are read by it; the region's random state is the layer's, below)
+    base = dataclasses.replace(target, module=module.base_layer, random_state=None)
+    random_state = target.random_state if target.parent is not None else None
+    if column:  # the base and each B as the style splits a Linear: its columns, or its replicated key/value heads
+        for part in (module.base_layer, *(b for _, b in adapters)):
+            style.apply(dataclasses.replace(base, module=part))
+        for flag in ("_tridist_local_heads", "_tridist_head_replicas", "_tridist_chunk", "_tridist_kv_features"):
+            if flag in vars(module.base_layer):  # what the attention reads of its projections
+                setattr(module, flag, vars(module.base_layer)[flag])
+        if random_state is not None:
+            module.register_forward_pre_hook(random_state.leave)  # (a region q's output opened: k's input is shared)
+            module.register_forward_hook(random_state.enter)
+            random_state.guard(target.parent)
+        return f"{target.name}: {style!r} (LoRA: base and B split alike, A whole)"
+    parallelize_module(module.base_layer, mesh, style.torch_style(base))
+    for a, b in adapters:
+        parallelize_module(a, mesh, style.torch_style(dataclasses.replace(base, module=a)))
+        if style._scatters(target):
+            ShardLocalParameters().apply(dataclasses.replace(target, module=b))
+    if random_state is not None and style.is_input_parallel:
+        module.register_forward_hook(random_state.leave, always_call=True)
+    summed = "reduce-scattered onto sequence shards" if style._scatters(target) else "all-reduced"
+    if style._scatters(target):
+        module._tridist_scatters_sequence = True
+        module.register_forward_hook(_remember_exit_output)
+    return f"{target.name}: {style!r} (LoRA: base and A row-parallel, A's output {summed}, B whole)"
 
 
 @dataclass(repr=False)
@@ -531,6 +590,8 @@ class ReplicatedColWiseParallel(_Style):
                   "key/value heads")
 
     def apply(self, target: StyleTarget) -> str:
+        if is_lora_layer(target.module):
+            return _split_lora(self, target)
         module, mesh = target.module, target.tp_mesh
         tp = mesh.size()
         if not isinstance(module, torch.nn.Linear):

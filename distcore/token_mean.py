@@ -47,17 +47,24 @@ def takes_num_items(model: torch.nn.Module) -> bool:
     what to count. A Hugging Face model whose `loss_function` is transformers' ForCausalLMLoss (it
     receives the forward's **kwargs) and that its forward calls: every transformers model inherits
     `loss_function`, and some compute their own cross entropy beside it (CPM-Ant, BART's and Marian's
-    decoders, XLM), which would ignore the count."""
-    loss_function = getattr(model, "loss_function", None)
-    if getattr(loss_function, "__name__", None) != "ForCausalLMLoss":
-        return False
+    decoders, XLM), which would ignore the count. A peft model (`get_peft_model`'s wrapper, whose forward passes its
+    keywords to the model it wraps) where the model it wraps does."""
     try:
         forward = inspect.unwrap(type(model).forward)  # under transformers' decorators
         parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return False
-    calls = "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
-    return calls and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and keywords and {"base_model", "get_base_model"} & set(names):  # peft's PeftModel: its keywords
+        # reach the model it wraps
+        inner = base()
+        return inner is not model and takes_num_items(inner)
+    loss_function = getattr(model, "loss_function", None)
+    if getattr(loss_function, "__name__", None) != "ForCausalLMLoss":
+        return False
+    return "loss_function" in names and keywords
 
 
 def install_global_token_mean(model: torch.nn.Module, *, dp_group, micro_batches: int) -> None:

@@ -2329,6 +2329,89 @@ def check_moe_trains_under_expert_sequence_and_pipeline_parallel_together():
             raise AssertionError(f"{family} under ep 2 x tp 2 + sp x pp 2: {type(error).__name__}: {error}") from error
 
 
+def _lora(model, *, targets="all-linear", dropout=0.0, wrap=False):
+    """peft's LoRA adapters on `targets` ("all-linear": every projection but the LM head, peft's common setting), the
+    base weights frozen, B drawn non-zero (peft starts it at zero: A would get no gradient at the first step). In place
+    (`inject_adapter_in_model`), or wrapped as users write it (`get_peft_model` for a causal LM): returns the model."""
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets,
+                        task_type="CAUSAL_LM" if wrap else None)
+    model = get_peft_model(model, config) if wrap else inject_adapter_in_model(config, model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def _peft_llama():
+    """A Llama as `get_peft_model` returns it (PeftModelForCausalLM: the model is `base_model.model`)."""
+    model = _lora(build("llama", layers=LAYERS), wrap=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def check_lora_adapters_train_under_data_and_tensor_parallel():
+    """peft's LoRA on every projection (Megatron-Core's and NeMo's LoRA under tp): a column-parallel projection's base
+    and B split on their outputs, A whole on every rank (its gradient whole: B's split sums B's input gradient); a
+    row-parallel one's base and A on their inputs, A's output summed (reduce-scattered under sp), B whole (its gradient
+    summed over the tp ranks under sp). `get_peft_model`'s wrapper (its keywords, `num_items_in_batch` among them,
+    reach the model) under dp 2 x tp 2 + sp, and Llama's 2 key/value heads replicated over tp 4 + sp with their LoRA
+    layers: both equal to one process, losses and every adapter's gradient. Before: refused at parallelize ("distcore
+    splits nn.Linear ...") and, wrapped, under data parallel too (its own mean loss, it seemed)."""
+    from peft import PeftModel
+
+    reference = on_rank_0(lambda: _run(*_peft_llama()))
+    model, optimizer = _peft_llama()
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1, sequence_parallel=True)))
+    assert isinstance(model, PeftModel) and not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+    trace = equivalence.Trace()
+    for batch in loader():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.clear_grad()
+    trace.add_loss(_evaluate(model, logits=False)[0])
+    equivalence.assert_same_training(trace.end(model), reference)
+    _train("llama", _strategy(1, 4, 1, sequence_parallel=True), prepare=_lora)
+
+
+def _lora_on_the_router(model):
+    _lora(model, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate"])  # Qwen3-MoE's router: peft's ParamWrapper
+
+
+def check_lora_layers_under_tensor_parallel():
+    """LoRA layers under tp 2 + sp: Phi-3's packed qkv_proj and gate_up_proj (base and B split part by part) equal to
+    one process; with the adapters' dropout on, the tp ranks still agree on every replicated parameter (a column-
+    parallel layer's adapters draw from the ranks' shared stream: without that, each rank's A of k, v and up drifted
+    apart); a mixture of experts with LoRA on its router trains under tp without sp equal to one process, and under
+    sp is refused up front, naming the LoRA layer (its blocks run on sequence slices with their parameters swapped in
+    per module)."""
+    _train("phi3", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora)
+    model, optimizer = _model("llama", prepare=functools.partial(_lora, dropout=0.5))
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=_strategy(1, 2, 1, sequence_parallel=True)))
+    for batch in loader():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.clear_grad()
+    disagree = equivalence.shared_parameters_disagree(model)
+    assert not disagree, disagree
+    _train("qwen3-moe", _strategy(1, 2, 1), prepare=_lora_on_the_router)
+    try:
+        _train("qwen3-moe", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora_on_the_router)
+    except autotune.InvalidStrategy as error:
+        assert "LoRA layers inside it (['model.layers.1.mlp.gate'])" in str(error), error
+    else:
+        raise AssertionError("LoRA on a mixture of experts' router under sequence parallel was not refused")
+
+
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
@@ -2345,7 +2428,7 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
     "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel",
     "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel",
-    "check_state_space_models_alone_train_under_tensor_parallel"]
+    "check_state_space_models_alone_train_under_tensor_parallel", "check_lora_layers_under_tensor_parallel"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""peft's LoRA layers as tensor parallel meets them: which modules are LoRA layers, their adapters, and what of them
+cannot be split (named, with the fix).
+
+A LoRA layer (peft's `lora.Linear`, injected in place of a model's projection by `get_peft_model` or
+`inject_adapter_in_model`) holds the projection as `base_layer` and, per adapter name, `lora_A[name]` (in -> r) and
+`lora_B[name]` (r -> out), and returns base(x) + B(A(dropout(x))) * scaling summed over the active adapters. How
+tensor parallel splits one with its projection (Megatron-Core's and NeMo's LoRA layout) is tensor_parallel.py's
+`_split_lora`; this module only reads the layer (duck-typed: peft is not a dependency).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_lora_layer(module: torch.nn.Module | None) -> bool:
+    """A peft LoRA layer wrapping a projection: `base_layer` beside `lora_A` and `lora_B` module dicts."""
+    return (module is not None and isinstance(getattr(module, "base_layer", None), torch.nn.Module)
+            and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict))
+
+
+def lora_adapters(name: str, module: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
+    """(A, B) of each adapter of the LoRA layer `module` (every one: an adapter made active later runs split too), or
+    a clear error for what tensor parallel cannot split: adapters merged into the base weight (its split would hold
+    B @ A's columns of one rank while A stays whole), LoRA variants (DoRA's weight norm spans the features the split
+    divides), adapters on an embedding, and A or B of another kind than nn.Linear."""
+    fix = "or use a strategy without tensor parallel (dp / ZeRO / pp train LoRA layers as they are)"
+    if getattr(module, "merged_adapters", None):
+        raise NotImplementedError(f"parallelize: {name} holds LoRA adapters merged into its base weight "
+                                  f"({module.merged_adapters}); unmerge them (`model.unmerge_adapter()`) first, {fix}")
+    variants = getattr(module, "lora_variant", None) or {}
+    if variants:
+        raise NotImplementedError(f"parallelize: {name}'s LoRA adapters {sorted(variants)} are a variant of LoRA "
+                                  f"({type(next(iter(variants.values()))).__name__}: DoRA's weight norm spans the "
+                                  f"features tensor parallel splits); tensor parallel splits plain LoRA only, {fix}")
+    if len(getattr(module, "lora_embedding_A", None) or {}):
+        raise NotImplementedError(f"parallelize: {name} holds LoRA adapters of an embedding; tensor parallel splits "
+                                  f"LoRA adapters of projections only, {fix}")
+    adapters = []
+    for adapter, a in module.lora_A.items():
+        b = module.lora_B[adapter]
+        if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
+            raise NotImplementedError(f"parallelize: {name}'s LoRA adapter {adapter!r} is {type(a).__name__} -> "
+                                      f"{type(b).__name__}; tensor parallel splits nn.Linear adapters only, {fix}")
+        adapters.append((a, b))
+    return adapters
+
+
+def has_lora_layers(model: torch.nn.Module) -> list[str]:
+    """The names of the model's LoRA layers (none: [])."""
+    return [name for name, module in model.named_modules() if is_lora_layer(module)]
