@@ -39,6 +39,12 @@ Standard formulas (ARCHITECTURE.md section 3), generalised where Llama departs f
   counted).
 * Model states: 16 bytes per parameter for mixed-precision Adam (2 weights + 2 grads + 12 fp32
   master/momentum/variance), ZeRO-1/2/3 dividing the 12, then the grads, then the weights by dp.
+* Frozen weights (ModelSpec.trainable_fraction < 1: peft's LoRA adapters on frozen projections, a frozen vision
+  tower): gradients, optimizer states, their data-parallel traffic and the optimizer step for the trained share
+  alone, spread evenly; the backward's GEMMs take the input's gradient and the trained share of the weights' (2 + f
+  passes of the matmuls where 3; the adapters' own small GEMMs are not priced); weights, ZeRO-3's gathers and the
+  activations as for full training. Llama 3 70B with LoRA (f = 0.8%) fits on 8 H100s (dp1 tp4 pp2x4 + sp, 69 of
+  72 GB); its full training fits on neither 8 nor 16.
 
 Mixtures of experts (ModelSpec.num_experts > 0; its moe_layers priced apart from the dense layers, each
 pipeline rank by the layers it holds):
@@ -254,8 +260,12 @@ def _linear_core_flops(spec: ModelSpec) -> tuple[float, float]:
 
 
 def model_flops_per_step(spec: ModelSpec, global_batch_size: int) -> float:
-    """FLOPs of forward + backward without any recomputation (the 'model FLOPs' of MFU)."""
-    return FWD_BWD_PASSES * global_batch_size * spec.seq_len * sum(_forward_flops_per_token(spec))
+    """FLOPs of forward + backward without any recomputation (the 'model FLOPs' of MFU). Frozen weights
+    (ModelSpec.trainable_fraction < 1: LoRA) take no weight-gradient GEMM: the layers' and the head's matmuls count
+    2 + the trained share passes where 3."""
+    matmul, core, linear_core, logits = _forward_flops_per_token(spec)
+    return global_batch_size * spec.seq_len * ((1 + _gemm_backward(spec)) * (matmul + logits)
+                                               + FWD_BWD_PASSES * (core + linear_core))
 
 
 def hardware_flops_per_step(spec: ModelSpec, global_batch_size: int, recompute: str = "none") -> float:
@@ -452,13 +462,15 @@ def _linear_mixer_bytes(spec: ModelSpec, e: int) -> float:
     return e * kept + LINEAR_STATISTIC_BYTES * fp32
 
 
-def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
+def model_state_bytes(parameters: float, dp: int, sharding_level: int, dtype_bytes: int = 2,
+                      trainable: float = 1.0) -> tuple[float, float, float]:
     """(weights, gradients, optimizer states) bytes on one device: 2 + 2 + 12 bytes per parameter
     for mixed-precision Adam, ZeRO-1 sharding the 12 over dp, ZeRO-2 also the gradients, ZeRO-3 also
-    the weights."""
+    the weights. `trainable`: the share of the parameters that train (ModelSpec.trainable_fraction): gradients and
+    optimizer states for those alone."""
     weights = dtype_bytes * parameters
-    grads = dtype_bytes * parameters
-    optimizer = OPTIMIZER_BYTES[dtype_bytes] * parameters
+    grads = dtype_bytes * parameters * trainable
+    optimizer = OPTIMIZER_BYTES[dtype_bytes] * parameters * trainable
     if sharding_level >= 1:
         optimizer /= dp
     if sharding_level >= 2:
@@ -975,6 +987,13 @@ class _LayerTiming:
     ep: float
 
 
+def _gemm_backward(spec: ModelSpec) -> float:
+    """A GEMM's backward over its forward: the input's gradient (1) and the weight's (1) for the parameters that train
+    (ModelSpec.trainable_fraction: peft's LoRA adapters on frozen weights take the input's alone, their adapters'
+    small GEMMs not priced)."""
+    return 1.0 + (BWD_TO_FWD - 1.0) * spec.trainable_fraction
+
+
 @functools.lru_cache(maxsize=65536)
 def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequence_parallel: bool,
                   recompute: str, overlap_tp_comm: bool, moe: bool, ep: int, linear: bool = False,
@@ -982,10 +1001,11 @@ def _layer_timing(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: i
     p = cluster.profile
     c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel, moe, ep, linear, part)
     fwd = c.gemm_fwd + c.core_fwd + c.elementwise_fwd
-    bwd = BWD_TO_FWD * (c.gemm_fwd + c.elementwise_fwd) + c.core_bwd
+    gemm_bwd = _gemm_backward(spec) * c.gemm_fwd  # (frozen weights take no weight-gradient GEMM)
+    bwd = gemm_bwd + BWD_TO_FWD * c.elementwise_fwd + c.core_bwd
     collectives = c.tp_collectives
     all_to_alls = 4  # dispatch and combine, forward and backward
-    gemm_total = (1 + BWD_TO_FWD) * c.gemm_fwd
+    gemm_total = c.gemm_fwd + gemm_bwd
     if recompute == "full":
         recompute_s = fwd
         collectives += c.tp_collectives // 2  # the forward's, again
@@ -1040,7 +1060,7 @@ def _pace(spec: ModelSpec, cluster: Cluster, t: int, micro_batch_size: int, sequ
     c = _layer_cost(spec, cluster, t, micro_batch_size, sequence_parallel)
     ranks = _rank_timings(spec, cluster, t, micro_batch_size, sequence_parallel, recompute, overlap_tp_comm, ep, pp,
                           virtual_pp, layout)
-    head_compute = (1 + BWD_TO_FWD) * (c.head_gemm_fwd + c.head_elementwise_fwd)
+    head_compute = ((1 + _gemm_backward(spec)) * c.head_gemm_fwd + (1 + BWD_TO_FWD) * c.head_elementwise_fwd)
     # An fp16 head's fused loss computes its gradients in the backward, re-running its forward's chunk loop: the
     # logits' GEMM (a fourth), their statistics' pass and, under tp, their all-reduces (linear_cross_entropy's
     # _gradients_in_backward; grad_output 1 would underflow fp16's logits' gradient).
@@ -1092,19 +1112,24 @@ def _rank_layer_counts(spec: ModelSpec, pp: int, virtual_pp: int, layout: tuple[
 
 
 def _data_parallel_time(cluster: Cluster, nbytes: float, n: int, stride: int, level: int, micro_batches: int,
-                        window_fwd: float, window_bwd: float, parts: int) -> float:
+                        window_fwd: float, window_bwd: float, parts: int, trainable: float = 1.0) -> float:
     """Gradient traffic (and ZeRO's parameter gathers) of `nbytes` of parameters over `n` ranks `stride`
-    apart, hidden behind the forward and backward windows where it can be."""
+    apart, hidden behind the forward and backward windows where it can be. `trainable`: the share of them that
+    train (ModelSpec.trainable_fraction): gradients, and the updated weights ZeRO-1/2 gather, of that share alone;
+    ZeRO-3 gathers every weight."""
     if n <= 1 or nbytes == 0:
         return 0.0
     p = cluster.profile
     bw, lat = cluster.link(n, stride)
-    all_reduce = all_reduce_time(nbytes, n, bw, lat)
-    gather = all_gather_time(nbytes, n, bw, lat)
-    scatter = reduce_scatter_time(nbytes, n, bw, lat)
+    grads = nbytes * trainable
+    all_reduce = all_reduce_time(grads, n, bw, lat)
+    gather = all_gather_time(grads, n, bw, lat)
+    gather_weights = all_gather_time(nbytes, n, bw, lat)
+    scatter = reduce_scatter_time(grads, n, bw, lat)
     # The engine's copies into and out of the communication buffers (FSDP2's copy-in / copy-out), one per
     # collective below, at memory bandwidth and not hidden.
-    copy = cluster.engine.fsdp_copy_passes * nbytes / (p.hbm_bandwidth * p.hbm_efficiency)
+    copy = cluster.engine.fsdp_copy_passes * grads / (p.hbm_bandwidth * p.hbm_efficiency)
+    copy_weights = cluster.engine.fsdp_copy_passes * nbytes / (p.hbm_bandwidth * p.hbm_efficiency)
     if level == 0:
         return _hidden_behind(all_reduce, window_bwd, parts) + copy
     if level == 1:
@@ -1112,8 +1137,8 @@ def _data_parallel_time(cluster: Cluster, nbytes: float, n: int, stride: int, le
     if level == 2:
         return (micro_batches * (_hidden_behind(scatter, window_bwd, parts) + copy)
                 + _hidden_behind(gather, window_fwd, parts) + copy)
-    return micro_batches * (_hidden_behind(gather, window_fwd, parts) + _hidden_behind(gather + scatter, window_bwd, parts)
-                            + 3 * copy)
+    return micro_batches * (_hidden_behind(gather_weights, window_fwd, parts)
+                            + _hidden_behind(gather_weights + scatter, window_bwd, parts) + 2 * copy_weights + copy)
 
 
 def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_batch_size: int,
@@ -1179,13 +1204,15 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
                           key=sum)
     level = s.sharding_level
     windows = (ranks[slowest].fwd, ranks[slowest].bwd, per_rank[slowest])
+    trainable = spec.trainable_fraction
     if s.ep == 1:
-        dp_s = _data_parallel_time(cluster, e * (params + experts), dp, t, level, m, *windows)
+        dp_s = _data_parallel_time(cluster, e * (params + experts), dp, t, level, m, *windows, trainable)
     else:
-        dp_s = (_data_parallel_time(cluster, e * params, dp, t, level, m, *windows)
-                + _data_parallel_time(cluster, e * experts, dp // s.ep, t * s.ep, level, m, *windows))
+        dp_s = (_data_parallel_time(cluster, e * params, dp, t, level, m, *windows, trainable)
+                + _data_parallel_time(cluster, e * experts, dp // s.ep, t * s.ep, level, m, *windows, trainable))
     sharded = level >= 1
-    optimizer_s = (ADAM_BYTES_PER_PARAM * (params / (dp if sharded else 1) + experts / (dp // s.ep if sharded else 1))
+    optimizer_s = (ADAM_BYTES_PER_PARAM * trainable
+                   * (params / (dp if sharded else 1) + experts / (dp // s.ep if sharded else 1))
                    / (p.hbm_bandwidth * p.hbm_efficiency))
 
     # What runs on this device measured slower or faster than predicted (a measure=True search's factor).
@@ -1229,18 +1256,18 @@ def _memory(spec: ModelSpec, cluster: Cluster, s: Strategy, costs: dict, kinds: 
     best = None
     for stage in _peak_ranks(kinds, tuple(tuple(stages[r::pp]) for r in range(pp))):
         params, experts = _rank_parameters(spec, t, pp, stage, kinds[stage], s.ep, etp)
-        weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e)
+        weights, grads, optimizer = model_state_bytes(params, s.dp, s.sharding_level, e, spec.trainable_fraction)
         if experts:
-            states = model_state_bytes(experts, s.dp // s.ep, s.sharding_level, e)
+            states = model_state_bytes(experts, s.dp // s.ep, s.sharding_level, e, spec.trainable_fraction)
             weights, grads, optimizer = weights + states[0], grads + states[1], optimizer + states[2]
         present = [kind for n, kind in zip(kinds[stage], LAYER_KINDS) if n]
         counts = dict(zip(LAYER_KINDS, kinds[stage]))
         largest_layer = max(layer_params[kind] for kind in present)
         buffers = DDP_BUCKETS_IN_FLIGHT * DDP_BUCKET_BYTES if s.dp > 1 else 0.0
         if s.sharding_level == 2:
-            buffers += e * largest_layer  # a layer's full gradients before their reduce-scatter
-        elif s.sharding_level == 3:
-            buffers += (ZERO3_PREFETCH_LAYERS + 1) * e * largest_layer  # gathered weights + full grads
+            buffers += e * largest_layer * spec.trainable_fraction  # a layer's full gradients before their reduce-scatter
+        elif s.sharding_level == 3:  # gathered weights + full grads
+            buffers += (ZERO3_PREFETCH_LAYERS + spec.trainable_fraction) * e * largest_layer
         if pp > 1:
             buffers += 2 * c.p2p_bytes  # send and receive buffers
         # Layer-micro-batches in flight, at the rank's mean activations per layer (over its kinds of layer).

@@ -670,6 +670,12 @@ class ModelSpec:
     # model adds its vision tower's deepstack features after each of its first 3): no pipeline stage may end among
     # them (strategy.validate: the first stage holds more).
     layers_added_to: int = 0
+    # The share of the parameters that train (requires_grad): peft's LoRA adapters beside frozen weights (0.1-1%), a
+    # frozen embedding or vision tower. Gradients, optimizer states, their data-parallel traffic and the optimizer
+    # step are priced for that share, and the backward's weight-gradient GEMMs too; the weights, ZeRO-3's gathers of
+    # them and the input-gradient GEMMs for every parameter. Spread evenly over the model (LoRA's adapters on every
+    # layer are; a frozen part in one place is not). 1.0: every parameter trains.
+    trainable_fraction: float = 1.0
     name: str = ""
     structure: ModelStructure | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -683,6 +689,10 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         _check_integers("ModelSpec", self, ("num_layers", "hidden_size", "vocab_size", "seq_len"))
+        fraction = self.trainable_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"ModelSpec: trainable_fraction must be a share of the parameters in (0, 1] (1: every "
+                             f"parameter trains; peft's LoRA: ~0.01), got {fraction!r}")
         # 0 heads, 0 MLP width: a model without attention or without an MLP in any layer (Mamba's)
         _check_integers("ModelSpec", self, ("num_heads", "ffn_hidden_size"), minimum=0, what="a non-negative integer")
         if self.qk_norm not in QK_NORMS:
@@ -1029,6 +1039,8 @@ class ModelSpec:
         if self.mixer_free_layers or self.mlp_free_layers:
             size += (f", blocks of one part ({len(self.mixer_free_layers)} without a token mixer, "
                      f"{len(self.mlp_free_layers)} without an MLP)")
+        if self.trainable_fraction < 1:
+            size += f", {self.trainable_fraction:.2%} of them trained"
         heads = f"heads={self.num_heads}{kv}" if self.num_heads else "no attention"
         ffn = f"ffn={self.ffn_hidden_size} ({mlp})" if self.ffn_hidden_size else "no MLP"
         return (f"{label}{size}, L={self.num_layers} h={self.hidden_size} {heads} {ffn} vocab={self.vocab_size} "
@@ -1045,9 +1057,19 @@ class ModelSpec:
         `UnrecognisedModel` with what was missing.
         """
         structure, fields = _recognise(model, overrides)
+        fields["trainable_fraction"] = trainable_fraction(model)
         fields.update(overrides)
         fields.setdefault("name", type(model).__name__)
         return cls(seq_len=seq_len, structure=structure, **fields)
+
+
+def trainable_fraction(model: "nn.Module") -> float:
+    """The share of `model`'s parameters (each counted once, tied ones too) that require grad, rounded to 6 digits
+    (a spec's field, in the search's study names); 1.0 where none does (nothing to price but a full training)."""
+    counts = {id(p): (p.numel(), p.requires_grad) for p in model.parameters()}
+    total = sum(n for n, _ in counts.values())
+    trained = sum(n for n, grad in counts.values() if grad)
+    return round(trained / total, 6) or 1e-6 if total and trained else 1.0
 
 
 def recognise(model: "nn.Module") -> ModelStructure:

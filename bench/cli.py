@@ -168,6 +168,9 @@ def _tune_arguments(parser: argparse.ArgumentParser) -> None:
                              "megatron (Megatron-LM's kernels, for comparison with its published figures)")
     parser.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per step")
     parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--trainable-fraction", type=float, default=None, metavar="F",
+                        help="the share of the parameters that train, in (0, 1] (LoRA adapters on frozen weights: "
+                             "~0.01; default: the model's requires_grad, 1 for a preset)")
     parser.add_argument("--storage", default=None,
                         help="Optuna storage: an RDB URL, an SQLite file path, a journal file (*.log) or 'memory' "
                              "(default: sqlite under ~/.cache/tridist/tune.db, resumable)")

@@ -238,6 +238,8 @@ def run_tune(args) -> int:
         return run_measured_tune(args)
     try:
         spec = resolve_model(args.model, seq_len=args.seq_len, size=args.size)
+        if args.trainable_fraction is not None:
+            spec = dataclasses.replace(spec, trainable_fraction=args.trainable_fraction)
         cluster = Cluster(args.nodes, args.devices_per_node, args.device, dtype=args.dtype,
                           engine=args.engine)
     except UnrecognisedModel as exc:

@@ -336,3 +336,50 @@ def test_memory_fits_flag_and_breakdown_keys():
     # MFU = model FLOPs / (step time x devices x the H100's 989.4 TFLOP/s bf16 peak)
     assert b["mfu"] == pytest.approx(model_flops_per_step(spec, 8) / (est.step_time_s * 8 * 989.4e12), rel=1e-12)
     assert b["tokens_per_s"] == pytest.approx(8 * spec.seq_len / est.step_time_s, rel=1e-12)
+
+
+def test_frozen_parameters_take_no_gradients_optimizer_states_or_weight_gradient_gemms():
+    """peft's LoRA: 1% of Llama 3 70B's parameters train (ModelSpec.trainable_fraction). The weights and ZeRO-3's
+    gathers of them stay; the gradients, optimizer states, the gradients' reduce-scatter and the optimizer step are
+    1% of a full training's; the backward's GEMMs take the input's gradient and 1% of the weights' (the layers'
+    compute drops by about a third of their GEMM time, 3 passes -> 2.01)."""
+    full = preset("llama3-70b")
+    lora = dataclasses.replace(full, trainable_fraction=0.01)
+    cluster = Cluster(2, 8, "h100-sxm")
+    s = Strategy(dp=2, tp=8, pp=1, sharding_level=3, micro_batch_size=1, num_micro_batches=2)
+    a, b = (estimate(spec, cluster, s, global_batch_size=4) for spec in (full, lora))
+    assert b.memory.weights == a.memory.weights
+    assert b.memory.gradients == pytest.approx(0.01 * a.memory.gradients)
+    assert b.memory.optimizer_states == pytest.approx(0.01 * a.memory.optimizer_states)
+    assert b.memory.activations == a.memory.activations
+    assert b.time.optimizer_s == pytest.approx(0.01 * a.time.optimizer_s)
+    assert 0.6 < b.time.compute_s / a.time.compute_s < 0.8, (b.time.compute_s, a.time.compute_s)
+    assert b.time.dp_comm_s < a.time.dp_comm_s  # the weights' gathers stay, the gradients' scatter shrinks
+    # At ZeRO-0 the data-parallel traffic is the gradients' all-reduce alone: 1% of the bytes (plus the latency terms)
+    plain = dataclasses.replace(s, sharding_level=0)
+    a0, b0 = (estimate(spec, cluster, plain, global_batch_size=4) for spec in (full, lora))
+    assert 0 < b0.time.dp_comm_s < 0.02 * a0.time.dp_comm_s, (b0.time.dp_comm_s, a0.time.dp_comm_s)
+    assert "1.00% of them trained" in lora.describe() and "trained" not in full.describe()
+    for bad in (0, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="trainable_fraction must be a share of the parameters in"):
+            dataclasses.replace(full, trainable_fraction=bad)
+
+
+def test_the_trained_share_is_read_from_the_model():
+    """from_module reads requires_grad: a model with its MLPs frozen trains the rest's share; peft's LoRA adapters on
+    a tiny Llama theirs; a model training everything 1.0."""
+    peft = pytest.importorskip("peft")
+    from tests.hf_models import build
+
+    model = build("llama")
+    assert ModelSpec.from_module(model).trainable_fraction == 1.0
+    for name, param in model.named_parameters():
+        param.requires_grad_(".mlp." not in name)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert ModelSpec.from_module(model).trainable_fraction == pytest.approx(trained / total, abs=1e-6)
+    lora = peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules="all-linear"))
+    adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    spec = ModelSpec.from_module(lora)
+    assert spec.trainable_fraction == pytest.approx(adapters / sum(p.numel() for p in lora.parameters()), abs=1e-6)
+    assert spec.trainable_fraction < 0.2
