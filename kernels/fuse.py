@@ -915,8 +915,9 @@ def _why_head_is_no_linear(module: torch.nn.Module) -> str | None:
     head = module._modules.get("lm_head")
     if head is None or isinstance(head, (torch.nn.Linear, FusedLMHead)) or not _has_settable_loss(module):
         return None
-    return (f"LM head + loss candidate: lm_head is a {type(head).__name__}, not an nn.Linear; the fused loss replaces a "
-            "causal LM's nn.Linear head (its logits come from the module's own forward here)")
+    kind = f"{type(head).__module__}.{type(head).__qualname__}"  # (peft's lora.Linear is called Linear too)
+    return (f"LM head + loss candidate: lm_head is a {kind}, not an nn.Linear; the fused loss replaces a causal LM's "
+            "nn.Linear head (its logits come from the module's own forward here)")
 
 
 def _fuse_lm_head_and_loss(model, name, module, report, changes) -> None:

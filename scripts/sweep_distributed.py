@@ -5,7 +5,7 @@ on padded batches and compared with one process by tests/distributed/equivalence
 transformers upgrade or a change to distcore: the verdicts say which families still train as one process does.
 
     python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--attention eager] [--dropout 0.1]
-                                         [--out sweep.jsonl]
+                                         [--lora] [--out sweep.jsonl]
 
 One JSON line per model type (also written to --out), progress on stderr, a count per verdict at the end:
 - equal: the first-step gradients, the losses and the parameters after the steps are one process's (the
@@ -27,7 +27,7 @@ parallel: the tiny configs' 2 key/value heads each computed on 2 ranks), searche
 default: each model's own, SDPA for most). --dropout P: every dropout of the config at P instead of 0; one
 process's numbers are then out of reach (the ranks draw their own masks), so the verdict is whether the ranks that
 hold a parameter still agree on it after the steps ("replicas agree"; "replicas differ": a bug, silent in training)
-with finite losses.
+with finite losses. --lora: peft's LoRA adapters on every projection but the head (the base weights frozen).
 SGD at lr 0.1 (the tests' 0.5 makes some tiny models diverge, whose parameters then differ by amplified rounding);
 dropout and router jitter off (`build_tiny(deterministic=True)`: ranks would draw other masks than one process;
 PhiMoE's router samples in training regardless).
@@ -113,7 +113,24 @@ def _ours(error: BaseException) -> bool:
     return module.startswith("tridist.") and isinstance(error, ours)
 
 
-def worker(model_type: str, strategy_name: str, attention: str | None = None, dropout: float | None = None) -> dict:
+def _with_lora(model):
+    """peft's LoRA adapters (r 4) on every projection but the head (`target_modules="all-linear"`, as users fine-tune),
+    in place, the base weights frozen and B drawn non-zero (peft starts it at zero: A would get no gradient)."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.requires_grad_("lora_" in name)
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model
+
+
+def worker(model_type: str, strategy_name: str, attention: str | None = None, dropout: float | None = None,
+           lora: bool = False) -> dict:
     """One model type on this process's rank (under torchrun): its row, the same on every rank but for errors."""
     import torch
     import torch.distributed as dist
@@ -123,12 +140,14 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
 
     distcore.init_parallel_env()
     row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {}),
-           **({"dropout": dropout} if dropout is not None else {})}
+           **({"dropout": dropout} if dropout is not None else {}), **({"lora": True} if lora else {})}
     try:
         # Dropout off unless asked for: the ranks draw other masks than one process
         model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # training: no key/value cache (hybrid models' caches refuse padded calls)
+        if lora:
+            model = _with_lora(model)
         reference = _one_process(copy.deepcopy(model)) if dropout is None else None
     except Exception as error:  # noqa: BLE001 - reported
         memory = "can't allocate memory" in str(error)  # the address-space limit (a vision tower's fixed sizes)
@@ -182,14 +201,15 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
-def _launch(model_type: str, strategy: str, attention: str | None = None, dropout: float | None = None) -> dict:
+def _launch(model_type: str, strategy: str, attention: str | None = None, dropout: float | None = None,
+            lora: bool = False) -> dict:
     """torchrun on NPROC processes for one model type: rank 0's row (any rank's error where rank 0 has none)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as rows_dir:  # a file per rank: their stdout lines may interleave
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                    os.path.abspath(__file__), "--worker", model_type, "--strategy", strategy, "--rows", rows_dir,
                    *(["--attention", attention] if attention else []),
-                   *(["--dropout", str(dropout)] if dropout is not None else [])]
+                   *(["--dropout", str(dropout)] if dropout is not None else []), *(["--lora"] if lora else [])]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limited,
                                   env=env)
@@ -214,6 +234,8 @@ def main() -> None:
                         "(default: each model's own)")
     parser.add_argument("--dropout", type=float, help="every dropout of the config at this probability; the verdict "
                         "is whether the replicas agree after the steps")
+    parser.add_argument("--lora", action="store_true", help="peft's LoRA adapters on every projection but the head, "
+                        "the base weights frozen (as users fine-tune)")
     parser.add_argument("--out", help="also write the JSON lines here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun process: one model type
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # where each rank writes its row
@@ -222,7 +244,7 @@ def main() -> None:
         import logging
 
         logging.getLogger("tridist").setLevel(logging.ERROR)
-        row = worker(args.worker, args.strategy, args.attention, args.dropout)
+        row = worker(args.worker, args.strategy, args.attention, args.dropout, args.lora)
         with open(os.path.join(args.rows, f"rank{int(os.environ.get('RANK', 0)):03d}.json"), "w") as file:
             json.dump(row, file)
         return
@@ -234,7 +256,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     start = time.monotonic()
     for i, model_type in enumerate(types, 1):
-        row = _launch(model_type, args.strategy, args.attention, args.dropout)
+        row = _launch(model_type, args.strategy, args.attention, args.dropout, args.lora)
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
         print(json.dumps(row), flush=True)
         if out:

@@ -46,3 +46,41 @@ def test_merged_adapters_are_refused_naming_the_fix():
         lora_adapters(name, layer)
     layer.unmerge()
     assert len(lora_adapters(name, layer)) == 1
+
+
+def test_fuse_keeps_every_adapter_and_leaves_a_lora_head_alone_naming_it():
+    """`fuse` on a model wrapped by get_peft_model with LoRA on every projection and on the LM head: the fused MLPs call
+    the LoRA layers (the adapters run), the head is left alone with the reason (peft's lora.Linear, not an nn.Linear:
+    a fused head would read the base weight only); the loss and every adapter's gradient are the unfused model's
+    (fp32 on the CPU path: the fused ops compute the same sums, to a few ulps)."""
+    import copy
+
+    from peft import get_peft_model
+
+    from tridist import kernels
+
+    torch.manual_seed(0)
+    model = get_peft_model(build("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj",
+                                                                            "down_proj", "lm_head"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    fused = copy.deepcopy(model)
+    report = kernels.fuse(fused)
+    assert [name for name, _ in report.skipped] == ["base_model.model.lm_head"], str(report)
+    assert "peft.tuners.lora.layer.Linear, not an nn.Linear" in report.skipped[0][1]
+    ids = torch.randint(3, 100, (2, 8))
+    losses = []
+    for m in (model, fused):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    grads = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(expected) and any("lm_head.lora_A" in n for n in grads)
+    # Each gradient to 1e-4 of its own norm: the fused ops sum the same fp32 terms in another order (relative error a
+    # few hundred ulps at these widths, on any BLAS), which near-cancelling elements show element-wise, not in the norm
+    for name, grad in expected.items():
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), (name, (grads[name] - grad).norm(), grad.norm())
