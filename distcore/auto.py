@@ -374,7 +374,7 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
     """What the model's blocks rule out for the strategy's tensor parallel (block_check.py; the model is
     not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
     fed something else than its region's input, a block only right in global view), so that tensor parallel
-    itself is judged without it; "sequence_parallel" where a mixture of experts' blocks fail under it only;
+    itself is judged without it; "sequence_parallel" where blocks fail under it only (a mixture of experts', LoRA layers');
     "tp" where a block is wrong in local and in global view; "recompute" where
     blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why), or where
     selective recompute would re-run an attention module whose local view swaps its parameters in around its
@@ -397,9 +397,10 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
     try:
         chosen = views(plan)
     except TensorParallelCheckError as error:
-        if strategy.sequence_parallel and structure.is_moe:
-            # MoE blocks run on sequence slices in local view only (a block that needs global view gets them
-            # token-split): judge tensor parallel itself without sequence parallel.
+        if strategy.sequence_parallel:
+            # Blocks that run on sequence slices in local view only (MoE blocks: one that needs global view gets them
+            # token-split; LoRA layers, which have no global view, in a block whose local view fails under sp alone:
+            # Bloom's and MPT's residual add inside the attention): judge tensor parallel itself without it.
             try:
                 views(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))
             except TensorParallelCheckError:

@@ -2391,7 +2391,8 @@ def check_lora_layers_under_tensor_parallel():
     parallel layer's adapters draw from the ranks' shared stream: without that, each rank's A of k, v and up drifted
     apart); a mixture of experts with LoRA on its router trains under tp without sp equal to one process, and under
     sp is refused up front, naming the LoRA layer (its blocks run on sequence slices with their parameters swapped in
-    per module)."""
+    per module). Bloom (its residual added inside the attention: global view under sp) with LoRA: sequence parallel
+    left out by the search, tp 2 without it equal to one process."""
     _train("phi3", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora)
     model, optimizer = _model("llama", prepare=functools.partial(_lora, dropout=0.5))
     model, optimizer, loader = distcore.to_distributed(
@@ -2404,6 +2405,15 @@ def check_lora_layers_under_tensor_parallel():
     disagree = equivalence.shared_parameters_disagree(model)
     assert not disagree, disagree
     _train("qwen3-moe", _strategy(1, 2, 1), prepare=_lora_on_the_router)
+    # Bloom adds the residual inside its attention: its blocks need global view under sp, which LoRA layers have not;
+    # the search is told to leave sequence parallel out (not tensor parallel), and tp 2 alone trains equal
+    from tridist.distcore.auto import _tensor_parallel_limits
+
+    model, _ = _model("bloom", prepare=_lora)
+    limits = _tensor_parallel_limits(model, _strategy(1, 2, 1, sequence_parallel=True),
+                                     autotune.ModelSpec.from_module(model), distcore.ToDistributedConfig())
+    assert list(limits) == ["sequence_parallel"] and "LoRA layers" in limits["sequence_parallel"], limits
+    _train("bloom", _strategy(1, 2, 1), prepare=_lora)
     try:
         _train("qwen3-moe", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora_on_the_router)
     except autotune.InvalidStrategy as error:
