@@ -50,3 +50,45 @@ def lora_adapters(name: str, module: torch.nn.Module) -> list[tuple[torch.nn.Lin
 def has_lora_layers(model: torch.nn.Module) -> list[str]:
     """The names of the model's LoRA layers (none: [])."""
     return [name for name, module in model.named_modules() if is_lora_layer(module)]
+
+
+def guard_after_parallelize(model: torch.nn.Module) -> None:
+    """What peft can do to a model after `parallelize` / `to_distributed` that the distribution did not see, refused
+    by name where it happens:
+
+    - an adapter added (`add_adapter`, `load_adapter`): its A and B are whole, unsharded and outside the optimizer,
+      beside a base split by tensor parallel or sharded by ZeRO (it failed inside torch's hooks). A forward pre-hook on
+      the root compares each LoRA layer's adapters with those it had here.
+    - peft's `generate`, which calls the model it wraps directly (`base_model.generate`), past the hooks parallelize put
+      on the wrapper (FSDP's gathers, tensor parallel's inputs, the pipeline's schedule): where the parameters are
+      distributed (DTensors) or split into stages it failed inside torch ("mixed torch.Tensor and DTensor")."""
+    layers = [(name, module, frozenset(module.lora_A)) for name, module in model.named_modules() if is_lora_layer(module)]
+    if not layers:
+        return
+
+    def adapters_unchanged(*_):
+        for name, module, adapters in layers:
+            if frozenset(module.lora_A) != adapters:
+                raise NotImplementedError(
+                    f"{name}'s LoRA adapters are {sorted(module.lora_A)}, not {sorted(adapters)} as when the model was "
+                    "parallelised: an adapter added or deleted afterwards is not split, sharded nor in the optimizer; "
+                    "add every adapter (peft's add_adapter / load_adapter) before to_distributed / parallelize")
+
+    model.register_forward_pre_hook(adapters_unchanged, prepend=True)
+    base = getattr(model, "get_base_model", None)
+    if not callable(base) or base() is model or not callable(getattr(model, "generate", None)):
+        return
+    peft_generate = model.generate
+
+    def generate(*args, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        if hasattr(model, "_tridist_pipeline") or any(isinstance(p, DTensor) for p in model.parameters()):
+            raise NotImplementedError(
+                "generate on peft's wrapper: peft's generate runs the model it wraps directly, past the hooks that "
+                "distribute it (its parameters are sharded or split into pipeline stages here); inject the adapters in "
+                "place instead of wrapping (peft.inject_adapter_in_model(config, model)) before to_distributed, and "
+                "generate with that model, or generate on one device from distcore.full_state_dict(model)")
+        return peft_generate(*args, **kwargs)
+
+    model.generate = generate

@@ -43,6 +43,7 @@ from .block_check import BlockViews, choose_block_views, decoder_blocks
 from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
+from .lora import guard_after_parallelize
 from .mesh import ProcessMesh, get_mesh
 from .outputs import find_loss, replace_loss
 from .random_state import keep_tensor_parallel_random_state_alike
@@ -147,6 +148,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     if dp_group is not None or micro_batches > 1:
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
+    guard_after_parallelize(model)  # peft's LoRA: adapters added later, generate past the root's hooks
     if mp_config is not None and dims.degree("mp") > 1:  # the replicas' dropout masks (random_state.py)
         keep_tensor_parallel_random_state_alike(model, tp_group=dims.group("mp"), device=env.device())
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own

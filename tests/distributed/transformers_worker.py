@@ -2360,7 +2360,11 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
     summed over the tp ranks under sp). `get_peft_model`'s wrapper (its keywords, `num_items_in_batch` among them,
     reach the model) under dp 2 x tp 2 + sp, and Llama's 2 key/value heads replicated over tp 4 + sp with their LoRA
     layers: both equal to one process, losses and every adapter's gradient. Before: refused at parallelize ("distcore
-    splits nn.Linear ...") and, wrapped, under data parallel too (its own mean loss, it seemed)."""
+    splits nn.Linear ...") and, wrapped, under data parallel too (its own mean loss, it seemed). Afterwards, peft's
+    generate on the wrapper (which runs the wrapped model past the root's hooks) and an adapter added later are refused
+    by name (a review found both failing inside torch: "mixed torch.Tensor and DTensor", a hook on a tensor without
+    grad)."""
+    import peft
     from peft import PeftModel
 
     reference = on_rank_0(lambda: _run(*_peft_llama()))
@@ -2378,6 +2382,18 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
         optimizer.clear_grad()
     trace.add_loss(_evaluate(model, logits=False)[0])
     equivalence.assert_same_training(trace.end(model), reference)
+    # What peft can do afterwards that the distribution did not see: refused by name (both failed inside torch)
+    for call, expected in ((lambda: model.generate(input_ids=_batches()[0]["input_ids"][:1], max_new_tokens=2),
+                            "generate on peft's wrapper: peft's generate runs the model it wraps directly"),
+                           (lambda: (model.add_adapter("late", peft.LoraConfig(r=2, target_modules=["q_proj"])),
+                                     model(**_batches()[0])),
+                            "an adapter added or deleted afterwards is not split, sharded nor in the optimizer")):
+        try:
+            call()
+        except NotImplementedError as error:
+            assert expected in str(error), error
+        else:
+            raise AssertionError(f"not refused: {expected}")
     _train("llama", _strategy(1, 4, 1, sequence_parallel=True), prepare=_lora)
 
 
