@@ -113,22 +113,6 @@ def _ours(error: BaseException) -> bool:
     return module.startswith("tridist.") and isinstance(error, ours)
 
 
-def _with_lora(model):
-    """peft's LoRA adapters (r 4) on every projection but the head (`target_modules="all-linear"`, as users fine-tune),
-    in place, the base weights frozen and B drawn non-zero (peft starts it at zero: A would get no gradient)."""
-    import torch
-    from peft import LoraConfig, inject_adapter_in_model
-
-    model = inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.requires_grad_("lora_" in name)
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model
-
-
 def worker(model_type: str, strategy_name: str, attention: str | None = None, dropout: float | None = None,
            lora: bool = False) -> dict:
     """One model type on this process's rank (under torchrun): its row, the same on every rank but for errors."""
@@ -146,8 +130,10 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
         model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)
         if hasattr(getattr(model, "config", None), "use_cache"):
             model.config.use_cache = False  # training: no key/value cache (hybrid models' caches refuse padded calls)
-        if lora:
-            model = _with_lora(model)
+        if lora:  # all-linear LoRA, the base frozen, B drawn non-zero (as the suite's LoRA checks)
+            from tests.distributed.transformers_worker import _lora
+
+            model = _lora(model)
         reference = _one_process(copy.deepcopy(model)) if dropout is None else None
     except Exception as error:  # noqa: BLE001 - reported
         memory = "can't allocate memory" in str(error)  # the address-space limit (a vision tower's fixed sizes)
