@@ -1225,13 +1225,42 @@ def _alike_but_the_mixer(layers) -> bool:
             and all(mixers(own) == 1 for own in children))
 
 
+def is_lora_layer(module) -> bool:
+    """A peft LoRA layer wrapping a projection (peft's `lora.Linear`, injected in its place by `get_peft_model`): its
+    `base_layer` beside `lora_A` and `lora_B` module dicts (duck-typed: peft is not a dependency)."""
+    from torch import nn
+
+    return (module is not None and isinstance(getattr(module, "base_layer", None), nn.Module)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
+def _is_linear(module) -> bool:
+    """An nn.Linear, or a LoRA layer wrapping one (read as the projection it wraps: its in/out features)."""
+    from torch import nn
+
+    return isinstance(module, nn.Linear) or is_lora_layer(module) and isinstance(module.base_layer, nn.Linear)
+
+
+def _outside_lora_layers(module):
+    """`module.named_modules()` without what LoRA layers hold (their base layer and adapters): each LoRA layer stands
+    for its projection."""
+    inside = None
+    for name, child in module.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue
+        inside = f"{name}." if is_lora_layer(child) else inside
+        yield name, child
+
+
 def _linears(block) -> list[_Linear]:
     """Every 2-D weight in `block` as a Linear: nn.Linear-style [out, in] unless the module is not a
-    Linear and applies a bare [in, out] parameter (decided by the caller from the hidden size)."""
+    Linear and applies a bare [in, out] parameter (decided by the caller from the hidden size). A LoRA layer is its
+    projection."""
     from torch import nn
 
     found = []
-    for name, module in block.named_modules():
+    for name, module in _outside_lora_layers(block):
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.Embedding) or not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             continue
@@ -1426,11 +1455,9 @@ def _mixer_output(module, width: int, hidden: int, *, recurse: bool = False) -> 
     """The name of a linear mixer's projection from its `width` features back to the hidden size (a child, or any
     submodule with `recurse`); where several have that shape (a square gate beside it), the one whose name says
     output (out_proj, o_proj), as for attention. None: no such projection."""
-    from torch import nn
-
     modules = module.named_modules() if recurse else module.named_children()
     candidates = [_Linear(n, "", c.in_features, c.out_features) for n, c in modules
-                  if isinstance(c, nn.Linear) and (c.in_features, c.out_features) == (width, hidden)]
+                  if _is_linear(c) and (c.in_features, c.out_features) == (width, hidden)]
     return _output_projection(candidates, hidden, _O_WORDS).name if candidates else None
 
 
@@ -1751,9 +1778,7 @@ def _listed_experts(module, hidden: int) -> tuple[int, int, bool] | None:
 def _latent_width(block, hidden: int) -> int:
     """The latent width of `block`'s projections from the hidden size to a narrower latent and back, one Linear each
     (Nemotron's fc1_latent_proj and fc2_latent_proj around its experts), else 0."""
-    from torch import nn
-
-    linears = [c for c in block.children() if isinstance(c, nn.Linear)]
+    linears = [c for c in block.children() if _is_linear(c)]
     down = {c.out_features for c in linears if c.in_features == hidden and c.out_features < hidden}
     up = {c.in_features for c in linears if c.out_features == hidden and c.in_features < hidden}
     return next(iter(down)) if len(down) == 1 and down == up else 0
@@ -2253,7 +2278,7 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
 
     heads, head_dim = int(module.num_heads), int(module.head_dim)
     width = heads * head_dim
-    linears = [_Linear(n, "", c.in_features, c.out_features) for n, c in module.named_modules() if isinstance(c, nn.Linear)]
+    linears = [_Linear(n, "", c.in_features, c.out_features) for n, c in _outside_lora_layers(module) if _is_linear(c)]
     output = _mixer_output(module, width, hidden, recurse=True)  # by its name where q, k and v are as wide
     by_name = {l.name: l for l in linears}
 
@@ -2267,9 +2292,9 @@ def _kimi_delta_attention(where: str, name: str, module, layer_indices: tuple[in
     columns, rows, row_dims, shared = [], [], [], []
     for child_name, child in module.named_modules():
         params = dict(child.named_parameters(recurse=False))
-        if not child_name or child_name == output or not params and not isinstance(child, nn.Linear):
+        if not child_name or child_name == output or not params and not _is_linear(child):
             continue
-        if isinstance(child, nn.Linear):
+        if _is_linear(child):
             if latent_down(by_name[child_name]):
                 continue
             if child.out_features in (width, heads) and child.in_features in (hidden, head_dim):
@@ -2319,7 +2344,7 @@ def _short_convolution_parts(module) -> tuple[str, str, str] | None:
     if len(convs) != 1:
         return None
     width = children[convs[0]].out_channels
-    linears = {n: c for n, c in children.items() if isinstance(c, nn.Linear)}
+    linears = {n: c for n, c in children.items() if _is_linear(c)}
     ins = [n for n, c in linears.items() if c.out_features == 3 * width]
     outs = [n for n, c in linears.items() if c.in_features == width and n not in ins]
     if len(ins) != 1 or len(outs) != 1 or linears[outs[0]].out_features != linears[ins[0]].in_features:
@@ -2383,9 +2408,9 @@ def _mamba2_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
     columns, output, rows, row_units, group_norm = [], None, [], [], None
     for child_name, child in module.named_children():
         params = dict(child.named_parameters())
-        if isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (hidden, sum(parts)):
+        if _is_linear(child) and (child.in_features, child.out_features) == (hidden, sum(parts)):
             columns.append((child_name, parts))
-        elif isinstance(child, nn.Linear) and (child.in_features, child.out_features) == (inner, hidden):
+        elif _is_linear(child) and (child.in_features, child.out_features) == (inner, hidden):
             output = child_name
         elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == conv_dim:
             for pname in params:
@@ -2462,7 +2487,7 @@ def _mamba1_mixer(where: str, name: str, module, layer_indices: tuple[int, ...],
     columns, output, row_shared, rows, shared, conv = [], None, None, [], [], None
     for child_name, child in module.named_children():
         params = dict(child.named_parameters())
-        shape = (child.in_features, child.out_features) if isinstance(child, nn.Linear) else None
+        shape = (child.in_features, child.out_features) if _is_linear(child) else None
         if shape == (hidden, 2 * inner):
             columns.append((child_name, (inner, inner)))
         elif shape == (inner, selective) and row_shared is None:
@@ -2521,8 +2546,6 @@ def _lightning_attention(where: str, name: str, module, layer_indices: tuple[int
     row-parallel, this rank's rows of its decay buffers (a row per head: slope_rate, query_decay, key_decay along dim
     0, diagonal_decay along dim 1; its code reads them itself), its norm over every head's features with its
     statistics summed over the ranks (`whole_norm`), `num_attention_heads` local. Anything else is refused, naming it."""
-    from torch import nn
-
     heads, head_dim = int(module.num_attention_heads), int(module.head_dim)
     width = heads * head_dim
     output = _mixer_output(module, width, hidden)  # by its name where the gate has that shape too
@@ -2531,7 +2554,7 @@ def _lightning_attention(where: str, name: str, module, layer_indices: tuple[int
         params = dict(child.named_parameters())
         if child_name == output:
             continue
-        if isinstance(child, nn.Linear) and child.in_features == hidden and child.out_features in (width, 3 * width):
+        if _is_linear(child) and child.in_features == hidden and child.out_features in (width, 3 * width):
             columns.append((child_name, (child.out_features,)))
         elif params and all(p.dim() == 1 and p.shape[0] == width for p in params.values()) and whole_norm is None:
             whole_norm = child_name
@@ -2619,7 +2642,7 @@ def _linear_attention(layers_name: str, layers, mixers: dict[int, str], hidden: 
         params = dict(child.named_parameters())
         if child_name == output:
             outputs.append(child_name)
-        elif isinstance(child, nn.Linear) and child.in_features == hidden:
+        elif _is_linear(child) and child.in_features == hidden:
             columns.append((child_name, packed if child.out_features == sum(packed) else (child.out_features,)))
         elif isinstance(child, nn.Conv1d) and child.groups == child.out_channels == sum(packed):
             rows += [(f"{child_name}.{pname}", packed) for pname in params]

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from tridist.autotune.model import is_lora_layer  # (the structure reads a LoRA layer as its projection)
 
-def is_lora_layer(module: torch.nn.Module | None) -> bool:
-    """A peft LoRA layer wrapping a projection: `base_layer` beside `lora_A` and `lora_B` module dicts."""
-    return (module is not None and isinstance(getattr(module, "base_layer", None), torch.nn.Module)
-            and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
-            and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict))
+__all__ = ["is_lora_layer", "lora_adapters", "has_lora_layers", "guard_after_parallelize"]
 
 
 def lora_adapters(name: str, module: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:

@@ -1297,8 +1297,9 @@ def apply_local_view(root: torch.nn.Module, plan: TensorParallelPlan, *, tp_mesh
             changes.append(style.apply(StyleTarget(
                 name, module, modules.get(parent), tp_mesh=tp_mesh, process_mesh=process_mesh,
                 in_region=name in plan.sequence_span, sequence_split=sequence_split,
-                # Only a row-parallel Linear directly under a Disable module can be its exit (checked at run time).
-                scatter_sequence=parent in plan.disabled and is_linear_like(module),
+                # Only a row-parallel Linear (or a LoRA layer wrapping one) directly under a Disable module can be its
+                # exit (checked at run time).
+                scatter_sequence=parent in plan.disabled and (is_linear_like(module) or is_lora_layer(module)),
                 overlap_comm=plan.overlap_comm, random_state=random_state,
             )))
     for name, styles in plan.bare.items():

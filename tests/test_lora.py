@@ -84,3 +84,20 @@ def test_fuse_keeps_every_adapter_and_leaves_a_lora_head_alone_naming_it():
     # few hundred ulps at these widths, on any BLAS), which near-cancelling elements show element-wise, not in the norm
     for name, grad in expected.items():
         assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), (name, (grads[name] - grad).norm(), grad.norm())
+
+
+@pytest.mark.parametrize("family", ["opt", "llama", "phi3", "gpt2", "bloom"])
+def test_the_structure_reads_a_lora_layer_as_its_projection(family):
+    """autotune's recogniser sees each LoRA layer as the projection it wraps (not its base layer and adapters as more
+    Linears): the LoRA model's structure and shapes are the model's, only the trained share differs. Before, OPT's
+    (fc1 and fc2 directly in the layer, checked as nn.Linear) was not recognised with LoRA on them."""
+    import dataclasses
+
+    from tridist.autotune import ModelSpec
+    from tests.distributed.transformers_worker import _lora
+
+    plain = ModelSpec.from_module(build(family))
+    lora = ModelSpec.from_module(_lora(build(family)))
+    assert lora.trainable_fraction < 0.2
+    assert dataclasses.replace(lora, trainable_fraction=1.0) == plain
+    assert lora.structure == plain.structure

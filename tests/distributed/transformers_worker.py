@@ -2410,6 +2410,10 @@ def check_lora_layers_under_tensor_parallel():
     per module). Bloom (its residual added inside the attention: global view under sp) with LoRA: sequence parallel
     left out by the search, tp 2 without it equal to one process."""
     _train("phi3", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora)
+    # Falcon adds its attention's output to its MLP's in place: the LoRA layers at the regions' exits reduce-scatter
+    # onto sequence shards as a Linear there does (before, they were not taken for exits: the region split its output
+    # afterwards, a DTensor view the in-place add refused, and the block was refused under sp)
+    _train("falcon", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora)
     model, optimizer = _model("llama", prepare=functools.partial(_lora, dropout=0.5))
     model, optimizer, loader = distcore.to_distributed(
         model, optimizer, _Loader(), device_num=dist.get_world_size(),
