@@ -58,7 +58,8 @@ def guard_after_parallelize(model: torch.nn.Module) -> None:
       the root compares each LoRA layer's adapters with those it had here.
     - peft's `generate`, which calls the model it wraps directly (`base_model.generate`), past the hooks parallelize put
       on the wrapper (FSDP's gathers, tensor parallel's inputs, the pipeline's schedule): where the parameters are
-      distributed (DTensors) or split into stages it failed inside torch ("mixed torch.Tensor and DTensor")."""
+      distributed (DTensors) or split into stages it failed inside torch ("mixed torch.Tensor and DTensor").
+    - peft's `merge_and_unload` / `merge_adapter` there (B @ A met a base on another mesh)."""
     layers = [(name, module, frozenset(module.lora_A)) for name, module in model.named_modules() if is_lora_layer(module)]
     if not layers:
         return
@@ -78,9 +79,7 @@ def guard_after_parallelize(model: torch.nn.Module) -> None:
     peft_generate = model.generate
 
     def generate(*args, **kwargs):
-        from torch.distributed.tensor import DTensor
-
-        if hasattr(model, "_tridist_pipeline") or any(isinstance(p, DTensor) for p in model.parameters()):
+        if _distributed(model):
             raise NotImplementedError(
                 "generate on peft's wrapper: peft's generate runs the model it wraps directly, past the hooks that "
                 "distribute it (its parameters are sharded or split into pipeline stages here); inject the adapters in "
@@ -89,3 +88,28 @@ def guard_after_parallelize(model: torch.nn.Module) -> None:
         return peft_generate(*args, **kwargs)
 
     model.generate = generate
+    for method in ("merge_and_unload", "merge_adapter"):
+        if callable(getattr(model, method, None)):
+            setattr(model, method, _refused_merge(model, method, getattr(model, method)))
+
+
+def _refused_merge(model: torch.nn.Module, method: str, peft_merge):
+    """peft's merge, refused where the parameters are distributed: B @ A would meet a base split over other meshes (it
+    failed inside torch: "different meshes")."""
+
+    def merge(*args, **kwargs):
+        if _distributed(model):
+            raise NotImplementedError(
+                f"{method} on the distributed model: its LoRA adapters and base weights are split or sharded apart; "
+                "merge on one device: load distcore.full_state_dict(model) (or a save_state checkpoint) into the "
+                "unparallelised peft model and merge there")
+        return peft_merge(*args, **kwargs)
+
+    return merge
+
+
+def _distributed(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are split, sharded (DTensors) or in pipeline stages."""
+    from torch.distributed.tensor import DTensor
+
+    return hasattr(model, "_tridist_pipeline") or any(isinstance(p, DTensor) for p in model.parameters())

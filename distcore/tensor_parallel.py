@@ -1392,10 +1392,14 @@ def _check_region_parameters(root: torch.nn.Module, region: frozenset) -> None:
         if not isinstance(param, DTensor)
     ]
     if uncovered:
+        # peft's LoRA adapters, saved modules' copies and trainable tokens: no plan of ours names them
+        peft = [name for name in uncovered if any(part in name for part in ("lora_", "modules_to_save", "trainable_tokens"))]
         raise ValueError(
             f"parallelize: {uncovered} run on sequence slices between SequenceParallelBegin and End but are neither "
             "split (ColWise/RowWise), sequence parallel (SequenceParallelEnable) nor inside a SequenceParallelDisable "
-            "region; their gradients would only cover part of the sequence. Add them to the plan."
+            "region; their gradients would only cover part of the sequence. Add them to the plan"
+            + (" (peft's: use tensor parallel without sequence parallel for this model, or leave these modules out of "
+               "the LoRA config)." if peft else ".")
         )
 
 

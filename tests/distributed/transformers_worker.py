@@ -2361,9 +2361,9 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
     reach the model) under dp 2 x tp 2 + sp, and Llama's 2 key/value heads replicated over tp 4 + sp with their LoRA
     layers: both equal to one process, losses and every adapter's gradient. Before: refused at parallelize ("distcore
     splits nn.Linear ...") and, wrapped, under data parallel too (its own mean loss, it seemed). Afterwards, peft's
-    generate on the wrapper (which runs the wrapped model past the root's hooks) and an adapter added later are refused
-    by name (a review found both failing inside torch: "mixed torch.Tensor and DTensor", a hook on a tensor without
-    grad)."""
+    generate on the wrapper (which runs the wrapped model past the root's hooks), merge_and_unload and an adapter added
+    later are refused by name (a review found them failing inside torch: "mixed torch.Tensor and DTensor", "different
+    meshes", a hook on a tensor without grad)."""
     import peft
     from peft import PeftModel
 
@@ -2382,9 +2382,10 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
         optimizer.clear_grad()
     trace.add_loss(_evaluate(model, logits=False)[0])
     equivalence.assert_same_training(trace.end(model), reference)
-    # What peft can do afterwards that the distribution did not see: refused by name (both failed inside torch)
+    # What peft can do afterwards that the distribution did not see: refused by name (each failed inside torch)
     for call, expected in ((lambda: model.generate(input_ids=_batches()[0]["input_ids"][:1], max_new_tokens=2),
                             "generate on peft's wrapper: peft's generate runs the model it wraps directly"),
+                           (model.merge_and_unload, "merge_and_unload on the distributed model: its LoRA adapters"),
                            (lambda: (model.add_adapter("late", peft.LoraConfig(r=2, target_modules=["q_proj"])),
                                      model(**_batches()[0])),
                             "an adapter added or deleted afterwards is not split, sharded nor in the optimizer")):
