@@ -497,6 +497,13 @@ class LocalParameterRows(_Style):
                                  f"{type(self).__name__} takes rows of a plain parameter: give it one style")
             dim = self.dims.get(name, 0)
             units = self.units.get(name, (tp,) * len(parts))  # by default each part splits evenly
+            lora = next((owner_name[:owner_name.index(f".{kind}.")] for kind in ("lora_A", "lora_B")
+                         if f".{kind}." in f".{owner_name}."), None)
+            if lora is not None:  # peft's adapters on a part this style takes rows of (Jamba's Mamba-1 dt_proj)
+                raise NotImplementedError(
+                    f"parallelize: {target.name}.{lora} is a LoRA layer on a part of {type(module).__name__} whose rows "
+                    f"tensor parallel takes per rank ({type(self).__name__}); leave it out of the LoRA targets "
+                    "(target_modules), or use a strategy without tensor parallel for this model")
             if param.dim() <= dim or param.shape[dim] != sum(parts):
                 raise ValueError(f"parallelize: {target.name}.{name} (shape {tuple(param.shape)}) does not split as "
                                  f"rows of parts {list(parts)} along dim {dim}")
