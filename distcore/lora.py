@@ -5,7 +5,8 @@ A LoRA layer (peft's `lora.Linear`, injected in place of a model's projection by
 `inject_adapter_in_model`) holds the projection as `base_layer` and, per adapter name, `lora_A[name]` (in -> r) and
 `lora_B[name]` (r -> out), and returns base(x) + B(A(dropout(x))) * scaling summed over the active adapters. How
 tensor parallel splits one with its projection (Megatron-Core's and NeMo's LoRA layout) is tensor_parallel.py's
-`_split_lora`; this module only reads the layer (duck-typed: peft is not a dependency).
+`_split_lora`; this module reads the layer (duck-typed: peft is not a dependency) and guards what peft may do to the
+model after it is parallelised (`guard_after_parallelize`).
 """
 
 from __future__ import annotations
