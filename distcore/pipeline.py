@@ -732,6 +732,8 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, bare: dict[s
                fake: bool) -> ForwardProbe:
     position, first_call = ["before"], {}
     tracker = _Sources({id(tensor): name for name, tensor in bare.items()}, position)
+    for name, tensor in bare.items():  # a source of what is computed from it (a side input of the layers: refused)
+        tracker.sources[tensor] = frozenset({f"bare parameter {name}"})
 
     def called(name: str) -> None:  # (a pre-hook's return value would replace the module's arguments)
         first_call.setdefault(name, position[0])
@@ -788,7 +790,9 @@ def _run_probe(model: torch.nn.Module, layers: list, outside: dict, bare: dict[s
             for buffer, version, value in values:
                 if buffer._version != version:
                     buffer.copy_(value)
-    allowed = {f"decoder layer {len(layers) - 1}"} | {name for name, where in first_call.items() if where == "after"}
+    allowed = ({f"decoder layer {len(layers) - 1}"} | {name for name, where in first_call.items() if where == "after"}
+               # bare parameters read after the layers (or where the stages cannot place them: the last stage's)
+               | {f"bare parameter {name}" for name, where in tracker.reads.items() if where != {"before"}})
     return ForwardProbe(after={name: where == "after" for name, where in first_call.items() if where != "between"},
                         reused=sorted(sources - allowed),
                         bare_reads={name: frozenset(where) for name, where in tracker.reads.items()})

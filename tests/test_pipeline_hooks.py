@@ -336,6 +336,42 @@ def test_bare_parameters_are_placed_where_the_forward_reads_them_or_with_the_mod
     assert set(_placement(_BareParameters(needs_values=True).to("meta"), config).bare.values()) == {1}
 
 
+class _SideInputLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, b):
+        return x + torch.tanh(self.lin(x) + b)
+
+
+class _BareSideInput(torch.nn.Module):
+    """A bare parameter read before the layers whose result reaches every layer beside the hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.bias = torch.nn.Parameter(torch.randn(4))
+        self.layers = torch.nn.ModuleList([_SideInputLayer() for _ in range(2)])
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, ids):
+        x, b = self.embed(ids), self.bias * 1.0
+        for layer in self.layers:
+            x = layer(x, b)
+        return self.head(x)
+
+
+def test_a_first_stage_bare_parameter_reaching_the_layers_beside_the_hidden_states_is_refused():
+    """A review found it training silently wrong (a later stage's zeros in its place: gradients 30-70% off): a bare
+    parameter read before the layers is a source of what is computed from it, as a module called before them is, and
+    one reaching the loss beside the hidden states is refused, naming it."""
+    from tridist.distcore.pipeline import _placement
+
+    with pytest.raises(NotImplementedError, match=r"computed from \['bare parameter bias'\] besides the hidden states"):
+        _placement(_BareSideInput(), PipelineConfig("layers", [0, 1], 2, "GPipe", 2, 1))
+
+
 class _CalledBetweenLayers(torch.nn.Module):
     """Modules with parameters that the forward first calls between two decoder layers, one registered before the
     layer list and one after it."""
