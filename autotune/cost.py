@@ -1187,7 +1187,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         # attention layers).
         attention_layers = max(_count_layers(k, lambda kind: kind[2] != "mlp" and _attends(spec, kind[1])) for k in kinds)
         bw_tp, lat_tp = cluster.link(t, 1)
-        tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec), t, bw_tp, lat_tp)
+        tp_s += all_reduce_time(e * attention_layers * _replicated_kv_weights(spec) * spec.trainable_fraction, t, bw_tp,
+                                lat_tp)
     bubble_s = _bubble(pp, v, stage_time, every_stage)
     pp_s = 0.0
     if pp > 1:
@@ -1195,7 +1196,8 @@ def estimate(spec: ModelSpec, cluster: Cluster, strategy: Strategy, *, global_ba
         pp_s = 2 * (v * m + pp - 1) * p2p_time(c.p2p_bytes, bw_pp, lat_pp)
         if spec.tied_embeddings:  # the embedding's and the head's gradients summed between first and last stage
             bw_tie, lat_tie = cluster.link(2, (pp - 1) * t * dp)
-            pp_s += all_reduce_time(e * spec.vocab_size * spec.hidden_size / t, 2, bw_tie, lat_tie)
+            pp_s += all_reduce_time(e * spec.vocab_size * spec.hidden_size / t * spec.trainable_fraction, 2, bw_tie,
+                                    lat_tie)
 
     # Data parallel: gradients (and ZeRO's parameter gathers) of the device holding the most parameters; the
     # routed experts' over the dp / ep ranks holding the same experts (ep ranks are dp ranks tp apart).

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -690,9 +691,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         _check_integers("ModelSpec", self, ("num_layers", "hidden_size", "vocab_size", "seq_len"))
         fraction = self.trainable_fraction
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1:
             raise ValueError(f"ModelSpec: trainable_fraction must be a share of the parameters in (0, 1] (1: every "
                              f"parameter trains; peft's LoRA: ~0.01), got {fraction!r}")
+        object.__setattr__(self, "trainable_fraction", float(fraction))  # (a numpy scalar: one hash, one study name)
         # 0 heads, 0 MLP width: a model without attention or without an MLP in any layer (Mamba's)
         _check_integers("ModelSpec", self, ("num_heads", "ffn_hidden_size"), minimum=0, what="a non-negative integer")
         if self.qk_norm not in QK_NORMS:

@@ -285,6 +285,9 @@ def run_measured_tune(args) -> int:
                     f"with torchrun --nnodes {args.nodes} --nproc-per-node {args.devices_per_node} -m tridist.bench tune ...")
     if args.engine == "megatron":
         return fail("--engine megatron cannot be measured here: the strategies run on torch (engine torch or torch+tridist)")
+    if getattr(args, "trainable_fraction", None) is not None:
+        return fail("--trainable-fraction prices a model's frozen share without building it; --measure builds the model "
+                    "and reads its requires_grad (freeze its parameters in the module:function that builds it)")
     try:
         torch.manual_seed(0)  # every rank builds the same model (parallelize refuses one that differs between ranks)
         model = _build_module(args.model, args.size)
