@@ -972,6 +972,8 @@ class TiedAcrossStages:
         for names, group in self.ties:
             copies = {id(p): p for view in views for name in names if (p := _parameter_or_none(view, name)) is not None}
             params = list(copies.values())
+            if not any(p.requires_grad for p in params):  # frozen on every holder alike (a LoRA model's embedding):
+                continue  # no gradient, as on one device (a zero one would let weight decay move it)
             grads = [local_value(p.grad) if p.grad is not None else torch.zeros_like(local_value(p)) for p in params]
             total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
             if group is not None:

@@ -2443,6 +2443,34 @@ def check_lora_layers_under_tensor_parallel():
         raise AssertionError("LoRA on a mixture of experts' router under sequence parallel was not refused")
 
 
+def _frozen_tied_embedding():
+    """Llama 3.2-style (the LM head is the embedding's weight), the embedding frozen as LoRA leaves it, SGD with weight
+    decay over every parameter (as users pass them)."""
+    model = build("llama-tied", layers=LAYERS)
+    model.get_input_embeddings().weight.requires_grad_(False)
+    return model, torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=0.1)
+
+
+def check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages():
+    """A tied embedding and LM head on the first and last stage (TiedAcrossStages) left frozen: no gradient on either
+    copy, as on one device, so weight decay leaves it (a review found zero gradients given to the frozen copies: SGD's
+    and AdamW's weight decay then moved a weight one device keeps)."""
+    reference = on_rank_0(lambda: _run(*_frozen_tied_embedding()))
+    model, optimizer = _frozen_tied_embedding()
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=_strategy(1, 1, 2, num_micro_batches=2)))
+    trace = equivalence.Trace()
+    for batch in loader():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.clear_grad()
+    trace.add_loss(_evaluate(model, logits=False)[0])
+    equivalence.assert_same_training(trace.end(model), reference)
+
+
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
 TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_attention_output_gates_are_split_with_the_query_heads", "check_value_heads_of_their_own_width_train_under_tensor_parallel",
@@ -2459,7 +2487,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_gated_deltanet_recompute_and_generate_under_tensor_parallel", "check_short_convolutions_train_under_tensor_parallel",
     "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel",
     "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel",
-    "check_state_space_models_alone_train_under_tensor_parallel", "check_lora_layers_under_tensor_parallel"]
+    "check_state_space_models_alone_train_under_tensor_parallel", "check_lora_layers_under_tensor_parallel",
+    "check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
