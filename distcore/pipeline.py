@@ -708,7 +708,7 @@ def _probe_forward(model: torch.nn.Module, layer_list: str) -> ForwardProbe | No
     if not layers or parameter is None:
         return None
     outside = {name: modules[name] for name in _outside_modules(model, layer_list)}
-    bare = {_join(c, p): v for c in sorted(_path_to(layer_list)) for p, v in modules[c]._parameters.items() if v is not None}
+    bare = _bare_parameters(model, layer_list)
     versions = [(name, p, p._version) for name, p in model.named_parameters()]
     probe = None
     for fake in (True, False):
@@ -832,7 +832,7 @@ def _placement(model: torch.nn.Module, config: PipelineConfig) -> _Placement:
     modules = dict(model.named_modules())
     for index, (child_name, _) in enumerate(modules[config.layer_list]._modules.items()):
         placement.owner[_join(config.layer_list, child_name)] = config.stage_of_layer(index)
-    for name in _bare_parameter_names(model, placement):
+    for name in _bare_parameters(model, config.layer_list):
         uncalled = {placement.owner[m] for m in outside if m.rpartition(".")[0] == name.rpartition(".")[0]
                     and m not in called}
         placement.bare[name] = _stage_of_bare_parameter(probe, name, uncalled, last)
@@ -867,9 +867,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _bare_parameter_names(model: torch.nn.Module, placement: _Placement) -> list[str]:
+def _bare_parameters(model: torch.nn.Module, layer_list: str) -> dict[str, torch.nn.Parameter]:
+    """The bare parameters of the containers on the path to the layer list, by qualified name."""
     modules = dict(model.named_modules())
-    return [_join(c, p) for c in sorted(placement.path) for p, v in modules[c]._parameters.items() if v is not None]
+    return {_join(c, p): v for c in sorted(_path_to(layer_list)) for p, v in modules[c]._parameters.items()
+            if v is not None}
 
 
 def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: _Placement, state: _StageState) -> torch.nn.Module:

@@ -252,15 +252,16 @@ def _split_lora(style: "ColWiseParallel | ReplicatedColWiseParallel | RowWisePar
             module.register_forward_hook(random_state.enter)
             random_state.guard(target.parent)
         return f"{target.name}: {style!r} (LoRA: base and B split alike, A whole)"
+    scatters = style._scatters(target)
     parallelize_module(module.base_layer, mesh, style.torch_style(base))
     for a, b in adapters:
         parallelize_module(a, mesh, style.torch_style(dataclasses.replace(base, module=a)))
-        if style._scatters(target):
+        if scatters:
             ShardLocalParameters().apply(dataclasses.replace(target, module=b))
     if random_state is not None and style.is_input_parallel:
         module.register_forward_hook(random_state.leave, always_call=True)
-    summed = "reduce-scattered onto sequence shards" if style._scatters(target) else "all-reduced"
-    if style._scatters(target):
+    summed = "reduce-scattered onto sequence shards" if scatters else "all-reduced"
+    if scatters:
         module._tridist_scatters_sequence = True
         module.register_forward_hook(_remember_exit_output)
     return f"{target.name}: {style!r} (LoRA: base and A row-parallel, A's output {summed}, B whole)"
@@ -497,8 +498,9 @@ class LocalParameterRows(_Style):
                                  f"{type(self).__name__} takes rows of a plain parameter: give it one style")
             dim = self.dims.get(name, 0)
             units = self.units.get(name, (tp,) * len(parts))  # by default each part splits evenly
-            lora = next((owner_name[:owner_name.index(f".{kind}.")] for kind in ("lora_A", "lora_B")
-                         if f".{kind}." in f".{owner_name}."), None)
+            parts_of_name = owner_name.split(".")
+            lora = next((prefix for prefix in (".".join(parts_of_name[:i]) for i in range(len(parts_of_name), 0, -1))
+                         if is_lora_layer(submodules.get(prefix))), None)
             if lora is not None:  # peft's adapters on a part this style takes rows of (Jamba's Mamba-1 dt_proj)
                 raise NotImplementedError(
                     f"parallelize: {target.name}.{lora} is a LoRA layer on a part of {type(module).__name__} whose rows "

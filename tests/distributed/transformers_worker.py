@@ -2347,6 +2347,27 @@ def _lora(model, *, targets="all-linear", dropout=0.0, wrap=False):
     return model
 
 
+def _train_as_built(build, strategy) -> torch.nn.Module:
+    """`build()`'s (model, optimizer) trained by to_distributed under `strategy` in the users' loop, then evaluated,
+    asserted equal to one process's run of the same (`_run`); returns the distributed model. For models `_train`'s
+    families do not build (a peft wrapper, an optimizer of its own)."""
+    reference = on_rank_0(lambda: _run(*build()))
+    model, optimizer = build()
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=strategy))
+    trace = equivalence.Trace()
+    for batch in loader():
+        out = model(**batch)
+        out.loss.backward()
+        trace.step(model, out.loss)
+        optimizer.step()
+        optimizer.clear_grad()
+    trace.add_loss(_evaluate(model, logits=False)[0])
+    equivalence.assert_same_training(trace.end(model), reference)
+    return model
+
+
 def _peft_llama():
     """A Llama as `get_peft_model` returns it (PeftModelForCausalLM: the model is `base_model.model`)."""
     model = _lora(build("llama", layers=LAYERS), wrap=True)
@@ -2367,21 +2388,8 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
     import peft
     from peft import PeftModel
 
-    reference = on_rank_0(lambda: _run(*_peft_llama()))
-    model, optimizer = _peft_llama()
-    model, optimizer, loader = distcore.to_distributed(
-        model, optimizer, _Loader(), device_num=dist.get_world_size(),
-        config=distcore.ToDistributedConfig(strategy=_strategy(2, 2, 1, sequence_parallel=True)))
+    model = _train_as_built(_peft_llama, _strategy(2, 2, 1, sequence_parallel=True))
     assert isinstance(model, PeftModel) and not any(hasattr(m, "_tridist_global_view") for m in model.modules())
-    trace = equivalence.Trace()
-    for batch in loader():
-        out = model(**batch)
-        out.loss.backward()
-        trace.step(model, out.loss)
-        optimizer.step()
-        optimizer.clear_grad()
-    trace.add_loss(_evaluate(model, logits=False)[0])
-    equivalence.assert_same_training(trace.end(model), reference)
     # What peft can do afterwards that the distribution did not see: refused by name (each failed inside torch)
     for call, expected in ((lambda: model.generate(input_ids=_batches()[0]["input_ids"][:1], max_new_tokens=2),
                             "generate on peft's wrapper: peft's generate runs the model it wraps directly"),
@@ -2455,20 +2463,7 @@ def check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages():
     """A tied embedding and LM head on the first and last stage (TiedAcrossStages) left frozen: no gradient on either
     copy, as on one device, so weight decay leaves it (a review found zero gradients given to the frozen copies: SGD's
     and AdamW's weight decay then moved a weight one device keeps)."""
-    reference = on_rank_0(lambda: _run(*_frozen_tied_embedding()))
-    model, optimizer = _frozen_tied_embedding()
-    model, optimizer, loader = distcore.to_distributed(
-        model, optimizer, _Loader(), device_num=dist.get_world_size(),
-        config=distcore.ToDistributedConfig(strategy=_strategy(1, 1, 2, num_micro_batches=2)))
-    trace = equivalence.Trace()
-    for batch in loader():
-        out = model(**batch)
-        out.loss.backward()
-        trace.step(model, out.loss)
-        optimizer.step()
-        optimizer.clear_grad()
-    trace.add_loss(_evaluate(model, logits=False)[0])
-    equivalence.assert_same_training(trace.end(model), reference)
+    _train_as_built(_frozen_tied_embedding, _strategy(1, 1, 2, num_micro_batches=2))
 
 
 EIGHT_PROCESS_CHECKS = ["check_moe_trains_under_expert_sequence_and_pipeline_parallel_together"]
