@@ -99,6 +99,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -1122,6 +1124,39 @@ class _Stage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._tridist_state.micro_batch = fwd_chunk_id
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int):
+        if isinstance(self.submod, FSDPModule):
+            _uniform_gradient_dtypes(self.submod)
+        return super().perform_reduce_grad(grad_scale_factor)
+
+
+def _uniform_gradient_dtypes(module: FSDPModule) -> None:
+    """Before the schedule's one reduction of a step's micro-batches: every FSDP2 gradient of a unit that accumulated
+    in the reduce dtype goes to that dtype too.
+
+    With a mixed-precision policy (compute bf16, reduce fp32) FSDP2 upcasts the gradients of micro-batches that do not
+    reduce into fp32 accumulators; at the reduction, a parameter first used by the last micro-batch brings a fresh bf16
+    gradient, and one no micro-batch used a bf16 zero (`reduce_scatter_unused_params`, unused_parameters.py), and
+    FSDP2 asserts "FSDP reduce-scatter expects uniform gradient dtype" (pytorch/pytorch#196996, open in torch 2.13):
+    a vision tower that a micro-batch without images skips, experts no token of the earlier micro-batches chose. Those
+    two kinds are upcast as FSDP2 upcasts the others (`to_accumulated_grad_if_needed`; a zero in the reduce dtype), so
+    the reduction sums what it would sum in bf16, in fp32."""
+    state = (replicate.state(module) if isinstance(module, ReplicateModule)  # type: ignore[arg-type]
+             else fully_shard.state(module))  # type: ignore[attr-defined]
+    for unit_state in state._state_ctx.all_states:
+        for group in unit_state._fsdp_param_groups:
+            parameters = [p for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
+            if not any(p.unsharded_accumulated_grad is not None for p in parameters):
+                continue  # nothing accumulated: fresh gradients and zeros share the compute dtype
+            for parameter in parameters:
+                if parameter.unsharded_accumulated_grad is not None:
+                    continue  # FSDP2 adds the last micro-batch's gradient to it itself
+                unsharded = parameter._unsharded_param
+                if unsharded.grad is not None:
+                    parameter.to_accumulated_grad_if_needed()
+                elif group.reduce_scatter_unused_params and unsharded.requires_grad:
+                    parameter.unsharded_accumulated_grad = torch.zeros_like(unsharded, dtype=parameter.reduce_dtype)
 
 
 def install_stage_forward(view: torch.nn.Module, model: torch.nn.Module, state: _StageState, micro_batches: list,
