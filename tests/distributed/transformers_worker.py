@@ -1745,11 +1745,13 @@ def check_a_loss_scaler_skips_an_overflowed_step_on_every_rank():
 
 
 def check_a_trained_model_saves_in_transformers_format():
-    """After training, `save_pretrained(path, state_dict=distcore.full_state_dict(model))` writes what one
-    process would: transformers' from_pretrained loads every parameter within rounding of the one-process run's
-    (ZeRO-3; q/k/v biases under dp x tp with sp and overlap; an embedding tied to the LM head across pipeline
-    stages; experts split over ep). save_pretrained alone fails on the DTensors' storage (tested: an error, not
-    a wrong file)."""
+    """After training, `save_pretrained(path)` on every rank writes what one process would: transformers'
+    from_pretrained loads every parameter within rounding of the one-process run's (ZeRO-3; q/k/v biases under dp x tp
+    with sp and overlap; an embedding tied to the LM head across pipeline stages; experts split over ep). The
+    parallelised model's save_pretrained gathers `distcore.full_state_dict(model)` to rank 0, which writes it
+    (checkpoint.gather_on_save_pretrained: ZeRO-3 and dp x pp here); given that state dict and `is_main_process`
+    explicitly, as before, it writes the same (the other two). Before, save_pretrained alone failed on the DTensors'
+    storage ("Attempted to access the data pointer on an invalid python storage")."""
     import transformers as hf
 
     scratch = os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-export")
@@ -1765,17 +1767,13 @@ def check_a_trained_model_saves_in_transformers_format():
             optimizer.step()
             optimizer.clear_grad()
         path = os.path.join(scratch, f"exported-{family}")
-        if family == "llama":
-            try:
-                model.save_pretrained(path + "-plain", is_main_process=dist.get_rank() == 0)
-            except RuntimeError as error:
-                assert "invalid python storage" in str(error), error
-            else:
-                assert dist.get_rank() != 0, "transformers saved DTensors itself: full_state_dict may be unneeded"
-        state = distcore.full_state_dict(model)
-        assert (dist.get_rank() == 0) == bool(state), sorted(state)[:3]
-        model.save_pretrained(path, state_dict=state, is_main_process=dist.get_rank() == 0)
-        dist.barrier()
+        if family in ("llama", "llama-tied"):
+            model.save_pretrained(path)  # returns on every rank once rank 0 has written
+        else:
+            state = distcore.full_state_dict(model)
+            assert (dist.get_rank() == 0) == bool(state), sorted(state)[:3]
+            model.save_pretrained(path, state_dict=state, is_main_process=dist.get_rank() == 0)
+            dist.barrier()
         if dist.get_rank() == 0:
             loaded = hf.AutoModelForCausalLM.from_pretrained(path)
             exported = {name: p.detach() for name, p in loaded.named_parameters(remove_duplicate=False)}
@@ -2390,6 +2388,14 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
 
     model = _train_as_built(_peft_llama, _strategy(2, 2, 1, sequence_parallel=True))
     assert isinstance(model, PeftModel) and not any(hasattr(m, "_tridist_global_view") for m in model.modules())
+    # peft's save_pretrained on every rank: rank 0 writes the whole adapters (it failed on the DTensors' storage)
+    path = os.path.join(os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-export"), "lora-adapters")
+    model.save_pretrained(path)
+    trained = distcore.full_state_dict(model)
+    if dist.get_rank() == 0:
+        loaded = {n: p for n, p in PeftModel.from_pretrained(build("llama", layers=LAYERS), path).state_dict().items()
+                  if "lora_" in n}
+        assert len(loaded) == 2 * 7 * LAYERS and all(torch.equal(p, trained[n]) for n, p in loaded.items())
     # What peft can do afterwards that the distribution did not see: refused by name (each failed inside torch)
     for call, expected in ((lambda: model.generate(input_ids=_batches()[0]["input_ids"][:1], max_new_tokens=2),
                             "generate on peft's wrapper: peft's generate runs the model it wraps directly"),
