@@ -43,7 +43,7 @@ from .mesh import ProcessMesh
 from .outputs import CACHE_ARGUMENTS
 from .parallel_dims import ParallelDims
 from .parallelize import parallelize, refuse_compiled, router_aux_loss_on
-from .block_check import TensorParallelCheckError, choose_block_views
+from .block_check import BlockViews, TensorParallelCheckError, choose_block_views
 from .tensor_parallel import (
     ColWiseParallel,
     DistributedNorm,
@@ -375,7 +375,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
     not changed): "overlap_tp_comm" where a block cannot run overlapped (checked first: an entry projection
     fed something else than its region's input, a block only right in global view), so that tensor parallel
     itself is judged without it; "sequence_parallel" where blocks fail under it only (a mixture of experts', LoRA layers');
-    "tp" where a block is wrong in local and in global view; "recompute" where
+    "tp" where a block is wrong in local and in global view, or the plan cannot be applied to it (a style's own
+    refusal, which applying the strategy would raise: the search moves on instead); "recompute" where
     blocks run in global view and the strategy recomputes them (global_view.refuse_recompute says why), or where
     selective recompute would re-run an attention module whose local view swaps its parameters in around its
     forward (`_swapped_around_recompute`)."""
@@ -386,27 +387,34 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
     def views(plan):
         return choose_block_views(model, plan, tp_mesh=dims.device_mesh("mp"), process_mesh=dims.mesh)
 
-    if strategy.overlap_tp_comm:
+    def refusal(plan) -> tuple[BlockViews | None, str | None]:
+        """(the views, None), or (None, why the plan is wrong or cannot be applied: a style's own refusal, e.g. a
+        LoRA layer on Jamba's dt_proj, which applying the searched strategy would raise instead of falling back)."""
         try:
-            global_view = views(dataclasses.replace(plan, overlap_comm=config.overlap_backend)).global_view
+            chosen = views(plan)
         except TensorParallelCheckError as error:
-            return {"overlap_tp_comm": str(error)}
-        if global_view:
-            return {"overlap_tp_comm": f"blocks {sorted(global_view)} cannot run overlapped "
-                                       f"({next(iter(global_view.values()))})"}
-    try:
-        chosen = views(plan)
-    except TensorParallelCheckError as error:
+            return None, str(error)
+        if chosen.refused:
+            return None, "; ".join(f"applying the plan to {name} raised {why}" for name, why in chosen.refused.items())
+        return chosen, None
+
+    if strategy.overlap_tp_comm:
+        overlapped, why = refusal(dataclasses.replace(plan, overlap_comm=config.overlap_backend))
+        if why is not None:
+            return {"overlap_tp_comm": why}
+        if overlapped.global_view:
+            return {"overlap_tp_comm": f"blocks {sorted(overlapped.global_view)} cannot run overlapped "
+                                       f"({next(iter(overlapped.global_view.values()))})"}
+    chosen, why = refusal(plan)
+    if why is not None:
         if strategy.sequence_parallel:
             # Blocks that run on sequence slices in local view only (MoE blocks: one that needs global view gets them
             # token-split; LoRA layers, which have no global view, in a block whose local view fails under sp alone:
             # Bloom's and MPT's residual add inside the attention): judge tensor parallel itself without it.
-            try:
-                views(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))
-            except TensorParallelCheckError:
-                return {"tp": str(error)}
-            return {"sequence_parallel": str(error)}
-        return {"tp": str(error)}
+            if refusal(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))[1] is not None:
+                return {"tp": why}
+            return {"sequence_parallel": why}
+        return {"tp": why}
     if chosen.global_view and strategy.recompute != "none":
         return {"recompute": f"blocks {sorted(chosen.global_view)} run in global view under tensor parallel "
                              f"({next(iter(chosen.global_view.values()))}), where activation recompute cannot run"}

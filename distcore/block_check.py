@@ -42,6 +42,7 @@ from .tensor_parallel import (DistributedNorm, FreshLocalOutput, RowWiseParallel
 
 log = logging.getLogger(__name__)
 
+OUTSIDE_BLOCKS = "the parts outside the decoder blocks"  # BlockViews.refused's key for them
 _PROBE_TOKENS_PER_RANK = 4  # probe sequence = 4 x tp: divisible by tp (sequence parallel), more than one token per rank
 # Two rows: code that mixes up the batch with another dim merged into it (an input laid out [heads x batch] where
 # ShardHeadInput cuts [batch x heads]) computes the same as one device on a single row, and differs on two.
@@ -198,10 +199,13 @@ class BlockViews:
     """What the check decided for a model's tensor-parallel blocks: `global_view` {block name: why it runs
     in global view}; `repairs` {module name: styles the check adds to the plan for blocks in local view}:
     ShardLocalParameters where parameters kept whole see only this rank's shard of the activations (their
-    gradients summed over the mp ranks), DistributedNorm where a norm runs over a dim the plan splits."""
+    gradients summed over the mp ranks), DistributedNorm where a norm runs over a dim the plan splits;
+    `refused` {block name, or OUTSIDE_BLOCKS: the error applying the plan to it raised}: a plan the model cannot take
+    (parallelize raises that error when it applies the plan; to_distributed's search leaves the strategy out)."""
 
     global_view: dict = dataclasses.field(default_factory=dict)
     repairs: dict = dataclasses.field(default_factory=dict)
+    refused: dict = dataclasses.field(default_factory=dict)
 
     def within(self, names) -> "BlockViews":
         """Only the entries of modules among `names` (a pipeline stage's)."""
@@ -216,10 +220,12 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
     input and the gradient of every parameter as the optimizer will see it must equal one device's. Returns
     the blocks (every instance of a type) that run in global view and the repairs local view needs.
     Changes nothing; raises TensorParallelCheckError for a type wrong in both views."""
-    check_outside_blocks(model, plan, tp_mesh=tp_mesh, process_mesh=process_mesh)
+    views = BlockViews()
+    if refusal := check_outside_blocks(model, plan, tp_mesh=tp_mesh, process_mesh=process_mesh):
+        views.refused[OUTSIDE_BLOCKS] = refusal
     planned = [(name, block) for name, block in decoder_blocks(model) if plan.styles_under(name)]
     if not planned:
-        return BlockViews()
+        return views
     samples = capture(model, planned, tp=tp_mesh.size())
     if isinstance(samples, str):
         for name, block in planned:
@@ -247,6 +253,8 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             log.warning("parallelize: %s (%s) runs in global view, not checked: %s", kind_name, name, reason)
             continue
         local, repairs = check.local_view(reference)
+        if check.refused is not None:
+            views.refused[name] = check.refused
         if local is None:
             verdicts[kind] = (None, repairs)
             continue
@@ -260,7 +268,6 @@ def choose_block_views(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -
             )
         verdicts[kind] = (f"its local view {local}", {})
         log.warning("parallelize: %s (%s) runs in global view: its local view %s", kind_name, name, local)
-    views = BlockViews()
     for name, block in planned:
         reason, repairs = verdicts[block_kind(block)]
         if reason is not None:
@@ -288,6 +295,10 @@ def _refuse_without_global_view(plan, name: str, block: torch.nn.Module, why: st
             f"so it has no global view to fall back to ({reasons})")
 
 
+def _refusal(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def _submodule_or_none(block: torch.nn.Module, name: str) -> torch.nn.Module | None:
     try:
         return block.get_submodule(name)
@@ -302,17 +313,17 @@ def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh)
     model without its blocks (its layer lists emptied), seeded fp32 weights, run on `4 x tp` token ids with
     labels, once whole and once with the plan's outside part in local view; the loss (or, without one, the
     first output) and every parameter's gradient as the optimizer sees it must equal one device's. Raises
-    TensorParallelCheckError naming what differs; a model whose copy does not run without its blocks is
-    not checked (logged)."""
+    TensorParallelCheckError naming what differs; returns the error applying the plan raised, for a plan the model
+    cannot take (None otherwise); a model whose copy does not run without its blocks is not checked (logged)."""
     block_names = [name for name, _ in decoder_blocks(model)]
     outside = plan.excluding(block_names)
     if not outside.styles and not outside.bare:
-        return
+        return None
     shell = _without_blocks(model)
     device = torch.device(tp_mesh.device_type)
     embedding = next((m for m in shell.modules() if isinstance(m, torch.nn.Embedding)), None)
     if embedding is None:
-        return
+        return None
     ids = (torch.arange(_PROBE_TOKENS_PER_RANK * tp_mesh.size(), device=device) % embedding.num_embeddings).unsqueeze(0)
     labels = ids.roll(-1, dims=1)
     reference = _seeded_copy(shell, device)
@@ -321,15 +332,15 @@ def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh)
     except Exception as error:  # noqa: BLE001 - any model code: its outside parts are then left to training
         log.warning("parallelize: the parts outside the decoder blocks are not checked: the model did not run "
                     "without its blocks (%s: %s)", type(error).__name__, error)
-        return
+        return None
     parallel = copy.deepcopy(reference)
     try:
         apply_local_view(parallel, outside, tp_mesh=tp_mesh, process_mesh=process_mesh)
         modules = dict(parallel.named_modules())
         install_lazy_split(parallel, tuple(n for n in outside.lazy_split if n in modules), tp_mesh=tp_mesh)
         got = _loss_and_gradients(parallel, ids, labels)
-    except (ValueError, TypeError, NotImplementedError):
-        return  # a plan the model cannot take: applying it to the model raises the same error, by name
+    except (ValueError, TypeError, NotImplementedError) as error:
+        return _refusal(error)  # a plan the model cannot take: applying it to the model raises the same error, by name
     except Exception as error:  # noqa: BLE001 - reported by name
         raise TensorParallelCheckError(
             f"parallelize: tensor parallel of the parts outside the decoder blocks ({sorted(outside.styles)}) fails "
@@ -341,6 +352,7 @@ def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh)
             f"parallelize: tensor parallel changes what the model computes outside its decoder blocks, where these "
             f"differ from one device (tolerance {_RELATIVE_TOLERANCE:g}): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; "
             f"check the plan for {sorted([*outside.styles, *outside.bare])}")
+    return None
 
 
 def _without_blocks(model: torch.nn.Module) -> torch.nn.Module:
@@ -434,6 +446,7 @@ class _Check:
     tp_mesh: object
     process_mesh: object
     sequence_split: bool
+    refused: str | None = None  # set by local_view: applying the plan as it is raised this (a plan the block cannot take)
 
     def local_view(self, reference: _Reference) -> tuple[str | None, dict]:
         """(None, repairs) if local view, with the repairs it needs, computes what one device computes;
@@ -463,6 +476,8 @@ class _Check:
         guessed, problem = {}, None  # the last resorts added by the run before, and what was wrong without them
         while True:
             run = self._run(reference, view="local", repairs=repairs)
+            if not repairs and run.refused is not None:
+                self.refused = run.refused
             if guessed and run.output is None and run.failure is None:
                 # A last resort the block cannot take (its apply raised): taken back, the problem stands.
                 for name, styles in guessed.items():
@@ -508,9 +523,10 @@ class _Check:
             else:
                 apply_global_view(parallel, plan, tp_mesh=self.tp_mesh, process_mesh=self.process_mesh,
                                   sequence_split=self.sequence_split)
-        except (ValueError, TypeError, NotImplementedError):
+        except (ValueError, TypeError, NotImplementedError) as error:
             # A plan this block cannot take (a degree that does not divide it, ...): applying it to the
             # model itself raises the same error, naming the model's modules.
+            run.refused = _refusal(error)
             return run
         widths = _record_input_widths(parallel) if view == "local" else {}
         rank, tp = self.tp_mesh.get_local_rank(), self.tp_mesh.size()
@@ -574,6 +590,7 @@ class _Check:
 @dataclass
 class _Run:
     failure: str | None = None
+    refused: str | None = None  # the error applying the plan raised (no output, no failure)
     output: torch.Tensor | None = None
     input_grad: torch.Tensor | None = None
     grads: dict = dataclasses.field(default_factory=dict)

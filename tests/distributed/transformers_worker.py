@@ -2423,7 +2423,8 @@ def check_lora_layers_under_tensor_parallel():
     apart); a mixture of experts with LoRA on its router trains under tp without sp equal to one process, and under
     sp is refused up front, naming the LoRA layer (its blocks run on sequence slices with their parameters swapped in
     per module). Bloom (its residual added inside the attention: global view under sp) with LoRA: sequence parallel
-    left out by the search, tp 2 without it equal to one process."""
+    left out by the search, tp 2 without it equal to one process. Jamba with LoRA on its dt_proj, which tp refuses
+    when applied: tensor parallel left out by the search."""
     _train("phi3", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora)
     # Falcon adds its attention's output to its MLP's in place: the LoRA layers at the regions' exits reduce-scatter
     # onto sequence shards as a Linear there does (before, they were not taken for exits: the region split its output
@@ -2449,6 +2450,13 @@ def check_lora_layers_under_tensor_parallel():
                                      autotune.ModelSpec.from_module(model), distcore.ToDistributedConfig())
     assert list(limits) == ["sequence_parallel"] and "LoRA layers" in limits["sequence_parallel"], limits
     _train("bloom", _strategy(1, 2, 1), prepare=_lora)
+    # Jamba with LoRA on its Mamba-1 dt_proj, whose rows tp takes per rank (refused when applied): the search is told to
+    # leave tensor parallel out, with or without sp (before: no limit, and a searched tp strategy raised when applied)
+    model, _ = _model("jamba", prepare=_lora)
+    for sp in (True, False):
+        limits = _tensor_parallel_limits(model, _strategy(1, 2, 1, sequence_parallel=sp),
+                                         autotune.ModelSpec.from_module(model), distcore.ToDistributedConfig())
+        assert list(limits) == ["tp"] and "mamba.dt_proj is a LoRA layer" in limits["tp"], (sp, limits)
     try:
         _train("qwen3-moe", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora_on_the_router)
     except autotune.InvalidStrategy as error:
