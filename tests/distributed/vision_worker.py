@@ -370,13 +370,15 @@ def check_any_resolution_images_several_to_a_sample():
     train(_llava_next, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
 
 
-def check_bf16_mixed_precision_under_pipeline_stages():
+def check_bf16_mixed_precision_under_pipeline_stages_and_gradient_accumulation():
     """LLaVA under pp 2 with mixed_precision="bfloat16" (FSDP2 computing in bf16, reducing in fp32), 2 micro-batches:
     the second batch's second micro-batch holds no image, and the last vision layer feeds nothing, so at the step's one
     reduction some gradients had accumulated in fp32 while others were fresh bf16 or bf16 zeros; they go to fp32
     alike (pipeline._uniform_gradient_dtypes). Before: FSDP2's "expects uniform gradient dtype" on the first stage,
-    the second waiting (pytorch/pytorch#196996). Training equals one fp32 process to bf16 rounding."""
+    the second waiting (pytorch/pytorch#196996). So under dp 2 with gradient accumulation over 2 micro-batches (a
+    one-stage pipeline), which failed alike. Training equals one fp32 process to bf16 rounding."""
     train(_llava, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2), mixed_precision="bfloat16")
+    train(_llava, autotune.Strategy(2, 1, 1, micro_batch_size=1, num_micro_batches=2), mixed_precision="bfloat16")
 
 
 def check_images_of_several_sizes_told_apart_by_their_sizes():
