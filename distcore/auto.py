@@ -411,9 +411,8 @@ def _tensor_parallel_limits(model: torch.nn.Module, strategy, spec, config: ToDi
             # Blocks that run on sequence slices in local view only (MoE blocks: one that needs global view gets them
             # token-split; LoRA layers, which have no global view, in a block whose local view fails under sp alone:
             # Bloom's and MPT's residual add inside the attention): judge tensor parallel itself without it.
-            if refusal(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))[1] is not None:
-                return {"tp": why}
-            return {"sequence_parallel": why}
+            _, without = refusal(tensor_parallel_plan(model, structure, sequence_parallel=False, tp=strategy.tp))
+            return {"sequence_parallel": why} if without is None else {"tp": without}
         return {"tp": why}
     if chosen.global_view and strategy.recompute != "none":
         return {"recompute": f"blocks {sorted(chosen.global_view)} run in global view under tensor parallel "

@@ -446,7 +446,8 @@ class _Check:
     tp_mesh: object
     process_mesh: object
     sequence_split: bool
-    refused: str | None = None  # set by local_view: applying the plan as it is raised this (a plan the block cannot take)
+    # Set by local_view: what applying the plan with the repairs it returns raised (a plan the block cannot take)
+    refused: str | None = None
 
     def local_view(self, reference: _Reference) -> tuple[str | None, dict]:
         """(None, repairs) if local view, with the repairs it needs, computes what one device computes;
@@ -476,8 +477,6 @@ class _Check:
         guessed, problem = {}, None  # the last resorts added by the run before, and what was wrong without them
         while True:
             run = self._run(reference, view="local", repairs=repairs)
-            if not repairs and run.refused is not None:
-                self.refused = run.refused
             if guessed and run.output is None and run.failure is None:
                 # A last resort the block cannot take (its apply raised): taken back, the problem stands.
                 for name, styles in guessed.items():
@@ -487,7 +486,8 @@ class _Check:
                     else:
                         del repairs[name]
                 found = {}
-            else:
+            else:  # (a run whose guessed repairs were taken back, above, says nothing of the plan kept)
+                self.refused = run.refused
                 found, problem = {}, None
                 if run.failure is not None:
                     found = new({name: DistributedNorm() for name in run.split_dim_norms})

@@ -114,7 +114,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     model's own names, as plain CPU tensors), gathered from every shard, tensor-parallel part, expert-parallel
     group and pipeline stage, on rank 0; the other ranks get {}. Collective over all ranks. Made for exporting
     in transformers' format, which its `save_pretrained` cannot write from DTensors (it fails on their storage);
-    the parallelised model's `save_pretrained(path)` calls it (gather_on_save_pretrained), as this does:
+    the parallelised model's `save_pretrained(path)` calls it (export.py), as this does:
 
         model.save_pretrained(path, state_dict=distcore.full_state_dict(model), is_main_process=rank == 0)
 
@@ -140,33 +140,6 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for part in gathered:
         merged.update(part)
     return merged
-
-
-def gather_on_save_pretrained(model: torch.nn.Module) -> None:
-    """Makes the parallelised model's `save_pretrained(path, ...)` (transformers' or peft's), called on every rank,
-    write what one device would: `full_state_dict(model)` gathered to rank 0, which writes it (its `is_main_process`
-    and other arguments as given); the other ranks write nothing and return once it has written. Before, it failed on
-    the DTensors' storage ("Attempted to access the data pointer on an invalid python storage") unless given
-    `state_dict=full_state_dict(model)` and `is_main_process=rank == 0`, which still work as before (a given
-    `state_dict` goes through untouched). Being collective, it must run on every rank, not under `if rank == 0:`.
-
-    Bound on the instance: the caller keeps the model object it passed in, so no wrapper module can stand in."""
-    original = getattr(model, "save_pretrained", None)
-    if not callable(original) or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return
-
-    def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
-        if state_dict is not None:
-            return original(save_directory, *args, state_dict=state_dict, **kwargs)
-        state_dict = full_state_dict(model)  # collective; {} but on rank 0
-        try:
-            if torch.distributed.get_rank() == 0:
-                original(save_directory, *args, state_dict=state_dict, **kwargs)
-        finally:  # the others wait for the files (a load right after must find them), released even if it failed
-            torch.distributed.barrier()
-
-    save_pretrained.__doc__ = f"{gather_on_save_pretrained.__doc__}\n\nThe model's own:\n{original.__doc__ or ''}"
-    model.save_pretrained = save_pretrained
 
 
 def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

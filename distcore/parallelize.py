@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_map
 from . import env
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
-from .checkpoint import gather_on_save_pretrained
 from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
+from .export import export_after_parallelize
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
 from .lora import guard_after_parallelize
@@ -150,7 +150,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
     guard_after_parallelize(model)  # peft's LoRA: adapters added later, generate past the root's hooks
-    gather_on_save_pretrained(model)  # transformers' / peft's save_pretrained writes the one-device state dict
+    export_after_parallelize(model)  # transformers' / peft's save_pretrained writes the one-device state dict
     if mp_config is not None and dims.degree("mp") > 1:  # the replicas' dropout masks (random_state.py)
         keep_tensor_parallel_random_state_alike(model, tp_group=dims.group("mp"), device=env.device())
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own

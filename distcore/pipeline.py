@@ -1132,30 +1132,27 @@ class _Stage(PipelineStage):
 
 
 def _uniform_gradient_dtypes(module: FSDPModule) -> None:
-    """Before the schedule's one reduction of a step's micro-batches: every FSDP2 gradient of a unit that accumulated
-    in the reduce dtype goes to that dtype too.
+    """Before the schedule's one reduction of a step's micro-batches: the zeros FSDP2 reduces for parameters no
+    micro-batch used go in the reduce dtype, beside the gradients it accumulated in that dtype.
 
-    With a mixed-precision policy (compute bf16, reduce fp32) FSDP2 upcasts the gradients of micro-batches that do not
-    reduce into fp32 accumulators; at the reduction, a parameter first used by the last micro-batch brings a fresh bf16
-    gradient, and one no micro-batch used a bf16 zero (`reduce_scatter_unused_params`, unused_parameters.py), and
-    FSDP2 asserts "FSDP reduce-scatter expects uniform gradient dtype" (pytorch/pytorch#196996, open in torch 2.13):
-    a vision tower that a micro-batch without images skips, experts no token of the earlier micro-batches chose. Those
-    two kinds are upcast as FSDP2 upcasts the others (`to_accumulated_grad_if_needed`; a zero in the reduce dtype), so
-    the reduction sums what it would sum in bf16, in fp32."""
+    With a mixed-precision policy (compute bf16, reduce fp32) FSDP2's post-backward of each micro-batch (which does not
+    reduce) moves the gradients into fp32 accumulators; at the reduction, a parameter no micro-batch used brings a bf16
+    zero (`reduce_scatter_unused_params`, unused_parameters.py: a vision tower that image-less micro-batches skipped,
+    LLaVA's last vision layer, experts no token chose), and FSDP2 asserts "FSDP reduce-scatter expects uniform gradient
+    dtype" (pytorch/pytorch#196996, open in torch 2.13). Its other trigger there, a fresh bf16 gradient of a parameter
+    first used by the last micro-batch, does not arise here: that micro-batch's post-backward has accumulated it too
+    (counted on LLaVA under pp 2, dp 2 x pp 2 and dp 2 with 2 micro-batches: only accumulations and zeros)."""
     state = (replicate.state(module) if isinstance(module, ReplicateModule)  # type: ignore[arg-type]
              else fully_shard.state(module))  # type: ignore[attr-defined]
     for unit_state in state._state_ctx.all_states:
         for group in unit_state._fsdp_param_groups:
             parameters = [p for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
-            if not any(p.unsharded_accumulated_grad is not None for p in parameters):
-                continue  # nothing accumulated: fresh gradients and zeros share the compute dtype
+            if not group.reduce_scatter_unused_params or all(p.unsharded_accumulated_grad is None for p in parameters):
+                continue  # no zeros, or nothing accumulated: one dtype already
             for parameter in parameters:
-                if parameter.unsharded_accumulated_grad is not None:
-                    continue  # FSDP2 adds the last micro-batch's gradient to it itself
                 unsharded = parameter._unsharded_param
-                if unsharded.grad is not None:
-                    parameter.to_accumulated_grad_if_needed()
-                elif group.reduce_scatter_unused_params and unsharded.requires_grad:
+                if (parameter.unsharded_accumulated_grad is None and unsharded.grad is None
+                        and unsharded.requires_grad):
                     parameter.unsharded_accumulated_grad = torch.zeros_like(unsharded, dtype=parameter.reduce_dtype)
 
 

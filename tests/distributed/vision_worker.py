@@ -34,6 +34,10 @@ TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 IMAGES = ([[(1, 4, 4), (1, 4, 8)], [], [(1, 8, 4)], [(1, 4, 4)]],
           [[(1, 4, 4)], [(1, 8, 8)], [], []])
 VIDEOS = {1: [(2, 4, 4)], 3: [(2, 4, 4), (1, 4, 8)], 6: [(2, 4, 4)]}
+# Images only in a batch's later samples: in 2 micro-batches, the vision tower's first use is the last micro-batch's
+# (the first batch's; under dp 2 x 2 micro-batches, the second's on both replicas, the first's on one only)
+LATE_IMAGES = ([[], [], [(1, 4, 4)], [(1, 8, 4)]],
+               [[], [(1, 4, 4)], [], [(1, 4, 8)]])
 
 
 def _qwen2_5_vl():
@@ -167,7 +171,7 @@ MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_v
           "llava_next": _llava_next}
 
 
-def _samples(model) -> list[dict]:
+def _samples(model, images_of_batches=IMAGES) -> list[dict]:
     """The samples as a dataset holds them: token ids with each image's placeholders (a Qwen2.5-VL image of t*h*w
     patches takes t*h*w/4 of them at its 2 x 2 merge; a LLaVA image one per patch, 16; a Gemma 3 image its
     mm_tokens_per_image), labels -100 on them, and the images and videos (Gemma 3's token_type_ids and Qwen's
@@ -187,7 +191,7 @@ def _samples(model) -> list[dict]:
     arguments = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
     samples = []
-    for batch in IMAGES:
+    for batch in images_of_batches:
         for images in batch:
             ids = torch.randint(3, 200, (SEQ_LEN,), generator=generator)
             sample, position = {"input_ids": ids}, 2
@@ -298,22 +302,24 @@ def _collate(samples: list[dict]) -> dict:
     return batch
 
 
-def _loader(model):
-    return torch.utils.data.DataLoader(_samples(model), batch_size=4, collate_fn=_collate)
+def _loader(model, images=IMAGES):
+    return torch.utils.data.DataLoader(_samples(model, images), batch_size=4, collate_fn=_collate)
 
 
-def train(build, strategy: autotune.Strategy | None, *, mixed_precision: str | None = None) -> autotune.Strategy:
-    """`build()`'s model trained by to_distributed under `strategy` (None: searched) on the batches above, asserted
-    equal to one process (fp32; to bf16 rounding under `mixed_precision="bfloat16"`); returns the strategy applied."""
+def train(build, strategy: autotune.Strategy | None, *, mixed_precision: str | None = None,
+          images=IMAGES) -> autotune.Strategy:
+    """`build()`'s model trained by to_distributed under `strategy` (None: searched) on the batches above (`images`:
+    each sample's), asserted equal to one process (fp32; to bf16 rounding under `mixed_precision="bfloat16"`); returns
+    the strategy applied."""
     def one_process() -> equivalence.Trace:
         single = copy.deepcopy(model)
-        return equivalence.train_keywords(single, [torch.optim.SGD(single.parameters(), lr=LR)], _loader(single))
+        return equivalence.train_keywords(single, [torch.optim.SGD(single.parameters(), lr=LR)], _loader(single, images))
 
     model = build()
     model.config.use_cache = False
     reference = on_rank_0(one_process)
     model, optimizer, loader = distcore.to_distributed(
-        model, torch.optim.SGD(model.parameters(), lr=LR), _loader(model), device_num=dist.get_world_size(),
+        model, torch.optim.SGD(model.parameters(), lr=LR), _loader(model, images), device_num=dist.get_world_size(),
         config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision=mixed_precision))
     assert strategy is None or model.distributed_strategy == strategy
     assert not any(hasattr(m, "_tridist_global_view") for m in model.modules())  # the text blocks checked, local view
@@ -372,13 +378,17 @@ def check_any_resolution_images_several_to_a_sample():
 
 def check_bf16_mixed_precision_under_pipeline_stages_and_gradient_accumulation():
     """LLaVA under pp 2 with mixed_precision="bfloat16" (FSDP2 computing in bf16, reducing in fp32), 2 micro-batches:
-    the second batch's second micro-batch holds no image, and the last vision layer feeds nothing, so at the step's one
-    reduction some gradients had accumulated in fp32 while others were fresh bf16 or bf16 zeros; they go to fp32
-    alike (pipeline._uniform_gradient_dtypes). Before: FSDP2's "expects uniform gradient dtype" on the first stage,
-    the second waiting (pytorch/pytorch#196996). So under dp 2 with gradient accumulation over 2 micro-batches (a
-    one-stage pipeline), which failed alike. Training equals one fp32 process to bf16 rounding."""
-    train(_llava, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2), mixed_precision="bfloat16")
-    train(_llava, autotune.Strategy(2, 1, 1, micro_batch_size=1, num_micro_batches=2), mixed_precision="bfloat16")
+    FSDP2 accumulates the micro-batches' gradients in fp32 and reduces once per step, where the last vision layer (it
+    feeds nothing) brings bf16 zeros, and, with images only in the last micro-batch (LATE_IMAGES), the vision tower
+    fresh bf16 gradients; both go to fp32 as the others did (pipeline._uniform_gradient_dtypes). Before: FSDP2's
+    "expects uniform gradient dtype" on the first stage, the second waiting (pytorch/pytorch#196996). So under dp 2
+    with gradient accumulation over 2 micro-batches (a one-stage pipeline), which failed alike (one replica's first
+    batch holds no image: zeros for the whole tower). Training equals one fp32 process to bf16 rounding."""
+    pp2 = autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2)
+    train(_llava, pp2, mixed_precision="bfloat16")
+    train(_llava, pp2, mixed_precision="bfloat16", images=LATE_IMAGES)
+    train(_llava, autotune.Strategy(2, 1, 1, micro_batch_size=1, num_micro_batches=2), mixed_precision="bfloat16",
+          images=LATE_IMAGES)
 
 
 def check_images_of_several_sizes_told_apart_by_their_sizes():
