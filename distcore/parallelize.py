@@ -138,6 +138,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
                 experts=experts,
             ),
+            compute_dtype=_mixed_precision(dp_config).param_dtype if dp_config is not None else None,
         )
         micro_batches = runner.config.micro_batches
     else:

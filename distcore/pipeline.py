@@ -336,6 +336,9 @@ class _StageState:
     logits: dict = field(default_factory=dict)  # micro-batch -> its logits, detached (last stage, evaluation)
     missing_loss: bool = False  # a micro-batch's output held no loss (last stage)
     device: torch.device | None = None  # where this stage's parameters live (what another stage's reads as)
+    # The dtype the parameters compute in, where it is not theirs (FSDP2's mixed precision: bf16 over fp32): another
+    # stage's module computes in it, so its stand-in's zeros have it too
+    compute_dtype: torch.dtype | None = None
 
 
 class _StandIn(torch.nn.Module):
@@ -538,13 +541,15 @@ class _MetaWhereMeta(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `module` whose parameters and buffers live on the meta device (no memory). A mixture of
-    experts' routed experts (Hugging Face's stacked experts: their routing loops read token indices, which
+def _meta_copy(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A copy of `module` whose parameters and buffers live on the meta device (no memory), its floating-point
+    parameters in `compute_dtype` where given (as FSDP2's mixed precision casts them for the forward; buffers stay). A
+    mixture of experts' routed experts (Hugging Face's stacked experts: their routing loops read token indices, which
     meta tensors do not hold) become `_MetaExperts`, which give the output's shape only."""
     memo = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        meta = torch.empty_like(local_value(tensor), device="meta")
+        meta = torch.empty_like(local_value(tensor), device="meta",
+                                dtype=_computed_in(tensor, compute_dtype) if isinstance(tensor, torch.nn.Parameter) else None)
         memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else meta
     copied = copy.deepcopy(module, memo)
     for name, child in list(copied.named_modules()):
@@ -552,6 +557,11 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
             parent, _, leaf = name.rpartition(".")
             (copied.get_submodule(parent) if parent else copied)._modules[leaf] = _MetaExperts()
     return copied
+
+
+def _computed_in(param: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `param` computes in: `compute_dtype` for a floating-point one where given (mixed precision)."""
+    return compute_dtype if compute_dtype is not None and param.is_floating_point() else param.dtype
 
 
 def _meta_replaceable_experts(module: torch.nn.Module) -> bool:
@@ -891,7 +901,7 @@ def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: 
             elif placement.owner.get(qualified, state.stage) != state.stage:
                 owner = placement.owner[qualified]
                 role = "earlier" if owner < state.stage else "later"
-                meta = _meta_copy(child) if role == "earlier" else None
+                meta = _meta_copy(child, state.compute_dtype) if role == "earlier" else None
                 view._modules[child_name] = _StandIn(qualified, owner, meta, state, role, _plain_attributes(child))
         # Bare parameters of the containers live on one stage each (_stage_of_bare_parameter). A later stage runs the
         # code before its layers too (on stand-ins' zeros) and reads there an earlier stage's bare parameter (the
@@ -901,7 +911,8 @@ def build_stage_view(model: torch.nn.Module, config: PipelineConfig, placement: 
             if owner != state.stage:
                 del view._parameters[key]
             if owner < state.stage:
-                view.__dict__[key] = torch.zeros(param.shape, dtype=param.dtype, device=state.device)
+                view.__dict__[key] = torch.zeros(param.shape, dtype=_computed_in(param, state.compute_dtype),
+                                                 device=state.device)
         return view
 
     return build(model, "")
@@ -1018,10 +1029,14 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: list[list[int]], pp_config: dict,
                             device: torch.device, dp_group,
-                            parallelize_stage: Callable[[torch.nn.Module], None]) -> "PipelineRunner":
+                            parallelize_stage: Callable[[torch.nn.Module], None],
+                            compute_dtype: torch.dtype | None = None) -> "PipelineRunner":
     """Split `model` into pipeline stages over `pp_mesh` (this rank keeps its own; `pp_rank_groups`: the ranks
     of every pipeline of the job, ParallelDims.rank_groups("pp")), parallelise each stage with
-    `parallelize_stage` (tensor and data parallel), and make `model(...)` run the schedule.
+    `parallelize_stage` (tensor and data parallel), and make `model(...)` run the schedule. `compute_dtype`: the
+    dtype `parallelize_stage`'s data parallel computes the parameters in (mixed precision's param_dtype), where
+    another stage's stand-ins shape their zeros (before: fp32 zeros in a bf16 forward, from which Gemma 2's and
+    Bloom's masks took fp32's minimum, -inf in bf16: NaN losses).
 
     Why views and not a traced graph: the model's own forward keeps running (masks, rotary tables, the
     loss), so tensor parallel's hooks and the fused kernels work inside stages as they do without pp.
@@ -1034,7 +1049,8 @@ def apply_pipeline_parallel(model: torch.nn.Module, *, pp_mesh, pp_rank_groups: 
     tied = TiedAcrossStages(model, placement, last=config.num_stages - 1, stage_ids=stage_ids, pp_rank_groups=pp_rank_groups)
     last = config.num_stages - 1
     micro_batches: list = []  # this step's micro-batches, shared by the stages of this rank
-    states = [_StageState(stage=s, is_first=s == 0, is_last=s == last, device=device) for s in stage_ids]
+    states = [_StageState(stage=s, is_first=s == 0, is_last=s == last, device=device, compute_dtype=compute_dtype)
+              for s in stage_ids]
     views = [build_stage_view(model, config, placement, state) for state in states]
     strip_to_rank(model, placement, stage_ids, last)
     for view, state in zip(views, states):

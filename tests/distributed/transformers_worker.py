@@ -1548,6 +1548,21 @@ def check_bf16_mixed_precision_trains_with_the_fused_loss_like_one_process():
         lce_module._deferred_gradients_impl = deferred
 
 
+def check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages():
+    """Under pp 2 with mixed_precision="bfloat16", the second stage's stand-ins for the first stage's modules (the
+    embedding: zeros of its output, from which the model's code builds its masks) give bf16, as those modules compute
+    under FSDP2's policy; Gemma 2 and Bloom train equal to one fp32 process to bf16 rounding. Before: fp32 zeros, a
+    mask of fp32's minimum, -inf once added to bf16 scores: NaN losses on both stages."""
+    for family in ("gemma2", "bloom"):
+        model, optimizer = _model(family)
+        model, optimizer, loader = distcore.to_distributed(
+            model, optimizer, _Loader(), device_num=dist.get_world_size(),
+            config=distcore.ToDistributedConfig(strategy=_strategy(1, 1, 2, num_micro_batches=2),
+                                                mixed_precision="bfloat16"))
+        equivalence.assert_same_training(_plain_loop(model, optimizer, loader), _reference(family),
+                                         rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+
+
 def check_fp16_mixed_precision_with_a_loss_scaler_trains_like_one_process():
     """to_distributed's mixed_precision="float16" with torch.amp.GradScaler at its default scale (65,536) in the
     loop, fused kernels on: the fused LM head + loss sees an fp16 head, whose gradients all wait for the backward
@@ -2534,7 +2549,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_mamba1_mixers_train_under_tensor_parallel", "check_layer_classes_of_their_own_norms_train_under_tensor_parallel",
     "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel",
     "check_state_space_models_alone_train_under_tensor_parallel", "check_lora_layers_under_tensor_parallel",
-    "check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages"]
+    "check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages",
+    "check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
