@@ -5,7 +5,7 @@ on padded batches and compared with one process by tests/distributed/equivalence
 transformers upgrade or a change to distcore: the verdicts say which families still train as one process does.
 
     python3 scripts/sweep_distributed.py [MODEL_TYPE ...] [--strategy dp2-tp2-sp] [--attention eager] [--dropout 0.1]
-                                         [--lora] [--out sweep.jsonl]
+                                         [--lora] [--mixed-precision bfloat16] [--out sweep.jsonl]
 
 One JSON line per model type (also written to --out), progress on stderr, a count per verdict at the end:
 - equal: the first-step gradients, the losses and the parameters after the steps are one process's (the
@@ -28,6 +28,8 @@ default: each model's own, SDPA for most). --dropout P: every dropout of the con
 process's numbers are then out of reach (the ranks draw their own masks), so the verdict is whether the ranks that
 hold a parameter still agree on it after the steps ("replicas agree"; "replicas differ": a bug, silent in training)
 with finite losses. --lora: peft's LoRA adapters on every projection but the head (the base weights frozen).
+--mixed-precision bfloat16: to_distributed's mixed_precision (FSDP2 computing in bf16 over fp32 parameters, reducing
+in fp32), compared with one fp32 process to bf16 rounding (equivalence.BF16_RTOL, BF16_LOSS_RTOL).
 SGD at lr 0.1 (the tests' 0.5 makes some tiny models diverge, whose parameters then differ by amplified rounding);
 dropout and router jitter off (`build_tiny(deterministic=True)`: ranks would draw other masks than one process;
 PhiMoE's router samples in training regardless).
@@ -114,7 +116,7 @@ def _ours(error: BaseException) -> bool:
 
 
 def worker(model_type: str, strategy_name: str, attention: str | None = None, dropout: float | None = None,
-           lora: bool = False) -> dict:
+           lora: bool = False, mixed_precision: str | None = None) -> dict:
     """One model type on this process's rank (under torchrun): its row, the same on every rank but for errors."""
     import torch
     import torch.distributed as dist
@@ -124,7 +126,8 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
 
     distcore.init_parallel_env()
     row = {"type": model_type, "strategy": strategy_name, **({"attention": attention} if attention else {}),
-           **({"dropout": dropout} if dropout is not None else {}), **({"lora": True} if lora else {})}
+           **({"dropout": dropout} if dropout is not None else {}), **({"lora": True} if lora else {}),
+           **({"mixed precision": mixed_precision} if mixed_precision else {})}
     try:
         # Dropout off unless asked for: the ranks draw other masks than one process
         model, _ = build_tiny(model_type, deterministic=dropout is None, attention=attention, dropout=dropout)
@@ -146,7 +149,7 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
     try:
         model, optimizer, loader = distcore.to_distributed(
             model, torch.optim.SGD(model.parameters(), lr=LR), loader, device_num=dist.get_world_size(),
-            config=distcore.ToDistributedConfig(strategy=strategy))
+            config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision=mixed_precision))
         chosen = model.distributed_strategy
         row["chosen"] = f"dp{chosen.dp} tp{chosen.tp} pp{chosen.pp}{' sp' if chosen.sequence_parallel else ''}"
         row["global view"] = sorted(n for n, m in model.named_modules() if hasattr(m, "_tridist_global_view"))[:4]
@@ -170,7 +173,8 @@ def worker(model_type: str, strategy_name: str, attention: str | None = None, dr
                                                                      f"differ between ranks: {disagree[:4]}"}
             return {**row, "verdict": "replicas agree"}
         equivalence.MEASURED.clear()
-        equivalence.assert_same_training(trace, reference, unused_zero=True)  # experts no rank's tokens chose
+        rounding = {} if mixed_precision is None else dict(rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+        equivalence.assert_same_training(trace, reference, unused_zero=True, **rounding)  # (unused: experts no rank chose)
         return {**row, "verdict": "equal", "measured": {k: round(v, 4) for k, v in equivalence.MEASURED.items()}}
     except AssertionError as error:
         first = any(what in str(error) for what in ("initial values", "first-step gradients", "loss"))
@@ -188,14 +192,15 @@ def _limited() -> None:
 
 
 def _launch(model_type: str, strategy: str, attention: str | None = None, dropout: float | None = None,
-            lora: bool = False) -> dict:
+            lora: bool = False, mixed_precision: str | None = None) -> dict:
     """torchrun on NPROC processes for one model type: rank 0's row (any rank's error where rank 0 has none)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as rows_dir:  # a file per rank: their stdout lines may interleave
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
                    os.path.abspath(__file__), "--worker", model_type, "--strategy", strategy, "--rows", rows_dir,
                    *(["--attention", attention] if attention else []),
-                   *(["--dropout", str(dropout)] if dropout is not None else []), *(["--lora"] if lora else [])]
+                   *(["--dropout", str(dropout)] if dropout is not None else []), *(["--lora"] if lora else []),
+                   *(["--mixed-precision", mixed_precision] if mixed_precision else [])]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, preexec_fn=_limited,
                                   env=env)
@@ -222,6 +227,8 @@ def main() -> None:
                         "is whether the replicas agree after the steps")
     parser.add_argument("--lora", action="store_true", help="peft's LoRA adapters on every projection but the head, "
                         "the base weights frozen (as users fine-tune)")
+    parser.add_argument("--mixed-precision", choices=["bfloat16"], help="to_distributed's mixed_precision; compared "
+                        "with one fp32 process to bf16 rounding")
     parser.add_argument("--out", help="also write the JSON lines here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun process: one model type
     parser.add_argument("--rows", help=argparse.SUPPRESS)  # where each rank writes its row
@@ -230,7 +237,7 @@ def main() -> None:
         import logging
 
         logging.getLogger("tridist").setLevel(logging.ERROR)
-        row = worker(args.worker, args.strategy, args.attention, args.dropout, args.lora)
+        row = worker(args.worker, args.strategy, args.attention, args.dropout, args.lora, args.mixed_precision)
         with open(os.path.join(args.rows, f"rank{int(os.environ.get('RANK', 0)):03d}.json"), "w") as file:
             json.dump(row, file)
         return
@@ -242,7 +249,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     start = time.monotonic()
     for i, model_type in enumerate(types, 1):
-        row = _launch(model_type, args.strategy, args.attention, args.dropout, args.lora)
+        row = _launch(model_type, args.strategy, args.attention, args.dropout, args.lora, args.mixed_precision)
         counts[row["verdict"]] = counts.get(row["verdict"], 0) + 1
         print(json.dumps(row), flush=True)
         if out:
