@@ -307,7 +307,7 @@ def _submodule_or_none(block: torch.nn.Module, name: str) -> torch.nn.Module | N
 
 
 @torch.enable_grad()
-def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> None:
+def check_outside_blocks(model: torch.nn.Module, plan, *, tp_mesh, process_mesh) -> str | None:
     """The parts outside the decoder blocks that the plan changes (the embedding, norms on sequence slices,
     the LM head and the loss, a vocabulary-parallel one included), checked as the blocks are: a copy of the
     model without its blocks (its layer lists emptied), seeded fp32 weights, run on `4 x tp` token ids with

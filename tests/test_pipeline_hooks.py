@@ -68,6 +68,32 @@ def test_earlier_module_with_several_outputs_warns_that_later_stages_see_zeros()
         single(torch.ones(2, 3, dtype=torch.long))  # one output: nothing to warn about
 
 
+class _ScaledByBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, ids):
+        return self.embed(ids), self.scale.expand(*ids.shape, 4)
+
+
+def test_under_mixed_precision_stand_ins_compute_in_the_parameters_compute_dtype():
+    """FSDP2's mixed precision casts an earlier stage's parameters to bf16 for its forward, not its buffers: the
+    stand-in's zeros follow (an fp32 embedding's stand-in gave fp32 zeros in a bf16 forward: Gemma 2's and Bloom's
+    masks took fp32's minimum from them, -inf in bf16, NaN losses); a buffer's output keeps its dtype."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    state = _StageState(stage=1, is_first=False, is_last=True, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    stand_in = _StandIn("embed", 0, _meta_copy(_ScaledByBuffer(), state.compute_dtype), state, "earlier")
+    with pytest.warns(UserWarning, match="sees zeros"):
+        hidden, scale = stand_in(torch.ones(2, 3, dtype=torch.long))
+    assert (hidden.dtype, scale.dtype) == (torch.bfloat16, torch.float32)
+    plain = _StandIn("embed", 0, _meta_copy(_ScaledByBuffer()), state, "earlier")  # no mixed precision: its own dtype
+    with pytest.warns(UserWarning, match="sees zeros"):
+        assert plain(torch.ones(2, 3, dtype=torch.long))[0].dtype == torch.float32
+
+
 def test_a_later_stage_reads_an_earlier_modules_weight_device_shape_and_dtype_only():
     """Llama 4's decoder runs `input_ids.to(self.embed_tokens.weight.device)` before the embedding: on a later
     stage the embedding is a stand-in, whose weight reads as this stage's device with the real shape and
