@@ -15,7 +15,7 @@ import torch
 
 from tridist.autotune.model import is_lora_layer  # (the structure reads a LoRA layer as its projection)
 
-__all__ = ["is_lora_layer", "lora_adapters", "has_lora_layers", "guard_after_parallelize"]
+__all__ = ["is_lora_layer", "lora_adapters", "has_lora_layers", "refuse_trainable_tokens", "guard_after_parallelize"]
 
 
 def lora_adapters(name: str, module: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.nn.Linear]]:
@@ -43,6 +43,17 @@ def lora_adapters(name: str, module: torch.nn.Module) -> list[tuple[torch.nn.Lin
                                       f"{type(b).__name__}; tensor parallel splits nn.Linear adapters only, {fix}")
         adapters.append((a, b))
     return adapters
+
+
+def refuse_trainable_tokens(name: str, parent: torch.nn.Module | None) -> None:
+    """An error for an embedding that tensor parallel would split while peft's trainable tokens (`LoraConfig(
+    trainable_token_indices=...)`: a TrainableTokensLayer holding it as `base_layer`) index it whole (before: a
+    torch error inside peft's forward, "aten.index_copy.default got mixed torch.Tensor and DTensor")."""
+    if parent is not None and hasattr(parent, "trainable_tokens_delta"):
+        raise NotImplementedError(
+            f"parallelize: {name} is the embedding under peft's trainable tokens (trainable_token_indices), which "
+            "index its rows whole where tensor parallel splits them; train those tokens without tensor parallel (dp / "
+            "ZeRO / pp), or leave trainable_token_indices out of the LoraConfig")
 
 
 def has_lora_layers(model: torch.nn.Module) -> list[str]:

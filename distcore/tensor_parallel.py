@@ -55,7 +55,7 @@ from tridist.kernels.comm_matmul import BACKENDS, _group_by_name, check_backend_
 from tridist.kernels.fuse import forward_takes
 
 from .dtensor_region import install_dtensor_boundary, replicate_parameters
-from .lora import is_lora_layer, lora_adapters
+from .lora import is_lora_layer, lora_adapters, refuse_trainable_tokens
 from .linear_like import TransposedColwise, TransposedRowwise, features, is_conv1d, is_linear_like, weight_out_dim
 from .overlap import OverlappedRegion, apply_overlapped_entry, apply_overlapped_exit
 from .packed import PackedColwiseParallel, UnequalPackedColwise, SumBothWays, check_units, packed_colwise, unit_span
@@ -139,6 +139,7 @@ class ColWiseParallel(_Style):
             return packed_colwise(sizes, gather_output=self.gather_output, local_output=local_output,
                                   units=self.part_units, out_dim=weight_out_dim(target.module))
         if local_output and isinstance(target.module, torch.nn.Embedding):
+            refuse_trainable_tokens(target.name, target.parent)
             return ColwiseParallel(output_layouts=Replicate())  # the hidden dim split, full embeddings out
         style = TransposedColwise if is_conv1d(target.module) else ColwiseParallel
         return style(output_layouts=Replicate() if self.gather_output else Shard(-1), use_local_output=local_output)
@@ -195,6 +196,7 @@ class RowWiseParallel(_Style):
         if is_lora_layer(target.module):
             return _split_lora(self, target)
         if isinstance(target.module, torch.nn.Embedding):  # the vocabulary split (vocab_embedding.py)
+            refuse_trainable_tokens(target.name, target.parent)
             split_parts(target.name, target.module, self, target.tp_mesh.size(), parent=target.parent)
             return split_embedding_vocabulary(target.name, target.module, target.tp_mesh)
         if (target.random_state is not None and is_linear_like(target.module) and self.is_input_parallel
