@@ -96,4 +96,3 @@ def _name_the_architecture(model: torch.nn.Module, save_directory, architecture:
             return  # not this save's (a config.json of the base model beside the adapters)
     model.config.architectures = [architecture]
     model.config.save_pretrained(save_directory)
-
