@@ -249,6 +249,19 @@ def interprets_kernels(check: Callable[[], None]) -> Callable[[], None]:
     return check
 
 
+def raises(kind, fragments, call) -> str:
+    """The message of the `kind` error `call()` raises, asserted to contain each of `fragments` (a refusal's cause and
+    fix); an AssertionError if it raises nothing."""
+    try:
+        call()
+    except kind as error:
+        message = str(error)
+        missing = [f for f in fragments if f not in message]
+        assert not missing, f"message lacks {missing}: {message}"
+        return message
+    raise AssertionError(f"expected {kind.__name__} containing {fragments}")
+
+
 def on_rank_0(compute):
     """compute()'s result, computed on rank 0 alone and sent to every rank; its error raised on every rank (the others
     would wait for the result forever). For the single-device references: the same seed and batches give every rank

@@ -34,7 +34,7 @@ from tridist import autotune, distcore
 from tridist.distcore.block_check import TensorParallelCheckError
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
-from tests.distributed.harness import on_rank_0, run_checks
+from tests.distributed.harness import on_rank_0, raises, run_checks
 from tests.hf_models import (LLAMA_LIKE, MOE_FAMILIES, SCALED_LOGITS, VOCAB, ScaledLogitsHead, build,
                               contiguous_query_key_value, head_major_alibi)
 
@@ -1787,16 +1787,9 @@ def check_a_trained_model_saves_in_transformers_format():
             optimizer.clear_grad()
         path = os.path.join(scratch, f"exported-{index}-{family}")
         if index == 1:  # what fails on rank 0 raises on every rank; push_to_hub is refused (it would upload per rank)
-            for call, kind, words in ((lambda: model.save_pretrained(path + "-failed", max_shard_size="a lot"),
-                                       ValueError if dist.get_rank() == 0 else RuntimeError,
-                                       "not supported" if dist.get_rank() == 0 else "rank 0 failed to write"),
-                                      (lambda: model.push_to_hub("user/model"), NotImplementedError, "push_to_hub")):
-                try:
-                    call()
-                except kind as error:
-                    assert words in str(error), error
-                else:
-                    raise AssertionError(f"not raised: {words}")
+            kind, words = (ValueError, "not supported") if dist.get_rank() == 0 else (RuntimeError, "rank 0 failed to write")
+            raises(kind, [words], lambda: model.save_pretrained(path + "-failed", max_shard_size="a lot"))
+            raises(NotImplementedError, ["push_to_hub"], lambda: model.push_to_hub("user/model"))
         if family in ("llama", "llama-tied"):
             model.save_pretrained(path)  # returns on every rank once rank 0 has written
         else:
@@ -2440,12 +2433,7 @@ def check_lora_adapters_train_under_data_and_tensor_parallel():
                            (lambda: (model.add_adapter("late", peft.LoraConfig(r=2, target_modules=["q_proj"])),
                                      model(**_batches()[0])),
                             "an adapter added or deleted afterwards is not split, sharded nor in the optimizer")):
-        try:
-            call()
-        except NotImplementedError as error:
-            assert expected in str(error), error
-        else:
-            raise AssertionError(f"not refused: {expected}")
+        raises(NotImplementedError, [expected], call)
     _train("llama", _strategy(1, 4, 1, sequence_parallel=True), prepare=_lora)
 
 
@@ -2507,13 +2495,9 @@ def check_lora_layers_under_tensor_parallel():
     limits = _tensor_parallel_limits(model, _strategy(1, 2, 1), autotune.ModelSpec.from_module(model),
                                      distcore.ToDistributedConfig())
     assert list(limits) == ["tp"] and "peft's trainable tokens" in limits["tp"], limits
-    try:
-        distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
-                                config=distcore.ToDistributedConfig(strategy=_strategy(1, 2, 1)))
-    except NotImplementedError as error:
-        assert "embed_tokens.token_adapter.base_layer is the embedding under peft's trainable tokens" in str(error)
-    else:
-        raise AssertionError("trainable tokens under tp were not refused")
+    raises(NotImplementedError, ["embed_tokens.token_adapter.base_layer is the embedding under peft's trainable tokens"],
+           lambda: distcore.to_distributed(model, optimizer, _Loader(), device_num=dist.get_world_size(),
+                                           config=distcore.ToDistributedConfig(strategy=_strategy(1, 2, 1))))
     try:
         _train("qwen3-moe", _strategy(1, 2, 1, sequence_parallel=True), prepare=_lora_on_the_router)
     except autotune.InvalidStrategy as error:
@@ -2543,12 +2527,8 @@ def check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages():
                                           config=distcore.ToDistributedConfig(strategy=_strategy(1, 1, 2, num_micro_batches=2)))
     path = os.path.join(os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-export"), "lora-adapters-pp")
     for keywords in ({}, {"state_dict": distcore.full_state_dict(model)}):
-        try:
-            model.save_pretrained(path, **keywords)
-        except NotImplementedError as error:
-            assert "save_pretrained of LoRA adapters under pipeline parallel" in str(error), error
-        else:
-            raise AssertionError(f"peft's save_pretrained under pp was not refused ({sorted(keywords)})")
+        raises(NotImplementedError, ["save_pretrained of LoRA adapters under pipeline parallel"],
+               lambda: model.save_pretrained(path, **keywords))
     assert not os.path.exists(path)
 
 
