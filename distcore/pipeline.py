@@ -1162,9 +1162,11 @@ def _uniform_gradient_dtypes(module: FSDPModule) -> None:
              else fully_shard.state(module))  # type: ignore[attr-defined]
     for unit_state in state._state_ctx.all_states:
         for group in unit_state._fsdp_param_groups:
+            if not group.reduce_scatter_unused_params:
+                continue  # no zeros: one dtype already
             parameters = [p for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
-            if not group.reduce_scatter_unused_params or all(p.unsharded_accumulated_grad is None for p in parameters):
-                continue  # no zeros, or nothing accumulated: one dtype already
+            if all(p.unsharded_accumulated_grad is None for p in parameters):
+                continue  # nothing accumulated: the zeros are in the compute dtype, as the gradients
             for parameter in parameters:
                 unsharded = parameter._unsharded_param
                 if (parameter.unsharded_accumulated_grad is None and unsharded.grad is None
