@@ -11,7 +11,8 @@ What cannot be written right is refused by name: LoRA adapters (peft's, or trans
 pipeline stages, where peft picks the adapters' keys from the modules rank 0 holds (one stage: the others' adapters
 were left out of the file silently), and `push_to_hub`, which saves to a folder of each calling rank and uploads it from
 each. The config's `architectures` names the model's own class (FSDP2's `replicate` makes it `Replicate<class>`, which
-transformers does not strip: a loader picking the class by that name, vLLM's, refused it).
+transformers does not strip: a loader picking the class by that name, vLLM's, refused it), and a split checkpoint's index
+counts the whole model's parameters (transformers counts the modules of rank 0, one stage's under pipeline stages).
 
 Bound on the instance: the caller keeps the model object it passed in, so no wrapper module can stand in."""
 
@@ -31,9 +32,10 @@ from .checkpoint import full_state_dict
 __all__ = ["export_after_parallelize"]
 
 
-def export_after_parallelize(model: torch.nn.Module) -> None:
+def export_after_parallelize(model: torch.nn.Module, num_parameters: int) -> None:
     """Makes `model.save_pretrained` write what one device would, and refuses `model.push_to_hub` (module docstring).
-    Nothing changes for a model without `save_pretrained` or outside a multi-process job."""
+    `num_parameters`: the whole model's, counted before it was parallelised (each parameter once, as transformers'
+    `num_parameters()` counts). Nothing changes for a model without `save_pretrained` or outside a multi-process job."""
     original = getattr(model, "save_pretrained", None)
     if not callable(original) or not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -43,6 +45,7 @@ def export_after_parallelize(model: torch.nn.Module) -> None:
         result = original(save_directory, *args, state_dict=state_dict, **kwargs)
         if kwargs.get("is_main_process", True) and dist.get_rank() == 0:  # where transformers writes
             _name_the_architecture(model, save_directory, architecture)
+            _count_every_stage(model, save_directory, kwargs.get("variant"), num_parameters)
         return result
 
     def save_pretrained(save_directory, *args, state_dict=None, **kwargs):
@@ -82,6 +85,24 @@ def _refuse_adapters_under_pipeline_stages(model: torch.nn.Module) -> None:
             "rank 0 holds, one stage's, and would leave the other stages' adapters out of the file; save with "
             "distcore.save_state(path, model, optimizer) instead, or load distcore.full_state_dict(model) on rank 0 into "
             "the unparallelised peft model (load_state_dict) and call its save_pretrained there")
+
+
+def _count_every_stage(model: torch.nn.Module, save_directory, variant: str | None, num_parameters: int) -> None:
+    """A split checkpoint's index (`max_shard_size`) as one device writes it: transformers puts its
+    `model.num_parameters()` there, which under pipeline stages counts the stage rank 0 holds."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME  # model.safetensors.index.json
+
+    stem, extension = SAFE_WEIGHTS_INDEX_NAME.rsplit(".", 1)
+    path = os.path.join(save_directory, f"{stem}.{variant}.{extension}" if variant else SAFE_WEIGHTS_INDEX_NAME)
+    if not hasattr(model, "_tridist_pipeline") or not os.path.isfile(path):
+        return  # every parameter is on rank 0 (DTensors count their global shape), or one file
+    with open(path) as file:
+        index = json.load(file)
+    if "total_parameters" not in index.get("metadata", {}):
+        return  # not transformers' (peft's adapters are one file)
+    index["metadata"]["total_parameters"] = num_parameters
+    with open(path, "w", encoding="utf-8") as file:  # as transformers writes it
+        file.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _name_the_architecture(model: torch.nn.Module, save_directory, architecture: str) -> None:

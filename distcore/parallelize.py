@@ -151,7 +151,8 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
     guard_after_parallelize(model)  # peft's LoRA: adapters added later, generate past the root's hooks
-    export_after_parallelize(model)  # transformers' / peft's save_pretrained writes the one-device state dict
+    # transformers' / peft's save_pretrained writes the one-device state dict
+    export_after_parallelize(model, num_parameters=sum(p.numel() for p in params_before.values()))
     if mp_config is not None and dims.degree("mp") > 1:  # the replicas' dropout masks (random_state.py)
         keep_tensor_parallel_random_state_alike(model, tp_group=dims.group("mp"), device=env.device())
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own

@@ -1768,7 +1768,8 @@ def check_a_trained_model_saves_in_transformers_format():
     (distcore/export.py: ZeRO-3, replicas and dp x pp here); given that state dict and `is_main_process`
     explicitly, as before, it writes the same (the other two). Before, save_pretrained alone failed on the DTensors'
     storage ("Attempted to access the data pointer on an invalid python storage"). config.json names the model's own
-    class (under `replicate`, level 0, transformers wrote "ReplicateLlamaForCausalLM": vLLM refuses such a name)."""
+    class (under `replicate`, level 0, transformers wrote "ReplicateLlamaForCausalLM": vLLM refuses such a name); the
+    pipeline's checkpoint, split into files, has an index counting every stage's parameters (it counted rank 0's)."""
     import transformers as hf
 
     scratch = os.environ.get("TRIDIST_SCRATCH", "/tmp/tridist-export")
@@ -1790,7 +1791,9 @@ def check_a_trained_model_saves_in_transformers_format():
             kind, words = (ValueError, "not supported") if dist.get_rank() == 0 else (RuntimeError, "rank 0 failed to write")
             raises(kind, [words], lambda: model.save_pretrained(path + "-failed", max_shard_size="a lot"))
             raises(NotImplementedError, ["push_to_hub"], lambda: model.push_to_hub("user/model"))
-        if family in ("llama", "llama-tied"):
+        if family == "llama-tied":  # split into files: the index counts every stage's parameters, not rank 0's
+            model.save_pretrained(path, max_shard_size="100KB")
+        elif family == "llama":
             model.save_pretrained(path)  # returns on every rank once rank 0 has written
         else:
             state = distcore.full_state_dict(model)
@@ -1802,6 +1805,11 @@ def check_a_trained_model_saves_in_transformers_format():
                 assert json.load(file)["architectures"] == [architecture], (family, file.name)
             loaded = hf.AutoModelForCausalLM.from_pretrained(path)
             assert type(loaded).__name__ == architecture
+            if family == "llama-tied":
+                with open(os.path.join(path, "model.safetensors.index.json")) as file:
+                    index = json.load(file)
+                assert len(set(index["weight_map"].values())) > 1, index["weight_map"]
+                assert index["metadata"]["total_parameters"] == loaded.num_parameters(), index["metadata"]
             exported = {name: p.detach() for name, p in loaded.named_parameters(remove_duplicate=False)}
             assert sorted(exported) == sorted(reference.parameters), (family, sorted(set(exported) ^ set(reference.parameters)))
             moved = {n: reference.parameters[n] - reference.initial[n] for n in reference.parameters}
