@@ -18,6 +18,7 @@ not know: its per-image tensors are then refused where they cannot be split by s
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,8 +30,8 @@ from ..autotune.model import media_configs
 
 
 # The layouts `sample_rows_of` reads, as the refusals of rows it cannot assign name them.
-KNOWN_LAYOUTS = ("a Qwen2-VL-style grid, Pixtral's image sizes, LLaVA-NeXT's any-resolution image sizes, LFM2-VL's "
-                 "spatial shapes, or images of one placeholder count")
+KNOWN_LAYOUTS = ("a Qwen2-VL-style grid, Pixtral's image sizes, LLaVA-NeXT's or LLaVA-OneVision's any-resolution image "
+                 "sizes, LFM2-VL's spatial shapes, or images of one placeholder count")
 
 
 class Offsets(NamedTuple):
@@ -49,8 +50,10 @@ class MediaRows:
     `per_item`: other keys of one row per item (LLaVA-NeXT's `image_sizes`). `sizes`: the key of each item's (height,
     width) where its placeholders follow from them, (height // patch) x (width // patch) for `patch` of that unit per
     placeholder (Pixtral's `image_sizes` in pixels: its patch size times Mistral 3's spatial merge, the images padded
-    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor), or `count(height, width)` of
-    them where it is given (LLaVA-NeXT's any-resolution images: `anyres_placeholders`). Without a grid or sizes
+    to the batch's largest; LFM2-VL's `spatial_shapes` in patches: its downsample factor), or `count(height, width,
+    tiled)` of them where it is given (any-resolution images: `anyres_placeholders`); `per_sample`: the key of each
+    sample's item count where the batch gives it (LLaVA-OneVision's `batch_num_images`: a sample's items are then those,
+    each tiled where it is its sample's only one; without it every item is tiled). Without a grid or sizes
     each item takes the same number of placeholders (the batch's count over its items), or, as many items as samples
     holding some, one item in each of those (images of any size, one to a sample, beside samples of text alone).
     `padded`: one row per sample, padded where it holds fewer images (Idefics3's [samples, images, C, H, W] and its
@@ -64,7 +67,8 @@ class MediaRows:
     padded: bool = False
     sizes: str | None = None
     patch: int = 1
-    count: Callable[[int, int], int] | None = None
+    count: Callable[[int, int, bool], int] | None = None
+    per_sample: str | None = None
 
     def keys(self) -> tuple[str, ...]:
         return (self.pixels, *((self.grid,) if self.grid else ()), *self.per_item)
@@ -86,10 +90,15 @@ class MediaRows:
         elif self.sizes is not None:
             if not torch.is_tensor(batch.get(self.sizes)):
                 raise ValueError(f"{self.pixels!r} comes without {self.sizes!r}, which tells its items' sizes")
-            rows = [1] * items
-            tokens = [self.count(h, w) if self.count else (h // self.patch) * (w // self.patch)
-                      for h, w in batch[self.sizes].reshape(-1, 2).tolist()]
-            counts = _items_per_sample(placeholders, tokens, self.token_id)
+            rows, sizes = [1] * items, batch[self.sizes].reshape(-1, 2).tolist()
+            if self.per_sample is not None and torch.is_tensor(batch.get(self.per_sample)):
+                counts = batch[self.per_sample].reshape(-1).tolist()
+                tiled = [n == 1 for n in counts for _ in range(n)]
+                tokens = [self.count(h, w, alone) for (h, w), alone in zip(sizes, tiled)]
+                _check_items_per_sample(placeholders, tokens, counts, self.per_sample, self.token_id)
+            else:
+                tokens = [self.count(h, w) if self.count else (h // self.patch) * (w // self.patch) for h, w in sizes]
+                counts = _items_per_sample(placeholders, tokens, self.token_id)
         elif items and items == sum(1 for n in placeholders if n):
             # one item in each sample that holds placeholders, of any size (the others of text alone)
             rows, counts = [1] * items, [1 if n else 0 for n in placeholders]
@@ -144,6 +153,19 @@ def _items_per_sample(placeholders: list[int], tokens: list[int], token_id: int)
     if item != len(tokens):
         raise ValueError(f"{len(tokens) - item} item(s) of the batch have no placeholder token {token_id} in the ids")
     return counts
+
+
+def _check_items_per_sample(placeholders: list[int], tokens: list[int], counts: list[int], key: str,
+                            token_id: int) -> None:
+    """Raises where the items `counts` gives each sample (the batch's `key`) are not its placeholders."""
+    if len(counts) != len(placeholders) or sum(counts) != len(tokens):
+        raise ValueError(f"{key!r} gives {len(counts)} sample(s) {sum(counts)} item(s) where the batch has "
+                         f"{len(placeholders)} sample(s) and {len(tokens)} item(s)")
+    for sample, (wanted, start, end) in enumerate(zip(placeholders, _cumulative(counts), _cumulative(counts)[1:])):
+        if sum(tokens[start:end]) != wanted:
+            raise ValueError(f"sample {sample}'s {wanted} placeholder token(s) {token_id} are not its {end - start} "
+                             f"item(s) of {key!r} (their placeholders {tokens[start:end]}): the ids and the media "
+                             "tensors do not belong together")
 
 
 def _offsets(items_per_sample: list[int], rows_per_item: list[int]) -> list[int]:
@@ -245,9 +267,10 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
             media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", patch=patch))
             continue
         if kind == "image" and "image_sizes" in arguments and (count := anyres_placeholders(model)) is not None:
-            # LLaVA-NeXT's any-resolution images: any number per sample, each of its own size, its placeholders told by
-            # that size through the model's own tiling
-            media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", count=count))
+            # LLaVA-NeXT's and LLaVA-OneVision's any-resolution images: any number per sample, each of its own size, its
+            # placeholders told by that size through the model's own tiling (OneVision's: and its sample's images)
+            media.append(MediaRows(token, pixels, per_item=("image_sizes",), sizes="image_sizes", count=count,
+                                   per_sample="batch_num_images" if "batch_num_images" in arguments else None))
             continue
         # Other keys of one row per item: LLaVA-NeXT-like image sizes not read so, Qwen2.5-VL's seconds per video grid
         extra = {"image": ("image_sizes",) if grid is None else (), "video": ("second_per_grid_ts",)}[kind]
@@ -256,28 +279,42 @@ def sample_rows_of(model: torch.nn.Module) -> SampleRows | None:
     return SampleRows(tuple(media)) if media else None
 
 
-def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int], int] | None:
-    """Placeholders of one LLaVA-NeXT any-resolution image of (height, width) pixels, as the model's own
-    `pack_image_features` lays its features out (None for a model of another layout): the base image's side x side
-    patch features (the CLS dropped: vision_feature_select_strategy "default"; side = the tower's image size over its
-    patch), then its tiles' features as a grid of (rows x side) x (columns x side) by the model module's own
-    `get_anyres_image_grid_shape`, unpadded to the image's aspect by its own `unpad_image`, with one newline feature
-    per row. LLaVA-OneVision (which may pool the tiles' features: `vision_aspect_ratio`) is not read so."""
+def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int, bool], int] | None:
+    """Placeholders of one any-resolution image of (height, width) pixels, `count(height, width, tiled)`, as the model's
+    own `pack_image_features` lays its features out (None for a model of another layout): the base image's side x side
+    patch features (side = the tower's image size over its patch: the CLS dropped by vision_feature_select_strategy
+    "default", or a tower without one under "full"), then, where the image is `tiled`, its tiles' features as a grid
+    of (rows x side) x (columns x side) by the model module's own `get_anyres_image_grid_shape`, unpadded to the
+    image's aspect by its own `unpad_image`, with one newline feature per row; an image not tiled takes one newline.
+    LLaVA-NeXT tiles every image. LLaVA-OneVision tiles the image of a sample that holds one alone (its
+    `batch_num_images`; every image without them), and pools a tiled grid larger than `vision_aspect_ratio`'s
+    "anyres_max_N" tiles allow (over 1.1x their features) to that many, as its `pack_image_features` does."""
     config = getattr(model, "config", None)
     module = sys.modules.get(type(model).__module__)
     grid_shape, unpad = getattr(module, "get_anyres_image_grid_shape", None), getattr(module, "unpad_image", None)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     vision = getattr(config, "vision_config", None)
-    if (grid_shape is None or unpad is None or not pinpoints or getattr(config, "vision_aspect_ratio", None)
-            or getattr(config, "vision_feature_select_strategy", None) != "default"
+    strategy, aspect = getattr(config, "vision_feature_select_strategy", None), getattr(config, "vision_aspect_ratio", None)
+    pooled = aspect is not None
+    if pooled and not (isinstance(aspect, str) and aspect.startswith("anyres_max_") and aspect[11:].isdigit()):
+        return None  # a pooling rule this does not read
+    class_token = any(hasattr(m, "class_embedding") for name in media_encoders(model)  # CLIP's: SigLIP's has none
+                      for m in model.get_submodule(name).modules())
+    if (grid_shape is None or unpad is None or not pinpoints
+            or not (strategy == "default" or (strategy == "full" and not class_token))
             or not all(isinstance(getattr(vision, a, None), int) for a in ("image_size", "patch_size"))):
         return None
     side = vision.image_size // vision.patch_size
+    most = int(aspect[11:]) if pooled else None  # tiles' worth of features a pooled grid keeps
 
-    def count(height: int, width: int) -> int:
+    def count(height: int, width: int, tiled: bool = True) -> int:
+        if not tiled:
+            return side * side + 1
         rows, columns = grid_shape([height, width], pinpoints, vision.image_size)
-        kept = unpad(torch.empty(0, rows * side, columns * side), [height, width]).shape[1:]
-        return side * side + kept[0] * (kept[1] + 1)  # (get_image_features always passes its image_newline)
+        kept_rows, kept_columns = unpad(torch.empty(0, rows * side, columns * side), [height, width]).shape[1:]
+        if pooled and (ratio := math.sqrt(kept_rows * kept_columns / (most * side**2))) > 1.1:
+            kept_rows, kept_columns = int(kept_rows // ratio), int(kept_columns // ratio)  # (bilinear, to this size)
+        return side * side + kept_rows * (kept_columns + 1)  # (get_image_features always passes its image_newline)
 
     return count
 

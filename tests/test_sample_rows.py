@@ -281,8 +281,7 @@ def test_any_resolution_images_take_as_many_placeholders_as_the_model_gives_them
     """LLaVA-NeXT's any-resolution images: the placeholders read from an image's size (anyres_placeholders: the base
     image's patch features, the best-fitting grid's tiles unpadded to the image's aspect, a newline per row) equal the
     model's own features of it at sizes on and off the tower's grid; the layout reads them by the images' sizes. A
-    model that pools its tiles' features (LLaVA-OneVision's vision_aspect_ratio) or keeps the CLS feature ("full") is
-    not read so."""
+    CLIP tower that keeps its CLS feature ("full"), or a pooling rule other than OneVision's, is not read so."""
     import importlib
 
     import transformers as hf
@@ -310,7 +309,66 @@ def test_any_resolution_images_take_as_many_placeholders_as_the_model_gives_them
     assert dataclasses.replace(read, count=None) == MediaRows(250, "pixel_values", per_item=("image_sizes",),
                                                               sizes="image_sizes")
     assert [read.count(*size) for size in [(8, 8), (13, 27)]] == [count(8, 8), count(13, 27)]
-    model.config.vision_feature_select_strategy = "full"
+    model.config.vision_feature_select_strategy = "full"  # CLIP's CLS feature kept: the model's tiling refuses it
     assert anyres_placeholders(model) is None
-    model.config.vision_feature_select_strategy, model.config.vision_aspect_ratio = "default", "anyres_max_9"
+    model.config.vision_feature_select_strategy, model.config.vision_aspect_ratio = "default", "pooled somehow"
     assert anyres_placeholders(model) is None and anyres_placeholders(_tiny("llava")) is None
+
+
+@pytest.mark.parametrize("tower, strategy", [("siglip_vision_model", "full"), ("clip_vision_model", "default")])
+def test_onevision_images_take_their_features_alone_or_several_to_a_sample(tower, strategy):
+    """LLaVA-OneVision: an image alone in its sample is tiled (LLaVA-NeXT's count, then its unpadded grid pooled to
+    `vision_aspect_ratio`'s "anyres_max_N" tiles where it is over 1.1x that: N = 1 here, so grids of 2 or more tiles
+    pool), several images to a sample take their base features and a newline each (`batch_num_images`). The counts
+    equal the model's own features at sizes on and off its grid, for SigLIP's tower (no CLS, "full": OneVision's
+    default) and CLIP's ("default"). A batch's images then go with their samples by `batch_num_images`; counts that do
+    not add up are refused. Before: one image per sample only ("not whole items")."""
+    import importlib
+
+    import transformers as hf
+
+    from tridist.distcore.sample_rows import anyres_placeholders
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                vocab_size=300)
+    config = hf.LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **text}, image_token_index=250, video_token_index=251,
+        vision_config=dict(model_type=tower, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=8, patch_size=2),
+        image_grid_pinpoints=[[8, 16], [16, 8], [16, 16], [8, 24], [24, 8], [24, 24]], vision_aspect_ratio="anyres_max_1",
+        vision_feature_select_strategy=strategy)
+    model = hf.LlavaOnevisionForConditionalGeneration(config)
+    count = anyres_placeholders(model)
+    modeling = importlib.import_module(type(model).__module__)
+    sizes = [(8, 8), (16, 16), (16, 32), (32, 16), (13, 27), (30, 11), (8, 20), (100, 30), (24, 24), (50, 50)]
+    for size in sizes:
+        for images in (1, 2):  # alone in its sample (tiled), or beside another (its base tile and a newline)
+            tiles = modeling.image_size_to_num_patches(list(size), config.image_grid_pinpoints, 8) if images == 1 else 1
+            with torch.no_grad():
+                features = model.model.get_image_features(
+                    pixel_values=torch.randn(images, tiles, 3, 8, 8), image_sizes=torch.tensor([size] * images),
+                    batch_num_images=torch.tensor([images])).pooler_output
+            assert [f.shape[0] for f in features] == [count(*size, images == 1)] * images, (size, images)
+    assert count(16, 16) < 16 + 8 * 9 and count(8, 8, False) == 17  # (a 2 x 2 grid pooled; 4 x 4 base + a newline)
+    (read,) = sample_rows_of(model).media
+    assert dataclasses.replace(read, count=None) == MediaRows(250, "pixel_values", per_item=("image_sizes",),
+                                                              sizes="image_sizes", per_sample="batch_num_images")
+    # samples: two images (their bases), none, one alone (tiled): the rows are images, padded to the most tiles
+    sizes = torch.tensor([[8, 8], [16, 32], [13, 27]])
+    placeholders = [count(8, 8, False) + count(16, 32, False), 0, count(13, 27)]
+    batch = {"input_ids": _ids(placeholders, length=64), "pixel_values": torch.arange(3.0).reshape(3, 1, 1, 1, 1).expand(3, 4, 3, 8, 8),
+             "image_sizes": sizes, "batch_num_images": torch.tensor([2, 0, 1])}
+    offsets = check_rows(batch, sample_rows_of(model), "test")[1]
+    assert offsets["pixel_values"] == Offsets([0, 2, 2, 3], [0, 2, 2, 3]) == offsets["image_sizes"]
+    first, none, last = split_samples(batch, offsets, [(0, 1), (1, 2), (2, 3)])
+    assert first["pixel_values"][:, 0, 0, 0, 0].tolist() == [0.0, 1.0] and none["pixel_values"] is None
+    assert last["image_sizes"].tolist() == [[13, 27]] and last["batch_num_images"].tolist() == [1]
+    with pytest.raises(ValueError, match="are not its 3 item"):  # the last image counted with the first sample
+        check_rows({**batch, "batch_num_images": torch.tensor([3, 0, 0])}, sample_rows_of(model), "test")
+    with pytest.raises(ValueError, match="gives 3 sample"):
+        check_rows({**batch, "batch_num_images": torch.tensor([2, 0, 2])}, sample_rows_of(model), "test")
+    # without batch_num_images the model tiles every image, and so the counts read them
+    alone = {**{k: v for k, v in batch.items() if k != "batch_num_images"},
+             "input_ids": _ids([count(8, 8) + count(16, 32), 0, count(13, 27)], length=128)}
+    assert check_rows(alone, sample_rows_of(model), "test")[1]["pixel_values"] == Offsets([0, 2, 2, 3], [0, 2, 2, 3])

@@ -151,6 +151,20 @@ def _llava_next():
     return hf.LlavaNextForConditionalGeneration(config)
 
 
+def _llava_onevision():
+    """LLaVA-OneVision's any-resolution images: an image alone in its sample tiled as LLaVA-NeXT's, its tiles' features
+    pooled where they are over `vision_aspect_ratio`'s "anyres_max_N" tiles (N = 1 here: grids of 2 tiles pool);
+    several images to a sample each its base tile and a newline (`batch_num_images`). SigLIP's tower (no CLS feature,
+    "full"), a Qwen2 text model, as OneVision's checkpoints."""
+    torch.manual_seed(0)
+    config = hf.LlavaOnevisionConfig(
+        text_config={"model_type": "qwen2", **TEXT}, image_token_index=IMAGE, video_token_index=IMAGE + 1,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=4, patch_size=2),
+        image_grid_pinpoints=[[4, 8], [8, 4], [8, 8]], vision_aspect_ratio="anyres_max_1")
+    return hf.LlavaOnevisionForConditionalGeneration(config)
+
+
 def _glm4v():
     """GLM-4.1V's layout: Qwen2-VL's grid of patches merged 2 x 2, its text model's partial rotary over 3-D positions
     (the rotary half of each 16-wide head in sections of 2, 1 and 1 pairs)."""
@@ -168,7 +182,7 @@ def _glm4v():
 # What scripts/sweep_vision.py runs under every strategy; the checks below take three of them.
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl, "llava": _llava, "gemma3": _gemma3,
           "mistral3": _mistral3, "pixtral": _pixtral, "lfm2_vl": _lfm2_vl, "internvl": _internvl, "glm4v": _glm4v,
-          "llava_next": _llava_next}
+          "llava_next": _llava_next, "llava_onevision": _llava_onevision}
 
 
 def _samples(model, images_of_batches=IMAGES) -> list[dict]:
@@ -185,7 +199,8 @@ def _samples(model, images_of_batches=IMAGES) -> list[dict]:
     tiles = model.config.model_type == "internvl"  # InternVL's: h x w as h * w / 16 tiles of 4 placeholders each
     # LLaVA-NeXT's: an image of h + 1 x w pixels in the model's tiles of its any-resolution grid (padded to the batch's
     # most), its placeholders as many as the model's own features of it
-    anyres = model.config.model_type == "llava_next"
+    anyres = model.config.model_type in ("llava_next", "llava_onevision")
+    onevision = model.config.model_type == "llava_onevision"  # an image tiled only where it is its sample's one
     tokens_per_image = None if grid or sized or patches or tiles or anyres else getattr(
         model.config, "mm_tokens_per_image", (vision.image_size // vision.patch_size) ** 2)
     arguments = inspect.signature(model.forward).parameters
@@ -196,13 +211,17 @@ def _samples(model, images_of_batches=IMAGES) -> list[dict]:
             ids = torch.randint(3, 200, (SEQ_LEN,), generator=generator)
             sample, position = {"input_ids": ids}, 2
             pixels, grids = [], []
+            if anyres and images:  # each image's tiles (OneVision's: its base alone beside others), the model's features
+                pixels = [_anyres_tiles(model, (h + 1, w), generator, tiled=not onevision or len(images) == 1)
+                          for _, h, w in images]
+                with torch.no_grad():
+                    anyres_tokens = [f.shape[0] for f in model.model.get_image_features(
+                        pixel_values=_padded_rows(pixels), image_sizes=torch.tensor([(h + 1, w) for _, h, w in images]),
+                        **({"batch_num_images": torch.tensor([len(images)])} if onevision else {})).pooler_output]
             for t, h, w in images:
                 tokens = t * h * w // 4 if grid or sized or patches or tiles else tokens_per_image
                 if anyres:
-                    pixels.append(_anyres_tiles(model, (h + 1, w), generator))
-                    with torch.no_grad():
-                        tokens = model.model.get_image_features(pixel_values=pixels[-1][None], image_sizes=torch.tensor(
-                            [(h + 1, w)])).pooler_output[0].shape[0]
+                    tokens = anyres_tokens.pop(0)
                 ids[position:position + tokens] = IMAGE
                 position += tokens + 1
                 if anyres:
@@ -232,10 +251,12 @@ def _samples(model, images_of_batches=IMAGES) -> list[dict]:
                 sample["pixel_values"] = torch.cat(pixels)
                 if grid:
                     sample["image_grid_thw"] = torch.tensor(grids)
+            if onevision:  # its processor's images per sample (none too), which tell the model whether to tile them
+                sample["batch_num_images"] = torch.tensor(len(images))
             # (GLM-4.1V's processor writes a video's frames as image tokens between video start and end tokens, which
-            # these samples do not: images alone there)
+            # these samples do not: images alone there; LLaVA-OneVision's videos have no grid: images alone)
             videos = (VIDEOS.get(len(samples), []) if "pixel_values_videos" in arguments
-                      and model.config.model_type != "glm4v" else [])
+                      and model.config.model_type not in ("glm4v", "llava_onevision") else [])
             for t, h, w in videos:  # Qwen3-VL's processor gives each frame its own placeholders (and a timestamp)
                 frames = t if model.config.model_type.startswith("qwen3") else 1
                 for _ in range(frames):
@@ -254,14 +275,15 @@ def _samples(model, images_of_batches=IMAGES) -> list[dict]:
     return samples
 
 
-def _anyres_tiles(model, size: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+def _anyres_tiles(model, size: tuple[int, int], generator: torch.Generator, tiled: bool = True) -> torch.Tensor:
     """[tiles, C, S, S]: as many random tiles as LLaVA-NeXT's model takes for an image of `size` (height, width) pixels
-    (its image_size_to_num_patches: the base image and its any-resolution grid's tiles of the tower's S x S)."""
+    (its image_size_to_num_patches: the base image and its any-resolution grid's tiles of the tower's S x S), or the
+    base image alone where it is not `tiled` (LLaVA-OneVision's images several to a sample)."""
     import importlib
 
     modeling = importlib.import_module(type(model).__module__)
     side = model.config.vision_config.image_size
-    tiles = modeling.image_size_to_num_patches(list(size), model.config.image_grid_pinpoints, side)
+    tiles = modeling.image_size_to_num_patches(list(size), model.config.image_grid_pinpoints, side) if tiled else 1
     return torch.randn(tiles, 3, side, side, generator=generator)
 
 
@@ -286,7 +308,8 @@ def _collate(samples: list[dict]) -> dict:
     """A user's collate_fn: ids and labels stacked, every sample's images in one tensor in sample order (Pixtral's
     padded to the batch's largest)."""
     batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "token_type_ids",
-                                                                    "mm_token_type_ids") if key in samples[0]}
+                                                                    "mm_token_type_ids", "batch_num_images")
+             if key in samples[0]}
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_sizes",
                 "spatial_shapes", "pixel_attention_mask"):
         if any(key in s for s in samples):
@@ -374,6 +397,10 @@ def check_any_resolution_images_several_to_a_sample():
     (before: placed on the last stage, as an LM-head weight is; refused at the first step)."""
     train(_llava_next, autotune.Strategy(2, 1, 1, micro_batch_size=2))
     train(_llava_next, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
+    # LLaVA-OneVision: the first sample's two images untiled (base and newline each: 5 placeholders), the others'
+    # tiled and their 2-tile grids pooled; `batch_num_images` split with the samples (before: "not whole items")
+    train(_llava_onevision, autotune.Strategy(2, 1, 1, micro_batch_size=2))
+    train(_llava_onevision, autotune.Strategy(1, 1, 2, micro_batch_size=2, num_micro_batches=2))
 
 
 def check_bf16_mixed_precision_under_pipeline_stages_and_gradient_accumulation():
