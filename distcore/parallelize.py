@@ -41,6 +41,7 @@ from . import env
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
 from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
+from .buffers import cast_buffers_as_loaded
 from .export import export_after_parallelize
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
@@ -108,6 +109,8 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         params_before[id(param)] = param
         trainable_before[name] = param.requires_grad
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
+    if dp_config is not None and (compute_dtype := _mixed_precision(dp_config).param_dtype) not in (None, torch.float32):
+        cast_buffers_as_loaded(model, compute_dtype)  # FSDP2 casts parameters alone (buffers.py); before any stage's probe
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
         if router_aux_loss_on(model):

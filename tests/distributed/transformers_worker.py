@@ -1563,6 +1563,30 @@ def check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages(
                                          rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
 
 
+def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
+    """FSDP2's policy casts parameters, not buffers: GPT-1's causal mask and MiniMax's decay rates, built in the default
+    dtype, stayed fp32 and promoted bf16 activations to fp32 before a matmul with a bf16 weight ("expected m1 and m2 to
+    have the same dtype": both crashed under mixed_precision="bfloat16"). Now parallelize casts the buffers that the
+    model's own load in bf16 makes bf16 (distcore/buffers.py), the rotary tables it builds in fp32 kept so. GPT-1 under
+    dp 2, MiniMax under tp 2 + sp (its rates split by head) and pp 2 (the stages' probe runs with them) train equal to
+    one fp32 process to bf16 rounding."""
+    for family, strategy, cast, kept in (
+            ("openai-gpt", _strategy(2, 1, 1), "attn.bias", None),
+            ("minimax", TP2["tp 2 + sp"], "self_attn.slope_rate", "rotary_emb.inv_freq"),
+            ("minimax", _strategy(1, 1, 2, num_micro_batches=2), "self_attn.slope_rate", "rotary_emb.inv_freq")):
+        model, optimizer = _model(family)
+        model, optimizer, loader = distcore.to_distributed(
+            model, optimizer, _Loader(), device_num=dist.get_world_size(),
+            config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16"))
+        dtypes = {name: buffer.dtype for name, buffer in model.named_buffers()}
+        held = [None] * dist.get_world_size()  # (under pp, a stage may hold none of them)
+        dist.all_gather_object(held, {d for n, d in dtypes.items() if n.endswith(cast)})
+        assert set().union(*held) == {torch.bfloat16}, (family, held, dtypes)
+        assert kept is None or {d for n, d in dtypes.items() if n.endswith(kept)} == {torch.float32}, (family, dtypes)
+        equivalence.assert_same_training(_plain_loop(model, optimizer, loader), _reference(family),
+                                         rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+
+
 def check_fp16_mixed_precision_with_a_loss_scaler_trains_like_one_process():
     """to_distributed's mixed_precision="float16" with torch.amp.GradScaler at its default scale (65,536) in the
     loop, fused kernels on: the fused LM head + loss sees an fp16 head, whose gradients all wait for the backward
@@ -2558,7 +2582,8 @@ TWO_PROCESS_CHECKS = [  # their strategies from TP2
     "check_conv1d_projections_train_under_tensor_parallel", "check_lightning_attention_layers_train_under_tensor_parallel",
     "check_state_space_models_alone_train_under_tensor_parallel", "check_lora_layers_under_tensor_parallel",
     "check_a_frozen_tied_embedding_stays_frozen_across_pipeline_stages",
-    "check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages"]
+    "check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages",
+    "check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16"]
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
