@@ -389,10 +389,15 @@ class _StandIn(torch.nn.Module):
         try:
             meta_out = self._meta_run(args, kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
+            dtypes = state.compute_dtype is not None and ("dtype" in str(error) or "scalar type" in str(error))
+            cause = (f"its inputs mix fp32 and {state.compute_dtype}: under mixed precision the model's code took a dtype "
+                     "from a tensor this stage holds in fp32, such as its first parameter outside FSDP2's forward "
+                     "(GPT-1's attention mask); train it with pp=1 or without mixed precision" if dtypes else
+                     "its code needs values there, data-dependent code such as a router's expert counts: use pp=1 "
+                     "for this model")
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} runs {name!r} (stage {owner}'s) on the meta device to "
-                f"shape the zeros standing in for its output, and its code needs values there ({type(error).__name__}: "
-                f"{error}; data-dependent code such as a router's expert counts): use pp=1 for this model") from error
+                f"shape the zeros standing in for its output, and {cause} ({type(error).__name__}: {error})") from error
         output = tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, meta_out)
         first = output[0] if isinstance(output, (tuple, list)) and output else output
         state.last_placeholder = first if isinstance(first, torch.Tensor) else None

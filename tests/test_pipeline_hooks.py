@@ -94,6 +94,40 @@ def test_under_mixed_precision_stand_ins_compute_in_the_parameters_compute_dtype
         assert plain(torch.ones(2, 3, dtype=torch.long))[0].dtype == torch.float32
 
 
+class _MatmulWithFp32Mask(torch.nn.Module):
+    """GPT-1's attention in small: scores plus a mask built in the dtype the caller passes (GPT-1 takes it from the
+    model's first parameter), then a batched matmul with the values (its projection of the hidden states)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, hidden, mask):
+        values = hidden @ self.weight
+        return torch.bmm((hidden + mask)[None], values[None].transpose(1, 2))[0]
+
+
+class _CountsTokens(torch.nn.Module):
+    def forward(self, scores):
+        return torch.zeros(int((scores > 0).sum()))  # data-dependent: its size is a count of the scores' values
+
+
+def test_a_stand_in_that_cannot_run_on_meta_names_the_cause():
+    """An earlier stage's module whose code cannot run on the meta device is refused by name: its inputs mixing fp32
+    and the compute dtype under mixed precision (GPT-1's attention mask in the dtype of the stage's first parameter,
+    fp32 outside FSDP2's forward, beside bf16 hidden states), or its code reading values (a router's counts)."""
+    from tridist.distcore.pipeline import _meta_copy, _StandIn
+
+    state = _StageState(stage=1, is_first=False, is_last=True, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+    mixed = _StandIn("h.0", 0, _meta_copy(_MatmulWithFp32Mask(), state.compute_dtype), state, "earlier")
+    with pytest.raises(RuntimeError, match=r"runs 'h.0' \(stage 0's\).*mix fp32 and torch.bfloat16.*GPT-1.*pp=1"):
+        mixed(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4))
+    assert mixed(torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    counts = _StandIn("router", 0, _meta_copy(_CountsTokens()), state, "earlier")
+    with pytest.raises(RuntimeError, match=r"runs 'router'.*needs values there.*pp=1 for this model"):
+        counts(torch.ones(3))
+
+
 def test_a_later_stage_reads_an_earlier_modules_weight_device_shape_and_dtype_only():
     """Llama 4's decoder runs `input_ids.to(self.embed_tokens.weight.device)` before the embedding: on a later
     stage the embedding is a stand-in, whose weight reads as this stage's device with the real shape and
