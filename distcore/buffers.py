@@ -42,8 +42,9 @@ def cast_buffers_as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> list[s
                     "keep their dtypes (%s)", type(base).__name__, type(error).__name__, error, sorted(others)[:4])
         return []
     cast = [name for name in others if name in loaded and loaded[name].dtype == dtype]
-    for name in cast:
-        owner, _, leaf = name.rpartition(".")
-        module = base.get_submodule(owner)
-        module._buffers[leaf] = module._buffers[leaf].to(dtype)  # (its persistence unchanged: a set of names)
+    replaced = {id(others[name]): others[name].to(dtype) for name in cast}
+    for module in base.modules():  # every module holding one (a buffer two modules share stays shared)
+        for leaf, buffer in module._buffers.items():
+            if buffer is not None and id(buffer) in replaced:
+                module._buffers[leaf] = replaced[id(buffer)]  # (its persistence unchanged: a set of names)
     return cast

@@ -47,6 +47,15 @@ def test_the_buffers_a_bf16_load_makes_bf16_are_cast_and_the_others_kept():
     assert {b.dtype for n, b in minimax.named_buffers() if "inv_freq" in n} == {torch.float32}
 
 
+def test_a_buffer_two_modules_share_stays_shared():
+    model = _gpt1()
+    shared = model.transformer.h[0].attn.bias
+    model.transformer.h[1].attn.bias = shared  # (assigning a tensor to a buffer's name replaces the buffer)
+    assert cast_buffers_as_loaded(model, torch.bfloat16) == ["transformer.h.0.attn.bias"]  # named once
+    assert model.transformer.h[1].attn.bias is model.transformer.h[0].attn.bias
+    assert model.transformer.h[1].attn.bias.dtype == torch.bfloat16
+
+
 def test_peft_models_are_read_through_their_base_model():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_gpt1(), peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
