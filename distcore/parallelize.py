@@ -40,8 +40,8 @@ from torch.utils._pytree import tree_map
 from . import env
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
-from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
 from .buffers import cast_buffers_as_loaded
+from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
 from .export import export_after_parallelize
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
 from .lazy import materialize
@@ -109,8 +109,10 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         params_before[id(param)] = param
         trainable_before[name] = param.requires_grad
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
-    if dp_config is not None and (compute_dtype := _mixed_precision(dp_config).param_dtype) not in (None, torch.float32):
+    compute_dtype = _mixed_precision(dp_config).param_dtype if dp_config is not None else None
+    if compute_dtype not in (None, torch.float32):
         cast_buffers_as_loaded(model, compute_dtype)  # FSDP2 casts parameters alone (buffers.py); before any stage's probe
+    lazy_buffers = any(b.is_meta and b.is_floating_point() for b in model.buffers())  # LazyGuard's: cast once real
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
         if router_aux_loss_on(model):
@@ -141,7 +143,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
                 stage, dims=dims, mp_config=mp_config, dp_config=dp_config, warn_unmatched=False, views=views,
                 experts=experts,
             ),
-            compute_dtype=_mixed_precision(dp_config).param_dtype if dp_config is not None else None,
+            compute_dtype=compute_dtype,
         )
         micro_batches = runner.config.micro_batches
     else:
@@ -161,6 +163,8 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
     # stage), one parameter at a time; the optimizer below then holds the real parameters.
     materialize(model, device=env.device(), strict=False)
+    if lazy_buffers and compute_dtype not in (None, torch.float32):
+        cast_buffers_as_loaded(model, compute_dtype)
     _check_trainable_kept(model, trainable_before)
     mark_replaced(params_before, names_before, model)
     if optimizer is None:

@@ -341,6 +341,11 @@ class _StageState:
     compute_dtype: torch.dtype | None = None
 
 
+# torch's errors for operands of two floating dtypes (bmm, baddbmm, scaled_dot_product_attention: their meta kernels
+# check; matmul's and addmm's do not)
+_MIXED_DTYPES = re.compile(r"expected scalar type \S+ but found|dtypes must be the same|to have the same dtype")
+
+
 class _StandIn(torch.nn.Module):
     """Takes the place of a module owned by another stage; holds no parameters.
 
@@ -389,12 +394,13 @@ class _StandIn(torch.nn.Module):
         try:
             meta_out = self._meta_run(args, kwargs)
         except Exception as error:  # noqa: BLE001 - any failure of the model's code on meta tensors, named
-            dtypes = state.compute_dtype is not None and ("dtype" in str(error) or "scalar type" in str(error))
-            cause = (f"its inputs mix fp32 and {state.compute_dtype}: under mixed precision the model's code took a dtype "
-                     "from a tensor this stage holds in fp32, such as its first parameter outside FSDP2's forward "
-                     "(GPT-1's attention mask); train it with pp=1 or without mixed precision" if dtypes else
-                     "its code needs values there, data-dependent code such as a router's expert counts: use pp=1 "
-                     "for this model")
+            if state.compute_dtype is not None and _MIXED_DTYPES.search(str(error)):
+                cause = (f"its inputs mix fp32 and {state.compute_dtype}: under mixed precision the model's code took "
+                         "a dtype from a tensor this stage holds in fp32, such as its first parameter outside FSDP2's "
+                         "forward (GPT-1's attention mask); train it with pp=1 or without mixed precision")
+            else:
+                cause = ("its code needs values there, data-dependent code such as a router's expert counts: use pp=1 "
+                         "for this model")
             raise RuntimeError(
                 f"pipeline parallel: stage {state.stage} runs {name!r} (stage {owner}'s) on the meta device to "
                 f"shape the zeros standing in for its output, and {cause} ({type(error).__name__}: {error})") from error

@@ -295,8 +295,8 @@ def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int, bool], in
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     vision = getattr(config, "vision_config", None)
     strategy, aspect = getattr(config, "vision_feature_select_strategy", None), getattr(config, "vision_aspect_ratio", None)
-    pooled = aspect is not None
-    if pooled and not (isinstance(aspect, str) and aspect.startswith("anyres_max_") and aspect[11:].isdigit()):
+    pools = aspect is not None  # (where a tiled grid is larger than the rule allows)
+    if pools and not (isinstance(aspect, str) and aspect.removeprefix("anyres_max_").isdigit()):
         return None  # a pooling rule this does not read
     class_token = any(hasattr(m, "class_embedding") for name in media_encoders(model)  # CLIP's: SigLIP's has none
                       for m in model.get_submodule(name).modules())
@@ -305,14 +305,14 @@ def anyres_placeholders(model: torch.nn.Module) -> Callable[[int, int, bool], in
             or not all(isinstance(getattr(vision, a, None), int) for a in ("image_size", "patch_size"))):
         return None
     side = vision.image_size // vision.patch_size
-    most = int(aspect[11:]) if pooled else None  # tiles' worth of features a pooled grid keeps
+    most = int(aspect.removeprefix("anyres_max_")) if pools else None  # tiles' worth of features a pooled grid keeps
 
     def count(height: int, width: int, tiled: bool = True) -> int:
         if not tiled:
             return side * side + 1
         rows, columns = grid_shape([height, width], pinpoints, vision.image_size)
         kept_rows, kept_columns = unpad(torch.empty(0, rows * side, columns * side), [height, width]).shape[1:]
-        if pooled and (ratio := math.sqrt(kept_rows * kept_columns / (most * side**2))) > 1.1:
+        if pools and (ratio := math.sqrt(kept_rows * kept_columns / (most * side**2))) > 1.1:
             kept_rows, kept_columns = int(kept_rows // ratio), int(kept_columns // ratio)  # (bilinear, to this size)
         return side * side + kept_rows * (kept_columns + 1)  # (get_image_features always passes its image_newline)
 

@@ -33,7 +33,7 @@ def test_the_buffers_a_bf16_load_makes_bf16_are_cast_and_the_others_kept():
     buffers = dict(model.named_buffers())
     for name, mask in masks.items():
         assert buffers[name].dtype == torch.bfloat16 and torch.equal(buffers[name].float(), mask), name
-    assert set(model.state_dict()) == keys
+    assert set(model.state_dict()) == keys and model.config.dtype in (None, torch.float32)  # (the build's config: a copy)
     assert cast_buffers_as_loaded(model, torch.bfloat16) == []  # nothing left to cast
 
     llama = hf.LlamaForCausalLM(hf.LlamaConfig(**TEXT))
@@ -54,6 +54,37 @@ def test_a_buffer_two_modules_share_stays_shared():
     assert cast_buffers_as_loaded(model, torch.bfloat16) == ["transformer.h.0.attn.bias"]  # named once
     assert model.transformer.h[1].attn.bias is model.transformer.h[0].attn.bias
     assert model.transformer.h[1].attn.bias.dtype == torch.bfloat16
+
+
+def test_a_saved_buffer_the_load_keeps_in_fp32_stays_fp32(monkeypatch):
+    """transformers' load keeps what `_keep_in_fp32_modules_strict` names in fp32 (bf16 and fp16), and what
+    `_keep_in_fp32_modules` names under fp16, among the checkpoint's keys: a persistent buffer there stays fp32; a
+    non-persistent one, which no load reaches, is cast as the class makes it."""
+    model = _gpt1()
+    model.transformer.h[0].attn._non_persistent_buffers_set.discard("bias")  # saved, so loaded
+    monkeypatch.setattr(type(model), "_keep_in_fp32_modules_strict", ["h.*.attn"])
+    assert sorted(cast_buffers_as_loaded(model, torch.bfloat16)) == ["transformer.h.1.attn.bias"]
+    monkeypatch.setattr(type(model), "_keep_in_fp32_modules_strict", None)
+    monkeypatch.setattr(type(model), "_keep_in_fp32_modules", ["h.0"])
+    assert cast_buffers_as_loaded(model, torch.float16) == ["transformer.h.1.attn.bias"]  # (h.1 bf16 already: fp16 now)
+    assert sorted(cast_buffers_as_loaded(model, torch.bfloat16)) == [  # h.0 not kept under bf16 (h.1 fp16 now)
+        "transformer.h.0.attn.bias", "transformer.h.1.attn.bias"]
+
+
+def test_a_lazy_models_buffers_are_cast_once_materialised():
+    """Under LazyGuard the buffers are meta until materialised (their recipes replay then): left alone before, cast
+    after (parallelize calls it again after its materialisation)."""
+    from tridist.distcore import LazyGuard
+    from tridist.distcore.lazy import materialize
+
+    with LazyGuard():
+        model = hf.OpenAIGPTLMHeadModel(hf.OpenAIGPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                                           n_head=2))
+        model.initialize_weights()
+    assert cast_buffers_as_loaded(model, torch.bfloat16) == []
+    materialize(model, device=torch.device("cpu"))
+    assert len(cast_buffers_as_loaded(model, torch.bfloat16)) == 2
+    assert {b.dtype for n, b in model.named_buffers() if n.endswith("attn.bias")} == {torch.bfloat16}
 
 
 def test_peft_models_are_read_through_their_base_model():

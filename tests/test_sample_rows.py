@@ -372,3 +372,15 @@ def test_onevision_images_take_their_features_alone_or_several_to_a_sample(tower
     alone = {**{k: v for k, v in batch.items() if k != "batch_num_images"},
              "input_ids": _ids([count(8, 8) + count(16, 32), 0, count(13, 27)], length=128)}
     assert check_rows(alone, sample_rows_of(model), "test")[1]["pixel_values"] == Offsets([0, 2, 2, 3], [0, 2, 2, 3])
+    # OneVision's own rule, anyres_max_9, on grids up to 6 x 6 tiles: pooled only over 1.1x 9 tiles' features (the
+    # sizes where a threshold of 1.0 would pool too, and grids pooled to sizes that floor differently)
+    model.config.vision_aspect_ratio = "anyres_max_9"
+    model.config.image_grid_pinpoints = [[8 * rows, 8 * columns] for rows in range(1, 7) for columns in range(1, 7)]
+    count = anyres_placeholders(model)
+    for size in [(17, 29), (40, 16), (48, 48), (30, 47), (45, 21), (8, 48)]:
+        tiles = modeling.image_size_to_num_patches(list(size), model.config.image_grid_pinpoints, 8)
+        with torch.no_grad():
+            features = model.model.get_image_features(
+                pixel_values=torch.randn(1, tiles, 3, 8, 8), image_sizes=torch.tensor([size]),
+                batch_num_images=torch.tensor([1]), vision_aspect_ratio="anyres_max_9").pooler_output
+        assert features[0].shape[0] == count(*size), size

@@ -32,6 +32,7 @@ from transformers.utils import ModelOutput
 
 from tridist import autotune, distcore
 from tridist.distcore.block_check import TensorParallelCheckError
+from tridist.distcore.lazy import materialize
 from tridist.distcore.pipeline import PROVISIONAL_SCALE
 from tests.distributed import equivalence
 from tests.distributed.harness import on_rank_0, raises, run_checks
@@ -1568,8 +1569,8 @@ def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
     dtype, stayed fp32 and promoted bf16 activations to fp32 before a matmul with a bf16 weight ("expected m1 and m2 to
     have the same dtype": both crashed under mixed_precision="bfloat16"). Now parallelize casts the buffers that the
     model's own load in bf16 makes bf16 (distcore/buffers.py), the rotary tables it builds in fp32 kept so. GPT-1 under
-    dp 2, MiniMax under tp 2 + sp (its rates split by head) and pp 2 (the stages' probe runs with them) train equal to
-    one fp32 process to bf16 rounding."""
+    dp 2 (also built under LazyGuard: cast once materialised), MiniMax under tp 2 + sp (its rates split by head) and
+    pp 2 (the stages' probe runs with them) train equal to one fp32 process to bf16 rounding."""
     for family, strategy, cast, kept in (
             ("openai-gpt", _strategy(2, 1, 1), "attn.bias", None),
             ("minimax", TP2["tp 2 + sp"], "self_attn.slope_rate", "rotary_emb.inv_freq"),
@@ -1585,6 +1586,27 @@ def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
         assert kept is None or {d for n, d in dtypes.items() if n.endswith(kept)} == {torch.float32}, (family, dtypes)
         equivalence.assert_same_training(_plain_loop(model, optimizer, loader), _reference(family),
                                          rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+
+    # GPT-1 built under LazyGuard: its masks are meta until parallelize materialises them, then cast (else the crash)
+    def lazy_gpt1():
+        torch.manual_seed(0)  # (the guard's seed: every rank and the reference alike)
+        with distcore.LazyGuard():
+            model = build("openai-gpt")
+            model.initialize_weights()
+        return model
+
+    def one_process():
+        model = lazy_gpt1()
+        materialize(model)
+        return _run(model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+    model = lazy_gpt1()
+    model, optimizer, loader = distcore.to_distributed(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=_strategy(2, 1, 1), mixed_precision="bfloat16"))
+    assert {b.dtype for n, b in model.named_buffers() if n.endswith("attn.bias")} == {torch.bfloat16}
+    equivalence.assert_same_training(_plain_loop(model, optimizer, loader), on_rank_0(one_process),
+                                     rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
 
 
 def check_fp16_mixed_precision_with_a_loss_scaler_trains_like_one_process():
