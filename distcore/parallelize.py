@@ -110,9 +110,10 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         trainable_before[name] = param.requires_grad
     mp_config, dp_config = _sub_config(config, "mp_config", _MP_KEYS), _sub_config(config, "dp_config", _DP_KEYS)
     compute_dtype = _mixed_precision(dp_config).param_dtype if dp_config is not None else None
-    if compute_dtype not in (None, torch.float32):
-        cast_buffers_as_loaded(model, compute_dtype)  # FSDP2 casts parameters alone (buffers.py); before any stage's probe
-    lazy_buffers = any(b.is_meta and b.is_floating_point() for b in model.buffers())  # LazyGuard's: cast once real
+    cast_buffers = compute_dtype not in (None, torch.float32)  # FSDP2 casts parameters alone (buffers.py)
+    if cast_buffers:  # before any stage's probe runs with them
+        cast_buffers_as_loaded(model, compute_dtype)
+    lazy_buffers = cast_buffers and any(b.is_meta and b.is_floating_point() for b in model.buffers())  # cast once real
     experts = _expert_parallel_plan(model, mesh, ep_config) if ep_config is not None else None
     if "pp_config" in config:
         if router_aux_loss_on(model):
@@ -163,7 +164,7 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
     # A LazyGuard model is still on meta: each rank now materialises only its own shards (of its own
     # stage), one parameter at a time; the optimizer below then holds the real parameters.
     materialize(model, device=env.device(), strict=False)
-    if lazy_buffers and compute_dtype not in (None, torch.float32):
+    if lazy_buffers:  # LazyGuard's, materialised just now
         cast_buffers_as_loaded(model, compute_dtype)
     _check_trainable_kept(model, trainable_before)
     mark_replaced(params_before, names_before, model)

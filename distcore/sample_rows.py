@@ -161,7 +161,8 @@ def _check_items_per_sample(placeholders: list[int], tokens: list[int], counts: 
     if len(counts) != len(placeholders) or sum(counts) != len(tokens):
         raise ValueError(f"{key!r} gives {len(counts)} sample(s) {sum(counts)} item(s) where the batch has "
                          f"{len(placeholders)} sample(s) and {len(tokens)} item(s)")
-    for sample, (wanted, start, end) in enumerate(zip(placeholders, _cumulative(counts), _cumulative(counts)[1:])):
+    offsets = _cumulative(counts)
+    for sample, (wanted, start, end) in enumerate(zip(placeholders, offsets, offsets[1:])):
         if sum(tokens[start:end]) != wanted:
             raise ValueError(f"sample {sample}'s {wanted} placeholder token(s) {token_id} are not its {end - start} "
                              f"item(s) of {key!r} (their placeholders {tokens[start:end]}): the ids and the media "

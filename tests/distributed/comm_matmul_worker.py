@@ -528,9 +528,9 @@ def check_symm_mem_backend_errors():
     raises(ValueError, ["backend='Ring'"], lambda: matmul_reduce_scatter(x, w, scatter_dim=0, backend="Ring"))
     with symm_mem_on_cpu():
         raises(ValueError, ["save_gathered=False", "backend='ring'"],
-                lambda: all_gather_matmul(x, w, gather_dim=1, save_gathered=False, backend="symm_mem"))
+               lambda: all_gather_matmul(x, w, gather_dim=1, save_gathered=False, backend="symm_mem"))
         raises(ValueError, ["x.shape[1] = 7", "group size"],
-                lambda: matmul_reduce_scatter(torch.randn(2, 7, 24), w, scatter_dim=1, backend="symm_mem"))
+               lambda: matmul_reduce_scatter(torch.randn(2, 7, 24), w, scatter_dim=1, backend="symm_mem"))
         # torchrun numbers each node's processes consecutively: with 2 per node, the world spans 2 nodes,
         # the pair {0, 2} / {1, 3} too, and a single rank none.
         previous = os.environ["LOCAL_WORLD_SIZE"]
@@ -539,7 +539,7 @@ def check_symm_mem_backend_errors():
             pair = sorted(dist.get_process_group_ranks(_groups()["pair"]))
             for group, ranks in ((_groups()["world"], [0, 1, 2, 3]), (_groups()["pair"], pair)):
                 raises(ValueError, [f"ranks {ranks} span nodes [0, 1]", "LOCAL_WORLD_SIZE=2", "backend='ring'"],
-                        lambda: all_gather_matmul(x, w, group, gather_dim=1, backend="symm_mem"))
+                       lambda: all_gather_matmul(x, w, group, gather_dim=1, backend="symm_mem"))
             assert all_gather_matmul(x, w, _groups()["single"], gather_dim=1, backend="symm_mem").shape == (2, 6, 40)
         finally:
             os.environ["LOCAL_WORLD_SIZE"] = previous
@@ -552,25 +552,25 @@ def check_error_messages():
     size = dist.get_world_size()
     x, w = torch.randn(2, 7, 24), torch.randn(40, 24)
     raises(ValueError, ["x.shape[1] = 7", "scatter_dim=1", f"group size {size}", "pad", "multiple of 4", "(e.g. 8)"],
-            lambda: matmul_reduce_scatter(x, w, scatter_dim=1))
+           lambda: matmul_reduce_scatter(x, w, scatter_dim=1))
     raises(ValueError, ["[out_features, in_features]", "(24, 40)", "in_features = x_shard.shape[-1] = 24", "not weight.T"],
-            lambda: all_gather_matmul(x, w.t(), gather_dim=1))
+           lambda: all_gather_matmul(x, w.t(), gather_dim=1))
     raises(ValueError, ["(40, 25)", "= 24"], lambda: matmul_reduce_scatter(torch.randn(4, 24), torch.randn(40, 25)))
     raises(TypeError, ["torch.bfloat16", "torch.float32", "must match"],
-            lambda: all_gather_matmul(x, w.bfloat16(), gather_dim=1))
+           lambda: all_gather_matmul(x, w.bfloat16(), gather_dim=1))
     raises(TypeError, ["torch.int64", "float32, float16 and bfloat16"],
-            lambda: all_gather_matmul(torch.ones(2, 3, 24, dtype=torch.long), w, gather_dim=1))
+           lambda: all_gather_matmul(torch.ones(2, 3, 24, dtype=torch.long), w, gather_dim=1))
     raises(ValueError, ["x_shard is on cpu", "weight on meta"],
-            lambda: all_gather_matmul(x, torch.empty(40, 24, device="meta"), gather_dim=1))
+           lambda: all_gather_matmul(x, torch.empty(40, 24, device="meta"), gather_dim=1))
     raises(ValueError, ["gather_dim=-1", "last dim", "leading dim (0..1)"], lambda: all_gather_matmul(x, w, gather_dim=-1))
     raises(ValueError, ["scatter_dim=3", "out of range"], lambda: matmul_reduce_scatter(x, w, scatter_dim=3))
     raises(ValueError, ["at least 2 dims"], lambda: all_gather_matmul(torch.randn(24), w))
     raises(ValueError, ["gloo", "CPU tensors only", "meta", "NCCL"],
-            lambda: all_gather_matmul(torch.empty(2, 6, 24, device="meta"), torch.empty(40, 24, device="meta"), gather_dim=1))
+           lambda: all_gather_matmul(torch.empty(2, 6, 24, device="meta"), torch.empty(40, 24, device="meta"), gather_dim=1))
     other = dist.new_group([0, 1])  # every rank creates it; ranks 2 and 3 are not members
     if dist.get_rank() >= 2:
         raises(ValueError, ["not a member", f"global rank {dist.get_rank()}"],
-                lambda: all_gather_matmul(x, w, other, gather_dim=1))
+               lambda: all_gather_matmul(x, w, other, gather_dim=1))
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -1555,13 +1555,19 @@ def check_bf16_mixed_precision_stand_ins_compute_in_bf16_across_pipeline_stages(
     under FSDP2's policy; Gemma 2 and Bloom train equal to one fp32 process to bf16 rounding. Before: fp32 zeros, a
     mask of fp32's minimum, -inf once added to bf16 scores: NaN losses on both stages."""
     for family in ("gemma2", "bloom"):
-        model, optimizer = _model(family)
-        model, optimizer, loader = distcore.to_distributed(
-            model, optimizer, _Loader(), device_num=dist.get_world_size(),
-            config=distcore.ToDistributedConfig(strategy=_strategy(1, 1, 2, num_micro_batches=2),
-                                                mixed_precision="bfloat16"))
-        equivalence.assert_same_training(_plain_loop(model, optimizer, loader), _reference(family),
-                                         rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+        _bf16_training(*_model(family), _strategy(1, 1, 2, num_micro_batches=2), _reference(family))
+
+
+def _bf16_training(model, optimizer, strategy, reference: equivalence.Trace, inspect=None) -> None:
+    """`model` through to_distributed under `strategy` with mixed_precision="bfloat16" (`inspect` asserts what it must
+    of the distributed model), trained by the user's loop: equal to `reference`, one fp32 process, to bf16 rounding."""
+    model, optimizer, loader = distcore.to_distributed(
+        model, optimizer, _Loader(), device_num=dist.get_world_size(),
+        config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16"))
+    if inspect is not None:
+        inspect(model)
+    equivalence.assert_same_training(_plain_loop(model, optimizer, loader), reference,
+                                     rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
 
 
 def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
@@ -1575,17 +1581,14 @@ def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
             ("openai-gpt", _strategy(2, 1, 1), "attn.bias", None),
             ("minimax", TP2["tp 2 + sp"], "self_attn.slope_rate", "rotary_emb.inv_freq"),
             ("minimax", _strategy(1, 1, 2, num_micro_batches=2), "self_attn.slope_rate", "rotary_emb.inv_freq")):
-        model, optimizer = _model(family)
-        model, optimizer, loader = distcore.to_distributed(
-            model, optimizer, _Loader(), device_num=dist.get_world_size(),
-            config=distcore.ToDistributedConfig(strategy=strategy, mixed_precision="bfloat16"))
-        dtypes = {name: buffer.dtype for name, buffer in model.named_buffers()}
-        held = [None] * dist.get_world_size()  # (under pp, a stage may hold none of them)
-        dist.all_gather_object(held, {d for n, d in dtypes.items() if n.endswith(cast)})
-        assert set().union(*held) == {torch.bfloat16}, (family, held, dtypes)
-        assert kept is None or {d for n, d in dtypes.items() if n.endswith(kept)} == {torch.float32}, (family, dtypes)
-        equivalence.assert_same_training(_plain_loop(model, optimizer, loader), _reference(family),
-                                         rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+        def buffers_cast(model, family=family, cast=cast, kept=kept):
+            dtypes = {name: buffer.dtype for name, buffer in model.named_buffers()}
+            held = [None] * dist.get_world_size()  # (under pp, a stage may hold none of them)
+            dist.all_gather_object(held, {d for n, d in dtypes.items() if n.endswith(cast)})
+            assert set().union(*held) == {torch.bfloat16}, (family, held, dtypes)
+            assert kept is None or {d for n, d in dtypes.items() if n.endswith(kept)} == {torch.float32}, (family, dtypes)
+
+        _bf16_training(*_model(family), strategy, _reference(family), inspect=buffers_cast)
 
     # GPT-1 built under LazyGuard: its masks are meta until parallelize materialises them, then cast (else the crash)
     def lazy_gpt1():
@@ -1600,13 +1603,12 @@ def check_bf16_mixed_precision_casts_the_buffers_a_bf16_load_makes_bf16():
         materialize(model)
         return _run(model, torch.optim.SGD(model.parameters(), lr=0.5))
 
+    def masks_cast(model):
+        assert {b.dtype for n, b in model.named_buffers() if n.endswith("attn.bias")} == {torch.bfloat16}
+
     model = lazy_gpt1()
-    model, optimizer, loader = distcore.to_distributed(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), _Loader(), device_num=dist.get_world_size(),
-        config=distcore.ToDistributedConfig(strategy=_strategy(2, 1, 1), mixed_precision="bfloat16"))
-    assert {b.dtype for n, b in model.named_buffers() if n.endswith("attn.bias")} == {torch.bfloat16}
-    equivalence.assert_same_training(_plain_loop(model, optimizer, loader), on_rank_0(one_process),
-                                     rtol=equivalence.BF16_RTOL, loss_rtol=equivalence.BF16_LOSS_RTOL)
+    _bf16_training(model, torch.optim.SGD(model.parameters(), lr=0.5), _strategy(2, 1, 1), on_rank_0(one_process),
+                   inspect=masks_cast)
 
 
 def check_fp16_mixed_precision_with_a_loss_scaler_trains_like_one_process():
