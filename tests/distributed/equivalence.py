@@ -154,6 +154,13 @@ def assert_tensors_close(kind: str, got: dict, want: dict, *, scale: dict | None
 
 def assert_losses_close(losses: list, ref_losses: list, *, loss_rtol: float = LOSS_RTOL, rtol: float = RTOL) -> None:
     assert len(losses) == len(ref_losses), (losses, ref_losses)
+    # A reference whose loss more than doubles in a few steps has diverged: the optimizer then amplifies fp32's
+    # reordered sums step by step, so whether the last losses agree depends on the CPU's BLAS, not on the strategy
+    # (Gemma 4 at lr 0.5 went 4.8 -> 48 and failed on an AMD EPYC after passing elsewhere). At initialisation the loss
+    # is about log(vocab); two SGD steps that help move it by a few percent (every reference here: at most +15%).
+    assert max(ref_losses) <= 2 * abs(ref_losses[0]), (
+        f"the reference training diverged ({ref_losses}): the comparison would measure the machine's rounding; "
+        "lower the learning rate or clip the gradients (the checks' `clip=`)")
     for step, (loss, ref) in enumerate(zip(losses, ref_losses)):
         allowed = loss_rtol * abs(ref) + rtol * abs(ref - ref_losses[0])
         record("losses", abs(loss - ref) / allowed)
