@@ -10,6 +10,11 @@ part (`_StridedShard`, see tensor_parallel.py) holds several boxes per rank ([q_
 would file it under the first offset and scramble the checkpoint. Such tensors are written and read
 through a box layout (each `_StridedShard` made a plain `Shard`): one redistribution per packed tensor
 at checkpoint time, and the checkpoint holds the single-device layout, loadable under any degree.
+
+Every entry point here is collective over all ranks and first meets the other ranks in the process group's store
+(`env.every_rank_calls`): called under `if rank == 0:`, as DDP scripts save, it logs why it waits after a minute
+and raises at the process group's timeout, naming the ranks that never called, where its first collective would
+hang or pair with those ranks' training collectives.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def save_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     `extra` (picklable: a step count, a data position) is written once, from rank 0's copy.
     """
     env.init_parallel_env()
+    env.every_rank_calls("save_state")
     model_state, optim_state = get_state_dict(model, _optimizers(optimizer), options=_OPTIONS)
     _under_every_name_of_a_tie(model, optim_state)
     # `extra` travels as one pickled blob: DCP loads only keys the loader already knows, and the
@@ -84,6 +90,7 @@ def load_state(model: torch.nn.Module, optimizer=None, path: str | os.PathLike =
     with torch.load). Collective over all ranks.
     """
     env.init_parallel_env()
+    env.every_rank_calls("load_state")
     path = os.fspath(path)
     # Decided together: ranks that raised while others entered dcp.load would leave those hanging
     # (node-local disks may differ).
@@ -121,6 +128,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     (on every rank; the whole model passes through rank 0's CPU memory). Each rank gathers its own stage's
     tensors (one full_tensor per DTensor, in state-dict order: every rank of a stage alike); then the first
     rank of each stage sends its stage's to rank 0."""
+    env.every_rank_calls("full_state_dict")
     own = {}
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
@@ -148,6 +156,7 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Ten
     distributed model: each rank copies its own shard of each tensor its stage holds (no communication but one
     all-reduce that checks every rank found its names). `state_dict` must be there on every rank. The twin of
     `full_state_dict`; for checkpoints written under a strategy, `load_state` reads only what each rank needs."""
+    env.every_rank_calls("load_full_state_dict")
     problems = []
     with torch.no_grad():
         for name, target in model.state_dict().items():

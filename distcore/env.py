@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
 import time
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -166,3 +169,64 @@ def device() -> torch.device:
     """The device this process computes on: its GPU under NCCL, the CPU under gloo."""
     env = ParallelEnv()
     return torch.device("cuda", env.device_id) if env.device_type == "gpu" else torch.device("cpu")
+
+
+# One log line for a rank left waiting this long in `every_rank_calls`: ranks that call a checkpoint together
+# arrive within a step's skew (seconds), so a minute's wait is almost surely a call on some ranks only, while the
+# error comes only at the process group's timeout (10 minutes by default) in case a rank is merely slow.
+ARRIVAL_LOG_S = 60.0
+
+
+def every_rank_calls(what: str) -> None:
+    """Returns once every rank of the job has called `what` as many times as this rank has (this call
+    included); raises a RuntimeError naming the ranks that did not, at the process group's timeout.
+
+    For the collective entry points that scripts are wont to call on rank 0 alone (`if rank == 0:
+    model.save_pretrained(path)`, the habit of DDP scripts, where each rank holds the whole model). Called so,
+    their first collective would wait for ranks that never come, or pair with those ranks' next collectives (the
+    training's own all-gathers): a hang, or a checkpoint of mixed-up tensors. The ranks therefore meet first
+    in the process group's store, where no collective can pair with them, and a rank left waiting says why
+    after `ARRIVAL_LOG_S`. Nothing to do in a world of one; skipped where the group has no store."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = _default_store()
+    if store is None:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"tridist/every_rank_calls/{what}"
+    call = f"{prefix}/{store.add(f'{prefix}/calls/{rank}', 1)}"  # this rank's how-manieth call of `what`
+    store.set(f"{call}/rank{rank}", "1")  # read only to name the absent ranks
+    if store.add(f"{call}/arrived", 1) == world:
+        store.set(f"{call}/all", "1")
+    start, pause, logged = time.monotonic(), 0.001, False
+    timeout_s = store.timeout.total_seconds()
+    fix = "it is collective: call it on every rank, not under `if rank == 0:`"
+    # store.check polls without blocking (store.wait's timeouts print a C++ warning each); one key per poll
+    while not store.check([f"{call}/all"]):
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            absent = _absent(store, call, world)
+            store.add(f"{prefix}/calls/{rank}", -1)  # as if never called: the ranks' counts stay in step
+            store.add(f"{call}/arrived", -1)
+            store.delete_key(f"{call}/rank{rank}")
+            raise RuntimeError(f"{what}: rank {rank} waited {waited:.1f} s (the process group's timeout) for rank(s) "
+                               f"{absent} to call {what} too; {fix}")
+        if not logged and waited >= ARRIVAL_LOG_S:
+            log.warning("%s: rank %d has waited %.0f s for rank(s) %s to call it too; %s",
+                        what, rank, waited, _absent(store, call, world), fix)
+            logged = True
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
+
+
+def _absent(store, call: str, world: int) -> list[int]:
+    return [r for r in range(world) if not store.check([f"{call}/rank{r}"])]
+
+
+def _default_store():
+    """The default process group's store (torch keeps it private), or None where there is none to read."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None

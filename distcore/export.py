@@ -4,7 +4,8 @@ transformers' and peft's `save_pretrained` read the model's `state_dict()`, whos
 to access the data pointer on an invalid python storage"); under pipeline stages rank 0 holds one stage. After
 `parallelize` (`export_after_parallelize`), the model's own `save_pretrained(path, ...)`, called on every rank, gathers
 `checkpoint.full_state_dict(model)` to rank 0, which writes it with the caller's arguments; the others write nothing
-and return once it has written, raising too if it failed. A given `state_dict` goes through as before (the explicit
+and return once it has written, raising too if it failed. Called on rank 0 alone (`if rank == 0:`, as DDP scripts
+save), it raises naming the ranks that never called (`env.every_rank_calls`) instead of hanging. A given `state_dict` goes through as before (the explicit
 form, `state_dict=full_state_dict(model), is_main_process=rank == 0`).
 
 What cannot be written right is refused by name: LoRA adapters (peft's, or transformers' own `load_adapter`) under
@@ -52,6 +53,7 @@ def export_after_parallelize(model: torch.nn.Module, num_parameters: int) -> Non
         _refuse_adapters_under_pipeline_stages(model)
         if state_dict is not None:  # the explicit form: on every rank, as the caller wrote it
             return write(save_directory, args, kwargs, state_dict)
+        env.every_rank_calls("save_pretrained")  # not under `if rank == 0:`, where DDP scripts call it
         state_dict = full_state_dict(model)  # collective; {} but on rank 0
         failed = None
         if dist.get_rank() == 0:

@@ -19,6 +19,7 @@ dp 2 with ep 2 (each rank holds 2 of 4 experts, now without ranks that share the
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 from pathlib import Path
@@ -160,6 +161,57 @@ def check_missing_checkpoint_is_a_clear_error():
             raise AssertionError(f"{layout}: expected FileNotFoundError")
 
 
+def check_a_checkpoint_on_rank_0_alone_is_a_clear_error():
+    """`if rank == 0: model.save_pretrained(path)` (or full_state_dict, save_state, load_state,
+    load_full_state_dict), as DDP scripts save: rank 0 raises naming the rank that never called, at the process
+    group's timeout (shortened here), after logging why (ARRIVAL_LOG_S, shortened); no collective was entered, so
+    both ranks carry on, and the same calls on both ranks then work (rank 0's failed calls left the counts in step).
+    Before, rank 0 waited in its first collective, or paired it with the other rank's next collective."""
+    import logging
+    import tempfile
+
+    from tridist.distcore import env
+
+    from tests.hf_models import build
+
+    model = build("llama")  # transformers' own, under dp 2 with ZeRO-3
+    model, optimizer = distcore.parallelize(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                            ProcessMesh([0, 1], ["dp"]), {"dp_config": {"sharding_level": 3}})
+    store, saved = env._default_store(), (env._default_store().timeout, env.ARRIVAL_LOG_S)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    env.log.addHandler(handler)
+    folder = tempfile.mkdtemp() if dist.get_rank() == 0 else None
+    calls = {"save_pretrained": lambda: model.save_pretrained(folder),
+             "full_state_dict": lambda: distcore.full_state_dict(model),
+             "save_state": lambda: distcore.save_state(model, optimizer, folder),
+             "load_state": lambda: distcore.load_state(model, optimizer, folder),
+             "load_full_state_dict": lambda: distcore.load_full_state_dict(model, {})}
+    try:
+        store.set_timeout(datetime.timedelta(seconds=0.5))
+        env.ARRIVAL_LOG_S = 0.2
+        if dist.get_rank() == 0:
+            for what, call in calls.items():
+                records.clear()
+                try:
+                    call()
+                except RuntimeError as error:
+                    assert f"{what}: rank 0 waited" in str(error) and "rank(s) [1] to call" in str(error), error
+                    assert "call it on every rank, not under `if rank == 0:`" in str(error), error
+                else:
+                    raise AssertionError(f"{what} on rank 0 alone: expected a RuntimeError")
+                assert [r.getMessage() for r in records if f"{what}: rank 0 has waited" in r.getMessage()
+                        and "for rank(s) [1]" in r.getMessage()], [r.getMessage() for r in records]
+    finally:
+        store.set_timeout(saved[0])
+        env.ARRIVAL_LOG_S = saved[1]
+        env.log.removeHandler(handler)
+    dist.barrier()
+    state = distcore.full_state_dict(model)  # on both ranks: works, rank 0 gets the whole model
+    assert (len(state) > 0) == (dist.get_rank() == 0), len(state)
+
+
 def save_check(layout: str) -> str:
     return f"check_save_{layout.replace('-', '_')}_then_continue"
 
@@ -174,6 +226,7 @@ CHECKS = {
     **{save_check(layout): functools.partial(_save_then_continue, layout) for layout in LAYOUTS},
     **{load_check(layout): functools.partial(_load_under_another_layout_and_continue, layout) for layout in LAYOUTS},
     "check_missing_checkpoint_is_a_clear_error": check_missing_checkpoint_is_a_clear_error,
+    "check_a_checkpoint_on_rank_0_alone_is_a_clear_error": check_a_checkpoint_on_rank_0_alone_is_a_clear_error,
 }
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ SAVED_UNDER = 4
 MERGED = {"checkpoint_worker": {
     nproc: [*(save_check(layout) for layout in LAYOUTS if nproc == SAVED_UNDER),
             *(load_check(layout) for layout in LAYOUTS if nproc in LOADED_UNDER[layout]),
-            "check_missing_checkpoint_is_a_clear_error"]
+            "check_missing_checkpoint_is_a_clear_error",
+            *(["check_a_checkpoint_on_rank_0_alone_is_a_clear_error"] if nproc == 2 else [])]
     for nproc in (4, 2, 1)
 }}
 
@@ -40,3 +41,7 @@ def test_load_under_another_layout(merged_launches, layout, nproc):
 @pytest.mark.parametrize("nproc", (4, 2, 1))
 def test_missing_checkpoint_is_a_clear_error(merged_launches, nproc):
     assert_check(_results(merged_launches, nproc), "check_missing_checkpoint_is_a_clear_error", nproc=nproc)
+
+
+def test_a_checkpoint_on_rank_0_alone_is_a_clear_error(merged_launches):
+    assert_check(_results(merged_launches, 2), "check_a_checkpoint_on_rank_0_alone_is_a_clear_error", nproc=2)
