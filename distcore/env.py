@@ -177,9 +177,13 @@ def device() -> torch.device:
 ARRIVAL_LOG_S = 60.0
 
 
-def every_rank_calls(what: str) -> None:
-    """Returns once every rank of the job has called `what` as many times as this rank has (this call
-    included); raises a RuntimeError naming the ranks that did not, at the process group's timeout.
+COLLECTIVE_CALL_FIX = "it is collective: call it on every rank, not under `if rank == 0:`"
+
+
+def every_rank_calls(what: str, *, ranks: list[int] | None = None, fix: str = COLLECTIVE_CALL_FIX) -> None:
+    """Returns once every rank of `ranks` (default: the job's; every one of them passes the same list) has
+    called `what` as many times as this rank has (this call included); raises a RuntimeError naming the ranks
+    that did not, and `fix`, at the process group's timeout.
 
     For the collective entry points that scripts are wont to call on rank 0 alone (`if rank == 0:
     model.save_pretrained(path)`, the habit of DDP scripts, where each rank holds the whole model). Called so,
@@ -187,40 +191,41 @@ def every_rank_calls(what: str) -> None:
     training's own all-gathers): a hang, or a checkpoint of mixed-up tensors. The ranks therefore meet first
     in the process group's store, where no collective can pair with them, and a rank left waiting says why
     after `ARRIVAL_LOG_S`. Nothing to do in a world of one; skipped where the group has no store."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized():
         return
-    store = _default_store()
+    ranks = sorted(range(dist.get_world_size()) if ranks is None else ranks)
+    store = _default_store() if len(ranks) > 1 else None
     if store is None:
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    prefix = f"tridist/every_rank_calls/{what}"
+    rank = dist.get_rank()
+    group = "world" if len(ranks) == dist.get_world_size() else ",".join(map(str, ranks))
+    prefix = f"tridist/every_rank_calls/{what}/{group}"
     call = f"{prefix}/{store.add(f'{prefix}/calls/{rank}', 1)}"  # this rank's how-manieth call of `what`
     store.set(f"{call}/rank{rank}", "1")  # read only to name the absent ranks
-    if store.add(f"{call}/arrived", 1) == world:
+    if store.add(f"{call}/arrived", 1) == len(ranks):
         store.set(f"{call}/all", "1")
     start, pause, logged = time.monotonic(), 0.001, False
     timeout_s = store.timeout.total_seconds()
-    fix = "it is collective: call it on every rank, not under `if rank == 0:`"
     # store.check polls without blocking (store.wait's timeouts print a C++ warning each); one key per poll
     while not store.check([f"{call}/all"]):
         waited = time.monotonic() - start
         if waited >= timeout_s:
-            absent = _absent(store, call, world)
+            absent = _absent(store, call, ranks)
             store.add(f"{prefix}/calls/{rank}", -1)  # as if never called: the ranks' counts stay in step
             store.add(f"{call}/arrived", -1)
             store.delete_key(f"{call}/rank{rank}")
             raise RuntimeError(f"{what}: rank {rank} waited {waited:.1f} s (the process group's timeout) for rank(s) "
-                               f"{absent} to call {what} too; {fix}")
+                               f"{absent} to do the same; {fix}")
         if not logged and waited >= ARRIVAL_LOG_S:
-            log.warning("%s: rank %d has waited %.0f s for rank(s) %s to call it too; %s",
-                        what, rank, waited, _absent(store, call, world), fix)
+            log.warning("%s: rank %d has waited %.0f s for rank(s) %s to do the same; %s",
+                        what, rank, waited, _absent(store, call, ranks), fix)
             logged = True
         time.sleep(pause)
         pause = min(2 * pause, 0.1)
 
 
-def _absent(store, call: str, world: int) -> list[int]:
-    return [r for r in range(world) if not store.check([f"{call}/rank{r}"])]
+def _absent(store, call: str, ranks: list[int]) -> list[int]:
+    return [r for r in ranks if not store.check([f"{call}/rank{r}"])]
 
 
 def _default_store():

@@ -41,6 +41,7 @@ from . import env
 from .api import local_value
 from .block_check import BlockViews, choose_block_views, decoder_blocks
 from .buffers import cast_buffers_as_loaded
+from .evaluation import guard_evaluations, ranks_of_the_forward
 from .expert_parallel import EP_KEYS, ExpertParallelExperts, apply_expert_parallel, expert_mesh
 from .export import export_after_parallelize
 from .global_view import apply_global_view, refuse_overlap, refuse_recompute
@@ -157,6 +158,11 @@ def parallelize(model: torch.nn.Module, optimizer=None, mesh: ProcessMesh | None
         install_global_token_mean(model, dp_group=dp_group, micro_batches=micro_batches)
     _unwrap_dtensor_inputs(model)
     guard_after_parallelize(model)  # peft's LoRA: adapters added later, generate past the root's hooks
+    replicated_dp = dp_config is None or dp_config.get("sharding_level", 0) == 0
+    forward_ranks = ranks_of_the_forward(model, mesh, pipeline="pp_config" in config, expert_parallel=experts is not None,
+                                         replicated_dp=replicated_dp)
+    if forward_ranks is not None:
+        guard_evaluations(model, forward_ranks)  # `if rank == 0: evaluate(model)` raises instead of hanging
     # transformers' / peft's save_pretrained writes the one-device state dict
     export_after_parallelize(model, num_parameters=sum(p.numel() for p in params_before.values()))
     if mp_config is not None and dims.degree("mp") > 1:  # the replicas' dropout masks (random_state.py)

@@ -197,7 +197,7 @@ def check_a_checkpoint_on_rank_0_alone_is_a_clear_error():
                 try:
                     call()
                 except RuntimeError as error:
-                    assert f"{what}: rank 0 waited" in str(error) and "rank(s) [1] to call" in str(error), error
+                    assert f"{what}: rank 0 waited" in str(error) and "rank(s) [1] to do the same" in str(error), error
                     assert "call it on every rank, not under `if rank == 0:`" in str(error), error
                 else:
                     raise AssertionError(f"{what} on rank 0 alone: expected a RuntimeError")

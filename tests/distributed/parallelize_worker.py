@@ -3,6 +3,7 @@ model like one process does on the global batches (to rounding: equivalence.py).
 
 from __future__ import annotations
 
+import datetime
 import functools
 
 import torch
@@ -12,7 +13,7 @@ from tridist import distcore
 from tridist.bench.models import build_model
 from tridist.distcore import ProcessMesh, Shard
 from tests.distributed import equivalence
-from tests.distributed.harness import run_checks
+from tests.distributed.harness import raises, run_checks
 
 WORLD, GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB = 4, 8, 12, 3, 128
 
@@ -142,6 +143,43 @@ def check_evaluation_on_one_rank_and_schedulers():
             eval_loss, _ = model(inputs[:2], labels=labels[:2])
         assert torch.isfinite(eval_loss)
     dist.barrier()
+    _evaluation_on_one_rank_of_a_sharded_model_is_refused(inputs, labels)
+
+
+def _evaluation_on_one_rank_of_a_sharded_model_is_refused(inputs, labels):
+    """ZeRO-3: the forward all-gathers the parameters, so rank 0 alone evaluating raises (at the process group's
+    timeout, shortened here, after the log line), naming the absent ranks, before any collective: the ranks then
+    carry on. Before, it waited in its first all-gather, or paired it with the others' training collectives. Every
+    rank evaluating meets once per evaluation (the first forward under no_grad after training)."""
+    from tridist.distcore import env
+
+    mesh = ProcessMesh(list(range(WORLD)), ["dp"])
+    model, optimizer = distcore.parallelize(*_model_and_optimizer(), mesh, {"dp_config": {"sharding_level": 3}})
+    store, timeout = env._default_store(), env._default_store().timeout
+
+    def evaluate():
+        with torch.no_grad():
+            for _ in range(2):  # an evaluation's forwards meet once
+                assert torch.isfinite(model(inputs[:2], labels=labels[:2])[0])
+
+    def train():
+        loss, _ = model(distcore.shard_tensor(inputs, mesh, [Shard(0)]), labels=distcore.shard_tensor(labels, mesh, [Shard(0)]))
+        loss.backward()
+        optimizer.clear_grad()
+
+    evaluate()
+    train()
+    if dist.get_rank() == 0:
+        try:
+            store.set_timeout(datetime.timedelta(seconds=0.5))
+            raises(RuntimeError, ["a forward under no_grad (an evaluation): rank 0 waited",
+                                  f"rank(s) {list(range(1, WORLD))} to do the same", "evaluate on every rank",
+                                  "sharding_level 0"], evaluate)
+        finally:
+            store.set_timeout(timeout)
+    dist.barrier()
+    evaluate()  # every rank: the counts stayed in step
+    train()
 
 
 def _uneven_batches():

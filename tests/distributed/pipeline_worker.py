@@ -4,6 +4,7 @@ parameters), with the user's plain loop."""
 
 from __future__ import annotations
 
+import datetime
 import functools
 import gc
 import sys
@@ -17,7 +18,7 @@ from tridist import kernels
 from tridist.bench.models import SeedLlamaModel, build_model, tiny_seed_config
 from tridist.distcore import ColWiseParallel, ProcessMesh, RowWiseParallel, SplitPoint
 from tests.distributed import equivalence
-from tests.distributed.harness import interprets_kernels, run_checks
+from tests.distributed.harness import interprets_kernels, raises, run_checks
 
 GLOBAL_BATCH, SEQ_LEN, STEPS, VOCAB, LAYERS = 8, 8, 3, 128, 4
 SPLIT = {"seed-llama": "layers", "hf-llama": "model.layers"}
@@ -651,6 +652,23 @@ def check_evaluation_on_one_pipeline_only():
             loss, _ = model(inputs, labels=labels)
             expected, _ = reference(inputs, labels=labels)
         equivalence.assert_losses_close([loss.item()], [expected.item()])
+    torch.distributed.barrier()
+    # One stage of a pipeline alone: its evaluation raises naming the other stage's rank (distcore/evaluation.py; the
+    # process group's timeout shortened), before any transfer: before, it waited for the activations.
+    model.train()
+    model(inputs, labels=labels)[0].backward()  # every rank: the next forward under no_grad starts an evaluation
+    model.eval()
+    if DP2_PP2.coordinate() == [0, 0]:
+        from tridist.distcore import env
+
+        store, timeout = env._default_store(), env._default_store().timeout
+        try:
+            store.set_timeout(datetime.timedelta(seconds=0.5))
+            with torch.no_grad():
+                raises(RuntimeError, ["a forward under no_grad (an evaluation): rank",
+                                      f"rank(s) [{DP2_PP2.mesh[0, 1]}] to do the same"], lambda: model(inputs, labels=labels))
+        finally:
+            store.set_timeout(timeout)
     torch.distributed.barrier()
 
 
